@@ -1,0 +1,252 @@
+"""``fxpipe.compile``: run the passes in order and build the ``PipelineModule``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpipe.config import RunConfig
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.lower import Stage, lower
+from fxpipe.passes.partition import build_layer_graph, find_blocks
+from fxpipe.plan import ExecutePlan
+from fxpipe.runtime.devices import Device, resolve_devices
+
+
+def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
+    model: nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    *,
+    devices: Sequence[str | torch.device | Device] | None = None,
+    capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
+    layers: str | None = None,
+    config: RunConfig | None = None,
+    plan: ExecutePlan | None = None,
+) -> PipelineModule:
+    """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
+
+    >>> pipe = fxpipe.compile(model, example_inputs=(x,))
+    >>> print(pipe)                 # the rewritten graph, with its transfers
+    >>> pipe(x).sum().backward()    # gradients land in model's own parameters' .grad
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
+            _bad_example(example_inputs)
+    if not example_inputs and not example_kwargs:
+        raise ValueError(
+            "fxpipe.compile needs example inputs to capture the model: "
+            "fxpipe.compile(model, example_inputs=(x,)) or example_kwargs={'input_ids': ids}, "
+            "shaped like a real batch.")
+    if config is not None and not isinstance(config, RunConfig):
+        raise TypeError(f"config must be an fxpipe.RunConfig, got {type(config).__name__}")
+    if plan is not None and not isinstance(plan, ExecutePlan):
+        raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
+    find_blocks(model, layers)  # a bad layers= fails before anything slow runs
+    resolved = resolve_devices(devices)
+    return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
+                          capture=capture, layers=layers, config=config or RunConfig(),
+                          plan=plan)
+
+
+def _bad_example(x: Any):
+    raise TypeError(f"example_inputs must be a tuple of positional arguments, got "
+                    f"{type(x).__name__}; write example_inputs=(x,)")
+
+
+@dataclass
+class _Compiled:
+    """Everything compiled for one (training mode, input signature)."""
+
+    layers: LayerGraph
+    plan: ExecutePlan
+    program: fx.GraphModule       # top-level graph calling the forward stages
+    stages: list[Stage]
+
+
+class PipelineModule(nn.Module):
+    """A model compiled into stages. Call it like the model; see ``fxpipe.compile``.
+
+    Parameters stay the model's own (``pipe.module``): ``pipe.parameters()``,
+    ``state_dict()`` and any ``torch.optim`` optimizer work on them directly.
+    """
+
+    def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
+                 devices: list[Device], capture: str, layers: str | None, config: RunConfig,
+                 plan: ExecutePlan | None):
+        super().__init__()
+        self.module = model
+        self.devices = devices
+        self.config = config
+        self._capture = capture
+        self._layers_path = layers
+        self._user_plan = plan
+        self._example = (example_args, example_kwargs)
+        self._cache: dict[Any, _Compiled] = {}
+        self._current = self._compiled_for(example_args, example_kwargs)
+
+    # -- compilation -------------------------------------------------------------------
+    def _key(self, leaves: list) -> tuple:
+        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
+                       for x in leaves)
+        return (self.module.training, shapes)
+
+    def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
+        leaves = pytree.tree_leaves((args, kwargs))
+        key = self._key(leaves)
+        if key in self._cache:
+            return self._cache[key]
+        if self._cache and self._shape_generic(key):
+            # fx graphs do not bake shapes in: reuse the graph of the same training mode
+            same_mode = next(c for k, c in self._cache.items() if k[0] == key[0])
+            self._cache[key] = same_mode
+            return same_mode
+        lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
+                               layers=self._layers_path)
+        compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
+        plan = self._user_plan or ExecutePlan.default(len(lg), "fused")
+        plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
+        ranges = list(plan.fwd_plan)
+        if _is_fused(plan, len(lg)):
+            ranges.append(plan.bwd_plan[0])  # a plain call runs the fused tail forward too
+        names = [d.name for d in self.devices]
+        program, stages = lower(lg, ranges, names)
+        compiled = _Compiled(layers=lg, plan=plan, program=program, stages=stages)
+        self._cache[key] = compiled
+        return compiled
+
+    def _shape_generic(self, key: tuple) -> bool:
+        return any(k[0] == key[0] and c.layers.capture == "fx" for k, c in self._cache.items())
+
+    # -- calling -----------------------------------------------------------------------
+    def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
+        compiled = self._compiled_for(args, kwargs)
+        self._current = compiled
+        tensors = _check_inputs(compiled.layers, args, kwargs)
+        flat = compiled.program(*tensors)
+        return pytree.tree_unflatten(list(flat), compiled.layers.out_spec)
+
+    def forward_backward(
+        self,
+        input_args: tuple = (),
+        input_kwargs: dict | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] = lambda out, label: out,
+        *,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        return_outputs: bool = False,
+        run_config: RunConfig | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Forward, loss and backward in one step; returns the loss detached on the host.
+
+        Gradients accumulate into the model's parameters' ``.grad`` as with
+        ``loss_fn(model(*input_args, **input_kwargs), label).backward()``.
+        """
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(input_args, tuple):
+            raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
+        with torch.enable_grad():
+            out = self(*input_args, **dict(input_kwargs or {}))
+            loss = loss_fn(out, label)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn must return a scalar tensor; got "
+                                 f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+            loss.backward()
+        return (loss.detach(), out) if return_outputs else loss.detach()
+
+    # -- inspecting --------------------------------------------------------------------
+    @property
+    def layers(self) -> LayerGraph:
+        """The layer chain, each layer with its costs (``pipe.layers[i].cost``)."""
+        return self._current.layers
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self._current.stages
+
+    @property
+    def plan(self) -> ExecutePlan:
+        return self._current.plan
+
+    @property
+    def code(self) -> str:
+        """The rewritten program: the top-level graph, then every stage's code."""
+        parts = [self._current.program.code.strip("\n")]
+        for st in self.stages:
+            parts.append(f"# ---- stage_{st.index} ----\n" + st.gm.code.strip("\n"))
+        return "\n\n".join(parts) + "\n"
+
+    def __str__(self) -> str:
+        return self.code
+
+    def extra_repr(self) -> str:
+        return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
+                f"devices=[{', '.join(d.name for d in self.devices)}]")
+
+    def program(self, run_type: str = "fused", num_microbatch: int | None = None):
+        raise NotImplementedError(
+            "pipe.program(): the multi-device schedule (Program) ships with the runtime; "
+            "this build runs the lowered stages one after another on the host.")
+
+    # -- the model's own state ---------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:
+    covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
+    return covered < num_layers
+
+
+def _check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of a call, after checking it has the compiled structure."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != lg.in_spec:
+        raise TypeError(_structure_message(lg.in_spec, spec))
+    example = lg.example_leaves
+    tensors = []
+    for i, (x, ex) in enumerate(zip(leaves, example)):
+        if isinstance(ex, torch.Tensor):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {lg.leaf_names[i]!r} was a tensor when compiled, got "
+                                f"{type(x).__name__}")
+            if x.dim() != ex.dim():
+                raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
+                                 f"{ex.dim()} (shape {tuple(ex.shape)})")
+            tensors.append(x)
+        elif not _same_constant(x, ex):
+            raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
+                             f"got {x!r}; recompile with the new value")
+    return tensors
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 — incomparable values are different
+        return a is b
+
+
+def _structure_message(expected, got) -> str:
+    def describe(spec):
+        args_spec, kwargs_spec = spec.children_specs
+        return (f"{args_spec.num_children} positional argument(s) and keyword arguments "
+                f"{sorted(kwargs_spec.context) if kwargs_spec.context else []}")
+    try:
+        return (f"the pipeline was compiled for {describe(expected)}; called with "
+                f"{describe(got)}. Call it with the same arguments as the example.")
+    except Exception:  # noqa: BLE001
+        return f"the call's argument structure differs from the example's:\n{expected}\nvs\n{got}"

@@ -1,0 +1,115 @@
+"""RunConfig: how one call runs (grad, output device, microbatches, split/merge, plan).
+
+Every field is ``None`` when unset. A model-level config (given to ``compile``) supplies
+defaults, a call-level config overrides each field it sets, and ``resolved`` fills what
+is still unset with the defaults at call time.
+
+>>> model_level = RunConfig(num_microbatch=8, recompute_grain="layer")
+>>> call = RunConfig.merge(model_level, RunConfig(num_microbatch=2))
+>>> call.num_microbatch, call.recompute_grain
+(2, 'layer')
+>>> final = call.resolved(num_devices=4)
+>>> final.output_device, final.preserve_rng_state, final.num_microbatch
+(device(type='cpu'), True, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from fxpipe.plan import ExecutePlan
+
+_GRAINS = ("stage", "layer")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Run configuration; ``None`` means "unset" (see the module docstring).
+
+    - ``requires_grad``: build a differentiable result (default ``torch.is_grad_enabled()``).
+    - ``output_device``: where outputs land (default cpu); a str or int is converted.
+    - ``preserve_rng_state``: replay dropout masks exactly on recompute (default True).
+    - ``recompute_grain``: ``"stage"`` or ``"layer"`` (default ``"stage"``).
+    - ``num_microbatch``: microbatches per call, >= 1 (default number of devices + 1).
+    - ``split_input`` / ``split_label`` / ``merge_output``: see ``fxpipe.runtime.microbatch``.
+    - ``execute_plan``: an ``ExecutePlan`` (default: planned automatically).
+    """
+
+    requires_grad: bool | None = None
+    output_device: torch.device | None = None
+    preserve_rng_state: bool | None = None
+    recompute_grain: Literal["stage", "layer"] | None = None
+    num_microbatch: int | None = None
+    split_input: Any = None
+    split_label: Any = None
+    merge_output: Any = None
+    execute_plan: ExecutePlan | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("requires_grad", "preserve_rng_state"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"RunConfig.{name} must be True, False or None, got {value!r}")
+        if self.output_device is not None:
+            device = self.output_device
+            if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+                raise TypeError("RunConfig.output_device must be a torch.device, a str like "
+                                f"'cuda:0', an int or None, got {device!r}")
+            try:
+                device = torch.device(device)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise ValueError(f"RunConfig.output_device: {device!r} is not a device ({e})") from e
+            object.__setattr__(self, "output_device", device)
+        if self.recompute_grain is not None and self.recompute_grain not in _GRAINS:
+            raise ValueError(f"RunConfig.recompute_grain must be 'stage' or 'layer', got "
+                             f"{self.recompute_grain!r}")
+        n = self.num_microbatch
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"RunConfig.num_microbatch must be an int, got {n!r}")
+            if n < 1:
+                raise ValueError(f"RunConfig.num_microbatch must be >= 1, got {n}")
+        si = self.split_input
+        if si is not None and not callable(si) and not (isinstance(si, (tuple, list)) and len(si) == 2):
+            raise TypeError("RunConfig.split_input must be None, (args_spec, kwargs_spec) or a "
+                            f"callable (args, kwargs, n) -> (list[tuple], list[dict]); got {si!r}")
+        if self.execute_plan is not None and not isinstance(self.execute_plan, ExecutePlan):
+            raise TypeError("RunConfig.execute_plan must be an fxpipe.ExecutePlan or None, got "
+                            f"{type(self.execute_plan).__name__}")
+
+    @classmethod
+    def merge(cls, model_level: RunConfig | None, call_level: RunConfig | None) -> RunConfig:
+        """Call-level fields that are not ``None`` win over model-level ones.
+
+        >>> RunConfig.merge(RunConfig(merge_output=True), RunConfig(merge_output=False)).merge_output
+        False
+        """
+        for name, value in (("model_level", model_level), ("call_level", call_level)):
+            if value is not None and not isinstance(value, RunConfig):
+                raise TypeError(f"RunConfig.merge: {name} must be a RunConfig or None, got "
+                                f"{type(value).__name__}")
+        base, over = model_level or cls(), call_level or cls()
+        return cls(**{f.name: getattr(over, f.name) if getattr(over, f.name) is not None
+                      else getattr(base, f.name) for f in dataclasses.fields(cls)})
+
+    def resolved(self, num_devices: int) -> RunConfig:
+        """A copy with the defaults filled in, evaluated now (``requires_grad`` follows
+        ``torch.is_grad_enabled()`` at this call). ``split_input``, ``split_label``,
+        ``merge_output`` and ``execute_plan`` stay ``None`` (= auto) when unset.
+
+        >>> with torch.no_grad():
+        ...     RunConfig().resolved(2).requires_grad
+        False
+        """
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"RunConfig.resolved: num_devices must be an int >= 1, got "
+                             f"{num_devices!r}")
+        defaults = dict(requires_grad=torch.is_grad_enabled(), output_device=torch.device("cpu"),
+                        preserve_rng_state=True, recompute_grain="stage",
+                        num_microbatch=num_devices + 1)
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items()
+                                            if getattr(self, k) is None})

@@ -1,0 +1,41 @@
+"""The exceptions fxpipe raises. Each message says what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """No capture method could turn the model into a graph.
+
+    ``attempts`` maps each method tried (``"fx"``, ``"export"``, ``"dynamo"``) to the
+    exception it hit.
+    """
+
+    def __init__(self, message: str, attempts: dict[str, BaseException] | None = None):
+        super().__init__(message)
+        self.attempts = dict(attempts or {})
+
+
+class PlanError(ValueError):
+    """An ExecutePlan breaks a rule (message names the range and the rule), or no plan fits."""
+
+
+class StageError(RuntimeError):
+    """A failure inside a stage: names the stage, its layers, the device and the microbatch.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, stage: int | None = None, layers: range | None = None,
+                 device: str | None = None, microbatch: int | None = None, action: str | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.layers = layers
+        self.device = device
+        self.microbatch = microbatch
+        self.action = action
+
+
+class DeviceMemoryError(torch.OutOfMemoryError):
+    """A device's memory limit would be exceeded (names the stage and the bytes)."""

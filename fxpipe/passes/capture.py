@@ -1,0 +1,288 @@
+"""Capture: ``nn.Module`` → one flat fx ``GraphModule``.
+
+Whatever the method, the result has the same form:
+
+- one placeholder per *tensor* leaf of the example ``(args, kwargs)``, named after the
+  argument (``input_ids``, ``attention_mask``, ``x_0`` for ``x[0]``); non-tensor leaves
+  (flags, ints, ``None``) are constants of the graph and checked at call time;
+- parameters and buffers as ``get_attr`` nodes whose targets are their FQNs in the
+  model, and whose attributes are the model's own tensors (no copies); tied tensors
+  appear once, under the first name ``named_parameters()`` gives them;
+- ``node.meta["module_path"]``: the innermost module path the node was made in
+  (``""`` for the root), taken from the *values* of ``nn_module_stack``;
+- a flat tuple output, one entry per leaf of the model's output;
+- ``gm.meta``: ``in_spec``/``out_spec`` (pytree specs), ``input_leaves`` (the example
+  leaves, for the constant check), ``capture`` (the method used), ``training``.
+
+Methods: ``"fx"`` (``torch.fx`` symbolic tracing through every submodule; fast, keeps
+module structure), ``"export"`` (``torch.export.export(strict=False)``), ``"dynamo"``
+(``torch.export.export(strict=True)``, i.e. TorchDynamo), ``"auto"`` (fx, then export,
+then dynamo).
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import CaptureError
+
+METHODS = ("fx", "export", "dynamo")
+_ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
+
+
+def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
+            method: str = "auto") -> fx.GraphModule:
+    """Capture ``model(*args, **kwargs)`` as a flat GraphModule (see module docstring).
+
+    >>> gm = capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    >>> [n.op for n in gm.graph.nodes][:2]
+    ['placeholder', 'get_attr']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"example_inputs must be a tuple of positional arguments, got "
+                        f"{type(args).__name__}; write example_inputs=(x,)")
+    kwargs = dict(kwargs or {})
+    if method not in ("auto",) + METHODS:
+        raise ValueError(f"capture={method!r} is not one of 'auto', 'fx', 'export', 'dynamo'")
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        raise ValueError(
+            "fxpipe.compile needs example inputs containing at least one tensor, shaped like "
+            "a real batch: fxpipe.compile(model, example_inputs=(x,)) or example_kwargs={...}")
+    names = _leaf_names(model, args, kwargs)
+    wrapper = _FlatCall(model, in_spec, leaves, names)
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    tried: dict[str, BaseException] = {}
+    for m in (METHODS if method == "auto" else (method,)):
+        try:
+            if m == "fx":
+                gm = _trace_fx(wrapper)
+                out_spec = wrapper.out_spec
+            else:
+                gm, out_spec = _trace_export(wrapper, tensors, strict=(m == "dynamo"))
+        except Exception as e:  # noqa: BLE001 — every failure is reported below
+            tried[m] = e
+            continue
+        gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
+                       capture=m, training=model.training)
+        return gm
+    raise CaptureError(_capture_message(model, tried), tried)
+
+
+class _FlatCall(nn.Module):
+    """``forward(*tensor_leaves) -> flat output leaves`` around the user's model."""
+
+    def __init__(self, model: nn.Module, in_spec, leaves: list, names: list[str]):
+        super().__init__()
+        setattr(self, _ROOT, model)
+        self.in_spec = in_spec
+        self.leaves = leaves
+        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.out_spec = None
+        self.flatten_output = True
+        # A real signature so tracers name placeholders after the model's arguments.
+        params = ", ".join(names[i] for i in self.tensor_pos)
+        src = f"def forward(self, {params}):\n    return self._call(({params}{',' if params else ''}))\n"
+        ns: dict[str, Any] = {}
+        exec(src, ns)  # noqa: S102 — generated from sanitized identifiers only
+        # Tracers read forward from the class, so each wrapper gets its own subclass.
+        self.__class__ = type("FlatCall", (_FlatCall,), {"forward": ns["forward"]})
+
+    def _call(self, tensors: tuple):
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_pos, tensors):
+            leaves[pos] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        out = getattr(self, _ROOT)(*args, **kwargs)
+        if not self.flatten_output:  # export flattens itself (and undoes attribute writes)
+            return out
+        flat, self.out_spec = pytree.tree_flatten(out)
+        return tuple(flat)
+
+
+class _Tracer(fx.Tracer):
+    """Traces through every module, so parameters become ``get_attr`` nodes."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return False
+
+
+def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
+    # fx does not proxy buffers: an in-place update of one (`self.count.add_(1)`) runs at
+    # trace time instead of being recorded. Detect it, undo it, and let another method try.
+    model = getattr(wrapper, _ROOT)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    versions = [t._version for _, t in tensors]
+    saved = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    graph = _Tracer().trace(wrapper)
+    changed = [name for (name, t), v in zip(tensors, versions) if t._version != v]
+    if changed:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+        raise RuntimeError(f"fx would drop the in-place update of {', '.join(changed)} "
+                           "(it ran at trace time instead of being recorded)")
+    tensor_of: dict[fx.Node, torch.Tensor] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            tensor_of[n] = _fetch(wrapper, n.target)
+        elif n.op == "call_module":  # cannot happen with _Tracer; keep the graph flat
+            raise RuntimeError(f"fx left a module call {n.target!r} in the graph")
+    paths = {n: _fx_path(n) for n in graph.nodes}
+    gm = _normalize(wrapper, graph, tensor_of, paths)
+    _propagate_fake_values(gm, wrapper)
+    return gm
+
+
+def _propagate_fake_values(gm: fx.GraphModule, wrapper: _FlatCall) -> None:
+    """Fill ``meta["val"]`` (as export does) by running ``gm`` on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(wrapper.leaves[i]) for i in wrapper.tensor_pos]
+    FakeTensorProp(gm, mode).propagate(*inputs)
+
+
+def _fx_path(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return _strip_root(list(stack.values())[-1][0])
+
+
+def _trace_export(wrapper: _FlatCall, tensors: tuple, strict: bool):
+    wrapper.flatten_output = False
+    try:
+        ep = torch.export.export(wrapper, tensors, strict=strict)
+    finally:
+        wrapper.flatten_output = True
+    sig = ep.graph_signature
+    graph = ep.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tensor_of: dict[fx.Node, torch.Tensor] = {}
+    from torch.export.graph_signature import InputKind, OutputKind
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            tensor_of[node] = _fetch(wrapper, spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            tensor_of[node] = ep.constants[spec.target]
+        elif spec.kind != InputKind.USER_INPUT:
+            raise RuntimeError(f"unsupported exported input {spec.kind.name} ({spec.target})")
+    for n in graph.nodes:  # get_attr left by export refers to submodules / constants
+        if n.op == "get_attr":
+            tensor_of[n] = _fetch(ep.graph_module, n.target)
+    if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
+        kinds = sorted({s.kind.name for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT})
+        raise RuntimeError(f"export produced non-user outputs {kinds}; fxpipe expects in-place "
+                           "buffer updates to stay in the graph")
+    paths = {}
+    for n in graph.nodes:
+        stack = n.meta.get("nn_module_stack")
+        paths[n] = _strip_root(list(stack.values())[-1][0]) if stack else ""
+    return _normalize(wrapper, graph, tensor_of, paths), ep.call_spec.out_spec
+
+
+def _strip_root(path: str) -> str:
+    # export names paths with the FQN ("fxpipe_root.layers.0"); dynamo may give
+    # "L['self'].fxpipe_root.layers[0]" — normalize both to "layers.0".
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
+    if path == _ROOT:
+        return ""
+    return path[len(_ROOT) + 1:] if path.startswith(_ROOT + ".") else path
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _normalize(wrapper: _FlatCall, graph: fx.Graph, tensor_of: dict[fx.Node, torch.Tensor],
+               paths: dict[fx.Node, str]) -> fx.GraphModule:
+    """Rebuild ``graph`` in the common form (see module docstring)."""
+    model = getattr(wrapper, _ROOT)
+    canonical: dict[int, str] = {}
+    for fqn, t in list(model.named_parameters()) + list(model.named_buffers()):
+        canonical.setdefault(id(t), fqn)
+    root: dict[str, Any] = {}
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attr_nodes: dict[str, fx.Node] = {}
+    names = iter(inspect.signature(wrapper.forward).parameters)
+    for n in graph.nodes:
+        if n in tensor_of:
+            t = tensor_of[n]
+            fqn = canonical.get(id(t))
+            if fqn is None:  # a constant tensor, or the body of a higher-order op: by value
+                kind = "submod" if isinstance(t, nn.Module) else "constant"
+                fqn = f"_fxpipe_{kind}_{len([k for k in root if k.startswith('_fxpipe_' + kind)])}"
+            if fqn not in attr_nodes:
+                root[fqn] = t
+                attr_nodes[fqn] = new.create_node("get_attr", fqn, name=fqn.replace(".", "_"))
+                attr_nodes[fqn].meta["module_path"] = fqn.rpartition(".")[0]
+            env[n] = attr_nodes[fqn]
+        elif n.op == "placeholder":
+            env[n] = new.placeholder(next(names))
+            env[n].meta["module_path"] = ""
+        else:
+            env[n] = new.node_copy(n, lambda a: env[a])
+            env[n].meta = {"module_path": paths.get(n, "")}
+            if "val" in n.meta:
+                env[n].meta["val"] = n.meta["val"]
+    new.lint()
+    return fx.GraphModule(root, new, class_name="CapturedModule")
+
+
+def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """A valid, unique Python identifier per leaf of ``(args, kwargs)``, from argument names."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args)
+        arg_names = list(bound.arguments)
+        sig = inspect.signature(model.forward)
+        var = [p.name for p in sig.parameters.values() if p.kind is p.VAR_POSITIONAL]
+    except (TypeError, ValueError):
+        arg_names, var = [], []
+    named = [arg_names[i] if i < len(arg_names) and arg_names[i] not in var else f"arg{i}"
+             for i in range(len(args))]
+    seen: set[str] = set()
+    out = []
+    for path, _leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        keys = [getattr(k, "idx", getattr(k, "key", getattr(k, "name", None))) for k in path]
+        head = named[keys[1]] if keys[0] == 0 else str(keys[1])
+        name = "_".join([head] + [str(k) for k in keys[2:]])
+        name = re.sub(r"\W", "_", name) or "input"
+        if name[0].isdigit() or keyword.iskeyword(name) or name == "self":
+            name = "in_" + name
+        base, k = name, 1
+        while name in seen:
+            name, k = f"{base}_{k}", k + 1
+        seen.add(name)
+        out.append(name)
+    return out
+
+
+def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
+    lines = [f"fxpipe could not capture {type(model).__name__} as a graph. What each method hit:"]
+    for m, e in tried.items():
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        lines.append(f"  - {m}: {type(e).__name__}: {first}")
+    lines.append(
+        "What to do: try another capture= ('fx', 'export', 'dynamo'); make data-dependent "
+        "Python control flow in forward() graph-friendly (e.g. torch.where instead of `if "
+        "tensor:`); or pass layers='path.to.blocks' if the failure is in block detection. "
+        "See docs/troubleshooting.md.")
+    return "\n".join(lines)

@@ -1,0 +1,544 @@
+"""Costs: what each layer of a ``LayerGraph`` weighs and how much work it is.
+
+``compute_costs`` runs the chain once on fake tensors (``FakeTensorMode``: shapes, no
+data), so a model built on the ``meta`` device is costed without its weights, and the
+model's own tensors are never read or written. Per layer it records a ``Cost``:
+
+- ``param_bytes`` / ``grad_bytes`` / ``buffer_bytes``: the tensors the layer uses. A tied
+  parameter is counted once in *every* layer that uses it (each stage holding it must
+  have it resident); ``total_param_bytes(lg)`` counts each tensor once.
+- ``boundary_bytes``: the values live across the cut after the layer
+  (``lg.boundary(i)``): the bytes of each distinct tensor, tensors sharing a storage
+  counted at most the storage's size.
+- ``saved_bytes``: what autograd saves for backward when the layer runs with grad
+  (``saved_tensors_hooks``), each storage once, parameters and buffers excluded.
+- ``fwd_flops`` / ``bwd_flops``: ``FlopCounterMode`` over the forward and over the
+  gradient w.r.t. the parameters and float inputs that require grad. Like the counter,
+  it counts matmul-like ops only (mm, conv, attention); causal attention counts in full.
+
+``measure_times`` adds wall-clock times measured on the real tensors.
+
+>>> from fxpipe.passes.partition import build_layer_graph
+>>> x = torch.randn(32, 256)
+>>> lg = build_layer_graph(nn.Sequential(nn.Linear(256, 256), nn.ReLU()), (x,))
+>>> print(compute_costs(lg, [x])[0])
+params 263 kB · saved 32.8 kB · out 32.8 kB · fwd 4.19 MFLOP · bwd 4.19 MFLOP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpipe.passes.layer_graph import Layer, LayerGraph
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """One layer's cost: bytes, FLOPs and (when measured) milliseconds."""
+
+    param_bytes: int = 0
+    grad_bytes: int = 0          # bytes of the parameters that require grad
+    buffer_bytes: int = 0
+    boundary_bytes: int = 0      # what crosses the cut after the layer
+    saved_bytes: int = 0         # activations autograd keeps for backward
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_ms: float | None = None
+    recompute_ms: float | None = None  # forward with grad (building the autograd graph)
+    bwd_ms: float | None = None
+
+    def __str__(self) -> str:
+        parts = [f"params {_human(self.param_bytes, 'B')}"]
+        if self.grad_bytes != self.param_bytes:
+            parts.append(f"grads {_human(self.grad_bytes, 'B')}")
+        if self.buffer_bytes:
+            parts.append(f"buffers {_human(self.buffer_bytes, 'B')}")
+        parts += [f"saved {_human(self.saved_bytes, 'B')}",
+                  f"out {_human(self.boundary_bytes, 'B')}",
+                  f"fwd {_human(self.fwd_flops, 'FLOP')}",
+                  f"bwd {_human(self.bwd_flops, 'FLOP')}"]
+        for label, ms in (("fwd", self.fwd_ms), ("re", self.recompute_ms), ("bwd", self.bwd_ms)):
+            if ms is not None:
+                parts.append(f"{label} {_human_ms(ms)}")
+        return " · ".join(parts)
+
+    @classmethod
+    def sum(cls, costs: Iterable[Cost]) -> Cost:
+        """The cost of a run of consecutive layers: fields added up, except
+        ``boundary_bytes``, which is the last layer's (what leaves the run). A time is
+        ``None`` unless every layer has it. Tied parameters count once per layer."""
+        costs = list(costs)
+        if not costs:
+            return cls()
+
+        def total(name: str):
+            values = [getattr(c, name) for c in costs]
+            return None if any(v is None for v in values) else sum(values)
+
+        fields = {f.name: total(f.name) for f in dataclasses.fields(cls)}
+        fields["boundary_bytes"] = costs[-1].boundary_bytes
+        return cls(**fields)
+
+
+def total_param_bytes(lg: LayerGraph) -> int:
+    """Bytes of the model's parameters, each tensor counted once (tied weights once)."""
+    return sum(_nbytes(t) for t in _unique(lg.params.values()))
+
+
+def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
+    """Cost every layer of ``lg`` on fake tensors shaped like ``flat_inputs`` (the flat
+    model inputs, one per ``lg.input_names``; real or ``meta`` tensors). Stores each
+    ``Cost`` in ``layer.node.meta["cost"]`` and returns them in layer order.
+
+    Parameters, buffers and inputs are replaced by fake stand-ins (``meta`` ones become
+    fake tensors on the device of the real tensors, else CPU): the model's tensors, their
+    ``.grad`` and buffer updates (BatchNorm statistics) are left untouched.
+    """
+    _register_sdpa_flops()
+    flat_inputs = _check_inputs(lg, flat_inputs)
+    mode = FakeTensorMode()
+    fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, fake)
+
+    def fake(t: torch.Tensor, from_input: bool = False) -> torch.Tensor:
+        hit = fakes.get(id(t))
+        if hit is None:
+            if from_input and t.device.type != "meta":  # keeps aliasing between inputs
+                f = mode.from_tensor(t.detach())
+            else:
+                with mode:
+                    device = _CPU if t.device.type == "meta" else t.device
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if t.requires_grad:
+                f.requires_grad_(True)
+            hit = fakes[id(t)] = (t, f)
+        return hit[1]
+
+    inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+    layer_attrs = [{name: fake(t) for name, t in _attr_tensors(layer.gm).items()} for layer in lg]
+    counter = FlopCounterMode(display=False)
+    flops: dict[int, tuple[int, int, int]] = {}
+    seen: dict[tuple, tuple] = {}  # repeated blocks: layer key -> (flops, output recipe)
+
+    def run(layer: Layer, args: tuple, kwargs: dict):
+        attrs = layer_attrs[layer.index]
+        key = _layer_key(layer.gm, attrs, args, kwargs)
+        if key in seen:
+            flops[layer.index], recipe = seen[key]
+            return _rebuild(recipe, args, kwargs)
+        try:
+            out, flops[layer.index] = _fake_layer(layer, attrs, args, kwargs, counter)
+        except Exception as e:
+            raise RuntimeError(f"costing layer {layer.index} ({layer.name!r}) on fake tensors "
+                               f"failed: {type(e).__name__}: {e}") from e
+        if key is not None:
+            seen[key] = flops[layer.index], _recipe(out, args, kwargs)
+        return out
+
+    on_meta = any(real.device.type == "meta" for real, _ in fakes.values())
+    with mode, _MetaAsCPU() if on_meta else contextlib.nullcontext(), torch.enable_grad():
+        env = _walk(lg, inputs, run)
+
+    costs = []
+    for layer in lg:
+        params = list(_unique(lg.params[p] for p in layer.params))
+        fwd, bwd, saved = flops[layer.index]
+        cost = Cost(
+            param_bytes=sum(map(_nbytes, params)),
+            grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+            buffer_bytes=sum(map(_nbytes, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
+            boundary_bytes=_boundary_bytes([env[name] for name in lg.boundary(layer.index)]),
+            saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd)
+        layer.node.meta["cost"] = cost
+        costs.append(cost)
+    return costs
+
+
+def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) -> list[Cost]:
+    """Time every layer on the real tensors: forward without grad (``fwd_ms``), forward
+    with grad (``recompute_ms``) and the gradient w.r.t. the parameters and inputs that
+    require grad (``bwd_ms``), each the minimum of ``repeats`` runs after one warm-up.
+
+    Returns the layers' costs (``compute_costs`` first if missing) with the times set,
+    and stores them in ``layer.node.meta["cost"]``. Parameters and their ``.grad`` are
+    not touched, buffers are restored afterwards, and so is the RNG state.
+    """
+    if repeats < 1:
+        raise ValueError(f"measure_times(repeats={repeats}): need at least one timed run")
+    flat_inputs = _check_inputs(lg, flat_inputs)
+    tensors = [*lg.params.items(), *lg.buffers.items(), *zip(lg.input_names, flat_inputs)]
+    tensors = [(name, t) for name, t in tensors if isinstance(t, torch.Tensor)]
+    for name, t in tensors:
+        if t.device.type == "meta":
+            raise ValueError(f"measure_times runs the layers for real, but {name!r} is on the meta "
+                             "device; load the weights (or use compute_costs for estimates)")
+    base = [layer.cost for layer in lg]
+    if any(c is None for c in base):
+        base = compute_costs(lg, flat_inputs)
+    cuda = sorted({t.get_device() for _, t in tensors if t.device.type == "cuda"})
+    backup = [(b, b.detach().clone()) for b in _unique(_tensors(lg.buffers.values()))]
+    times: dict[int, tuple[float, float, float]] = {}
+
+    def run(layer: Layer, args: tuple, kwargs: dict):
+        out, times[layer.index] = _time_layer(layer, args, kwargs, repeats)
+        return out
+
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            _walk(lg, flat_inputs, run)
+    finally:
+        with torch.no_grad():
+            for b, copy in backup:
+                b.copy_(copy)
+    costs = []
+    for layer, cost in zip(lg, base):
+        fwd, re, bwd = times[layer.index]
+        cost = dataclasses.replace(cost, fwd_ms=fwd, recompute_ms=re, bwd_ms=bwd)
+        layer.node.meta["cost"] = cost
+        costs.append(cost)
+    return costs
+
+
+# --- running the chain -------------------------------------------------------------
+
+def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any]) -> dict[str, Any]:
+    """Evaluate ``lg.gm`` node by node, calling ``run`` for each layer; returns every
+    value by name."""
+    layer_of = {layer.node: layer for layer in lg}
+    env: dict[str, Any] = {}
+    it = iter(inputs)
+    for node in lg.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        if node.op == "placeholder":
+            env[node.name] = next(it)
+        elif node.op == "call_module":
+            env[node.name] = run(layer_of[node], args, kwargs)
+        elif node.op == "call_function":  # getitem of a layer's outputs
+            env[node.name] = node.target(*args, **kwargs)
+        else:
+            raise ValueError(f"unexpected {node.op} node {node.name!r} in the layer chain")
+    return env
+
+
+_CPU = torch.device("cpu")
+
+
+class _MetaAsCPU(TorchDispatchMode):
+    """Meta tensors are costed as CPU ones: ``device=meta`` baked into a graph (factory
+    calls, export's metadata asserts) becomes CPU, so ops dispatch as on a real device
+    (attention to a fused kernel, not the math fallback meta uses)."""
+
+    supports_higher_order_operators = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
+            kwargs = {**kwargs, "device": _CPU}
+        if any(isinstance(a, torch.device) for a in args):
+            args = tuple(_CPU if isinstance(a, torch.device) and a.type == "meta" else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _fake_layer(layer: Layer, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
+                counter: FlopCounterMode):
+    """Run one layer on fake tensors; returns its outputs and (fwd flops, bwd flops, saved)."""
+    args, kwargs, leaves, origin = _fresh_inputs(args, kwargs, clone_all=False)
+    held = {_storage_key(t) for t in attrs.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in held:
+            saved.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t), counter:
+        out = torch.func.functional_call(layer.gm, attrs, args, kwargs)
+    fwd = counter.get_total_flops()
+    roots = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = list(_unique([t for t in attrs.values() if t.requires_grad] + leaves))
+    bwd = 0
+    if roots and wrt:
+        grads = [torch.ones_like(r) for r in roots]
+        with counter:
+            torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        bwd = counter.get_total_flops()
+    return _detached(out, origin), (fwd, bwd, sum(saved.values()))
+
+
+# A layer costs the same as an earlier one when its graph is the same up to attribute
+# and value names, and its inputs and attributes have the same metadata and aliasing: the
+# repeated blocks of a model. Such a layer is not run again; its outputs are rebuilt from
+# a recipe (shapes, strides, which input is passed through, shared storages).
+
+def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict):
+    """Hashable description of a layer call, or ``None`` if it cannot be described."""
+    storages: dict[int, int] = {}
+
+    def tensor(t: torch.Tensor) -> tuple:
+        alias = storages.setdefault(_storage_key(t), len(storages))
+        return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+                t.requires_grad, alias, t.untyped_storage().nbytes())
+
+    index: dict[fx.Node, int] = {}
+
+    def value(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, torch.Tensor):
+            return tensor(a)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(value(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, value(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", value(a.start), value(a.stop), value(a.step))
+        try:
+            hash(a)
+        except TypeError:
+            return ("id", id(a))  # the same object in both layers, or no match
+        return (type(a), a)
+
+    parts: list = [value((args, kwargs))]
+    for n in gm.graph.nodes:
+        index[n] = len(index)
+        if n.op == "get_attr":
+            if n.target not in attrs:
+                return None  # a submodule (higher-order op body): compare no further
+            target = tensor(attrs[n.target])
+        elif n.op == "call_module":
+            return None
+        else:
+            target = n.target if n.op != "placeholder" else None
+        parts.append((n.op, target, value(n.args), value(n.kwargs)))
+    return tuple(parts)
+
+
+def _recipe(out: Any, args: tuple, kwargs: dict) -> tuple:
+    """How to rebuild ``out`` (a layer's detached outputs) for another call."""
+    position = {id(a): i for i, a in enumerate(pytree.tree_leaves((args, kwargs)))}
+    groups: dict[int, int] = {}
+    leaves, spec = pytree.tree_flatten(out)
+    steps = []
+    for o in leaves:
+        if not isinstance(o, torch.Tensor):
+            steps.append(("value", o))
+        elif id(o) in position:
+            steps.append(("input", position[id(o)]))
+        else:
+            group = groups.setdefault(_storage_key(o), len(groups))
+            size = o.untyped_storage().nbytes() // o.element_size()
+            steps.append(("tensor", tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
+                          o.device, o.requires_grad, group, size))
+    return spec, steps
+
+
+def _rebuild(recipe: tuple, args: tuple, kwargs: dict) -> Any:
+    spec, steps = recipe
+    inputs = pytree.tree_leaves((args, kwargs))
+    bases: dict[int, torch.Tensor] = {}
+    out = []
+    for kind, *step in steps:
+        if kind == "value":
+            out.append(step[0])
+        elif kind == "input":
+            out.append(inputs[step[0]])
+        else:
+            shape, stride, offset, dtype, device, requires_grad, group, size = step
+            base = bases.get(group)
+            if base is None or base.dtype != dtype:  # shared storages keep being shared
+                base = bases[group] = torch.empty(size, dtype=dtype, device=device)
+            t = base.as_strided(shape, stride, offset)
+            out.append(t.requires_grad_(True) if requires_grad else t)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _time_layer(layer: Layer, args: tuple, kwargs: dict, repeats: int):
+    """Run one layer for real ``repeats + 1`` times; returns its outputs and the minimum
+    (fwd, recompute, bwd) milliseconds over all but the first (warm-up) run."""
+    wrt_params = [t for t in _unique(_attr_tensors(layer.gm).values()) if t.requires_grad]
+    samples = []
+    for _ in range(repeats + 1):
+        a, k, _, _ = _fresh_inputs(args, kwargs, clone_all=True)
+        with torch.no_grad():
+            fwd = _timed(lambda: layer.gm(*a, **k))[1]
+        a, k, leaves, origin = _fresh_inputs(args, kwargs, clone_all=True)
+        out, re = _timed(lambda: layer.gm(*a, **k))
+        roots = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = wrt_params + leaves
+        bwd = 0.0
+        if roots and wrt:
+            grads = [torch.ones_like(r) for r in roots]
+            bwd = _timed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True))[1]
+        samples.append((fwd, re, bwd))
+    best = tuple(min(s[j] for s in samples[1:]) for j in range(3))
+    return _detached(out, origin), best
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    _sync()
+    start = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _fresh_inputs(args: tuple, kwargs: dict, clone_all: bool):
+    """The layer's inputs cut from the previous layers' autograd graphs. A float input
+    that requires grad becomes a leaf (returned in ``leaves``) passed through a clone, so
+    in-place ops on it stay legal; ``clone_all`` clones the other tensors too (for
+    repeated runs). ``origin`` maps each passed tensor's id back to the given value."""
+    leaves: list[torch.Tensor] = []
+    origin: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
+
+    def fresh(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if id(a) not in memo:
+            x = a.detach()
+            if a.requires_grad:
+                leaves.append(x.requires_grad_(True))
+                x = x.clone()
+            elif clone_all:
+                x = x.clone()
+            memo[id(a)] = x
+            origin[id(x)] = a
+        return memo[id(a)]
+
+    args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+    return args, kwargs, leaves, (origin, memo)
+
+
+def _detached(out: Any, origin) -> Any:
+    """Outputs as values for later layers: a passed-through input is the input itself,
+    other tensors are detached and keep their ``requires_grad``."""
+    ids, memo = origin
+
+    def detach(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        if id(o) in ids:
+            return ids[id(o)]
+        d = o.detach()
+        return d.requires_grad_(True) if o.requires_grad else d
+
+    return pytree.tree_map(detach, out)
+
+
+# --- bytes ---------------------------------------------------------------------------
+
+def _check_inputs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list:
+    flat_inputs = list(flat_inputs)
+    if len(flat_inputs) != len(lg.input_names):
+        raise ValueError(f"the layer chain takes {len(lg.input_names)} flat inputs "
+                         f"({', '.join(lg.input_names)}), got {len(flat_inputs)}")
+    return flat_inputs
+
+
+def _attr_tensors(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a layer module by attribute path (tied: each path)."""
+    out = dict(gm.named_parameters(remove_duplicate=False))
+    out.update(gm.named_buffers(remove_duplicate=False))
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    return (v for v in values if isinstance(v, torch.Tensor))
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _boundary_bytes(values: list) -> int:
+    """Bytes of the distinct tensors among ``values``; tensors sharing a storage count
+    at most the storage's size."""
+    storages: dict[int, tuple[int, dict]] = {}
+    for t in pytree.tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            cap, views = storages.setdefault(_storage_key(t), (t.untyped_storage().nbytes(), {}))
+            views[(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)] = _nbytes(t)
+    return sum(min(cap, sum(views.values())) for cap, views in storages.values())
+
+
+def _human(n: int, unit: str) -> str:
+    """``1.05 MB``, ``32.8 kB``, ``512 B``: three significant digits, SI prefixes."""
+    if abs(n) < 1000:
+        return f"{n} {unit}"
+    v = float(n)
+    for prefix in "kMGTPE":
+        v /= 1000
+        if abs(v) < 999.5:
+            break
+    return f"{v:#.3g}".rstrip(".") + f" {prefix}{unit}"
+
+
+def _human_ms(ms: float) -> str:
+    if ms >= 999.5:
+        return f"{ms / 1000:#.3g}".rstrip(".") + " s"
+    return f"{ms:#.3g}".rstrip(".") + " ms"
+
+
+# --- FLOP formulas the counter lacks --------------------------------------------------
+
+def _register_sdpa_flops() -> None:
+    """Teach ``FlopCounterMode`` the attention ops CPU dispatches to (it counts them 0).
+    Registers only what is missing, so it is idempotent and yields to torch's own."""
+    aten = torch.ops.aten
+
+    def missing(*names: str) -> list:
+        ops = [getattr(aten, n) for n in names if hasattr(aten, n)]
+        return [op for op in ops if op not in flop_counter.flop_registry]
+
+    fwd = missing("_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention")
+    if fwd:
+        flop_counter.register_flop_formula(fwd)(_sdpa_flops)
+    bwd = missing("_scaled_dot_product_flash_attention_for_cpu_backward")
+    if bwd:
+        flop_counter.register_flop_formula(bwd)(_sdpa_backward_flops)
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """scores = q @ k^T, out = scores @ v (any leading batch / head dims)."""
+    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
+    return 2 * batch * s_q * s_k * (d + d_v)
+
+
+def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                         out_shape=None, **kwargs) -> int:
+    """Recompute the scores, then grad of scores, v, q and k: five matmuls."""
+    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
+    return 2 * batch * s_q * s_k * (3 * d + 2 * d_v)

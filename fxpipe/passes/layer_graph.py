@@ -1,0 +1,138 @@
+"""LayerGraph: the model cut into an ordered chain of layers.
+
+It is one fx ``GraphModule`` (``LayerGraph.gm``) whose body calls the layers in order::
+
+    def forward(self, input_ids):
+        # layer 0 · prefix (model.embed_tokens, ...) · params 8.2 kB · ...
+        layer_0 = self.layer_0(input_ids)
+        getitem = layer_0[0]
+        getitem_1 = layer_0[1]
+        layer_1 = self.layer_1(getitem, getitem_1)
+        ...
+        return (getitem_7,)
+
+Every ``self.layer_i`` is itself a small ``GraphModule`` taking the values it reads and
+returning a tuple of the values later layers (or the output) need. Values made once and
+used by several later layers (masks, rotary tables, skip connections, inputs) are passed
+explicitly from the layer that made them: that is what "carried along the chain" means,
+and the set of values live across the cut after layer *i* is ``LayerGraph.boundary(i)``.
+
+Parameters and buffers are ``get_attr`` nodes inside the layer graphs. They refer to the
+model's own tensors (no copies). A tensor used by several layers (tied weights) is the
+same object in each of them, listed in ``Layer.params`` of each, and reported by
+``LayerGraph.shared_params``.
+
+Per-layer costs live in the call node's ``meta["cost"]`` (see ``fxpipe.passes.costs``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import TreeSpec
+
+
+@dataclass
+class Layer:
+    """One link of the chain: a view onto a ``call_module`` node of ``LayerGraph.gm``."""
+
+    index: int
+    name: str                      # "prefix", "suffix" or the block's module path
+    node: fx.Node                  # the call_module node in LayerGraph.gm
+    gm: fx.GraphModule             # the layer's own graph
+    inputs: list[str]              # names (in LayerGraph.gm) of the values it reads
+    outputs: list[str]             # names of the values it produces for later layers
+    params: list[str] = field(default_factory=list)   # FQNs of parameters it uses
+    buffers: list[str] = field(default_factory=list)  # FQNs of buffers it uses
+
+    @property
+    def cost(self):
+        """The layer's ``Cost`` (``fxpipe.passes.costs``), or ``None`` before costing."""
+        return self.node.meta.get("cost")
+
+    def __repr__(self) -> str:
+        return f"Layer({self.index}, {self.name!r}, params={len(self.params)})"
+
+
+@dataclass
+class LayerGraph:
+    """An ordered chain of layers (see module docstring)."""
+
+    gm: fx.GraphModule
+    layers: list[Layer]
+    in_spec: TreeSpec              # pytree spec of (args, kwargs) the model was called with
+    out_spec: TreeSpec             # pytree spec of what the model returns
+    input_names: list[str]         # flat placeholders of gm, one per input leaf
+    output_names: list[str]        # flat values returned, one per output leaf
+    params: dict[str, torch.Tensor]   # FQN -> the model's own tensor (parameters)
+    buffers: dict[str, torch.Tensor]  # FQN -> the model's own tensor (buffers)
+    capture: str = "fx"            # the capture method that produced it
+    leaf_names: list[str] = field(default_factory=list)  # a name per leaf of (args, kwargs)
+    example_leaves: list = field(default_factory=list)   # the example's leaves
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __getitem__(self, i: int) -> Layer:
+        return self.layers[i]
+
+    def boundary(self, i: int) -> list[str]:
+        """Names of the values live across the cut after layer ``i`` (produced at or
+        before ``i``, read after it or returned)."""
+        produced = set(self.input_names)
+        for layer in self.layers[: i + 1]:
+            produced.update(layer.outputs)
+        needed: set[str] = set(self.output_names)
+        for layer in self.layers[i + 1:]:
+            needed.update(layer.inputs)
+        return [n for n in self.value_order() if n in produced and n in needed]
+
+    def value_order(self) -> list[str]:
+        """Every carried value's name, in the order it is made."""
+        names = list(self.input_names)
+        for layer in self.layers:
+            names.extend(layer.outputs)
+        return names
+
+    @property
+    def shared_params(self) -> dict[str, list[int]]:
+        """Parameters used by more than one layer: FQN -> indices of the layers using it."""
+        users: dict[str, list[int]] = {}
+        for layer in self.layers:
+            for p in layer.params:
+                users.setdefault(p, []).append(layer.index)
+        return {p: idx for p, idx in users.items() if len(idx) > 1}
+
+    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """The parameters and buffers layer ``i`` uses, by FQN."""
+        layer = self.layers[i]
+        out = {p: self.params[p] for p in layer.params}
+        out.update({b: self.buffers[b] for b in layer.buffers})
+        return out
+
+    def run(self, *flat_inputs: Any) -> tuple:
+        """Run the chain on flat input leaves (on the host, eagerly); returns flat outputs."""
+        return tuple(self.gm(*flat_inputs))
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def __str__(self) -> str:
+        return self.gm.code.strip("\n")
+
+
+def layer_call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The call_module nodes of a chain graph, in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem

@@ -1,0 +1,244 @@
+"""Lowering: ``LayerGraph`` + stage ranges → stage GraphModules with explicit transfers.
+
+Each stage is one ``GraphModule`` made by inlining its layers' graphs, with the
+transfers as ``torch.ops.fxpipe.*`` nodes (``fxpipe.ops``)::
+
+    def forward(self, embedding, expand_2):
+        # stage 1 · layers 1-2 (model.layers.0, model.layers.1) · vcpu:1 · params 34.8 kB · ...
+        prefetch = torch.ops.fxpipe.prefetch.default([self.model.layers.0.mlp..., ...], 1, 1)
+        model_layers_0_mlp_up_proj_weight = prefetch[0]
+        ...
+        embedding_1 = torch.ops.fxpipe.upload.default(embedding, 1)
+        ...                                       # the layers' own code
+        offload = torch.ops.fxpipe.offload.default(add_14)
+        release = torch.ops.fxpipe.release.default(prefetch, 1)
+        return (offload,)
+
+A ``Program`` is the top-level GraphModule calling the stages in order, carrying every
+value between them on the host; it is what ``print(pipe)`` shows.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+
+from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
+from fxpipe.passes.layer_graph import LayerGraph
+
+_op = torch.ops.fxpipe
+
+
+@dataclass
+class Stage:
+    """One lowered stage: layers ``layers`` on device ``device`` (index into the devices)."""
+
+    index: int
+    layers: range
+    device: int
+    gm: fx.GraphModule
+    inputs: list[str]     # carried values it reads
+    outputs: list[str]    # carried values it makes for later stages / the output
+    params: list[str]     # FQNs of the tensors it prefetches (parameters, then buffers)
+    header: str           # the one-line comment at the top of its code
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
+          *, first_index: int = 0) -> tuple[fx.GraphModule, list[Stage]]:
+    """Lower ``lg`` for stages ``ranges`` (in forward order, covering every layer once).
+
+    Stage *i* (numbered from ``first_index``) runs on device ``i mod len(device_names)``.
+    Returns the top-level GraphModule calling the stages, and the stages.
+    """
+    _check_ranges(ranges, len(lg))
+    stages = []
+    for k, r in enumerate(ranges):
+        index = first_index + k
+        stages.append(lower_stage(lg, r, index, index % len(device_names), device_names))
+    top = fx.Graph()
+    env: dict[str, fx.Node] = {n: top.placeholder(n) for n in lg.input_names}
+    root = {}
+    for st in stages:
+        name = f"stage_{st.index}"
+        root[name] = st.gm
+        call = top.call_module(name, tuple(env[i] for i in st.inputs))
+        call.meta["comment"] = st.header
+        for j, o in enumerate(st.outputs):
+            env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o)
+    out = lg.gm.graph.output_node().args[0]
+    top.output(fx.node.map_arg(out, lambda a: env[a.name]))
+    _comment_before_nodes(top)
+    return fx.GraphModule(root, top, class_name="PipelineProgram"), stages
+
+
+def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
+                device_names: list[str]) -> Stage:
+    """One stage running layers ``r`` on device ``device``."""
+    made_here: set[str] = set()
+    reads: list[str] = []
+    for i in r:
+        for name in lg.layers[i].inputs:
+            if name not in made_here and name not in reads:
+                reads.append(name)
+        made_here.update(lg.layers[i].outputs)
+    after = set(lg.boundary(r.stop - 1))
+    outs = [v for v in lg.value_order() if v in made_here and v in after]
+
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {name: g.placeholder(name) for name in reads}
+    submodules: dict[str, torch.nn.Module] = {}  # bodies of higher-order ops, by reference
+    # 1. parameters and buffers: one prefetch for the whole stage
+    fqns: list[str] = []
+    for i in r:
+        for fqn in lg.layers[i].params + lg.layers[i].buffers:
+            if fqn not in fqns:
+                fqns.append(fqn)
+    fqns.sort(key=lambda f: (f not in lg.params, 0))  # parameters first, then buffers
+    host = {f: g.create_node("get_attr", f, name="host_" + f.replace(".", "_")) for f in fqns}
+    fetched = None
+    if fqns:
+        fetched = g.create_node("call_function", _op.prefetch.default,
+                                ([host[f] for f in fqns], index, device), name="params")
+    resident = {}
+    for j, f in enumerate(fqns):
+        resident[f] = g.create_node("call_function", operator.getitem, (fetched, j),
+                                    name=f.replace(".", "_"))
+    # 2. inputs to the device
+    for name in reads:
+        env[name] = g.create_node("call_function", _op.upload.default, (env[name], device),
+                                  name=f"{name}_dev")
+    # 3. the layers' own code, inlined
+    mutated: list[str] = []
+    for i in r:
+        layer = lg.layers[i]
+        lenv: dict[fx.Node, fx.Node] = {}
+        for n in layer.gm.graph.nodes:
+            if n.op == "placeholder":
+                lenv[n] = env[n.target]
+            elif n.op == "get_attr" and n.target in resident:
+                lenv[n] = resident[n.target]
+            elif n.op == "get_attr":
+                submodules[n.target] = getattr(layer.gm, n.target)
+                lenv[n] = g.get_attr(n.target)
+            elif n.op == "output":
+                for o, v in zip(layer.outputs, n.args[0]):
+                    env[o] = lenv[v]
+            else:
+                lenv[n] = g.node_copy(n, lambda a: lenv[a])
+                for f in _mutated_attrs(n, layer.gm):
+                    if f in lg.buffers and f not in mutated:
+                        mutated.append(f)
+    # 4. buffers the stage updated go back; outputs go to the host; parameters are released
+    for f in mutated:
+        g.call_function(_op.writeback.default, (host[f], resident[f]))
+    results = [g.create_node("call_function", _op.offload.default, (env[o],), name=f"{o}_host")
+               if _is_tensor_value(env[o]) else env[o] for o in outs]
+    if fetched is not None:
+        g.call_function(_op.release.default, (fetched, index))
+    g.output(tuple(results))
+    g.lint()
+    root = {f: (lg.params.get(f) if f in lg.params else lg.buffers[f]) for f in fqns}
+    root.update(submodules)
+    gm = fx.GraphModule(root, g, class_name=f"Stage{index}")
+    header = stage_header(lg, r, index, device_names[device])
+    _comment_at_top(gm, header)
+    return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
+                 params=fqns, header=header)
+
+
+def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:
+    names = ", ".join(lg.layers[i].name for i in r)
+    span = f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
+    parts = [f"stage {index}", f"{span} ({names})", device_name]
+    total = _sum_costs([lg.layers[i].cost for i in r])
+    if total:
+        parts.append(total)
+    return " · ".join(parts)
+
+
+def _sum_costs(costs) -> str | None:
+    if not costs or any(c is None for c in costs):
+        return None
+    from fxpipe.passes.costs import Cost
+    return str(Cost.sum(costs)) if hasattr(Cost, "sum") else None
+
+
+def _is_tensor_value(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+_NORM_FNS = {F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm}
+_NORM_OPS = {torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
+
+
+def _mutated_attrs(n: fx.Node, gm: fx.GraphModule) -> list[str]:
+    """Targets of ``get_attr`` inputs that node ``n`` may update in place."""
+    def attr(a):
+        return a.target if isinstance(a, fx.Node) and a.op == "get_attr" else None
+
+    if isinstance(n.target, torch._ops.OpOverload):
+        if n.target.overloadpacket in _NORM_OPS:  # their schemas hide the stats update
+            return [t for t in (attr(a) for a in n.args) if t]
+        out = []
+        for arg, val in zip(n.target._schema.arguments, n.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and attr(val):
+                out.append(attr(val))
+        return out
+    if n.op == "call_method" and str(n.target).endswith("_") and n.args:
+        return [t for t in [attr(n.args[0])] if t]
+    if n.op == "call_function" and (n.target in _NORM_FNS or
+                                    getattr(n.target, "__name__", "").endswith("_")):
+        return [t for t in (attr(a) for a in list(n.args) + list(n.kwargs.values())) if t]
+    if n.op == "call_function" and n.target is operator.setitem:
+        return [t for t in [attr(n.args[0])] if t]
+    return []
+
+
+def _check_ranges(ranges: list[range], num_layers: int) -> None:
+    expect = 0
+    for r in ranges:
+        if not isinstance(r, range) or r.step != 1 or r.start != expect or len(r) == 0:
+            raise ValueError(f"stage ranges must be non-empty, contiguous and ascending from 0; "
+                             f"got {r!r} where range({expect}, ...) was expected")
+        expect = r.stop
+    if expect != num_layers:
+        raise ValueError(f"stage ranges cover layers 0-{expect - 1} but the model has "
+                         f"{num_layers} layers")
+
+
+def _comment_at_top(gm: fx.GraphModule, comment: str) -> None:
+    """Put ``# comment`` as the first line of ``gm``'s generated code (it is what runs)."""
+    def make(prev):
+        def transform(lines):
+            lines = prev(lines) if prev else lines
+            return [f"# {comment}\n"] + lines
+        return transform
+    gm.graph.on_generate_code(make)
+    gm.recompile()
+
+
+def _comment_before_nodes(g: fx.Graph) -> None:
+    """Emit ``node.meta["comment"]`` above each node's line in the generated code."""
+    comments = {n.name: n.meta["comment"] for n in g.nodes if "comment" in n.meta}
+
+    def make(prev):
+        def transform(lines):
+            lines = prev(lines) if prev else lines
+            out = []
+            for line in lines:
+                head = line.split(" = ", 1)[0].strip()
+                if head in comments:
+                    out.append(f"# {comments[head]}\n")
+                out.append(line)
+            return out
+        return transform
+    g.on_generate_code(make)

@@ -1,0 +1,484 @@
+"""Stage planning over per-layer cost vectors (pure functions: no modules, no tensors).
+
+A pipe is a chain of L layers. A plan cuts its forward pass and its backward pass into
+contiguous stages; stages run round-robin on G devices (stage s on device s mod G, the
+forward stages first, then the backward stages), each stage job running all M
+microbatches. Costs per layer: forward / recompute / backward ms, and bytes.
+
+* Stage time: forward stage = sum of ``fwd_ms``; backward stage = sum of ``recompute_ms +
+  bwd_ms``; for ``"fused"`` the first backward stage (the tail) runs forward + loss +
+  backward without recompute, so it costs ``fwd_ms + bwd_ms`` and its layers are not in
+  the forward plan. ``"infer"`` has no backward plan.
+* Stage memory (additive): ``param_bytes`` (+ ``grad_bytes`` and ``act_bytes`` in backward
+  stages; ``fwd_act_bytes`` in forward stages) must fit the per-stage cap (half the model
+  memory limit, because the next stage is prefetched).
+* Bottleneck: the slowest stage. All stages of all pipes planned together share it.
+
+Algorithm (``plan_chains``):
+
+1. ``_pack`` — for a bound B, greedy packing (each stage takes as many layers as fit under
+   B and the cap) uses the fewest stages. Greedy is never behind: if greedy's k-th stage
+   ends at g_k >= p_k, where any feasible plan's k-th stage ends, then the plan's stage
+   [p_k, p_k+1) is feasible, so is its sub-range [g_k, p_k+1) (costs are >= 0 and both
+   constraints are additive), and greedy's next stage ends at >= p_k+1. For ``"fused"``
+   the backward chain is packed first from the deep end (the tail stage uses its own
+   cost vector); the longest tail both minimises the backward count and leaves the
+   shortest forward chain, so greedy is exact there too.
+2. ``_solve`` — the smallest common bound B*(S) whose greedy needs at most S stages:
+   bisection on B where each probe snaps both ends to real stage sums — a feasible probe
+   lowers ``hi`` to the bottleneck it achieved, an infeasible probe raises ``lo`` to the
+   smallest bound that would change any greedy stage (a stage's sum plus its next layer).
+   Bounds in [probe, that value) give the same packing, so ``lo <= B*`` always holds and
+   the loop ends exactly at ``hi == B*``. Each probe is O(S log L) (``bisect`` on prefix
+   sums); the number of probes is logarithmic in practice.
+3. Stage count — ``B_min`` is the best bottleneck with any number of stages (about the
+   slowest layer). ``upper_threshold`` (RoundPipe's knob) bounds the granularity: we use no
+   more stages than greedy needs at ``upper_threshold * B_min``: below that the bottleneck
+   gains at most that factor while every extra stage costs a host round trip of its
+   boundary activations and a prefetch. ``min_stages`` (default G) raises the count when
+   the chain is that short (stages are split, bottleneck never rises). Among counts S in
+   ``[top - G + 1, top]`` (one round of G; at least ``min_stages``) we take the exact
+   B*(S) plan with the lowest ``estimate_makespan``.
+
+>>> c = ChainCosts.from_times([1, 1, 1, 1, 4])
+>>> plan_chains("fused", [c], num_devices=2)
+[([range(0, 2), range(2, 4)], [range(4, 5), range(3, 4), range(2, 3), range(1, 2), range(0, 1)])]
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fxpipe.errors import PlanError
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class NominalDevice:
+    """The device model used when a layer has no measured times: a 24 GB consumer GPU
+    running bf16 matmuls at a sustained 50 TFLOP/s with 800 GB/s of memory bandwidth, plus
+    a fixed per-layer launch overhead. A layer's time is ``max(flops / flops_per_s,
+    bytes / bytes_per_s) + layer_overhead_ms``."""
+
+    flops_per_s: float = 50e12
+    bytes_per_s: float = 800e9
+    layer_overhead_ms: float = 0.02
+
+    def ms(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) * 1e3 + self.layer_overhead_ms
+
+
+NOMINAL_DEVICE = NominalDevice()
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Per-layer cost vectors of one chain (index = layer). ``act_bytes`` is saved-for-
+    backward + boundary bytes (backward stages); ``fwd_act_bytes`` (default ``act_bytes``)
+    is what a forward stage holds.
+
+    >>> len(ChainCosts.from_times([1.0, 2.0]))
+    2
+    """
+
+    fwd_ms: Sequence[float]
+    recompute_ms: Sequence[float]
+    bwd_ms: Sequence[float]
+    param_bytes: Sequence[float]
+    grad_bytes: Sequence[float]
+    act_bytes: Sequence[float]
+    fwd_act_bytes: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_ms)
+        if n < 1:
+            raise ValueError("ChainCosts: a chain needs at least one layer")
+        for f in dataclasses.fields(self):
+            raw = getattr(self, f.name)
+            if raw is None:
+                continue
+            v = tuple(float(x) for x in raw)
+            if len(v) != n:
+                raise ValueError(f"ChainCosts.{f.name} has {len(v)} entries but fwd_ms has {n}")
+            bad = next((i for i, x in enumerate(v) if not 0.0 <= x < INF), None)
+            if bad is not None:
+                raise ValueError(f"ChainCosts.{f.name}[{bad}] = {v[bad]}: must be finite, >= 0")
+            object.__setattr__(self, f.name, v)
+
+    def __len__(self) -> int:
+        return len(self.fwd_ms)
+
+    @classmethod
+    def from_times(cls, fwd_ms: Sequence[float], bwd_ms: Sequence[float] | None = None,
+                   recompute_ms: Sequence[float] | None = None,
+                   param_bytes: Sequence[float] | None = None,
+                   grad_bytes: Sequence[float] | None = None,
+                   act_bytes: Sequence[float] | None = None) -> ChainCosts:
+        """Defaults: backward = 2x forward, recompute = forward, bytes = 0, grads = params."""
+        zeros = [0.0] * len(fwd_ms)
+        return cls(fwd_ms, recompute_ms if recompute_ms is not None else fwd_ms,
+                   bwd_ms if bwd_ms is not None else [2.0 * t for t in fwd_ms],
+                   param_bytes or zeros, grad_bytes or param_bytes or zeros, act_bytes or zeros)
+
+
+def chain_costs(cost_lists: Sequence[Sequence[Any]], device: NominalDevice = NOMINAL_DEVICE,
+                need_backward: bool = True) -> list[ChainCosts]:
+    """``ChainCosts`` from per-layer ``Cost`` objects (fields ``param_bytes, grad_bytes,
+    saved_bytes, boundary_bytes, fwd_flops, bwd_flops, fwd_ms, recompute_ms, bwd_ms``).
+
+    Measured times are used only when every layer of every chain has them (forward, and
+    backward when ``need_backward``; a missing recompute falls back to the forward
+    time), so all stages compare in one unit; otherwise all times are estimated with
+    ``device``.
+    """
+    flat = [c for costs in cost_lists for c in costs]
+    has = lambda name: all(getattr(c, name, None) is not None for c in flat)  # noqa: E731
+    measured = has("fwd_ms") and (has("bwd_ms") or not need_backward)
+    has_rec = has("recompute_ms")
+    out = []
+    for costs in cost_lists:
+        g = lambda c, name: float(getattr(c, name, None) or 0.0)  # noqa: E731
+        p = [g(c, "param_bytes") for c in costs]
+        gr = [g(c, "grad_bytes") for c in costs]
+        sv = [g(c, "saved_bytes") for c in costs]
+        bd = [g(c, "boundary_bytes") for c in costs]
+        if measured:
+            f = [g(c, "fwd_ms") for c in costs]
+            r = [g(c, "recompute_ms") for c in costs] if has_rec else f
+            b = [g(c, "bwd_ms") for c in costs]
+        else:
+            ff = [g(c, "fwd_flops") for c in costs]
+            bf = [g(c, "bwd_flops") or 2.0 * x for c, x in zip(costs, ff)]
+            f = [device.ms(x, p[i] + sv[i] + bd[i]) for i, x in enumerate(ff)]
+            r = f
+            b = [device.ms(x, p[i] + gr[i] + sv[i] + 2 * bd[i]) for i, x in enumerate(bf)]
+        out.append(ChainCosts(f, r, b, p, gr, [s + x for s, x in zip(sv, bd)], bd))
+    return out
+
+
+def estimate_makespan(stage_ms: Sequence[float], num_devices: int, num_microbatch: int) -> float:
+    """Round-robin makespan estimate for stage jobs run in order (stage s on device s mod G).
+
+    Each device runs its stages back to back, so its busy time is the sum of its stage
+    times; the pipeline wave adds (G-1) microbatch slots of the slowest stage for fill
+    and drain; with fewer microbatches than devices a round cannot beat the wave, so busy
+    time is stretched by G/M. ``max_d busy_d * max(1, G/M) + (G-1) * max_s T_s / M``.
+
+    >>> estimate_makespan([4, 4, 4, 4], num_devices=2, num_microbatch=4)
+    9.0
+    """
+    G, M = num_devices, num_microbatch
+    if not stage_ms:
+        return 0.0
+    busy = [0.0] * G
+    for s, t in enumerate(stage_ms):
+        busy[s % G] += t
+    return max(busy) * max(1.0, G / M) + (G - 1) * max(stage_ms) / M
+
+
+# --- exact packing -------------------------------------------------------------------
+
+
+def _prefix(xs: Sequence[float]) -> list[float]:
+    out, acc = [0.0], 0.0
+    for x in xs:
+        acc += x
+        out.append(acc)
+    return out
+
+
+def _pack(P1: list[float], P: list[float], Q: list[float] | None, end: int, bound: float,
+          cap: float | None, limit: float, start: int = 0) -> tuple[list[int] | None, float, float]:
+    """Greedy over positions [start, end): stage 0 uses prefix sums ``P1``, later ones
+    ``P``; memory prefix ``Q`` under ``cap``. Returns (stage ends, or None if more than
+    ``limit`` stages are needed; worst stage time; smallest bound that changes a stage)."""
+    cuts: list[int] = []
+    i, worst, nxt = start, 0.0, INF
+    while i < end:
+        if len(cuts) >= limit:
+            return None, worst, nxt
+        T = P if cuts else P1
+        j = bisect.bisect_right(T, T[i] + bound, i + 1, end + 1) - 1
+        jm = end if cap is None else bisect.bisect_right(Q, Q[i] + cap, i + 1, end + 1) - 1
+        if j < end and j < jm:           # time-limited: a larger bound would take layer j
+            nxt = min(nxt, T[j + 1] - T[i])
+        j = min(j, jm)
+        if j == i:                       # one layer alone is over the bound
+            return None, worst, nxt
+        worst = max(worst, T[j] - T[i])
+        cuts.append(j)
+        i = j
+    return cuts, worst, nxt
+
+
+class _Chain:
+    """One chain's prefix sums in processing order (backward: deep to shallow)."""
+
+    def __init__(self, c: ChainCosts, run_type: str):
+        n = self.n = len(c)
+        self.fused, self.has_bwd = run_type == "fused", run_type != "infer"
+        fact = c.fwd_act_bytes if c.fwd_act_bytes is not None else c.act_bytes
+        self.f_mem = [p + a for p, a in zip(c.param_bytes, fact)]
+        self.b_mem = [p + g + a for p, g, a in zip(c.param_bytes, c.grad_bytes, c.act_bytes)]
+        self.F, self.FQ = _prefix(c.fwd_ms), _prefix(self.f_mem)
+        rb = [r + b for r, b in zip(c.recompute_ms, c.bwd_ms)][::-1]
+        fb = [f + b for f, b in zip(c.fwd_ms, c.bwd_ms)][::-1]
+        self.B, self.BQ = _prefix(rb), _prefix(self.b_mem[::-1])
+        self.B1 = _prefix(fb) if self.fused else self.B
+        if not self.has_bwd:
+            self.lower = max(c.fwd_ms)
+            self.work = sum(c.fwd_ms)
+        elif not self.fused:
+            self.lower = max(max(c.fwd_ms), max(rb))
+            self.work = sum(c.fwd_ms) + sum(rb)
+        else:  # layer k < L-1 is either in the tail (with layer L-1) or in two stages
+            last = fb[0]
+            rest = [min(max(f, x), y + last) for f, x, y in zip(c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1])]
+            self.lower = max([last] + rest)
+            self.work = last + sum(min(f + x, y) for f, x, y in zip(c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1]))
+        self.max_stages = n + (n - (1 if self.fused else 0) if self.has_bwd else 0)
+
+
+@dataclass
+class _Probe:
+    ok: bool
+    parts: list[tuple[list[int], list[int]]]   # per chain: (fwd ends, bwd ends)
+    worst: float
+    next_bound: float
+    count: int
+
+
+def _probe(chains: list[_Chain], bound: float, cap: float | None, limit: float) -> _Probe:
+    parts, total, worst, nxt = [], 0, 0.0, INF
+    for ch in chains:
+        bcuts: list[int] = []
+        fend = ch.n
+        if ch.has_bwd:
+            cuts, w, x = _pack(ch.B1, ch.B, ch.BQ, ch.n, bound, cap, limit - total)
+            worst, nxt = max(worst, w), min(nxt, x)
+            if cuts is None:
+                return _Probe(False, parts, worst, nxt, total)
+            bcuts, total = cuts, total + len(cuts)
+            if ch.fused:
+                fend = ch.n - bcuts[0]
+        cuts, w, x = _pack(ch.F, ch.F, ch.FQ, fend, bound, cap, limit - total)
+        worst, nxt = max(worst, w), min(nxt, x)
+        if cuts is None:
+            return _Probe(False, parts, worst, nxt, total)
+        total += len(cuts)
+        parts.append((cuts, bcuts))
+    return _Probe(True, parts, worst, nxt, total)
+
+
+def _search(probe: Any, lo: float, best: _Probe) -> _Probe:
+    """The feasible probe at the smallest bound, given a feasible ``best`` and ``lo`` <=
+    that bound. Gallops up from ``lo`` (the answer is usually just above it), then
+    bisects; every probe snaps ``lo`` / ``hi`` to real stage sums (module docstring)."""
+    lo, hi = lo * (1 - 1e-12), best.worst  # guard the lower bound against rounding
+    step, galloping = 0.0, True
+    while lo < hi:
+        bound = lo + step if galloping else lo + (hi - lo) / 2
+        if galloping and bound >= hi:
+            galloping = False
+            continue
+        p = probe(bound if lo <= bound < hi else lo)
+        if p.ok:
+            best, hi, galloping = p, p.worst, False
+        else:
+            lo = max(p.next_bound, math.nextafter(bound, INF))
+            step = max(4 * step, 1e-3 * lo)
+    return best
+
+
+def _solve(chains: list[_Chain], limit: int, cap: float | None, lo: float = 0.0,
+           start: _Probe | None = None) -> _Probe | None:
+    """The greedy plan at the smallest common bound needing at most ``limit`` stages
+    (``None`` when memory alone needs more); ``start``: a feasible probe, if known."""
+    best = start if start is not None and start.ok and start.count <= limit else \
+        _probe(chains, INF, cap, limit)
+    if not best.ok:
+        return None
+    return _search(lambda bound: _probe(chains, bound, cap, limit), lo, best)
+
+
+def _segment(P1: list[float], P: list[float], Q: list[float], a: int, b: int, count: int,
+             cap: float | None) -> list[int]:
+    """Positions [a, b) in at most ``count`` stages with the smallest bottleneck."""
+    def probe(bound: float) -> _Probe:
+        cuts, worst, nxt = _pack(P1, P, Q, b, bound, cap, count, a)
+        return _Probe(cuts is not None, [(cuts or [], [])], worst, nxt, len(cuts or []))
+    lo = max(max(P1[a + 1] - P1[a], max((P[i + 1] - P[i] for i in range(a + 1, b)), default=0.0)),
+             (P[b] - P[a]) / count)
+    return _search(probe, lo, probe(INF)).parts[0][0]
+
+
+def _rebalance(chains: list[_Chain], parts: list[tuple[list[int], list[int]]],
+               cap: float | None) -> list[tuple[list[int], list[int]]]:
+    """Keep each segment's stage count (and a fused tail), but re-cut every segment for
+    its own smallest bottleneck: the common bottleneck stays, the other stages even out."""
+    out = []
+    for ch, (fcuts, bcuts) in zip(chains, parts):
+        if fcuts:
+            fcuts = _segment(ch.F, ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap)
+        if len(bcuts) > 1:
+            head = bcuts[:1] if ch.fused else []
+            P1 = ch.B if ch.fused else ch.B1
+            bcuts = head + _segment(P1, ch.B, ch.BQ, head[0] if head else 0, ch.n,
+                                    len(bcuts) - len(head), cap)
+        out.append((fcuts, bcuts))
+    return out
+
+
+def _check_memory(chains: list[_Chain], cap: float | None) -> None:
+    if cap is None:
+        return
+    for k, ch in enumerate(chains):
+        which = f"layer {{}} of pipe {k}" if len(chains) > 1 else "layer {}"
+        for kind, mem in (("forward", ch.f_mem), ("backward", ch.b_mem if ch.has_bwd else [])):
+            for i, m in enumerate(mem):
+                if m > cap:
+                    raise PlanError(f"{which.format(i)} needs {m:.0f} bytes ({m / 2**30:.2f} GB) "
+                                    f"in a {kind} stage, over the per-stage limit of {cap:.0f} bytes "
+                                    f"({cap / 2**30:.2f} GB = half of model_memory_limit, because "
+                                    f"the next stage is prefetched); raise model_memory_limit or "
+                                    f"split the layer")
+
+
+def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None = None,
+                   cap: float | None = None) -> tuple[float, list[range]]:
+    """Exact contiguous partition of ``times`` into at most ``k`` stages minimising the
+    slowest stage, each stage's ``mem`` sum <= ``cap``.
+
+    >>> min_bottleneck([1, 2, 3, 4, 5], 2)
+    (9.0, [range(0, 3), range(3, 5)])
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n = len(times)
+    c = ChainCosts(times, times, times, mem or [0.0] * n, [0.0] * n, [0.0] * n)
+    ch = _Chain(c, "infer")
+    _check_memory([ch], cap)
+    p = _solve([ch], k, cap, max(ch.lower, ch.work / k))
+    if p is None:
+        raise PlanError(f"no partition into at most {k} stages fits {cap} bytes per stage")
+    ends = p.parts[0][0]
+    return p.worst, [range(a, b) for a, b in zip([0] + ends[:-1], ends)]
+
+
+# --- stage count -----------------------------------------------------------------------
+
+
+def _stages(chains: list[_Chain], parts: list[tuple[list[int], list[int]]]) -> list[list]:
+    """Stages as [time, chain, "f"|"b", start, stop] in processing positions, run order."""
+    fwd, bwd = [], []
+    for k, (ch, (fcuts, bcuts)) in enumerate(zip(chains, parts)):
+        for s, (a, b) in enumerate(zip([0] + fcuts[:-1], fcuts)):
+            fwd.append([ch.F[b] - ch.F[a], k, "f", a, b])
+        stages = []
+        for s, (a, b) in enumerate(zip([0] + bcuts[:-1], bcuts)):
+            T = ch.B1 if s == 0 else ch.B
+            stages.append([T[b] - T[a], k, "b", a, b])
+        bwd[:0] = stages  # later pipes' backward runs first
+    return fwd + bwd
+
+
+def _split_to(chains: list[_Chain], stages: list[list], count: int) -> list[list]:
+    """Split the slowest splittable stage at its balance point until there are ``count``
+    stages (a fused tail stage is never split). The bottleneck does not rise."""
+    keyed = {(n, st[3]): st for n, st in enumerate(stages)}   # (run-order slot, start)
+    heap = [(-st[0], key) for key, st in keyed.items()]
+    heapq.heapify(heap)
+    while len(keyed) < count and heap:
+        _, key = heapq.heappop(heap)
+        t, k, d, a, b = keyed[key]
+        if b - a < 2 or (d == "b" and chains[k].fused and a == 0):
+            continue
+        T = chains[k].F if d == "f" else chains[k].B
+        m = bisect.bisect_left(T, T[a] + (T[b] - T[a]) / 2, a + 1, b)
+        m = min((x for x in (m - 1, m) if a < x < b), key=lambda x: max(T[x] - T[a], T[b] - T[x]))
+        keyed[key] = [T[m] - T[a], k, d, a, m]
+        keyed[(key[0], m)] = [T[b] - T[m], k, d, m, b]
+        heapq.heappush(heap, (-keyed[key][0], key))
+        heapq.heappush(heap, (-keyed[(key[0], m)][0], (key[0], m)))
+    return [keyed[key] for key in sorted(keyed)]
+
+
+def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int,
+                num_microbatch: int | None = None, min_stages: int | None = None,
+                upper_threshold: float = 1.1, memory_cap: float | None = None
+                ) -> list[tuple[list[range], list[range]]]:
+    """Plan every chain with one common bottleneck; returns ``(fwd_plan, bwd_plan)`` per
+    chain (layer ranges; ``bwd_plan`` deep to shallow, empty for ``"infer"``).
+    ``memory_cap`` is bytes per stage. See the module docstring for the algorithm.
+
+    >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
+    [range(0, 3), range(3, 6)]
+    """
+    if run_type not in ("infer", "train", "fused"):
+        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    if not chains:
+        raise ValueError("plan_chains needs at least one chain")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if upper_threshold < 1.0:
+        raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
+    G = num_devices
+    M = num_microbatch or G + 1
+    want = G if min_stages is None else min_stages
+    cs = [_Chain(c, run_type) for c in chains]
+    _check_memory(cs, memory_cap)
+    max_count = sum(ch.max_stages for ch in cs)
+    lower = max(ch.lower for ch in cs)
+    finest = _solve(cs, max_count, memory_cap, lower)
+    assert finest is not None  # every layer fits alone (checked above)
+    coarse = _probe(cs, upper_threshold * finest.worst, memory_cap, max_count)
+    top = min(max(coarse.count, want), max_count)
+    bottom = max(min(want, top), top - G + 1)
+    best, best_est = None, INF
+    work, lo = sum(ch.work for ch in cs), finest.worst
+    for S in range(top, bottom - 1, -1):   # B*(S) >= B*(S + 1): each solve starts there
+        p = _solve(cs, S, memory_cap, lo := max(lo, work / S), coarse)
+        if p is None:
+            break
+        lo = p.worst
+        for parts in (p.parts, _rebalance(cs, p.parts, memory_cap)):
+            stages = _split_to(cs, _stages(cs, parts), S)
+            est = estimate_makespan([s[0] for s in stages], G, M)
+            if est < best_est * (1 - 1e-12):
+                best, best_est = stages, est
+    assert best is not None
+    out: list[tuple[list[range], list[range]]] = [([], []) for _ in cs]
+    for t, k, d, a, b in best:
+        n = cs[k].n
+        if d == "f":
+            out[k][0].append(range(a, b))
+        else:
+            out[k][1].append(range(n - b, n - a))
+    return out
+
+
+def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_stages: int = 1,
+                     mem: Sequence[float] | None = None, cap: float | None = None) -> list[range]:
+    """Baseline, reproduced from RoundPipe's documentation: a stage may take up to
+    ``upper_threshold`` x the slowest layer; pack greedily under that cap; if that gives
+    fewer than ``min_stages`` stages, pack under ``max(slowest, total / min_stages)``.
+
+    >>> roundpipe_greedy([1, 1, 1, 1, 2])
+    [range(0, 2), range(2, 4), range(4, 5)]
+    """
+    n = len(times)
+    P, Q = _prefix(times), _prefix(mem or [0.0] * n)
+    slowest = max(times)
+    cuts, _, _ = _pack(P, P, Q, n, upper_threshold * slowest, cap, INF)
+    if cuts is not None and len(cuts) < min_stages:
+        cuts, _, _ = _pack(P, P, Q, n, max(slowest, P[-1] / min_stages), cap, INF)
+    if cuts is None:
+        raise PlanError("roundpipe_greedy: a layer does not fit the memory cap")
+    return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]

@@ -1,0 +1,493 @@
+"""Devices: one interface, two backends (CUDA, and a virtual CPU device for testing).
+
+A device has three ordered work queues, *streams*: ``"compute"``, ``"h2d"`` (host to
+device) and ``"d2h"`` (device to host). Work is a Python callable submitted to a stream;
+``submit`` returns an :class:`Event` that completes when the work is done. Other
+submissions (on any stream, of any device) can ``wait`` on events, and the host can
+``event.wait()`` / ``event.result()``.
+
+Device memory is counted by *kind* (``"params"``, ``"activations"``, ``"gradients"``)
+for the allocations made through :meth:`Device.to_device` and :meth:`Device.track`,
+with a peak per kind and an optional limit; exceeding it raises
+:class:`fxpipe.errors.DeviceMemoryError` naming the owner (a stage) and the bytes.
+
+>>> d = VirtualDevice(name="vcpu:0")
+>>> x = d.to_device(torch.ones(4), kind="activations", owner="stage 0")
+>>> up = d.submit("compute", torch.mul, x, 2)
+>>> d.submit("d2h", lambda: d.to_host(up.result()), wait=[up]).result()
+tensor([2., 2., 2., 2.])
+>>> d.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.errors import DeviceMemoryError
+
+STREAMS = ("compute", "h2d", "d2h")
+KINDS = ("params", "activations", "gradients")
+Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
+
+_virtual_ids = itertools.count()
+
+
+class Event:
+    """Completion of one submitted piece of work: its result, or the exception it raised.
+
+    Thread-safe. An event whose ``wait`` list contained a failed event fails with that
+    same exception without running its work; later work on the same stream still runs.
+
+    >>> e = VirtualDevice().submit("compute", lambda: 1 + 1, label="add")
+    >>> e.result()
+    2
+    """
+
+    __slots__ = ("label", "_done", "_result", "_exc", "_cuda_event")
+
+    def __init__(self, label: str, cuda_event: Any = None):
+        self.label = label
+        self._done = threading.Event()
+        self._result: Any = None
+        self._exc: BaseException | None = None
+        self._cuda_event = cuda_event  # torch.cuda.Event recorded after the work (CUDA only)
+
+    def done(self) -> bool:
+        """True once the work ran on the host (CUDA kernels it queued may still run)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the work is complete; re-raise its exception if it failed."""
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until complete and return what the work returned (or raise its exception)."""
+        self.wait(timeout)
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until complete and return the exception it raised, or None."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"event {self.label!r} is not complete after {timeout}s: the work it runs after "
+                "may be blocked (a wait on an event that is never submitted, or a closed device)")
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        return self._exc
+
+    def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+        self._result, self._exc = result, exc
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._exc is not None else "done")
+        return f"Event({self.label!r}, {state})"
+
+
+class Device(ABC):
+    """A GPU-like worker: three streams, events, and byte-accounted device memory.
+
+    Backends: :class:`VirtualDevice` (CPU worker threads) and :class:`CudaDevice`.
+    Memory is counted for the allocations made by ``to_device`` and ``track`` (not for
+    temporaries inside submitted work), per storage, until ``free``.
+    """
+
+    def __init__(self, name: str, memory_limit: int | float | None):
+        if memory_limit is not None:
+            if not isinstance(memory_limit, (int, float)) or memory_limit < 0:
+                raise ValueError(f"{name}: memory_limit must be a number of bytes >= 0 or None, "
+                                 f"got {memory_limit!r}")
+            memory_limit = int(memory_limit)
+        self.name = name
+        self.memory_limit = memory_limit
+        self.records: list[Record] = []
+        self._mem_lock = threading.Lock()
+        self._live: dict[int, tuple[Any, str, int]] = {}  # storage data_ptr -> (storage, kind, nbytes)
+        self._resident = dict.fromkeys(KINDS, 0)
+        self._peak = dict.fromkeys(KINDS, 0)
+        self._peak_total = 0
+
+    @abstractmethod
+    def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
+               wait: Sequence[Event] = (), label: str | None = None) -> Event:
+        """Run ``fn(*args)`` on ``stream`` after earlier work on it and after ``wait``."""
+
+    @abstractmethod
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
+        """Copy a host tensor into counted device memory; ``owner`` (a stage) names it in errors."""
+
+    @abstractmethod
+    def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
+        """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all submitted work is complete (errors stay in their events)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish submitted work and stop the device's workers. Idempotent."""
+
+    def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
+        """Count a tensor made on the device (e.g. accumulated gradients); returns it."""
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() in self._live:
+            raise ValueError(f"{self.name}: the memory of this tensor ({owner}) is already counted; "
+                             "track each allocation once")
+        return self._allocate(storage.nbytes(), kind, owner, lambda: tensor)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Stop counting the allocation ``tensor`` belongs to (its whole storage)."""
+        if not tensor.untyped_storage().nbytes():
+            return
+        with self._mem_lock:
+            entry = self._live.pop(tensor.untyped_storage().data_ptr(), None)
+            if entry is None:
+                raise ValueError(f"{self.name}: free() got a tensor whose memory is not counted here: "
+                                 "it was already freed, or not made by to_device()/track() on this device")
+            self._resident[entry[1]] -= entry[2]
+
+    def resident_bytes(self, kind: str | None = None) -> int:
+        """Counted bytes resident now (of one kind, or all)."""
+        with self._mem_lock:
+            return sum(self._resident.values()) if kind is None else self._resident[_check_kind(kind)]
+
+    def peak_bytes(self, kind: str | None = None) -> int:
+        """Highest counted resident bytes since creation or :meth:`reset_peak`."""
+        with self._mem_lock:
+            return self._peak_total if kind is None else self._peak[_check_kind(kind)]
+
+    def reset_peak(self) -> None:
+        """Set the peaks to what is resident now."""
+        with self._mem_lock:
+            self._peak = dict(self._resident)
+            self._peak_total = sum(self._resident.values())
+
+    def _allocate(self, nbytes: int, kind: str, owner: str,
+                  make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Reserve ``nbytes`` (or raise DeviceMemoryError, changing nothing), then ``make()``."""
+        _check_kind(kind)
+        with self._mem_lock:
+            total = sum(self._resident.values())
+            if self.memory_limit is not None and total + nbytes > self.memory_limit:
+                parts = ", ".join(f"{k} {v} B" for k, v in self._resident.items() if v) or "nothing"
+                raise DeviceMemoryError(
+                    f"{self.name}: allocating {nbytes} B of {kind} for {owner} would exceed the "
+                    f"memory limit: {total} B resident ({parts}) + {nbytes} B requested > limit "
+                    f"{self.memory_limit} B. Give the stage fewer layers (a smaller ExecutePlan "
+                    "range), use smaller microbatches, or raise memory_limit.")
+            self._resident[kind] += nbytes
+        try:
+            tensor = make()
+            storage = tensor.untyped_storage()
+            with self._mem_lock:
+                if nbytes and storage.data_ptr() in self._live:
+                    raise ValueError(f"{self.name}: the memory of this tensor ({owner}) is already "
+                                     "counted; track each allocation once")
+                if nbytes:
+                    self._live[storage.data_ptr()] = (storage, kind, nbytes)
+                self._peak[kind] = max(self._peak[kind], self._resident[kind])
+                self._peak_total = max(self._peak_total, sum(self._resident.values()))
+        except BaseException:
+            with self._mem_lock:
+                self._resident[kind] -= nbytes
+            raise
+        return tensor
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, memory_limit={self.memory_limit})"
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"memory kind must be one of {KINDS}, got {kind!r}")
+    return kind
+
+
+def _check_submit(device: Device, stream: str, wait: Sequence[Event]) -> tuple[Event, ...]:
+    if stream not in STREAMS:
+        raise ValueError(f"{device.name}: stream must be one of {STREAMS}, got {stream!r}")
+    if getattr(device, "_closed", False):
+        raise RuntimeError(f"{device.name} is closed: submit work before close(), or make a new device")
+    for e in wait:
+        if not isinstance(e, Event):
+            raise TypeError(f"{device.name}: wait= takes Events returned by submit(), "
+                            f"got {type(e).__name__}")
+    return tuple(wait)
+
+
+def _run_stream(stream: str, work: queue.SimpleQueue, records: list[Record] | None) -> None:
+    """A VirtualDevice stream: run queued work in order until the ``None`` sentinel."""
+    torch.set_num_threads(1)  # per thread (OpenMP): the caller's own setting is untouched
+    while (item := work.get()) is not None:
+        _run_one(stream, *item, records)
+        item = None  # hold no tensors while idle
+
+
+def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event, ...],
+             event: Event, records: list[Record] | None) -> None:
+    for e in wait:
+        exc = e.exception()
+        if exc is not None:  # do not compute on the output of failed work
+            event._finish(exc=exc)
+            return
+    result, exc, start = None, None, time.perf_counter()
+    try:
+        result = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the event
+        exc = e
+    if records is not None:
+        records.append((stream, event.label, start, time.perf_counter()))
+    event._finish(result, exc)
+
+
+def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
+    for work in queues.values():
+        work.put(None)
+
+
+class VirtualDevice(Device):
+    """A CPU stand-in for a GPU: one worker thread per stream, real separate tensor copies.
+
+    Threads start on the first submit (daemon, one intra-op thread each). ``records``
+    collects ``(stream, label, t_start, t_end)`` per work item when ``record=True``.
+
+    >>> with VirtualDevice(memory_limit=1024, record=True) as d:
+    ...     w = d.to_device(torch.zeros(8), kind="params", owner="stage 0")
+    ...     d.submit("compute", torch.add, w, 1, label="F s0 m0").result().sum()
+    tensor(8.)
+    """
+
+    def __init__(self, memory_limit: int | None = None, name: str | None = None, *,
+                 record: bool = False):
+        super().__init__(name if name is not None else f"vcpu:{next(_virtual_ids)}", memory_limit)
+        self._record = record
+        self._lock = threading.Lock()
+        self._closed = False
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._last: dict[str, Event] = {}
+        # Stop the workers if the device is dropped without close(); they hold no reference to it.
+        self._stop = weakref.finalize(self, _stop_workers, self._queues)
+
+    def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
+               wait: Sequence[Event] = (), label: str | None = None) -> Event:
+        """Queue ``fn(*args)`` on ``stream``'s worker; it runs after ``wait`` complete.
+
+        >>> d = VirtualDevice()
+        >>> a = d.submit("h2d", lambda: 3)
+        >>> d.submit("compute", lambda: a.result() * 2, wait=[a]).result()
+        6
+        """
+        event = Event(label if label is not None else getattr(fn, "__name__", "work"))
+        with self._lock:
+            wait = _check_submit(self, stream, wait)
+            if stream not in self._queues:
+                work: queue.SimpleQueue = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=_run_stream, args=(stream, work, self.records if self._record else None),
+                    name=f"fxpipe-{self.name}-{stream}", daemon=True)
+                self._queues[stream], self._threads[stream] = work, thread
+                thread.start()
+            self._queues[stream].put((fn, args, wait, event))
+            self._last[stream] = event
+        return event
+
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
+        """A separate contiguous copy, counted as ``kind`` (raises DeviceMemoryError)."""
+        if host_tensor.device.type != "cpu":
+            raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
+                             f"got one on {host_tensor.device}")
+        return self._allocate(host_tensor.numel() * host_tensor.element_size(), kind, owner,
+                              lambda: host_tensor.detach().clone(memory_format=torch.contiguous_format))
+
+    def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
+        """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
+        return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
+
+    def synchronize(self) -> None:
+        """Block until every stream has run all work submitted so far."""
+        with self._lock:
+            last = list(self._last.values())
+        for event in last:
+            event.exception()
+
+    def close(self) -> None:
+        """Run the work already queued, then stop and join the worker threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop()
+        for thread in self._threads.values():
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+class CudaDevice(Device):
+    """One GPU: ``torch.cuda.Stream`` per stream, ``torch.cuda.Event`` between them.
+
+    ``submit`` runs ``fn`` on the calling thread inside ``torch.cuda.stream(s)``, after
+    ``s.wait_event(...)`` for each CUDA event waited on (a VirtualDevice event is waited on
+    by the host). The host only *queues* kernels, so this overlaps like worker threads
+    would, without threads; the returned event completes on the GPU when they finish.
+    ``to_device`` copies from pinned memory without blocking, ``to_host`` copies into
+    pinned memory without blocking (read it after the event completes). Tensors are
+    ``record_stream``-ed on every stream that may use them. ``peak_bytes()`` is
+    ``torch.cuda.max_memory_allocated`` (everything, not only tracked tensors). No
+    ``records`` timeline yet. Needs a CUDA build and a visible GPU.
+    """
+
+    def __init__(self, index: int | None = None, memory_limit: int | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"CudaDevice({index}): CUDA is not available (torch {torch.__version__}, "
+                f"torch.version.cuda={torch.version.cuda}): install a CUDA build of torch on a "
+                "machine with a GPU, or use fxpipe.VirtualDevice() / devices=['cpu']")
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if index is None else index
+        if not 0 <= index < count:
+            raise ValueError(f"CudaDevice({index}): no such GPU, {count} visible (cuda:0..cuda:{count - 1})")
+        self.device = torch.device("cuda", index)
+        if memory_limit is None:
+            memory_limit = torch.cuda.get_device_properties(index).total_memory
+        super().__init__(f"cuda:{index}", memory_limit)
+        self.streams = {name: torch.cuda.Stream(self.device) for name in STREAMS}
+        self._closed = False
+
+    def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
+               wait: Sequence[Event] = (), label: str | None = None) -> Event:
+        """Queue ``fn(*args)``'s kernels on ``stream`` after ``wait``; returns their event."""
+        wait = _check_submit(self, stream, wait)
+        s = self.streams[stream]
+        event = Event(label if label is not None else getattr(fn, "__name__", "work"), torch.cuda.Event())
+        result, exc = None, None
+        with torch.cuda.device(self.device), torch.cuda.stream(s):
+            for e in wait:
+                if e._cuda_event is not None and e.done():
+                    s.wait_event(e._cuda_event)  # the GPU waits; its host part is already done
+                    failed = e._exc
+                else:  # a VirtualDevice event: the host waits for it
+                    failed = e.exception()
+                exc = failed if exc is None else exc
+            if exc is None:
+                try:
+                    result = fn(*args)
+                except BaseException as e:  # noqa: BLE001 - every failure must reach the event
+                    exc = e
+            event._cuda_event.record(s)
+        event._finish(result, exc)
+        return event
+
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
+        """Copy on the current stream (non-blocking from pinned memory), counted as ``kind``."""
+        def copy() -> torch.Tensor:
+            out = torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=self.device)
+            out.copy_(host_tensor.detach(), non_blocking=host_tensor.is_pinned())
+            self._record_streams(out)
+            return out
+
+        nbytes = host_tensor.numel() * host_tensor.element_size()
+        try:
+            return self._allocate(nbytes, kind, owner, copy)
+        except torch.OutOfMemoryError as e:
+            if isinstance(e, DeviceMemoryError):
+                raise
+            raise DeviceMemoryError(f"{self.name}: out of memory allocating {nbytes} B of {kind} "
+                                    f"for {owner} ({self.resident_bytes()} B counted): {e}") from e
+
+    def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
+        """Copy on the current stream into a new (pinned: non-blocking) host tensor."""
+        out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype, pin_memory=pin)
+        dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
+        out.copy_(dev_tensor.detach(), non_blocking=pin)
+        return out
+
+    def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
+        self._record_streams(tensor)
+        return super().track(tensor, kind, owner)
+
+    def _record_streams(self, tensor: torch.Tensor) -> None:
+        for s in self.streams.values():  # freed memory is reused only after every stream's use
+            tensor.record_stream(s)
+
+    def peak_bytes(self, kind: str | None = None) -> int:
+        if kind is None:
+            return max(super().peak_bytes(), torch.cuda.max_memory_allocated(self.device))
+        return super().peak_bytes(kind)
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Wait for queued kernels; later submits raise. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.synchronize()
+
+
+def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch.device | Device
+                    | None = None) -> list[Device]:
+    """Turn the ``devices=`` argument of ``fxpipe.compile`` into Device objects.
+
+    ``None``: every visible GPU, or two VirtualDevices without one. ``"cpu"``: one
+    VirtualDevice (per entry). ``"cuda:1"`` / ``torch.device``: a CudaDevice. Device
+    instances pass through.
+
+    >>> [d.name for d in resolve_devices(["cpu", "cpu"])]
+    ['vcpu:0', 'vcpu:1']
+    """
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count:
+            return [CudaDevice(i) for i in range(count)]
+        return [VirtualDevice(name="vcpu:0"), VirtualDevice(name="vcpu:1")]
+    if isinstance(devices, (str, torch.device, Device)):
+        devices = [devices]
+    out: list[Device] = []
+    for i, entry in enumerate(devices):
+        where = f"devices[{i}]={entry!r}"
+        if isinstance(entry, Device):
+            device = entry
+        elif isinstance(entry, (str, torch.device)):
+            try:
+                spec = torch.device(entry)
+            except RuntimeError as e:
+                raise ValueError(f"{where} is not a device string: use 'cpu' or 'cuda:N' ({e})") from None
+            if spec.type == "cpu":
+                device = VirtualDevice(name=f"vcpu:{sum(isinstance(d, VirtualDevice) for d in out)}")
+            elif spec.type == "cuda":
+                device = CudaDevice(spec.index)
+            else:
+                raise ValueError(f"{where}: fxpipe runs on 'cpu' (virtual devices) or 'cuda:N', "
+                                 f"not {spec.type!r}")
+        else:
+            raise ValueError(f"{where}: expected 'cpu', 'cuda:N', a torch.device or an "
+                             f"fxpipe.Device, got {type(entry).__name__}")
+        if any(d is device or (isinstance(d, CudaDevice) and d.name == device.name) for d in out):
+            raise ValueError(f"{where}: {device.name} is listed twice; list each device once")
+        out.append(device)
+    if not out:
+        raise ValueError("devices is empty: pass None (auto), ['cpu'], or a list of 'cuda:N'")
+    return out

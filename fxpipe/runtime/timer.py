@@ -1,0 +1,104 @@
+"""Online per-layer timings: forward, recompute and backward milliseconds per layer.
+
+Each (layer, kind) keeps a bias-corrected exponential moving average, as Adam corrects
+its moments: ``m_t = beta * m_{t-1} + (1 - beta) * x_t`` and the estimate is
+``m_t / (1 - beta**t)``, so the first kept sample is its own average and old samples
+fade out. The very first sample of each (layer, kind) is a warm-up (allocator, caches,
+lazy init) and is dropped. With ``fxpipe.verbose.set_verbose(True)`` (or
+``FXPIPE_VERBOSE=1``) every measurement is printed to stderr.
+
+>>> timer = LayerTimer()
+>>> for ms in (50.0, 2.0, 4.0):
+...     timer.record(0, "fwd", ms)
+>>> round(timer.time(0, "fwd"), 3)          # the 50 ms warm-up is dropped
+3.053
+>>> timer.times(0)
+(3.0526315789473686, None, None)
+>>> timer.times(1) is None
+True
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+from fxpipe.verbose import is_verbose
+
+Kind = Literal["fwd", "recompute", "bwd"]
+KINDS: tuple[str, ...] = ("fwd", "recompute", "bwd")
+
+
+class LayerTimer:
+    """Bias-corrected moving averages of per-layer times (thread-safe; see module doc)."""
+
+    def __init__(self, beta: float = 0.9, warmup: int = 1):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.beta = beta
+        self.warmup = warmup
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[int, str], int] = {}       # samples seen (incl. warm-up)
+        self._avg: dict[tuple[int, str], float] = {}      # biased average m_t
+        self._kept: dict[tuple[int, str], int] = {}       # samples averaged (t)
+
+    def record(self, layer: int, kind: Kind, ms: float) -> None:
+        """Add one measurement of ``layer``'s ``kind`` time, in milliseconds."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        ms = float(ms)
+        if not ms >= 0.0:
+            raise ValueError(f"layer {layer} {kind}: time must be >= 0 ms, got {ms}")
+        key = (layer, kind)
+        with self._lock:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen <= self.warmup:
+                estimate = None
+            else:
+                t = self._kept.get(key, 0) + 1
+                self._kept[key] = t
+                m = self.beta * self._avg.get(key, 0.0) + (1.0 - self.beta) * ms
+                self._avg[key] = m
+                estimate = m / (1.0 - self.beta ** t)
+        if is_verbose():
+            note = "warm-up, dropped" if estimate is None else f"avg {estimate:.3f} ms"
+            print(f"fxpipe timer: layer {layer} {kind} {ms:.3f} ms ({note})", file=sys.stderr)
+
+    def time(self, layer: int, kind: Kind) -> float | None:
+        """The averaged time of ``layer``'s ``kind`` in ms, ``None`` before any kept sample."""
+        with self._lock:
+            t = self._kept.get((layer, kind), 0)
+            return None if t == 0 else self._avg[(layer, kind)] / (1.0 - self.beta ** t)
+
+    def times(self, layer: int) -> tuple[float | None, float | None, float | None] | None:
+        """``(fwd_ms, recompute_ms, bwd_ms)`` for ``layer`` (``None`` for a kind not yet
+        measured), or ``None`` when nothing about the layer has been kept yet."""
+        values = tuple(self.time(layer, k) for k in KINDS)
+        return None if all(v is None for v in values) else values  # type: ignore[return-value]
+
+    def count(self, layer: int, kind: Kind) -> int:
+        """How many samples of ``layer``'s ``kind`` were recorded (warm-up included)."""
+        with self._lock:
+            return self._seen.get((layer, kind), 0)
+
+    def reset(self) -> None:
+        """Forget every measurement (e.g. after the model or the hardware changed)."""
+        with self._lock:
+            self._seen.clear()
+            self._avg.clear()
+            self._kept.clear()
+
+    @contextmanager
+    def measure(self, layer: int, kind: Kind) -> Iterator[None]:
+        """Time the ``with`` body on the host clock and record it (CPU work; for CUDA
+        record event-measured times with ``record``); a body that raises records nothing."""
+        start = time.perf_counter()
+        yield
+        self.record(layer, kind, (time.perf_counter() - start) * 1e3)

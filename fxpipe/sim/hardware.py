@@ -1,0 +1,109 @@
+"""What the simulator is told about the machine (``Hardware``) and the model (``LayerCost``).
+
+Times are milliseconds, sizes bytes, rates per second::
+
+    >>> hw = Hardware.rtx4090_pcie4()
+    >>> round(hw.transfer_ms(25e9 / 1000, "h2d"), 3)        # 25 MB at 25 GB/s
+    1.0
+    >>> LayerCost.from_flops(165e9, hw).fwd_ms                # 165 GFLOP at 165 TFLOP/s
+    1.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A homogeneous set of devices attached to one host.
+
+    - ``flops``: dense FLOP/s of one device (used by ``LayerCost.from_flops``).
+    - ``memory``: bytes per device (``Timeline.memory_ok`` compares peaks with it).
+    - ``h2d_bandwidth`` / ``d2h_bandwidth``: bytes/s of one device's host link.
+    - ``shared_bus``: all devices share one host link per direction (transfers of
+      different devices are serialized, first ready first served) instead of one each.
+    - ``cpu_optimizer_bytes_per_s``: parameter bytes the host optimizer updates per s.
+    - ``comm_ms_per_hop``: added to every activation hand-off between two devices
+      (an ``Upload`` whose producer ran on another device).
+    - ``transfers``: False makes every transfer (and the host optimizer) take no time,
+      as RoundPipe's schedule simulator assumes; hand-off hops still apply.
+    """
+
+    flops: float = INF
+    memory: float = INF
+    h2d_bandwidth: float = INF
+    d2h_bandwidth: float = INF
+    shared_bus: bool = False
+    cpu_optimizer_bytes_per_s: float = INF
+    comm_ms_per_hop: float = 0.0
+    transfers: bool = True
+
+    @classmethod
+    def rtx4090_pcie4(cls, **overrides) -> "Hardware":
+        """RTX 4090 on PCIe 4.0 x16: 165 dense bf16 TFLOP/s, 24 GiB, ~25 GB/s each way.
+
+        >>> Hardware.rtx4090_pcie4(shared_bus=True).shared_bus
+        True
+        """
+        base = dict(flops=165e12, memory=24 * 2**30, h2d_bandwidth=25e9, d2h_bandwidth=25e9)
+        return cls(**{**base, **overrides})
+
+    def transfer_ms(self, nbytes: float, direction: Literal["h2d", "d2h"]) -> float:
+        """Time to move ``nbytes`` over one device's link (0 when transfers are free)."""
+        if not self.transfers or nbytes <= 0:
+            return 0.0
+        bw = self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth
+        return nbytes / bw * 1e3
+
+    def optimizer_ms(self, nbytes: float) -> float:
+        """Host optimizer time for ``nbytes`` of parameters."""
+        if not self.transfers or nbytes <= 0:
+            return 0.0
+        return nbytes / self.cpu_optimizer_bytes_per_s * 1e3
+
+    def compute_ms(self, flops: float) -> float:
+        """Time for ``flops`` floating-point operations on one device."""
+        return flops / self.flops * 1e3
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per-microbatch cost of one layer.
+
+    - ``fwd_ms``, ``bwd_ms``: forward and backward time (backward excludes recompute).
+    - ``recompute_ms``: the forward re-run before backward (default ``fwd_ms``).
+    - ``param_bytes``, ``grad_bytes`` (default ``param_bytes``).
+    - ``boundary_bytes``: activations leaving the layer (live across the cut after it);
+      also the size of their gradient.
+    - ``saved_bytes``: activations one microbatch keeps for this layer's backward.
+
+    >>> LayerCost(7.4, 15.8).recompute
+    7.4
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    recompute_ms: float | None = None
+    param_bytes: int = 0
+    grad_bytes: int | None = None
+    boundary_bytes: int = 0
+    saved_bytes: int = 0
+
+    @property
+    def recompute(self) -> float:
+        return self.fwd_ms if self.recompute_ms is None else self.recompute_ms
+
+    @property
+    def grads(self) -> int:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
+
+    @classmethod
+    def from_flops(cls, fwd_flops: float, hardware: Hardware, bwd_flops: float | None = None,
+                   **sizes) -> "LayerCost":
+        """Times from FLOPs on ``hardware`` (backward defaults to 2x forward)."""
+        bwd = 2 * fwd_flops if bwd_flops is None else bwd_flops
+        return cls(hardware.compute_ms(fwd_flops), hardware.compute_ms(bwd), **sizes)

@@ -1,0 +1,274 @@
+"""Discrete-event simulation of a Program on a ``Hardware`` model.
+
+Every action of the Program is timed from the dependencies ``Program.dependencies()``
+derives (stream order, issue order, residency, inputs, gradients); the only other
+contention is the shared host link (``Hardware.shared_bus``) and the host optimizer,
+granted first-ready-first-served. Durations come from per-layer ``LayerCost``:
+
+- ``Forward``: the stage's forward times; ``FusedBackward``: forward of its layers
+  (tail + loss), then backward; ``RecomputeBackward``: recompute, then backward.
+- ``Prefetch``: parameter bytes (+ nothing for the gradient buffer, allocated on device);
+  ``Upload``: the boundary entering the stage; ``UploadGrad``: the boundary leaving it;
+  ``Offload``: a fwd stage's output plus any saved inputs of bwd stages inside it, a bwd
+  stage's input gradient; ``DownloadGrads``: gradient bytes; ``OptimizerStep``: the
+  layers' parameter bytes at ``cpu_optimizer_bytes_per_s``.
+
+``semantics`` decides where the first part of a two-part compute goes:
+
+- ``"fxpipe"``: it starts as soon as the compute stream is free and its parameters and
+  input are there; the backward part then waits for the gradient (what the executor does).
+- ``"roundpipe"``: as RoundPipe's simulator, the first part (recompute, or the fused
+  stage's head forward) is placed immediately before the backward part, and every data
+  dependency gates only the backward part. This lets a fused head forward start before
+  its input arrived; use it to reproduce RoundPipe's published figures.
+
+Memory per device: parameters (+ gradient buffer for backward stages) from ``Prefetch``
+start to ``Release``; uploaded activations until their consumer ends; a compute's output
+from its end until its ``Offload`` (or on-device consumer) ends; while computing, the
+saved activations of the stage (backward) or of its largest layer (forward).
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from contextlib import contextmanager
+from typing import Literal, Sequence
+
+from fxpipe.passes.schedule import (Compute, Dep, DownloadGrads, Forward, FusedBackward,
+                                    Offload, OptimizerStep, Prefetch, Program, RecomputeBackward,
+                                    Release, RunType, Upload, UploadGrad, build_program, stream_of)
+from fxpipe.sim.hardware import Hardware, LayerCost
+from fxpipe.sim.timeline import Interval, Timeline
+
+Semantics = Literal["fxpipe", "roundpipe"]
+_TRANSFERS = (Prefetch, Upload, UploadGrad)
+
+
+class _StageCosts:
+    """Per-stage sums of the layer costs a Program's actions need."""
+
+    def __init__(self, program: Program, costs: Sequence[LayerCost], input_bytes: int):
+        n = max((st.layers.stop for st in program.stages), default=0)
+        if len(costs) < n:
+            raise ValueError(f"the program's stages cover {n} layers, costs has {len(costs)}")
+        boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
+        self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
+        self.inp, self.out, self.grad_in, self.work = [], [], [], []
+        for st in program.stages:
+            lc = [costs[i] for i in st.layers]
+            self.fwd.append(sum(c.fwd_ms for c in lc))
+            self.pre.append(sum(c.recompute if st.kind == "bwd" else c.fwd_ms for c in lc))
+            self.bwd.append(sum(c.bwd_ms for c in lc))
+            self.params.append(sum(c.param_bytes for c in lc))
+            self.grads.append(0 if st.kind == "fwd" else sum(c.grads for c in lc))
+            self.inp.append(boundary(st.layers.start - 1))
+            self.grad_in.append(boundary(st.layers.stop - 1))
+            if st.kind == "fwd":
+                saved = sum(boundary(program.stages[b].layers.start - 1)
+                            for b in program.saved_inputs_of(st.index)
+                            if program.stages[b].layers.start != st.layers.stop)
+                self.out.append(boundary(st.layers.stop - 1) + saved)
+                self.work.append(max((c.saved_bytes for c in lc), default=0))
+            else:
+                self.out.append(boundary(st.layers.start - 1))
+                self.work.append(sum(c.saved_bytes for c in lc))
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic GC: the simulation allocates many small acyclic objects and the
+    collector's passes over them cost about half the run time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
+             *, semantics: Semantics = "fxpipe", tokens_per_step: int | None = None,
+             input_bytes: int = 0) -> Timeline:
+    """Time ``program`` with per-layer ``costs`` on ``hardware``.
+
+    ``hardware=None`` is ``Hardware()``: every transfer free, no memory limit.
+    ``tokens_per_step`` (tokens in one call of the program) gives ``tokens_per_s``;
+    ``input_bytes`` is the model input per microbatch.
+
+    >>> from fxpipe.passes.schedule import build_program
+    >>> p = build_program([range(0, 2)], [range(2, 4), range(0, 2)], "fused", 2, 4, "stage")
+    >>> t = simulate(p, [LayerCost(1.0, 2.0)] * 4)
+    >>> round(t.makespan, 3), round(t.bubble_ratio, 2)
+    (32.0, 12.5)
+    """
+    if semantics not in ("fxpipe", "roundpipe"):
+        raise ValueError(f"semantics must be 'fxpipe' or 'roundpipe', got {semantics!r}")
+    with _gc_paused():
+        return _simulate(program, costs, Hardware() if hardware is None else hardware,
+                         semantics, tokens_per_step, input_bytes)
+
+
+def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes) -> Timeline:
+    sc = _StageCosts(program, costs, input_bytes)
+    deps = program.dependencies()
+    nodes = [(d, i, a) for d, acts in enumerate(program.actions) for i, a in enumerate(acts)]
+    nid = {(d, i): k for k, (d, i, _) in enumerate(nodes)}
+    N = len(nodes)
+    dep_ids = [[(nid[(x.device, x.step)], x) for x in deps[d][i]] for d, i, _ in nodes]
+    waiting = [len(x) for x in dep_ids]
+    dependents: list[list[int]] = [[] for _ in range(N)]
+    for k, dl in enumerate(dep_ids):
+        for j, _ in dl:
+            dependents[j].append(k)
+    start, end, split, ready_data = [0.0] * N, [0.0] * N, [0.0] * N, [0.0] * N
+    done = [False] * N
+    hop = hardware.comm_ms_per_hop
+    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
+
+    def dep_time(j: int, x: Dep, instant: bool = False) -> float:
+        if instant and isinstance(nodes[j][2], _TRANSFERS):
+            return ready_data[j]
+        return (start[j] if x.on == "start" else end[j]) + (hop if x.hop and not instant else 0.0)
+
+    def duration(a) -> float:
+        match a:
+            case Prefetch(stage=s):
+                return hardware.transfer_ms(sc.params[s], "h2d")
+            case Upload(stage=s):
+                return hardware.transfer_ms(sc.inp[s], "h2d")
+            case UploadGrad(stage=s):
+                return hardware.transfer_ms(sc.grad_in[s], "h2d")
+            case Offload(stage=s):
+                return hardware.transfer_ms(sc.out[s], "d2h")
+            case DownloadGrads(stage=s):
+                return hardware.transfer_ms(sc.grads[s], "d2h")
+            case OptimizerStep(layers=layers):
+                return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
+        return 0.0
+
+    def compute_times(k: int, instant: bool) -> tuple[float, float, float]:
+        """(start, backward start, end) of compute node k."""
+        a = nodes[k][2]
+        free = max((dep_time(j, x) for j, x in dep_ids[k] if x.why == "stream"), default=0.0)
+        if isinstance(a, Forward):
+            t = max([free] + [dep_time(j, x, instant) for j, x in dep_ids[k]])
+            return t, t, t + sc.fwd[a.stage]
+        pre, main = sc.pre[a.stage], sc.bwd[a.stage]
+        if semantics == "roundpipe":
+            data = max((dep_time(j, x, instant) for j, x in dep_ids[k] if x.why != "stream"),
+                       default=0.0)
+            b = max(free + pre, data)
+            return b - pre, b, b + main
+        s = max([free] + [dep_time(j, x, instant) for j, x in dep_ids[k] if x.why != "grad"])
+        b = max([s + pre] + [dep_time(j, x, instant) for j, x in dep_ids[k] if x.why == "grad"])
+        return s, b, b + main
+
+    def ready_time(k: int) -> float:
+        if isinstance(nodes[k][2], Compute):
+            return compute_times(k, False)[0]
+        return max((dep_time(j, x) for j, x in dep_ids[k]), default=0.0)
+
+    heap = [(ready_time(k), k) for k in range(N) if waiting[k] == 0]
+    heapq.heapify(heap)
+    exposed = 0.0
+    while heap:
+        t, k = heapq.heappop(heap)
+        d, i, a = nodes[k]
+        if isinstance(a, Compute):
+            start[k], split[k], end[k] = compute_times(k, False)
+            exposed += end[k] - compute_times(k, True)[2]
+        else:
+            if isinstance(a, _TRANSFERS):
+                ready_data[k] = max((dep_time(j, x, True) for j, x in dep_ids[k]
+                                     if x.why != "stream"), default=0.0)
+            stream = stream_of(a)
+            shared = stream == "host" or (hardware.shared_bus and stream in ("h2d", "d2h"))
+            start[k] = max(t, bus[stream]) if shared else t
+            end[k] = start[k] + duration(a)
+            if shared:
+                bus[stream] = end[k]
+        done[k] = True
+        for j in dependents[k]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, (ready_time(j), j))
+    if not all(done):
+        d, i, a = nodes[done.index(False)]
+        blockers = [str(nodes[j][2]) + f"@d{nodes[j][0]}" for j, _ in dep_ids[done.index(False)]
+                    if not done[j]]
+        raise ValueError(f"program deadlocks: device {d} step {i} ({a}) waits forever on "
+                         f"{', '.join(blockers)}")
+    return _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
+                     tokens_per_step)
+
+
+def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
+              tokens_per_step) -> Timeline:
+    G = program.num_devices
+    intervals: list[Interval] = []
+    mem: list[list[tuple[float, int]]] = [[] for _ in range(G)]
+    busy, device_free = [0.0] * G, [0.0] * G
+    for k, (d, i, a) in enumerate(nodes):
+        stream = stream_of(a) or "compute"
+        label = str(a)
+        if isinstance(a, Compute):
+            if isinstance(a, Forward):
+                parts = [("forward", start[k], end[k])]
+            else:
+                first = "recompute" if isinstance(a, RecomputeBackward) else "forward"
+                parts = [(first, start[k], start[k] + sc.pre[a.stage]),
+                         ("backward", split[k], end[k])]
+            for kind, s, e in parts:
+                intervals.append(Interval(d, stream, label, kind, s, e))
+                busy[d] += e - s
+            device_free[d] = max(device_free[d], end[k])
+            mem[d] += [(start[k], sc.work[a.stage]), (end[k], -sc.work[a.stage])]
+            for j, x in dep_ids[k]:
+                src = nodes[j][2]
+                if x.why in ("input", "grad") and isinstance(src, (Upload, UploadGrad)):
+                    nbytes = sc.inp[src.stage] if isinstance(src, Upload) else sc.grad_in[src.stage]
+                    mem[d] += [(start[j], nbytes), (end[k], -nbytes)]
+                elif x.why in ("input", "grad") and isinstance(src, Compute):
+                    mem[d] += [(end[j], sc.out[src.stage]), (end[k], -sc.out[src.stage])]
+        else:
+            kind = "optimizer" if isinstance(a, OptimizerStep) else "transfer"
+            intervals.append(Interval(d, stream, label, kind, start[k], end[k]))
+            if isinstance(a, Prefetch):
+                nbytes = sc.params[a.stage] + sc.grads[a.stage]
+                mem[d].append((start[k], nbytes))
+            elif isinstance(a, Release):
+                mem[d].append((end[k], -(sc.params[a.stage] + sc.grads[a.stage])))
+            elif isinstance(a, Offload):
+                j = next(j for j, x in dep_ids[k] if x.why == "input")
+                mem[d] += [(end[j], sc.out[a.stage]), (end[k], -sc.out[a.stage])]
+    peaks = []
+    for events in mem:
+        cur = peak = 0
+        for _, delta in sorted(events):
+            cur += delta
+            peak = max(peak, cur)
+        peaks.append(peak)
+    makespan = max((iv.end for iv in intervals), default=0.0)
+    tps = tokens_per_step / (makespan / 1e3) if tokens_per_step and makespan > 0 else None
+    return Timeline(G, intervals, makespan, busy, device_free, peaks, exposed,
+                    memory_limit=hardware.memory, tokens_per_s=tps)
+
+
+def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,
+                      num_devices: int, num_microbatches: int, costs: Sequence[LayerCost],
+                      hardware: Hardware | None = None, *, semantics: Semantics = "fxpipe",
+                      round_size: int | None = None, optimizer: bool = False) -> Program:
+    """``build_program(..., dispatch="roundpipe")`` with each round's first device chosen
+    by simulating the rounds before it (the device whose compute stream is free first).
+
+    >>> p = roundpipe_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 4,
+    ...                       [LayerCost(1.0, 2.0)] * 3)
+    >>> p.num_microbatches, len(p.stages)
+    (4, 3)
+    """
+    return build_program(
+        plan_fwd, plan_bwd, run_type, num_devices, num_microbatches, "roundpipe",
+        round_size=round_size, optimizer=optimizer,
+        device_free=lambda p: simulate(p, costs, hardware, semantics=semantics).device_free)

@@ -1,0 +1,183 @@
+"""fxpipe.compile: outputs, every parameter's .grad and buffers equal eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import fxpipe
+from tests import models
+
+
+def _loss(out) -> torch.Tensor:
+    """A scalar depending on every floating output leaf, with distinct weights."""
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return sum((i + 1) * x.float().square().mean() for i, x in enumerate(leaves))
+
+
+def check_equivalence(model, args=(), kwargs=None, *, exact=True, capture="auto", layers=None,
+                      plan=None, devices=None):
+    """Compile ``model`` and compare a forward + backward with an eager deep copy."""
+    kwargs = kwargs or {}
+    ref = copy.deepcopy(model)
+    buffers_before = {k: v.clone() for k, v in model.named_buffers()}
+    pipe = fxpipe.compile(model, example_inputs=args, example_kwargs=kwargs, capture=capture,
+                          layers=layers, plan=plan, devices=devices)
+    for k, v in model.named_buffers():  # compiling runs nothing for real
+        assert torch.equal(v, buffers_before[k]), f"compile changed buffer {k}"
+
+    out = pipe(*args, **kwargs)
+    _loss(out).backward()
+    ref_out = ref(*args, **kwargs)
+    _loss(ref_out).backward()
+
+    compare = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-6, rtol=1e-5))
+    got, want = pytree.tree_flatten(out), pytree.tree_flatten(ref_out)
+    assert got[1] == want[1], f"output structure differs: {got[1]} vs {want[1]}"
+    for i, (a, b) in enumerate(zip(got[0], want[0])):
+        if isinstance(a, torch.Tensor):
+            assert compare(a, b), f"output leaf {i} differs (max {(a - b).abs().max()})"
+        else:
+            assert a == b
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        assert (p.grad is None) == (r.grad is None), f"grad presence differs for {name}"
+        if p.grad is not None:
+            assert compare(p.grad, r.grad), f"grad of {name} differs (max {(p.grad - r.grad).abs().max()})"
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        assert compare(b, ref_buffers[name]), f"buffer {name} differs after the call"
+    return pipe
+
+
+def test_sequential_mlp():
+    torch.manual_seed(0)
+    pipe = check_equivalence(models.mlp(), (torch.randn(8, 16),))
+    assert pipe.layers.capture == "fx"
+    assert [layer.name for layer in pipe.layers] == [str(i) for i in range(9)]
+
+
+def test_gpt_decoder_tied_rotary_dropout_eval():
+    torch.manual_seed(0)
+    model = models.GPT(dropout=0.1).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    pipe = check_equivalence(model, (ids,))
+    names = [layer.name for layer in pipe.layers]
+    assert names == ["prefix", "blocks.0", "blocks.1", "blocks.2", "suffix"]
+    # the tied embedding / head weight is one tensor, used by the first and the last layer
+    assert pipe.layers.shared_params == {"embed.weight": [0, 4]}
+    assert pipe.layers.params["embed.weight"] is model.embed.weight
+
+
+def test_convnet_residual_batchnorm_train():
+    torch.manual_seed(0)
+    model = models.ConvNet().train()
+    pipe = check_equivalence(model, (torch.randn(4, 3, 8, 8),))
+    assert pipe.layers.capture == "export"  # fx cannot trace BatchNorm's input checks
+    assert [layer.name for layer in pipe.layers] == ["prefix", "blocks.0", "blocks.1",
+                                                     "blocks.2", "suffix"]
+
+
+def test_kwargs_model_returning_dict():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    mask = (torch.rand(4, 16) > 0.3).float()
+    # the skip value feeds every block: its gradient is summed in another order than eager
+    pipe = check_equivalence(models.KwargsModel(), (x,), {"mask": mask, "scale": 2.0}, exact=False)
+    # root-level ops after the last block call belong to the suffix; the skip value
+    # (`linear`, made in the prefix) and the mask are carried to every layer reading them
+    layers = {layer.name: layer for layer in pipe.layers}
+    assert list(layers) == ["prefix", "layers.0", "layers.1", "layers.2", "suffix"]
+    for name in ("layers.0", "layers.1", "suffix"):
+        assert {"mask", "linear"} <= set(layers[name].inputs), name
+    assert pipe.layers.boundary(1) == ["mask", "linear", "add"]
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "dynamo"])
+def test_every_capture_method(capture):
+    torch.manual_seed(0)
+    pipe = check_equivalence(models.GPT(depth=2).eval(), (torch.randint(0, 64, (2, 8)),),
+                             capture=capture)
+    assert pipe.layers.capture == capture
+
+
+def test_hf_llama():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.init_like_training(models.tiny_llama(layers=3)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    pipe = check_equivalence(model, (), {"input_ids": ids})
+    assert [layer.name for layer in pipe.layers] == ["prefix", "model.layers.0", "model.layers.1",
+                                                     "model.layers.2", "suffix"]
+    out = pipe(input_ids=ids)
+    assert type(out).__name__ == "CausalLMOutputWithPast"
+
+
+def test_hf_gpt2():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.tiny_gpt2(layers=2).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    pipe = check_equivalence(model, (ids,))
+    assert [layer.name for layer in pipe.layers] == ["prefix", "transformer.h.0",
+                                                     "transformer.h.1", "suffix"]
+
+
+def test_parameters_are_the_models_own():
+    model = models.GPT(depth=2).eval()
+    pipe = fxpipe.compile(model, example_inputs=(torch.randint(0, 64, (2, 8)),))
+    own = {id(p) for p in model.parameters()}
+    for layer in pipe.layers:
+        for name in layer.params:
+            assert id(pipe.layers.params[name]) in own
+    for stage in pipe.stages:
+        for name in stage.params:
+            assert id(stage.gm.get_parameter(name)) in own
+    assert list(pipe.parameters()) == list(model.parameters())
+    assert pipe.state_dict().keys() == model.state_dict().keys()
+
+
+def test_forward_backward_matches_eager():
+    torch.manual_seed(0)
+    model = models.GPT(depth=2).eval()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    target = torch.randint(0, 64, (4, 8))
+
+    def loss_fn(out, label):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), label.flatten())
+
+    pipe = fxpipe.compile(model, example_inputs=(ids,))
+    loss = pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+    ref_loss = loss_fn(ref(ids), target)
+    ref_loss.backward()
+    assert not loss.requires_grad
+    assert torch.equal(loss, ref_loss.detach())
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad), name
+
+
+def test_user_plan_changes_stages_not_results():
+    torch.manual_seed(0)
+    model = models.GPT(depth=3).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    plan = fxpipe.ExecutePlan(fwd_plan=[range(0, 2), range(2, 5)],
+                              bwd_plan=[range(4, 5), range(3, 4), range(2, 3), range(1, 2), range(0, 1)])
+    pipe = check_equivalence(model, (ids,), plan=plan)
+    assert [st.layers for st in pipe.stages] == [range(0, 2), range(2, 5)]
+    assert [st.device for st in pipe.stages] == [0, 1]
+
+
+def test_train_eval_switch_recaptures():
+    torch.manual_seed(0)
+    model = models.GPT(depth=2, dropout=0.5).train()
+    ids = torch.randint(0, 64, (2, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,))
+    model.eval()
+    assert torch.equal(pipe(ids), model(ids))  # no dropout once in eval mode
+    pipe.train()
+    assert model.training

@@ -1,0 +1,372 @@
+"""Device backends: stream order, events, errors, memory accounting, overlap, lifecycle."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from fxpipe.errors import DeviceMemoryError
+from fxpipe.runtime.devices import CudaDevice, Device, Event, VirtualDevice, resolve_devices
+
+TIMEOUT = 10.0  # seconds; a hang fails the test instead of blocking the suite
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def dev():
+    d = VirtualDevice(name="vcpu:test", record=True)
+    yield d
+    d.close()
+
+
+def _matmuls(seconds: float) -> float:
+    """Work that releases the GIL: matmuls for about ``seconds``; returns when it started."""
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a = torch.tanh(a @ a)
+    return start
+
+
+# --- streams and events ---------------------------------------------------------------
+
+def test_stream_runs_work_in_submission_order(dev):
+    seen = []
+
+    def work(i):
+        time.sleep(0.002 * (i % 3 == 0))  # uneven durations
+        seen.append(i)
+        return i
+
+    events = [dev.submit("compute", work, i) for i in range(40)]
+    assert [e.result(TIMEOUT) for e in events] == list(range(40))
+    assert seen == list(range(40))
+
+
+def test_compute_waits_for_h2d_copy_event(dev):
+    host = torch.arange(1000.0)
+    staged = {}
+
+    def upload():
+        time.sleep(0.1)  # a slow copy: without the wait, compute would find nothing
+        staged["x"] = dev.to_device(host, kind="activations", owner="stage 0")
+
+    copied = dev.submit("h2d", upload, label="H2D s0")
+    total = dev.submit("compute", lambda: staged["x"].sum().item(), wait=[copied], label="F s0")
+    assert total.result(TIMEOUT) == host.sum().item()
+    (_, _, _, copy_end), = [r for r in dev.records if r[1] == "H2D s0"]
+    (_, _, compute_start, _), = [r for r in dev.records if r[1] == "F s0"]
+    assert compute_start >= copy_end
+
+
+def test_events_across_devices(dev):
+    with VirtualDevice(name="vcpu:other") as other:
+        first = other.submit("compute", lambda: time.sleep(0.05) or 21)
+        second = dev.submit("compute", lambda: first.result() * 2, wait=[first])
+        assert second.result(TIMEOUT) == 42
+
+
+def test_exception_reaches_wait_and_later_work_does_not_hang(dev):
+    boom = ValueError("bad microbatch")
+
+    def fail():
+        raise boom
+
+    failed = dev.submit("compute", fail, label="F s1 m0")
+    after = dev.submit("compute", lambda: "next", label="F s1 m1")
+    ran = []
+    dependent = dev.submit("d2h", lambda: ran.append(1), wait=[failed], label="D2H s1 m0")
+    with pytest.raises(ValueError, match="bad microbatch") as info:
+        failed.wait(TIMEOUT)
+    assert info.value is boom
+    with pytest.raises(ValueError):
+        failed.result(TIMEOUT)
+    assert failed.exception(TIMEOUT) is boom
+    assert after.result(TIMEOUT) == "next"  # the stream keeps going
+    with pytest.raises(ValueError) as info:  # work waiting on a failure does not run
+        dependent.wait(TIMEOUT)
+    assert info.value is boom and ran == []
+    dev.synchronize()  # does not raise: errors stay in their events
+    assert "failed" in repr(failed)
+
+
+def test_wait_times_out_instead_of_hanging(dev):
+    gate = threading.Event()
+    blocked = dev.submit("compute", gate.wait)
+    with pytest.raises(TimeoutError, match="not complete"):
+        blocked.wait(timeout=0.05)
+    assert not blocked.done()
+    gate.set()
+    blocked.wait(TIMEOUT)
+
+
+def test_submit_checks_its_arguments(dev):
+    with pytest.raises(ValueError, match="stream must be one of"):
+        dev.submit("copy", lambda: None)
+    with pytest.raises(TypeError, match="wait= takes Events"):
+        dev.submit("compute", lambda: None, wait=[threading.Event()])
+
+
+def test_synchronize_waits_for_every_stream(dev):
+    done = []
+    for stream in ("compute", "h2d", "d2h"):
+        dev.submit(stream, lambda s=stream: (time.sleep(0.05), done.append(s)))
+    dev.synchronize()
+    assert sorted(done) == ["compute", "d2h", "h2d"]
+
+
+def test_workers_use_one_thread_and_leave_caller_alone(dev):
+    before = torch.get_num_threads()
+    assert dev.submit("compute", torch.get_num_threads).result(TIMEOUT) == 1
+    assert torch.get_num_threads() == before
+
+
+# --- overlap --------------------------------------------------------------------------
+
+def _overlap(a: tuple, b: tuple) -> float:
+    return min(a[3], b[3]) - max(a[2], b[2])
+
+
+def test_two_devices_compute_at_the_same_time():
+    with VirtualDevice(name="vcpu:0", record=True) as d0, VirtualDevice(name="vcpu:1", record=True) as d1:
+        e0 = d0.submit("compute", _matmuls, 0.3, label="F s0")
+        e1 = d1.submit("compute", _matmuls, 0.3, label="F s1")
+        e0.wait(TIMEOUT), e1.wait(TIMEOUT)
+        (r0,), (r1,) = d0.records, d1.records
+    assert r0[:2] == ("compute", "F s0") and r1[:2] == ("compute", "F s1")
+    assert _overlap(r0, r1) > 0.1, (r0, r1)
+
+
+def test_copy_stream_overlaps_compute_stream(dev):
+    compute = dev.submit("compute", _matmuls, 0.3, label="F s0")
+    prefetch = dev.submit("h2d", _matmuls, 0.3, label="H2D s2")
+    compute.wait(TIMEOUT), prefetch.wait(TIMEOUT)
+    by_label = {r[1]: r for r in dev.records}
+    assert _overlap(by_label["F s0"], by_label["H2D s2"]) > 0.1, dev.records
+
+
+def test_records_are_off_by_default():
+    with VirtualDevice() as d:
+        d.submit("compute", lambda: None).wait(TIMEOUT)
+        assert d.records == []
+
+
+# --- memory ---------------------------------------------------------------------------
+
+def test_to_device_and_to_host_are_real_copies(dev):
+    host = torch.ones(4, requires_grad=True)
+    on_dev = dev.to_device(host, kind="params", owner="stage 0")
+    assert torch.equal(on_dev, host.detach()) and not on_dev.requires_grad
+    assert on_dev.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    back = dev.to_host(on_dev)
+    on_dev.add_(1)
+    assert torch.equal(back, torch.ones(4)) and torch.equal(host.detach(), torch.ones(4))
+    t = torch.arange(6.0).view(2, 3).t()  # non-contiguous input
+    assert dev.to_device(t, kind="activations", owner="stage 0").is_contiguous()
+
+
+def test_memory_limit_names_owner_and_bytes_and_changes_nothing():
+    with VirtualDevice(memory_limit=1000, name="vcpu:7") as d:
+        d.to_device(torch.zeros(200, dtype=torch.uint8), kind="params", owner="stage 1")
+        d.to_device(torch.zeros(150, dtype=torch.float32), kind="activations", owner="stage 1")  # 600 B
+        with pytest.raises(DeviceMemoryError) as info:
+            d.to_device(torch.zeros(50, dtype=torch.float64), kind="params", owner="stage 3")  # 400 B
+        message = str(info.value)
+        for part in ("vcpu:7", "stage 3", "400 B", "800 B resident", "params 200 B",
+                     "activations 600 B", "limit 1000 B", "memory_limit"):
+            assert part in message, (part, message)
+        assert isinstance(info.value, torch.OutOfMemoryError)
+        assert d.resident_bytes() == 800 and d.resident_bytes("params") == 200
+        assert d.peak_bytes() == 800 and d.peak_bytes("params") == 200
+        d.to_device(torch.zeros(200, dtype=torch.uint8), kind="params", owner="stage 3")  # fits exactly
+        assert d.resident_bytes() == 1000
+
+
+def test_track_counts_device_made_tensors_against_the_limit():
+    with VirtualDevice(memory_limit=100) as d:
+        g = d.track(torch.zeros(20), kind="gradients", owner="stage 2")  # 80 B
+        assert d.resident_bytes("gradients") == 80
+        with pytest.raises(DeviceMemoryError, match="gradients for stage 4"):
+            d.track(torch.zeros(10), kind="gradients", owner="stage 4")
+        with pytest.raises(ValueError, match="already counted"):
+            d.track(g[:5], kind="gradients", owner="stage 2")  # same storage
+        assert d.resident_bytes() == 80
+        d.free(g[3:])  # any view frees its allocation
+        assert d.resident_bytes() == 0
+
+
+def test_peak_by_kind_and_reset(dev):
+    p = dev.to_device(torch.zeros(100), kind="params", owner="stage 0")  # 400 B
+    a = dev.to_device(torch.zeros(50), kind="activations", owner="stage 0")  # 200 B
+    dev.free(a)
+    g = dev.to_device(torch.zeros(25), kind="gradients", owner="stage 0")  # 100 B
+    assert dev.resident_bytes() == 500
+    assert dev.resident_bytes("activations") == 0
+    assert (dev.peak_bytes(), dev.peak_bytes("params"), dev.peak_bytes("activations"),
+            dev.peak_bytes("gradients")) == (600, 400, 200, 100)
+    dev.reset_peak()
+    assert dev.peak_bytes() == 500 and dev.peak_bytes("activations") == 0
+    dev.free(p), dev.free(g)
+    assert dev.resident_bytes() == 0 and dev.peak_bytes() == 500
+
+
+def test_free_rejects_unknown_or_double_free(dev):
+    t = dev.to_device(torch.zeros(4), kind="params", owner="stage 0")
+    dev.free(t)
+    with pytest.raises(ValueError, match="already freed"):
+        dev.free(t)
+    with pytest.raises(ValueError, match="not counted"):
+        dev.free(torch.zeros(3))
+    with pytest.raises(ValueError, match="memory kind"):
+        dev.to_device(torch.zeros(1), kind="weights", owner="stage 0")
+
+
+def test_concurrent_allocations_respect_the_limit():
+    with VirtualDevice(memory_limit=20 * 400) as d:
+        errors, kept = [], []
+
+        def allocate():
+            for _ in range(10):
+                try:
+                    kept.append(d.to_device(torch.zeros(100), kind="activations", owner="stage 0"))
+                except DeviceMemoryError as e:
+                    errors.append(e)
+
+        events = [d.submit(s, allocate) for s in ("compute", "h2d", "d2h")]
+        for e in events:
+            e.wait(TIMEOUT)
+        assert len(kept) == 20 and len(errors) == 10
+        assert d.resident_bytes() == d.peak_bytes() == 20 * 400
+
+
+# --- lifecycle --------------------------------------------------------------------------
+
+def test_threads_start_lazily_and_close_joins_them():
+    baseline = threading.active_count()
+    d = VirtualDevice()
+    assert threading.active_count() == baseline
+    for stream in ("compute", "h2d", "d2h"):
+        d.submit(stream, time.sleep, 0.01)
+    assert threading.active_count() == baseline + 3
+    last = d.submit("compute", lambda: "queued before close")
+    d.close()
+    assert last.result(0) == "queued before close"  # queued work ran before the stop
+    assert threading.active_count() == baseline
+    d.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        d.submit("compute", lambda: None)
+
+
+def test_import_has_no_side_effects():
+    code = ("import threading, torch; import fxpipe.runtime.devices, fxpipe.runtime.params; "
+            "print(threading.active_count(), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "False"]
+
+
+# --- resolve_devices ------------------------------------------------------------------
+
+def test_resolve_devices_rules():
+    mine = VirtualDevice(name="mine")
+    resolved = resolve_devices(["cpu", torch.device("cpu"), mine])
+    assert [type(d) for d in resolved] == [VirtualDevice] * 3
+    assert [d.name for d in resolved] == ["vcpu:0", "vcpu:1", "mine"]
+    assert resolved[2] is mine
+    assert [d.name for d in resolve_devices("cpu")] == ["vcpu:0"]
+    assert all(isinstance(d, Device) for d in resolved)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU default")
+def test_resolve_devices_none_without_gpu_gives_two_virtual_devices():
+    resolved = resolve_devices(None)
+    assert [type(d) for d in resolved] == [VirtualDevice, VirtualDevice]
+    assert [d.name for d in resolved] == ["vcpu:0", "vcpu:1"]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("tpu:0", r"devices\[1\]='tpu:0'"), ("banana", r"devices\[1\]='banana' is not a device"),
+    (3, r"devices\[1\]=3: expected"), ("meta", "not 'meta'"), (None, "got NoneType"),
+])
+def test_resolve_devices_rejects_bad_entries(entry, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_devices(["cpu", entry])
+
+
+def test_resolve_devices_rejects_duplicates_and_empty():
+    d = VirtualDevice(name="twice")
+    with pytest.raises(ValueError, match="twice is listed twice"):
+        resolve_devices([d, d])
+    with pytest.raises(ValueError, match="empty"):
+        resolve_devices([])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_device_fails_clearly_without_cuda():
+    with pytest.raises(RuntimeError, match=r"CudaDevice\(1\): CUDA is not available.*VirtualDevice"):
+        CudaDevice(1)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        resolve_devices(["cuda:0"])
+
+
+# --- CUDA (runs on a GPU machine) -----------------------------------------------------
+
+@cuda_only
+def test_cuda_h2d_then_compute_then_d2h():
+    with CudaDevice(0) as d:
+        host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+        up = d.submit("h2d", d.to_device, host, "activations", "stage 0")
+        doubled = d.submit("compute", lambda: up.result() * 2, wait=[up])
+        back = d.submit("d2h", lambda: d.to_host(doubled.result()), wait=[doubled])
+        out = back.result(TIMEOUT)
+        assert out.is_pinned() and torch.equal(out, host * 2)
+        assert d.resident_bytes("activations") == host.numel() * 4
+        d.free(up.result())
+        assert d.resident_bytes() == 0
+        assert d.peak_bytes() >= host.numel() * 4 and d.peak_bytes("activations") == host.numel() * 4
+
+
+@cuda_only
+def test_cuda_errors_and_memory_limit():
+    with CudaDevice(0, memory_limit=1024) as d:
+        assert d.name == "cuda:0" and d.memory_limit == 1024
+        failed = d.submit("compute", lambda: 1 / 0)
+        dependent = d.submit("d2h", lambda: "never", wait=[failed])
+        with pytest.raises(ZeroDivisionError):
+            failed.wait(TIMEOUT)
+        with pytest.raises(ZeroDivisionError):
+            dependent.wait(TIMEOUT)
+        assert d.submit("compute", lambda: 7).result(TIMEOUT) == 7
+        with pytest.raises(DeviceMemoryError, match="stage 5"):
+            d.to_device(torch.zeros(512), kind="params", owner="stage 5")
+        assert d.resident_bytes() == 0
+    assert CudaDevice(0).memory_limit == torch.cuda.get_device_properties(0).total_memory
+
+
+@cuda_only
+def test_cuda_compute_waits_for_slow_copy():
+    with CudaDevice(0) as d:
+        host = torch.randn(4096, 4096).pin_memory()
+        busy = torch.randn(2048, 2048, device="cuda:0")
+
+        def upload():  # a long kernel before the copy on the h2d stream
+            for _ in range(20):
+                busy.matmul(busy)
+            return d.to_device(host, "params", "stage 0")
+
+        up = d.submit("h2d", upload)
+        total = d.submit("compute", lambda: up.result().sum(), wait=[up])
+        assert torch.allclose(total.result(TIMEOUT).cpu(), host.sum(), rtol=1e-4)
+
+
+@cuda_only
+def test_resolve_devices_none_gives_every_gpu():
+    resolved = resolve_devices(None)
+    assert [d.name for d in resolved] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    assert all(isinstance(d, CudaDevice) for d in resolved)
+    assert re.fullmatch(r"cuda:0", resolve_devices(["cuda:0"])[0].name)
