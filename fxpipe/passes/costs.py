@@ -5,24 +5,27 @@ data), so a model built on the ``meta`` device is costed without its weights, an
 model's own tensors are never read or written. Per layer it records a ``Cost``:
 
 - ``param_bytes`` / ``grad_bytes`` / ``buffer_bytes``: the tensors the layer uses. A tied
-  parameter is counted once in *every* layer that uses it (each stage holding it must
-  have it resident); ``total_param_bytes(lg)`` counts each tensor once.
+  parameter is counted in *every* layer that uses it (each stage holding it must have it
+  resident), so the layers add up to more than the model; ``total_param_bytes(lg)``
+  counts each tensor once.
 - ``boundary_bytes``: the values live across the cut after the layer
-  (``lg.boundary(i)``): the bytes of each distinct tensor, tensors sharing a storage
-  counted at most the storage's size.
+  (``lg.boundary(i)``): each distinct tensor's bytes, tensors sharing a storage counted
+  at most the storage's size.
 - ``saved_bytes``: what autograd saves for backward when the layer runs with grad
   (``saved_tensors_hooks``), each storage once, parameters and buffers excluded.
-- ``fwd_flops`` / ``bwd_flops``: ``FlopCounterMode`` over the forward and over the
-  gradient w.r.t. the parameters and float inputs that require grad. Like the counter,
-  it counts matmul-like ops only (mm, conv, attention); causal attention counts in full.
+- ``fwd_flops`` / ``bwd_flops``: ``FlopCounterMode`` over the forward, and over the
+  gradient w.r.t. the parameters and float inputs that require grad. Like the counter it
+  counts matmul-like ops only (mm, conv, attention); causal attention counts in full.
 
-``measure_times`` adds wall-clock times measured on the real tensors.
+``meta`` tensors are costed as CPU tensors (attention dispatches to a fused kernel, as on
+a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
+adds wall-clock times measured on the real tensors.
 
 >>> from fxpipe.passes.partition import build_layer_graph
 >>> x = torch.randn(32, 256)
 >>> lg = build_layer_graph(nn.Sequential(nn.Linear(256, 256), nn.ReLU()), (x,))
 >>> print(compute_costs(lg, [x])[0])
-params 263 kB · saved 32.8 kB · out 32.8 kB · fwd 4.19 MFLOP · bwd 4.19 MFLOP
+params 263 kB | saved 32.8 kB | out 32.8 kB | fwd 4.19 MFLOP | bwd 4.19 MFLOP
 """
 
 from __future__ import annotations
@@ -67,20 +70,18 @@ class Cost:
             parts.append(f"grads {_human(self.grad_bytes, 'B')}")
         if self.buffer_bytes:
             parts.append(f"buffers {_human(self.buffer_bytes, 'B')}")
-        parts += [f"saved {_human(self.saved_bytes, 'B')}",
-                  f"out {_human(self.boundary_bytes, 'B')}",
-                  f"fwd {_human(self.fwd_flops, 'FLOP')}",
-                  f"bwd {_human(self.bwd_flops, 'FLOP')}"]
+        parts += [f"saved {_human(self.saved_bytes, 'B')}", f"out {_human(self.boundary_bytes, 'B')}",
+                  f"fwd {_human(self.fwd_flops, 'FLOP')}", f"bwd {_human(self.bwd_flops, 'FLOP')}"]
         for label, ms in (("fwd", self.fwd_ms), ("re", self.recompute_ms), ("bwd", self.bwd_ms)):
             if ms is not None:
                 parts.append(f"{label} {_human_ms(ms)}")
-        return " · ".join(parts)
+        return " | ".join(parts)
 
     @classmethod
     def sum(cls, costs: Iterable[Cost]) -> Cost:
-        """The cost of a run of consecutive layers: fields added up, except
-        ``boundary_bytes``, which is the last layer's (what leaves the run). A time is
-        ``None`` unless every layer has it. Tied parameters count once per layer."""
+        """The cost of consecutive layers: fields added up, except ``boundary_bytes``,
+        which is the last layer's (what leaves the run). A time is ``None`` unless every
+        layer has it. A parameter tied between the layers counts once per layer."""
         costs = list(costs)
         if not costs:
             return cls()
@@ -90,23 +91,23 @@ class Cost:
             return None if any(v is None for v in values) else sum(values)
 
         fields = {f.name: total(f.name) for f in dataclasses.fields(cls)}
-        fields["boundary_bytes"] = costs[-1].boundary_bytes
-        return cls(**fields)
+        return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
 
 
 def total_param_bytes(lg: LayerGraph) -> int:
     """Bytes of the model's parameters, each tensor counted once (tied weights once)."""
-    return sum(_nbytes(t) for t in _unique(lg.params.values()))
+    return sum(map(_nbytes, _unique(lg.params.values())))
 
 
 def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
-    """Cost every layer of ``lg`` on fake tensors shaped like ``flat_inputs`` (the flat
-    model inputs, one per ``lg.input_names``; real or ``meta`` tensors). Stores each
-    ``Cost`` in ``layer.node.meta["cost"]`` and returns them in layer order.
+    """Cost every layer of ``lg`` for inputs shaped like ``flat_inputs`` (the flat model
+    inputs, one per ``lg.input_names``; real or ``meta`` tensors). Stores each ``Cost``
+    in ``layer.node.meta["cost"]`` and returns them in layer order.
 
-    Parameters, buffers and inputs are replaced by fake stand-ins (``meta`` ones become
-    fake tensors on the device of the real tensors, else CPU): the model's tensors, their
-    ``.grad`` and buffer updates (BatchNorm statistics) are left untouched.
+    Inputs, parameters and buffers are replaced by fake stand-ins: the model's tensors,
+    their ``.grad`` and buffer updates (BatchNorm statistics) are left untouched. A layer
+    identical to an earlier one (same graph up to names, same input and parameter
+    shapes) is not run again: repeated blocks are costed once.
     """
     _register_sdpa_flops()
     flat_inputs = _check_inputs(lg, flat_inputs)
@@ -114,33 +115,29 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, fake)
 
     def fake(t: torch.Tensor, from_input: bool = False) -> torch.Tensor:
-        hit = fakes.get(id(t))
-        if hit is None:
+        if id(t) not in fakes:
             if from_input and t.device.type != "meta":  # keeps aliasing between inputs
                 f = mode.from_tensor(t.detach())
             else:
                 with mode:
                     device = _CPU if t.device.type == "meta" else t.device
                     f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            if t.requires_grad:
-                f.requires_grad_(True)
-            hit = fakes[id(t)] = (t, f)
-        return hit[1]
+            fakes[id(t)] = (t, f.requires_grad_(True) if t.requires_grad else f)
+        return fakes[id(t)][1]
 
-    inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-    layer_attrs = [{name: fake(t) for name, t in _attr_tensors(layer.gm).items()} for layer in lg]
     counter = FlopCounterMode(display=False)
     flops: dict[int, tuple[int, int, int]] = {}
-    seen: dict[tuple, tuple] = {}  # repeated blocks: layer key -> (flops, output recipe)
+    seen: dict[tuple, tuple] = {}  # layer key -> (flops, output recipe)
 
     def run(layer: Layer, args: tuple, kwargs: dict):
-        attrs = layer_attrs[layer.index]
+        attrs = _attr_tensors(layer.gm)
         key = _layer_key(layer.gm, attrs, args, kwargs)
         if key in seen:
             flops[layer.index], recipe = seen[key]
             return _rebuild(recipe, args, kwargs)
         try:
-            out, flops[layer.index] = _fake_layer(layer, attrs, args, kwargs, counter)
+            attrs = {name: fake(t) for name, t in attrs.items()}
+            out, flops[layer.index] = _fake_layer(layer.gm, attrs, args, kwargs, counter)
         except Exception as e:
             raise RuntimeError(f"costing layer {layer.index} ({layer.name!r}) on fake tensors "
                                f"failed: {type(e).__name__}: {e}") from e
@@ -148,7 +145,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
             seen[key] = flops[layer.index], _recipe(out, args, kwargs)
         return out
 
-    on_meta = any(real.device.type == "meta" for real, _ in fakes.values())
+    tensors = [*_tensors(flat_inputs), *lg.params.values(), *_tensors(lg.buffers.values())]
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
     with mode, _MetaAsCPU() if on_meta else contextlib.nullcontext(), torch.enable_grad():
         env = _walk(lg, inputs, run)
 
@@ -170,30 +169,29 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
 def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) -> list[Cost]:
     """Time every layer on the real tensors: forward without grad (``fwd_ms``), forward
     with grad (``recompute_ms``) and the gradient w.r.t. the parameters and inputs that
-    require grad (``bwd_ms``), each the minimum of ``repeats`` runs after one warm-up.
+    require grad (``bwd_ms``), each the minimum of ``repeats`` runs after a warm-up run.
 
-    Returns the layers' costs (``compute_costs`` first if missing) with the times set,
-    and stores them in ``layer.node.meta["cost"]``. Parameters and their ``.grad`` are
-    not touched, buffers are restored afterwards, and so is the RNG state.
+    Returns the layers' costs (from ``compute_costs`` if missing) with the times set,
+    and stores them in ``layer.node.meta["cost"]``. Parameters and their ``.grad`` are not
+    touched; buffers (BatchNorm statistics) and the RNG state are restored afterwards.
     """
     if repeats < 1:
         raise ValueError(f"measure_times(repeats={repeats}): need at least one timed run")
     flat_inputs = _check_inputs(lg, flat_inputs)
-    tensors = [*lg.params.items(), *lg.buffers.items(), *zip(lg.input_names, flat_inputs)]
-    tensors = [(name, t) for name, t in tensors if isinstance(t, torch.Tensor)]
-    for name, t in tensors:
-        if t.device.type == "meta":
+    named = [*zip(lg.input_names, flat_inputs), *lg.params.items(), *lg.buffers.items()]
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise ValueError(f"measure_times runs the layers for real, but {name!r} is on the meta "
-                             "device; load the weights (or use compute_costs for estimates)")
+                             "device; load the weights first (compute_costs needs none)")
     base = [layer.cost for layer in lg]
     if any(c is None for c in base):
         base = compute_costs(lg, flat_inputs)
-    cuda = sorted({t.get_device() for _, t in tensors if t.device.type == "cuda"})
+    cuda = sorted({t.get_device() for _, t in named if isinstance(t, torch.Tensor) and t.is_cuda})
     backup = [(b, b.detach().clone()) for b in _unique(_tensors(lg.buffers.values()))]
     times: dict[int, tuple[float, float, float]] = {}
 
     def run(layer: Layer, args: tuple, kwargs: dict):
-        out, times[layer.index] = _time_layer(layer, args, kwargs, repeats)
+        out, times[layer.index] = _time_layer(layer.gm, args, kwargs, repeats)
         return out
 
     try:
@@ -206,23 +204,19 @@ def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) 
     costs = []
     for layer, cost in zip(lg, base):
         fwd, re, bwd = times[layer.index]
-        cost = dataclasses.replace(cost, fwd_ms=fwd, recompute_ms=re, bwd_ms=bwd)
-        layer.node.meta["cost"] = cost
-        costs.append(cost)
+        layer.node.meta["cost"] = dataclasses.replace(cost, fwd_ms=fwd, recompute_ms=re, bwd_ms=bwd)
+        costs.append(layer.node.meta["cost"])
     return costs
 
 
 # --- running the chain -------------------------------------------------------------
 
 def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any]) -> dict[str, Any]:
-    """Evaluate ``lg.gm`` node by node, calling ``run`` for each layer; returns every
-    value by name."""
+    """Evaluate ``lg.gm`` node by node, ``run`` computing each layer; every value by name."""
     layer_of = {layer.node: layer for layer in lg}
     env: dict[str, Any] = {}
     it = iter(inputs)
     for node in lg.gm.graph.nodes:
-        if node.op == "output":
-            continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         if node.op == "placeholder":
             env[node.name] = next(it)
@@ -230,18 +224,60 @@ def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any]
             env[node.name] = run(layer_of[node], args, kwargs)
         elif node.op == "call_function":  # getitem of a layer's outputs
             env[node.name] = node.target(*args, **kwargs)
-        else:
+        elif node.op != "output":
             raise ValueError(f"unexpected {node.op} node {node.name!r} in the layer chain")
     return env
 
+
+def _fresh_inputs(args: tuple, kwargs: dict, clone_all: bool):
+    """A layer's inputs, cut from the earlier layers' autograd graphs. A tensor that
+    requires grad becomes a leaf (in ``leaves``) passed through a clone, so in-place ops
+    on it stay legal; ``clone_all`` clones the others too (for repeated runs). ``passed``
+    maps the id of each tensor handed to the layer to (it, the given value)."""
+    leaves: list[torch.Tensor] = []
+    passed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    memo: dict[int, torch.Tensor] = {}
+
+    def fresh(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        if id(a) not in memo:
+            x = a.detach()
+            if a.requires_grad:
+                leaves.append(x.requires_grad_(True))
+            memo[id(a)] = x = x.clone() if a.requires_grad or clone_all else x
+            passed[id(x)] = (x, a)
+        return memo[id(a)]
+
+    args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+    return args, kwargs, leaves, passed
+
+
+def _detached(out: Any, passed: dict) -> Any:
+    """A layer's outputs as values for later layers: an input passed straight through is
+    the given value, other tensors are detached and keep their ``requires_grad``."""
+    def detach(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        if id(o) in passed:
+            return passed[id(o)][1]
+        return o.detach().requires_grad_(True) if o.requires_grad else o.detach()
+
+    return pytree.tree_map(detach, out)
+
+
+def _grad_roots(out: Any) -> list[torch.Tensor]:
+    return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+# --- on fake tensors -----------------------------------------------------------------
 
 _CPU = torch.device("cpu")
 
 
 class _MetaAsCPU(TorchDispatchMode):
-    """Meta tensors are costed as CPU ones: ``device=meta`` baked into a graph (factory
-    calls, export's metadata asserts) becomes CPU, so ops dispatch as on a real device
-    (attention to a fused kernel, not the math fallback meta uses)."""
+    """``device=meta`` baked into a graph (factory calls, export's metadata asserts)
+    becomes CPU, to match the fake CPU tensors meta tensors are costed as."""
 
     supports_higher_order_operators = True
 
@@ -254,54 +290,47 @@ class _MetaAsCPU(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _fake_layer(layer: Layer, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
+def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                 counter: FlopCounterMode):
-    """Run one layer on fake tensors; returns its outputs and (fwd flops, bwd flops, saved)."""
-    args, kwargs, leaves, origin = _fresh_inputs(args, kwargs, clone_all=False)
+    """Run one layer on fakes; returns its outputs and (fwd flops, bwd flops, saved bytes)."""
+    args, kwargs, leaves, passed = _fresh_inputs(args, kwargs, clone_all=False)
     held = {_storage_key(t) for t in attrs.values()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in held:
-            saved.setdefault(key, t.untyped_storage().nbytes())
+        if _storage_key(t) not in held:
+            saved.setdefault(_storage_key(t), t.untyped_storage().nbytes())
         return t
 
     with saved_tensors_hooks(pack, lambda t: t), counter:
-        out = torch.func.functional_call(layer.gm, attrs, args, kwargs)
-    fwd = counter.get_total_flops()
-    roots = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        out = torch.func.functional_call(gm, attrs, args, kwargs)
+    fwd, bwd = counter.get_total_flops(), 0
+    roots = _grad_roots(out)
     wrt = list(_unique([t for t in attrs.values() if t.requires_grad] + leaves))
-    bwd = 0
     if roots and wrt:
         grads = [torch.ones_like(r) for r in roots]
         with counter:
             torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         bwd = counter.get_total_flops()
-    return _detached(out, origin), (fwd, bwd, sum(saved.values()))
+    return _detached(out, passed), (fwd, bwd, sum(saved.values()))
 
 
-# A layer costs the same as an earlier one when its graph is the same up to attribute
-# and value names, and its inputs and attributes have the same metadata and aliasing: the
-# repeated blocks of a model. Such a layer is not run again; its outputs are rebuilt from
-# a recipe (shapes, strides, which input is passed through, shared storages).
+# A layer costs what an earlier one did when its graph is the same up to names and its
+# inputs and attributes have the same metadata and aliasing (the repeated blocks). It is
+# not run again: its outputs are rebuilt from a recipe of the earlier one's.
 
 def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict):
-    """Hashable description of a layer call, or ``None`` if it cannot be described."""
+    """A hashable description of a layer call, or ``None``."""
     storages: dict[int, int] = {}
-
-    def tensor(t: torch.Tensor) -> tuple:
-        alias = storages.setdefault(_storage_key(t), len(storages))
-        return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
-                t.requires_grad, alias, t.untyped_storage().nbytes())
-
     index: dict[fx.Node, int] = {}
 
     def value(a: Any) -> Any:
         if isinstance(a, fx.Node):
             return ("node", index[a])
         if isinstance(a, torch.Tensor):
-            return tensor(a)
+            alias = storages.setdefault(_storage_key(a), len(storages))
+            return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device,
+                    a.requires_grad, alias, a.untyped_storage().nbytes())
         if isinstance(a, (list, tuple)):
             return (type(a).__name__, tuple(value(x) for x in a))
         if isinstance(a, dict):
@@ -311,20 +340,18 @@ def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, 
         try:
             hash(a)
         except TypeError:
-            return ("id", id(a))  # the same object in both layers, or no match
+            return ("id", id(a))  # the very same object in both layers, or no match
         return (type(a), a)
 
     parts: list = [value((args, kwargs))]
     for n in gm.graph.nodes:
         index[n] = len(index)
+        if n.op == "call_module" or (n.op == "get_attr" and n.target not in attrs):
+            return None  # a submodule (e.g. a higher-order op's body): not compared
         if n.op == "get_attr":
-            if n.target not in attrs:
-                return None  # a submodule (higher-order op body): compare no further
-            target = tensor(attrs[n.target])
-        elif n.op == "call_module":
-            return None
+            target = value(attrs[n.target])
         else:
-            target = n.target if n.op != "placeholder" else None
+            target = None if n.op == "placeholder" else n.target
         parts.append((n.op, target, value(n.args), value(n.kwargs)))
     return tuple(parts)
 
@@ -351,7 +378,7 @@ def _recipe(out: Any, args: tuple, kwargs: dict) -> tuple:
 def _rebuild(recipe: tuple, args: tuple, kwargs: dict) -> Any:
     spec, steps = recipe
     inputs = pytree.tree_leaves((args, kwargs))
-    bases: dict[int, torch.Tensor] = {}
+    bases: dict[int, torch.Tensor] = {}  # outputs sharing a storage share it again
     out = []
     for kind, *step in steps:
         if kind == "value":
@@ -360,34 +387,32 @@ def _rebuild(recipe: tuple, args: tuple, kwargs: dict) -> Any:
             out.append(inputs[step[0]])
         else:
             shape, stride, offset, dtype, device, requires_grad, group, size = step
-            base = bases.get(group)
-            if base is None or base.dtype != dtype:  # shared storages keep being shared
-                base = bases[group] = torch.empty(size, dtype=dtype, device=device)
-            t = base.as_strided(shape, stride, offset)
+            if group not in bases or bases[group].dtype != dtype:
+                bases[group] = torch.empty(size, dtype=dtype, device=device)
+            t = bases[group].as_strided(shape, stride, offset)
             out.append(t.requires_grad_(True) if requires_grad else t)
     return pytree.tree_unflatten(out, spec)
 
 
-def _time_layer(layer: Layer, args: tuple, kwargs: dict, repeats: int):
-    """Run one layer for real ``repeats + 1`` times; returns its outputs and the minimum
-    (fwd, recompute, bwd) milliseconds over all but the first (warm-up) run."""
-    wrt_params = [t for t in _unique(_attr_tensors(layer.gm).values()) if t.requires_grad]
+# --- on real tensors -----------------------------------------------------------------
+
+def _time_layer(gm: fx.GraphModule, args: tuple, kwargs: dict, repeats: int):
+    """Run one layer ``repeats + 1`` times; returns its outputs and the least (fwd,
+    recompute, bwd) milliseconds over all runs but the first (warm-up)."""
+    params = [t for t in _unique(_attr_tensors(gm).values()) if t.requires_grad]
     samples = []
     for _ in range(repeats + 1):
         a, k, _, _ = _fresh_inputs(args, kwargs, clone_all=True)
         with torch.no_grad():
-            fwd = _timed(lambda: layer.gm(*a, **k))[1]
-        a, k, leaves, origin = _fresh_inputs(args, kwargs, clone_all=True)
-        out, re = _timed(lambda: layer.gm(*a, **k))
-        roots = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = wrt_params + leaves
-        bwd = 0.0
+            fwd = _timed(lambda: gm(*a, **k))[1]
+        a, k, leaves, passed = _fresh_inputs(args, kwargs, clone_all=True)
+        out, re = _timed(lambda: gm(*a, **k))
+        roots, wrt, bwd = _grad_roots(out), params + leaves, 0.0
         if roots and wrt:
             grads = [torch.ones_like(r) for r in roots]
             bwd = _timed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True))[1]
         samples.append((fwd, re, bwd))
-    best = tuple(min(s[j] for s in samples[1:]) for j in range(3))
-    return _detached(out, origin), best
+    return _detached(out, passed), tuple(min(s[j] for s in samples[1:]) for j in range(3))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -403,50 +428,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _fresh_inputs(args: tuple, kwargs: dict, clone_all: bool):
-    """The layer's inputs cut from the previous layers' autograd graphs. A float input
-    that requires grad becomes a leaf (returned in ``leaves``) passed through a clone, so
-    in-place ops on it stay legal; ``clone_all`` clones the other tensors too (for
-    repeated runs). ``origin`` maps each passed tensor's id back to the given value."""
-    leaves: list[torch.Tensor] = []
-    origin: dict[int, Any] = {}
-    memo: dict[int, torch.Tensor] = {}
-
-    def fresh(a: Any) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        if id(a) not in memo:
-            x = a.detach()
-            if a.requires_grad:
-                leaves.append(x.requires_grad_(True))
-                x = x.clone()
-            elif clone_all:
-                x = x.clone()
-            memo[id(a)] = x
-            origin[id(x)] = a
-        return memo[id(a)]
-
-    args, kwargs = pytree.tree_map(fresh, (args, kwargs))
-    return args, kwargs, leaves, (origin, memo)
-
-
-def _detached(out: Any, origin) -> Any:
-    """Outputs as values for later layers: a passed-through input is the input itself,
-    other tensors are detached and keep their ``requires_grad``."""
-    ids, memo = origin
-
-    def detach(o: Any) -> Any:
-        if not isinstance(o, torch.Tensor):
-            return o
-        if id(o) in ids:
-            return ids[id(o)]
-        d = o.detach()
-        return d.requires_grad_(True) if o.requires_grad else d
-
-    return pytree.tree_map(detach, out)
-
-
-# --- bytes ---------------------------------------------------------------------------
+# --- bytes and printing --------------------------------------------------------------
 
 def _check_inputs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list:
     flat_inputs = list(flat_inputs)
@@ -457,10 +439,9 @@ def _check_inputs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list:
 
 
 def _attr_tensors(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of a layer module by attribute path (tied: each path)."""
-    out = dict(gm.named_parameters(remove_duplicate=False))
-    out.update(gm.named_buffers(remove_duplicate=False))
-    return out
+    """A layer module's parameters and buffers by attribute path (tied: every path)."""
+    return {**dict(gm.named_parameters(remove_duplicate=False)),
+            **dict(gm.named_buffers(remove_duplicate=False))}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -484,13 +465,12 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def _boundary_bytes(values: list) -> int:
-    """Bytes of the distinct tensors among ``values``; tensors sharing a storage count
-    at most the storage's size."""
+    """Bytes of the distinct tensors among ``values``; those sharing a storage count at
+    most the storage's size."""
     storages: dict[int, tuple[int, dict]] = {}
-    for t in pytree.tree_leaves(values):
-        if isinstance(t, torch.Tensor):
-            cap, views = storages.setdefault(_storage_key(t), (t.untyped_storage().nbytes(), {}))
-            views[(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)] = _nbytes(t)
+    for t in _tensors(pytree.tree_leaves(values)):
+        cap, views = storages.setdefault(_storage_key(t), (t.untyped_storage().nbytes(), {}))
+        views[(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)] = _nbytes(t)
     return sum(min(cap, sum(views.values())) for cap, views in storages.values())
 
 
@@ -516,7 +496,7 @@ def _human_ms(ms: float) -> str:
 
 def _register_sdpa_flops() -> None:
     """Teach ``FlopCounterMode`` the attention ops CPU dispatches to (it counts them 0).
-    Registers only what is missing, so it is idempotent and yields to torch's own."""
+    Registers only what is missing: idempotent, and torch's own formulas win."""
     aten = torch.ops.aten
 
     def missing(*names: str) -> list:
@@ -532,13 +512,13 @@ def _register_sdpa_flops() -> None:
 
 
 def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """scores = q @ k^T, out = scores @ v (any leading batch / head dims)."""
+    """scores = q @ k^T, out = scores @ v, over any leading (batch, head) dims."""
     batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
     return 2 * batch * s_q * s_k * (d + d_v)
 
 
 def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args,
                          out_shape=None, **kwargs) -> int:
-    """Recompute the scores, then grad of scores, v, q and k: five matmuls."""
+    """The scores recomputed, then the gradients of scores, v, q and k: five matmuls."""
     batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
     return 2 * batch * s_q * s_k * (3 * d + 2 * d_v)

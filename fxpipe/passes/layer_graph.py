@@ -3,7 +3,7 @@
 It is one fx ``GraphModule`` (``LayerGraph.gm``) whose body calls the layers in order::
 
     def forward(self, input_ids):
-        # layer 0 · prefix (model.embed_tokens, ...) · params 8.2 kB · ...
+        # layer 0 | prefix (model.embed_tokens, ...) | params 8.2 kB | ...
         layer_0 = self.layer_0(input_ids)
         getitem = layer_0[0]
         getitem_1 = layer_0[1]

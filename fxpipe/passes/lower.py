@@ -4,7 +4,7 @@ Each stage is one ``GraphModule`` made by inlining its layers' graphs, with the
 transfers as ``torch.ops.fxpipe.*`` nodes (``fxpipe.ops``)::
 
     def forward(self, embedding, expand_2):
-        # stage 1 · layers 1-2 (model.layers.0, model.layers.1) · vcpu:1 · params 34.8 kB · ...
+        # stage 1 | layers 1-2 (model.layers.0, model.layers.1) | vcpu:1 | params 34.8 kB | ...
         prefetch = torch.ops.fxpipe.prefetch.default([self.model.layers.0.mlp..., ...], 1, 1)
         model_layers_0_mlp_up_proj_weight = prefetch[0]
         ...
@@ -143,7 +143,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     results = [g.create_node("call_function", _op.offload.default, (env[o],), name=f"{o}_host")
                if _is_tensor_value(env[o]) else env[o] for o in outs]
     if fetched is not None:
-        g.call_function(_op.release.default, (fetched, index))
+        g.create_node("call_function", _op.release.default, (fetched, index), name="release")
     g.output(tuple(results))
     g.lint()
     root = {f: (lg.params.get(f) if f in lg.params else lg.buffers[f]) for f in fqns}
@@ -162,7 +162,7 @@ def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:
     total = _sum_costs([lg.layers[i].cost for i in r])
     if total:
         parts.append(total)
-    return " · ".join(parts)
+    return " | ".join(parts)
 
 
 def _sum_costs(costs) -> str | None:

@@ -308,14 +308,13 @@ def _solve(chains: list[_Chain], limit: int, cap: float | None, lo: float = 0.0,
     return _search(lambda bound: _probe(chains, bound, cap, limit), lo, best)
 
 
-def _segment(P1: list[float], P: list[float], Q: list[float], a: int, b: int, count: int,
+def _segment(P: list[float], Q: list[float], a: int, b: int, count: int,
              cap: float | None) -> list[int]:
     """Positions [a, b) in at most ``count`` stages with the smallest bottleneck."""
     def probe(bound: float) -> _Probe:
-        cuts, worst, nxt = _pack(P1, P, Q, b, bound, cap, count, a)
+        cuts, worst, nxt = _pack(P, P, Q, b, bound, cap, count, a)
         return _Probe(cuts is not None, [(cuts or [], [])], worst, nxt, len(cuts or []))
-    lo = max(max(P1[a + 1] - P1[a], max((P[i + 1] - P[i] for i in range(a + 1, b)), default=0.0)),
-             (P[b] - P[a]) / count)
+    lo = max(max(P[i + 1] - P[i] for i in range(a, b)), (P[b] - P[a]) / count)
     return _search(probe, lo, probe(INF)).parts[0][0]
 
 
@@ -326,11 +325,10 @@ def _rebalance(chains: list[_Chain], parts: list[tuple[list[int], list[int]]],
     out = []
     for ch, (fcuts, bcuts) in zip(chains, parts):
         if fcuts:
-            fcuts = _segment(ch.F, ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap)
-        if len(bcuts) > 1:
-            head = bcuts[:1] if ch.fused else []
-            P1 = ch.B if ch.fused else ch.B1
-            bcuts = head + _segment(P1, ch.B, ch.BQ, head[0] if head else 0, ch.n,
+            fcuts = _segment(ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap)
+        head = bcuts[:1] if ch.fused else []
+        if len(bcuts) > len(head):
+            bcuts = head + _segment(ch.B, ch.BQ, head[0] if head else 0, ch.n,
                                     len(bcuts) - len(head), cap)
         out.append((fcuts, bcuts))
     return out
@@ -370,6 +368,38 @@ def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None =
         raise PlanError(f"no partition into at most {k} stages fits {cap} bytes per stage")
     ends = p.parts[0][0]
     return p.worst, [range(a, b) for a, b in zip([0] + ends[:-1], ends)]
+
+
+def solve_stages(run_type: str, chains: Sequence[ChainCosts], num_stages: int,
+                 memory_cap: float | None = None) -> tuple[float, list[tuple[list[range], list[range]]]]:
+    """The smallest common bottleneck of all ``chains`` using at most ``num_stages`` stages
+    in total (forward + backward of every chain), and the greedy plan achieving it.
+
+    >>> solve_stages("train", [ChainCosts.from_times([1, 1, 1, 1])], 3)
+    (6.0, [([range(0, 4)], [range(2, 4), range(0, 2)])])
+    """
+    _check_run_type(run_type)
+    cs = [_Chain(c, run_type) for c in chains]
+    _check_memory(cs, memory_cap)
+    lo = max(max(ch.lower for ch in cs), sum(ch.work for ch in cs) / max(num_stages, 1))
+    p = _solve(cs, num_stages, memory_cap, lo)
+    if p is None:
+        raise PlanError(f"{num_stages} stages are too few: the memory cap of {memory_cap} "
+                        f"bytes per stage needs more")
+    return p.worst, _ranges(cs, _stages(cs, p.parts))
+
+
+def _ranges(cs: list[_Chain], stages: list[list]) -> list[tuple[list[range], list[range]]]:
+    out: list[tuple[list[range], list[range]]] = [([], []) for _ in cs]
+    for _, k, d, a, b in stages:
+        n = cs[k].n
+        out[k][0 if d == "f" else 1].append(range(a, b) if d == "f" else range(n - b, n - a))
+    return out
+
+
+def _check_run_type(run_type: str) -> None:
+    if run_type not in ("infer", "train", "fused"):
+        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
 
 
 # --- stage count -----------------------------------------------------------------------
@@ -421,12 +451,13 @@ def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int
     >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
     [range(0, 3), range(3, 6)]
     """
-    if run_type not in ("infer", "train", "fused"):
-        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    _check_run_type(run_type)
     if not chains:
         raise ValueError("plan_chains needs at least one chain")
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch),
+                    ("min_stages", min_stages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if upper_threshold < 1.0:
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
     G = num_devices
@@ -451,17 +482,10 @@ def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int
         for parts in (p.parts, _rebalance(cs, p.parts, memory_cap)):
             stages = _split_to(cs, _stages(cs, parts), S)
             est = estimate_makespan([s[0] for s in stages], G, M)
-            if est < best_est * (1 - 1e-12):
+            if est <= best_est * (1 + 1e-12):   # ties: the later (fewer stages) wins
                 best, best_est = stages, est
     assert best is not None
-    out: list[tuple[list[range], list[range]]] = [([], []) for _ in cs]
-    for t, k, d, a, b in best:
-        n = cs[k].n
-        if d == "f":
-            out[k][0].append(range(a, b))
-        else:
-            out[k][1].append(range(n - b, n - a))
-    return out
+    return _ranges(cs, best)
 
 
 def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_stages: int = 1,

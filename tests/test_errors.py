@@ -1,0 +1,108 @@
+"""Bad input gets a clear exception: what was wrong, where, and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpipe
+from tests import models
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor's value and an untraceable side effect."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            if x.sum().item() > 0:  # value-dependent branch
+                x = -x
+            print(x.tolist(), file=open("/dev/null", "w"))
+        return x
+
+
+def test_uncapturable_model_lists_every_method():
+    with pytest.raises(fxpipe.CaptureError) as info:
+        fxpipe.compile(DataDependent(), example_inputs=(torch.randn(2, 4),))
+    msg = str(info.value)
+    assert "DataDependent" in msg
+    for method in ("fx", "export", "dynamo"):
+        assert f"- {method}:" in msg
+    assert "layers=" in msg and "capture=" in msg
+    assert set(info.value.attempts) == {"fx", "export", "dynamo"}
+
+
+def test_single_method_failure_names_only_that_method():
+    with pytest.raises(fxpipe.CaptureError) as info:
+        fxpipe.compile(DataDependent(), example_inputs=(torch.randn(2, 4),), capture="fx")
+    assert set(info.value.attempts) == {"fx"}
+
+
+def test_layers_naming_no_module_suggests_close_names():
+    with pytest.raises(ValueError, match=r"layers='blocks\.x' names no submodule.*'blocks'"):
+        fxpipe.compile(models.GPT(depth=2), example_inputs=(torch.randint(0, 64, (2, 8)),),
+                       layers="blocks.x")
+
+
+def test_layers_naming_a_leaf_module():
+    with pytest.raises(ValueError, match="no child modules"):
+        fxpipe.compile(models.GPT(depth=2), example_inputs=(torch.randint(0, 64, (2, 8)),),
+                       layers="embed")
+
+
+def test_explicit_layers_is_used():
+    pipe = fxpipe.compile(models.GPT(depth=2).eval(), example_inputs=(torch.randint(0, 64, (2, 8)),),
+                          layers="blocks")
+    assert [layer.name for layer in pipe.layers][1:3] == ["blocks.0", "blocks.1"]
+
+
+def test_missing_example_inputs():
+    with pytest.raises(ValueError, match="needs example inputs"):
+        fxpipe.compile(models.mlp())
+
+
+def test_example_inputs_not_a_tuple():
+    with pytest.raises(TypeError, match=r"example_inputs=\(x,\)"):
+        fxpipe.compile(models.mlp(), example_inputs=[torch.randn(2, 16)])
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        fxpipe.compile(lambda x: x, example_inputs=(torch.randn(2),))
+
+
+def test_unknown_capture_method():
+    with pytest.raises(ValueError, match="capture='jit'"):
+        fxpipe.compile(models.mlp(), example_inputs=(torch.randn(2, 16),), capture="jit")
+
+
+def test_call_with_different_structure_names_the_arguments():
+    pipe = fxpipe.compile(models.KwargsModel(), example_inputs=(torch.randn(2, 16),),
+                          example_kwargs={"mask": torch.ones(2, 16)})
+    with pytest.raises(TypeError, match=r"compiled for 1 positional argument\(s\) and keyword "
+                                        r"arguments \['mask'\]"):
+        pipe(torch.randn(2, 16))
+
+
+def test_call_with_wrong_rank_names_the_argument():
+    pipe = fxpipe.compile(models.mlp(), example_inputs=(torch.randn(2, 16),))
+    with pytest.raises(ValueError, match="input 'input' has 3 dims, compiled with 2"):
+        pipe(torch.randn(2, 3, 16))
+
+
+def test_changed_constant_argument():
+    pipe = fxpipe.compile(models.KwargsModel(), example_inputs=(torch.randn(2, 16),),
+                          example_kwargs={"mask": torch.ones(2, 16), "scale": 2.0})
+    with pytest.raises(ValueError, match="'scale' was compiled as the constant 2.0, got 3.0"):
+        pipe(torch.randn(2, 16), mask=torch.ones(2, 16), scale=3.0)
+
+
+def test_bad_plan_is_rejected_before_running():
+    with pytest.raises(fxpipe.PlanError):
+        fxpipe.compile(models.mlp(depth=1), example_inputs=(torch.randn(2, 16),),
+                       plan=fxpipe.ExecutePlan(fwd_plan=[range(0, 1)], bwd_plan=[range(0, 1)]))
