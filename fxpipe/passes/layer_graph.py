@@ -129,6 +129,20 @@ class LayerGraph:
         return self.gm.code.strip("\n")
 
 
+def graph_module(root: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` without recompiling child GraphModules.
+
+    fx recompiles every GraphModule child whenever a parent compiles; the children here
+    are compiled already, so the parent is built around stand-ins and gets them after.
+    """
+    children = {k: v for k, v in root.items() if isinstance(v, fx.GraphModule) and "." not in k}
+    stand_ins = {k: (torch.nn.Module() if k in children else v) for k, v in root.items()}
+    gm = fx.GraphModule(stand_ins, graph, class_name=class_name)
+    for name, child in children.items():
+        setattr(gm, name, child)
+    return gm
+
+
 def layer_call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The call_module nodes of a chain graph, in order."""
     return [n for n in gm.graph.nodes if n.op == "call_module"]

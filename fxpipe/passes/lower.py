@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
-from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.layer_graph import LayerGraph, graph_module
 
 _op = torch.ops.fxpipe
 
@@ -77,7 +77,7 @@ def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
     out = lg.gm.graph.output_node().args[0]
     top.output(fx.node.map_arg(out, lambda a: env[a.name]))
     _comment_before_nodes(top)
-    return fx.GraphModule(root, top, class_name="PipelineProgram"), stages
+    return graph_module(root, top, class_name="PipelineProgram"), stages
 
 
 def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
@@ -148,9 +148,9 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     g.lint()
     root = {f: (lg.params.get(f) if f in lg.params else lg.buffers[f]) for f in fqns}
     root.update(submodules)
-    gm = fx.GraphModule(root, g, class_name=f"Stage{index}")
     header = stage_header(lg, r, index, device_names[device])
-    _comment_at_top(gm, header)
+    _comment_at_top(g, header)
+    gm = graph_module(root, g, class_name=f"Stage{index}")
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
                  params=fqns, header=header)
 
@@ -215,15 +215,14 @@ def _check_ranges(ranges: list[range], num_layers: int) -> None:
                          f"{num_layers} layers")
 
 
-def _comment_at_top(gm: fx.GraphModule, comment: str) -> None:
-    """Put ``# comment`` as the first line of ``gm``'s generated code (it is what runs)."""
+def _comment_at_top(g: fx.Graph, comment: str) -> None:
+    """Put ``# comment`` as the first line of ``g``'s generated code (it is what runs)."""
     def make(prev):
         def transform(lines):
             lines = prev(lines) if prev else lines
             return [f"# {comment}\n"] + lines
         return transform
-    gm.graph.on_generate_code(make)
-    gm.recompile()
+    g.on_generate_code(make)
 
 
 def _comment_before_nodes(g: fx.Graph) -> None:

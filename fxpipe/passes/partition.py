@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxpipe.passes.capture import capture
-from fxpipe.passes.layer_graph import Layer, LayerGraph
+from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
@@ -110,7 +110,7 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
                            params=[p for p in params if is_param[p]],
                            buffers=[p for p in params if not is_param[p]]))
     top.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
-    top_gm = fx.GraphModule(root, top, class_name="LayerChain")
+    top_gm = graph_module(root, top, class_name="LayerChain")
     tensors = {n.target: _fetch(gm, n.target) for n in nodes if n.op == "get_attr"}
     tensors = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     out_names = [a.name for a in fx.node.map_arg(output.args[0], lambda a: env[a])
@@ -230,4 +230,4 @@ def _layer_module(gm: fx.GraphModule, ns: list[fx.Node], reads: list[fx.Node],
     for n in ns:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[o] for o in outs))
-    return fx.GraphModule(root, g, class_name="Layer"), params
+    return graph_module(root, g, class_name="Layer"), params

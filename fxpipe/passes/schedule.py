@@ -33,23 +33,28 @@ back-propagates.
 
 Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch)::
 
-    Prefetch(s)           [sP]    upload the stage's parameters            (h2d stream)
-    Upload(s, m)          [sUm]   upload the stage's input activation      (h2d stream)
-    UploadGrad(s, m)      [sGm]   upload the gradient of the stage output  (h2d stream)
-    Forward(s, m)         [sFm]   forward of a fwd stage                   (compute stream)
-    FusedBackward(s, m)   [sFBm]  tail forward + loss, then backward       (compute stream)
-    RecomputeBackward(s, m) [sBm] recompute, then backward                 (compute stream)
-    Offload(s, m)         [sOm]   output (fwd) / input gradient (bwd) → host (d2h stream)
-    DownloadGrads(s)      [sD]    accumulated parameter gradients → host   (d2h stream)
+    Prefetch(s)           [sP]    upload the stage's parameters              (prefetch)
+    Upload(s, m)          [sUm]   upload the stage's input activation        (h2d)
+    UploadGrad(s, m)      [sGm]   upload the gradient of the stage output    (h2d)
+    Forward(s, m)         [sFm]   forward of a fwd stage                     (compute)
+    FusedBackward(s, m)   [sFBm]  tail forward + loss, then backward         (compute)
+    RecomputeBackward(s, m) [sBm] recompute, then backward                   (compute)
+    Offload(s, m)         [sOm]   output (fwd) / input gradient (bwd) → host (d2h)
+    DownloadGrads(s)      [sD]    accumulated parameter gradients → host     (grads)
     Release(s)            [sR]    free the stage's parameters (and gradient buffer)
-    OptimizerStep(layers) [Sa:b]  host optimizer hook for ``layers``       (host)
+    OptimizerStep(layers) [Sa:b]  host optimizer hook for ``layers``         (host)
+
+Parameters and gradients move on their own streams (``prefetch``, ``grads``) so that a
+stage-sized copy never queues in front of a microbatch's activations (``h2d``, ``d2h``);
+an executor with one stream per direction can merge them in list order, at a cost.
 
 Dependency rules (``Program.dependencies()`` derives them; the executor and the
 simulator both follow them, nothing else orders actions):
 
 1. Streams are FIFO: an action starts after the previous action of the same stream on
-   the same device ended (streams: ``h2d``, ``compute``, ``d2h``; ``Release`` is a
-   marker; ``OptimizerStep`` runs on the one host optimizer, in order of readiness).
+   the same device ended (streams: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
+   ``grads``; ``Release`` is a marker; ``OptimizerStep`` runs on the one host optimizer,
+   in order of readiness).
 2. Issue: ``Prefetch``/``Upload``/``UploadGrad`` start no earlier than the start of the
    compute action listed just before them. Builders place the prefetch of a device's
    next stage after the first compute of its current stage (so it overlaps that stage,
@@ -234,14 +239,19 @@ def parse_action(text: str) -> Action:
 
 
 def stream_of(action: Action) -> str | None:
-    """The stream an action runs on: ``h2d``, ``compute``, ``d2h``, ``host`` or None."""
+    """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
+    ``grads``, ``host`` or None (``Release``)."""
     match action:
-        case Prefetch() | Upload() | UploadGrad():
+        case Prefetch():
+            return "prefetch"
+        case Upload() | UploadGrad():
             return "h2d"
         case Forward() | FusedBackward() | RecomputeBackward():
             return "compute"
-        case Offload() | DownloadGrads():
+        case Offload():
             return "d2h"
+        case DownloadGrads():
+            return "grads"
         case OptimizerStep():
             return "host"
     return None
@@ -445,11 +455,11 @@ class Program:
         for i, a in enumerate(self.actions[d]):
             deps: list[Dep] = []
             stream = stream_of(a)
-            if stream in ("h2d", "compute", "d2h"):
+            if stream not in (None, "host"):
                 if stream in last_stream:
                     deps.append(Dep(d, last_stream[stream], "end", "stream"))
                 last_stream[stream] = i
-            if stream == "h2d" and last_compute is not None:
+            if stream in ("prefetch", "h2d") and last_compute is not None:
                 deps.append(Dep(d, last_compute, "start", "issue"))
             match a:
                 case Prefetch(stage=s):

@@ -2,8 +2,11 @@
 
 Every action of the Program is timed from the dependencies ``Program.dependencies()``
 derives (stream order, issue order, residency, inputs, gradients); the only other
-contention is the shared host link (``Hardware.shared_bus``) and the host optimizer,
-granted first-ready-first-served. Durations come from per-layer ``LayerCost``:
+contention is the shared host link (``Hardware.shared_bus``: one link per direction for
+all devices' streams) and the host optimizer, granted first-ready-first-served. Without
+a shared bus, a device's parameter and activation streams each get the link's full
+bandwidth (optimistic by at most the activation traffic, small next to parameters).
+Durations come from per-layer ``LayerCost``:
 
 - ``Forward``: the stage's forward times; ``FusedBackward``: forward of its layers
   (tail + loss), then backward; ``RecomputeBackward``: recompute, then backward.
@@ -125,6 +128,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
     start, end, split, ready_data = [0.0] * N, [0.0] * N, [0.0] * N, [0.0] * N
     done = [False] * N
     hop = hardware.comm_ms_per_hop
+    link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host"}
     bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
 
     def dep_time(j: int, x: Dep, instant: bool = False) -> float:
@@ -184,11 +188,11 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
                 ready_data[k] = max((dep_time(j, x, True) for j, x in dep_ids[k]
                                      if x.why != "stream"), default=0.0)
             stream = stream_of(a)
-            shared = stream == "host" or (hardware.shared_bus and stream in ("h2d", "d2h"))
-            start[k] = max(t, bus[stream]) if shared else t
+            shared = stream == "host" or (hardware.shared_bus and stream is not None)
+            start[k] = max(t, bus[link[stream]]) if shared else t
             end[k] = start[k] + duration(a)
             if shared:
-                bus[stream] = end[k]
+                bus[link[stream]] = end[k]
         done[k] = True
         for j in dependents[k]:
             waiting[j] -= 1
