@@ -47,6 +47,9 @@ class Transfers:
     def release(self, params: Sequence[Tensor], stage: int) -> None:
         return None
 
+    def rng(self, layer: int) -> None:
+        return None
+
 
 _DEFAULT = Transfers()
 _local = threading.local()
@@ -147,6 +150,18 @@ def release(params: list[Tensor], stage: int) -> None:
 
 @release.register_fake
 def _(params, stage):
+    return None
+
+
+@torch.library.custom_op("fxpipe::rng", mutates_args=())
+def rng(layer: int) -> None:
+    """Marks the start of a layer that draws random numbers: a runtime seeds it from
+    (call seed, layer, microbatch). On the host, without a runtime, it does nothing."""
+    current().rng(layer)
+
+
+@rng.register_fake
+def _(layer):
     return None
 
 

@@ -48,6 +48,7 @@ class Layer:
     outputs: list[str]             # names of the values it produces for later layers
     params: list[str] = field(default_factory=list)   # FQNs of parameters it uses
     buffers: list[str] = field(default_factory=list)  # FQNs of buffers it uses
+    random: bool = False           # runs random ops (dropout): gets its own RNG state
 
     @property
     def cost(self):
@@ -146,6 +147,37 @@ def graph_module(root: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.G
 def layer_call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The call_module nodes of a chain graph, in order."""
     return [n for n in gm.graph.nodes if n.op == "call_module"]
+
+
+_RANDOM_FUNCTIONS = {
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rrelu", "bernoulli", "rand", "randn", "randint", "rand_like", "randn_like",
+    "randint_like", "normal", "multinomial", "randperm", "poisson",
+}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_"}
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (an active dropout, ``rand``, ``bernoulli_``...)."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded not in node.target.tags:
+            return False
+        if node.target.overloadpacket is torch.ops.aten.dropout:
+            return node.args[2] is not False and node.args[1] != 0
+        return True
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    if name not in _RANDOM_FUNCTIONS:
+        return False
+    if "dropout" in name:  # F.dropout(x, p, training): inactive unless training and p != 0
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return training is not False and p != 0
+    return True
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -21,6 +21,7 @@ value between them on the host; it is what ``print(pipe)`` shows.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class Stage:
     outputs: list[str]    # carried values it makes for later stages / the output
     params: list[str]     # FQNs of the tensors it prefetches (parameters, then buffers)
     header: str           # the one-line comment at the top of its code
+    random: bool = False  # some layer draws random numbers (has an rng marker)
 
     @property
     def code(self) -> str:
@@ -53,17 +55,20 @@ class Stage:
 
 
 def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
-          *, first_index: int = 0) -> tuple[fx.GraphModule, list[Stage]]:
+          *, first_index: int = 0, save_cuts: Sequence[int] = ()) -> tuple[fx.GraphModule, list[Stage]]:
     """Lower ``lg`` for stages ``ranges`` (in forward order, covering every layer once).
 
     Stage *i* (numbered from ``first_index``) runs on device ``i mod len(device_names)``.
-    Returns the top-level GraphModule calling the stages, and the stages.
+    ``save_cuts``: layer indices where a backward stage starts; a forward stage spanning
+    one also offloads the values live at that cut, so the backward stage can recompute
+    from them. Returns the top-level GraphModule calling the stages, and the stages.
     """
     _check_ranges(ranges, len(lg))
     stages = []
     for k, r in enumerate(ranges):
         index = first_index + k
-        stages.append(lower_stage(lg, r, index, index % len(device_names), device_names))
+        stages.append(lower_stage(lg, r, index, index % len(device_names), device_names,
+                                  save_cuts=save_cuts))
     top = fx.Graph()
     env: dict[str, fx.Node] = {n: top.placeholder(n) for n in lg.input_names}
     root = {}
@@ -81,8 +86,8 @@ def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
 
 
 def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
-                device_names: list[str]) -> Stage:
-    """One stage running layers ``r`` on device ``device``."""
+                device_names: list[str], *, save_cuts: Sequence[int] = ()) -> Stage:
+    """One stage running layers ``r`` on device ``device`` (see ``lower``)."""
     made_here: set[str] = set()
     reads: list[str] = []
     for i in r:
@@ -91,6 +96,9 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
                 reads.append(name)
         made_here.update(lg.layers[i].outputs)
     after = set(lg.boundary(r.stop - 1))
+    for cut in save_cuts:
+        if r.start < cut < r.stop:
+            after.update(lg.boundary(cut - 1))
     outs = [v for v in lg.value_order() if v in made_here and v in after]
 
     g = fx.Graph()
@@ -121,6 +129,8 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     for i in r:
         layer = lg.layers[i]
         lenv: dict[fx.Node, fx.Node] = {}
+        if layer.random:
+            g.create_node("call_function", _op.rng.default, (i,), name=f"rng_layer_{i}")
         for n in layer.gm.graph.nodes:
             if n.op == "placeholder":
                 lenv[n] = env[n.target]
@@ -152,7 +162,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     _comment_at_top(g, header)
     gm = graph_module(root, g, class_name=f"Stage{index}")
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
-                 params=fqns, header=header)
+                 params=fqns, header=header, random=any(lg.layers[i].random for i in r))
 
 
 def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:

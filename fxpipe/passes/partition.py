@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxpipe.passes.capture import capture
-from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module
+from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
@@ -108,7 +108,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
                            inputs=[env[r].name for r in reads if r.op != "get_attr"],
                            outputs=[o.name for o in outs],
                            params=[p for p in params if is_param[p]],
-                           buffers=[p for p in params if not is_param[p]]))
+                           buffers=[p for p in params if not is_param[p]],
+                           random=any(is_random(n) for n in ns)))
     top.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
     top_gm = graph_module(root, top, class_name="LayerChain")
     tensors = {n.target: _fetch(gm, n.target) for n in nodes if n.op == "get_attr"}

@@ -90,7 +90,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Literal, Sequence, Union
+from typing import Callable, Collection, Literal, Sequence, Union
 
 StageKind = Literal["fwd", "bwd", "fused"]
 RunType = Literal["infer", "train", "fused"]
@@ -537,7 +537,8 @@ def make_stages(plan_fwd: Sequence[range], plan_bwd: Sequence[range],
 
 def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,
                   num_devices: int, num_microbatches: int, dispatch: Dispatch = "roundpipe",
-                  *, round_size: int | None = None,
+                  *, round_size: int | None = None, forward_lead: int = 0,
+                  split_stages: Collection[int] = (),
                   device_free: Callable[[Program], Sequence[float]] | None = None,
                   optimizer: bool = False) -> Program:
     """Build the Program for a plan.
@@ -549,11 +550,17 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     ``dispatch="roundpipe"``: microbatches go in rounds of ``round_size`` (default G).
     Per round, every forward stage runs on the round's microbatches, then every
     backward stage does (``"train"``: all forward rounds first, then backward rounds).
-    Stage ``i`` of a round (counting fwd then bwd) runs on device ``(r0 + i) mod G``;
-    ``r0`` is 0 for the first round and then the device that becomes free first,
-    which needs timing: ``device_free(partial_program)`` returns per device the time
-    its compute stream is done (``fxpipe.sim.roundpipe_program`` passes the
-    simulator). Without it, ``r0`` continues the rotation (``r0 + stages`` mod G).
+    Slot ``i`` of a round (its stages in execution order) runs on device
+    ``(r0 + i) mod G``; ``r0`` is 0 for the first round and then the device that becomes
+    free first, which needs timing: ``device_free(partial_program)`` returns per device
+    the time its compute stream is done (``fxpipe.sim.roundpipe_program`` passes the
+    simulator). Without it, ``r0`` continues the rotation (``r0 + slots`` mod G).
+
+    Two variations, off by default (RoundPipe's dispatch): ``forward_lead=k`` (fused
+    only) dispatches round ``r``'s forward stages together with round ``r-k``'s backward
+    stages, so forwards run ahead; ``split_stages`` gives each listed stage two slots,
+    even and odd microbatches of the round, so a slow stage (the loss head) runs on two
+    devices at once.
 
     ``optimizer=True`` appends an ``OptimizerStep`` for each backward stage's layers
     after its last ``DownloadGrads``.
@@ -565,7 +572,7 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     if num_devices < 1 or num_microbatches < 1:
         raise ValueError("num_devices and num_microbatches must be >= 1")
     stages = make_stages(plan_fwd, plan_bwd, run_type)
-    G, M, F = num_devices, num_microbatches, len(plan_fwd)
+    G, M, F, S = num_devices, num_microbatches, len(plan_fwd), len(stages)
     jobs: list[list[tuple[int, list[int]]]] = [[] for _ in range(G)]
     if dispatch == "stage":
         for st in stages:
@@ -575,21 +582,30 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
         raise ValueError(f"dispatch must be 'roundpipe' or 'stage', got {dispatch!r}")
     size = round_size or G
     rounds = [list(range(r, min(r + size, M))) for r in range(0, M, size)]
+    units: list[list[tuple[int, list[int]]]] = []   # what one r0 places: (stage, round)
     if run_type == "fused":
-        phases = [(rnd, list(range(len(stages)))) for rnd in rounds]
+        for i in range(len(rounds) + forward_lead):
+            unit = [(s, rounds[i]) for s in range(F)] if i < len(rounds) else []
+            if i >= forward_lead:
+                unit += [(s, rounds[i - forward_lead]) for s in range(F, S)]
+            units.append(unit)
     else:
-        phases = [(rnd, list(range(F))) for rnd in rounds]
-        phases += [(rnd, list(range(F, len(stages)))) for rnd in rounds if len(stages) > F]
-    r0 = 0
-    for n, (rnd, idx) in enumerate(phases):
+        units = [[(s, rnd) for s in range(F)] for rnd in rounds]
+        units += [[(s, rnd) for s in range(F, S)] for rnd in rounds if S > F]
+    r0, placed = 0, 0
+    for n, unit in enumerate(units):
+        slots = [job for s, rnd in unit
+                 for job in ([(s, rnd[0::2]), (s, rnd[1::2])] if s in split_stages and
+                             len(rnd) > 1 else [(s, rnd)])]
         if n > 0:
             if device_free is None:
-                r0 = (r0 + len(phases[n - 1][1])) % G
+                r0 = (r0 + placed) % G
             else:
                 free = list(device_free(_emit(G, M, stages, jobs, False)))
                 r0 = min(range(G), key=lambda g: (free[g], g))
-        for k, s in enumerate(idx):
-            jobs[(r0 + k) % G].append((s, list(rnd)))
+        for k, (s, mbs) in enumerate(slots):
+            jobs[(r0 + k) % G].append((s, list(mbs)))
+        placed = len(slots)
     return _emit(G, M, stages, jobs, optimizer)
 
 

@@ -263,9 +263,11 @@ def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
 def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,
                       num_devices: int, num_microbatches: int, costs: Sequence[LayerCost],
                       hardware: Hardware | None = None, *, semantics: Semantics = "fxpipe",
-                      round_size: int | None = None, optimizer: bool = False) -> Program:
+                      **dispatch_options) -> Program:
     """``build_program(..., dispatch="roundpipe")`` with each round's first device chosen
     by simulating the rounds before it (the device whose compute stream is free first).
+    ``dispatch_options`` (``round_size``, ``forward_lead``, ``split_stages``,
+    ``optimizer``) go to ``build_program``.
 
     >>> p = roundpipe_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 4,
     ...                       [LayerCost(1.0, 2.0)] * 3)
@@ -274,5 +276,5 @@ def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_
     """
     return build_program(
         plan_fwd, plan_bwd, run_type, num_devices, num_microbatches, "roundpipe",
-        round_size=round_size, optimizer=optimizer,
-        device_free=lambda p: simulate(p, costs, hardware, semantics=semantics).device_free)
+        device_free=lambda p: simulate(p, costs, hardware, semantics=semantics).device_free,
+        **dispatch_options)
