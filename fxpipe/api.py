@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -17,7 +17,9 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower
 from fxpipe.passes.partition import build_layer_graph, find_blocks
 from fxpipe.plan import ExecutePlan
+from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.pipeline import Runner, TrainCall
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -71,6 +73,7 @@ class _Compiled:
     plan: ExecutePlan
     program: fx.GraphModule       # top-level graph calling the forward stages
     stages: list[Stage]
+    runners: dict[int, Runner] = field(default_factory=dict)  # by id of the plan
 
 
 class PipelineModule(nn.Module):
@@ -129,11 +132,27 @@ class PipelineModule(nn.Module):
 
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
+        cfg = self._config(run_config)
         compiled = self._compiled_for(args, kwargs)
         self._current = compiled
-        tensors = _check_inputs(compiled.layers, args, kwargs)
-        flat = compiled.program(*tensors)
-        return pytree.tree_unflatten(list(flat), compiled.layers.out_spec)
+        runner = self._runner(compiled, cfg)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        needs_grad = cfg.requires_grad and (params or any(x.requires_grad for x in leaves))
+        if not needs_grad:
+            with torch.no_grad():
+                return runner.infer(args, kwargs, cfg)
+        inputs = []
+        tensor_leaves = iter(compiled.layers.input_names)
+        for x in leaves:
+            name = next(tensor_leaves)
+            if x.requires_grad:
+                if cfg.split_input is not None:
+                    raise NotImplementedError(
+                        f"input {name!r} requires grad and split_input is custom: fxpipe cannot "
+                        "route its gradient back yet; use the default split_input")
+                inputs.append((name, x, 0 if x.dim() > 0 else None))
+        return train_call(TrainCall(runner, args, kwargs, cfg), inputs, params)
 
     def forward_backward(
         self,
@@ -146,23 +165,42 @@ class PipelineModule(nn.Module):
         return_outputs: bool = False,
         run_config: RunConfig | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """Forward, loss and backward in one step; returns the loss detached on the host.
+        """Forward, loss and backward as one fused pipelined step; returns the loss
+        detached on the host (and the merged outputs with ``return_outputs=True``).
 
-        Gradients accumulate into the model's parameters' ``.grad`` as with
-        ``loss_fn(model(*input_args, **input_kwargs), label).backward()``.
+        The tail layers (the first backward stage) run forward, loss and backward in one
+        go and are never recomputed. With ``loss_reduction="mean"`` each microbatch's
+        loss is weighted by its share of the batch, so for a batch-mean ``loss_fn`` the
+        loss and the ``.grad``s equal eager ``loss_fn(model(*args, **kwargs), label).backward()``.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(input_args, tuple):
             raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
-        with torch.enable_grad():
-            out = self(*input_args, **dict(input_kwargs or {}))
-            loss = loss_fn(out, label)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError("loss_fn must return a scalar tensor; got "
-                                 f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
-            loss.backward()
-        return (loss.detach(), out) if return_outputs else loss.detach()
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        kwargs = dict(input_kwargs or {})
+        cfg = self._config(run_config)
+        compiled = self._compiled_for(input_args, kwargs)
+        self._current = compiled
+        loss, outputs = self._runner(compiled, cfg).fused(
+            input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _config(self, run_config: RunConfig | None) -> RunConfig:
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise TypeError(f"run_config must be an fxpipe.RunConfig, got {type(run_config).__name__}")
+        return RunConfig.merge(self.config, run_config).resolved(len(self.devices))
+
+    def _runner(self, compiled: _Compiled, cfg: RunConfig) -> Runner:
+        plan = cfg.execute_plan or compiled.plan
+        if plan is not compiled.plan:
+            plan.validate(len(compiled.layers), "fused" if _is_fused(plan, len(compiled.layers))
+                          else "train")
+        key = id(plan)
+        if key not in compiled.runners:
+            compiled.runners[key] = Runner(compiled.layers, plan, self.devices)
+        return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------
     @property
@@ -211,7 +249,7 @@ def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:
     return covered < num_layers
 
 
-def _check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of a call, after checking it has the compiled structure."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if spec != lg.in_spec:

@@ -70,7 +70,7 @@ class ExecutePlan:
         backward ranges (``"train"``, ``"fused"``) cover ``0 .. L-1`` exactly once in
         descending order. ``"infer"`` ignores ``bwd_plan``.
 
-        >>> ExecutePlan([range(0, 2)], []).validate(3, "infer")
+        >>> ExecutePlan([range(0, 2)], []).validate(3, "infer")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         fxpipe.errors.PlanError: fwd_plan: forward ranges must cover layers 0..2 ...
@@ -130,8 +130,12 @@ class ExecutePlan:
         optional ``.memory_limit`` in bytes). ``model_memory_limit`` is in GB (2**30
         bytes; default 60% of the smallest device limit, no cap when no device has one);
         each stage must fit in half of it because the next stage is prefetched.
-        ``min_stages`` defaults to the number of devices. Several pipes share one
-        bottleneck. Returns one plan for one pipe, a list for several.
+        ``min_stages`` defaults to the number of devices (a hint: a short model may get
+        fewer). ``upper_threshold`` bounds the granularity: no more stages than needed to
+        keep every stage within ``upper_threshold`` x the best achievable bottleneck
+        (about the slowest layer); the bottleneck itself is always the exact optimum for
+        the chosen stage count. Several pipes share one bottleneck. Returns one plan for
+        one pipe, a list for several.
         """
         from fxpipe.passes import planner
 
@@ -156,7 +160,8 @@ class ExecutePlan:
                 if getattr(layer, "cost", None) is None:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
-        chains = planner.chain_costs([[l.cost for l in layers] for layers in layer_lists])
+        chains = planner.chain_costs([[l.cost for l in layers] for layers in layer_lists],
+                                     need_backward=run_type != "infer")
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory_cap=cap)
@@ -186,7 +191,7 @@ def _check_chain(name: str, ranges: Sequence[range], lo: int, hi: int, *, ascend
     if not ranges:
         if hi > lo:
             raise PlanError(f"{name}: {rule}; the plan is empty, so {_layers(lo, hi)} "
-                            f"are not covered")
+                            f"not covered")
         return
     tagged = sorted(enumerate(ranges), key=lambda ir: (ir[1].start, ir[1].stop))
     where = [f"{name}[{i}] = {_fmt(r)}" for i, r in tagged]
@@ -203,7 +208,7 @@ def _check_chain(name: str, ranges: Sequence[range], lo: int, hi: int, *, ascend
             raise PlanError(f"{name}: {rule}; {where[k - 1]} and {where[k]} overlap: "
                             f"{_layers(cur.start, min(prev.stop, cur.stop))} covered twice")
         if cur.start > prev.stop:
-            raise PlanError(f"{name}: {rule}; {_layers(prev.stop, cur.start)} are not "
+            raise PlanError(f"{name}: {rule}; {_layers(prev.stop, cur.start)} not "
                             f"covered (gap between {where[k - 1]} and {where[k]})")
     if last.stop > hi:
         raise PlanError(f"{name}: {rule}; {where[-1]} includes {_layers(hi, last.stop)}, "

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.runtime.devices import CudaDevice, Device, Event, VirtualDevice, resolve_devices
+from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
 
 TIMEOUT = 10.0  # seconds; a hang fails the test instead of blocking the suite
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -92,6 +92,8 @@ def test_exception_reaches_wait_and_later_work_does_not_hang(dev):
     with pytest.raises(ValueError) as info:  # work waiting on a failure does not run
         dependent.wait(TIMEOUT)
     assert info.value is boom and ran == []
+    with pytest.raises(ValueError):
+        failed.value(TIMEOUT)
     dev.synchronize()  # does not raise: errors stay in their events
     assert "failed" in repr(failed)
 
@@ -321,8 +323,8 @@ def test_cuda_h2d_then_compute_then_d2h():
     with CudaDevice(0) as d:
         host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
         up = d.submit("h2d", d.to_device, host, "activations", "stage 0")
-        doubled = d.submit("compute", lambda: up.result() * 2, wait=[up])
-        back = d.submit("d2h", lambda: d.to_host(doubled.result()), wait=[doubled])
+        doubled = d.submit("compute", lambda: up.value() * 2, wait=[up])
+        back = d.submit("d2h", lambda: d.to_host(doubled.value()), wait=[doubled])
         out = back.result(TIMEOUT)
         assert out.is_pinned() and torch.equal(out, host * 2)
         assert d.resident_bytes("activations") == host.numel() * 4
@@ -351,17 +353,18 @@ def test_cuda_errors_and_memory_limit():
 @cuda_only
 def test_cuda_compute_waits_for_slow_copy():
     with CudaDevice(0) as d:
-        host = torch.randn(4096, 4096).pin_memory()
+        host = torch.ones(4096, 4096).pin_memory()  # sums exactly to 2**24
         busy = torch.randn(2048, 2048, device="cuda:0")
+        torch.cuda.synchronize()
 
-        def upload():  # a long kernel before the copy on the h2d stream
+        def upload():  # long kernels before the copy on the h2d stream
             for _ in range(20):
                 busy.matmul(busy)
             return d.to_device(host, "params", "stage 0")
 
         up = d.submit("h2d", upload)
-        total = d.submit("compute", lambda: up.result().sum(), wait=[up])
-        assert torch.allclose(total.result(TIMEOUT).cpu(), host.sum(), rtol=1e-4)
+        total = d.submit("compute", lambda: up.value().sum(), wait=[up])
+        assert total.result(TIMEOUT).item() == 2.0 ** 24
 
 
 @cuda_only

@@ -64,20 +64,16 @@ def test_upload_views_equal_master_one_transfer_per_dtype(dev):
     assert sorted(map(str, store.flat(0))) == ["torch.float32", "torch.int64"]
     assert list(store.flat(1)) == [torch.bfloat16]
 
-    for stage, expected in ((0, {**dict(m.named_parameters()), **dict(m.named_buffers())}), (1, {})):
+    named = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    for stage in (0, 1):
         dev.uploads.clear()
         up = store.upload(stage, dev)
         assert len(dev.uploads) == len(store.flat(stage))  # one transfer per dtype
-        if stage == 1:
-            expected = {k: v for k, v in m.named_parameters() if k.startswith("2.")}
-        else:
-            expected = {k: v for k, v in expected.items() if not k.startswith("2.")}
-        assert set(up) == set(expected)
+        assert set(up) == {k for k in named if k.startswith("2.") == (stage == 1)}
         for fqn, view in up.items():
-            master = expected[fqn]
-            assert torch.equal(view, master) and view.dtype == master.dtype, fqn
-            assert view.untyped_storage().data_ptr() != master.untyped_storage().data_ptr()
-        by_dtype = {}
+            assert torch.equal(view, named[fqn]) and view.dtype == named[fqn].dtype, fqn
+            assert view.untyped_storage().data_ptr() != named[fqn].untyped_storage().data_ptr()
+        by_dtype: dict[torch.dtype, set[int]] = {}
         for view in up.values():  # all views of one dtype share one device buffer
             by_dtype.setdefault(view.dtype, set()).add(view.untyped_storage().data_ptr())
         assert all(len(ptrs) == 1 for ptrs in by_dtype.values())
@@ -124,10 +120,12 @@ def test_release_frees_each_flat_buffer_once(dev):
     assert dev.resident_bytes() == 0
 
 
-def test_upload_over_the_memory_limit_names_the_stage():
-    store = ParamStore({3: {"w": torch.zeros(100)}}, pin=False)
-    with VirtualDevice(memory_limit=256) as d, pytest.raises(DeviceMemoryError, match="for stage 3"):
-        store.upload(3, d)
+def test_upload_over_the_memory_limit_names_the_stage_and_counts_nothing():
+    store = ParamStore({3: {"w": torch.zeros(40), "h": torch.zeros(100, dtype=torch.float64)}}, pin=False)
+    with VirtualDevice(memory_limit=512) as d:
+        with pytest.raises(DeviceMemoryError, match="800 B of params for stage 3"):
+            store.upload(3, d)  # the float32 buffer fits, the float64 one does not
+        assert d.resident_bytes() == 0
 
 
 def test_masters_must_be_dense_host_tensors():
@@ -149,7 +147,7 @@ def _pipelined_grads(m: nn.Module, x: torch.Tensor, store: ParamStore, dev) -> G
     up0 = store.upload(0, dev, requires_grad=True)
     up1 = store.upload(1, dev, requires_grad=True)
     h = functional_call(m[:2], {k: up0[k] for k in up0}, (x,))
-    y = functional_call(m[2:], {k[2:]: v for k, v in up1.items()}, (h.to(torch.bfloat16),))
+    y = functional_call(m[2], {k[2:]: v for k, v in up1.items()}, (h.to(torch.bfloat16),))
     loss = y.float().square().mean()
     leaves0 = [k for k, v in up0.items() if v.requires_grad]
     grads = torch.autograd.grad(loss, [up0[k] for k in leaves0] + list(up1.values()))
@@ -160,7 +158,7 @@ def _pipelined_grads(m: nn.Module, x: torch.Tensor, store: ParamStore, dev) -> G
 
 
 def _eager_grads(m: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    m(x).float().square().mean().backward()
+    m[2](m[:2](x).to(torch.bfloat16)).float().square().mean().backward()
     return {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
@@ -189,7 +187,7 @@ def test_discard_leaves_grad_untouched(dev):
     m[0].weight.grad = torch.full_like(m[0].weight, 7.0)
     store = ParamStore(_stage_dicts(m)[0], pin=False)
     acc = _pipelined_grads(m, torch.randn(4, 5), store, dev)
-    assert len(acc) == 4
+    assert len(acc) == 6  # every parameter has a pending gradient
     acc.discard()
     acc.commit()  # nothing left to commit
     assert torch.equal(m[0].weight.grad, torch.full_like(m[0].weight, 7.0))
@@ -232,6 +230,8 @@ def test_tied_names_in_one_stage_share_one_slot(dev):
     acc = GradAccumulator(store)
     acc.add(0, store.download_grads(0, dev, {"b.weight": g}))
     acc.commit()
+    assert torch.equal(w.grad, g) and len(acc) == 0
+    acc.commit()  # committed sums are gone: nothing is added twice
     assert torch.equal(w.grad, g)
 
 
@@ -252,13 +252,28 @@ def test_download_grads_rejects_what_gets_no_gradient(dev):
 
 def test_commit_checks_before_writing_anything():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
-    b.grad = torch.zeros(3, dtype=torch.float64)  # incompatible with a float32 gradient
+    b.grad_dtype = None  # allow any .grad dtype ...
+    b.grad = torch.zeros(3, dtype=torch.int64)  # ... so a float gradient cannot be added in place
     store = ParamStore({0: {"a": a, "b": b}}, pin=False)
     acc = GradAccumulator(store)
     acc.add(0, {"a": torch.ones(2), "b": torch.ones(3)})
     with pytest.raises(RuntimeError, match="nothing was written"):
         acc.commit()
-    assert a.grad is None and torch.equal(b.grad, torch.zeros(3, dtype=torch.float64))
+    assert a.grad is None and torch.equal(b.grad, torch.zeros(3, dtype=torch.int64))
+
+
+def test_commit_honours_grad_dtype(dev):
+    lin = nn.Linear(4, 2).to(torch.bfloat16)
+    lin.weight.grad_dtype = torch.float32  # bf16 weights, fp32 gradients
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    expected = torch.autograd.grad(lin(x).float().sum(), [lin.weight])[0].float()
+    store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
+    up = store.upload(0, dev, requires_grad=True)
+    g = torch.autograd.grad(functional_call(lin, up, (x,)).float().sum(), [up["weight"]])
+    acc = GradAccumulator(store)
+    acc.add(0, store.download_grads(0, dev, {"weight": g[0]}))
+    acc.commit()
+    assert lin.weight.grad.dtype == torch.float32 and torch.equal(lin.weight.grad, expected)
 
 
 def test_accumulator_owns_its_sums_and_keeps_param_layout():
@@ -317,15 +332,13 @@ def test_stage_job_on_streams(dev):
     lin = nn.Linear(6, 6)
     store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
     x = torch.randn(3, 6)
-    up = dev.submit("h2d", store.upload, 0, dev, label="H2D s0")
     up = dev.submit("h2d", lambda: store.upload(0, dev, requires_grad=True), label="H2D s0")
-    grads = dev.submit("compute", lambda: dict(zip(up.result(), torch.autograd.grad(
-        functional_call(lin, up.result(), (x,)).sum(), list(up.result().values())))), wait=[up])
-    host = dev.submit("d2h", lambda: store.download_grads(0, dev, grads.result()), wait=[grads])
+    grads = dev.submit("compute", lambda: dict(zip(up.value(), torch.autograd.grad(
+        functional_call(lin, up.value(), (x,)).sum(), list(up.value().values())))), wait=[up])
+    host = dev.submit("d2h", lambda: store.download_grads(0, dev, grads.value()), wait=[grads])
     acc = GradAccumulator(store)
     acc.add(0, host.result(TIMEOUT))
     acc.commit()
-    lin(x).sum().backward(inputs=[]) if False else None
     expected = torch.autograd.grad(lin(x).sum(), [lin.weight, lin.bias])
     assert torch.equal(lin.weight.grad, expected[0]) and torch.equal(lin.bias.grad, expected[1])
 
@@ -334,19 +347,22 @@ def test_stage_job_on_streams(dev):
 def test_cuda_round_trip_with_pinned_flat_buffers():
     from fxpipe.runtime.devices import CudaDevice
 
-    m = _mixed_model().cuda().cpu()  # exercise CUDA init, keep masters on the host
+    m = _mixed_model()
     params, buffers = _stage_dicts(m)
     store = ParamStore(params, buffers)
     assert all(t.is_pinned() for s in store.stages for t in store.flat(s).values())
     with CudaDevice(0) as d:
         up = d.submit("h2d", store.upload, 0, d, label="H2D s0")
+        grads = d.submit("compute", lambda: {k: torch.full_like(v, 2.0) for k, v in up.value().items()
+                                             if k.endswith("weight")}, wait=[up])
+        back = d.submit("d2h", lambda: store.download_grads(0, d, grads.value()), wait=[grads])
+        host_grads = back.result(TIMEOUT)
+        assert set(host_grads) == {"0.weight", "1.weight"}
+        for g in host_grads.values():
+            assert g.device.type == "cpu" and torch.equal(g, torch.full_like(g, 2.0))
         views = up.result(TIMEOUT)
         assert all(v.is_cuda for v in views.values())
-        grads = {k: torch.ones_like(v) for k, v in views.items() if k.endswith("weight")}
-        back = d.submit("d2h", store.download_grads, 0, d, grads, wait=[up]).result(TIMEOUT)
-        d.synchronize()
-        assert all(torch.equal(g, torch.ones_like(g)) and g.device.type == "cpu" for g in back.values())
         for k, v in views.items():
-            assert torch.equal(v.cpu(), dict(m.state_dict())[k]), k
+            assert torch.equal(v.cpu(), m.state_dict()[k]), k
         store.release(d, views)
         assert d.resident_bytes() == 0

@@ -193,6 +193,19 @@ step  d0    d1
 24    4R    .
 25    S0:3  .""")
 
+    def test_roundpipe_forward_lead_and_split_head(self):
+        # round 1's forwards go with round 0's backwards; the fused stage 2 takes two
+        # slots per round (even / odd microbatches)
+        p = build_program(*FUSED_6, "fused", 3, 4, "roundpipe", round_size=2, forward_lead=1,
+                          split_stages=(2,))
+        jobs = [" ".join(str(a) for a in acts if isinstance(a, (Forward, FusedBackward,
+                                                                 RecomputeBackward)))
+                for acts in p.actions]
+        self.assertExpectedInline("\n".join(jobs), """\
+0F0 0F1 1F2 1F3 3B0 3B1 2FB3
+1F0 1F1 2FB0 4B0 4B1 3B2 3B3
+0F2 0F3 2FB1 2FB2 4B2 4B3""")
+
     def test_infer_2_devices(self):
         p = build_program([range(0, 1), range(1, 2), range(2, 3)], [], "infer", 2, 2, "stage")
         self.assertExpectedInline(str(p), """\
@@ -311,6 +324,9 @@ class TestBuilderInvariants(expecttest.TestCase):
                     for dispatch in ("stage", "roundpipe"):
                         yield build_program(fwd, bwd if run_type != "infer" else [], run_type, G,
                                             M, dispatch), dispatch
+                    if run_type == "fused":
+                        yield build_program(fwd, bwd, run_type, G, M, round_size=2,
+                                            forward_lead=1, split_stages=(len(fwd),)), "lead"
 
     def test_invariants(self):
         n = 0

@@ -229,11 +229,11 @@ def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any]
     return env
 
 
-def _fresh_inputs(args: tuple, kwargs: dict, clone_all: bool):
-    """A layer's inputs, cut from the earlier layers' autograd graphs. A tensor that
-    requires grad becomes a leaf (in ``leaves``) passed through a clone, so in-place ops
-    on it stay legal; ``clone_all`` clones the others too (for repeated runs). ``passed``
-    maps the id of each tensor handed to the layer to (it, the given value)."""
+def _fresh_inputs(args: tuple, kwargs: dict, clone: bool):
+    """A layer's inputs cut from the earlier layers' autograd graphs: each tensor that
+    requires grad becomes a leaf (in ``leaves``) sharing the given value's storage. With
+    ``clone`` the layer gets copies (of the leaves, so in-place ops on them stay legal).
+    ``passed`` maps the id of each tensor handed to the layer to (it, the given value)."""
     leaves: list[torch.Tensor] = []
     passed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     memo: dict[int, torch.Tensor] = {}
@@ -245,7 +245,7 @@ def _fresh_inputs(args: tuple, kwargs: dict, clone_all: bool):
             x = a.detach()
             if a.requires_grad:
                 leaves.append(x.requires_grad_(True))
-            memo[id(a)] = x = x.clone() if a.requires_grad or clone_all else x
+            memo[id(a)] = x = x.clone() if clone else x
             passed[id(x)] = (x, a)
         return memo[id(a)]
 
@@ -293,7 +293,6 @@ class _MetaAsCPU(TorchDispatchMode):
 def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                 counter: FlopCounterMode):
     """Run one layer on fakes; returns its outputs and (fwd flops, bwd flops, saved bytes)."""
-    args, kwargs, leaves, passed = _fresh_inputs(args, kwargs, clone_all=False)
     held = {_storage_key(t) for t in attrs.values()}
     saved: dict[int, int] = {}
 
@@ -302,8 +301,16 @@ def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
             saved.setdefault(_storage_key(t), t.untyped_storage().nbytes())
         return t
 
-    with saved_tensors_hooks(pack, lambda t: t), counter:
-        out = torch.func.functional_call(gm, attrs, args, kwargs)
+    for clone in (False, True):  # inputs as leaves; copies if the layer writes into them
+        a, k, leaves, passed = _fresh_inputs(args, kwargs, clone)
+        saved.clear()
+        try:
+            with saved_tensors_hooks(pack, lambda t: t), counter:
+                out = torch.func.functional_call(gm, attrs, a, k)
+            break
+        except RuntimeError as e:
+            if clone or "leaf Variable that requires grad" not in str(e):
+                raise
     fwd, bwd = counter.get_total_flops(), 0
     roots = _grad_roots(out)
     wrt = list(_unique([t for t in attrs.values() if t.requires_grad] + leaves))
@@ -402,10 +409,10 @@ def _time_layer(gm: fx.GraphModule, args: tuple, kwargs: dict, repeats: int):
     params = [t for t in _unique(_attr_tensors(gm).values()) if t.requires_grad]
     samples = []
     for _ in range(repeats + 1):
-        a, k, _, _ = _fresh_inputs(args, kwargs, clone_all=True)
+        a, k, _, _ = _fresh_inputs(args, kwargs, clone=True)
         with torch.no_grad():
             fwd = _timed(lambda: gm(*a, **k))[1]
-        a, k, leaves, passed = _fresh_inputs(args, kwargs, clone_all=True)
+        a, k, leaves, passed = _fresh_inputs(args, kwargs, clone=True)
         out, re = _timed(lambda: gm(*a, **k))
         roots, wrt, bwd = _grad_roots(out), params + leaves, 0.0
         if roots and wrt:

@@ -111,6 +111,12 @@ class LayerGraph:
                 users.setdefault(p, []).append(layer.index)
         return {p: idx for p, idx in users.items() if len(idx) > 1}
 
+    def flat_outputs(self, values: dict[str, Any]) -> list:
+        """The model's flat output leaves, taking each graph value from ``values`` by name
+        (constant leaves are returned as they are)."""
+        return [values[a.name] if isinstance(a, fx.Node) else a
+                for a in self.gm.graph.output_node().args[0]]
+
     def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
         """The parameters and buffers layer ``i`` uses, by FQN."""
         layer = self.layers[i]

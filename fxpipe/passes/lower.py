@@ -63,7 +63,7 @@ def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
     one also offloads the values live at that cut, so the backward stage can recompute
     from them. Returns the top-level GraphModule calling the stages, and the stages.
     """
-    _check_ranges(ranges, len(lg))
+    _check_ranges(ranges, len(lg), full=not save_cuts or ranges[-1].stop == len(lg))
     stages = []
     for k, r in enumerate(ranges):
         index = first_index + k
@@ -79,8 +79,11 @@ def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
         call.meta["comment"] = st.header
         for j, o in enumerate(st.outputs):
             env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o)
-    out = lg.gm.graph.output_node().args[0]
-    top.output(fx.node.map_arg(out, lambda a: env[a.name]))
+    if ranges[-1].stop == len(lg):
+        out = lg.gm.graph.output_node().args[0]
+        top.output(fx.node.map_arg(out, lambda a: env[a.name]))
+    else:  # forward stages of a fused step: what is live where the tail stage starts
+        top.output(tuple(env[n] for n in lg.boundary(ranges[-1].stop - 1)))
     _comment_before_nodes(top)
     return graph_module(root, top, class_name="PipelineProgram"), stages
 
@@ -213,14 +216,16 @@ def _mutated_attrs(n: fx.Node, gm: fx.GraphModule) -> list[str]:
     return []
 
 
-def _check_ranges(ranges: list[range], num_layers: int) -> None:
+def _check_ranges(ranges: list[range], num_layers: int, full: bool = True) -> None:
+    """Ranges are contiguous from layer 0; with ``full``, they cover every layer (a fused
+    program's forward stages stop where its tail stage starts)."""
     expect = 0
     for r in ranges:
         if not isinstance(r, range) or r.step != 1 or r.start != expect or len(r) == 0:
             raise ValueError(f"stage ranges must be non-empty, contiguous and ascending from 0; "
                              f"got {r!r} where range({expect}, ...) was expected")
         expect = r.stop
-    if expect != num_layers:
+    if expect > num_layers or (full and expect != num_layers):
         raise ValueError(f"stage ranges cover layers 0-{expect - 1} but the model has "
                          f"{num_layers} layers")
 

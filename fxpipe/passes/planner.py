@@ -38,11 +38,16 @@ Algorithm (``plan_chains``):
    boundary activations and a prefetch. ``min_stages`` (default G) raises the count when
    the chain is that short (stages are split, bottleneck never rises). Among counts S in
    ``[top - G + 1, top]`` (one round of G; at least ``min_stages``) we take the exact
-   B*(S) plan with the lowest ``estimate_makespan``.
+   B*(S) plan (as packed, or re-cut per segment) with the lowest ``estimate_makespan``.
+   When ``top >= 4G`` only ``top`` and the last whole round below it are tried: every
+   device then runs four or more stages, and a partial round adds at most one to some.
 
->>> c = ChainCosts.from_times([1, 1, 1, 1, 4])
->>> plan_chains("fused", [c], num_devices=2)
-[([range(0, 2), range(2, 4)], [range(4, 5), range(3, 4), range(2, 3), range(1, 2), range(0, 1)])]
+Example: an embedding, 24 equal blocks and a 3x LM head; backward = 2x forward.
+
+>>> c = ChainCosts.from_times([0.1] + [1.0] * 24 + [3.0])
+>>> fwd, bwd = plan_chains("fused", [c], num_devices=4)[0]
+>>> [len(r) for r in fwd], [len(r) for r in bwd]     # the fused tail is the LM head
+([9, 8, 8], [1, 3, 3, 3, 3, 3, 3, 3, 4])
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class ChainCosts:
 def chain_costs(cost_lists: Sequence[Sequence[Any]], device: NominalDevice = NOMINAL_DEVICE,
                 need_backward: bool = True) -> list[ChainCosts]:
     """``ChainCosts`` from per-layer ``Cost`` objects (fields ``param_bytes, grad_bytes,
-    saved_bytes, boundary_bytes, fwd_flops, bwd_flops, fwd_ms, recompute_ms, bwd_ms``).
+    saved_bytes, boundary_bytes, fwd_flops, bwd_flops, fwd_ms, recompute_ms, bwd_ms``;
+    an optional ``buffer_bytes`` counts with the parameters).
 
     Measured times are used only when every layer of every chain has them (forward, and
     backward when ``need_backward``; a missing recompute falls back to the forward
@@ -145,7 +151,7 @@ def chain_costs(cost_lists: Sequence[Sequence[Any]], device: NominalDevice = NOM
     out = []
     for costs in cost_lists:
         g = lambda c, name: float(getattr(c, name, None) or 0.0)  # noqa: E731
-        p = [g(c, "param_bytes") for c in costs]
+        p = [g(c, "param_bytes") + g(c, "buffer_bytes") for c in costs]  # both go to the device
         gr = [g(c, "grad_bytes") for c in costs]
         sv = [g(c, "saved_bytes") for c in costs]
         bd = [g(c, "boundary_bytes") for c in costs]
@@ -200,21 +206,35 @@ def _pack(P1: list[float], P: list[float], Q: list[float] | None, end: int, boun
     ``P``; memory prefix ``Q`` under ``cap``. Returns (stage ends, or None if more than
     ``limit`` stages are needed; worst stage time; smallest bound that changes a stage)."""
     cuts: list[int] = []
-    i, worst, nxt = start, 0.0, INF
+    i, worst, nxt, T = start, 0.0, INF, P1
+    right = bisect.bisect_right
     while i < end:
         if len(cuts) >= limit:
             return None, worst, nxt
-        T = P if cuts else P1
-        j = bisect.bisect_right(T, T[i] + bound, i + 1, end + 1) - 1
-        jm = end if cap is None else bisect.bisect_right(Q, Q[i] + cap, i + 1, end + 1) - 1
-        if j < end and j < jm:           # time-limited: a larger bound would take layer j
-            nxt = min(nxt, T[j + 1] - T[i])
-        j = min(j, jm)
-        if j == i:                       # one layer alone is over the bound
+        Ti = T[i]
+        j = right(T, Ti + bound, i + 1, end + 1) - 1
+        while j > i and T[j] - Ti > bound:           # compare stage sums exactly as they
+            j -= 1                                   # are reported, despite rounding
+        while j < end and T[j + 1] - Ti <= bound:
+            j += 1
+        jm = end
+        if cap is not None:
+            Qi = Q[i]
+            jm = right(Q, Qi + cap, i + 1, end + 1) - 1
+            while jm > i and Q[jm] - Qi > cap:
+                jm -= 1
+            while jm < end and Q[jm + 1] - Qi <= cap:
+                jm += 1
+        if jm < j:                                   # memory-limited: a larger bound
+            j = jm                                   # changes nothing here
+        elif j < end and j < jm and T[j + 1] - Ti < nxt:
+            nxt = T[j + 1] - Ti                      # the bound that would take layer j
+        if j == i:                                   # one layer alone is over the bound
             return None, worst, nxt
-        worst = max(worst, T[j] - T[i])
+        if T[j] - Ti > worst:
+            worst = T[j] - Ti
         cuts.append(j)
-        i = j
+        i, T = j, P
     return cuts, worst, nxt
 
 
@@ -238,11 +258,10 @@ class _Chain:
         elif not self.fused:
             self.lower = max(max(c.fwd_ms), max(rb))
             self.work = sum(c.fwd_ms) + sum(rb)
-        else:  # layer k < L-1 is either in the tail (with layer L-1) or in two stages
-            last = fb[0]
-            rest = [min(max(f, x), y + last) for f, x, y in zip(c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1])]
-            self.lower = max([last] + rest)
-            self.work = last + sum(min(f + x, y) for f, x, y in zip(c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1]))
+        else:  # layer k < L-1 runs in the tail (with layer L-1) or in a fwd and a bwd stage
+            f, r, t, last = c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1], fb[0]  # layer order
+            self.lower = max([last] + [min(max(a, b), x + last) for a, b, x in zip(f, r, t)])
+            self.work = last + sum(min(a + b, x) for a, b, x in zip(f, r, t))
         self.max_stages = n + (n - (1 if self.fused else 0) if self.has_bwd else 0)
 
 
@@ -309,27 +328,31 @@ def _solve(chains: list[_Chain], limit: int, cap: float | None, lo: float = 0.0,
 
 
 def _segment(P: list[float], Q: list[float], a: int, b: int, count: int,
-             cap: float | None) -> list[int]:
-    """Positions [a, b) in at most ``count`` stages with the smallest bottleneck."""
+             cap: float | None, hi: float) -> list[int]:
+    """Positions [a, b) in at most ``count`` stages with the smallest bottleneck (``hi``
+    is a feasible bound)."""
     def probe(bound: float) -> _Probe:
         cuts, worst, nxt = _pack(P, P, Q, b, bound, cap, count, a)
         return _Probe(cuts is not None, [(cuts or [], [])], worst, nxt, len(cuts or []))
+    start = probe(hi)
+    if not start.ok:  # cannot happen for the bound the segment was packed under
+        raise AssertionError(f"segment {a}:{b} does not fit {count} stages at {hi}")
     lo = max(max(P[i + 1] - P[i] for i in range(a, b)), (P[b] - P[a]) / count)
-    return _search(probe, lo, probe(INF)).parts[0][0]
+    return _search(probe, lo, start).parts[0][0]
 
 
 def _rebalance(chains: list[_Chain], parts: list[tuple[list[int], list[int]]],
-               cap: float | None) -> list[tuple[list[int], list[int]]]:
+               cap: float | None, bound: float) -> list[tuple[list[int], list[int]]]:
     """Keep each segment's stage count (and a fused tail), but re-cut every segment for
     its own smallest bottleneck: the common bottleneck stays, the other stages even out."""
     out = []
     for ch, (fcuts, bcuts) in zip(chains, parts):
         if fcuts:
-            fcuts = _segment(ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap)
+            fcuts = _segment(ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap, bound)
         head = bcuts[:1] if ch.fused else []
         if len(bcuts) > len(head):
             bcuts = head + _segment(ch.B, ch.BQ, head[0] if head else 0, ch.n,
-                                    len(bcuts) - len(head), cap)
+                                    len(bcuts) - len(head), cap, bound)
         out.append((fcuts, bcuts))
     return out
 
@@ -370,7 +393,7 @@ def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None =
     return p.worst, [range(a, b) for a, b in zip([0] + ends[:-1], ends)]
 
 
-def solve_stages(run_type: str, chains: Sequence[ChainCosts], num_stages: int,
+def solve_stages(run_type: str | Sequence[str], chains: Sequence[ChainCosts], num_stages: int,
                  memory_cap: float | None = None) -> tuple[float, list[tuple[list[range], list[range]]]]:
     """The smallest common bottleneck of all ``chains`` using at most ``num_stages`` stages
     in total (forward + backward of every chain), and the greedy plan achieving it.
@@ -378,8 +401,7 @@ def solve_stages(run_type: str, chains: Sequence[ChainCosts], num_stages: int,
     >>> solve_stages("train", [ChainCosts.from_times([1, 1, 1, 1])], 3)
     (6.0, [([range(0, 4)], [range(2, 4), range(0, 2)])])
     """
-    _check_run_type(run_type)
-    cs = [_Chain(c, run_type) for c in chains]
+    cs = _chains(run_type, chains)
     _check_memory(cs, memory_cap)
     lo = max(max(ch.lower for ch in cs), sum(ch.work for ch in cs) / max(num_stages, 1))
     p = _solve(cs, num_stages, memory_cap, lo)
@@ -397,9 +419,17 @@ def _ranges(cs: list[_Chain], stages: list[list]) -> list[tuple[list[range], lis
     return out
 
 
-def _check_run_type(run_type: str) -> None:
-    if run_type not in ("infer", "train", "fused"):
-        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts]) -> list[_Chain]:
+    """One run type for every chain, or one per chain."""
+    if not chains:
+        raise ValueError("the planner needs at least one chain")
+    types = [run_type] * len(chains) if isinstance(run_type, str) else list(run_type)
+    if len(types) != len(chains):
+        raise ValueError(f"{len(types)} run types for {len(chains)} chains")
+    for t in types:
+        if t not in ("infer", "train", "fused"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {t!r}")
+    return [_Chain(c, t) for c, t in zip(chains, types)]
 
 
 # --- stage count -----------------------------------------------------------------------
@@ -440,20 +470,19 @@ def _split_to(chains: list[_Chain], stages: list[list], count: int) -> list[list
     return [keyed[key] for key in sorted(keyed)]
 
 
-def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int,
+def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, num_devices: int,
                 num_microbatch: int | None = None, min_stages: int | None = None,
                 upper_threshold: float = 1.1, memory_cap: float | None = None
                 ) -> list[tuple[list[range], list[range]]]:
     """Plan every chain with one common bottleneck; returns ``(fwd_plan, bwd_plan)`` per
     chain (layer ranges; ``bwd_plan`` deep to shallow, empty for ``"infer"``).
-    ``memory_cap`` is bytes per stage. See the module docstring for the algorithm.
+    ``run_type`` applies to every chain, or give one per chain (e.g. an encoder run with
+    ``"train"`` feeding a decoder run with ``"fused"``). ``memory_cap`` is bytes per
+    stage; ``num_microbatch`` defaults to G + 1. See the module docstring.
 
     >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
     [range(0, 3), range(3, 6)]
     """
-    _check_run_type(run_type)
-    if not chains:
-        raise ValueError("plan_chains needs at least one chain")
     for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch),
                     ("min_stages", min_stages)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -463,7 +492,7 @@ def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int
     G = num_devices
     M = num_microbatch or G + 1
     want = G if min_stages is None else min_stages
-    cs = [_Chain(c, run_type) for c in chains]
+    cs = _chains(run_type, chains)
     _check_memory(cs, memory_cap)
     max_count = sum(ch.max_stages for ch in cs)
     lower = max(ch.lower for ch in cs)
@@ -474,12 +503,15 @@ def plan_chains(run_type: str, chains: Sequence[ChainCosts], *, num_devices: int
     bottom = max(min(want, top), top - G + 1)
     best, best_est = None, INF
     work, lo = sum(ch.work for ch in cs), finest.worst
-    for S in range(top, bottom - 1, -1):   # B*(S) >= B*(S + 1): each solve starts there
+    counts = list(range(top, bottom - 1, -1))
+    if top >= 4 * G:   # many rounds: only whole rounds matter (top, or the last full round)
+        counts = sorted({top, max(bottom, top - top % G)}, reverse=True)
+    for S in counts:   # B*(S) >= B*(S + 1): each solve starts from the previous one
         p = _solve(cs, S, memory_cap, lo := max(lo, work / S), coarse)
         if p is None:
             break
         lo = p.worst
-        for parts in (p.parts, _rebalance(cs, p.parts, memory_cap)):
+        for parts in (p.parts, _rebalance(cs, p.parts, memory_cap, p.worst)):
             stages = _split_to(cs, _stages(cs, parts), S)
             est = estimate_makespan([s[0] for s in stages], G, M)
             if est <= best_est * (1 + 1e-12):   # ties: the later (fewer stages) wins

@@ -56,7 +56,7 @@ simulator both follow them, nothing else orders actions):
    ``grads``; ``Release`` is a marker; ``OptimizerStep`` runs on the one host optimizer,
    in order of readiness).
 2. Issue: ``Prefetch``/``Upload``/``UploadGrad`` start no earlier than the start of the
-   compute action listed just before them. Builders place the prefetch of a device's
+   latest compute action listed before them. Builders place the prefetch of a device's
    next stage after the first compute of its current stage (so it overlaps that stage,
    DESIGN rule 2) and the inputs of the next compute after the current compute (one
    microbatch of look-ahead).
@@ -67,7 +67,7 @@ simulator both follow them, nothing else orders actions):
    (on-device hand-off). Producers: fwd/fused stage ``s`` reads stage ``s-1``'s output
    (stage 0 and a stage starting at layer 0 read the model input from the host); a bwd
    stage over ``range(a, z)`` reads the saved input of layer ``a``, i.e. the output of
-   the fwd stage holding layer ``a-1``, always through the host.
+   the fwd stage holding layer ``a-1`` (builders always route it through the host).
 5. Gradients: a bwd stage's backward part needs ``UploadGrad(b, m)`` or stage
    ``b-1``'s compute of ``m`` on the same device. The first bwd stage of a ``"train"``
    program gets its gradient from the host once *every* microbatch's output is there
@@ -77,8 +77,8 @@ simulator both follow them, nothing else orders actions):
 7. ``Offload(s, m)`` waits for the compute of ``(s, m)`` on its device;
    ``DownloadGrads(s)`` and ``Release(s)`` wait for the last compute of ``s`` since its
    ``Prefetch`` (computes end in list order; ``Release`` also waits for the
-   ``DownloadGrads``); ``OptimizerStep(layers)``
-   waits for every ``DownloadGrads`` of a stage holding any of ``layers``.
+   ``DownloadGrads``); ``OptimizerStep(layers)`` waits for every ``DownloadGrads`` (on
+   any device) of a stage holding any of ``layers``.
 
 A two-part compute (``FusedBackward``: tail forward then backward;
 ``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only

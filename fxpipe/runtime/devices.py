@@ -1,20 +1,15 @@
-"""Devices: one interface, two backends (CUDA, and a virtual CPU device for testing).
+"""Devices: one interface, two backends (:class:`CudaDevice`, and :class:`VirtualDevice` on CPU).
 
-A device has three ordered work queues, *streams*: ``"compute"``, ``"h2d"`` (host to
-device) and ``"d2h"`` (device to host). Work is a Python callable submitted to a stream;
-``submit`` returns an :class:`Event` that completes when the work is done. Other
-submissions (on any stream, of any device) can ``wait`` on events, and the host can
-``event.wait()`` / ``event.result()``.
-
-Device memory is counted by *kind* (``"params"``, ``"activations"``, ``"gradients"``)
-for the allocations made through :meth:`Device.to_device` and :meth:`Device.track`,
-with a peak per kind and an optional limit; exceeding it raises
-:class:`fxpipe.errors.DeviceMemoryError` naming the owner (a stage) and the bytes.
+A device has three ordered work queues, *streams* (``"compute"``, ``"h2d"``, ``"d2h"``).
+``submit`` puts a callable on one and returns an :class:`Event`; other work (any stream,
+any device) can ``wait`` on it, the host can ``event.result()``. Device memory made by
+``to_device`` / ``track`` is counted by kind (params, activations, gradients), with
+peaks and an optional limit (:class:`fxpipe.errors.DeviceMemoryError`).
 
 >>> d = VirtualDevice(name="vcpu:0")
 >>> x = d.to_device(torch.ones(4), kind="activations", owner="stage 0")
->>> up = d.submit("compute", torch.mul, x, 2)
->>> d.submit("d2h", lambda: d.to_host(up.result()), wait=[up]).result()
+>>> y = d.submit("compute", torch.mul, x, 2)
+>>> d.submit("d2h", lambda: d.to_host(y.value()), wait=[y]).result()
 tensor([2., 2., 2., 2.])
 >>> d.close()
 """
@@ -44,12 +39,8 @@ _virtual_ids = itertools.count()
 class Event:
     """Completion of one submitted piece of work: its result, or the exception it raised.
 
-    Thread-safe. An event whose ``wait`` list contained a failed event fails with that
-    same exception without running its work; later work on the same stream still runs.
-
-    >>> e = VirtualDevice().submit("compute", lambda: 1 + 1, label="add")
-    >>> e.result()
-    2
+    Thread-safe. Work whose ``wait`` list holds a failed event does not run: its event
+    fails with that same exception. Later work on the same stream still runs.
     """
 
     __slots__ = ("label", "_done", "_result", "_exc", "_cuda_event")
@@ -67,24 +58,38 @@ class Event:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the work is complete; re-raise its exception if it failed."""
-        exc = self.exception(timeout)
-        if exc is not None:
-            raise exc
+        self.result(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         """Block until complete and return what the work returned (or raise its exception)."""
-        self.wait(timeout)
+        if (exc := self.exception(timeout)) is not None:
+            raise exc
+        return self._result
+
+    def value(self, timeout: float | None = None) -> Any:
+        """What the work returned, without waiting for the GPU to finish it.
+
+        For use inside work submitted with ``wait=[this event]``: that stream already waits
+        for the GPU side, so a host sync (``result()``) would only stall the queueing.
+        Same as ``result()`` on a VirtualDevice.
+        """
+        self._host_wait(timeout)
+        if self._exc is not None:
+            raise self._exc
         return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until complete and return the exception it raised, or None."""
+        self._host_wait(timeout)
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        return self._exc
+
+    def _host_wait(self, timeout: float | None) -> None:
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"event {self.label!r} is not complete after {timeout}s: the work it runs after "
                 "may be blocked (a wait on an event that is never submitted, or a closed device)")
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-        return self._exc
 
     def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         self._result, self._exc = result, exc
@@ -293,7 +298,7 @@ class VirtualDevice(Device):
 
         >>> d = VirtualDevice()
         >>> a = d.submit("h2d", lambda: 3)
-        >>> d.submit("compute", lambda: a.result() * 2, wait=[a]).result()
+        >>> d.submit("compute", lambda: a.value() * 2, wait=[a]).result()
         6
         """
         event = Event(label if label is not None else getattr(fn, "__name__", "work"))

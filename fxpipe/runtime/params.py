@@ -140,8 +140,14 @@ class ParamStore:
         Release with :meth:`release`.
         """
         st = self._stage(stage)
-        on_device = {dtype: device.to_device(flat, kind="params", owner=f"stage {stage}")
-                     for dtype, flat in st.flat.items()}
+        on_device: dict[torch.dtype, torch.Tensor] = {}
+        try:
+            for dtype, flat in st.flat.items():
+                on_device[dtype] = device.to_device(flat, kind="params", owner=f"stage {stage}")
+        except BaseException:  # e.g. DeviceMemoryError on the second dtype: undo the first
+            for t in on_device.values():
+                device.free(t)
+            raise
         out: dict[str, torch.Tensor] = {}
         for slot in st.distinct():
             view = _view(on_device[slot.master.dtype], slot)
@@ -264,15 +270,17 @@ class GradAccumulator:
                                      f"the parameter {tuple(master.shape)}")
                 if id(master) in self._sums:
                     self._sums[id(master)][1].add_(g)
-                else:  # own copy, laid out like the parameter (autograd's layout contract)
-                    self._sums[id(master)] = (master, torch.empty_like(master).copy_(g))
+                else:  # own copy, laid out like the parameter, in its grad_dtype (as autograd)
+                    dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
+                    self._sums[id(master)] = (master, torch.empty_like(master, dtype=dtype).copy_(g))
 
     def commit(self) -> None:
         """Add the sums into the parameters' ``.grad``; checks everything before writing any."""
         with self._lock, torch.no_grad():
             for master, total in self._sums.values():
                 grad = master.grad
-                if grad is not None and (grad.shape != total.shape or grad.dtype != total.dtype):
+                if grad is not None and (grad.shape != total.shape
+                                         or not torch.can_cast(total.dtype, grad.dtype)):
                     raise RuntimeError(f"a parameter of shape {tuple(master.shape)} has a .grad of "
                                        f"{tuple(grad.shape)} {grad.dtype}; nothing was written")
             for master, total in self._sums.values():
@@ -281,6 +289,11 @@ class GradAccumulator:
                 else:
                     master.grad.add_(total)
             self._sums.clear()
+
+    def totals(self) -> dict[int, torch.Tensor]:
+        """The sums so far, by ``id`` of the parameter (to hand them to autograd instead)."""
+        with self._lock:
+            return {key: total for key, (_, total) in self._sums.items()}
 
     def discard(self) -> None:
         """Drop the sums; no ``.grad`` changes."""

@@ -45,7 +45,7 @@ from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
 
 Semantics = Literal["fxpipe", "roundpipe"]
-_TRANSFERS = (Prefetch, Upload, UploadGrad)
+_TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
 
 
 class _StageCosts:
@@ -131,8 +131,10 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host"}
     bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
 
-    def dep_time(j: int, x: Dep, instant: bool = False) -> float:
-        if instant and isinstance(nodes[j][2], _TRANSFERS):
+    def dep_time(j: int, x: Dep, instant: tuple[type, ...] = ()) -> float:
+        """When dependency x (on node j) is met; transfers of the ``instant`` types count
+        as done once their data was ready (what-if for the exposed-transfer metrics)."""
+        if instant and isinstance(nodes[j][2], instant):
             return ready_data[j]
         return (start[j] if x.on == "start" else end[j]) + (hop if x.hop and not instant else 0.0)
 
@@ -152,7 +154,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
                 return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
         return 0.0
 
-    def compute_times(k: int, instant: bool) -> tuple[float, float, float]:
+    def compute_times(k: int, instant: tuple[type, ...] = ()) -> tuple[float, float, float]:
         """(start, backward start, end) of compute node k."""
         a = nodes[k][2]
         free = max((dep_time(j, x) for j, x in dep_ids[k] if x.why == "stream"), default=0.0)
@@ -171,21 +173,25 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
 
     def ready_time(k: int) -> float:
         if isinstance(nodes[k][2], Compute):
-            return compute_times(k, False)[0]
+            return compute_times(k)[0]
         return max((dep_time(j, x) for j, x in dep_ids[k]), default=0.0)
 
     heap = [(ready_time(k), k) for k in range(N) if waiting[k] == 0]
     heapq.heapify(heap)
-    exposed = 0.0
+    exposed: dict[str, float] = {}
+    exposed_prefetch: dict[str, float] = {}
     while heap:
         t, k = heapq.heappop(heap)
         d, i, a = nodes[k]
         if isinstance(a, Compute):
-            start[k], split[k], end[k] = compute_times(k, False)
-            exposed += end[k] - compute_times(k, True)[2]
+            start[k], split[k], end[k] = compute_times(k)
+            for what, instant in ((exposed, _TRANSFERS), (exposed_prefetch, (Prefetch,))):
+                waited = end[k] - compute_times(k, instant)[2]
+                if waited > 1e-9:
+                    what[str(a)] = waited
         else:
             if isinstance(a, _TRANSFERS):
-                ready_data[k] = max((dep_time(j, x, True) for j, x in dep_ids[k]
+                ready_data[k] = max((dep_time(j, x, _TRANSFERS) for j, x in dep_ids[k]
                                      if x.why != "stream"), default=0.0)
             stream = stream_of(a)
             shared = stream == "host" or (hardware.shared_bus and stream is not None)
@@ -204,8 +210,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
                     if not done[j]]
         raise ValueError(f"program deadlocks: device {d} step {i} ({a}) waits forever on "
                          f"{', '.join(blockers)}")
-    return _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
-                     tokens_per_step)
+    return _timeline(program, sc, nodes, dep_ids, start, split, end, hardware,
+                     (exposed, exposed_prefetch), tokens_per_step)
 
 
 def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
@@ -256,7 +262,7 @@ def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
         peaks.append(peak)
     makespan = max((iv.end for iv in intervals), default=0.0)
     tps = tokens_per_step / (makespan / 1e3) if tokens_per_step and makespan > 0 else None
-    return Timeline(G, intervals, makespan, busy, device_free, peaks, exposed,
+    return Timeline(G, intervals, makespan, busy, device_free, peaks, *exposed,
                     memory_limit=hardware.memory, tokens_per_s=tps)
 
 

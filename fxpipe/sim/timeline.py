@@ -54,7 +54,8 @@ class Timeline:
     busy: list[float]
     device_free: list[float]
     peak_memory: list[int]
-    exposed_transfer_ms: float
+    exposed_by_compute: dict[str, float]
+    prefetch_exposed_by_compute: dict[str, float]
     memory_limit: float = float("inf")
     tokens_per_s: float | None = None
     fill: float = field(init=False)
@@ -62,6 +63,19 @@ class Timeline:
     switch: float = field(init=False)
     intra: float = field(init=False)
     bubble_ratio: float = field(init=False)
+
+    @property
+    def exposed_transfer_ms(self) -> float:
+        """Compute-stream time spent waiting on transfers and hand-off hops: per compute
+        action, how much later it ended than it would have with every input transfer
+        instantaneous (``exposed_by_compute`` has it per action)."""
+        return sum(self.exposed_by_compute.values())
+
+    @property
+    def exposed_prefetch_ms(self) -> float:
+        """The part of ``exposed_transfer_ms`` spent waiting for parameter prefetches
+        (``prefetch_exposed_by_compute`` has it per action)."""
+        return sum(self.prefetch_exposed_by_compute.values())
 
     def __post_init__(self) -> None:
         total = self.makespan * self.num_devices
@@ -98,7 +112,7 @@ class Timeline:
         """One line: makespan, bubble and its split, exposed transfers.
 
         >>> Timeline(1, [Interval(0, "compute", "0F0", "forward", 1.0, 3.0)], 4.0, [2.0],
-        ...          [3.0], [0], 0.0).summary()
+        ...          [3.0], [0], {}, {}).summary()
         'makespan 4.000 ms  bubble 50.00% (fill 25.00, drain 25.00, switch 0.00, intra 0.00)  exposed transfer 0.000 ms'
         """
         return (f"makespan {self.makespan:.3f} ms  bubble {self.bubble_ratio:.2f}% "

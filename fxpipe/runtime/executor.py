@@ -1,0 +1,388 @@
+"""The executor: runs a ``Program`` (``fxpipe.passes.schedule``) on devices.
+
+It is deliberately dumb: every action of every device is submitted, in one global
+order consistent with ``Program.dependencies()``, to a stream of its device with the
+events of its dependencies as waits; the devices' streams do the rest. The Program's
+logical streams map onto a device's three (``prefetch``→``h2d``, ``grads``→``d2h``); a
+stream runs its actions in Program order, which cannot deadlock because every
+same-device dependency points backward in that order (checked).
+
+Values move by name. Each microbatch has a host environment (the model inputs, every
+stage output offloaded, and gradients of values); each device has a cache of values and
+gradients it holds. A compute takes its inputs from its device's cache, or copies them
+from the host if no ``Upload`` put them there (a Program may hand values over on the
+device). Stages run through ``StageRun`` (``runtime.interpret``): the printed stage code.
+
+Parameter gradients accumulate on the device across a stage job's microbatches
+(``Prefetch`` makes leaf copies for backward stages), go to the host once per job
+(``DownloadGrads``) into a ``GradAccumulator``, and reach ``.grad`` only when the whole
+call succeeded. Buffer updates (BatchNorm) are written back once per forward, never in
+recompute. Any failure is raised as ``StageError`` naming stage, layers, device and
+microbatch, after every submitted action has finished and device memory is freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import StageError
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.lower import Stage
+from fxpipe.passes.schedule import (
+    DownloadGrads, Forward, FusedBackward, Offload, OptimizerStep, Prefetch, Program,
+    RecomputeBackward, Release, Upload, UploadGrad, stream_of,
+)
+from fxpipe.runtime.devices import Device, Event
+from fxpipe.runtime.interpret import run_stage
+from fxpipe.runtime.params import GradAccumulator, ParamStore
+
+_STREAM = {"prefetch": "h2d", "h2d": "h2d", "compute": "compute", "d2h": "d2h", "grads": "d2h"}
+
+
+class Cancelled(RuntimeError):
+    """Raised inside actions once a call has been interrupted."""
+
+
+@dataclass
+class Job:
+    """What one call of a Program needs and produces."""
+
+    program: Program
+    stages: dict[int, Stage]                 # program stage index -> lowered stage
+    layers: LayerGraph
+    store: ParamStore
+    devices: list[Device]
+    inputs: list[dict[str, Any]]             # per microbatch: input name -> host value
+    call_seed: int | None = None
+    labels: list[Any] | None = None          # fused: per microbatch label
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    loss_weights: list[float] | None = None
+    out_grads: list[dict[str, torch.Tensor]] | None = None   # train: grads of outputs
+    parts: frozenset[str] = frozenset({"fwd", "bwd", "fused"})  # stage kinds to run
+    # results
+    host: list[dict[str, Any]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    writebacks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    accumulator: GradAccumulator | None = None
+
+
+class Execution:
+    """One run of a Job's Program (create, ``run()``, read the Job's results)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        p = job.program
+        self.M = p.num_microbatches
+        job.host = [dict(x) for x in job.inputs]
+        job.grads = [dict(g) for g in (job.out_grads or [{} for _ in range(self.M)])]
+        job.accumulator = GradAccumulator(job.store)
+        self.dev_vals: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.dev_grads: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.resident: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+
+    # -- submission ----------------------------------------------------------------------
+    def run(self) -> None:
+        p, job = self.job.program, self.job
+        deps = p.dependencies()
+        keep = [[self._wanted(a) for a in acts] for acts in p.actions]
+        ended: dict[tuple[int, int], Event] = {}
+        started: dict[tuple[int, int], Event] = {}
+        order = _topological(p, deps, keep)
+        try:
+            for d, i in order:
+                a = p.actions[d][i]
+                waits = [(ended if dep.on == "end" else started)[(dep.device, dep.step)]
+                         for dep in deps[d][i]
+                         if keep[dep.device][dep.step] and (dep.device, dep.step) in ended]
+                start = Event(f"{a} started")
+                started[(d, i)] = start
+                stream = stream_of(a)
+                if stream is None or stream == "host":
+                    if isinstance(a, OptimizerStep):
+                        raise NotImplementedError("OptimizerStep actions are not run by this "
+                                                  "executor yet (streamed optimizer: issue 8)")
+                    stream = "d2h"  # Release: ordered after the job's last action here
+                device = job.devices[d]
+                ended[(d, i)] = device.submit(_STREAM[stream], self._work(d, a, start),
+                                              wait=waits, label=f"{a}")
+        except BaseException:
+            self.cancelled.set()
+            raise
+        finally:
+            failure = self._wait_all(ended)
+        if failure is not None:
+            self._cleanup()
+            raise failure
+        self._finish()
+
+    def _wanted(self, a) -> bool:
+        kind = self.job.program.stages[a.stage].kind if hasattr(a, "stage") else None
+        return kind in self.job.parts
+
+    def _wait_all(self, ended: dict) -> BaseException | None:
+        first = None
+        for ev in ended.values():
+            try:
+                exc = ev.exception()
+            except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
+                self.cancelled.set()
+                exc = e
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:  # everything submitted has finished; make sure of it
+            for ev in ended.values():
+                ev._done.wait()
+        return first
+
+    def _work(self, d: int, a, start: Event) -> Callable[[], None]:
+        def work():
+            start._finish()
+            if self.cancelled.is_set():
+                raise Cancelled(f"{a}: the call was interrupted")
+            try:
+                self._act(d, a)
+            except (StageError, Cancelled):
+                self.cancelled.set()
+                raise
+            except BaseException as e:
+                self.cancelled.set()
+                raise self._stage_error(d, a, e) from e
+        return work
+
+    def _stage_error(self, d: int, a, e: BaseException) -> StageError:
+        st = self.job.stages.get(getattr(a, "stage", -1))
+        mb = getattr(a, "mb", None)
+        names = ", ".join(self.job.layers.layers[i].name for i in st.layers) if st else "?"
+        span = f"layers {st.layers.start}-{st.layers.stop - 1} ({names})" if st else ""
+        where = f"microbatch {mb}" if mb is not None else "the stage job"
+        return StageError(
+            f"{type(a).__name__} of stage {getattr(a, 'stage', '?')} [{span}] on "
+            f"{self.job.devices[d].name}, {where}, failed: {type(e).__name__}: {e}",
+            stage=getattr(a, "stage", None), layers=st.layers if st else None,
+            device=self.job.devices[d].name, microbatch=mb, action=str(a))
+
+    # -- actions -------------------------------------------------------------------------
+    def _act(self, d: int, a) -> None:
+        match a:
+            case Prefetch(stage=s):
+                kind = self.job.program.stages[s].kind
+                self.resident[(d, s)] = self.job.store.upload(
+                    s, self.job.devices[d], requires_grad=kind != "fwd")
+            case Upload(stage=s, mb=m):
+                for name in self.job.stages[s].inputs:
+                    self._value_on(d, m, name)
+            case UploadGrad(stage=s, mb=m):
+                for name in self.job.stages[s].outputs:
+                    self._grad_on(d, m, name)
+            case Forward(stage=s, mb=m):
+                self._forward(d, s, m)
+            case FusedBackward(stage=s, mb=m) | RecomputeBackward(stage=s, mb=m):
+                self._backward(d, s, m, fused=isinstance(a, FusedBackward))
+            case Offload(stage=s, mb=m):
+                self._offload(d, s, m)
+            case DownloadGrads(stage=s):
+                res = self.resident[(d, s)]
+                grads = {f: t.grad for f, t in res.items() if t.requires_grad}
+                host = self.job.store.download_grads(s, self.job.devices[d], grads)
+                self.job.accumulator.add(s, host)
+                for t in res.values():
+                    t.grad = None
+            case Release(stage=s):
+                self.job.store.release(self.job.devices[d], self.resident.pop((d, s)))
+
+    def _value_on(self, d: int, m: int, name: str) -> Any:
+        key = (d, m, name)
+        if key not in self.dev_vals:
+            value = self.job.host[m][name]
+            if isinstance(value, torch.Tensor):
+                value = self.job.devices[d].to_device(value, "activations", f"microbatch {m}")
+            self.dev_vals[key] = value
+        return self.dev_vals[key]
+
+    def _grad_on(self, d: int, m: int, name: str) -> torch.Tensor | None:
+        """The whole gradient of value ``name`` for microbatch ``m`` on device ``d``."""
+        with self.lock:
+            host = self.job.grads[m].pop(name, None)
+        dev = self.dev_grads.get((d, m, name))
+        if host is not None:
+            host = self.job.devices[d].to_device(host, "activations", f"microbatch {m}")
+            dev = host if dev is None else dev + host
+        if dev is not None:
+            self.dev_grads[(d, m, name)] = dev
+        return dev
+
+    def _forward(self, d: int, s: int, m: int) -> None:
+        st = self.job.stages[s]
+        inputs = [self._value_on(d, m, n) for n in st.inputs]
+        with torch.no_grad():
+            outs, writebacks = run_stage(st, inputs, self.resident[(d, s)],
+                                         call_seed=self.job.call_seed, microbatch=m,
+                                         device=_torch_device(self.job.devices[d]),
+                                         keep_writebacks=True)
+        self.job.writebacks.extend(writebacks)
+        for name, value in zip(st.outputs, outs):
+            self.dev_vals[(d, m, name)] = value
+
+    def _backward(self, d: int, s: int, m: int, fused: bool) -> None:
+        job, st = self.job, self.job.stages[s]
+        lg = job.layers
+        leaves = {n: _leaf(self._value_on(d, m, n)) for n in st.inputs}
+        with torch.enable_grad():
+            outs, _ = run_stage(st, [leaves[n] for n in st.inputs], self.resident[(d, s)],
+                                call_seed=job.call_seed, microbatch=m,
+                                device=_torch_device(job.devices[d]), keep_writebacks=False)
+            made = dict(zip(st.outputs, outs))
+            if fused:
+                # outputs made by earlier stages are inputs of the loss too
+                for name in lg.output_names:
+                    if name not in made and name not in leaves:
+                        leaves[name] = _leaf(self._value_on(d, m, name))
+                values = {**leaves, **made}
+                out = pytree.tree_unflatten(lg.flat_outputs(values), lg.out_spec)
+                loss = job.loss_fn(out, job.labels[m])
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ValueError("loss_fn must return a scalar tensor, got "
+                                     f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+                weight = job.loss_weights[m]
+                scaled = loss if weight == 1.0 else loss * weight
+                job.losses[m] = scaled.detach()
+                if scaled.requires_grad:
+                    scaled.backward()
+            else:
+                pairs = [(o, self._grad_on(d, m, n)) for n, o in made.items()
+                         if isinstance(o, torch.Tensor) and o.requires_grad]
+                pairs = [(o, g) for o, g in pairs if g is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = {n: x.grad for n, x in leaves.items()
+                 if isinstance(x, torch.Tensor) and x.grad is not None}
+        for n, g in grads.items():
+            key = (d, m, n)
+            self.dev_grads[key] = g if key not in self.dev_grads else self.dev_grads[key] + g
+        self.input_grads[(s, m)] = grads
+
+    def _offload(self, d: int, s: int, m: int) -> None:
+        st, job = self.job.stages[s], self.job
+        dev = job.devices[d]
+        if job.program.stages[s].kind == "fwd":
+            for name in st.outputs:
+                value = self.dev_vals.get((d, m, name))
+                job.host[m][name] = dev.to_host(value) if isinstance(value, torch.Tensor) else value
+        else:  # a backward stage hands the gradients of its inputs to the host
+            for name in self.input_grads.get((s, m), {}):
+                g = self.dev_grads.pop((d, m, name), None)
+                if g is None:
+                    continue
+                g = dev.to_host(g)
+                with self.lock:
+                    prev = job.grads[m].get(name)
+                    job.grads[m][name] = g if prev is None else prev + g
+
+    # -- end of call -----------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Everything a compute left only on a device, and the final gradients, to the host."""
+        job = self.job
+        for (d, m, name), value in list(self.dev_vals.items()):
+            if name not in job.host[m]:
+                job.host[m][name] = job.devices[d].to_host(value) \
+                    if isinstance(value, torch.Tensor) else value
+        for (d, m, name), g in list(self.dev_grads.items()):
+            g = job.devices[d].to_host(g)
+            prev = job.grads[m].get(name)
+            job.grads[m][name] = g if prev is None else prev + g
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        """Free what the call left on devices (parameters of stages never released)."""
+        for (d, s), res in list(self.resident.items()):
+            try:
+                self.job.store.release(self.job.devices[d], res)
+            except ValueError:
+                pass
+        self.resident.clear()
+        for cache in (self.dev_vals, self.dev_grads):
+            for (d, _m, _n), t in cache.items():
+                _free_quietly(self.job.devices[d], t)
+            cache.clear()
+
+
+def _free_quietly(device: Device, t: Any) -> None:
+    if isinstance(t, torch.Tensor):
+        try:
+            device.free(t)
+        except ValueError:  # not an allocation the device counted (made by compute)
+            pass
+
+
+def _leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        return x.detach().requires_grad_()
+    return x
+
+
+def _torch_device(device: Device) -> torch.device:
+    return getattr(device, "device", torch.device("cpu"))
+
+
+def _topological(p: Program, deps, keep) -> list[tuple[int, int]]:
+    """A submission order: dependencies first, each device's actions in list order."""
+    indeg: dict[tuple[int, int], int] = {}
+    users: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for d, acts in enumerate(p.actions):
+        for i in range(len(acts)):
+            if not keep[d][i]:
+                continue
+            preds = {(dep.device, dep.step) for dep in deps[d][i] if keep[dep.device][dep.step]}
+            prev = next((j for j in range(i - 1, -1, -1) if keep[d][j]), None)
+            if prev is not None:
+                preds.add((d, prev))
+            for dep in preds:
+                if dep[0] == d and dep[1] > i:
+                    raise ValueError(f"device {d} step {i} ({acts[i]}) depends on step {dep[1]} "
+                                     "listed after it: the Program cannot run in list order")
+                users.setdefault(dep, []).append((d, i))
+            indeg[(d, i)] = len(preds)
+    ready = [k for k, n in indeg.items() if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for u in users.get(k, ()):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(indeg):
+        raise ValueError("the Program's dependencies have a cycle")
+    return order
+
+
+def refresh_and_snapshot(store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> dict:
+    """Refresh the flat parameter copies from the master weights, and snapshot buffers so
+    a failed call can put them back."""
+    store.refresh()
+    return {k: v.detach().clone() for k, v in buffers.items()}
+
+
+def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in snapshot.items():
+            buffers[k].copy_(v)
+
+
+def apply_writebacks(writebacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for host, value in writebacks:
+            host.copy_(value)
