@@ -233,9 +233,23 @@ def transfers(name: str, model: dict, c: Candidate, semantics: str) -> dict:
             "exposed_transfer_ms": round(t.exposed_transfer_ms, 3),
             "prefetch_exposed_startup_ms": round(startup, 3),
             "prefetch_exposed_steady_ms": round(steady, 3),
+            "handoff_exposed_ms": round(t.exposed_transfer_ms - t.exposed_prefetch_ms, 3),
             "prefetch_hidden": steady < 0.01 * t.makespan,
             "tokens_per_s": round(t.tokens_per_s, 1),
             "peak_memory_gib": round(max(t.peak_memory) / 2**30, 2), "fits_24gib": t.memory_ok}
+
+
+def _row(name: str, r: dict, free_makespan: float) -> str:
+    tr = r["transfers_fxpipe_plan"]
+    cells = [r["roundpipe_sync_published"], r["roundpipe_sync_reproduced"], r["fxpipe_exact"],
+             r["makespan_ratio"], r["fxpipe_fused_tail"]["makespan_ratio"],
+             r["roundpipe_async_style"], r["fxpipe_async"]]
+    xfer = [tr["makespan_ms"] / free_makespan, tr["prefetch_exposed_startup_ms"],
+            tr["prefetch_exposed_steady_ms"], tr["handoff_exposed_ms"]]
+    return (f"{name:11s}" + "".join(f"{x:8.2f}" if i not in (3, 4) else f"{x:8.3f}"
+                                    for i, x in enumerate(cells))
+            + f" | {xfer[0]:5.3f}" + "".join(f"{x:9.1f}" for x in xfer[1:])
+            + f" {'yes' if tr['prefetch_hidden'] else 'no':>6} {tr['peak_memory_gib']:5.1f}")
 
 
 def main(argv=None) -> int:
@@ -269,28 +283,21 @@ def main(argv=None) -> int:
             "roundpipe_async_style": round(rp_async, 4),
             "fxpipe_async": round(fx_async, 4),
             "fxpipe_schedule": best.describe(),
-            "fxpipe_fused_tail": {"makespan_ms": round(tail_t.makespan, 3),
-                                  "makespan_ratio": round(tail_t.makespan / published["makespan_ms"], 4),
-                                  "bubble_ratio": round(tail_t.bubble_ratio, 4),
-                                  "schedule": tail.describe()},
+            "fxpipe_fused_tail": {
+                "makespan_ms": round(tail_t.makespan, 3),
+                "makespan_ratio": round(tail_t.makespan / published["makespan_ms"], 4),
+                "bubble_ratio": round(tail_t.bubble_ratio, 4), "schedule": tail.describe()},
             "search_simulations": evals + tail_evals,
             "transfers_roundpipe_plan": transfers(name, model, rp, "fxpipe"),
             "transfers_fxpipe_plan": transfers(name, model, best, "fxpipe"),
         }
-        r, tr = results[name], results[name]["transfers_fxpipe_plan"]
-        rows.append(f"{name:11s} {published['bubble_ratio']:7.2f} {r['roundpipe_sync_reproduced']:7.2f}"
-                    f" {r['fxpipe_exact']:7.2f} {r['makespan_ratio']:6.3f}"
-                    f"   {r['fxpipe_fused_tail']['makespan_ratio']:6.3f} {rp_async:7.2f}"
-                    f" {fx_async:7.2f} | {tr['makespan_ms'] / best_t.makespan:6.3f}"
-                    f" {tr['prefetch_exposed_startup_ms']:7.1f} {tr['prefetch_exposed_steady_ms']:7.1f}"
-                    f" {tr['exposed_transfer_ms'] - tr['prefetch_exposed_startup_ms'] - tr['prefetch_exposed_steady_ms']:7.1f}"
-                    f" {'yes' if tr['prefetch_hidden'] else 'no':>6} {tr['peak_memory_gib']:6.1f}")
+        rows.append(_row(name, results[name], best_t.makespan))
         print(f"[{name}: {evals} simulations, {time.perf_counter() - t0:.0f}s] {best.describe()}",
               file=sys.stderr, flush=True)
-    print("             --------------------- transfers free ------------------------- | "
-          "-------- fxpipe schedule, transfers on --------")
-    print("model        RP-sync ours-RP fx-exact mk-ratio tail-mk RP-async fx-async | mk x   "
-          "start-ms steady-ms handoff-ms hidden GiB")
+    print("bubble % and makespan ratios, transfers free              "
+          "| fxpipe schedule with transfers on: exposed ms")
+    print("model       RP-sync ours-RP fx-exact mk-ratio tail-mk RP-async fx-async "
+          "| mk x   startup   steady  handoff hidden   GiB")
     print("\n".join(rows))
     wins = sum(r["fxpipe_exact"] < r["roundpipe_sync_published"] for r in results.values())
     print(f"fxpipe exact < RoundPipe sync on {wins}/{len(results)} models")

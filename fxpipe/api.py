@@ -94,27 +94,20 @@ class PipelineModule(nn.Module):
         self._layers_path = layers
         self._user_plan = plan
         self._example = (example_args, example_kwargs)
-        self._cache: dict[Any, _Compiled] = {}
+        self._cache: list[_Compiled] = []
         self._current = self._compiled_for(example_args, example_kwargs)
 
     # -- compilation -------------------------------------------------------------------
-    def _key(self, leaves: list) -> tuple:
-        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
-                       for x in leaves)
-        return (self.module.training, shapes)
-
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
-        leaves = pytree.tree_leaves((args, kwargs))
-        key = self._key(leaves)
-        if key in self._cache:
-            return self._cache[key]
-        if self._cache and self._shape_generic(key):
-            # fx graphs do not bake shapes in: reuse the graph of the same training mode
-            same_mode = next(c for k, c in self._cache.items() if k[0] == key[0])
-            self._cache[key] = same_mode
-            return same_mode
+        """The compiled graph serving this call: one of the same training mode whose
+        static dims (export specializes some) fit the call, else a new capture."""
+        for compiled in self._cache:
+            if compiled.layers.training == self.module.training and \
+                    _fits_static_dims(compiled.layers, args, kwargs):
+                return compiled
         lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
                                layers=self._layers_path)
+        leaves = pytree.tree_leaves((args, kwargs))
         compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
         plan = self._user_plan or ExecutePlan.default(len(lg), "fused")
         plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
@@ -124,11 +117,8 @@ class PipelineModule(nn.Module):
         names = [d.name for d in self.devices]
         program, stages = lower(lg, ranges, names)
         compiled = _Compiled(layers=lg, plan=plan, program=program, stages=stages)
-        self._cache[key] = compiled
+        self._cache.append(compiled)
         return compiled
-
-    def _shape_generic(self, key: tuple) -> bool:
-        return any(k[0] == key[0] and c.layers.capture == "fx" for k, c in self._cache.items())
 
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
@@ -264,11 +254,28 @@ def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor
             if x.dim() != ex.dim():
                 raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
                                  f"{ex.dim()} (shape {tuple(ex.shape)})")
+            name = lg.input_names[len(tensors)]
+            for d, size in lg.static_dims.get(name, {}).items():
+                if x.shape[d] != size:
+                    raise ValueError(
+                        f"input {lg.leaf_names[i]!r}: dim {d} is {x.shape[d]}, but the captured "
+                        f"graph is specific to {size} there (the model specializes on it). If "
+                        "this is a microbatch, the batch cannot be split along that dim: use "
+                        "num_microbatch=1 or a split_input spec on another dim.")
             tensors.append(x)
         elif not _same_constant(x, ex):
             raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
                              f"got {x!r}; recompile with the new value")
     return tensors
+
+
+def _fits_static_dims(lg: LayerGraph, args: tuple, kwargs: dict) -> bool:
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    for name, x in zip(lg.input_names, leaves):
+        dims = lg.static_dims.get(name, {})
+        if any(d >= x.dim() or x.shape[d] != size for d, size in dims.items()):
+            return False
+    return True
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -248,6 +248,10 @@ def test_min_stages_and_upper_threshold():
         plan_chains("infer", [c], num_devices=2, upper_threshold=0.9)
     with pytest.raises(ValueError, match="min_stages must be an int >= 1"):
         plan_chains("infer", [c], num_devices=2, min_stages=0)
+    with pytest.raises(ValueError, match="num_devices must be an int >= 1"):
+        plan_chains("infer", [c], num_devices=None)
+    with pytest.raises(PlanError, match="1 stages are too few: the plan needs at least 2$"):
+        solve_stages("train", [c], 1)
 
 
 def test_single_layer_over_the_cap_names_layer_bytes_and_limit():

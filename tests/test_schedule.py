@@ -22,7 +22,9 @@ def deps_text(program: Program, device: int, steps: range) -> str:
     for i in steps:
         parts = [f"{program.actions[x.device][x.step]}@d{x.device}.{x.on}({x.why}"
                  f"{', hop' if x.hop else ''})" for x in deps[i]]
-        lines.append(f"{program.actions[device][i]} <- {' '.join(parts) or '-'}")
+        lines.append(f"{program.actions[device][i]} <- {' '.join(parts) or '-'}"
+                     if len(parts) < 4 else f"{program.actions[device][i]} <-\n    "
+                     + "\n    ".join(parts))
     return "\n".join(lines)
 
 
@@ -254,17 +256,30 @@ step  d0   d1
 4G0 <- 4U0@d0.end(stream) 2FB1@d0.start(issue) 3O0@d1.end(input, hop)
 2D <- 2FB1@d0.end(job)
 2R <- 2FB1@d0.end(job) 2D@d0.end(job)
-4B0 <- 2FB1@d0.end(stream) 4P@d0.end(params) 4U0@d0.end(input) 4G0@d0.end(grad)
+4B0 <-
+    2FB1@d0.end(stream)
+    4P@d0.end(params)
+    4U0@d0.end(input)
+    4G0@d0.end(grad)
 4U1 <- 4G0@d0.end(stream) 4B0@d0.start(issue)
 4G1 <- 4U1@d0.end(stream) 4B0@d0.start(issue) 3O1@d1.end(input, hop)
-4B1 <- 4B0@d0.end(stream) 4P@d0.end(params) 4U1@d0.end(input) 4G1@d0.end(grad)
+4B1 <-
+    4B0@d0.end(stream)
+    4P@d0.end(params)
+    4U1@d0.end(input)
+    4G1@d0.end(grad)
 4D <- 2D@d0.end(stream) 4B1@d0.end(job)
 4R <- 4B1@d0.end(job) 4D@d0.end(job)""")
 
     def test_train_first_backward_waits_for_every_output(self):
         p = build_program(*TRAIN_6, "train", 3, 2, "stage")
         i = p.actions[0].index(UploadGrad(3, 0))
-        self.assertExpectedInline(deps_text(p, 0, range(i, i + 1)), """3G0 <- 3U0@d0.end(stream) 0F1@d0.start(issue) 2O0@d2.end(input, hop) 2O1@d2.end(input, hop)""")
+        self.assertExpectedInline(deps_text(p, 0, range(i, i + 1)), """\
+3G0 <-
+    3U0@d0.end(stream)
+    0F1@d0.start(issue)
+    2O0@d2.end(input, hop)
+    2O1@d2.end(input, hop)""")
 
 
 class TestTextFormat(expecttest.TestCase):
@@ -272,7 +287,8 @@ class TestTextFormat(expecttest.TestCase):
         actions = [Prefetch(3), Upload(3, 1), UploadGrad(3, 1), Forward(3, 1), FusedBackward(3, 1),
                    RecomputeBackward(3, 1), Offload(3, 1), DownloadGrads(3), Release(3),
                    OptimizerStep(range(4, 6))]
-        self.assertExpectedInline(" ".join(map(str, actions)), """3P 3U1 3G1 3F1 3FB1 3B1 3O1 3D 3R S4:6""")
+        text = " ".join(map(str, actions))
+        self.assertExpectedInline(text, """3P 3U1 3G1 3F1 3FB1 3B1 3O1 3D 3R S4:6""")
         self.assertEqual([parse_action(str(a)) for a in actions], actions)
 
     @pytest.mark.filterwarnings("ignore")

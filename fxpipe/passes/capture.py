@@ -75,7 +75,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             tried[m] = e
             continue
         gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
-                       capture=m, training=model.training)
+                       capture=m, training=model.training,
+                       static_dims={} if m == "fx" else _static_dims(gm))
         return gm
     raise CaptureError(_capture_message(model, tried), tried)
 
@@ -164,8 +165,11 @@ def _fx_path(n: fx.Node) -> str:
 
 def _trace_export(wrapper: _FlatCall, tensors: tuple, strict: bool):
     wrapper.flatten_output = False
+    # every dim dynamic where the model allows it (export specializes the rest), so one
+    # graph serves every microbatch size and sequence length
+    dynamic = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
     try:
-        ep = torch.export.export(wrapper, tensors, strict=strict)
+        ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
     finally:
         wrapper.flatten_output = True
     sig = ep.graph_signature
@@ -192,6 +196,20 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, strict: bool):
         stack = n.meta.get("nn_module_stack")
         paths[n] = _strip_root(list(stack.values())[-1][0]) if stack else ""
     return _normalize(wrapper, graph, tensor_of, paths), ep.call_spec.out_spec
+
+
+def _static_dims(gm: fx.GraphModule) -> dict[str, dict[int, int]]:
+    """Per input placeholder, the dims the graph is specific to: ``{name: {dim: size}}``.
+    fx graphs keep shapes symbolic; export specializes what the model needs (e.g. the
+    channels of a conv input) and keeps the rest dynamic."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out[n.name] = {i: s for i, s in enumerate(val.shape) if isinstance(s, int)}
+    return out
 
 
 def _strip_root(path: str) -> str:

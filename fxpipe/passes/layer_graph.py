@@ -74,6 +74,8 @@ class LayerGraph:
     capture: str = "fx"            # the capture method that produced it
     leaf_names: list[str] = field(default_factory=list)  # a name per leaf of (args, kwargs)
     example_leaves: list = field(default_factory=list)   # the example's leaves
+    static_dims: dict[str, dict[int, int]] = field(default_factory=dict)  # input -> {dim: size}
+    training: bool = True          # the module's mode when captured (dropout, BatchNorm)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -122,7 +122,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
         params={k: v for k, v in tensors.items() if isinstance(v, nn.Parameter)},
         buffers={k: v for k, v in tensors.items() if not isinstance(v, nn.Parameter)},
         capture=gm.meta.get("capture", "fx"), leaf_names=gm.meta.get("leaf_names", []),
-        example_leaves=gm.meta.get("input_leaves", []))
+        example_leaves=gm.meta.get("input_leaves", []), static_dims=gm.meta.get("static_dims", {}),
+        training=gm.meta.get("training", True))
 
 
 def modules_children(model: nn.Module, container: str):

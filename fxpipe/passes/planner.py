@@ -18,9 +18,9 @@ Algorithm (``plan_chains``):
 
 1. ``_pack`` — for a bound B, greedy packing (each stage takes as many layers as fit under
    B and the cap) uses the fewest stages. Greedy is never behind: if greedy's k-th stage
-   ends at g_k >= p_k, where any feasible plan's k-th stage ends, then the plan's stage
-   [p_k, p_k+1) is feasible, so is its sub-range [g_k, p_k+1) (costs are >= 0 and both
-   constraints are additive), and greedy's next stage ends at >= p_k+1. For ``"fused"``
+   ends at g(k) >= p(k), where any feasible plan's k-th stage ends, then that plan's stage
+   [p(k), p(k+1)) is feasible, so is its sub-range [g(k), p(k+1)) (costs are >= 0 and
+   both constraints are additive), so greedy's next stage ends at >= p(k+1). For ``"fused"``
    the backward chain is packed first from the deep end (the tail stage uses its own
    cost vector); the longest tail both minimises the backward count and leaves the
    shortest forward chain, so greedy is exact there too.
@@ -406,8 +406,9 @@ def solve_stages(run_type: str | Sequence[str], chains: Sequence[ChainCosts], nu
     lo = max(max(ch.lower for ch in cs), sum(ch.work for ch in cs) / max(num_stages, 1))
     p = _solve(cs, num_stages, memory_cap, lo)
     if p is None:
-        raise PlanError(f"{num_stages} stages are too few: the memory cap of {memory_cap} "
-                        f"bytes per stage needs more")
+        need = _probe(cs, INF, memory_cap, INF).count
+        why = f" under the memory cap of {memory_cap:.0f} bytes" if memory_cap is not None else ""
+        raise PlanError(f"{num_stages} stages are too few: the plan needs at least {need}{why}")
     return p.worst, _ranges(cs, _stages(cs, p.parts))
 
 
@@ -485,7 +486,8 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     """
     for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch),
                     ("min_stages", min_stages)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        if (v is not None or name == "num_devices") and \
+                (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if upper_threshold < 1.0:
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
@@ -531,7 +533,7 @@ def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_s
     """
     n = len(times)
     P, Q = _prefix(times), _prefix(mem or [0.0] * n)
-    slowest = max(times)
+    slowest = max(b - a for a, b in zip(P, P[1:]))  # as the prefix sums see it
     cuts, _, _ = _pack(P, P, Q, n, upper_threshold * slowest, cap, INF)
     if cuts is not None and len(cuts) < min_stages:
         cuts, _, _ = _pack(P, P, Q, n, max(slowest, P[-1] / min_stages), cap, INF)

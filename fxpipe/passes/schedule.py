@@ -393,9 +393,10 @@ class Program:
                     if not 0 <= a.stage < len(self.stages):
                         raise ValueError(f"device {d}: {a} names stage {a.stage}, "
                                          f"the program has {len(self.stages)} stages")
-                    if not isinstance(a, want[self.stages[a.stage].kind]):
-                        raise ValueError(f"device {d}: {a} on a {self.stages[a.stage].kind} "
-                                         f"stage; expected {want[self.stages[a.stage].kind].__name__}")
+                    kind = self.stages[a.stage].kind
+                    if not isinstance(a, want[kind]):
+                        raise ValueError(f"device {d}: {a} on a {kind} stage; expected "
+                                         f"{want[kind].__name__}")
                     seen[(a.stage, a.mb)] = seen.get((a.stage, a.mb), 0) + 1
         for st in self.stages:
             for mb in range(self.num_microbatches):

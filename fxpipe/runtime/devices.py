@@ -29,7 +29,11 @@ import torch
 
 from fxpipe.errors import DeviceMemoryError
 
-STREAMS = ("compute", "h2d", "d2h")
+# compute; activations in and out; parameters in; gradients out; bookkeeping (Release).
+# Each is its own FIFO: a stage-sized parameter copy never queues in front of a
+# microbatch's activations, and a Program's streams map one to one (no merged FIFOs,
+# which can wait on each other in a cycle across devices).
+STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "control")
 KINDS = ("params", "activations", "gradients")
 Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
 
@@ -101,7 +105,7 @@ class Event:
 
 
 class Device(ABC):
-    """A GPU-like worker: three streams, events, and byte-accounted device memory.
+    """A GPU-like worker: streams, events, and byte-accounted device memory.
 
     Backends: :class:`VirtualDevice` (CPU worker threads) and :class:`CudaDevice`.
     Memory is counted for the allocations made by ``to_device`` and ``track`` (not for

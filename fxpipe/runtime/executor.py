@@ -3,9 +3,8 @@
 It is deliberately dumb: every action of every device is submitted, in one global
 order consistent with ``Program.dependencies()``, to a stream of its device with the
 events of its dependencies as waits; the devices' streams do the rest. The Program's
-logical streams map onto a device's three (``prefetch``→``h2d``, ``grads``→``d2h``); a
-stream runs its actions in Program order, which cannot deadlock because every
-same-device dependency points backward in that order (checked).
+streams are the device's streams, one to one (``Release`` markers run on ``control``);
+a stream runs its actions in Program order.
 
 Values move by name. Each microbatch has a host environment (the model inputs, every
 stage output offloaded, and gradients of values); each device has a cache of values and
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import StageError
+from fxpipe.errors import DeviceMemoryError, StageError
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage
 from fxpipe.passes.schedule import (
@@ -43,7 +42,8 @@ from fxpipe.runtime.devices import Device, Event
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 
-_STREAM = {"prefetch": "h2d", "h2d": "h2d", "compute": "compute", "d2h": "d2h", "grads": "d2h"}
+_STREAM = {"prefetch": "prefetch", "h2d": "h2d", "compute": "compute", "d2h": "d2h",
+           "grads": "grads", None: "control"}
 
 
 class Cancelled(RuntimeError):
@@ -66,6 +66,8 @@ class Job:
     loss_weights: list[float] | None = None
     out_grads: list[dict[str, torch.Tensor]] | None = None   # train: grads of outputs
     parts: frozenset[str] = frozenset({"fwd", "bwd", "fused"})  # stage kinds to run
+    grain: str = "stage"                     # recompute_grain
+    layer_stages: dict[int, Stage] = field(default_factory=dict)  # grain "layer": by layer
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -89,6 +91,8 @@ class Execution:
         self.resident: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.uploaded: set[tuple[int, int, str]] = set()  # dev_vals entries copied from host
+        self.consumed: dict[int, list[torch.Tensor]] = {}  # per device: grads its compute took
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
 
@@ -98,24 +102,27 @@ class Execution:
         deps = p.dependencies()
         keep = [[self._wanted(a) for a in acts] for acts in p.actions]
         ended: dict[tuple[int, int], Event] = {}
-        started: dict[tuple[int, int], Event] = {}
+        # "may start" of an action = the events it waits for. A dependency on another
+        # action's start waits for those (an action skipped because its own wait failed
+        # never starts, but its gate completes, so nothing waits forever).
+        gate: dict[tuple[int, int], list[Event]] = {}
         order = _topological(p, deps, keep)
         try:
             for d, i in order:
                 a = p.actions[d][i]
-                waits = [(ended if dep.on == "end" else started)[(dep.device, dep.step)]
-                         for dep in deps[d][i]
-                         if keep[dep.device][dep.step] and (dep.device, dep.step) in ended]
-                start = Event(f"{a} started")
-                started[(d, i)] = start
-                stream = stream_of(a)
-                if stream is None or stream == "host":
-                    if isinstance(a, OptimizerStep):
-                        raise NotImplementedError("OptimizerStep actions are not run by this "
-                                                  "executor yet (streamed optimizer: issue 8)")
-                    stream = "d2h"  # Release: ordered after the job's last action here
+                waits: list[Event] = []
+                for dep in deps[d][i]:
+                    key = (dep.device, dep.step)
+                    if keep[key[0]][key[1]]:
+                        waits.extend([ended[key]] if dep.on == "end" else gate[key])
+                waits = list({id(e): e for e in waits}.values())
+                gate[(d, i)] = waits
+                stream = stream_of(a)  # None: a Release, run on the control stream
+                if isinstance(a, OptimizerStep):
+                    raise NotImplementedError("OptimizerStep actions are not run by this "
+                                              "executor yet (streamed optimizer: issue 8)")
                 device = job.devices[d]
-                ended[(d, i)] = device.submit(_STREAM[stream], self._work(d, a, start),
+                ended[(d, i)] = device.submit(_STREAM[stream], self._work(d, a),
                                               wait=waits, label=f"{a}")
         except BaseException:
             self.cancelled.set()
@@ -146,15 +153,14 @@ class Execution:
                 ev._done.wait()
         return first
 
-    def _work(self, d: int, a, start: Event) -> Callable[[], None]:
+    def _work(self, d: int, a) -> Callable[[], None]:
         def work():
-            start._finish()
             if self.cancelled.is_set():
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
                 self._act(d, a)
-            except (StageError, Cancelled):
-                self.cancelled.set()
+            except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt):
+                self.cancelled.set()  # these already say where, or are the user's
                 raise
             except BaseException as e:
                 self.cancelled.set()
@@ -185,11 +191,14 @@ class Execution:
                     self._value_on(d, m, name)
             case UploadGrad(stage=s, mb=m):
                 for name in self.job.stages[s].outputs:
-                    self._grad_on(d, m, name)
+                    self._grad_on(d, m, name, consume=False)
             case Forward(stage=s, mb=m):
                 self._forward(d, s, m)
+                self._done_with_inputs(d, s, m, [])
             case FusedBackward(stage=s, mb=m) | RecomputeBackward(stage=s, mb=m):
+                self.consumed[d] = []  # one compute at a time per device
                 self._backward(d, s, m, fused=isinstance(a, FusedBackward))
+                self._done_with_inputs(d, s, m, self.consumed.pop(d))
             case Offload(stage=s, mb=m):
                 self._offload(d, s, m)
             case DownloadGrads(stage=s):
@@ -208,19 +217,39 @@ class Execution:
             value = self.job.host[m][name]
             if isinstance(value, torch.Tensor):
                 value = self.job.devices[d].to_device(value, "activations", f"microbatch {m}")
+                self.uploaded.add(key)
             self.dev_vals[key] = value
         return self.dev_vals[key]
 
-    def _grad_on(self, d: int, m: int, name: str) -> torch.Tensor | None:
-        """The whole gradient of value ``name`` for microbatch ``m`` on device ``d``."""
+    def _done_with_inputs(self, d: int, s: int, m: int, consumed: list) -> None:
+        """After a compute: free the copies it was given that the host still has, and the
+        gradients it consumed (a later stage here uploads again if it needs them)."""
+        dev = self.job.devices[d]
+        for name in self.job.stages[s].inputs:
+            key = (d, m, name)
+            if key in self.uploaded and name in self.job.host[m]:
+                self.uploaded.discard(key)
+                _free_quietly(dev, self.dev_vals.pop(key))
+        for t in consumed:
+            _free_quietly(dev, t)
+
+    def _grad_on(self, d: int, m: int, name: str, consume: bool = True) -> torch.Tensor | None:
+        """The whole gradient of value ``name`` for microbatch ``m`` on device ``d``; the
+        stage that made the value consumes it, an ``UploadGrad`` only stages it."""
         with self.lock:
             host = self.job.grads[m].pop(name, None)
-        dev = self.dev_grads.get((d, m, name))
+        dev = self.dev_grads.pop((d, m, name), None)
         if host is not None:
             host = self.job.devices[d].to_device(host, "activations", f"microbatch {m}")
-            dev = host if dev is None else dev + host
-        if dev is not None:
+            if dev is None:
+                dev = host
+            else:
+                dev = dev + host
+                _free_quietly(self.job.devices[d], host)
+        if dev is not None and not consume:
             self.dev_grads[(d, m, name)] = dev
+        elif dev is not None:
+            self.consumed.setdefault(d, []).append(dev)
         return dev
 
     def _forward(self, d: int, s: int, m: int) -> None:
@@ -238,6 +267,8 @@ class Execution:
     def _backward(self, d: int, s: int, m: int, fused: bool) -> None:
         job, st = self.job, self.job.stages[s]
         lg = job.layers
+        if job.grain == "layer" and not fused and len(st.layers) > 1:
+            return self._backward_by_layer(d, s, m)
         leaves = {n: _leaf(self._value_on(d, m, n)) for n in st.inputs}
         with torch.enable_grad():
             outs, _ = run_stage(st, [leaves[n] for n in st.inputs], self.resident[(d, s)],
@@ -261,17 +292,43 @@ class Execution:
                 if scaled.requires_grad:
                     scaled.backward()
             else:
-                pairs = [(o, self._grad_on(d, m, n)) for n, o in made.items()
-                         if isinstance(o, torch.Tensor) and o.requires_grad]
-                pairs = [(o, g) for o, g in pairs if g is not None]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                _backprop(made, {n: self._grad_on(d, m, n) for n in made})
         grads = {n: x.grad for n, x in leaves.items()
                  if isinstance(x, torch.Tensor) and x.grad is not None}
         for n, g in grads.items():
             key = (d, m, n)
             self.dev_grads[key] = g if key not in self.dev_grads else self.dev_grads[key] + g
         self.input_grads[(s, m)] = grads
+
+    def _backward_by_layer(self, d: int, s: int, m: int) -> None:
+        """``recompute_grain="layer"``: forward the stage without grad keeping each layer's
+        inputs, then recompute and back-propagate one layer at a time, deepest first."""
+        job, st = self.job, self.job.stages[s]
+        run = dict(resident=self.resident[(d, s)], call_seed=job.call_seed, microbatch=m,
+                   device=_torch_device(job.devices[d]), keep_writebacks=False)
+        values = {n: self._value_on(d, m, n) for n in st.inputs}
+        saved: list[list] = []
+        with torch.no_grad():
+            for i in st.layers:
+                sub = job.layer_stages[i]
+                saved.append([values[n] for n in sub.inputs])
+                outs, _ = run_stage(sub, saved[-1], **run)
+                values.update(zip(sub.outputs, outs))
+        del values
+        grads: dict[str, torch.Tensor | None] = {n: self._grad_on(d, m, n) for n in st.outputs}
+        for i, inputs in zip(reversed(st.layers), reversed(saved)):
+            sub = job.layer_stages[i]
+            leaves = [_leaf(x) for x in inputs]
+            with torch.enable_grad():
+                outs, _ = run_stage(sub, leaves, **run)
+                _backprop(dict(zip(sub.outputs, outs)), grads)
+            for n, x in zip(sub.inputs, leaves):
+                if isinstance(x, torch.Tensor) and x.grad is not None:
+                    grads[n] = x.grad if grads.get(n) is None else grads[n] + x.grad
+        input_grads = {n: grads[n] for n in st.inputs if grads.get(n) is not None}
+        for n, g in input_grads.items():
+            self.dev_grads[(d, m, n)] = g
+        self.input_grads[(s, m)] = input_grads
 
     def _offload(self, d: int, s: int, m: int) -> None:
         st, job = self.job.stages[s], self.job
@@ -324,6 +381,14 @@ def _free_quietly(device: Device, t: Any) -> None:
             device.free(t)
         except ValueError:  # not an allocation the device counted (made by compute)
             pass
+
+
+def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | None]) -> None:
+    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one."""
+    pairs = [(o, grads.get(n)) for n, o in outputs.items()
+             if isinstance(o, torch.Tensor) and o.requires_grad and grads.get(n) is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _leaf(x: Any) -> Any:

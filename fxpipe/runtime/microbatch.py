@@ -24,7 +24,7 @@ dim 0, averages 0-dim tensors and requires everything else to be equal.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch

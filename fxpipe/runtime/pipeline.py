@@ -73,6 +73,14 @@ class Runner:
             self._lowered[run_type] = out
         return self._lowered[run_type]
 
+    def layer_stages(self) -> dict[int, Stage]:
+        """Single-layer stages, for ``recompute_grain="layer"``."""
+        if not hasattr(self, "_layer_stages"):
+            names = [d.name for d in self.devices]
+            self._layer_stages = {i: lower_stage(self.lg, range(i, i + 1), -1, 0, names)
+                                  for i in range(len(self.lg))}
+        return self._layer_stages
+
     def prepared(self, run_type: str, num_microbatch: int) -> Prepared:
         key = (run_type, num_microbatch)
         if key not in self._prepared:
@@ -113,8 +121,11 @@ class Runner:
         prep = self.prepared(run_type, len(envs))
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
+        if cfg.recompute_grain == "layer":
+            kw["layer_stages"] = self.layer_stages()
         return Job(program=prep.program, stages=prep.stages, layers=self.lg, store=prep.store,
-                   devices=self.devices, inputs=envs, call_seed=seed, **kw)
+                   devices=self.devices, inputs=envs, call_seed=seed, grain=cfg.recompute_grain,
+                   **kw)
 
     def execute(self, job: Job) -> None:
         """Run ``job``; on failure put buffers back and raise (nothing reaches ``.grad``)."""
@@ -196,7 +207,8 @@ class TrainCall:
                 out_grads[m][names[k]] = part if prev is None else prev + part
         job = Job(program=fj.program, stages=fj.stages, layers=r.lg, store=fj.store,
                   devices=r.devices, inputs=fj.host, call_seed=fj.call_seed,
-                  out_grads=out_grads, parts=frozenset({"bwd"}))
+                  out_grads=out_grads, parts=frozenset({"bwd"}), grain=fj.grain,
+                  layer_stages=fj.layer_stages)
         r.execute(job)
         params = job.accumulator.totals()
         job.accumulator.discard()

@@ -102,6 +102,23 @@ class LayerCost:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
     @classmethod
+    def of(cls, cost, hardware: Hardware) -> "LayerCost":
+        """From a ``fxpipe.passes.costs.Cost`` (or anything with its fields): measured
+        times where it has them, else its FLOPs on ``hardware``.
+
+        >>> from types import SimpleNamespace as C
+        >>> c = C(fwd_ms=None, bwd_ms=None, recompute_ms=None, fwd_flops=165e9,
+        ...       bwd_flops=330e9, param_bytes=8, grad_bytes=8, boundary_bytes=4, saved_bytes=2)
+        >>> lc = LayerCost.of(c, Hardware.rtx4090_pcie4())
+        >>> lc.fwd_ms, lc.bwd_ms, lc.recompute, lc.param_bytes
+        (1.0, 2.0, 1.0, 8)
+        """
+        ms = lambda t, flops: hardware.compute_ms(flops) if t is None else t  # noqa: E731
+        return cls(ms(cost.fwd_ms, cost.fwd_flops), ms(cost.bwd_ms, cost.bwd_flops),
+                   cost.recompute_ms, cost.param_bytes, cost.grad_bytes, cost.boundary_bytes,
+                   cost.saved_bytes)
+
+    @classmethod
     def from_flops(cls, fwd_flops: float, hardware: Hardware, bwd_flops: float | None = None,
                    **sizes) -> "LayerCost":
         """Times from FLOPs on ``hardware`` (backward defaults to 2x forward)."""

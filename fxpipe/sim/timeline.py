@@ -101,7 +101,7 @@ class Timeline:
         pct = (lambda x: 100.0 * x / total) if total > 0 else (lambda x: 0.0)
         self.fill, self.drain, self.switch = pct(fill), pct(drain), pct(switch)
         self.bubble_ratio = pct(bubble)
-        self.intra = self.bubble_ratio - self.fill - self.drain - self.switch
+        self.intra = max(self.bubble_ratio - self.fill - self.drain - self.switch, 0.0)
 
     @property
     def memory_ok(self) -> bool:
@@ -111,9 +111,12 @@ class Timeline:
     def summary(self) -> str:
         """One line: makespan, bubble and its split, exposed transfers.
 
-        >>> Timeline(1, [Interval(0, "compute", "0F0", "forward", 1.0, 3.0)], 4.0, [2.0],
-        ...          [3.0], [0], {}, {}).summary()
-        'makespan 4.000 ms  bubble 50.00% (fill 25.00, drain 25.00, switch 0.00, intra 0.00)  exposed transfer 0.000 ms'
+        >>> t = Timeline(1, [Interval(0, "compute", "0F0", "forward", 1.0, 3.0)], 4.0, [2.0],
+        ...              [3.0], [0], {}, {})
+        >>> print(t.summary().replace("  ", "\\n"))
+        makespan 4.000 ms
+        bubble 50.00% (fill 25.00, drain 25.00, switch 0.00, intra 0.00)
+        exposed transfer 0.000 ms
         """
         return (f"makespan {self.makespan:.3f} ms  bubble {self.bubble_ratio:.2f}% "
                 f"(fill {self.fill:.2f}, drain {self.drain:.2f}, switch {self.switch:.2f}, "

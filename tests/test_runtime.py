@@ -1,0 +1,379 @@
+"""The multi-device runtime: equivalence with eager, RNG, overlap, residency, failures."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.runtime import rng
+from tests import models
+
+
+def devices(n, **kw):
+    return [fxpipe.VirtualDevice(**kw) for _ in range(n)]
+
+
+def ce(out, label):
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1), label.flatten())
+
+
+def grads_of(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_close(a, b, what, atol=2e-6, rtol=1e-5):
+    assert torch.allclose(a, b, atol=atol, rtol=rtol), f"{what}: max diff {(a - b).abs().max()}"
+
+
+def assert_grads_equal(model, ref, atol=2e-6):
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = refs[name]
+        assert (p.grad is None) == (r.grad is None), name
+        if p.grad is not None:
+            assert_close(p.grad, r.grad, f"grad of {name}", atol=atol)
+
+
+# 6 layers (prefix, 4 blocks, suffix); an asymmetric plan with a fused tail
+GPT_PLAN = fxpipe.ExecutePlan(fwd_plan=[range(0, 3), range(3, 5)],
+                              bwd_plan=[range(5, 6), range(3, 5), range(1, 3), range(0, 1)])
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+@pytest.mark.parametrize("style", ["eager", "fused"])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_gpt_matches_eager(num_devices, style, grain):
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ref = copy.deepcopy(model)
+    ids, target = torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(num_devices),
+                          plan=GPT_PLAN,
+                          config=fxpipe.RunConfig(num_microbatch=3, recompute_grain=grain))
+    if style == "eager":
+        out = pipe(ids)
+        loss = ce(out, target)
+        loss.backward()
+        assert_close(out, ref(ids), "output")
+    else:
+        loss = pipe.forward_backward((ids,), label=target, loss_fn=ce)
+        assert not loss.requires_grad
+    ref_loss = ce(ref(ids), target)
+    ref_loss.backward()
+    assert_close(loss.detach(), ref_loss.detach(), "loss")
+    assert_grads_equal(model, ref)
+
+
+def test_one_microbatch_is_bitwise_eager():
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ref = copy.deepcopy(model)
+    ids, target = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(3), plan=GPT_PLAN,
+                          config=fxpipe.RunConfig(num_microbatch=1))
+    loss = pipe.forward_backward((ids,), label=target, loss_fn=ce)
+    ref_loss = ce(ref(ids), target)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss.detach())
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad), n
+
+
+@pytest.mark.parametrize("style", ["eager", "fused"])
+def test_input_gradients_and_kwargs(style):
+    torch.manual_seed(0)
+    model = models.KwargsModel()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    mask = (torch.rand(6, 16) > 0.3).float()
+    pipe = fxpipe.compile(model, example_inputs=(x,), example_kwargs={"mask": mask},
+                          devices=devices(2), config=fxpipe.RunConfig(num_microbatch=3))
+
+    def loss_fn(out, label):  # not through out["norm"]: 0-dim outputs are averaged over microbatches
+        return out["logits"].square().mean() + out["hidden"].mean() * label
+
+    if style == "eager":
+        out = pipe(x, mask=mask)
+        loss_fn(out, 0.5).backward()
+    else:
+        pipe.forward_backward((x,), {"mask": mask}, label=0.5, loss_fn=loss_fn,
+                              run_config=fxpipe.RunConfig(num_microbatch=1))
+    ref_out = ref(xr, mask=mask)
+    loss_fn(ref_out, 0.5).backward()
+    assert_grads_equal(model, ref)
+    if style == "eager":  # input gradients flow back through the pipeline
+        assert_close(x.grad, xr.grad, "input grad")
+
+
+def test_batchnorm_running_stats_match_eager_per_microbatch():
+    torch.manual_seed(0)
+    model = models.ConvNet(c=4, depth=2).train()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2),
+                          config=fxpipe.RunConfig(num_microbatch=2))
+    loss = pipe.forward_backward((x,), label=y, loss_fn=F.cross_entropy)
+    # eager reference: BatchNorm sees each microbatch on its own, in order
+    ref_loss = sum(0.5 * F.cross_entropy(ref(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    ref_loss.backward()
+    assert_close(loss, ref_loss.detach(), "loss")
+    assert_grads_equal(model, ref)
+    for (name, b), rb in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, rb) if b.dtype == torch.long else torch.allclose(b, rb, atol=1e-6), name
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_hf_models_train(which):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.init_like_training(
+        models.tiny_llama(layers=3) if which == "llama" else models.tiny_gpt2(layers=3)).eval()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_inputs=(), example_kwargs={"input_ids": ids},
+                          devices=devices(2), config=fxpipe.RunConfig(num_microbatch=2))
+    loss = pipe.forward_backward((), {"input_ids": ids}, label=ids, loss_fn=ce)
+    ref_loss = ce(ref(input_ids=ids), ids)
+    ref_loss.backward()
+    assert_close(loss, ref_loss.detach(), "loss", atol=1e-5)
+    assert_grads_equal(model, ref, atol=1e-5)
+
+
+def test_gradient_accumulation_and_no_grad():
+    torch.manual_seed(0)
+    model = models.GPT(depth=2).eval()
+    ref = copy.deepcopy(model)
+    ids, t = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(2))
+    for _ in range(2):
+        pipe.forward_backward((ids,), label=t, loss_fn=ce, run_config=fxpipe.RunConfig(num_microbatch=2))
+        ce(ref(ids), t).backward()
+    assert_grads_equal(model, ref)
+    before = grads_of(model)
+    with torch.no_grad():
+        out = pipe(ids)
+    assert not out.requires_grad
+    assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
+
+
+# -- random ops ----------------------------------------------------------------------------
+
+def _dropout_step(plan, n_devices, seed=7):
+    torch.manual_seed(0)
+    model = models.GPT(depth=4, dropout=0.3).train()
+    ids, t = torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(n_devices), plan=plan,
+                          config=fxpipe.RunConfig(num_microbatch=3))
+    torch.manual_seed(seed)
+    loss = pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    return loss, grads_of(model), pipe
+
+
+def test_dropout_is_independent_of_plan_and_devices():
+    other = fxpipe.ExecutePlan(fwd_plan=[range(0, 2), range(2, 3), range(3, 4)],
+                               bwd_plan=[range(4, 6), range(2, 4), range(0, 2)])
+    loss_a, grads_a, _ = _dropout_step(GPT_PLAN, 1)
+    loss_b, grads_b, _ = _dropout_step(other, 3)
+    assert torch.equal(loss_a, loss_b)
+    for n in grads_a:
+        assert torch.equal(grads_a[n], grads_b[n]), n
+    loss_c, _, _ = _dropout_step(GPT_PLAN, 1, seed=8)
+    assert not torch.equal(loss_a, loss_c)  # the masks do follow the seed
+
+
+def test_dropout_gradients_are_those_of_the_forward_that_ran():
+    loss, grads, pipe = _dropout_step(GPT_PLAN, 2)
+    # eager reference: the same layers, run per microbatch, each random layer seeded from
+    # (call seed, layer, microbatch) in the same order
+    torch.manual_seed(0)
+    ref = models.GPT(depth=4, dropout=0.3).train()
+    ids, t = torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+    ref_pipe = fxpipe.compile(ref, example_inputs=(ids,), devices=devices(1))
+    torch.manual_seed(7)
+    seed = rng.draw_call_seed()
+    lg = ref_pipe.layers
+    total = 0.0
+    for m, (ids_m, t_m) in enumerate(zip(ids.chunk(3), t.chunk(3))):
+        env = dict(zip(lg.input_names, [ids_m]))
+        for layer in lg:
+            if layer.random:
+                torch.manual_seed(rng.layer_seed(seed, layer.index, m))
+            outs = layer.gm(*[env[n] for n in layer.inputs])
+            env.update(zip(layer.outputs, outs))
+        out = env[lg.output_names[0]]
+        total = total + ce(out, t_m) / 3
+    total.backward()
+    assert_close(loss, total.detach(), "loss")
+    for n, p in ref.named_parameters():
+        assert_close(grads[n], p.grad, f"grad of {n}")
+
+
+# -- overlap and residency -------------------------------------------------------------------
+
+def test_overlap_and_residency_on_virtual_devices():
+    torch.manual_seed(0)
+    model = models.GPT(vocab=64, dim=128, heads=4, depth=6, seq=32).eval()
+    ids, t = torch.randint(0, 64, (8, 32)), torch.randint(0, 64, (8, 32))
+    devs = devices(2, record=True)
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devs,
+                          config=fxpipe.RunConfig(num_microbatch=4))
+    pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    computes = [[(t0, t1) for stream, _, t0, t1 in d.records if stream == "compute"] for d in devs]
+    assert all(computes)
+    overlap = sum(max(0.0, min(a1, b1) - max(a0, b0))
+                  for a0, a1 in computes[0] for b0, b1 in computes[1])
+    assert overlap > 0, "stage jobs on different devices never ran at the same time"
+    prep = pipe._current.runners[id(pipe.plan)].prepared("fused", 4)
+    sizes = sorted((prep.store.nbytes(s) for s in prep.stages), reverse=True)
+    for d in devs:
+        assert d.peak_bytes("params") <= sizes[0] + sizes[1], d.name
+        assert d.resident_bytes() == 0, f"{d.name} holds memory after the call"
+
+
+def test_at_most_two_stages_resident_per_device():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])  # equal stages: 1 layer each
+    x = torch.randn(8, 32)
+    devs = devices(2)
+    plan = fxpipe.ExecutePlan([range(i, i + 1) for i in range(7)],
+                              [range(i, i + 1) for i in range(7, -1, -1)])
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devs, plan=plan,
+                          config=fxpipe.RunConfig(num_microbatch=4))
+    pipe.forward_backward((x,), label=None, loss_fn=lambda out, _: out.square().mean())
+    prep = pipe._current.runners[id(plan)].prepared("fused", 4)
+    stage_bytes = {prep.store.nbytes(s) for s in prep.stages}
+    assert len(stage_bytes) == 1
+    for d in devs:  # three resident stages would need 3x
+        assert prep.store.nbytes(0) <= d.peak_bytes("params") <= 2 * prep.store.nbytes(0)
+
+
+# -- failures --------------------------------------------------------------------------------
+
+def _state(model):
+    return ({n: p.detach().clone() for n, p in model.named_parameters()}, grads_of(model),
+            {n: b.clone() for n, b in model.named_buffers()})
+
+
+def _assert_state(model, state):
+    params, grads, buffers = state
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+        assert (p.grad is None and grads[n] is None) or torch.equal(p.grad, grads[n]), n
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+
+
+def test_tiny_memory_limit_fails_cleanly():
+    torch.manual_seed(0)
+    model = models.ConvNet(c=4, depth=2).train()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2, memory_limit=256))
+    state = _state(model)
+    with pytest.raises(fxpipe.DeviceMemoryError, match=r"stage \d+"):
+        pipe.forward_backward((x,), label=y, loss_fn=F.cross_entropy,
+                              run_config=fxpipe.RunConfig(num_microbatch=2))
+    _assert_state(model, state)
+    for d in pipe.devices:
+        assert d.resident_bytes() == 0
+
+
+ARMED = {"on": False}
+
+
+@torch.library.custom_op("fxpipe_test::fail_if_marked", mutates_args=())
+def fail_if_marked(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Raises when armed and a row of ``x`` carries the marker (first feature > 1000)."""
+    if ARMED["on"] and bool((x[:, 0] > 1000).any()):
+        raise RuntimeError("boom: marked row")
+    return h.clone()
+
+
+fail_if_marked.register_fake(lambda h, x: torch.empty_like(h))
+fail_if_marked.register_autograd(lambda ctx, g: (g, None),
+                                 setup_context=lambda ctx, inputs, output: None)
+
+
+class Flaky(nn.Module):
+    """Three blocks; the op after block 1 (so in block 1's layer) fails on marked rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        h = x
+        for i, b in enumerate(self.blocks):
+            h = torch.tanh(b(h))
+            if i == 1:
+                h = torch.ops.fxpipe_test.fail_if_marked(h, x)
+        return h
+
+
+@pytest.mark.parametrize("style", ["eager", "fused"])
+def test_failing_layer_names_stage_and_microbatch_and_pipe_recovers(style):
+    torch.manual_seed(0)
+    model = Flaky()
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2),
+                          config=fxpipe.RunConfig(num_microbatch=3))
+    assert [layer.name for layer in pipe.layers] == ["blocks.0", "blocks.1", "blocks.2"]
+
+    def step(inp):
+        if style == "eager":
+            pipe(inp).sum().backward()
+        else:
+            pipe.forward_backward((inp,), label=None, loss_fn=lambda out, _: out.sum())
+
+    step(x)  # a good step, so there are .grads to protect
+    state = _state(model)
+    bad = x.clone()
+    bad[4:, 0] = 1e4  # rows 4-5: microbatch 2 of 3
+    ARMED["on"] = True
+    try:
+        with pytest.raises(fxpipe.StageError) as info:
+            step(bad)
+    finally:
+        ARMED["on"] = False
+    err = info.value
+    assert err.microbatch == 2
+    assert err.layers is not None and 1 in err.layers
+    assert "blocks.1" in str(err) and "microbatch 2" in str(err)
+    assert err.device in {d.name for d in pipe.devices}
+    assert isinstance(err.__cause__, RuntimeError) and "boom" in str(err.__cause__)
+    _assert_state(model, state)
+    for d in pipe.devices:
+        assert d.resident_bytes() == 0
+    step(x)  # the pipeline still works, and accumulates as before
+    ref = copy.deepcopy(model)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all()
+
+
+def test_cuda_device_skips_cleanly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by the CUDA tests")
+    from fxpipe.runtime.devices import CudaDevice
+    with pytest.raises(RuntimeError, match="CUDA"):
+        CudaDevice(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_eager():
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ref = copy.deepcopy(model)
+    ids, target = torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=["cuda:0"],
+                          config=fxpipe.RunConfig(num_microbatch=3))
+    loss = pipe.forward_backward((ids,), label=target, loss_fn=ce)
+    ref_loss = ce(ref(ids), target)
+    ref_loss.backward()
+    assert_close(loss, ref_loss.detach(), "loss", atol=1e-5)
+    assert_grads_equal(model, ref, atol=1e-5)
