@@ -16,10 +16,31 @@ from fxpipe.runtime.microbatch import PackedData
 from fxpipe.verbose import set_verbose
 
 
-def simulate(pipe_or_program, hardware=None, **kwargs):
-    """Simulate a pipeline's schedule on a hardware model (see ``fxpipe.sim``)."""
+def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fused",
+             num_microbatch: int | None = None, **kwargs):
+    """Simulate a pipeline's schedule on a hardware model; returns a ``fxpipe.sim.Timeline``
+    (``makespan``, ``bubble_ratio``, per-device ``busy``, ``to_chrome_trace``, ``plot``).
+
+    ``pipe_or_program``: a ``PipelineModule`` (its Program for ``run_type`` and its layers'
+    costs: measured times where known, else FLOPs on ``hardware``) or a ``Program`` with
+    ``costs`` (a ``fxpipe.sim.LayerCost`` per layer).
+
+    >>> t = fxpipe.simulate(pipe, fxpipe.sim.Hardware.rtx4090_pcie4())
+    >>> t.bubble_ratio
+    """
+    from fxpipe.sim import Hardware, LayerCost
     from fxpipe.sim import simulate as _simulate
-    return _simulate(pipe_or_program, hardware=hardware, **kwargs)
+    hardware = hardware or Hardware()
+    if isinstance(pipe_or_program, PipelineModule):
+        program = pipe_or_program.program(run_type, num_microbatch)
+        if costs is None:
+            costs = [LayerCost.of(layer.cost, hardware) for layer in pipe_or_program.layers]
+    else:
+        program = pipe_or_program
+        if costs is None:
+            raise TypeError("fxpipe.simulate(program, ...) needs costs=[LayerCost per layer]; "
+                            "pass a PipelineModule to use its own costs")
+    return _simulate(program, costs, hardware, **kwargs)
 
 
 __all__ = [

@@ -16,6 +16,7 @@ from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower
 from fxpipe.passes.partition import build_layer_graph, find_blocks
+from fxpipe.passes.schedule import Program
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
@@ -109,7 +110,7 @@ class PipelineModule(nn.Module):
                                layers=self._layers_path)
         leaves = pytree.tree_leaves((args, kwargs))
         compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-        plan = self._user_plan or ExecutePlan.default(len(lg), "fused")
+        plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
         plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
         ranges = list(plan.fwd_plan)
         if _is_fused(plan, len(lg)):
@@ -221,10 +222,16 @@ class PipelineModule(nn.Module):
         return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
                 f"devices=[{', '.join(d.name for d in self.devices)}]")
 
-    def program(self, run_type: str = "fused", num_microbatch: int | None = None):
-        raise NotImplementedError(
-            "pipe.program(): the multi-device schedule (Program) ships with the runtime; "
-            "this build runs the lowered stages one after another on the host.")
+    def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
+                num_microbatch: int | None = None) -> Program:
+        """The schedule a call of ``run_type`` runs: per device, its ordered actions.
+
+        >>> print(pipe.program("fused", num_microbatch=2))   # devices x steps table
+        """
+        if run_type not in ("infer", "train", "fused"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        cfg = self._config(RunConfig(num_microbatch=num_microbatch))
+        return self._runner(self._current, cfg).prepared(run_type, cfg.num_microbatch).program
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -232,6 +239,14 @@ class PipelineModule(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+@dataclass
+class _Planned:
+    """What ``ExecutePlan.auto`` reads of a pipe, before the pipe exists."""
+
+    layers: LayerGraph
+    devices: list[Device]
 
 
 def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:

@@ -274,7 +274,9 @@ def test_tiny_memory_limit_fails_cleanly():
     torch.manual_seed(0)
     model = models.ConvNet(c=4, depth=2).train()
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2, memory_limit=256))
+    plan = fxpipe.ExecutePlan([range(0, 2), range(2, 3)], [range(3, 4), range(2, 3), range(0, 2)])
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2, memory_limit=256),
+                          plan=plan)  # a user plan: the planner would refuse this device
     state = _state(model)
     with pytest.raises(fxpipe.DeviceMemoryError, match=r"stage \d+"):
         pipe.forward_backward((x,), label=y, loss_fn=F.cross_entropy,
@@ -300,6 +302,13 @@ fail_if_marked.register_autograd(lambda ctx, g: (g, None),
                                  setup_context=lambda ctx, inputs, output: None)
 
 
+def test_planner_refuses_a_layer_over_the_device_memory():
+    model = models.ConvNet(c=4, depth=2).train()
+    with pytest.raises(fxpipe.PlanError, match=r"layer \d+ needs \d+ bytes .* per-stage limit"):
+        fxpipe.compile(model, example_inputs=(torch.randn(4, 3, 8, 8),),
+                       devices=devices(2, memory_limit=256))
+
+
 class Flaky(nn.Module):
     """Three blocks; the op after block 1 (so in block 1's layer) fails on marked rows."""
 
@@ -323,7 +332,8 @@ def test_failing_layer_names_stage_and_microbatch_and_pipe_recovers(style):
     x = torch.randn(6, 8)
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2),
                           config=fxpipe.RunConfig(num_microbatch=3))
-    assert [layer.name for layer in pipe.layers] == ["blocks.0", "blocks.1", "blocks.2"]
+    # the tanh after the last block runs at the model's level: the suffix layer
+    assert [layer.name for layer in pipe.layers] == ["blocks.0", "blocks.1", "blocks.2", "suffix"]
 
     def step(inp):
         if style == "eager":
