@@ -87,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small models (a smoke run)")
+    ap.add_argument("--part", choices=["a", "b", "both"], default="both")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_runtime.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -94,7 +95,18 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = {"torch": torch.__version__, "threads_per_worker": 1, "repeats": args.repeats}
 
-    # (a) one device: fxpipe fused step vs checkpointed eager vs plain eager
+    if args.part in ("a", "both"):
+        results["a_one_device"] = part_a(args, gen)
+    if args.part in ("b", "both"):
+        results["b_two_devices"] = part_b(args, gen)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+def part_a(args, gen) -> dict:
+    """(a) one device: fxpipe fused step vs checkpointed eager vs plain eager."""
     dim, depth, batch, seq = (128, 4, 4, 32) if args.quick else (512, 8, 8, 128)
     model = TinyLlama(vocab=256, dim=dim, depth=depth)
     ids, target = progression_batch(batch, seq, 256, gen)
@@ -107,15 +119,16 @@ def main() -> None:
         "eager": lambda: eager_step(model, ids, target),
     }
     a = summary(bench(variants, args.repeats), "checkpointed_eager")
-    results["a_one_device"] = {"model": dict(dim=dim, depth=depth, batch=batch, seq=seq),
-                               "plan": repr(pipe.plan), **a}
     print(f"(a) one virtual device, dim {dim}, {depth} blocks, batch {batch}x{seq}")
     print(f"{'variant':>20} | {'min s':>8} | {'median s':>8} | {'vs ckpt min':>11} | {'vs ckpt med':>11}")
     for name, r in a.items():
         print(f"{name:>20} | {r['min_s']:8.3f} | {r['median_s']:8.3f} | "
               f"{r['ratio_vs_checkpointed_eager_min']:11.3f} | {r['ratio_vs_checkpointed_eager_median']:11.3f}")
+    return {"model": dict(dim=dim, depth=depth, batch=batch, seq=seq), "plan": repr(pipe.plan), **a}
 
-    # (b) two devices vs one, same microbatches
+
+def part_b(args, gen) -> dict:
+    """(b) two devices vs one, same microbatches."""
     dim, depth, batch, seq = (256, 4, 8, 32) if args.quick else (1024, 8, 8, 128)
     model = TinyLlama(vocab=256, dim=dim, depth=depth)
     ids, target = progression_batch(batch, seq, 256, gen)
@@ -128,21 +141,15 @@ def main() -> None:
         "fxpipe_2dev": lambda: two.forward_backward((ids,), label=target, loss_fn=loss_fn),
     }
     b = summary(bench(variants, args.repeats), "fxpipe_1dev")
-    speedup_min = 1 / b["fxpipe_2dev"]["ratio_vs_fxpipe_1dev_median"]
-    results["b_two_devices"] = {"model": dict(dim=dim, depth=depth, batch=batch, seq=seq),
-                                "plan_1dev": repr(one.plan), "plan_2dev": repr(two.plan),
-                                "num_microbatch": 4, **b,
-                                "speedup_median": speedup_min,
-                                "speedup_best": 1 / b["fxpipe_2dev"]["ratio_vs_fxpipe_1dev_min"]}
+    res = {"model": dict(dim=dim, depth=depth, batch=batch, seq=seq),
+           "plan_1dev": repr(one.plan), "plan_2dev": repr(two.plan), "num_microbatch": 4, **b,
+           "speedup_median": 1 / b["fxpipe_2dev"]["ratio_vs_fxpipe_1dev_median"],
+           "speedup_best": 1 / b["fxpipe_2dev"]["ratio_vs_fxpipe_1dev_min"]}
     print(f"\n(b) 2 virtual devices vs 1, dim {dim}, {depth} blocks, batch {batch}x{seq}, 4 microbatches")
     for name, r in b.items():
         print(f"{name:>20} | {r['min_s']:8.3f} | {r['median_s']:8.3f}")
-    print(f"speed-up 2 vs 1 device: median {results['b_two_devices']['speedup_median']:.2f}x, "
-          f"best {results['b_two_devices']['speedup_best']:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    print(f"speed-up 2 vs 1 device: median {res['speedup_median']:.2f}x, best {res['speedup_best']:.2f}x")
+    return res
 
 
 if __name__ == "__main__":

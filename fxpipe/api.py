@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
+from fxpipe.passes import gc_paused
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower
@@ -106,17 +107,18 @@ class PipelineModule(nn.Module):
             if compiled.layers.training == self.module.training and \
                     _fits_static_dims(compiled.layers, args, kwargs):
                 return compiled
-        lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
-                               layers=self._layers_path)
-        leaves = pytree.tree_leaves((args, kwargs))
-        compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-        plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
-        plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
-        ranges = list(plan.fwd_plan)
-        if _is_fused(plan, len(lg)):
-            ranges.append(plan.bwd_plan[0])  # a plain call runs the fused tail forward too
-        names = [d.name for d in self.devices]
-        program, stages = lower(lg, ranges, names)
+        with gc_paused():
+            lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
+                                   layers=self._layers_path)
+            leaves = pytree.tree_leaves((args, kwargs))
+            compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
+            plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
+            plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
+            ranges = list(plan.fwd_plan)
+            if _is_fused(plan, len(lg)):
+                ranges.append(plan.bwd_plan[0])  # a plain call runs the fused tail forward too
+            names = [d.name for d in self.devices]
+            program, stages = lower(lg, ranges, names)
         compiled = _Compiled(layers=lg, plan=plan, program=program, stages=stages)
         self._cache.append(compiled)
         return compiled

@@ -366,3 +366,18 @@ def test_cuda_round_trip_with_pinned_flat_buffers():
             assert torch.equal(v.cpu(), m.state_dict()[k]), k
         store.release(d, views)
         assert d.resident_bytes() == 0
+
+
+def test_refresh_copies_only_changed_masters_and_sees_every_kind_of_update():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    store = ParamStore({0: {"a": a, "b": b}}, pin=False)
+    dev = VirtualDevice()
+    with torch.no_grad():
+        a.add_(1.0)                      # an optimizer-style in-place step
+    store.refresh()
+    b.data = torch.full((2,), 5.0)       # storage swapped under the parameter
+    store.refresh()
+    up = store.upload(0, dev)
+    assert torch.equal(up["a"], torch.ones(3)) and torch.equal(up["b"], torch.full((2,), 5.0))
+    store.release(dev, up)
+    dev.close()

@@ -1,0 +1,25 @@
+"""The compiler passes: capture → partition → costs → lower → schedule (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while passes build many small objects.
+
+    The passes create tens of thousands of fx nodes and containers; with a large heap
+    (torch, transformers) every generation-2 collection triggered meanwhile walks all of
+    it, which made lowering a 100-layer model ~3x slower. Reference counting still frees
+    everything; collection resumes afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

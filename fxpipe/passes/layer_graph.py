@@ -138,15 +138,23 @@ class LayerGraph:
         return self.gm.code.strip("\n")
 
 
-def graph_module(root: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
-    """``fx.GraphModule(root, graph)`` without recompiling child GraphModules.
+try:  # generates its Python code on first use (.code, a call), as torch.compile's graphs do
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover — older torch
+    _GraphModule = fx.GraphModule
 
-    fx recompiles every GraphModule child whenever a parent compiles; the children here
-    are compiled already, so the parent is built around stand-ins and gets them after.
+
+def graph_module(root: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)``, with its code generated on first use, and without
+    recompiling child GraphModules (fx recompiles every GraphModule child whenever a
+    parent compiles, so the parent is built around stand-ins and gets them after).
+
+    Most layer and stage graphs are interpreted or inspected, never called compiled:
+    the runtime interprets stages node by node and costs reuse identical blocks.
     """
     children = {k: v for k, v in root.items() if isinstance(v, fx.GraphModule) and "." not in k}
     stand_ins = {k: (torch.nn.Module() if k in children else v) for k, v in root.items()}
-    gm = fx.GraphModule(stand_ins, graph, class_name=class_name)
+    gm = _GraphModule(stand_ins, graph, class_name=class_name)
     for name, child in children.items():
         setattr(gm, name, child)
     return gm

@@ -71,6 +71,7 @@ class _StageParams:
             slot = _Slot(tuple(names), t, offset, is_buffer)
             self.slots.update(dict.fromkeys(names, slot))
         self.flat = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        self.versions: dict[int, tuple[int, int]] = {}  # id(master) -> (version, data_ptr) copied
 
     def distinct(self) -> list[_Slot]:
         return list({id(s): s for s in self.slots.values()}.values())
@@ -130,7 +131,12 @@ class ParamStore:
             st = self._stage(s)
             with torch.no_grad():
                 for slot in st.distinct():
-                    _view(st.flat[slot.master.dtype], slot).copy_(slot.master)
+                    # in-place updates (optimizer steps, load_state_dict) bump _version and
+                    # `p.data = t` moves the storage: an unchanged master needs no copy
+                    version = (slot.master._version, slot.master.data_ptr())
+                    if st.versions.get(id(slot.master)) != version:
+                        _view(st.flat[slot.master.dtype], slot).copy_(slot.master)
+                        st.versions[id(slot.master)] = version
 
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False) -> dict[str, torch.Tensor]:
         """Copy the stage's flat buffers to ``device`` (counted as ``"params"``).

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from fxpipe.config import RunConfig
+from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower, lower_stage
 from fxpipe.passes.schedule import Program, build_program
@@ -63,15 +64,19 @@ class Runner:
     def stages(self, run_type: str) -> dict[int, Stage]:
         """The lowered stages of ``run_type``, by Program stage index."""
         if run_type not in self._lowered:
-            fwd, bwd = self.ranges(run_type)
-            names = [d.name for d in self.devices]
-            _, fstages = lower(self.lg, fwd, names, save_cuts=[r.start for r in bwd])
-            out = {st.index: st for st in fstages}
-            for k, r in enumerate(bwd):
-                i = len(fwd) + k
-                out[i] = lower_stage(self.lg, r, i, i % len(names), names)
-            self._lowered[run_type] = out
+            with gc_paused():
+                self._lowered[run_type] = self._lower(run_type)
         return self._lowered[run_type]
+
+    def _lower(self, run_type: str) -> dict[int, Stage]:
+        fwd, bwd = self.ranges(run_type)
+        names = [d.name for d in self.devices]
+        _, fstages = lower(self.lg, fwd, names, save_cuts=[r.start for r in bwd])
+        out = {st.index: st for st in fstages}
+        for k, r in enumerate(bwd):
+            i = len(fwd) + k
+            out[i] = lower_stage(self.lg, r, i, i % len(names), names)
+        return out
 
     def layer_stages(self) -> dict[int, Stage]:
         """Single-layer stages, for ``recompute_grain="layer"``."""
