@@ -22,6 +22,7 @@ from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
 from fxpipe.runtime.pipeline import Runner, TrainCall
+from fxpipe.runtime.timer import LayerTimer
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -76,6 +77,7 @@ class _Compiled:
     program: fx.GraphModule       # top-level graph calling the forward stages
     stages: list[Stage]
     runners: dict[int, Runner] = field(default_factory=dict)  # by id of the plan
+    timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
 
 
 class PipelineModule(nn.Module):
@@ -192,7 +194,7 @@ class PipelineModule(nn.Module):
                           else "train")
         key = id(plan)
         if key not in compiled.runners:
-            compiled.runners[key] = Runner(compiled.layers, plan, self.devices)
+            compiled.runners[key] = Runner(compiled.layers, plan, self.devices, compiled.timer)
         return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Online per-layer timer and verbose mode."""
 
+import dataclasses
 import threading
 
 import pytest
+import torch
 
 import fxpipe.verbose as verbose
 from fxpipe.runtime.timer import LayerTimer
@@ -123,3 +125,42 @@ def test_env_var_is_read_lazily(monkeypatch, capsys):
 def test_set_verbose_is_public():
     import fxpipe
     assert fxpipe.set_verbose is verbose.set_verbose
+
+
+def test_runtime_measures_layer_times_into_costs_and_auto_uses_them(capsys):
+    import torch.nn.functional as F
+
+    import fxpipe
+    from fxpipe.verbose import set_verbose
+    from tests import models
+
+    torch.manual_seed(0)
+    model = models.GPT(depth=3).eval()
+    ids, t = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=[fxpipe.VirtualDevice()] * 1,
+                          config=fxpipe.RunConfig(num_microbatch=1))
+
+    def step():
+        pipe.forward_backward((ids,), label=t,
+                              loss_fn=lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()))
+
+    assert all(layer.cost.fwd_ms is None for layer in pipe.layers)
+    step()  # first samples are warm-up, dropped
+    assert all(layer.cost.bwd_ms is None for layer in pipe.layers)
+    set_verbose(True)
+    try:
+        step()
+    finally:
+        set_verbose(None)
+    err = capsys.readouterr().err
+    assert "fxpipe timer: layer 1 recompute" in err and "fxpipe timer: layer 1 bwd" in err
+    for layer in pipe.layers:
+        assert layer.cost.bwd_ms is not None and layer.cost.bwd_ms >= 0, layer.name
+    blocks = [layer.cost for layer in pipe.layers][1:-1]
+    assert all(c.recompute_ms > 0 and c.bwd_ms > 0 for c in blocks)
+    # measured times drive the planner: the plan follows when a block gets slower
+    before = fxpipe.ExecutePlan.auto("fused", pipe, num_devices=2)
+    pipe.layers[1].node.meta["cost"] = dataclasses.replace(
+        pipe.layers[1].cost, fwd_ms=1e4, recompute_ms=1e4, bwd_ms=1e4)
+    after = fxpipe.ExecutePlan.auto("fused", pipe, num_devices=2)
+    assert after != before

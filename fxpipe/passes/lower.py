@@ -133,7 +133,8 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
         layer = lg.layers[i]
         lenv: dict[fx.Node, fx.Node] = {}
         if layer.random:
-            g.create_node("call_function", _op.rng.default, (i,), name=f"rng_layer_{i}")
+            g.create_node("call_function", _op.rng.default, (i,),
+                          name=f"rng_layer_{i}").meta["layer"] = i
         for n in layer.gm.graph.nodes:
             if n.op == "placeholder":
                 lenv[n] = env[n.target]
@@ -147,6 +148,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
                     env[o] = lenv[v]
             else:
                 lenv[n] = g.node_copy(n, lambda a: lenv[a])
+                lenv[n].meta["layer"] = i  # the runtime times layers by this
                 for f in _mutated_attrs(n, layer.gm):
                     if f in lg.buffers and f not in mutated:
                         mutated.append(f)

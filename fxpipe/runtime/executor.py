@@ -22,9 +22,11 @@ microbatch, after every submitted action has finished and device memory is freed
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,7 @@ from fxpipe.passes.schedule import (
 from fxpipe.runtime.devices import Device, Event
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
+from fxpipe.runtime.timer import LayerTimer
 
 _STREAM = {"prefetch": "prefetch", "h2d": "h2d", "compute": "compute", "d2h": "d2h",
            "grads": "grads", None: "control"}
@@ -67,6 +70,7 @@ class Job:
     out_grads: list[dict[str, torch.Tensor]] | None = None   # train: grads of outputs
     parts: frozenset[str] = frozenset({"fwd", "bwd", "fused"})  # stage kinds to run
     grain: str = "stage"                     # recompute_grain
+    timer: LayerTimer | None = None          # per-layer times (virtual devices)
     layer_stages: dict[int, Stage] = field(default_factory=dict)  # grain "layer": by layer
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
@@ -259,7 +263,7 @@ class Execution:
             outs, writebacks = run_stage(st, inputs, self.resident[(d, s)],
                                          call_seed=self.job.call_seed, microbatch=m,
                                          device=_torch_device(self.job.devices[d]),
-                                         keep_writebacks=True)
+                                         keep_writebacks=True, timer=self.job.timer)
         self.job.writebacks.extend(writebacks)
         for name, value in zip(st.outputs, outs):
             self.dev_vals[(d, m, name)] = value
@@ -270,10 +274,12 @@ class Execution:
         if job.grain == "layer" and not fused and len(st.layers) > 1:
             return self._backward_by_layer(d, s, m)
         leaves = {n: _leaf(self._value_on(d, m, n)) for n in st.inputs}
+        device = _torch_device(job.devices[d])
         with torch.enable_grad():
             outs, _ = run_stage(st, [leaves[n] for n in st.inputs], self.resident[(d, s)],
-                                call_seed=job.call_seed, microbatch=m,
-                                device=_torch_device(job.devices[d]), keep_writebacks=False)
+                                call_seed=job.call_seed, microbatch=m, device=device,
+                                keep_writebacks=False, timer=job.timer,
+                                kind="fwd" if fused else "recompute")
             made = dict(zip(st.outputs, outs))
             if fused:
                 # outputs made by earlier stages are inputs of the loss too
@@ -289,10 +295,13 @@ class Execution:
                 weight = job.loss_weights[m]
                 scaled = loss if weight == 1.0 else loss * weight
                 job.losses[m] = scaled.detach()
-                if scaled.requires_grad:
-                    scaled.backward()
+                with self._timed_backward(st.layers, device):
+                    if scaled.requires_grad:
+                        scaled.backward()
             else:
-                _backprop(made, {n: self._grad_on(d, m, n) for n in made})
+                grads = {n: self._grad_on(d, m, n) for n in made}
+                with self._timed_backward(st.layers, device):
+                    _backprop(made, grads)
         grads = {n: x.grad for n, x in leaves.items()
                  if isinstance(x, torch.Tensor) and x.grad is not None}
         for n, g in grads.items():
@@ -304,8 +313,9 @@ class Execution:
         """``recompute_grain="layer"``: forward the stage without grad keeping each layer's
         inputs, then recompute and back-propagate one layer at a time, deepest first."""
         job, st = self.job, self.job.stages[s]
+        device = _torch_device(job.devices[d])
         run = dict(resident=self.resident[(d, s)], call_seed=job.call_seed, microbatch=m,
-                   device=_torch_device(job.devices[d]), keep_writebacks=False)
+                   device=device, keep_writebacks=False)
         values = {n: self._value_on(d, m, n) for n in st.inputs}
         saved: list[list] = []
         with torch.no_grad():
@@ -320,8 +330,9 @@ class Execution:
             sub = job.layer_stages[i]
             leaves = [_leaf(x) for x in inputs]
             with torch.enable_grad():
-                outs, _ = run_stage(sub, leaves, **run)
-                _backprop(dict(zip(sub.outputs, outs)), grads)
+                outs, _ = run_stage(sub, leaves, **run, timer=job.timer, kind="recompute")
+                with self._timed_backward(range(i, i + 1), device):
+                    _backprop(dict(zip(sub.outputs, outs)), grads)
             for n, x in zip(sub.inputs, leaves):
                 if isinstance(x, torch.Tensor) and x.grad is not None:
                     grads[n] = x.grad if grads.get(n) is None else grads[n] + x.grad
@@ -329,6 +340,31 @@ class Execution:
         for n, g in input_grads.items():
             self.dev_grads[(d, m, n)] = g
         self.input_grads[(s, m)] = input_grads
+
+    @contextlib.contextmanager
+    def _timed_backward(self, layers: range, device: torch.device) -> Iterator[None]:
+        """Record a backward's time over ``layers``, split by their backward FLOPs (one
+        autograd call covers the stage; with recompute_grain="layer" it is one layer)."""
+        timer = self.job.timer
+        if timer is None:
+            yield
+            return
+        if device.type == "cuda":  # device events on the stream the backward ran on
+            start_ev, end_ev = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start_ev.record()
+            yield
+            end_ev.record()
+            end_ev.synchronize()
+            ms = start_ev.elapsed_time(end_ev)
+        else:
+            start = time.perf_counter()
+            yield
+            ms = (time.perf_counter() - start) * 1e3
+        costs = [self.job.layers.layers[i].cost for i in layers]
+        flops = [max(getattr(c, "bwd_flops", 0) or 0, 0) for c in costs]
+        total = sum(flops)
+        for i, f in zip(layers, flops):
+            timer.record(i, "bwd", ms * (f / total if total else 1 / len(layers)))
 
     def _offload(self, d: int, s: int, m: int) -> None:
         st, job = self.job.stages[s], self.job

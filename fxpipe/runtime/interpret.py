@@ -16,6 +16,7 @@ from what those actions left on the device:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.fx as fx
 
 from fxpipe.passes.lower import Stage
 from fxpipe.runtime import rng
+from fxpipe.runtime.timer import LayerTimer
 
 _op = torch.ops.fxpipe
 
@@ -33,8 +35,13 @@ class StageRun(fx.Interpreter):
 
     def __init__(self, stage: Stage, resident: Mapping[str, torch.Tensor], *,
                  call_seed: int | None, microbatch: int, device: torch.device,
-                 keep_writebacks: bool):
+                 keep_writebacks: bool, timed: bool = False):
         super().__init__(stage.gm, garbage_collect_values=True)
+        self.timed = timed
+        self.layer_seconds: dict[int, float] = {}  # per layer, when ``timed``
+        self._layer: int | None = None
+        self._since = 0.0
+        self._events: list[tuple[int | None, Any]] = []  # CUDA: (layer ending here, event)
         self.stage = stage
         self.resident = resident
         self.call_seed = call_seed
@@ -42,6 +49,40 @@ class StageRun(fx.Interpreter):
         self.torch_device = device
         self.keep_writebacks = keep_writebacks
         self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        if self.timed:
+            self._enter(n.meta.get("layer"))
+        return super().run_node(n)
+
+    def _enter(self, layer: int | None) -> None:
+        """Charge the time since the last layer change to that layer; transfer nodes
+        belong to none. On CPU, work is synchronous and wall time is the layer's time; on
+        CUDA, events recorded on the stream at each change are read in ``layer_times``."""
+        if layer == self._layer:
+            return
+        if self.torch_device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append((self._layer, event))
+        else:
+            now = time.perf_counter()
+            if self._layer is not None:
+                self.layer_seconds[self._layer] = (self.layer_seconds.get(self._layer, 0.0)
+                                                   + now - self._since)
+            self._since = now
+        self._layer = layer
+
+    def layer_times_ms(self) -> dict[int, float]:
+        """Milliseconds per layer of this run (waits for the CUDA events, if any)."""
+        self._enter(None)
+        if self._events:
+            self._events[-1][1].synchronize()
+            for (_, start), (layer, end) in zip(self._events, self._events[1:]):
+                if layer is not None:
+                    self.layer_seconds[layer] = (self.layer_seconds.get(layer, 0.0)
+                                                 + start.elapsed_time(end) / 1e3)
+        return {layer: s * 1e3 for layer, s in self.layer_seconds.items()}
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if target is _op.prefetch.default:
@@ -64,13 +105,19 @@ class StageRun(fx.Interpreter):
 
 def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], *,
               call_seed: int | None, microbatch: int, device: torch.device,
-              keep_writebacks: bool) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Run ``stage`` on one microbatch; returns (outputs, buffer writebacks)."""
+              keep_writebacks: bool, timer: LayerTimer | None = None,
+              kind: str = "fwd") -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run ``stage`` on one microbatch; returns (outputs, buffer writebacks). With a
+    ``timer`` (CPU devices), each layer's time is recorded as ``kind``."""
+    timed = timer is not None
     runner = StageRun(stage, resident, call_seed=call_seed, microbatch=microbatch,
-                      device=device, keep_writebacks=keep_writebacks)
+                      device=device, keep_writebacks=keep_writebacks, timed=timed)
     if stage.random and call_seed is not None:
         with rng.isolated(device):
             out = runner.run(*inputs)
     else:
         out = runner.run(*inputs)
+    if timed:
+        for layer, ms in runner.layer_times_ms().items():
+            timer.record(layer, kind, ms)
     return tuple(out), runner.writebacks

@@ -7,6 +7,7 @@ eager-style forward/backward, through ``runtime.autograd``) run calls on it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from fxpipe.runtime.executor import (
     Execution, Job, apply_writebacks, refresh_and_snapshot, restore,
 )
 from fxpipe.runtime.params import ParamStore
+from fxpipe.runtime.timer import LayerTimer
 
 
 @dataclass
@@ -42,8 +44,10 @@ class Prepared:
 class Runner:
     """Runs one compiled LayerGraph under one plan on ``devices``."""
 
-    def __init__(self, lg: LayerGraph, plan: ExecutePlan, devices: list[Device]):
+    def __init__(self, lg: LayerGraph, plan: ExecutePlan, devices: list[Device],
+                 timer: LayerTimer | None = None):
         self.lg, self.plan, self.devices = lg, plan, devices
+        self.timer = timer
         self._prepared: dict[tuple[str, int], Prepared] = {}
         self._lowered: dict[str, dict[int, Stage]] = {}
 
@@ -130,7 +134,7 @@ class Runner:
             kw["layer_stages"] = self.layer_stages()
         return Job(program=prep.program, stages=prep.stages, layers=self.lg, store=prep.store,
                    devices=self.devices, inputs=envs, call_seed=seed, grain=cfg.recompute_grain,
-                   **kw)
+                   timer=self.timer, **kw)
 
     def execute(self, job: Job) -> None:
         """Run ``job``; on failure put buffers back and raise (nothing reaches ``.grad``)."""
@@ -143,6 +147,23 @@ class Runner:
             if job.accumulator is not None:
                 job.accumulator.discard()
             raise
+        self._update_costs()
+
+    def _update_costs(self) -> None:
+        """Measured per-layer times go into the layers' costs, where ``ExecutePlan.auto``
+        prefers them to FLOP estimates (once every layer has them)."""
+        if self.timer is None:
+            return
+        for layer in self.lg:
+            times = self.timer.times(layer.index)
+            cost = layer.cost
+            if times is None or cost is None:
+                continue
+            fwd, rec, bwd = times
+            layer.node.meta["cost"] = dataclasses.replace(
+                cost, fwd_ms=fwd if fwd is not None else cost.fwd_ms,
+                recompute_ms=rec if rec is not None else cost.recompute_ms,
+                bwd_ms=bwd if bwd is not None else cost.bwd_ms)
 
     def outputs(self, job: Job, cfg: RunConfig) -> Any:
         per_mb = [pytree.tree_unflatten(self.lg.flat_outputs(env), self.lg.out_spec)
@@ -213,7 +234,7 @@ class TrainCall:
         job = Job(program=fj.program, stages=fj.stages, layers=r.lg, store=fj.store,
                   devices=r.devices, inputs=fj.host, call_seed=fj.call_seed,
                   out_grads=out_grads, parts=frozenset({"bwd"}), grain=fj.grain,
-                  layer_stages=fj.layer_stages)
+                  layer_stages=fj.layer_stages, timer=fj.timer)
         r.execute(job)
         params = job.accumulator.totals()
         job.accumulator.discard()
