@@ -23,6 +23,7 @@ from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
+from fxpipe.runtime.trace import trace as _trace
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -236,6 +237,16 @@ class PipelineModule(nn.Module):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         cfg = self._config(RunConfig(num_microbatch=num_microbatch))
         return self._runner(self._current, cfg).prepared(run_type, cfg.num_microbatch).program
+
+    def trace(self, path: str | None = None):
+        """Record the devices' streams during a ``with`` block into a timeline (the
+        simulator's ``Timeline``: ``plot``, ``to_chrome_trace``, ``bubble_ratio``)::
+
+            with pipe.trace("run.json") as rec:
+                pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
+            rec.timeline.plot("run.png")
+        """
+        return _trace(self.devices, path)
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):

@@ -1,6 +1,6 @@
 """The fxpipe demo: compile a small Llama-style model, print it, and train it.
 
-    python -m fxpipe.demo [--steps 300] [--layers 4] [--dim 64] [--quiet]
+    python -m fxpipe.demo [--steps 200] [--layers 4] [--dim 64] [--quiet]
 
 The task is synthetic and learnable: each sequence is an arithmetic progression modulo
 the vocabulary (``x[i+1] = x[i] + step``, with a random start and a step from a small
@@ -98,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     import fxpipe
 
     ap = argparse.ArgumentParser(prog="python -m fxpipe.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--quiet", action="store_true", help="no graph printout")
+    ap.add_argument("--timeline", default="timeline.png",
+                    help="draw the last step's measured timeline here ('' to skip; needs matplotlib)")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -133,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     first = last = None
     tokens = 0
     start = time.perf_counter()
+    recording = None
     for step in range(args.steps):
         ids, labels = progression_batch(args.batch, args.seq, vocab, gen)
-        loss = pipe.forward_backward((ids,), label=labels, loss_fn=loss_fn)
+        if step == args.steps - 1 and args.timeline:
+            with pipe.trace() as recording:  # the last step, as the devices ran it
+                loss = pipe.forward_backward((ids,), label=labels, loss_fn=loss_fn)
+        else:
+            loss = pipe.forward_backward((ids,), label=labels, loss_fn=loss_fn)
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += ids.numel()
@@ -145,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     print(f"loss {first:.3f} -> {last:.3f} (ln(vocab) = {math.log(vocab):.3f}) over {args.steps} "
           f"steps, {tokens / (time.perf_counter() - start):,.0f} tokens/s")
+    if recording is not None:
+        tl = recording.timeline
+        try:
+            tl.plot(args.timeline)
+            print(f"timeline of the last step ({tl.makespan:.0f} ms, bubble {tl.bubble_ratio:.1f}%): "
+                  f"{args.timeline}")
+        except ImportError:
+            print("install matplotlib (pip install 'fxpipe[plot]') to draw the timeline")
     if not last < first:
         print("loss did not fall", file=sys.stderr)
         return 1

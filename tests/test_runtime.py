@@ -387,3 +387,30 @@ def test_cuda_matches_eager():
     ref_loss.backward()
     assert_close(loss, ref_loss.detach(), "loss", atol=1e-5)
     assert_grads_equal(model, ref, atol=1e-5)
+
+
+def test_trace_records_a_real_run_as_a_timeline(tmp_path):
+    import json
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ids, t = torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(2), plan=GPT_PLAN,
+                          config=fxpipe.RunConfig(num_microbatch=3))
+    with pipe.trace(tmp_path / "run.json") as rec:
+        pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    tl = rec.timeline
+    kinds = {iv.kind for iv in tl.intervals}
+    assert {"forward", "backward", "transfer"} <= kinds
+    computes = [iv for iv in tl.intervals if iv.kind != "transfer"]
+    program = pipe.program("fused", 3)
+    expected = sum(1 for acts in program.actions for a in acts
+                   if type(a).__name__ in ("Forward", "FusedBackward", "RecomputeBackward"))
+    assert len(computes) == expected
+    assert {iv.device for iv in computes} == {0, 1}
+    assert 0 < tl.makespan and 0 <= tl.bubble_ratio < 100
+    events = json.loads((tmp_path / "run.json").read_text())
+    assert len(events["traceEvents"] if isinstance(events, dict) else events) >= len(tl.intervals)
+    with pipe.trace() as rec2:  # nothing ran: an empty timeline, recording off again after
+        pass
+    assert rec2.timeline.intervals == []
+    assert all(d._sink[0] is None for d in pipe.devices)

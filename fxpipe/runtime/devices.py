@@ -242,11 +242,12 @@ def _check_submit(device: Device, stream: str, wait: Sequence[Event]) -> tuple[E
     return tuple(wait)
 
 
-def _run_stream(stream: str, work: queue.SimpleQueue, records: list[Record] | None) -> None:
-    """A VirtualDevice stream: run queued work in order until the ``None`` sentinel."""
+def _run_stream(stream: str, work: queue.SimpleQueue, sink: list) -> None:
+    """A VirtualDevice stream: run queued work in order until the ``None`` sentinel.
+    ``sink[0]`` is the list records go to, or None while not recording."""
     torch.set_num_threads(1)  # per thread (OpenMP): the caller's own setting is untouched
     while (item := work.get()) is not None:
-        _run_one(stream, *item, records)
+        _run_one(stream, *item, sink[0])
         item = None  # hold no tensors while idle
 
 
@@ -287,7 +288,7 @@ class VirtualDevice(Device):
     def __init__(self, memory_limit: int | None = None, name: str | None = None, *,
                  record: bool = False):
         super().__init__(name if name is not None else f"vcpu:{next(_virtual_ids)}", memory_limit)
-        self._record = record
+        self._sink: list = [self.records if record else None]  # shared with the workers
         self._lock = threading.Lock()
         self._closed = False
         self._queues: dict[str, queue.SimpleQueue] = {}
@@ -311,13 +312,17 @@ class VirtualDevice(Device):
             if stream not in self._queues:
                 work: queue.SimpleQueue = queue.SimpleQueue()
                 thread = threading.Thread(
-                    target=_run_stream, args=(stream, work, self.records if self._record else None),
+                    target=_run_stream, args=(stream, work, self._sink),
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
                 thread.start()
             self._queues[stream].put((fn, args, wait, event))
             self._last[stream] = event
         return event
+
+    def recording(self, flag: bool = True) -> None:
+        """Start (or stop) appending ``(stream, label, t_start, t_end)`` to ``records``."""
+        self._sink[0] = self.records if flag else None
 
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         """A separate contiguous copy, counted as ``kind`` (raises DeviceMemoryError)."""

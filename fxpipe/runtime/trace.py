@@ -1,0 +1,84 @@
+"""Record a real run's timeline, in the simulator's ``Timeline`` form.
+
+    >>> with pipe.trace("run.json") as rec:          # Chrome trace / Perfetto
+    ...     pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
+    >>> rec.timeline.plot("run.png"); rec.timeline.bubble_ratio
+
+Each device stream's actions (labelled with the Program's action strings) become
+intervals: forward computes as ``forward``, fused and recompute+backward computes as
+``backward`` (one interval: the run does not split them), transfers as ``transfer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fxpipe.passes.schedule import (
+    DownloadGrads, Forward, FusedBackward, Offload, Prefetch, RecomputeBackward, Upload,
+    UploadGrad, parse_action,
+)
+from fxpipe.runtime.devices import Device
+
+
+@dataclass
+class Recording:
+    """Filled in when the ``with pipe.trace()`` block ends."""
+
+    timeline: object | None = None   # a fxpipe.sim.Timeline
+
+
+@contextlib.contextmanager
+def trace(devices: Sequence[Device], path: str | Path | None = None) -> Iterator[Recording]:
+    """Record what ``devices`` run during the block (see module docstring)."""
+    if not all(hasattr(d, "recording") for d in devices):
+        raise NotImplementedError("pipe.trace() records VirtualDevices; CUDA devices do not "
+                                  "record a timeline yet (use fxpipe.simulate for a prediction)")
+    rec = Recording()
+    was = [d._sink[0] is not None for d in devices]
+    starts = [len(d.records) for d in devices]
+    for d in devices:
+        d.reset_peak()
+        d.recording(True)
+    try:
+        yield rec
+    finally:
+        for d, on in zip(devices, was):
+            d.recording(on)
+    rec.timeline = timeline_of([d.records[n:] for d, n in zip(devices, starts)],
+                               [d.peak_bytes() for d in devices])
+    if path is not None:
+        rec.timeline.to_chrome_trace(path)
+
+
+_KIND = {Forward: "forward", FusedBackward: "backward", RecomputeBackward: "backward",
+         Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
+         DownloadGrads: "transfer"}
+
+
+def timeline_of(records: Sequence[Sequence[tuple[str, str, float, float]]],
+                peak_memory: Sequence[int]):
+    """A ``Timeline`` (ms from the first recorded start) from per-device stream records."""
+    from fxpipe.sim.timeline import Interval, Timeline
+    t0 = min((r[2] for recs in records for r in recs), default=0.0)
+    intervals, busy, free = [], [0.0] * len(records), [0.0] * len(records)
+    for d, recs in enumerate(records):
+        for stream, label, start, end in recs:
+            try:
+                kind = _KIND.get(type(parse_action(label)))
+            except ValueError:
+                kind = None
+            if kind is None:  # markers (Release) and anything not a Program action
+                continue
+            iv = Interval(d, stream, label, kind, (start - t0) * 1e3, (end - t0) * 1e3)
+            intervals.append(iv)
+            if kind != "transfer":
+                busy[d] += iv.end - iv.start
+                free[d] = max(free[d], iv.end)
+    makespan = max((iv.end for iv in intervals), default=0.0)
+    return Timeline(num_devices=len(records), intervals=sorted(intervals, key=lambda i: i.start),
+                    makespan=makespan, busy=busy, device_free=free,
+                    peak_memory=list(peak_memory), exposed_by_compute={},
+                    prefetch_exposed_by_compute={})
