@@ -98,7 +98,6 @@ class PipelineModule(nn.Module):
         self._capture = capture
         self._layers_path = layers
         self._user_plan = plan
-        self._example = (example_args, example_kwargs)
         self._cache: list[_Compiled] = []
         self._current = self._compiled_for(example_args, example_kwargs)
 

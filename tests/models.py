@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxpipe.demo import RMSNorm, _rotate as apply_rotary
+
 
 def mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
     mods: list[nn.Module] = []
@@ -16,27 +18,12 @@ def mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
     return nn.Sequential(*mods, nn.Linear(width, 4))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 def rotary_tables(seq: int, head_dim: int, device=None):
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     t = torch.arange(seq, device=device).float()
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rotary(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Block(nn.Module):

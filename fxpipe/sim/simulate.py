@@ -33,11 +33,10 @@ saved activations of the stage (backward) or of its largest layer (forward).
 
 from __future__ import annotations
 
-import gc
 import heapq
-from contextlib import contextmanager
 from typing import Literal, Sequence
 
+from fxpipe.passes import gc_paused
 from fxpipe.passes.schedule import (Compute, Dep, DownloadGrads, Forward, FusedBackward,
                                     Offload, OptimizerStep, Prefetch, Program, RecomputeBackward,
                                     Release, RunType, Upload, UploadGrad, build_program, stream_of)
@@ -78,19 +77,6 @@ class _StageCosts:
                 self.work.append(sum(c.saved_bytes for c in lc))
 
 
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic GC: the simulation allocates many small acyclic objects and the
-    collector's passes over them cost about half the run time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
              *, semantics: Semantics = "fxpipe", tokens_per_step: int | None = None,
              input_bytes: int = 0) -> Timeline:
@@ -108,7 +94,7 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     """
     if semantics not in ("fxpipe", "roundpipe"):
         raise ValueError(f"semantics must be 'fxpipe' or 'roundpipe', got {semantics!r}")
-    with _gc_paused():
+    with gc_paused():  # many small acyclic objects: collector passes cost ~half the run
         return _simulate(program, costs, Hardware() if hardware is None else hardware,
                          semantics, tokens_per_step, input_bytes)
 
