@@ -93,7 +93,6 @@ class Execution:
         self.dev_vals: dict[tuple[int, int, str], torch.Tensor] = {}
         self.dev_grads: dict[tuple[int, int, str], torch.Tensor] = {}
         self.resident: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.uploaded: set[tuple[int, int, str]] = set()  # dev_vals entries copied from host
         self.consumed: dict[int, list[torch.Tensor]] = {}  # per device: grads its compute took
