@@ -14,8 +14,9 @@ transfers as ``torch.ops.fxpipe.*`` nodes (``fxpipe.ops``)::
         release = torch.ops.fxpipe.release.default(prefetch, 1)
         return (offload,)
 
-A ``Program`` is the top-level GraphModule calling the stages in order, carrying every
-value between them on the host; it is what ``print(pipe)`` shows.
+``lower`` also returns the top-level GraphModule calling the stages in order, carrying
+every value between them on the host; with the stages' code it is what ``print(pipe)``
+shows. (The schedule of a call, per device, is a different value: ``passes.schedule``.)
 """
 
 from __future__ import annotations
