@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpipe  # noqa: E402
-from fxpipe.demo import TinyLlama, progression_batch  # noqa: E402
+from fxpipe.demo import TinyLlama, progression_batch, rotary_tables  # noqa: E402
 
 
 def loss_fn(logits, target):
@@ -40,10 +40,7 @@ def loss_fn(logits, target):
 def checkpointed_step(model: TinyLlama, ids, target):
     """Eager forward+backward, every decoder layer under torch.utils.checkpoint."""
     x = model.embed(ids)
-    t = torch.arange(ids.shape[1]).float()
-    inv = 1.0 / 10000 ** (torch.arange(0, model.head_dim, 2).float() / model.head_dim)
-    emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = rotary_tables(ids.shape[1], model.head_dim)
     for layer in model.layers:
         x = checkpoint(layer, x, cos, sin, use_reentrant=False)
     loss = loss_fn(model.lm_head(model.norm(x)), target)

@@ -55,6 +55,14 @@ class DecoderLayer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def rotary_tables(seq: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of rotary position embeddings for ``seq`` positions."""
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq, device=device).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def _rotate(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -75,12 +83,7 @@ class TinyLlama(nn.Module):
 
     def forward(self, ids):
         x = self.embed(ids)
-        t = torch.arange(ids.shape[1], device=ids.device).float()
-        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2, device=ids.device).float()
-                              / self.head_dim)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = rotary_tables(ids.shape[1], self.head_dim, ids.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

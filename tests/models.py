@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.demo import RMSNorm, _rotate as apply_rotary
+from fxpipe.demo import RMSNorm, rotary_tables, _rotate as apply_rotary
 
 
 def mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
@@ -16,14 +16,6 @@ def mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
     for _ in range(depth):
         mods += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*mods, nn.Linear(width, 4))
-
-
-def rotary_tables(seq: int, head_dim: int, device=None):
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    t = torch.arange(seq, device=device).float()
-    freqs = torch.outer(t, inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 class Block(nn.Module):

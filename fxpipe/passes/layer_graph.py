@@ -27,7 +27,6 @@ Per-layer costs live in the call node's ``meta["cost"]`` (see ``fxpipe.passes.co
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,17 +118,6 @@ class LayerGraph:
         return [values[a.name] if isinstance(a, fx.Node) else a
                 for a in self.gm.graph.output_node().args[0]]
 
-    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """The parameters and buffers layer ``i`` uses, by FQN."""
-        layer = self.layers[i]
-        out = {p: self.params[p] for p in layer.params}
-        out.update({b: self.buffers[b] for b in layer.buffers})
-        return out
-
-    def run(self, *flat_inputs: Any) -> tuple:
-        """Run the chain on flat input leaves (on the host, eagerly); returns flat outputs."""
-        return tuple(self.gm(*flat_inputs))
-
     @property
     def code(self) -> str:
         return self.gm.code
@@ -158,11 +146,6 @@ def graph_module(root: dict[str, Any], graph: fx.Graph, class_name: str) -> fx.G
     for name, child in children.items():
         setattr(gm, name, child)
     return gm
-
-
-def layer_call_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The call_module nodes of a chain graph, in order."""
-    return [n for n in gm.graph.nodes if n.op == "call_module"]
 
 
 _RANDOM_FUNCTIONS = {
@@ -194,7 +177,3 @@ def is_random(node: fx.Node) -> bool:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         return training is not False and p != 0
     return True
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
+from fxpipe.passes.costs import Cost
 from fxpipe.passes.layer_graph import LayerGraph, graph_module
 
 _op = torch.ops.fxpipe
@@ -150,7 +151,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
             else:
                 lenv[n] = g.node_copy(n, lambda a: lenv[a])
                 lenv[n].meta["layer"] = i  # the runtime times layers by this
-                for f in _mutated_attrs(n, layer.gm):
+                for f in _mutated_attrs(n):
                     if f in lg.buffers and f not in mutated:
                         mutated.append(f)
     # 4. buffers the stage updated go back; outputs go to the host; parameters are released
@@ -184,8 +185,7 @@ def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:
 def _sum_costs(costs) -> str | None:
     if not costs or any(c is None for c in costs):
         return None
-    from fxpipe.passes.costs import Cost
-    return str(Cost.sum(costs)) if hasattr(Cost, "sum") else None
+    return str(Cost.sum(costs))
 
 
 def _is_tensor_value(n: fx.Node) -> bool:
@@ -196,7 +196,7 @@ _NORM_FNS = {F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_nor
 _NORM_OPS = {torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
 
 
-def _mutated_attrs(n: fx.Node, gm: fx.GraphModule) -> list[str]:
+def _mutated_attrs(n: fx.Node) -> list[str]:
     """Targets of ``get_attr`` inputs that node ``n`` may update in place."""
     def attr(a):
         return a.target if isinstance(a, fx.Node) and a.op == "get_attr" else None

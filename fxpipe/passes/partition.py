@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.passes.capture import capture
+from fxpipe.passes.capture import capture as capture_graph
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
@@ -35,11 +35,9 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
     ['0', '1']
     """
     container = find_blocks(model, layers)  # fail on a bad layers= before the slow capture
-    gm = _capture(model, args, kwargs, capture)
+    gm = capture_graph(model, args, kwargs, capture)
     return partition(gm, model, container)
 
-
-_capture = capture
 
 
 def find_blocks(model: nn.Module, layers: str | None = None) -> str:
