@@ -7,7 +7,10 @@ shows the transfers. See README.md and docs/.
 Importing fxpipe starts no threads and queries no device.
 """
 
+from fxpipe import optim
+from fxpipe import sim
 from fxpipe.api import PipelineModule, compile
+from fxpipe.backend import backend
 from fxpipe.config import RunConfig
 from fxpipe.errors import CaptureError, DeviceMemoryError, PlanError, StageError
 from fxpipe.plan import ExecutePlan
@@ -45,5 +48,6 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 __all__ = [
     "CaptureError", "Device", "DeviceMemoryError", "ExecutePlan", "PackedData", "PipelineModule",
-    "PlanError", "RunConfig", "StageError", "VirtualDevice", "compile", "set_verbose", "simulate",
+    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "sim", "optim", "set_verbose",
+    "simulate",
 ]

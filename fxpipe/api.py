@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,9 +22,11 @@ from fxpipe.passes.schedule import Program
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.microbatch import PackedData
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import trace as _trace
+from fxpipe.verbose import is_verbose
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -36,12 +39,18 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     layers: str | None = None,
     config: RunConfig | None = None,
     plan: ExecutePlan | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
     >>> pipe = fxpipe.compile(model, example_inputs=(x,))
     >>> print(pipe)                 # the rewritten graph, with its transfers
     >>> pipe(x).sum().backward()    # gradients land in model's own parameters' .grad
+
+    ``param_dtype`` (e.g. ``torch.bfloat16``): mixed precision. The model's parameters
+    stay the (fp32) master weights; devices get copies cast to ``param_dtype`` (floating
+    buffers and floating inputs too) and compute in it; gradients come back and are
+    added to the masters' ``.grad`` in their own dtype.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -57,11 +66,15 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
         raise TypeError(f"config must be an fxpipe.RunConfig, got {type(config).__name__}")
     if plan is not None and not isinstance(plan, ExecutePlan):
         raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
+    if param_dtype is not None and not (isinstance(param_dtype, torch.dtype)
+                                        and param_dtype.is_floating_point):
+        raise TypeError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, "
+                        f"torch.float16) or None, got {param_dtype!r}")
     find_blocks(model, layers)  # a bad layers= fails before anything slow runs
     resolved = resolve_devices(devices)
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
-                          plan=plan)
+                          plan=plan, param_dtype=param_dtype)
 
 
 def _bad_example(x: Any):
@@ -90,32 +103,42 @@ class PipelineModule(nn.Module):
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
                  devices: list[Device], capture: str, layers: str | None, config: RunConfig,
-                 plan: ExecutePlan | None):
+                 plan: ExecutePlan | None, param_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = model
+        self.param_dtype = param_dtype
         self.devices = devices
         self.config = config
         self._capture = capture
         self._layers_path = layers
         self._user_plan = plan
         self._cache: list[_Compiled] = []
+        self._closed = False
         self._current = self._compiled_for(example_args, example_kwargs)
 
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
         """The compiled graph serving this call: one of the same training mode whose
         static dims (export specializes some) fit the call, else a new capture."""
+        args, kwargs = _first_microbatch(args, kwargs)
+        if self._cache:  # a structurally different call is an error, not a new capture
+            check_structure(self._cache[0].layers, args, kwargs)
+        reasons = []
         for compiled in self._cache:
-            if compiled.layers.training == self.module.training and \
-                    _fits_static_dims(compiled.layers, args, kwargs):
+            reason = _mismatch(compiled.layers, self.module.training, args, kwargs)
+            if reason is None:
                 return compiled
+            reasons.append(reason)
+        if reasons and is_verbose():
+            print(f"fxpipe: capturing the model again ({len(self._cache) + 1} graphs cached "
+                  f"after this): {'; '.join(dict.fromkeys(reasons))}", file=sys.stderr)
         with gc_paused():
             lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
                                    layers=self._layers_path)
             leaves = pytree.tree_leaves((args, kwargs))
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
             plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
-            plan.validate(len(lg), "fused" if _is_fused(plan, len(lg)) else "train")
+            plan.validate(len(lg), _run_type_of(plan, len(lg)))
             ranges = list(plan.fwd_plan)
             if _is_fused(plan, len(lg)):
                 ranges.append(plan.bwd_plan[0])  # a plain call runs the fused tail forward too
@@ -127,6 +150,7 @@ class PipelineModule(nn.Module):
 
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
+        self._check_open()
         cfg = self._config(run_config)
         compiled = self._compiled_for(args, kwargs)
         self._current = compiled
@@ -137,6 +161,7 @@ class PipelineModule(nn.Module):
         if not needs_grad:
             with torch.no_grad():
                 return runner.infer(args, kwargs, cfg)
+        _check_differentiable(args, kwargs, cfg)
         inputs = []
         tensor_leaves = iter(compiled.layers.input_names)
         for x in leaves:
@@ -159,6 +184,7 @@ class PipelineModule(nn.Module):
         loss_reduction: Literal["mean", "sum"] = "mean",
         return_outputs: bool = False,
         run_config: RunConfig | None = None,
+        optimizer: torch.optim.Optimizer | Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Forward, loss and backward as one fused pipelined step; returns the loss
         detached on the host (and the merged outputs with ``return_outputs=True``).
@@ -167,6 +193,11 @@ class PipelineModule(nn.Module):
         go and are never recomputed. With ``loss_reduction="mean"`` each microbatch's
         loss is weighted by its share of the batch, so for a batch-mean ``loss_fn`` the
         loss and the ``.grad``s equal eager ``loss_fn(model(*args, **kwargs), label).backward()``.
+
+        ``optimizer``: a torch optimizer (or ``fxpipe.optim.overlapped(opt, ...)``) to
+        step in this call, each stage's parameters as soon as their gradients are final,
+        overlapped with the rest of the backward; the result equals eager
+        ``loss.backward(); opt.step()``. See ``fxpipe.optim``.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -174,13 +205,43 @@ class PipelineModule(nn.Module):
             raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self._check_open()
         kwargs = dict(input_kwargs or {})
         cfg = self._config(run_config)
         compiled = self._compiled_for(input_args, kwargs)
         self._current = compiled
+        if optimizer is not None:
+            from fxpipe.optim import as_overlapped
+            optimizer = as_overlapped(optimizer)
         loss, outputs = self._runner(compiled, cfg).fused(
-            input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs)
+            input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs, optimizer)
         return (loss, outputs) if return_outputs else loss
+
+    def close(self) -> None:
+        """Finish queued work and stop the devices' worker threads; the pipe cannot be
+        called afterwards (its model and parameters are untouched). Idempotent.
+
+        Workers start on the first call; without ``close()`` they stop when their devices
+        are garbage-collected (devices ``compile`` made belong to the pipe alone). Devices
+        passed in by the caller stay usable by other pipes: their workers restart on use.
+        Also a context manager: ``with fxpipe.compile(model, ...) as pipe: ...``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for device in self.devices:
+            device.stop_workers()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this PipelineModule was closed (pipe.close()); compile the model "
+                               "again with fxpipe.compile(...) to keep using it")
+
+    def __enter__(self) -> PipelineModule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _config(self, run_config: RunConfig | None) -> RunConfig:
         if run_config is not None and not isinstance(run_config, RunConfig):
@@ -190,11 +251,11 @@ class PipelineModule(nn.Module):
     def _runner(self, compiled: _Compiled, cfg: RunConfig) -> Runner:
         plan = cfg.execute_plan or compiled.plan
         if plan is not compiled.plan:
-            plan.validate(len(compiled.layers), "fused" if _is_fused(plan, len(compiled.layers))
-                          else "train")
+            plan.validate(len(compiled.layers), _run_type_of(plan, len(compiled.layers)))
         key = id(plan)
         if key not in compiled.runners:
-            compiled.runners[key] = Runner(compiled.layers, plan, self.devices, compiled.timer)
+            compiled.runners[key] = Runner(compiled.layers, plan, self.devices, compiled.timer,
+                                           param_dtype=self.param_dtype)
         return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------
@@ -263,19 +324,28 @@ class _Planned:
     devices: list[Device]
 
 
+def _run_type_of(plan: ExecutePlan, num_layers: int) -> str:
+    """What ``plan`` can run: ``"infer"`` (no backward stages: inference only),
+    ``"fused"`` (the forward stops before the tail) or ``"train"``."""
+    if not plan.bwd_plan:
+        return "infer"
+    return "fused" if _is_fused(plan, num_layers) else "train"
+
+
 def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:
     covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
     return covered < num_layers
 
 
-def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor leaves of a call, after checking it has the compiled structure."""
+def check_structure(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of a call, after checking it is shaped like the example: the
+    same arguments and nesting, tensors where tensors were (of the same rank), the same
+    constants. Sizes may differ (see :func:`check_inputs`)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if spec != lg.in_spec:
         raise TypeError(_structure_message(lg.in_spec, spec))
-    example = lg.example_leaves
     tensors = []
-    for i, (x, ex) in enumerate(zip(leaves, example)):
+    for i, (x, ex) in enumerate(zip(leaves, lg.example_leaves)):
         if isinstance(ex, torch.Tensor):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {lg.leaf_names[i]!r} was a tensor when compiled, got "
@@ -283,14 +353,6 @@ def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor
             if x.dim() != ex.dim():
                 raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
                                  f"{ex.dim()} (shape {tuple(ex.shape)})")
-            name = lg.input_names[len(tensors)]
-            for d, size in lg.static_dims.get(name, {}).items():
-                if x.shape[d] != size:
-                    raise ValueError(
-                        f"input {lg.leaf_names[i]!r}: dim {d} is {x.shape[d]}, but the captured "
-                        f"graph is specific to {size} there (the model specializes on it). If "
-                        "this is a microbatch, the batch cannot be split along that dim: use "
-                        "num_microbatch=1 or a split_input spec on another dim.")
             tensors.append(x)
         elif not _same_constant(x, ex):
             raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
@@ -298,13 +360,59 @@ def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor
     return tensors
 
 
-def _fits_static_dims(lg: LayerGraph, args: tuple, kwargs: dict) -> bool:
-    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    for name, x in zip(lg.input_names, leaves):
-        dims = lg.static_dims.get(name, {})
-        if any(d >= x.dim() or x.shape[d] != size for d, size in dims.items()):
-            return False
-    return True
+def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of a (microbatch) call, after checking its structure and the
+    sizes the captured graph is specific to."""
+    tensors = check_structure(lg, args, kwargs)
+    problem = _static_dim_problem(lg, tensors)
+    if problem is not None:
+        raise ValueError(
+            f"{problem}. If this is a microbatch, the batch cannot be split along that dim: "
+            "use num_microbatch=1 or a split_input spec on another dim.")
+    return tensors
+
+
+def _static_dim_problem(lg: LayerGraph, tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why ``tensors`` (the call's tensor leaves) do not fit the sizes ``lg`` specializes on."""
+    leaf_names = [n for n, ex in zip(lg.leaf_names, lg.example_leaves) if isinstance(ex, torch.Tensor)]
+    for name, leaf, x in zip(lg.input_names, leaf_names, tensors):
+        for d, size in lg.static_dims.get(name, {}).items():
+            if x.shape[d] != size:
+                return (f"input {leaf!r}: dim {d} is {x.shape[d]}, but the captured graph is "
+                        f"specific to {size} there (the model specializes on it)")
+    return None
+
+
+def _check_differentiable(args: tuple, kwargs: dict, cfg: RunConfig) -> None:
+    """Refuse what would silently lose gradients: PackedData in and out are not
+    differentiable (their microbatches bypass the merged autograd graph)."""
+    if cfg.merge_output is False:
+        raise NotImplementedError(
+            "merge_output=False (PackedData outputs) is not differentiable yet, and this call "
+            "needs gradients: run it under torch.no_grad() or RunConfig(requires_grad=False) "
+            "for inference, or keep the default merge_output to train through the output")
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, PackedData) and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                             for t in pytree.tree_leaves(list(x))):
+            raise NotImplementedError(
+                "a PackedData input requires grad, but gradients cannot flow back through "
+                "PackedData yet: pass the merged tensor (merge_output=True on the pipe that "
+                "made it) to train through both pipes")
+
+
+def _first_microbatch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with each ``PackedData`` argument (per-microbatch values from another
+    pipe) replaced by its first microbatch: what the graph sees."""
+    def first(x: Any) -> Any:
+        return x[0] if isinstance(x, PackedData) and len(x) else x
+    return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
+
+
+def _mismatch(lg: LayerGraph, training: bool, args: tuple, kwargs: dict) -> str | None:
+    """Why the graph ``lg`` cannot serve this call (``None``: it can)."""
+    if lg.training != training:
+        return f"the model is in {'training' if training else 'eval'} mode"
+    return _static_dim_problem(lg, check_structure(lg, args, kwargs))
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -315,12 +423,23 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 
 def _structure_message(expected, got) -> str:
-    def describe(spec):
-        args_spec, kwargs_spec = spec.children_specs
-        return (f"{args_spec.num_children} positional argument(s) and keyword arguments "
-                f"{sorted(kwargs_spec.context) if kwargs_spec.context else []}")
+    """Which argument a call has that the example did not, or lacks (else the two trees)."""
     try:
-        return (f"the pipeline was compiled for {describe(expected)}; called with "
-                f"{describe(got)}. Call it with the same arguments as the example.")
-    except Exception:  # noqa: BLE001
+        (exp_args, exp_kw), (got_args, got_kw) = expected.children(), got.children()
+        missing = [k for k in exp_kw.context if k not in got_kw.context]
+        extra = [k for k in got_kw.context if k not in exp_kw.context]
+    except (AttributeError, ValueError, TypeError):
         return f"the call's argument structure differs from the example's:\n{expected}\nvs\n{got}"
+    problems = []
+    if exp_args.num_children != got_args.num_children:
+        problems.append(f"has {got_args.num_children} positional argument(s) where the example had "
+                        f"{exp_args.num_children}")
+    if missing:
+        problems.append(f"is missing keyword argument(s) {', '.join(map(repr, missing))}")
+    if extra:
+        problems.append(f"has unexpected keyword argument(s) {', '.join(map(repr, extra))}")
+    if not problems:
+        problems.append(f"has an argument nested differently from the example:\n{expected}\nvs\n{got}")
+    return ("the pipeline was compiled for the example's arguments; this call "
+            + "; ".join(problems) + ". Call it with the same arguments as the example "
+            "(sizes may differ), or compile again for the new signature.")

@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import fxpipe
@@ -35,8 +37,13 @@ def check_equivalence(model, args=(), kwargs=None, *, exact=True, capture="auto"
 
     out = pipe(*args, **kwargs)
     _loss(out).backward()
-    ref_out = ref(*args, **kwargs)
-    _loss(ref_out).backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run: some kernels reduce per thread
+    try:
+        ref_out = ref(*args, **kwargs)
+        _loss(ref_out).backward()
+    finally:
+        torch.set_num_threads(threads)
 
     compare = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-6, rtol=1e-5))
     got, want = pytree.tree_flatten(out), pytree.tree_flatten(ref_out)
@@ -185,3 +192,48 @@ def test_train_eval_switch_recaptures():
     assert torch.equal(pipe(ids), model(ids))  # no dropout once in eval mode
     pipe.train()
     assert model.training
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.p = p
+
+    def forward(self, x):
+        q = self.lin(x).view(x.shape[0], 2, -1, 4)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=self.p).reshape(x.shape)
+
+
+def _attention(p):
+    return nn.Sequential(_AttentionBlock(p), _AttentionBlock(p))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_attention_is_random_only_with_dropout(capture):
+    x = torch.randn(2, 4, 8)
+    quiet = fxpipe.compile(_attention(0.0), example_inputs=(x,), capture=capture)
+    assert not any(layer.random for layer in quiet.layers)
+    noisy = fxpipe.compile(_attention(0.1), example_inputs=(x,), capture=capture)
+    random = {layer.name for layer in noisy.layers if layer.random}
+    assert random == {"0", "1"}, [(layer.name, layer.random) for layer in noisy.layers]
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return x + y
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_one_tensor_given_for_two_arguments_stays_two_inputs(capture):
+    model, x = _TwoInputs(), torch.randn(3, 4)
+    pipe = fxpipe.compile(model, (x, x), capture=capture)  # e.g. labels=input_ids
+    y = torch.zeros(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, y), model(x, y))

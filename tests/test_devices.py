@@ -265,6 +265,22 @@ def test_threads_start_lazily_and_close_joins_them():
         d.submit("compute", lambda: None)
 
 
+def test_stop_workers_keeps_the_device_usable_and_streams_in_order():
+    d = VirtualDevice()
+    order: list[int] = []
+    d.submit("compute", lambda: (time.sleep(0.05), order.append(0)))
+    d.stop_workers()  # waits for the queued work, then the thread is gone
+    assert order == [0] and not [t for t in threading.enumerate() if d.name in t.name]
+    # stopped from its own worker (which cannot join itself), the old thread is still
+    # busy when new work arrives: the new worker waits for it, so the stream keeps order
+    stopped = threading.Event()
+    d.submit("compute", lambda: (d.stop_workers(), stopped.set(), time.sleep(0.05), order.append(1)))
+    assert stopped.wait(TIMEOUT)
+    d.submit("compute", lambda: order.append(2)).result(TIMEOUT)
+    assert order == [0, 1, 2]
+    d.close()
+
+
 def test_import_has_no_side_effects():
     code = ("import threading, torch; import fxpipe.runtime.devices, fxpipe.runtime.params; "
             "print(threading.active_count(), torch.cuda.is_initialized())")

@@ -22,6 +22,7 @@ then dynamo).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import keyword
 import re
@@ -60,6 +61,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             "fxpipe.compile needs example inputs containing at least one tensor, shaped like "
             "a real batch: fxpipe.compile(model, example_inputs=(x,)) or example_kwargs={...}")
     names = _leaf_names(model, args, kwargs)
+    leaves = _unaliased(leaves)
     wrapper = _FlatCall(model, in_spec, leaves, names)
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
@@ -79,6 +81,21 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                        static_dims={} if m == "fx" else _static_dims(gm))
         return gm
     raise CaptureError(_capture_message(model, tried), tried)
+
+
+def _unaliased(leaves: list) -> list:
+    """The example leaves with a fresh copy for each repeat of the same tensor: export
+    would merge repeats into one graph input (``f(x, x)``), and the graph would then read
+    one argument where the model reads two."""
+    seen: set[int] = set()
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                x = x.detach().clone().requires_grad_(x.requires_grad)
+            seen.add(id(x))
+        out.append(x)
+    return out
 
 
 class _FlatCall(nn.Module):
@@ -126,7 +143,11 @@ def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     versions = [t._version for _, t in tensors]
     saved = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    graph = _Tracer().trace(wrapper)
+    with _autocast_spy() as autocast_regions:
+        graph = _Tracer().trace(wrapper)
+    if autocast_regions:  # they ran at trace time: the graph would compute without them
+        raise RuntimeError(f"fx would drop the torch.autocast region(s) the model enters "
+                           f"({', '.join(sorted(set(autocast_regions)))}); export keeps them")
     changed = [name for (name, t), v in zip(tensors, versions) if t._version != v]
     if changed:
         with torch.no_grad():
@@ -143,17 +164,33 @@ def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
             raise RuntimeError(f"fx left a module call {n.target!r} in the graph")
     paths = {n: _fx_path(n) for n in graph.nodes}
     gm = _normalize(wrapper, graph, tensor_of, paths)
-    _propagate_fake_values(gm, wrapper)
+    propagate_fake_values(gm, [wrapper.leaves[i] for i in wrapper.tensor_pos])
     return gm
 
 
-def _propagate_fake_values(gm: fx.GraphModule, wrapper: _FlatCall) -> None:
-    """Fill ``meta["val"]`` (as export does) by running ``gm`` on fake tensors."""
+@contextlib.contextmanager
+def _autocast_spy():
+    """Record the ``torch.autocast`` regions entered in the block (by device type)."""
+    entered: list[str] = []
+    cls = torch.amp.autocast_mode.autocast
+    enter = cls.__enter__
+
+    def spy(self):
+        entered.append(f"torch.autocast({self.device!r}, dtype={self.fast_dtype})")
+        return enter(self)
+    cls.__enter__ = spy
+    try:
+        yield entered
+    finally:
+        cls.__enter__ = enter
+
+
+def propagate_fake_values(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+    """Fill ``meta["val"]`` (as export does) by running ``gm`` on fake copies of ``inputs``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [mode.from_tensor(wrapper.leaves[i]) for i in wrapper.tensor_pos]
-    FakeTensorProp(gm, mode).propagate(*inputs)
+    FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(t) for t in inputs])
 
 
 def _fx_path(n: fx.Node) -> str:
@@ -202,13 +239,14 @@ def _static_dims(gm: fx.GraphModule) -> dict[str, dict[int, int]]:
     """Per input placeholder, the dims the graph is specific to: ``{name: {dim: size}}``.
     fx graphs keep shapes symbolic; export specializes what the model needs (e.g. the
     channels of a conv input) and keeps the rest dynamic."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
     out = {}
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
-            out[n.name] = {i: s for i, s in enumerate(val.shape) if isinstance(s, int)}
+            out[n.name] = {i: int(s) for i, s in enumerate(val.shape) if is_concrete_int(s)}
     return out
 
 
@@ -256,6 +294,8 @@ def _normalize(wrapper: _FlatCall, graph: fx.Graph, tensor_of: dict[fx.Node, tor
         elif n.op == "placeholder":
             env[n] = new.placeholder(next(names))
             env[n].meta["module_path"] = ""
+            if "val" in n.meta:  # export's sizes: ints where it specialized (static_dims)
+                env[n].meta["val"] = n.meta["val"]
         else:
             env[n] = new.node_copy(n, lambda a: env[a])
             env[n].meta = {"module_path": paths.get(n, "")}

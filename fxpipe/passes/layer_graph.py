@@ -164,12 +164,16 @@ def is_random(node: fx.Node) -> bool:
             return False
         if node.target.overloadpacket is torch.ops.aten.dropout:
             return node.args[2] is not False and node.args[1] != 0
+        if node.target.overloadpacket is torch.ops.aten.scaled_dot_product_attention:
+            return _sdpa_dropout(node) != 0
         return True
     if node.op == "call_method":
         return node.target in _RANDOM_METHODS
     if node.op != "call_function":
         return False
     name = getattr(node.target, "__name__", "")
+    if name == "scaled_dot_product_attention":  # F.scaled_dot_product_attention
+        return _sdpa_dropout(node) != 0
     if name not in _RANDOM_FUNCTIONS:
         return False
     if "dropout" in name:  # F.dropout(x, p, training): inactive unless training and p != 0
@@ -177,3 +181,9 @@ def is_random(node: fx.Node) -> bool:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         return training is not False and p != 0
     return True
+
+
+def _sdpa_dropout(node: fx.Node) -> Any:
+    """``dropout_p`` of a scaled-dot-product attention call (query, key, value, attn_mask,
+    dropout_p, ...): random only when it is not 0."""
+    return node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -27,15 +28,17 @@ from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
-                      capture: str = "auto", layers: str | None = None) -> LayerGraph:
-    """Capture ``model(*args, **kwargs)`` and cut it into a chain of layers.
+                      capture: str | Callable[[], fx.GraphModule] = "auto",
+                      layers: str | None = None) -> LayerGraph:
+    """Capture ``model(*args, **kwargs)`` and cut it into a chain of layers. ``capture``
+    is a method name, or a function returning an already captured graph (of ``model``).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
     ['0', '1']
     """
     container = find_blocks(model, layers)  # fail on a bad layers= before the slow capture
-    gm = capture_graph(model, args, kwargs, capture)
+    gm = capture() if callable(capture) else capture_graph(model, args, kwargs, capture)
     return partition(gm, model, container)
 
 

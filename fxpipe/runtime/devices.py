@@ -146,7 +146,16 @@ class Device(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Finish submitted work and stop the device's workers. Idempotent."""
+        """Finish submitted work and stop the device's workers; later submits raise. Idempotent."""
+
+    def stop_workers(self) -> None:
+        """Finish submitted work and stop the device's worker threads, if it has any.
+
+        Unlike :meth:`close`, the device stays usable: the next ``submit`` starts new
+        workers. ``PipelineModule.close()`` calls this, so devices shared between pipes
+        survive one pipe being closed or collected.
+        """
+        self.synchronize()
 
     def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         """Count a tensor made on the device (e.g. accumulated gradients); returns it."""
@@ -242,10 +251,16 @@ def _check_submit(device: Device, stream: str, wait: Sequence[Event]) -> tuple[E
     return tuple(wait)
 
 
-def _run_stream(stream: str, work: queue.SimpleQueue, sink: list) -> None:
+def _run_stream(stream: str, work: queue.SimpleQueue, sink: list,
+                after: threading.Thread | None = None) -> None:
     """A VirtualDevice stream: run queued work in order until the ``None`` sentinel.
-    ``sink[0]`` is the list records go to, or None while not recording."""
+    ``sink[0]`` is the list records go to, or None while not recording. ``after`` is the
+    stream's previous worker, stopped but maybe still running its queue: wait for it, so
+    the stream keeps its order across a restart."""
     torch.set_num_threads(1)  # per thread (OpenMP): the caller's own setting is untouched
+    if after is not None:
+        after.join()
+        after = None
     while (item := work.get()) is not None:
         _run_one(stream, *item, sink[0])
         item = None  # hold no tensors while idle
@@ -293,6 +308,7 @@ class VirtualDevice(Device):
         self._closed = False
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: dict[str, threading.Thread] = {}
+        self._stopped: dict[str, threading.Thread] = {}  # by stream: stopped, maybe still draining
         self._last: dict[str, Event] = {}
         # Stop the workers if the device is dropped without close(); they hold no reference to it.
         self._stop = weakref.finalize(self, _stop_workers, self._queues)
@@ -311,8 +327,9 @@ class VirtualDevice(Device):
             wait = _check_submit(self, stream, wait)
             if stream not in self._queues:
                 work: queue.SimpleQueue = queue.SimpleQueue()
+                previous = self._stopped.pop(stream, None)
                 thread = threading.Thread(
-                    target=_run_stream, args=(stream, work, self._sink),
+                    target=_run_stream, args=(stream, work, self._sink, previous),
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
                 thread.start()
@@ -343,16 +360,33 @@ class VirtualDevice(Device):
         for event in last:
             event.exception()
 
+    def stop_workers(self) -> None:
+        """Run the work already queued, then stop and join the worker threads; the next
+        ``submit`` starts new ones (after the old ones finished, so streams keep order)."""
+        self._stop_and_join(close=False)
+
     def close(self) -> None:
-        """Run the work already queued, then stop and join the worker threads. Idempotent."""
+        """Run the work already queued, then stop and join the worker threads; later
+        submits raise. Idempotent."""
+        self._stop_and_join(close=True)
+
+    def _stop_and_join(self, close: bool) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-        self._stop()
-        for thread in self._threads.values():
+            self._closed = close
+            _stop_workers(self._queues)
+            self._queues.clear()  # the same dict the finalizer holds
+            self._stopped.update(self._threads)
+            self._threads.clear()
+            stopped = list(self._stopped.values())
+        for thread in stopped:
             if thread is not threading.current_thread():
                 thread.join()
+        with self._lock:
+            for stream, thread in list(self._stopped.items()):
+                if not thread.is_alive():
+                    del self._stopped[stream]
 
 
 class CudaDevice(Device):

@@ -15,8 +15,10 @@ device). Stages run through ``StageRun`` (``runtime.interpret``): the printed st
 Parameter gradients accumulate on the device across a stage job's microbatches
 (``Prefetch`` makes leaf copies for backward stages), go to the host once per job
 (``DownloadGrads``) into a ``GradAccumulator``, and reach ``.grad`` only when the whole
-call succeeded. Buffer updates (BatchNorm) are written back once per forward, never in
-recompute. Any failure is raised as ``StageError`` naming stage, layers, device and
+call succeeded — except with a streamed optimizer step (``job.optimizer``, see
+``fxpipe.optim``): each ``OptimizerStep`` commits its stage's gradients and steps its
+parameters on the optimizer's host worker. Buffer updates (BatchNorm) are written back
+once per forward, never in recompute. Any failure is raised as ``StageError`` naming stage, layers, device and
 microbatch, after every submitted action has finished and device memory is freed.
 """
 
@@ -40,6 +42,7 @@ from fxpipe.passes.schedule import (
     DownloadGrads, Forward, FusedBackward, Offload, OptimizerStep, Prefetch, Program,
     RecomputeBackward, Release, Upload, UploadGrad, stream_of,
 )
+from fxpipe.runtime.amp import AutocastState, reentered
 from fxpipe.runtime.devices import Device, Event
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
@@ -69,9 +72,12 @@ class Job:
     loss_weights: list[float] | None = None
     out_grads: list[dict[str, torch.Tensor]] | None = None   # train: grads of outputs
     parts: frozenset[str] = frozenset({"fwd", "bwd", "fused"})  # stage kinds to run
+    keep_outputs: bool = False               # fused: keep the model outputs the tail made
     grain: str = "stage"                     # recompute_grain
     timer: LayerTimer | None = None          # per-layer times (virtual devices)
     layer_stages: dict[int, Stage] = field(default_factory=dict)  # grain "layer": by layer
+    optimizer: Any = None                    # fxpipe.optim's part of the call (OptimizerStep)
+    autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -98,6 +104,7 @@ class Execution:
         self.consumed: dict[int, list[torch.Tensor]] = {}  # per device: grads its compute took
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
+        self.values_lock = threading.Lock()  # dev_vals / uploaded: an Upload and a compute race
 
     # -- submission ----------------------------------------------------------------------
     def run(self) -> None:
@@ -110,7 +117,10 @@ class Execution:
         # never starts, but its gate completes, so nothing waits forever).
         gate: dict[tuple[int, int], list[Event]] = {}
         order = _topological(p, deps, keep)
+        steps: list[tuple[int, int, OptimizerStep, list[Event]]] = []
         try:
+            if job.optimizer is not None and (ev := job.optimizer.begin()) is not None:
+                ended[(-1, 0)] = ev  # the previous call's update (async), on the host
             for d, i in order:
                 a = p.actions[d][i]
                 waits: list[Event] = []
@@ -122,11 +132,12 @@ class Execution:
                 gate[(d, i)] = waits
                 stream = stream_of(a)  # None: a Release, run on the control stream
                 if isinstance(a, OptimizerStep):
-                    raise NotImplementedError("OptimizerStep actions are not run by this "
-                                              "executor yet (streamed optimizer: issue 8)")
+                    steps.append((d, i, a, waits))
+                    continue
                 device = job.devices[d]
                 ended[(d, i)] = device.submit(_STREAM[stream], self._work(d, a),
                                               wait=waits, label=f"{a}")
+            self._submit_steps(steps, ended)
         except BaseException:
             self.cancelled.set()
             raise
@@ -137,24 +148,45 @@ class Execution:
             raise failure
         self._finish()
 
+    def _submit_steps(self, steps: list, ended: dict) -> None:
+        """``OptimizerStep``s go to the one host worker deepest first, the order their
+        gradients become final, each also after the gradient downloads of every stage
+        sharing a parameter with it (tied weights)."""
+        p, opt = self.job.program, self.job.optimizer
+        downloads: dict[int, list[Event]] = {}
+        for d, acts in enumerate(p.actions):
+            for i, a in enumerate(acts):
+                if isinstance(a, DownloadGrads) and (d, i) in ended:
+                    downloads.setdefault(a.stage, []).append(ended[(d, i)])
+        for d, i, a, waits in sorted(steps, key=lambda x: -x[2].layers.start):
+            extra = [ev for s in opt.waits(a.layers) for ev in downloads.get(s, [])]
+            waits = list({id(e): e for e in waits + extra}.values())
+            ended[(d, i)] = opt.worker.submit("compute", self._work(d, a), wait=waits,
+                                              label=f"{a}")
+
     def _wanted(self, a) -> bool:
+        if isinstance(a, OptimizerStep):
+            return self.job.optimizer is not None
         kind = self.job.program.stages[a.stage].kind if hasattr(a, "stage") else None
         return kind in self.job.parts
 
     def _wait_all(self, ended: dict) -> BaseException | None:
-        first = None
+        """Wait for every submitted action; the failure to raise is the cause, not the
+        ``Cancelled`` of actions that started after it (whatever their order)."""
+        failures = []
         for ev in ended.values():
             try:
                 exc = ev.exception()
             except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
                 self.cancelled.set()
                 exc = e
-            if exc is not None and first is None:
-                first = exc
-        if first is not None:  # everything submitted has finished; make sure of it
-            for ev in ended.values():
-                ev._done.wait()
-        return first
+            if exc is not None:
+                failures.append(exc)
+        if not failures:
+            return None
+        for ev in ended.values():  # everything submitted has finished; make sure of it
+            ev._done.wait()
+        return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
 
     def _work(self, d: int, a) -> Callable[[], None]:
         def work():
@@ -213,26 +245,30 @@ class Execution:
                     t.grad = None
             case Release(stage=s):
                 self.job.store.release(self.job.devices[d], self.resident.pop((d, s)))
+            case OptimizerStep(layers=layers):
+                self.job.optimizer.step(layers, self.job.accumulator)
 
     def _value_on(self, d: int, m: int, name: str) -> Any:
         key = (d, m, name)
-        if key not in self.dev_vals:
-            value = self.job.host[m][name]
-            if isinstance(value, torch.Tensor):
-                value = self.job.devices[d].to_device(value, "activations", f"microbatch {m}")
-                self.uploaded.add(key)
-            self.dev_vals[key] = value
-        return self.dev_vals[key]
+        with self.values_lock:  # else both may upload it, and one copy is never freed
+            if key not in self.dev_vals:
+                value = self.job.host[m][name]
+                if isinstance(value, torch.Tensor):
+                    value = self.job.devices[d].to_device(value, "activations", f"microbatch {m}")
+                    self.uploaded.add(key)
+                self.dev_vals[key] = value
+            return self.dev_vals[key]
 
     def _done_with_inputs(self, d: int, s: int, m: int, consumed: list) -> None:
         """After a compute: free the copies it was given that the host still has, and the
         gradients it consumed (a later stage here uploads again if it needs them)."""
         dev = self.job.devices[d]
-        for name in self.job.stages[s].inputs:
-            key = (d, m, name)
-            if key in self.uploaded and name in self.job.host[m]:
-                self.uploaded.discard(key)
-                _free_quietly(dev, self.dev_vals.pop(key))
+        with self.values_lock:
+            for name in self.job.stages[s].inputs:
+                key = (d, m, name)
+                if key in self.uploaded and name in self.job.host[m]:
+                    self.uploaded.discard(key)
+                    _free_quietly(dev, self.dev_vals.pop(key))
         for t in consumed:
             _free_quietly(dev, t)
 
@@ -241,7 +277,7 @@ class Execution:
         stage that made the value consumes it, an ``UploadGrad`` only stages it."""
         with self.lock:
             host = self.job.grads[m].pop(name, None)
-        dev = self.dev_grads.pop((d, m, name), None)
+            dev = self.dev_grads.pop((d, m, name), None)
         if host is not None:
             host = self.job.devices[d].to_device(host, "activations", f"microbatch {m}")
             if dev is None:
@@ -250,7 +286,7 @@ class Execution:
                 dev = dev + host
                 _free_quietly(self.job.devices[d], host)
         if dev is not None and not consume:
-            self.dev_grads[(d, m, name)] = dev
+            self._add_dev_grad(d, m, name, dev)
         elif dev is not None:
             self.consumed.setdefault(d, []).append(dev)
         return dev
@@ -258,7 +294,7 @@ class Execution:
     def _forward(self, d: int, s: int, m: int) -> None:
         st = self.job.stages[s]
         inputs = [self._value_on(d, m, n) for n in st.inputs]
-        with torch.no_grad():
+        with torch.no_grad(), reentered(self.job.autocast):
             outs, writebacks = run_stage(st, inputs, self.resident[(d, s)],
                                          call_seed=self.job.call_seed, microbatch=m,
                                          device=_torch_device(self.job.devices[d]),
@@ -275,10 +311,13 @@ class Execution:
         leaves = {n: _leaf(self._value_on(d, m, n)) for n in st.inputs}
         device = _torch_device(job.devices[d])
         with torch.enable_grad():
-            outs, _ = run_stage(st, [leaves[n] for n in st.inputs], self.resident[(d, s)],
-                                call_seed=job.call_seed, microbatch=m, device=device,
-                                keep_writebacks=False, timer=job.timer,
-                                kind="fwd" if fused else "recompute")
+            with reentered(job.autocast):
+                outs, writebacks = run_stage(st, [leaves[n] for n in st.inputs],
+                                             self.resident[(d, s)], call_seed=job.call_seed,
+                                             microbatch=m, device=device,
+                                             keep_writebacks=fused, timer=job.timer,
+                                             kind="fwd" if fused else "recompute")
+            job.writebacks.extend(writebacks)  # the fused tail's forward is its only one
             made = dict(zip(st.outputs, outs))
             if fused:
                 # outputs made by earlier stages are inputs of the loss too
@@ -287,10 +326,15 @@ class Execution:
                         leaves[name] = _leaf(self._value_on(d, m, name))
                 values = {**leaves, **made}
                 out = pytree.tree_unflatten(lg.flat_outputs(values), lg.out_spec)
-                loss = job.loss_fn(out, job.labels[m])
+                with reentered(job.autocast):
+                    loss = job.loss_fn(out, job.labels[m])
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     raise ValueError("loss_fn must return a scalar tensor, got "
                                      f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+                if job.keep_outputs:  # to the host at the end, like other stages' outputs
+                    for name in lg.output_names:
+                        if name in made:
+                            self.dev_vals[(d, m, name)] = _detached(made[name])
                 weight = job.loss_weights[m]
                 scaled = loss if weight == 1.0 else loss * weight
                 job.losses[m] = scaled.detach()
@@ -304,9 +348,15 @@ class Execution:
         grads = {n: x.grad for n, x in leaves.items()
                  if isinstance(x, torch.Tensor) and x.grad is not None}
         for n, g in grads.items():
-            key = (d, m, n)
-            self.dev_grads[key] = g if key not in self.dev_grads else self.dev_grads[key] + g
+            self._add_dev_grad(d, m, n, g)
         self.input_grads[(s, m)] = grads
+
+    def _add_dev_grad(self, d: int, m: int, name: str, g: torch.Tensor) -> None:
+        """Add to the gradient of ``name`` held on device ``d``: a value several stages
+        read gets a part from each, and an ``Offload`` may be taking it to the host now."""
+        with self.lock:
+            prev = self.dev_grads.get((d, m, name))
+            self.dev_grads[(d, m, name)] = g if prev is None else prev + g
 
     def _backward_by_layer(self, d: int, s: int, m: int) -> None:
         """``recompute_grain="layer"``: forward the stage without grad keeping each layer's
@@ -317,7 +367,7 @@ class Execution:
                    device=device, keep_writebacks=False)
         values = {n: self._value_on(d, m, n) for n in st.inputs}
         saved: list[list] = []
-        with torch.no_grad():
+        with torch.no_grad(), reentered(job.autocast):
             for i in st.layers:
                 sub = job.layer_stages[i]
                 saved.append([values[n] for n in sub.inputs])
@@ -329,7 +379,8 @@ class Execution:
             sub = job.layer_stages[i]
             leaves = [_leaf(x) for x in inputs]
             with torch.enable_grad():
-                outs, _ = run_stage(sub, leaves, **run, timer=job.timer, kind="recompute")
+                with reentered(job.autocast):
+                    outs, _ = run_stage(sub, leaves, **run, timer=job.timer, kind="recompute")
                 with self._timed_backward(range(i, i + 1), device):
                     _backprop(dict(zip(sub.outputs, outs)), grads)
             for n, x in zip(sub.inputs, leaves):
@@ -337,7 +388,7 @@ class Execution:
                     grads[n] = x.grad if grads.get(n) is None else grads[n] + x.grad
         input_grads = {n: grads[n] for n in st.inputs if grads.get(n) is not None}
         for n, g in input_grads.items():
-            self.dev_grads[(d, m, n)] = g
+            self._add_dev_grad(d, m, n, g)
         self.input_grads[(s, m)] = input_grads
 
     @contextlib.contextmanager
@@ -374,7 +425,8 @@ class Execution:
                 job.host[m][name] = dev.to_host(value) if isinstance(value, torch.Tensor) else value
         else:  # a backward stage hands the gradients of its inputs to the host
             for name in self.input_grads.get((s, m), {}):
-                g = self.dev_grads.pop((d, m, name), None)
+                with self.lock:
+                    g = self.dev_grads.pop((d, m, name), None)
                 if g is None:
                     continue
                 g = dev.to_host(g)
@@ -408,6 +460,14 @@ class Execution:
             for (d, _m, _n), t in cache.items():
                 _free_quietly(self.job.devices[d], t)
             cache.clear()
+        for d, taken in self.consumed.items():  # gradients a failed backward had taken
+            for t in taken:
+                _free_quietly(self.job.devices[d], t)
+        self.consumed.clear()
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _free_quietly(device: Device, t: Any) -> None:

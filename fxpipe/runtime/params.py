@@ -26,7 +26,7 @@ tensor([1., 1.])
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +42,9 @@ class _Slot:
 
     names: tuple[str, ...]  # every fqn of this tensor in the stage (tied names share a slot)
     master: torch.Tensor
-    offset: int  # in elements of master.dtype
+    offset: int  # in elements of dtype
     is_buffer: bool
+    dtype: torch.dtype  # of the flat copy: master's, or the store's param_dtype
 
     @property
     def numel(self) -> int:
@@ -52,7 +53,8 @@ class _Slot:
 
 class _StageParams:
     def __init__(self, stage: int, params: Mapping[str, torch.Tensor],
-                 buffers: Mapping[str, torch.Tensor], pin: bool):
+                 buffers: Mapping[str, torch.Tensor], pin: bool,
+                 param_dtype: torch.dtype | None = None):
         self.slots: dict[str, _Slot] = {}  # fqn -> slot (aliases map to the same slot)
         by_tensor: dict[int, list] = {}  # id(master) -> [names, master, is_buffer]
         for is_buffer, named in ((False, params), (True, buffers)):
@@ -65,10 +67,11 @@ class _StageParams:
                 entry[0].append(fqn)
         sizes: dict[torch.dtype, int] = {}
         for names, t, is_buffer in by_tensor.values():
-            align = max(1, _ALIGN_BYTES // t.element_size())
-            offset = -(-sizes.get(t.dtype, 0) // align) * align
-            sizes[t.dtype] = offset + t.numel()
-            slot = _Slot(tuple(names), t, offset, is_buffer)
+            dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
+            align = max(1, _ALIGN_BYTES // dtype.itemsize)
+            offset = -(-sizes.get(dtype, 0) // align) * align
+            sizes[dtype] = offset + t.numel()
+            slot = _Slot(tuple(names), t, offset, is_buffer, dtype)
             self.slots.update(dict.fromkeys(names, slot))
         self.flat = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
         self.versions: dict[int, tuple[int, int]] = {}  # id(master) -> (version, data_ptr) copied
@@ -97,14 +100,18 @@ class ParamStore:
     >>> store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
     >>> [(d, t.numel()) for d, t in store.flat(0).items()]  # bias starts 64 bytes in
     [(torch.float32, 17)]
+
+    ``param_dtype`` (mixed precision): floating-point tensors are copied into the flat
+    buffers cast to it (the masters keep their dtype), and their gradients come back in
+    it; ``GradAccumulator`` adds them into ``.grad`` in the master's dtype.
     """
 
     def __init__(self, params: Mapping[int, Mapping[str, torch.Tensor]],
                  buffers: Mapping[int, Mapping[str, torch.Tensor]] | None = None, *,
-                 pin: bool | None = None):
+                 pin: bool | None = None, param_dtype: torch.dtype | None = None):
         buffers = buffers or {}
         pin = torch.cuda.is_available() if pin is None else pin
-        self._stages = {s: _StageParams(s, params.get(s, {}), buffers.get(s, {}), pin)
+        self._stages = {s: _StageParams(s, params.get(s, {}), buffers.get(s, {}), pin, param_dtype)
                         for s in sorted(set(params) | set(buffers))}
         self.refresh()
 
@@ -135,7 +142,7 @@ class ParamStore:
                     # `p.data = t` moves the storage: an unchanged master needs no copy
                     version = (slot.master._version, slot.master.data_ptr())
                     if st.versions.get(id(slot.master)) != version:
-                        _view(st.flat[slot.master.dtype], slot).copy_(slot.master)
+                        _view(st.flat[slot.dtype], slot).copy_(slot.master)
                         st.versions[id(slot.master)] = version
 
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False) -> dict[str, torch.Tensor]:
@@ -156,7 +163,7 @@ class ParamStore:
             raise
         out: dict[str, torch.Tensor] = {}
         for slot in st.distinct():
-            view = _view(on_device[slot.master.dtype], slot)
+            view = _view(on_device[slot.dtype], slot)
             if requires_grad and not slot.is_buffer and slot.master.requires_grad:
                 view = view.detach().requires_grad_()
             out.update(dict.fromkeys(slot.names, view))
@@ -192,9 +199,9 @@ class ParamStore:
             if id(slot) in seen:
                 raise ValueError(f"{what}: {seen[id(slot)]!r} is the same (tied) parameter and already "
                                  "has a gradient; give each tied parameter's gradient once")
-            if g.shape != slot.master.shape or g.dtype != slot.master.dtype:
+            if g.shape != slot.master.shape or g.dtype != slot.dtype:
                 raise ValueError(f"{what} has shape {tuple(g.shape)} {g.dtype}, the parameter "
-                                 f"{tuple(slot.master.shape)} {slot.master.dtype}")
+                                 f"{tuple(slot.master.shape)} {slot.dtype}")
             seen[id(slot)] = fqn
             groups.setdefault(g.dtype, []).append((fqn, g))
         out: dict[str, torch.Tensor] = {}
@@ -280,21 +287,26 @@ class GradAccumulator:
                     dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
                     self._sums[id(master)] = (master, torch.empty_like(master, dtype=dtype).copy_(g))
 
-    def commit(self) -> None:
-        """Add the sums into the parameters' ``.grad``; checks everything before writing any."""
+    def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
+        """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
+        streamed optimizer step commits a stage's as soon as they are final); checks
+        everything before writing any."""
         with self._lock, torch.no_grad():
-            for master, total in self._sums.values():
+            keys = list(self._sums) if params is None else \
+                [id(p) for p in params if id(p) in self._sums]
+            for key in keys:
+                master, total = self._sums[key]
                 grad = master.grad
                 if grad is not None and (grad.shape != total.shape
                                          or not torch.can_cast(total.dtype, grad.dtype)):
                     raise RuntimeError(f"a parameter of shape {tuple(master.shape)} has a .grad of "
                                        f"{tuple(grad.shape)} {grad.dtype}; nothing was written")
-            for master, total in self._sums.values():
+            for key in keys:
+                master, total = self._sums.pop(key)
                 if master.grad is None:
                     master.grad = total
                 else:
                     master.grad.add_(total)
-            self._sums.clear()
 
     def totals(self) -> dict[int, torch.Tensor]:
         """The sums so far, by ``id`` of the parameter (to hand them to autograd instead)."""

@@ -17,17 +17,20 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from fxpipe.config import RunConfig
+from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower, lower_stage
 from fxpipe.passes.schedule import Program, build_program
 from fxpipe.plan import ExecutePlan
+from fxpipe.runtime import amp
 from fxpipe.runtime import microbatch as mb
 from fxpipe.runtime import rng
 from fxpipe.runtime.devices import Device
 from fxpipe.runtime.executor import (
     Execution, Job, apply_writebacks, refresh_and_snapshot, restore,
 )
+from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import ParamStore
 from fxpipe.runtime.timer import LayerTimer
 
@@ -45,9 +48,10 @@ class Runner:
     """Runs one compiled LayerGraph under one plan on ``devices``."""
 
     def __init__(self, lg: LayerGraph, plan: ExecutePlan, devices: list[Device],
-                 timer: LayerTimer | None = None):
+                 timer: LayerTimer | None = None, param_dtype: torch.dtype | None = None):
         self.lg, self.plan, self.devices = lg, plan, devices
         self.timer = timer
+        self.param_dtype = param_dtype  # mixed precision: devices compute in it
         self._prepared: dict[tuple[str, int], Prepared] = {}
         self._lowered: dict[str, dict[int, Stage]] = {}
 
@@ -56,13 +60,16 @@ class Runner:
         fwd, bwd = list(self.plan.fwd_plan), list(self.plan.bwd_plan)
         n = len(self.lg)
         tail = bwd[0] if bwd else None
+        if run_type != "infer" and tail is None:
+            raise PlanError(f"this ExecutePlan has no bwd_plan, so it can only run inference; "
+                            f"a {'fused step' if run_type == 'fused' else 'backward'} needs "
+                            "backward stages (bwd_plan=[...]), or use torch.no_grad()")
         if run_type == "fused":
-            if tail is None:
-                raise ValueError("a fused step needs a plan with backward stages")
             fwd = [range(r.start, min(r.stop, tail.start)) for r in fwd if r.start < tail.start]
             return fwd, bwd
-        if fwd and fwd[-1].stop < n:   # a fused-style plan: the tail runs forward too
-            fwd.append(range(fwd[-1].stop, n))
+        covered = fwd[-1].stop if fwd else 0
+        if covered < n:   # a fused-style plan: the tail runs forward too
+            fwd.append(range(covered, n))
         return fwd, (bwd if run_type == "train" else [])
 
     def stages(self, run_type: str) -> dict[int, Stage]:
@@ -75,7 +82,8 @@ class Runner:
     def _lower(self, run_type: str) -> dict[int, Stage]:
         fwd, bwd = self.ranges(run_type)
         names = [d.name for d in self.devices]
-        _, fstages = lower(self.lg, fwd, names, save_cuts=[r.start for r in bwd])
+        # a fused plan may put every layer in its tail stage: no forward stages then
+        fstages = lower(self.lg, fwd, names, save_cuts=[r.start for r in bwd])[1] if fwd else []
         out = {st.index: st for st in fstages}
         for k, r in enumerate(bwd):
             i = len(fwd) + k
@@ -90,12 +98,14 @@ class Runner:
                                   for i in range(len(self.lg))}
         return self._layer_stages
 
-    def prepared(self, run_type: str, num_microbatch: int) -> Prepared:
-        key = (run_type, num_microbatch)
+    def prepared(self, run_type: str, num_microbatch: int, optimizer: bool = False) -> Prepared:
+        """With ``optimizer``, the Program has an ``OptimizerStep`` after each backward
+        stage (a streamed optimizer step, ``fxpipe.optim``)."""
+        key = (run_type, num_microbatch, optimizer)
         if key not in self._prepared:
             fwd, bwd = self.ranges(run_type)
             program = build_program(fwd, bwd, run_type, len(self.devices), num_microbatch,
-                                    dispatch="stage")
+                                    dispatch="stage", optimizer=optimizer)
             stages = self.stages(run_type)
             store = self._store(run_type, stages)
             self._prepared[key] = Prepared(program, stages, store)
@@ -109,7 +119,7 @@ class Runner:
         return ParamStore({i: {f: lg.params[f] for f in st.params if f in lg.params}
                            for i, st in stages.items()},
                           {i: {f: lg.buffers[f] for f in st.params if f in lg.buffers}
-                           for i, st in stages.items()})
+                           for i, st in stages.items()}, param_dtype=self.param_dtype)
 
     # -- calls ---------------------------------------------------------------------------
     def split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
@@ -121,33 +131,46 @@ class Runner:
         envs, rows = [], []
         for a, k in zip(args_mb, kwargs_mb):
             tensors = check_inputs(self.lg, a, k)
+            if self.param_dtype is not None:  # floating inputs enter in the compute dtype
+                tensors = [t.to(self.param_dtype) if t.is_floating_point() else t for t in tensors]
             envs.append(dict(zip(self.lg.input_names, tensors)))
             first = next((t for t in tensors if t.dim() > 0), None)
             rows.append(first.shape[0] if first is not None else 1)
         return envs, rows
 
     def job(self, run_type: str, envs: list[dict], cfg: RunConfig, **kw: Any) -> Job:
-        prep = self.prepared(run_type, len(envs))
+        streamed = getattr(kw.get("optimizer"), "streamed", False)
+        prep = self.prepared(run_type, len(envs), optimizer=streamed)
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         if cfg.recompute_grain == "layer":
             kw["layer_stages"] = self.layer_stages()
         return Job(program=prep.program, stages=prep.stages, layers=self.lg, store=prep.store,
                    devices=self.devices, inputs=envs, call_seed=seed, grain=cfg.recompute_grain,
-                   timer=self.timer, **kw)
+                   timer=self.timer, autocast=amp.captured(), **kw)
 
-    def execute(self, job: Job) -> None:
-        """Run ``job``; on failure put buffers back and raise (nothing reaches ``.grad``)."""
+    def execute(self, job: Job, commit: bool = False,
+                results: Callable[[], Any] | None = None) -> Any:
+        """Run ``job``, then write its buffer updates (and with ``commit``, its parameter
+        gradients into ``.grad``) as one step that a ``KeyboardInterrupt`` cannot split.
+        ``results()`` (e.g. merging outputs, which may raise) runs before anything is
+        written; its value is returned. On failure put buffers back and raise (nothing
+        reaches ``.grad``)."""
         snapshot = refresh_and_snapshot(job.store, self.lg.buffers)
         try:
             Execution(job).run()
-            apply_writebacks(job.writebacks)
+            value = results() if results is not None else None
+            with deferred_interrupt():
+                if commit:
+                    job.accumulator.commit()  # checks everything before writing anything
+                apply_writebacks(job.writebacks)
         except BaseException:
             restore(self.lg.buffers, snapshot)
             if job.accumulator is not None:
                 job.accumulator.discard()
             raise
         self._update_costs()
+        return value
 
     def _update_costs(self) -> None:
         """Measured per-layer times go into the layers' costs, where ``ExecutePlan.auto``
@@ -180,19 +203,33 @@ class Runner:
         return self.outputs(job, cfg)
 
     def fused(self, args: tuple, kwargs: dict, label: Any, loss_fn: Callable,
-              reduction: str, cfg: RunConfig, return_outputs: bool) -> tuple[torch.Tensor, Any]:
+              reduction: str, cfg: RunConfig, return_outputs: bool,
+              optimizer: Any = None) -> tuple[torch.Tensor, Any]:
+        """``optimizer``: an ``fxpipe.optim.Overlapped`` whose step this call runs."""
         envs, rows = self.split(args, kwargs, cfg)
         labels = mb.split_label(label, len(envs), cfg.split_label)
         weights = mb.microbatch_weights(rows) if reduction == "mean" else [1.0] * len(envs)
         if len(envs) == 1:
             weights = [1.0]
-        job = self.job("fused", envs, cfg, labels=labels, loss_fn=loss_fn, loss_weights=weights)
-        self.execute(job)
-        job.accumulator.commit()
+        call = optimizer.call(self, len(envs)) if optimizer is not None else None
+        if call is not None:
+            loss_fn = call.scale_loss(loss_fn)
+        job = self.job("fused", envs, cfg, labels=labels, loss_fn=loss_fn, loss_weights=weights,
+                       optimizer=call, keep_outputs=return_outputs)
+        try:
+            outputs = self.execute(job, commit=True, results=(lambda: self.outputs(job, cfg))
+                                   if return_outputs else None)
+        except BaseException as e:
+            if call is not None:
+                call.failed(e)
+            raise
         loss = job.losses[0]
         for m in range(1, len(envs)):
             loss = loss + job.losses[m]
-        return loss.detach().cpu(), (self.outputs(job, cfg) if return_outputs else None)
+        if call is not None:
+            call.finish()
+            loss = call.unscale_loss(loss)
+        return loss.detach().cpu(), outputs
 
 
 class TrainCall:
@@ -234,7 +271,7 @@ class TrainCall:
         job = Job(program=fj.program, stages=fj.stages, layers=r.lg, store=fj.store,
                   devices=r.devices, inputs=fj.host, call_seed=fj.call_seed,
                   out_grads=out_grads, parts=frozenset({"bwd"}), grain=fj.grain,
-                  layer_stages=fj.layer_stages, timer=fj.timer)
+                  layer_stages=fj.layer_stages, timer=fj.timer, autocast=fj.autocast)
         r.execute(job)
         params = job.accumulator.totals()
         job.accumulator.discard()

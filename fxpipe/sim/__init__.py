@@ -8,12 +8,15 @@
     True
 
 ``simulate`` times a Program; ``roundpipe_program`` builds RoundPipe's timing-dependent
-dispatch with it; ``Hardware`` and ``LayerCost`` describe the inputs and ``Timeline`` the
-result (see ``fxpipe.sim.timeline`` for the bubble definitions).
+dispatch with it; ``optimizer_modes`` times a step with the host optimizer synchronous,
+streamed (exact) or one-step stale; ``Hardware`` and ``LayerCost`` describe the inputs
+and ``Timeline`` the result (see ``fxpipe.sim.timeline`` for the bubble definitions).
 """
 
 from fxpipe.sim.hardware import Hardware, LayerCost
+from fxpipe.sim.optimizer import OptimizerModes, optimizer_modes, with_optimizer_steps
 from fxpipe.sim.simulate import roundpipe_program, simulate
 from fxpipe.sim.timeline import Interval, Timeline
 
-__all__ = ["Hardware", "Interval", "LayerCost", "Timeline", "roundpipe_program", "simulate"]
+__all__ = ["Hardware", "Interval", "LayerCost", "OptimizerModes", "Timeline", "optimizer_modes",
+           "roundpipe_program", "simulate", "with_optimizer_steps"]

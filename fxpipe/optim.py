@@ -1,0 +1,429 @@
+"""The optimizer step, overlapped with the pipelined backward.
+
+Parameters live in host memory, so the optimizer runs on the host. Run after the call
+(``opt.step()``), it stalls every device. Passed to the call, it runs *during* the
+backward: backward stages finish deepest first, and as soon as a stage's gradients are
+final a host worker steps that stage's parameters while the devices back-propagate the
+shallower stages. Only the first layers' step is left when the backward ends::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 100)
+    for x, y in data:
+        loss = pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+``optimizer=opt`` steps on that call. ``optimizer=fxpipe.optim.overlapped(opt, ...)``
+adds options, and counts calls for gradient accumulation (pass it on every call)::
+
+    step = fxpipe.optim.overlapped(opt, accumulate=4, max_grad_norm=1.0)
+    for x, y in data:
+        loss = pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
+        if step.stepped:                      # every 4th call
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+
+``mode="exact"`` (default): parameters, ``.grad`` and optimizer state after the call are
+those of eager ``loss.backward(); opt.step()`` (with ``clip_grad_norm_`` first when
+``max_grad_norm`` is set), bitwise for fp32; the call returns once every step is done, so
+``zero_grad``, schedulers, ``state_dict()`` and checkpointing need no care. Each stage's
+parameters are stepped by the optimizer's own ``step`` on a view of it whose param
+groups hold only those parameters (state is keyed by parameter, so it stays one state
+dict, loadable by a plain optimizer); hyperparameters (``lr``...) are read when the call
+starts. Works for optimizers whose update is per parameter: all of ``torch.optim`` but
+LBFGS (SGD, Adam, AdamW, ...). Step hooks run once per stage, each seeing only that
+stage's parameters.
+
+``max_grad_norm``: the clip coefficient needs every gradient. With ``speculate=True``
+(default) stages are stepped as their gradients arrive, as if no clipping were needed,
+keeping a copy of their parameters and state; when the backward ends, if the norm is
+within ``max_grad_norm`` (clip coefficient 1: eager's clipping changes nothing) the
+result is exact as is; otherwise the copies are put back, the gradients clipped and the
+whole step runs then (not overlapped). ``speculate=False`` always waits for the end.
+
+``mode="async"``: RoundPipe's one-step-stale optimizer. A call's update is applied
+during the *next* call, which therefore computes its gradients on weights that lack the
+latest update: this changes the training math (the update equals the exact one, but
+gradients are one step stale). The pending update holds its own copy of the gradients,
+so ``zero_grad`` is free to run; ``step.synchronize()`` applies it now (before
+evaluating or saving the model; ``opt.state_dict()`` and ``opt.step()`` do it first,
+``opt.load_state_dict()`` drops it). A call that fails has still applied the update it
+was carrying; its own gradients are dropped, as always.
+
+``scaler=torch.amp.GradScaler(...)``: the loss is scaled inside the pipeline and the
+step is eager's ``scaler.step(opt)`` at the end of the call (the inf check needs every
+gradient: nothing is overlapped). Call ``scaler.update()`` after the call, as in eager.
+
+Failures: with ``atomic=True`` (or while speculating on clipping) a failed call puts
+back the stepped parameters, their state and ``.grad``: nothing changed. Otherwise the
+stages already stepped stay stepped, each whole (never half a tensor): the
+``StageError`` carries a note naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Literal
+
+import torch
+
+from fxpipe.errors import StageError
+from fxpipe.runtime.devices import Event, VirtualDevice
+
+Mode = Literal["exact", "async"]
+
+
+class Overlapped:
+    """A torch optimizer run by the pipeline; see the module docstring.
+
+    >>> step = fxpipe.optim.overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    >>> loss = pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
+    >>> step.stepped
+    True
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, mode: Mode = "exact",
+                 accumulate: int = 1, max_grad_norm: float | None = None,
+                 norm_type: float = 2.0, speculate: bool = True,
+                 scaler: torch.amp.GradScaler | None = None, atomic: bool = False):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise NotImplementedError("LBFGS needs a closure re-evaluating the whole model, which a "
+                                      "streamed step cannot call; step it after the call instead")
+        if mode not in ("exact", "async"):
+            raise ValueError(f"mode must be 'exact' or 'async', got {mode!r}")
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1 (calls per step), got {accumulate!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if scaler is not None and mode == "async":
+            raise NotImplementedError("GradScaler with mode='async' is not supported: its inf check "
+                                      "and scale update would have to move to the next call")
+        self.optimizer = optimizer
+        self.mode: Mode = mode
+        self.accumulate = accumulate
+        self.max_grad_norm = max_grad_norm
+        self.norm_type = norm_type
+        self.speculate = speculate
+        self.scaler = scaler
+        self.atomic = atomic
+        self.calls = 0            # calls made with this object
+        self.stepped = False      # whether the last call stepped (async: queued its update)
+        self._pending: _Update | None = None
+        self._host: VirtualDevice | None = None
+        self._lock = threading.Lock()
+        if mode == "async":
+            me = weakref.ref(self)
+            optimizer.register_state_dict_pre_hook(lambda opt: _call(me, "synchronize"))
+            optimizer.register_load_state_dict_pre_hook(lambda opt, sd: _call(me, "_drop"))
+            optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: _call(me, "synchronize") if opt is optimizer else None)
+
+    def will_step(self) -> bool:
+        """Whether the next call steps (its number is a multiple of ``accumulate``)."""
+        return (self.calls + 1) % self.accumulate == 0
+
+    def synchronize(self) -> None:
+        """``mode="async"``: apply the pending update now (no-op when there is none)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.apply()
+
+    def _drop(self) -> None:
+        with self._lock:
+            self._pending = None
+
+    @property
+    def pending(self) -> bool:
+        """``mode="async"``: an update waits to be applied (during the next call)."""
+        return self._pending is not None
+
+    def close(self) -> None:
+        """Apply any pending update and stop the host worker thread."""
+        self.synchronize()
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+
+    def host(self) -> VirtualDevice:
+        """The host worker the steps run on (one thread, started on first use)."""
+        if self._host is None:
+            self._host = VirtualDevice(name="host-optimizer")
+        return self._host
+
+    def call(self, runner, num_microbatch: int) -> _Call:
+        """The optimizer's part of one ``forward_backward`` call on ``runner``."""
+        return _Call(self, runner, num_microbatch)
+
+    def __repr__(self) -> str:
+        opts = [f"mode={self.mode!r}"] + [f"{k}={getattr(self, k)!r}" for k in
+                                          ("accumulate", "max_grad_norm", "scaler", "atomic")
+                                          if getattr(self, k) not in (None, 1, False)]
+        return f"Overlapped({type(self.optimizer).__name__}, {', '.join(opts)})"
+
+
+def overlapped(optimizer: torch.optim.Optimizer, **options: Any) -> Overlapped:
+    """Wrap ``optimizer`` for ``pipe.forward_backward(..., optimizer=...)``: options
+    ``mode``, ``accumulate``, ``max_grad_norm``, ``norm_type``, ``speculate``, ``scaler``,
+    ``atomic`` (see the module docstring)."""
+    return Overlapped(optimizer, **options)
+
+
+_plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Overlapped
+
+
+def as_overlapped(optimizer: Any) -> Overlapped:
+    """``optimizer=`` of a call: an ``Overlapped``, or a torch optimizer (exact, one step
+    per call; one ``Overlapped`` per optimizer, kept while it lives)."""
+    if isinstance(optimizer, Overlapped):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer not in _plain:
+            _plain[optimizer] = Overlapped(optimizer)
+        return _plain[optimizer]
+    raise TypeError(f"optimizer= takes a torch.optim.Optimizer or fxpipe.optim.overlapped(...), "
+                    f"got {type(optimizer).__name__}")
+
+
+def _call(ref: weakref.ref, name: str) -> None:
+    obj = ref()
+    if obj is not None:
+        getattr(obj, name)()
+
+
+# ------------------------------------------------------------------------------- one call
+
+class _Call:
+    """The optimizer's part of one call: the executor's ``job.optimizer``.
+
+    ``streamed``: the call's Program has ``OptimizerStep`` actions; the executor runs
+    ``step(layers, accumulator)`` for each on ``worker`` (the host), after ``waits(layers)``.
+    ``begin()`` runs when the call's parameters were copied for upload (async: the
+    pending update may change them from then on); ``finish()`` after gradients reached
+    ``.grad``; ``failed(exc)`` instead, when the call raised.
+    """
+
+    def __init__(self, ov: Overlapped, runner, num_microbatch: int):
+        self.ov = ov
+        opt = ov.optimizer
+        self.steps = ov.will_step()
+        self.streamed = self.steps and ov.mode == "exact" and ov.scaler is None and \
+            (ov.max_grad_norm is None or ov.speculate)
+        self.hyper = _hyperparameters(opt)       # read now: a scheduler may change them later
+        self.worker = ov.host() if self.streamed or ov.pending else None
+        self.backup = self.streamed and (ov.atomic or ov.max_grad_norm is not None)
+        self.saved: list[_Saved] = []            # stages stepped with a backup, in order
+        self.stepped: list[range] = []           # layers stepped, in order
+        self.owned: dict[int, list[torch.Tensor]] = {}
+        self.stage_of: dict[tuple[int, int], int] = {}
+        self.sharing: dict[int, list[int]] = {}
+        self.copies: dict[int, list[int]] = {}   # stage -> store stages holding its params
+        self.store = None
+        if self.streamed:
+            prep = runner.prepared("fused", num_microbatch, optimizer=True)
+            self.store = prep.store
+            self._assign(prep.program, prep.stages, runner.lg)
+
+    def _assign(self, program, stages, lg) -> None:
+        """Each parameter is stepped with the last backward stage (execution order) that
+        uses it: a tied parameter's gradient is final only then. By that time no stage
+        of the call will read a flat copy of it again (forward stages and every backward
+        stage holding it have run), so the step also refreshes those copies."""
+        holders: dict[int, list[int]] = {}
+        copies: dict[int, set[int]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for st in program.stages:
+            for fqn in stages[st.index].params:
+                p = lg.params.get(fqn)
+                if p is None or not p.requires_grad:
+                    continue
+                copies.setdefault(id(p), set()).add(st.index)
+                if st.kind != "fwd":
+                    tensors[id(p)] = p
+                    if st.index not in holders.setdefault(id(p), []):
+                        holders[id(p)].append(st.index)
+            if st.kind != "fwd":
+                self.stage_of[(st.layers.start, st.layers.stop)] = st.index
+        for key, ss in holders.items():
+            owner = max(ss)
+            self.owned.setdefault(owner, []).append(tensors[key])
+            self.sharing[owner] = sorted(set(self.sharing.get(owner, [])) | set(ss))
+            self.copies[owner] = sorted(set(self.copies.get(owner, [])) | copies[key])
+
+    # -- the executor's hooks ----------------------------------------------------------
+    def begin(self) -> Event | None:
+        """Start the previous call's pending update (async); the call waits for it."""
+        with self.ov._lock:
+            pending, self.ov._pending = self.ov._pending, None
+        if pending is None:
+            return None
+        return self.worker.submit("compute", pending.apply, label="async optimizer step")
+
+    def waits(self, layers: range) -> list[int]:
+        """Stages whose gradient download must precede ``OptimizerStep(layers)``."""
+        return self.sharing.get(self.stage_of[(layers.start, layers.stop)], [])
+
+    def step(self, layers: range, accumulator) -> None:
+        """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them."""
+        stage = self.stage_of[(layers.start, layers.stop)]
+        params = self.owned.get(stage, [])
+        in_opt = _in_optimizer(self.ov.optimizer, params)
+        try:
+            saved = _Saved(self.ov.optimizer, in_opt) if self.backup and in_opt else None
+            accumulator.commit(params)
+            if saved is not None:
+                self.saved.append(saved)
+            _step_view(self.ov.optimizer, self.hyper, in_opt)
+            for copy_stage in self.copies.get(stage, []):  # the next call need not copy them
+                self.store.refresh(copy_stage)
+        except Exception as e:
+            raise StageError(
+                f"the optimizer step of stage {stage} [layers {layers.start}-{layers.stop - 1}] "
+                f"failed on the host: {type(e).__name__}: {e}", stage=stage, layers=layers,
+                device="host", action=f"S{layers.start}:{layers.stop}") from e
+        self.stepped.append(layers)
+
+    # -- end of call -------------------------------------------------------------------
+    def scale_loss(self, loss_fn: Callable) -> Callable:
+        scaler = self.ov.scaler
+        if scaler is None or not scaler.is_enabled():
+            return loss_fn
+        return lambda out, label: scaler.scale(loss_fn(out, label))
+
+    def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        scaler = self.ov.scaler
+        if scaler is None or not scaler.is_enabled():
+            return loss
+        return loss / scaler.get_scale()   # a power of two: exact
+
+    def finish(self) -> None:
+        ov, opt = self.ov, self.ov.optimizer
+        ov.calls += 1
+        ov.stepped = self.steps
+        if not self.steps:
+            return
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if ov.scaler is not None and ov.scaler.is_enabled():
+            if ov.max_grad_norm is not None:
+                ov.scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
+            ov.scaler.step(opt)
+        elif ov.mode == "async":
+            if ov.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
+            ov._pending = _Update(opt, self.hyper)
+        else:
+            self._finish_exact(params)
+        opt._opt_called = True  # for LR schedulers: the optimizer did step
+
+    def _finish_exact(self, params: list[torch.Tensor]) -> None:
+        ov, opt = self.ov, self.ov.optimizer
+        done = {id(p) for ps in self.owned.values() for p in ps} if self.streamed else set()
+        if ov.max_grad_norm is not None:
+            grads = [p.grad for p in params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
+            coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
+            if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
+                for saved in reversed(self.saved):
+                    saved.restore()
+                torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
+                done = set()
+        self.saved.clear()
+        _step_view(opt, self.hyper, [p for p in params if id(p) not in done])
+
+    def failed(self, exc: BaseException) -> None:
+        """The call failed: put back what was stepped, if backed up; else say what was."""
+        if self.saved:
+            for saved in reversed(self.saved):
+                saved.restore(grads=True)
+            self.saved.clear()
+        elif self.stepped:
+            spans = ", ".join(f"{r.start}-{r.stop - 1}" for r in sorted(self.stepped, key=lambda r: r.start))
+            exc.add_note(f"fxpipe: the streamed optimizer step had already updated layers {spans} "
+                         "(parameters, optimizer state and .grad; each stage whole) when the call "
+                         "failed; use fxpipe.optim.overlapped(opt, atomic=True) to have them put back")
+
+
+# ----------------------------------------------------------------------------- mechanics
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings without its params, tensors copied."""
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _in_optimizer(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    ids = {id(p) for p in params}
+    return [p for g in opt.param_groups for p in g["params"] if id(p) in ids]
+
+
+def _step_view(opt: torch.optim.Optimizer, hyper: list[dict],
+               params: Collection[torch.Tensor]) -> None:
+    """``opt.step()`` restricted to ``params``, with the hyperparameters ``hyper``: the
+    class's own step on a view whose param groups hold only those parameters and whose
+    ``state`` is the optimizer's (per-parameter math: the same result as a full step)."""
+    ids = {id(p) for p in params}
+    groups = []
+    for g, hp in zip(opt.param_groups, hyper):
+        sub = [p for p in g["params"] if id(p) in ids]
+        if sub:
+            groups.append({**hp, "params": sub})
+    if not groups:
+        return
+    view = object.__new__(type(opt))
+    view.__dict__.update(opt.__dict__)
+    view.param_groups = groups
+    type(opt).step(view)
+
+
+class _Saved:
+    """A copy of some parameters, their optimizer state and ``.grad``, to put back."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+        self.opt = opt
+        self.entries = [(p, p.detach().clone(), _copy_state(opt.state.get(p)),
+                         None if p.grad is None else p.grad.clone()) for p in params]
+
+    def restore(self, grads: bool = False) -> None:
+        with torch.no_grad():
+            for p, value, state, grad in self.entries:
+                p.copy_(value)
+                if state is None:
+                    self.opt.state.pop(p, None)
+                else:
+                    self.opt.state[p] = state
+                if grads:
+                    p.grad = grad
+
+
+def _copy_state(state: dict | None) -> dict | None:
+    if not state:
+        return None
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+            for k, v in state.items()}
+
+
+class _Update:
+    """``mode="async"``: one call's update, applied later (its own gradient copies)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, hyper: list[dict]):
+        self.opt, self.hyper = opt, hyper
+        self.grads = {p: p.grad.clone() for g in opt.param_groups for p in g["params"]
+                      if p.grad is not None}
+
+    def apply(self) -> None:
+        """Step with the saved gradients; each ``.grad`` is put back as it was."""
+        params = list(self.grads)
+        before = [p.grad for p in params]
+        try:
+            for p in params:
+                p.grad = self.grads[p]
+            _step_view(self.opt, self.hyper, params)
+        finally:
+            for p, g in zip(params, before):
+                p.grad = g

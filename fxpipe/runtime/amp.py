@@ -1,0 +1,43 @@
+"""Autocast around a call: captured on the calling thread, re-entered in the workers.
+
+``torch.autocast`` state is thread-local, and stages run on device worker threads. A
+call records the state it was made under (``captured()``); each forward, recompute and
+loss runs under it again (``reentered(state)``), so ``with torch.autocast("cpu",
+dtype=torch.bfloat16): pipe.forward_backward(...)`` computes like eager autocast. The
+backward runs outside autocast, as eager's ``loss.backward()`` after the ``with`` does.
+
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     state = captured()
+>>> state
+(('cpu', torch.bfloat16, True),)
+>>> with reentered(state):
+...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+AutocastState = tuple[tuple[str, torch.dtype, bool], ...]  # (device type, dtype, cache)
+
+
+def captured() -> AutocastState:
+    """The autocast regions enabled on this thread, per device type."""
+    return tuple((d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+                 for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def reentered(state: AutocastState) -> Iterator[None]:
+    """Run the block under the autocast regions ``state`` recorded (nothing if empty)."""
+    if not state:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype, cache in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        yield
