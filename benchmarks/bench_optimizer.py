@@ -1,28 +1,33 @@
 """Optimizer benchmark: the host optimizer step, synchronous vs streamed vs asynchronous.
 
-    .venv/bin/python benchmarks/bench_optimizer.py                 # all parts, ~10 min
-    .venv/bin/python benchmarks/bench_optimizer.py --part runtime --repeats 7
+    .venv/bin/python benchmarks/bench_optimizer.py                 # all parts, ~15 min
+    .venv/bin/python benchmarks/bench_optimizer.py --part runtime  # ~5 min
 
-(runtime) 2 virtual devices (then 1), a 16-block Llama-style model, AdamW. Wall time per training
-    step for: ``none`` (forward_backward only, its weights marked changed between calls
-    so it copies them for upload like the others: what the devices need), ``sync`` (then
-    ``opt.step()`` after the call), ``exact`` (``forward_backward(optimizer=opt)``: each
-    stage stepped as soon as its gradients are final, on a host worker, overlapped with
-    the remaining backward) and ``async`` (one-step-stale: the update runs during the next
-    call). Hidden fraction of the optimizer time = 1 - (t_mode - t_none) / t_opt, with
-    t_opt the step time measured inside ``sync``, per interleaved round; and from the
-    devices' records, the fraction of the optimizer time that ran before the devices'
-    last compute ended ("tail"). Target: >= 80% hidden for ``exact``. On this CPU-only
-    machine the virtual devices' compute threads and the host optimizer share the cores:
-    with 2 devices on 2 cores, work overlapped with the backward still takes CPU time
-    from it; with 1 device, the host optimizer has a core to itself (as on a GPU box).
+(runtime) 2 virtual devices (then 1), a 16-block Llama-style model, AdamW. Wall time per
+    training step for: ``none`` (forward_backward only, its weights marked changed
+    between calls so it copies them for upload like the others: what the devices need),
+    ``sync`` (then ``opt.step()`` after the call), ``exact``
+    (``forward_backward(optimizer=opt)``: each stage stepped as soon as its gradients
+    are final, on a host worker, overlapped with the remaining backward) and ``async``
+    (one-step stale: the update runs during the next call). Hidden fraction of the
+    optimizer time = 1 - (t_mode - t_none) / t_opt per interleaved round (median), t_opt
+    the step time measured inside ``sync``; and, from the devices' records, the same
+    with t = the time from the devices' last compute to the end of the step ("tail"):
+    the part of the optimizer that ran while the devices still computed. Target: >= 80%
+    hidden for ``exact``. On this CPU-only machine the virtual devices' compute threads
+    and the host optimizer share the cores: with 2 devices on 2 vCPUs, work overlapped
+    with the backward still takes CPU time from it; with 1 device the host optimizer
+    has a vCPU of its own (closer to a GPU machine, where compute is not on the host).
 (cpu) AdamW step throughput on this host, one thread and every thread, in parameters/s
-    (the simulator's ``cpu_optimizer_bytes_per_s`` counts bf16 parameter bytes: x2).
+    (the simulator's ``cpu_optimizer_bytes_per_s`` counts bf16 parameter bytes: x2); and
+    how much a compute thread slows down while the host optimizer runs next to it.
 (sim) RoundPipe's five published configurations (8 RTX 4090, 16 microbatches, their
     measured layer times; ``../shared/data/roundpipe_simulation.json``) with the host
     optimizer modelled (``fxpipe.sim.optimizer_modes``): relative throughput of
-    RoundPipe-sync (step after backward), fxpipe-exact (streamed, exact) and
-    RoundPipe-async (one-step stale), for a stated host optimizer throughput.
+    RoundPipe-sync (its schedule, step after backward), fxpipe-exact (the searched
+    schedule of ``bench_schedule.py``, streamed exact step) and RoundPipe-async (one-step
+    stale), at two host AdamW rates: (cpu)'s single-thread rate x ``--host-cores``, and
+    the rate RoundPipe's published async/sync throughput ratios imply (median).
 
 Timed variants run interleaved, after a warm-up, one intra-op thread per worker; min
 and median are reported. Writes ``benchmarks/results/bench_optimizer.json``.
@@ -115,7 +120,8 @@ def part_runtime(args, num_devices: int) -> dict:
                          parameters=sum(p.numel() for p in model.parameters())),
            "plan": repr(pipe.plan), "optimizer": "AdamW", "repeats": args.repeats,
            "optimizer_step_s": t_opt, "times_s": times, "tails_s": tails, "variants": {}}
-    print(f"\n(runtime) {num_devices} virtual device(s), {len(pipe.layers)} layers ({args.depth} blocks), dim "
+    print(f"\n(runtime) {num_devices} virtual device(s), {len(pipe.layers)} layers "
+          f"({args.depth} blocks), dim "
           f"{args.dim}, batch {args.batch}x{args.seq}, {args.microbatches} microbatches, "
           f"{res['model']['parameters'] / 1e6:.1f}M parameters, AdamW")
     print(f"  optimizer step alone (timed inside sync): min {t_opt['min']:.3f} s, "
@@ -165,16 +171,55 @@ def adamw_params_per_s(numel: int, threads: int, repeats: int) -> float:
         torch.set_num_threads(prev)
 
 
+def matmul_slowdown_next_to_adamw(repeats: int) -> float:
+    """How much longer a matmul loop (a virtual device's compute) takes while another
+    thread runs AdamW steps (the host optimizer), both one intra-op thread."""
+    import threading
+    a, w = torch.randn(128, 512), torch.randn(512, 2048)
+
+    def matmuls() -> float:
+        t0 = time.perf_counter()
+        for _ in range(200):
+            a @ w
+        return time.perf_counter() - t0
+    params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(32)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params)
+    stop = threading.Event()
+
+    def optimizer():
+        torch.set_num_threads(1)
+        while not stop.is_set():
+            opt.step()
+    matmuls()
+    ratios = []
+    for _ in range(repeats):
+        alone = matmuls()
+        stop.clear()
+        th = threading.Thread(target=optimizer)
+        th.start()
+        time.sleep(0.05)
+        beside = matmuls()
+        stop.set()
+        th.join()
+        ratios.append(beside / alone)
+    return statistics.median(ratios)
+
+
 def part_cpu(args) -> dict:
     import os
     cores = os.cpu_count() or 1
     numel = 1 << 24
     one = adamw_params_per_s(numel, 1, args.repeats)
     every = adamw_params_per_s(numel, cores, args.repeats)
+    slowdown = matmul_slowdown_next_to_adamw(args.repeats)
     print(f"\n(cpu) AdamW step, fp32, {numel / 1e6:.0f}M parameters: {one / 1e6:.0f}M params/s on "
-          f"1 thread, {every / 1e6:.0f}M params/s on {cores} threads")
+          f"1 thread, {every / 1e6:.0f}M params/s on {cores} threads; a matmul thread next to "
+          f"an AdamW thread takes {slowdown:.2f}x as long (median)")
     return {"parameters": numel, "cores": cores, "params_per_s_1_thread": one,
-            f"params_per_s_{cores}_threads": every, "params_per_s_per_core": every / cores}
+            f"params_per_s_{cores}_threads": every, "params_per_s_per_core": every / cores,
+            "matmul_slowdown_next_to_adamw": slowdown}
 
 
 # ---------------------------------------------------------------------------------- sim
@@ -209,8 +254,8 @@ def part_sim(args, cpu: dict | None) -> dict:
     for label, rate in rates.items():
         print(f"\n(sim) 8 GPUs, {M} microbatches, RoundPipe's layer times, bf16 parameters; "
               f"host AdamW {rate / 1e9:.2f}G params/s ({label}"
-              + (f": {per_core / 1e6:.0f}M/s per core x {args.host_cores} cores)" if label == "measured"
-                 else ": median over the 4 published async/sync ratios)"))
+              + (f": {per_core / 1e6:.0f}M/s per core x {args.host_cores} cores)"
+                 if label == "measured" else ": median over the 4 published async/sync ratios)"))
         print(f"{'model':>11} | {'opt s':>6} | {'RP-sync':>7} | {'fx-exact':>8} | {'RP-async':>8} | "
               f"{'exact exposed s':>15} | published RP-async")
         rows = {}
@@ -238,11 +283,11 @@ def part_sim(args, cpu: dict | None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["runtime", "cpu", "sim", "all"], default="all")
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--depth", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 1],
                     help="(runtime) virtual device counts to measure")

@@ -90,14 +90,16 @@ class Overlapped:
                  norm_type: float = 2.0, speculate: bool = True,
                  scaler: torch.amp.GradScaler | None = None, atomic: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise NotImplementedError("LBFGS needs a closure re-evaluating the whole model, which a "
-                                      "streamed step cannot call; step it after the call instead")
+            raise NotImplementedError("LBFGS needs a closure re-evaluating the whole model, which "
+                                      "a streamed step cannot call; step it after the call")
         if mode not in ("exact", "async"):
             raise ValueError(f"mode must be 'exact' or 'async', got {mode!r}")
         if not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate must be an int >= 1 (calls per step), got {accumulate!r}")
+            raise ValueError(f"accumulate must be an int >= 1 (calls per step), got "
+                             f"{accumulate!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if scaler is not None and mode == "async":
@@ -174,18 +176,16 @@ def overlapped(optimizer: torch.optim.Optimizer, **options: Any) -> Overlapped:
     return Overlapped(optimizer, **options)
 
 
-_plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> Overlapped
-
-
 def as_overlapped(optimizer: Any) -> Overlapped:
     """``optimizer=`` of a call: an ``Overlapped``, or a torch optimizer (exact, one step
-    per call; one ``Overlapped`` per optimizer, kept while it lives)."""
+    per call; one ``Overlapped`` per optimizer, kept on it, so its host worker is reused;
+    ``Optimizer.__getstate__`` leaves it out of pickles)."""
     if isinstance(optimizer, Overlapped):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer not in _plain:
-            _plain[optimizer] = Overlapped(optimizer)
-        return _plain[optimizer]
+        if "_fxpipe_overlapped" not in optimizer.__dict__:
+            optimizer.__dict__["_fxpipe_overlapped"] = Overlapped(optimizer)
+        return optimizer.__dict__["_fxpipe_overlapped"]
     raise TypeError(f"optimizer= takes a torch.optim.Optimizer or fxpipe.optim.overlapped(...), "
                     f"got {type(optimizer).__name__}")
 
@@ -343,10 +343,11 @@ class _Call:
                 saved.restore(grads=True)
             self.saved.clear()
         elif self.stepped:
-            spans = ", ".join(f"{r.start}-{r.stop - 1}" for r in sorted(self.stepped, key=lambda r: r.start))
+            spans = ", ".join(f"{r.start}-{r.stop - 1}"
+                              for r in sorted(self.stepped, key=lambda r: r.start))
             exc.add_note(f"fxpipe: the streamed optimizer step had already updated layers {spans} "
                          "(parameters, optimizer state and .grad; each stage whole) when the call "
-                         "failed; use fxpipe.optim.overlapped(opt, atomic=True) to have them put back")
+                         "failed; fxpipe.optim.overlapped(opt, atomic=True) puts them back")
 
 
 # ----------------------------------------------------------------------------- mechanics

@@ -181,7 +181,8 @@ def test_program_has_one_optimizer_step_per_backward_stage():
 def test_async_is_one_step_stale():
     """mode="async": call t's gradients are taken at the weights before update t-1."""
     model, ref, pipe = gpt_pair(1)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
     step = overlapped(opt, mode="async")
