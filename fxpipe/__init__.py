@@ -48,6 +48,6 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 __all__ = [
     "CaptureError", "Device", "DeviceMemoryError", "ExecutePlan", "PackedData", "PipelineModule",
-    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "sim", "optim", "set_verbose",
-    "simulate",
+    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "optim", "set_verbose",
+    "sim", "simulate",
 ]

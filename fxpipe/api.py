@@ -90,7 +90,7 @@ class _Compiled:
     plan: ExecutePlan
     program: fx.GraphModule       # top-level graph calling the forward stages
     stages: list[Stage]
-    runners: dict[int, Runner] = field(default_factory=dict)  # by id of the plan
+    runners: dict[tuple, Runner] = field(default_factory=dict)  # by plan_key of the plan
     timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
 
 
@@ -252,7 +252,7 @@ class PipelineModule(nn.Module):
         plan = cfg.execute_plan or compiled.plan
         if plan is not compiled.plan:
             plan.validate(len(compiled.layers), _run_type_of(plan, len(compiled.layers)))
-        key = id(plan)
+        key = plan_key(plan)  # equal plans share one runner (a new ExecutePlan per call is fine)
         if key not in compiled.runners:
             compiled.runners[key] = Runner(compiled.layers, plan, self.devices, compiled.timer,
                                            param_dtype=self.param_dtype)
@@ -322,6 +322,11 @@ class _Planned:
 
     layers: LayerGraph
     devices: list[Device]
+
+
+def plan_key(plan: ExecutePlan) -> tuple:
+    """What identifies a plan's runner: its ranges."""
+    return tuple(plan.fwd_plan), tuple(plan.bwd_plan)
 
 
 def _run_type_of(plan: ExecutePlan, num_layers: int) -> str:

@@ -248,8 +248,8 @@ def net_specs(draw, dropout: bool = False) -> NetSpec:
         blocks.append(BlockSpec(
             residual=draw(st.booleans()),
             carry=draw(st.integers(0, min(3, i))),
-            share=draw(st.none() | st.integers(0, depth - 1).filter(lambda j, i=i: j != i))
-            if depth > 1 else None,
+            share=draw(st.none() | st.integers(0, depth - 2).map(lambda j, i=i: j + (j >= i)))
+            if depth > 1 else None,  # another block than i
             bn=draw(st.booleans()) and draw(st.booleans()),
             dropout=draw(st.booleans()) if dropout else False))
     if dropout and not any(b.dropout for b in blocks):

@@ -557,3 +557,13 @@ def test_return_outputs_equal_eager_and_a_failing_merge_writes_nothing():
                               run_config=fxpipe.RunConfig(num_microbatch=M,
                                                           merge_output=broken_merge))
     _assert_state(model, state)
+
+
+def test_a_new_but_equal_plan_per_call_reuses_one_runner():
+    model, x = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, (x,), devices=devices(2))
+    for _ in range(5):  # the natural loop: a fresh RunConfig and ExecutePlan every call
+        plan = fxpipe.ExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
+        pipe.forward_backward((x,), loss_fn=lambda out, _: out.sum(),
+                              run_config=fxpipe.RunConfig(execute_plan=plan))
+    assert len(pipe._current.runners) == 1  # not one lowered copy of the model per call
