@@ -332,9 +332,10 @@ class Execution:
                     raise ValueError("loss_fn must return a scalar tensor, got "
                                      f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
                 if job.keep_outputs:  # to the host at the end, like other stages' outputs
-                    for name in lg.output_names:
-                        if name in made:
-                            self.dev_vals[(d, m, name)] = _detached(made[name])
+                    with self.values_lock:
+                        for name in lg.output_names:
+                            if name in made:
+                                self.dev_vals[(d, m, name)] = _detached(made[name])
                 weight = job.loss_weights[m]
                 scaled = loss if weight == 1.0 else loss * weight
                 job.losses[m] = scaled.detach()
