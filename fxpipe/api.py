@@ -102,7 +102,8 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
-                 devices: list[Device], capture: str, layers: str | None, config: RunConfig,
+                 devices: list[Device], capture: str | Callable[[], fx.GraphModule],
+                 layers: str | None, config: RunConfig,
                  plan: ExecutePlan | None, param_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = model
@@ -121,11 +122,12 @@ class PipelineModule(nn.Module):
         """The compiled graph serving this call: one of the same training mode whose
         static dims (export specializes some) fit the call, else a new capture."""
         args, kwargs = _first_microbatch(args, kwargs)
-        if self._cache:  # a structurally different call is an error, not a new capture
-            check_structure(self._cache[0].layers, args, kwargs)
+        # a structurally different call is an error, not a new capture (every cached
+        # graph has the example's structure, so checking against one suffices)
+        tensors = check_structure(self._cache[0].layers, args, kwargs) if self._cache else []
         reasons = []
         for compiled in self._cache:
-            reason = _mismatch(compiled.layers, self.module.training, args, kwargs)
+            reason = _mismatch(compiled.layers, self.module.training, tensors)
             if reason is None:
                 return compiled
             reasons.append(reason)
@@ -413,11 +415,11 @@ def _first_microbatch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
 
 
-def _mismatch(lg: LayerGraph, training: bool, args: tuple, kwargs: dict) -> str | None:
-    """Why the graph ``lg`` cannot serve this call (``None``: it can)."""
+def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why the graph ``lg`` cannot serve a call with these tensor leaves (``None``: it can)."""
     if lg.training != training:
         return f"the model is in {'training' if training else 'eval'} mode"
-    return _static_dim_problem(lg, check_structure(lg, args, kwargs))
+    return _static_dim_problem(lg, tensors)
 
 
 def _same_constant(a: Any, b: Any) -> bool:
