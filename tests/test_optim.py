@@ -283,12 +283,14 @@ def test_failure_after_some_stages_stepped(atomic):
             assert all(torch.equal(osd["state"][k][f], v) for f, v in st.items())
         for p, g in zip(model.parameters(), grads):
             assert torch.equal(p.grad, g)
-    else:  # the deeper stages stepped, whole; the error says which (timing: maybe layer 1)
+    else:  # the stages that stepped before the failure did so whole, and the error names them
+        # exactly; which ones got there first is timing (a loaded machine may step none)
         notes = "\n".join(getattr(info.value, "__notes__", []))
         m = re.search(r"already updated layers ([-\d, ]+) \(", notes)
-        assert m and m[1] in ("2-2, 3-4", "1-1, 2-2, 3-4"), notes
-        stepped = {i for span in m[1].split(", ") for i in range(int(span.split("-")[0]),
-                                                                 int(span.split("-")[1]) + 1)}
+        spans = m[1].split(", ") if m else []
+        assert set(spans) <= {"1-1", "2-2", "3-4"}, notes
+        stepped = {i for span in spans for i in range(int(span.split("-")[0]),
+                                                      int(span.split("-")[1]) + 1)}
         for i in range(4):
             changed = not torch.equal(sd[f"blocks.{i}.weight"], before[0][f"blocks.{i}.weight"])
             assert changed == (i in stepped), i

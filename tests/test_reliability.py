@@ -232,18 +232,22 @@ def test_interrupt_or_out_of_memory_mid_step(monkeypatch, error):
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(2), plan=PLAN)
     _step(pipe, "fused", ids, labels)
     ref, state = _clone(model), _state(model)
-    act, seen = executor.Execution._act, []
+    act, downloaded = executor.Execution._act, threading.Event()
 
     def act_then_fail(self, d, a):
-        seen.append(a)
         if type(a).__name__ == "RecomputeBackward" and a.stage == 3 and a.mb == 1:
+            # really mid-step: after the deeper stage's gradients came back (that download
+            # does not depend on this stage, so waiting for it cannot deadlock)
+            assert downloaded.wait(30)
             raise error("raised mid-step")
-        return act(self, d, a)
+        act(self, d, a)
+        if type(a).__name__ == "DownloadGrads":
+            downloaded.set()
 
     monkeypatch.setattr(executor.Execution, "_act", act_then_fail)
     with pytest.raises(error):
         _step(pipe, "fused", ids, labels)
-    assert any(type(a).__name__ == "DownloadGrads" for a in seen)  # really mid-step
+    assert downloaded.is_set()
     _assert_state(model, state)
     _assert_workers_idle(pipe)
     monkeypatch.setattr(executor.Execution, "_act", act)
