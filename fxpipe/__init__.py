@@ -28,8 +28,12 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
     costs: measured times where known, else FLOPs on ``hardware``) or a ``Program`` with
     ``costs`` (a ``fxpipe.sim.LayerCost`` per layer).
 
+    >>> import torch, fxpipe
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(512, 1024),), devices=["cpu"] * 2)
     >>> t = fxpipe.simulate(pipe, fxpipe.sim.Hardware.rtx4090_pcie4())
-    >>> t.bubble_ratio
+    >>> round(t.bubble_ratio, 1)    # percent of the devices' time spent idle
+    93.1
     """
     from fxpipe.sim import Hardware, LayerCost
     from fxpipe.sim import simulate as _simulate

@@ -43,9 +43,27 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
-    >>> pipe = fxpipe.compile(model, example_inputs=(x,))
-    >>> print(pipe)                 # the rewritten graph, with its transfers
+    >>> import fxpipe
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> x = torch.randn(6, 4)
+    >>> pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
+    >>> print(pipe)                 # the rewritten graph, with its transfers  # doctest: +ELLIPSIS
+    def forward(self, input_1):
+        # stage 0 | layers 0-1 (0, 1) | vcpu:0 | params 160 B | saved 288 B | out 192 B | ...
+        stage_0 = self.stage_0(input_1);  input_1 = None
+        relu = stage_0[0];  stage_0 = None
+        # stage 1 | layer 2 (2) | vcpu:1 | params 72 B | saved 192 B | out 48 B | ...
+        stage_1 = self.stage_1(relu);  relu = None
+    ...
+    # ---- stage_1 ----
+    ...
+        relu_dev = torch.ops.fxpipe.upload.default(relu, 1);  relu = None
+        linear_1 = torch._C._nn.linear(relu_dev, _2_weight, _2_bias);  ...
+        linear_1_host = torch.ops.fxpipe.offload.default(linear_1);  linear_1 = None
+    ...
     >>> pipe(x).sum().backward()    # gradients land in model's own parameters' .grad
+    >>> model[0].weight.grad.shape
+    torch.Size([8, 4])
 
     ``param_dtype`` (e.g. ``torch.bfloat16``): mixed precision. The model's parameters
     stay the (fp32) master weights; devices get copies cast to ``param_dtype`` (floating
@@ -293,7 +311,20 @@ class PipelineModule(nn.Module):
                 num_microbatch: int | None = None) -> Program:
         """The schedule a call of ``run_type`` runs: per device, its ordered actions.
 
-        >>> print(pipe.program("fused", num_microbatch=2))   # devices x steps table
+        >>> import fxpipe
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
+        >>> print(pipe.program("fused", num_microbatch=2))   # doctest: +ELLIPSIS
+        program devices=2 microbatches=2
+        stage 0 fwd 0:2
+        stage 1 fused 2:3
+        stage 2 bwd 1:2
+        stage 3 bwd 0:1
+        step  d0   d1
+        0     0P   1P
+        1     0U0  1U0
+        2     0F0  1FB0
+        ...
         """
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")

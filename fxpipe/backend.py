@@ -6,10 +6,19 @@ see ``fxpipe.passes.from_dynamo``) and returns a function running it. The model'
 parameters are the pipeline's parameters, so ``loss.backward()`` fills their ``.grad``
 and any optimizer works on them.
 
+>>> import fxpipe
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> x = torch.randn(6, 4)
 >>> be = fxpipe.backend(devices=["cpu", "cpu"])
 >>> compiled = torch.compile(model, backend=be, dynamic=True)
 >>> compiled(x).sum().backward()
->>> print(be.pipe)          # the rewritten graph of the last graph compiled
+>>> print(be.pipe)          # the last graph compiled, rewritten  # doctest: +ELLIPSIS
+def forward(self, args_0):
+    # stage 0 | layer 0 (prefix) | vcpu:0 | params 0 B | saved 0 B | out 96 B | ...
+    stage_0 = self.stage_0(args_0);  stage_0 = None
+    # stage 1 | layer 1 (fn) | vcpu:1 | params 232 B | saved 288 B | out 48 B | ...
+    stage_1 = self.stage_1(args_0);  args_0 = None
+...
 
 fxpipe needs the whole forward as one graph: a graph break raises
 ``fxpipe.CaptureError`` naming where dynamo broke the graph and why. Dynamo recompiles

@@ -79,6 +79,11 @@ Mode = Literal["exact", "async"]
 class Overlapped:
     """A torch optimizer run by the pipeline; see the module docstring.
 
+    >>> import fxpipe
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    >>> x, y, ce = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]), nn.functional.cross_entropy
+    >>> pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
     >>> step = fxpipe.optim.overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     >>> loss = pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
     >>> step.stepped

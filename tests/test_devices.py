@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -389,3 +391,23 @@ def test_resolve_devices_none_gives_every_gpu():
     assert [d.name for d in resolved] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     assert all(isinstance(d, CudaDevice) for d in resolved)
     assert re.fullmatch(r"cuda:0", resolve_devices(["cuda:0"])[0].name)
+
+
+def test_workers_use_one_thread_and_leave_everyone_elses_count():
+    """``torch.set_num_threads(1)`` in a worker also sets the value other threads adopt
+    on first use; the caller and threads started later keep theirs. In a fresh process:
+    the main thread's first query comes after the workers started."""
+    code = textwrap.dedent("""
+        import threading, torch, fxpipe
+        d = fxpipe.VirtualDevice()
+        inside = d.submit("compute", torch.get_num_threads).result(30)
+        copy = d.submit("h2d", torch.get_num_threads).result(30)
+        fresh = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start(); t.join()
+        print(inside, copy, torch.get_num_threads(), fresh[0])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "2", "2"], out.stdout

@@ -21,6 +21,7 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
 a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
 adds wall-clock times measured on the real tensors.
 
+>>> from torch import nn
 >>> from fxpipe.passes.partition import build_layer_graph
 >>> x = torch.randn(32, 256)
 >>> lg = build_layer_graph(nn.Sequential(nn.Linear(256, 256), nn.ReLU()), (x,))

@@ -251,13 +251,33 @@ def _check_submit(device: Device, stream: str, wait: Sequence[Event]) -> tuple[E
     return tuple(wait)
 
 
+_thread_setup = threading.Lock()
+
+
+def _start_worker(thread: threading.Thread, ready: threading.Event) -> None:
+    """Start a worker that runs with one intra-op thread, leaving everyone else's count.
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP/MKL count, and also the
+    process-wide value threads adopt on their first parallel op: the caller's thread,
+    or any other, could silently drop to one thread. So the caller settles its own count
+    first, and puts the process-wide value back once the worker has set its own.
+    """
+    with _thread_setup:
+        count = torch.get_num_threads()  # also fixes this thread's own count
+        thread.start()
+        ready.wait()
+        torch.set_num_threads(count)
+
+
 def _run_stream(stream: str, work: queue.SimpleQueue, sink: list,
-                after: threading.Thread | None = None) -> None:
+                after: threading.Thread | None, ready: threading.Event) -> None:
     """A VirtualDevice stream: run queued work in order until the ``None`` sentinel.
     ``sink[0]`` is the list records go to, or None while not recording. ``after`` is the
     stream's previous worker, stopped but maybe still running its queue: wait for it, so
-    the stream keeps its order across a restart."""
-    torch.set_num_threads(1)  # per thread (OpenMP): the caller's own setting is untouched
+    the stream keeps its order across a restart. Started by ``_start_worker``."""
+    torch.get_num_threads()  # settle this thread's count first: set_num_threads keeps it
+    torch.set_num_threads(1)
+    ready.set()
     if after is not None:
         after.join()
         after = None
@@ -328,11 +348,12 @@ class VirtualDevice(Device):
             if stream not in self._queues:
                 work: queue.SimpleQueue = queue.SimpleQueue()
                 previous = self._stopped.pop(stream, None)
+                ready = threading.Event()
                 thread = threading.Thread(
-                    target=_run_stream, args=(stream, work, self._sink, previous),
+                    target=_run_stream, args=(stream, work, self._sink, previous, ready),
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
-                thread.start()
+                _start_worker(thread, ready)
             self._queues[stream].put((fn, args, wait, event))
             self._last[stream] = event
         return event

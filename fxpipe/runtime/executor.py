@@ -78,6 +78,7 @@ class Job:
     layer_stages: dict[int, Stage] = field(default_factory=dict)  # grain "layer": by layer
     optimizer: Any = None                    # fxpipe.optim's part of the call (OptimizerStep)
     autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
+    differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -308,7 +309,7 @@ class Execution:
         lg = job.layers
         if job.grain == "layer" and not fused and len(st.layers) > 1:
             return self._backward_by_layer(d, s, m)
-        leaves = {n: _leaf(self._value_on(d, m, n)) for n in st.inputs}
+        leaves = {n: self._leaf(n, self._value_on(d, m, n)) for n in st.inputs}
         device = _torch_device(job.devices[d])
         with torch.enable_grad():
             with reentered(job.autocast):
@@ -323,7 +324,7 @@ class Execution:
                 # outputs made by earlier stages are inputs of the loss too
                 for name in lg.output_names:
                     if name not in made and name not in leaves:
-                        leaves[name] = _leaf(self._value_on(d, m, name))
+                        leaves[name] = self._leaf(name, self._value_on(d, m, name))
                 values = {**leaves, **made}
                 out = pytree.tree_unflatten(lg.flat_outputs(values), lg.out_spec)
                 with reentered(job.autocast):
@@ -352,6 +353,15 @@ class Execution:
             self._add_dev_grad(d, m, n, g)
         self.input_grads[(s, m)] = grads
 
+    def _leaf(self, name: str, x: Any) -> Any:
+        """A stage input as backward sees it: a leaf that requires grad if the value may
+        have a gradient (``passes.grad_flow``), else the value itself (no gradient work)."""
+        wanted = self.job.differentiable
+        if (wanted is None or name in wanted) and isinstance(x, torch.Tensor) \
+                and (x.is_floating_point() or x.is_complex()):
+            return x.detach().requires_grad_()
+        return x
+
     def _add_dev_grad(self, d: int, m: int, name: str, g: torch.Tensor) -> None:
         """Add to the gradient of ``name`` held on device ``d``: a value several stages
         read gets a part from each, and an ``Offload`` may be taking it to the host now."""
@@ -378,7 +388,7 @@ class Execution:
         grads: dict[str, torch.Tensor | None] = {n: self._grad_on(d, m, n) for n in st.outputs}
         for i, inputs in zip(reversed(st.layers), reversed(saved)):
             sub = job.layer_stages[i]
-            leaves = [_leaf(x) for x in inputs]
+            leaves = [self._leaf(n, x) for n, x in zip(sub.inputs, inputs)]
             with torch.enable_grad():
                 with reentered(job.autocast):
                     outs, _ = run_stage(sub, leaves, **run, timer=job.timer, kind="recompute")
@@ -485,12 +495,6 @@ def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | Non
              if isinstance(o, torch.Tensor) and o.requires_grad and grads.get(n) is not None]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-
-def _leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-        return x.detach().requires_grad_()
-    return x
 
 
 def _torch_device(device: Device) -> torch.device:

@@ -19,6 +19,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from fxpipe.config import RunConfig
 from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
+from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import Stage, lower, lower_stage
 from fxpipe.passes.schedule import Program, build_program
@@ -145,9 +146,12 @@ class Runner:
             any(layer.random for layer in self.lg) else None
         if cfg.recompute_grain == "layer":
             kw["layer_stages"] = self.layer_stages()
+        inputs = {n for env in envs for n, x in env.items()
+                  if isinstance(x, torch.Tensor) and x.requires_grad}
         return Job(program=prep.program, stages=prep.stages, layers=self.lg, store=prep.store,
                    devices=self.devices, inputs=envs, call_seed=seed, grain=cfg.recompute_grain,
-                   timer=self.timer, autocast=amp.captured(), **kw)
+                   timer=self.timer, autocast=amp.captured(),
+                   differentiable=grad_values(self.lg, inputs), **kw)
 
     def execute(self, job: Job, commit: bool = False,
                 results: Callable[[], Any] | None = None) -> Any:
@@ -271,7 +275,8 @@ class TrainCall:
         job = Job(program=fj.program, stages=fj.stages, layers=r.lg, store=fj.store,
                   devices=r.devices, inputs=fj.host, call_seed=fj.call_seed,
                   out_grads=out_grads, parts=frozenset({"bwd"}), grain=fj.grain,
-                  layer_stages=fj.layer_stages, timer=fj.timer, autocast=fj.autocast)
+                  layer_stages=fj.layer_stages, timer=fj.timer, autocast=fj.autocast,
+                  differentiable=fj.differentiable)
         r.execute(job)
         params = job.accumulator.totals()
         job.accumulator.discard()

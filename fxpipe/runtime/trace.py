@@ -1,8 +1,14 @@
 """Record a real run's timeline, in the simulator's ``Timeline`` form.
 
-    >>> with pipe.trace("run.json") as rec:          # Chrome trace / Perfetto
-    ...     pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
-    >>> rec.timeline.plot("run.png"); rec.timeline.bubble_ratio
+    >>> import torch, fxpipe
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x, y, loss_fn = torch.randn(6, 4), torch.randn(6, 2), torch.nn.functional.mse_loss
+    >>> pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
+    >>> with pipe.trace() as rec:    # pipe.trace("run.json"): also a Chrome trace / Perfetto file
+    ...     loss = pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
+    >>> sorted({interval.kind for interval in rec.timeline.intervals})
+    ['backward', 'forward', 'transfer']
+    >>> rec.timeline.plot("run.png"); rec.timeline.bubble_ratio  # doctest: +SKIP
 
 Each device stream's actions (labelled with the Program's action strings) become
 intervals: forward computes as ``forward``, fused and recompute+backward computes as
