@@ -33,6 +33,10 @@ class CountingDevice(VirtualDevice):
         self.downloads.append(dev_tensor)
         return super().to_host(dev_tensor, pin)
 
+    def to_host_flat(self, dev_tensors):
+        self.downloads.append(dev_tensors)
+        return super().to_host_flat(dev_tensors)
+
 
 @pytest.fixture
 def dev():
@@ -381,3 +385,25 @@ def test_refresh_copies_only_changed_masters_and_sees_every_kind_of_update():
     assert torch.equal(up["a"], torch.ones(3)) and torch.equal(up["b"], torch.full((2,), 5.0))
     store.release(dev, up)
     dev.close()
+
+
+def test_accumulator_keeps_owned_gradients_without_copying():
+    p, q, r = nn.Parameter(torch.zeros(16)), nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))
+    store = ParamStore({0: {"p": p, "q": q, "r": r}, 1: {"p": p}}, pin=False)
+    flat = torch.arange(16 + 3 + 4 + 16, dtype=torch.float32)
+    gp, gq, gr, gp1 = flat[:16], flat[16:19], flat[19:23], flat[23:]
+    acc = GradAccumulator(store)
+    acc.add(0, {"p": gp, "q": gq, "r": gr}, own=True)
+    acc.add(1, {"p": gp1}, own=True)  # tied: adds into the kept sum
+    acc.commit()
+    assert p.grad.data_ptr() == gp.data_ptr()  # kept, not copied
+    assert torch.equal(p.grad, torch.arange(16.0) + torch.arange(23.0, 39.0))
+    assert q.grad.data_ptr() == gq.data_ptr()  # 64 B in: aligned, kept
+    assert r.grad.data_ptr() != gr.data_ptr() and torch.equal(r.grad, gr)  # 76 B in: copied
+    # without own=True the caller's tensors are never kept
+    w = nn.Parameter(torch.zeros(16))
+    acc = GradAccumulator(ParamStore({0: {"w": w}}, pin=False))
+    given = torch.ones(16)
+    acc.add(0, {"w": given})
+    acc.commit()
+    assert w.grad.data_ptr() != given.data_ptr() and torch.equal(w.grad, given)

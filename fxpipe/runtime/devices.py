@@ -140,6 +140,11 @@ class Device(ABC):
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
 
+    def to_host_flat(self, dev_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The device tensors flattened and concatenated into one new host tensor (one
+        transfer; e.g. a stage's parameter gradients). They share a dtype."""
+        return self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
+
     @abstractmethod
     def synchronize(self) -> None:
         """Block until all submitted work is complete (errors stay in their events)."""
@@ -373,6 +378,11 @@ class VirtualDevice(Device):
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
         return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
+
+    def to_host_flat(self, dev_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The concatenation is itself a separate host copy: one pass over the data, not
+        a concatenation on the "device" and then a copy of it."""
+        return torch.cat([t.detach().reshape(-1) for t in dev_tensors])
 
     def synchronize(self) -> None:
         """Block until every stream has run all work submitted so far."""

@@ -241,7 +241,7 @@ class Execution:
                 res = self.resident[(d, s)]
                 grads = {f: t.grad for f, t in res.items() if t.requires_grad}
                 host = self.job.store.download_grads(s, self.job.devices[d], grads)
-                self.job.accumulator.add(s, host)
+                self.job.accumulator.add(s, host, own=True)
                 for t in res.values():
                     t.grad = None
             case Release(stage=s):

@@ -209,7 +209,7 @@ class ParamStore:
             if items[0][1].is_cuda:  # the packing below reads them on this (d2h) stream
                 for _, g in items:
                     g.record_stream(torch.cuda.current_stream(g.device))
-            host = device.to_host(torch.cat([g.detach().reshape(-1) for _, g in items]))
+            host = device.to_host_flat([g for _, g in items])
             offset = 0
             for fqn, g in items:
                 out[fqn] = host[offset:offset + g.numel()].view(g.shape)
@@ -273,8 +273,13 @@ class GradAccumulator:
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
 
-    def add(self, stage: int, host_grads: Mapping[str, torch.Tensor]) -> None:
-        """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``)."""
+    def add(self, stage: int, host_grads: Mapping[str, torch.Tensor], *, own: bool = False) -> None:
+        """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``).
+
+        ``own``: the tensors are the accumulator's to keep (fresh from ``download_grads``):
+        one laid out like its parameter, in its grad dtype and aligned, becomes the sum
+        itself instead of being copied (it may end up as ``.grad``).
+        """
         with self._lock, torch.no_grad():
             for fqn, g in host_grads.items():
                 master = self._store._slot(stage, fqn).master
@@ -283,9 +288,12 @@ class GradAccumulator:
                                      f"the parameter {tuple(master.shape)}")
                 if id(master) in self._sums:
                     self._sums[id(master)][1].add_(g)
-                else:  # own copy, laid out like the parameter, in its grad_dtype (as autograd)
+                else:  # laid out like the parameter, in its grad_dtype (as autograd)
                     dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
-                    self._sums[id(master)] = (master, torch.empty_like(master, dtype=dtype).copy_(g))
+                    if not (own and g.dtype == dtype and g.stride() == master.stride()
+                            and g.data_ptr() % _ALIGN_BYTES == 0):
+                        g = torch.empty_like(master, dtype=dtype).copy_(g)
+                    self._sums[id(master)] = (master, g)
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
