@@ -411,3 +411,34 @@ def test_workers_use_one_thread_and_leave_everyone_elses_count():
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1", "2", "2"], out.stdout
+
+
+def test_freed_transfer_memory_is_reused_only_when_nothing_holds_it():
+    d = VirtualDevice()
+    host = torch.arange(6.0)
+    a = d.to_device(host, kind="params", owner="stage 0")
+    ptr = a.data_ptr()
+    d.free(a)
+    del a
+    assert d.cached_bytes() == 24 and d.resident_bytes() == 0
+    b = d.to_device(host * 2, kind="activations", owner="stage 1")  # same size: same memory
+    assert b.data_ptr() == ptr and torch.equal(b, host * 2) and b.is_contiguous()
+    assert d.resident_bytes("activations") == 24 and d.cached_bytes() == 0
+    view = b[1:]  # e.g. an output aliasing its input, or an autograd graph holding it
+    d.free(b)
+    del b
+    c = d.to_device(host * 3, kind="params", owner="stage 2")
+    assert c.data_ptr() != ptr and torch.equal(view, (host * 2)[1:])  # not overwritten
+    del view
+    e = d.to_device(torch.ones(3, 2), kind="params", owner="stage 3")  # now free: reused
+    assert e.data_ptr() == ptr and e.shape == (3, 2) and torch.equal(e, torch.ones(3, 2))
+    d.free(c)
+    assert d.cached_bytes() == 24
+    d.empty_cache()
+    assert d.cached_bytes() == 0
+    tracked = d.track(torch.zeros(6), kind="gradients", owner="stage 0")
+    d.free(tracked)  # made by compute, not by to_device: not kept
+    assert d.cached_bytes() == 0
+    d.free(e)
+    d.stop_workers()  # gives the cache back too
+    assert d.cached_bytes() == 0

@@ -313,6 +313,61 @@ def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
         work.put(None)
 
 
+class _StorageCache:
+    """A VirtualDevice's freed ``to_device`` memory, by size, to copy the next transfer of
+    that size into: a fresh allocation of megabytes is mapped and zeroed page by page by
+    the kernel, which on a small machine costs as much memory traffic as the copy itself,
+    while the compute threads share that bandwidth.
+
+    A freed storage is reused only once nothing else holds it (a view, an autograd
+    graph, a value handed on): its use count is then the cache's own reference alone.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: set[int] = set()  # data_ptr of storages copy_in made and not yet put back
+        self._free: dict[int, list[torch.UntypedStorage]] = {}  # by nbytes
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: optional
+
+    def copy_in(self, host: torch.Tensor) -> torch.Tensor:
+        """A new contiguous device copy of ``host``, in reused memory when some is free."""
+        nbytes = host.numel() * host.element_size()
+        storage = self._take(nbytes) if nbytes and self._use_count is not None else None
+        if storage is None:
+            out = host.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape).copy_(host)
+        if nbytes and self._use_count is not None:
+            with self._lock:
+                self._made.add(out.untyped_storage().data_ptr())
+        return out
+
+    def put(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        with self._lock:
+            if storage.data_ptr() not in self._made:
+                return  # not ours (made by compute and tracked): left to Python
+            self._made.discard(storage.data_ptr())
+            self._free.setdefault(storage.nbytes(), []).append(storage)
+
+    def _take(self, nbytes: int) -> torch.UntypedStorage | None:
+        with self._lock:
+            free = self._free.get(nbytes, [])
+            for i, storage in enumerate(free):
+                if self._use_count(storage._cdata) == 1:  # only this list holds it
+                    return free.pop(i)
+        return None
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(n * len(v) for n, v in self._free.items())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._made.clear()  # still-live copies are then left to Python when freed
+
+
 class VirtualDevice(Device):
     """A CPU stand-in for a GPU: one worker thread per stream, real separate tensor copies.
 
@@ -335,6 +390,7 @@ class VirtualDevice(Device):
         self._threads: dict[str, threading.Thread] = {}
         self._stopped: dict[str, threading.Thread] = {}  # by stream: stopped, maybe still draining
         self._last: dict[str, Event] = {}
+        self._cache = _StorageCache()
         # Stop the workers if the device is dropped without close(); they hold no reference to it.
         self._stop = weakref.finalize(self, _stop_workers, self._queues)
 
@@ -372,8 +428,22 @@ class VirtualDevice(Device):
         if host_tensor.device.type != "cpu":
             raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
                              f"got one on {host_tensor.device}")
-        return self._allocate(host_tensor.numel() * host_tensor.element_size(), kind, owner,
-                              lambda: host_tensor.detach().clone(memory_format=torch.contiguous_format))
+        nbytes = host_tensor.numel() * host_tensor.element_size()
+        return self._allocate(nbytes, kind, owner, lambda: self._cache.copy_in(host_tensor))
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s allocation; memory ``to_device`` made is kept for reuse
+        (as a GPU's caching allocator does; ``empty_cache()`` gives it back)."""
+        super().free(tensor)
+        self._cache.put(tensor)
+
+    def cached_bytes(self) -> int:
+        """Freed device memory kept for reuse (not counted as resident)."""
+        return self._cache.nbytes()
+
+    def empty_cache(self) -> None:
+        """Give the freed memory kept for reuse back (``stop_workers``/``close`` do too)."""
+        self._cache.clear()
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
@@ -402,6 +472,7 @@ class VirtualDevice(Device):
         self._stop_and_join(close=True)
 
     def _stop_and_join(self, close: bool) -> None:
+        self._cache.clear()
         with self._lock:
             if self._closed:
                 return
