@@ -52,6 +52,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
+from fxpipe.passes.partition import _fetch
 
 # (layer input positions, attribute targets) an output depends on
 Sources = tuple[frozenset[int], frozenset[str]]
@@ -102,13 +103,6 @@ def grad_values(lg: LayerGraph, inputs: Iterable[str]) -> frozenset[str]:
                     getattr(_fetch(layer.gm, a), "requires_grad", False) for a in attrs):
                 carries.add(name)
     return frozenset(carries)
-
-
-def _fetch(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _nodes(x) -> list[fx.Node]:
