@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes.grad_flow import grad_values, layer_sources
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.runtime import executor
 from tests import models
+from tests.test_runtime import assert_grads_equal, ce
 
 
 class Mixed(nn.Module):
@@ -127,17 +127,15 @@ def test_rotary_tables_get_no_gradient_and_grads_match_eager(monkeypatch, style,
                                                   bwd_plan=[range(4, 5), range(2, 4), range(0, 2)]),
                           config=fxpipe.RunConfig(num_microbatch=2, recompute_grain=grain))
     taken = _input_grads_taken(monkeypatch)
-    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
     if style == "fused":
-        loss = pipe.forward_backward((ids,), label=y, loss_fn=loss_fn)
+        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
     else:
-        loss = loss_fn(pipe(ids), y)
+        loss = ce(pipe(ids), y)
         loss.backward()
-    ref_loss = loss_fn(ref(ids), y)
+    ref_loss = ce(ref(ids), y)
     ref_loss.backward()
     assert torch.allclose(loss, ref_loss.detach(), atol=1e-6)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, r.grad, atol=2e-6, rtol=1e-5), name
+    assert_grads_equal(model, ref)
     prefix = pipe.layers[0]
     tables = set(prefix.outputs) - {"embedding"}  # cos and sin, from the sequence length
     assert prefix.outputs == ["embedding", *sorted(tables)] and len(tables) == 2
@@ -158,12 +156,8 @@ def test_frozen_prefix_sends_no_gradient_to_it(monkeypatch):
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=[fxpipe.VirtualDevice()],
                           config=fxpipe.RunConfig(num_microbatch=2))
     taken = _input_grads_taken(monkeypatch)
-    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
-    pipe.forward_backward((ids,), label=y, loss_fn=loss_fn)
-    loss_fn(ref(ids), y).backward()
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (r.grad is None), name
-        if p.grad is not None:
-            assert torch.allclose(p.grad, r.grad, atol=2e-6, rtol=1e-5), name
+    pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    ce(ref(ids), y).backward()
+    assert_grads_equal(model, ref)
     first_block_in = set(pipe.layers[1].inputs)
     assert not (taken & first_block_in), taken & first_block_in
