@@ -33,9 +33,9 @@ class CountingDevice(VirtualDevice):
         self.downloads.append(dev_tensor)
         return super().to_host(dev_tensor, pin)
 
-    def to_host_flat(self, dev_tensors):
+    def to_host_each(self, dev_tensors):
         self.downloads.append(dev_tensors)
-        return super().to_host_flat(dev_tensors)
+        return super().to_host_each(dev_tensors)
 
 
 @pytest.fixture
@@ -304,6 +304,85 @@ def test_accumulator_is_thread_safe():
     acc.commit()
     assert torch.equal(p.grad, torch.full((1000,), 200.0))
 
+
+
+# --- folding an existing .grad in as gradients arrive (a call that commits at its end) ---
+
+def _folding(p: nn.Parameter, grad: torch.Tensor) -> GradAccumulator:
+    """An accumulator with ``fold=True`` that has been given ``grad`` for ``p``."""
+    acc = GradAccumulator(ParamStore({0: {"p": p}}, pin=False), fold=True)
+    acc.add(0, {"p": grad}, own=True)
+    return acc
+
+
+def test_fold_replaces_a_private_grad_with_the_sum():
+    p = nn.Parameter(torch.zeros(4, 3))
+    p.grad = torch.full((4, 3), 2.0)
+    old_id = id(p.grad)
+    acc = _folding(p, torch.ones(4, 3))
+    assert torch.equal(p.grad, torch.full((4, 3), 2.0))  # nothing written before commit
+    acc.commit()
+    assert torch.equal(p.grad, torch.full((4, 3), 3.0))
+    assert id(p.grad) != old_id  # the sum took the old tensor's place: no pass at commit
+
+
+@pytest.mark.parametrize("holder", ["reference", "view", "shared_memory", "layout", "fold_off"])
+def test_fold_adds_in_place_when_the_old_grad_can_be_seen(holder):
+    """Anyone who can see the old .grad sees it updated in place, as with autograd."""
+    p = nn.Parameter(torch.zeros(4, 3))
+    flat = torch.full((20,), 2.0)
+    p.grad = flat[:12].view(4, 3) if holder == "view" else torch.full((4, 3), 2.0)
+    if holder == "shared_memory":  # not a view to autograd, but on another tensor's memory
+        p.grad = flat[:12].view(4, 3).detach()
+    if holder == "layout":  # a .grad strided unlike the parameter
+        p.grad = torch.full((3, 4), 2.0).t()
+    held = p.grad if holder in ("reference", "layout") else None
+    if holder == "fold_off":
+        acc = GradAccumulator(ParamStore({0: {"p": p}}, pin=False))
+        acc.add(0, {"p": torch.ones(4, 3)}, own=True)
+    else:
+        acc = _folding(p, torch.ones(4, 3))
+    before = p.grad
+    acc.commit()
+    assert p.grad is before and torch.equal(p.grad, torch.full((4, 3), 3.0))
+    if holder in ("view", "shared_memory"):
+        assert torch.equal(flat[:12], torch.full((12,), 3.0)) and flat[12:].eq(2).all()
+    if held is not None:
+        assert torch.equal(held, torch.full((4, 3), 3.0))
+
+
+def test_fold_then_discard_leaves_grad_untouched():
+    p = nn.Parameter(torch.zeros(5))
+    p.grad = torch.full((5,), 2.0)
+    old = p.grad
+    _folding(p, torch.ones(5)).discard()
+    assert p.grad is old and torch.equal(old, torch.full((5,), 2.0))
+
+
+@pytest.mark.parametrize("change", ["replaced", "modified"])
+def test_fold_refuses_to_commit_over_a_grad_changed_meanwhile(change):
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    a.grad, b.grad = torch.full((2,), 2.0), torch.full((3,), 2.0)
+    acc = GradAccumulator(ParamStore({0: {"a": a, "b": b}}, pin=False), fold=True)
+    acc.add(0, {"a": torch.ones(2), "b": torch.ones(3)}, own=True)
+    if change == "replaced":
+        b.grad = torch.full((3,), 7.0)
+    else:
+        b.grad.mul_(2)
+    expected_b = b.grad.clone()
+    with pytest.raises(RuntimeError, match="changed by someone else during the call; nothing was written"):
+        acc.commit()
+    assert torch.equal(a.grad, torch.full((2,), 2.0)) and torch.equal(b.grad, expected_b)
+
+
+def test_fold_with_tied_parameter_counts_the_old_grad_once():
+    w = nn.Parameter(torch.zeros(3))
+    w.grad = torch.full((3,), 10.0)
+    acc = GradAccumulator(ParamStore({0: {"embed": w}, 1: {"head": w}}, pin=False), fold=True)
+    acc.add(1, {"head": torch.ones(3)}, own=True)
+    acc.add(0, {"embed": torch.full((3,), 2.0)}, own=True)
+    acc.commit()
+    assert torch.equal(w.grad, torch.full((3,), 13.0))
 
 # --- buffers --------------------------------------------------------------------------
 

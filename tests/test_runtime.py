@@ -164,6 +164,29 @@ def test_gradient_accumulation_and_no_grad():
     assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters())
 
 
+
+def test_accumulating_calls_replace_unseen_grads_and_update_held_ones():
+    """forward_backward onto existing .grads equals eager; a .grad the caller holds is
+    updated in place, as autograd would, and every other one is replaced by its sum (the
+    old values folded in while later stages computed, not in a pass after the call)."""
+    torch.manual_seed(0)
+    model = models.GPT(depth=2).eval()
+    ref = copy.deepcopy(model)
+    ids, t = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(2),
+                          config=fxpipe.RunConfig(num_microbatch=2))
+    pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    ce(ref(ids), t).backward()
+    params = dict(model.named_parameters())
+    held_name = next(n for n in params if n.startswith("blocks.1."))
+    held = params[held_name].grad
+    before = {n: id(p.grad) for n, p in params.items()}
+    pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    ce(ref(ids), t).backward()
+    assert_grads_equal(model, ref)
+    assert params[held_name].grad is held
+    assert {n for n, p in params.items() if id(p.grad) != before[n]} == set(params) - {held_name}
+
 # -- random ops ----------------------------------------------------------------------------
 
 def _dropout_step(plan, n_devices, seed=7):

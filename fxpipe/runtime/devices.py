@@ -140,10 +140,12 @@ class Device(ABC):
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
 
-    def to_host_flat(self, dev_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The device tensors flattened and concatenated into one new host tensor (one
-        transfer; e.g. a stage's parameter gradients). They share a dtype."""
-        return self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """New contiguous host copies of the device tensors, in one transfer (e.g. a
+        stage's parameter gradients; they share a dtype): views into one flat host tensor."""
+        flat = self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
+        return [part.view(t.shape) for part, t in
+                zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -449,10 +451,11 @@ class VirtualDevice(Device):
         """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
         return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
 
-    def to_host_flat(self, dev_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The concatenation is itself a separate host copy: one pass over the data, not
-        a concatenation on the "device" and then a copy of it."""
-        return torch.cat([t.detach().reshape(-1) for t in dev_tensors])
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One copy each, in its own memory: there is no transfer to batch, and a copy
+        that becomes a parameter's ``.grad`` then holds only itself (no shared flat buffer
+        that would keep every other copy alive, or stop ``.grad`` being replaced)."""
+        return [t.detach().clone(memory_format=torch.contiguous_format) for t in dev_tensors]
 
     def synchronize(self) -> None:
         """Block until every stream has run all work submitted so far."""

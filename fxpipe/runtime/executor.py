@@ -79,6 +79,7 @@ class Job:
     optimizer: Any = None                    # fxpipe.optim's part of the call (OptimizerStep)
     autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
     differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
+    commit_grads: bool = False               # parameter grads go to .grad when the call succeeds
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -96,7 +97,10 @@ class Execution:
         self.M = p.num_microbatches
         job.host = [dict(x) for x in job.inputs]
         job.grads = [dict(g) for g in (job.out_grads or [{} for _ in range(self.M)])]
-        job.accumulator = GradAccumulator(job.store)
+        # a call that commits at its end folds each existing .grad in as its stage's
+        # gradients arrive; a streamed optimizer commits stage by stage itself
+        job.accumulator = GradAccumulator(job.store,
+                                          fold=job.commit_grads and job.optimizer is None)
         self.dev_vals: dict[tuple[int, int, str], torch.Tensor] = {}
         self.dev_grads: dict[tuple[int, int, str], torch.Tensor] = {}
         self.resident: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -175,14 +179,15 @@ class Execution:
         """Wait for every submitted action; the failure to raise is the cause, not the
         ``Cancelled`` of actions that started after it (whatever their order)."""
         failures = []
-        for ev in ended.values():
+        # latest first: those end last, so the caller wakes once, not once per action
+        for ev in reversed(list(ended.values())):
             try:
                 exc = ev.exception()
             except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
                 self.cancelled.set()
                 exc = e
             if exc is not None:
-                failures.append(exc)
+                failures.insert(0, exc)  # in submission order
         if not failures:
             return None
         for ev in ended.values():  # everything submitted has finished; make sure of it

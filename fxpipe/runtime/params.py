@@ -25,6 +25,7 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 from fxpipe.runtime.devices import Device
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: optional
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,8 @@ class ParamStore:
         """Bring ``{fqn: device gradient}`` to the host in one transfer per dtype.
 
         Give a tied parameter's gradient once, under any of its names. Returns
-        ``{fqn: host gradient}`` (views into one flat host tensor per dtype). Call it on
-        the device's ``"d2h"`` stream; on CUDA the values are ready when that event is.
+        ``{fqn: host gradient}`` (new host tensors, from ``Device.to_host_each``). Call it
+        on the device's ``"d2h"`` stream; on CUDA the values are ready when that event is.
         """
         st = self._stage(stage)
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
@@ -209,11 +211,7 @@ class ParamStore:
             if items[0][1].is_cuda:  # the packing below reads them on this (d2h) stream
                 for _, g in items:
                     g.record_stream(torch.cuda.current_stream(g.device))
-            host = device.to_host_flat([g for _, g in items])
-            offset = 0
-            for fqn, g in items:
-                out[fqn] = host[offset:offset + g.numel()].view(g.shape)
-                offset += g.numel()
+            out.update(zip([fqn for fqn, _ in items], device.to_host_each([g for _, g in items])))
         return out
 
     def write_back_buffers(self, stage: int, device_buffers: Mapping[str, torch.Tensor]) -> None:
@@ -260,6 +258,13 @@ class GradAccumulator:
     ``.grad`` (or sets it), as autograd does; ``discard`` drops everything (a failed call).
     Thread-safe. Reusable after commit/discard.
 
+    ``fold=True`` (a call that commits everything at its end): an existing ``.grad`` that
+    nothing else can see (no other reference, not a view, no other tensor on its memory,
+    laid out like the sum) is added into the sum when the stage's first gradient arrives,
+    on the stream that downloads it, and ``commit`` then puts the sum in its place: the
+    same values as adding in place, without a pass over every gradient after the call.
+    Any other ``.grad`` is added into in place at ``commit``.
+
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> store = ParamStore({0: {"p": p}, 1: {"p": p}}, pin=False)
     >>> acc = GradAccumulator(store)
@@ -268,10 +273,15 @@ class GradAccumulator:
     tensor([2., 2.])
     """
 
-    def __init__(self, store: ParamStore):
+    def __init__(self, store: ParamStore, *, fold: bool = False):
         self._store = store
+        self._fold = fold and _storage_use_count is not None
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
+        self._folded: dict[int, tuple[torch.Tensor, int]] = {}  # id(master) -> (.grad, its _version)
+        # a .grad nobody else holds, to count a real one's references against
+        self._probe = torch.nn.Parameter(torch.empty(0))
+        self._probe.grad = torch.empty(0)
 
     def add(self, stage: int, host_grads: Mapping[str, torch.Tensor], *, own: bool = False) -> None:
         """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``).
@@ -288,12 +298,17 @@ class GradAccumulator:
                                      f"the parameter {tuple(master.shape)}")
                 if id(master) in self._sums:
                     self._sums[id(master)][1].add_(g)
-                else:  # laid out like the parameter, in its grad_dtype (as autograd)
-                    dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
-                    if not (own and g.dtype == dtype and g.stride() == master.stride()
-                            and g.data_ptr() % _ALIGN_BYTES == 0):
-                        g = torch.empty_like(master, dtype=dtype).copy_(g)
-                    self._sums[id(master)] = (master, g)
+                    continue
+                # laid out like the parameter, in its grad_dtype (as autograd)
+                dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
+                if not (own and g.dtype == dtype and g.stride() == master.stride()
+                        and g.data_ptr() % _ALIGN_BYTES == 0):
+                    g = torch.empty_like(master, dtype=dtype).copy_(g)
+                self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
+                old, probe = master.grad, self._probe.grad
+                if self._fold and old is not None and _replaceable(old, g, probe):
+                    g.add_(old)
+                    self._folded[id(master)] = (old, old._version)
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
@@ -305,14 +320,19 @@ class GradAccumulator:
             for key in keys:
                 master, total = self._sums[key]
                 grad = master.grad
+                if key in self._folded and (grad is not self._folded[key][0]
+                                            or grad._version != self._folded[key][1]):
+                    raise RuntimeError(f"the .grad of a parameter of shape {tuple(master.shape)} "
+                                       "was changed by someone else during the call; nothing "
+                                       "was written")
                 if grad is not None and (grad.shape != total.shape
                                          or not torch.can_cast(total.dtype, grad.dtype)):
                     raise RuntimeError(f"a parameter of shape {tuple(master.shape)} has a .grad of "
                                        f"{tuple(grad.shape)} {grad.dtype}; nothing was written")
             for key in keys:
                 master, total = self._sums.pop(key)
-                if master.grad is None:
-                    master.grad = total
+                if master.grad is None or self._folded.pop(key, None) is not None:
+                    master.grad = total  # (a folded sum already holds the old .grad)
                 else:
                     master.grad.add_(total)
 
@@ -325,6 +345,22 @@ class GradAccumulator:
         """Drop the sums; no ``.grad`` changes."""
         with self._lock:
             self._sums.clear()
+            self._folded.clear()
 
     def __len__(self) -> int:
         return len(self._sums)
+
+
+def _replaceable(grad: torch.Tensor, total: torch.Tensor, probe: torch.Tensor) -> bool:
+    """Whether putting ``total`` in place of ``grad`` (a parameter's ``.grad``) is the same,
+    to everyone else, as adding into it: nothing else refers to it or shares its memory,
+    and it is laid out like ``total``. ``probe``: the ``.grad`` of a parameter of the
+    caller's own, held the same way as ``grad`` (one local), to count references against
+    (a ``.grad`` may carry references of its own, depending on the torch version).
+    """
+    return (type(grad) is torch.Tensor and grad.layout == torch.strided
+            and grad.device == total.device and grad.dtype == total.dtype
+            and grad.shape == total.shape and grad.stride() == total.stride()
+            and not grad.requires_grad and grad._base is None
+            and _storage_use_count(grad.untyped_storage()._cdata) == 2  # grad + this call's handle
+            and sys.getrefcount(grad) <= sys.getrefcount(probe))

@@ -153,10 +153,9 @@ class Runner:
                    timer=self.timer, autocast=amp.captured(),
                    differentiable=grad_values(self.lg, inputs), **kw)
 
-    def execute(self, job: Job, commit: bool = False,
-                results: Callable[[], Any] | None = None) -> Any:
-        """Run ``job``, then write its buffer updates (and with ``commit``, its parameter
-        gradients into ``.grad``) as one step that a ``KeyboardInterrupt`` cannot split.
+    def execute(self, job: Job, results: Callable[[], Any] | None = None) -> Any:
+        """Run ``job``, then write its buffer updates (and with ``job.commit_grads``, its
+        parameter gradients into ``.grad``) as one step that a ``KeyboardInterrupt`` cannot split.
         ``results()`` (e.g. merging outputs, which may raise) runs before anything is
         written; its value is returned. On failure put buffers back and raise (nothing
         reaches ``.grad``)."""
@@ -165,7 +164,7 @@ class Runner:
             Execution(job).run()
             value = results() if results is not None else None
             with deferred_interrupt():
-                if commit:
+                if job.commit_grads:
                     job.accumulator.commit()  # checks everything before writing anything
                 apply_writebacks(job.writebacks)
         except BaseException:
@@ -219,9 +218,9 @@ class Runner:
         if call is not None:
             loss_fn = call.scale_loss(loss_fn)
         job = self.job("fused", envs, cfg, labels=labels, loss_fn=loss_fn, loss_weights=weights,
-                       optimizer=call, keep_outputs=return_outputs)
+                       optimizer=call, keep_outputs=return_outputs, commit_grads=True)
         try:
-            outputs = self.execute(job, commit=True, results=(lambda: self.outputs(job, cfg))
+            outputs = self.execute(job, results=(lambda: self.outputs(job, cfg))
                                    if return_outputs else None)
         except BaseException as e:
             if call is not None:
