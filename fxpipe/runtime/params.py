@@ -305,10 +305,11 @@ class GradAccumulator:
                         and g.data_ptr() % _ALIGN_BYTES == 0):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
-                old, probe = master.grad, self._probe.grad
-                if self._fold and old is not None and _replaceable(old, g, probe):
-                    g.add_(old)
-                    self._folded[id(master)] = (old, old._version)
+                if self._fold:
+                    old, probe = master.grad, self._probe.grad
+                    if old is not None and _replaceable(old, g, probe):
+                        g.add_(old)
+                        self._folded[id(master)] = (old, old._version)
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
