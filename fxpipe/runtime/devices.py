@@ -315,6 +315,10 @@ def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
         work.put(None)
 
 
+# How many holders a storage has (tensors, Python handles): private torch API, so optional;
+# without it, memory that might still be shared is never reused or replaced.
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
 class _StorageCache:
     """A VirtualDevice's freed ``to_device`` memory, by size, to copy the next transfer of
     that size into: a fresh allocation of megabytes is mapped and zeroed page by page by
@@ -329,17 +333,16 @@ class _StorageCache:
         self._lock = threading.Lock()
         self._made: set[int] = set()  # data_ptr of storages copy_in made and not yet put back
         self._free: dict[int, list[torch.UntypedStorage]] = {}  # by nbytes
-        self._use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: optional
 
     def copy_in(self, host: torch.Tensor) -> torch.Tensor:
         """A new contiguous device copy of ``host``, in reused memory when some is free."""
         nbytes = host.numel() * host.element_size()
-        storage = self._take(nbytes) if nbytes and self._use_count is not None else None
+        storage = self._take(nbytes) if nbytes and storage_use_count is not None else None
         if storage is None:
             out = host.detach().clone(memory_format=torch.contiguous_format)
         else:
             out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape).copy_(host)
-        if nbytes and self._use_count is not None:
+        if nbytes and storage_use_count is not None:
             with self._lock:
                 self._made.add(out.untyped_storage().data_ptr())
         return out
@@ -356,7 +359,7 @@ class _StorageCache:
         with self._lock:
             free = self._free.get(nbytes, [])
             for i, storage in enumerate(free):
-                if self._use_count(storage._cdata) == 1:  # only this list holds it
+                if storage_use_count(storage._cdata) == 1:  # only this list holds it
                     return free.pop(i)
         return None
 

@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fxpipe.runtime.devices import Device
+from fxpipe.runtime.devices import Device, storage_use_count
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: optional
 
 
 @dataclass(frozen=True)
@@ -275,7 +274,7 @@ class GradAccumulator:
 
     def __init__(self, store: ParamStore, *, fold: bool = False):
         self._store = store
-        self._fold = fold and _storage_use_count is not None
+        self._fold = fold and storage_use_count is not None
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
         self._folded: dict[int, tuple[torch.Tensor, int]] = {}  # id(master) -> (.grad, its _version)
@@ -363,5 +362,5 @@ def _replaceable(grad: torch.Tensor, total: torch.Tensor, probe: torch.Tensor) -
             and grad.device == total.device and grad.dtype == total.dtype
             and grad.shape == total.shape and grad.stride() == total.stride()
             and not grad.requires_grad and grad._base is None
-            and _storage_use_count(grad.untyped_storage()._cdata) == 2  # grad + this call's handle
+            and storage_use_count(grad.untyped_storage()._cdata) == 2  # grad + this call's handle
             and sys.getrefcount(grad) <= sys.getrefcount(probe))
