@@ -14,7 +14,7 @@ from fxpipe.passes.grad_flow import grad_values, layer_sources
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.runtime import executor
 from tests import models
-from tests.test_runtime import assert_grads_equal, ce
+from tests.test_runtime import assert_grads_equal, ce, devices
 
 
 class Mixed(nn.Module):
@@ -91,7 +91,7 @@ def test_mixed_model_matches_eager():
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=[fxpipe.VirtualDevice(), fxpipe.VirtualDevice()],
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2),
                           config=fxpipe.RunConfig(num_microbatch=2))
     pipe(x).square().sum().backward()
     ref(x_ref).square().sum().backward()
@@ -122,7 +122,7 @@ def test_rotary_tables_get_no_gradient_and_grads_match_eager(monkeypatch, style,
     ref = copy.deepcopy(model)
     ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
     pipe = fxpipe.compile(model, example_inputs=(ids,),
-                          devices=[fxpipe.VirtualDevice(), fxpipe.VirtualDevice()],
+                          devices=devices(2),
                           plan=fxpipe.ExecutePlan(fwd_plan=[range(0, 2), range(2, 4)],
                                                   bwd_plan=[range(4, 5), range(2, 4), range(0, 2)]),
                           config=fxpipe.RunConfig(num_microbatch=2, recompute_grain=grain))
@@ -153,7 +153,7 @@ def test_frozen_prefix_sends_no_gradient_to_it(monkeypatch):
         for p in m.blocks[0].parameters():
             p.requires_grad_(False)
     ids, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
-    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=[fxpipe.VirtualDevice()],
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(1),
                           config=fxpipe.RunConfig(num_microbatch=2))
     taken = _input_grads_taken(monkeypatch)
     pipe.forward_backward((ids,), label=y, loss_fn=ce)
