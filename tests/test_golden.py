@@ -94,6 +94,7 @@ def forward(self, mul):
     blocks_1_weight = params[0]
     blocks_1_bias = params[1]
     mul_dev = torch.ops.fxpipe.upload.default(mul, 1);  mul = None
+    # a recompute for backward skips linear_2, linear_2_host: backward needs only their inputs
     linear_2 = torch._C._nn.linear(mul_dev, blocks_1_weight, blocks_1_bias);  mul_dev = blocks_1_weight = blocks_1_bias = None
     linear_2_host = torch.ops.fxpipe.offload.default(linear_2);  linear_2 = None
     release = torch.ops.fxpipe.release.default(params, 1);  params = release = None
@@ -124,6 +125,7 @@ def forward(self, input_1):
     _0_weight = params[0]
     _0_bias = params[1]
     input_1_dev = torch.ops.fxpipe.upload.default(input_1, 0);  input_1 = None
+    # a recompute for backward skips linear, linear_host: backward needs only their inputs
     linear = torch._C._nn.linear(input_1_dev, _0_weight, _0_bias);  input_1_dev = _0_weight = _0_bias = None
     linear_host = torch.ops.fxpipe.offload.default(linear);  linear = None
     release = torch.ops.fxpipe.release.default(params, 0);  params = release = None
@@ -231,6 +233,7 @@ def forward(self, relu_2):
     fc_bias = params[1]
     relu_2_dev = torch.ops.fxpipe.upload.default(relu_2, 1);  relu_2 = None
     mean = torch.ops.aten.mean.dim(relu_2_dev, [2, 3]);  relu_2_dev = None
+    # a recompute for backward skips linear, linear_host: backward needs only their inputs
     linear = torch.ops.aten.linear.default(mean, fc_weight, fc_bias);  mean = fc_weight = fc_bias = None
     linear_host = torch.ops.fxpipe.offload.default(linear);  linear = None
     release = torch.ops.fxpipe.release.default(params, 1);  params = release = None

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
 from fxpipe.passes.costs import Cost
 from fxpipe.passes.layer_graph import LayerGraph, graph_module
+from fxpipe.passes.recompute import skippable_tail
 
 _op = torch.ops.fxpipe
 
@@ -50,6 +51,7 @@ class Stage:
     params: list[str]     # FQNs of the tensors it prefetches (parameters, then buffers)
     header: str           # the one-line comment at the top of its code
     random: bool = False  # some layer draws random numbers (has an rng marker)
+    tail: tuple[str, ...] = ()  # nodes a recompute for backward skips (passes.recompute)
 
     @property
     def code(self) -> str:
@@ -167,9 +169,15 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     root.update(submodules)
     header = stage_header(lg, r, index, device_names[device])
     _comment_at_top(g, header)
+    tail = skippable_tail(g)
+    if tail:
+        next(n for n in g.nodes if n.name == tail[0]).meta["comment"] = (
+            f"a recompute for backward skips {', '.join(tail)}: backward needs only their inputs")
+        _comment_before_nodes(g)
     gm = graph_module(root, g, class_name=f"Stage{index}")
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
-                 params=fqns, header=header, random=any(lg.layers[i].random for i in r))
+                 params=fqns, header=header, random=any(lg.layers[i].random for i in r),
+                 tail=tail)
 
 
 def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:

@@ -44,6 +44,7 @@ from fxpipe.passes.schedule import (
 )
 from fxpipe.runtime.amp import AutocastState, reentered
 from fxpipe.runtime.devices import Device, Event
+from fxpipe.runtime import tail
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 from fxpipe.runtime.timer import LayerTimer
@@ -497,11 +498,9 @@ def _free_quietly(device: Device, t: Any) -> None:
 
 
 def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | None]) -> None:
-    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one."""
-    pairs = [(o, grads.get(n)) for n, o in outputs.items()
-             if isinstance(o, torch.Tensor) and o.requires_grad and grads.get(n) is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one (a
+    recompute's outputs may be deferred: ``tail.backprop``)."""
+    tail.backprop((o, grads.get(n)) for n, o in outputs.items())
 
 
 def _torch_device(device: Device) -> torch.device:

@@ -12,12 +12,16 @@ from what those actions left on the device:
 ``release``         nothing: the ``Release`` action frees the parameters
 ``rng``             seeds the layer from (call seed, layer, microbatch)
 =================  ===========================================================
+
+Recomputing for backward, the nodes in ``defer`` (the stage's ``tail``: values backward
+does not need) are not run: each becomes a ``tail.Deferred`` that ``tail.backprop``
+differentiates from its inputs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +29,7 @@ import torch.fx as fx
 
 from fxpipe.passes.lower import Stage
 from fxpipe.runtime import rng
+from fxpipe.runtime.tail import Deferred
 from fxpipe.runtime.timer import LayerTimer
 
 _op = torch.ops.fxpipe
@@ -35,8 +40,9 @@ class StageRun(fx.Interpreter):
 
     def __init__(self, stage: Stage, resident: Mapping[str, torch.Tensor], *,
                  call_seed: int | None, microbatch: int, device: torch.device,
-                 keep_writebacks: bool, timed: bool = False):
+                 keep_writebacks: bool, timed: bool = False, defer: Collection[str] = ()):
         super().__init__(stage.gm, garbage_collect_values=True)
+        self.defer = defer
         self.timed = timed
         self.layer_seconds: dict[int, float] = {}  # per layer, when ``timed``
         self._layer: int | None = None
@@ -53,6 +59,9 @@ class StageRun(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if self.timed:
             self._enter(n.meta.get("layer"))
+        if n.name in self.defer:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            return Deferred(n.target, args)
         return super().run_node(n)
 
     def _enter(self, layer: int | None) -> None:
@@ -108,10 +117,14 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
               keep_writebacks: bool, timer: LayerTimer | None = None,
               kind: str = "fwd") -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``stage`` on one microbatch; returns (outputs, buffer writebacks). With a
-    ``timer`` (CPU devices), each layer's time is recorded as ``kind``."""
+    ``timer`` (CPU devices), each layer's time is recorded as ``kind``. A ``"recompute"``
+    (without autocast) defers the stage's ``tail``: outputs it makes are ``Deferred``
+    (see ``tail.backprop``)."""
     timed = timer is not None
     runner = StageRun(stage, resident, call_seed=call_seed, microbatch=microbatch,
-                      device=device, keep_writebacks=keep_writebacks, timed=timed)
+                      device=device, keep_writebacks=keep_writebacks, timed=timed,
+                      defer=stage.tail if kind == "recompute"
+                      and not torch.is_autocast_enabled(device.type) else ())
     if stage.random and call_seed is not None:
         with rng.isolated(device):
             out = runner.run(*inputs)
