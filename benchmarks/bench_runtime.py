@@ -13,13 +13,17 @@
 
 Each variant runs with one intra-op thread (virtual devices use one thread per stream),
 after a warm-up, interleaved with the others, repeated; min and median are reported.
-Writes benchmarks/results/bench_runtime.json.
+``--one-core`` pins the whole process to one CPU: the transfer streams then take turns
+with the compute on it (their work adds up instead of overlapping), and a 2-vCPU VM's
+run-to-run noise mostly goes away. Writes benchmarks/results/bench_runtime.json (with
+``--one-core``, bench_runtime_one_core.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -64,8 +68,9 @@ class ZeroCopyDevice(fxpipe.VirtualDevice):
     def to_host(self, dev_tensor, pin=True):
         return dev_tensor.detach()
 
-    def to_host_each(self, dev_tensors):
-        return [t.detach() for t in dev_tensors]
+    def to_host_each(self, dev_tensors, plus=None):
+        return [t.detach() if p is None else t.detach() + p
+                for t, p in zip(dev_tensors, plus or [None] * len(dev_tensors))]
 
 
 def eager_step(model, ids, target):
@@ -105,12 +110,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small models (a smoke run)")
     ap.add_argument("--part", choices=["a", "b", "both"], default="both")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_runtime.json"))
+    ap.add_argument("--one-core", action="store_true",
+                    help="pin the process (every stream's thread) to one CPU")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    name = "bench_runtime_one_core.json" if args.one_core else "bench_runtime.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
+    if args.one_core:  # threads started later (the devices' streams) inherit it
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    results = {"torch": torch.__version__, "threads_per_worker": 1, "repeats": args.repeats}
+    results = {"torch": torch.__version__, "threads_per_worker": 1, "repeats": args.repeats,
+               "cpus": sorted(os.sched_getaffinity(0))}
 
     if args.part in ("a", "both"):
         results["a_one_device"] = part_a(args, gen)

@@ -140,12 +140,25 @@ class Device(ABC):
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
 
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor],
+                     plus: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """New contiguous host copies of the device tensors, in one transfer (e.g. a
-        stage's parameter gradients; they share a dtype): views into one flat host tensor."""
+        stage's parameter gradients; they share a dtype): views into one flat host tensor.
+
+        ``plus``: per tensor, a host tensor of its shape and dtype to add, or None; that
+        result is then the sum (here: the transfer, then an add on the host; a device
+        whose copies are host work can do both in one pass).
+        """
         flat = self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
-        return [part.view(t.shape) for part, t in
-                zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
+        out = [part.view(t.shape) for part, t in
+               zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
+        self._add_on_host(out, plus)
+        return out
+
+    def _add_on_host(self, out: list[torch.Tensor], plus: Sequence[torch.Tensor | None] | None) -> None:
+        for o, p in zip(out, plus or ()):
+            if p is not None:
+                o.add_(p)
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -454,11 +467,16 @@ class VirtualDevice(Device):
         """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
         return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
 
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor],
+                     plus: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """One copy each, in its own memory: there is no transfer to batch, and a copy
         that becomes a parameter's ``.grad`` then holds only itself (no shared flat buffer
-        that would keep every other copy alive, or stop ``.grad`` being replaced)."""
-        return [t.detach().clone(memory_format=torch.contiguous_format) for t in dev_tensors]
+        that would keep every other copy alive, or stop ``.grad`` being replaced). With
+        ``plus``, a sum is written in the copy's place: one pass over memory, not two."""
+        plus = plus or [None] * len(dev_tensors)
+        return [t.detach().clone(memory_format=torch.contiguous_format) if p is None
+                else torch.add(t.detach(), p, out=torch.empty(t.shape, dtype=t.dtype))
+                for t, p in zip(dev_tensors, plus)]
 
     def synchronize(self) -> None:
         """Block until every stream has run all work submitted so far."""
@@ -575,6 +593,11 @@ class CudaDevice(Device):
         dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
         out.copy_(dev_tensor.detach(), non_blocking=pin)
         return out
+
+    def _add_on_host(self, out: list[torch.Tensor], plus: Sequence[torch.Tensor | None] | None) -> None:
+        if plus and any(p is not None for p in plus):
+            torch.cuda.current_stream(self.device).synchronize()  # the copies land first
+        super()._add_on_host(out, plus)
 
     def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         self._record_streams(tensor)

@@ -246,10 +246,12 @@ class Execution:
             case DownloadGrads(stage=s):
                 res = self.resident[(d, s)]
                 grads = {f: t.grad for f, t in res.items() if t.requires_grad}
-                host = self.job.store.download_grads(s, self.job.devices[d], grads)
+                acc = self.job.accumulator
+                host = self.job.store.download_grads(s, self.job.devices[d], grads,
+                                                     plus=acc.fold_into_download(s, grads))
                 if any(g is not None and g.is_cuda for g in grads.values()):
                     torch.cuda.current_stream().synchronize()  # the sums read them now
-                self.job.accumulator.add(s, host, own=True)
+                acc.add(s, host, own=True)
                 for t in res.values():
                     t.grad = None
             case Release(stage=s):

@@ -179,12 +179,15 @@ class ParamStore:
             device.free(t)
 
     def download_grads(self, stage: int, device: Device,
-                       device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+                       device_grads: Mapping[str, torch.Tensor | None],
+                       plus: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Bring ``{fqn: device gradient}`` to the host in one transfer per dtype.
 
         Give a tied parameter's gradient once, under any of its names. Returns
         ``{fqn: host gradient}`` (new host tensors, from ``Device.to_host_each``). Call it
         on the device's ``"d2h"`` stream; on CUDA the values are ready when that event is.
+        ``plus``: ``{fqn: host tensor}`` added into those gradients as they arrive
+        (``GradAccumulator.fold_into_download``).
         """
         st = self._stage(stage)
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
@@ -210,7 +213,8 @@ class ParamStore:
             if items[0][1].is_cuda:  # the packing below reads them on this (d2h) stream
                 for _, g in items:
                     g.record_stream(torch.cuda.current_stream(g.device))
-            out.update(zip([fqn for fqn, _ in items], device.to_host_each([g for _, g in items])))
+            out.update(zip([fqn for fqn, _ in items], device.to_host_each(
+                [g for _, g in items], [(plus or {}).get(fqn) for fqn, _ in items])))
         return out
 
     def write_back_buffers(self, stage: int, device_buffers: Mapping[str, torch.Tensor]) -> None:
@@ -304,11 +308,35 @@ class GradAccumulator:
                         and g.data_ptr() % _ALIGN_BYTES == 0):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
-                if self._fold:
+                if self._fold and id(master) not in self._folded:
                     old, probe = master.grad, self._probe.grad
                     if old is not None and _replaceable(old, g, probe):
                         g.add_(old)
                         self._folded[id(master)] = (old, old._version)
+
+    def fold_into_download(self, stage: int,
+                           device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """The existing ``.grad``s that the download of ``stage``'s gradients should add
+        in (``ParamStore.download_grads(plus=...)``), each recorded as folded: a
+        parameter's first gradient of the call, whose ``.grad`` nobody else can see and is
+        laid out like the download will be (contiguous, in the gradient's dtype, like the
+        parameter). The sum is then made in one pass instead of a copy and an add. Empty
+        without ``fold``."""
+        out: dict[str, torch.Tensor] = {}
+        if not self._fold:
+            return out
+        with self._lock:
+            for fqn, g in device_grads.items():
+                master = self._store._slot(stage, fqn).master
+                if g is None or id(master) in self._sums or id(master) in self._folded:
+                    continue
+                like = torch.empty(g.shape, dtype=g.dtype, device="meta")
+                old, probe = master.grad, self._probe.grad
+                if old is not None and master.stride() == like.stride() \
+                        and _replaceable(old, like, probe):
+                    self._folded[id(master)] = (old, old._version)
+                    out[fqn] = old
+        return out
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
@@ -357,9 +385,10 @@ def _replaceable(grad: torch.Tensor, total: torch.Tensor, probe: torch.Tensor) -
     and it is laid out like ``total``. ``probe``: the ``.grad`` of a parameter of the
     caller's own, held the same way as ``grad`` (one local), to count references against
     (a ``.grad`` may carry references of its own, depending on the torch version).
+    ``total`` gives the layout only (it may be a meta tensor).
     """
     return (type(grad) is torch.Tensor and grad.layout == torch.strided
-            and grad.device == total.device and grad.dtype == total.dtype
+            and grad.device.type == "cpu" and grad.dtype == total.dtype
             and grad.shape == total.shape and grad.stride() == total.stride()
             and not grad.requires_grad and grad._base is None
             and storage_use_count(grad.untyped_storage()._cdata) == 2  # grad + this call's handle
