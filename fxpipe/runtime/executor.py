@@ -42,9 +42,9 @@ from fxpipe.passes.schedule import (
     DownloadGrads, Forward, FusedBackward, Offload, OptimizerStep, Prefetch, Program,
     RecomputeBackward, Release, Upload, UploadGrad, stream_of,
 )
+from fxpipe.runtime import tail
 from fxpipe.runtime.amp import AutocastState, reentered
 from fxpipe.runtime.devices import Device, Event
-from fxpipe.runtime import tail
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 from fxpipe.runtime.timer import LayerTimer
