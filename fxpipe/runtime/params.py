@@ -308,11 +308,8 @@ class GradAccumulator:
                         and g.data_ptr() % _ALIGN_BYTES == 0):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
-                if self._fold and id(master) not in self._folded:
-                    old, probe = master.grad, self._probe.grad
-                    if old is not None and _replaceable(old, g, probe):
-                        g.add_(old)
-                        self._folded[id(master)] = (old, old._version)
+                if (old := self._take_for_fold(master, g)) is not None:
+                    g.add_(old)
 
     def fold_into_download(self, stage: int,
                            device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -328,15 +325,24 @@ class GradAccumulator:
         with self._lock:
             for fqn, g in device_grads.items():
                 master = self._store._slot(stage, fqn).master
-                if g is None or id(master) in self._sums or id(master) in self._folded:
+                if g is None or id(master) in self._sums:
                     continue
                 like = torch.empty(g.shape, dtype=g.dtype, device="meta")
-                old, probe = master.grad, self._probe.grad
-                if old is not None and master.stride() == like.stride() \
-                        and _replaceable(old, like, probe):
-                    self._folded[id(master)] = (old, old._version)
+                if (old := self._take_for_fold(master, like)) is not None:
                     out[fqn] = old
         return out
+
+    def _take_for_fold(self, master: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+        """With ``fold``: if ``master``'s ``.grad`` is not folded yet, nobody else can see
+        it, and it is laid out like ``like`` (a sum laid out like the parameter), record it
+        as folded and return it for the caller to add into the sum; else None. Hold the lock."""
+        if not self._fold or id(master) in self._folded or master.stride() != like.stride():
+            return None
+        old, probe = master.grad, self._probe.grad
+        if old is None or not _replaceable(old, like, probe):
+            return None
+        self._folded[id(master)] = (old, old._version)
+        return old
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a

@@ -93,8 +93,8 @@ def _rule(d: Deferred) -> list[torch.Tensor | None] | None:
         return None
     if d.target in IDENTITY:
         return [g]
-    shapes = [_shape_dtype(a) for a in d.args]
     if d.target in ADD:
+        shapes = [_shape_dtype(a) for a in d.args]
         if any(s is None or s[1] != g.dtype for s in shapes):
             return None
         return [g if s[0] == g.shape else g.sum_to_size(s[0]) for s in shapes]
