@@ -82,6 +82,7 @@ def rel_diff(a, b):
 
 @pytest.mark.parametrize("tie,num_microbatch,tol", [(False, 1, 0.0), (True, 1, 5e-3),
                                                      (True, 3, 3e-2)])
+@pytest.mark.bitwise
 def test_bf16_gradients_are_fp32_and_match_the_reference(tie, num_microbatch, tol):
     torch.manual_seed(0)
     model = LowPrecisionGPT(tie=tie, depth=4).eval()
@@ -100,6 +101,7 @@ def test_bf16_gradients_are_fp32_and_match_the_reference(tie, num_microbatch, to
     assert {d for s in flat.stages for d in flat.flat(s)} == {torch.bfloat16}
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("name", ["sgd_momentum", "adam", "adamw"])
 def test_bf16_training_with_streamed_step_matches_the_reference(name):
     """N steps with clipping: with one microbatch, bitwise the reference. (With several,
@@ -126,6 +128,7 @@ def test_bf16_training_with_streamed_step_matches_the_reference(name):
         assert torch.equal(p, r), n   # 1 microbatch, untied: bitwise the reference
 
 
+@pytest.mark.bitwise
 def test_float_inputs_are_cast_and_input_grads_come_back_fp32():
     torch.manual_seed(0)
     model = models.mlp(width=16, depth=4)
@@ -142,6 +145,7 @@ def test_float_inputs_are_cast_and_input_grads_come_back_fp32():
     assert torch.equal(x.grad, xr.grad.float())
 
 
+@pytest.mark.bitwise
 def test_fp16_with_grad_scaler_matches_eager_amp():
     """fp16 compute, fp32 masters, GradScaler: scaled loss inside the pipeline, eager's
     scaler.step at the end, inf steps skipped, scaler.update() by the user."""
@@ -212,6 +216,7 @@ class AutocastStack(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.bitwise
 def test_autocast_region_in_the_model_is_kept():
     """fx would drop the region (it runs at trace time): capture falls back to export."""
     torch.manual_seed(0)
@@ -232,6 +237,7 @@ def test_autocast_region_in_the_model_is_kept():
         fxpipe.compile(AutocastStack(), example_inputs=(x,), devices=["cpu"], capture="fx")
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("style", ["fused", "eager"])
 @pytest.mark.parametrize("num_microbatch,tol", [(1, 0.0), (3, 1e-2)])
 def test_autocast_around_the_call_is_reentered_in_the_workers(style, num_microbatch, tol):

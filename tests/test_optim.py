@@ -68,6 +68,7 @@ def assert_same_training_state(model, opt, ref, ref_opt, exact=True):
                 torch.testing.assert_close(v, rv)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_one_microbatch_equals_eager_training_bitwise(name):
     """1 microbatch: gradients are bitwise eager's, so the whole run is."""
@@ -84,6 +85,7 @@ def test_one_microbatch_equals_eager_training_bitwise(name):
         ref_opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("n_devices", [1, 2, 3])
 def test_streamed_step_equals_step_after_the_call(name, n_devices):
@@ -103,6 +105,7 @@ def test_streamed_step_equals_step_after_the_call(name, n_devices):
         ref_opt.zero_grad()
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])  # None, clipping active, inactive
 def test_accumulation_scheduler_clipping_equal_eager(name, max_norm):

@@ -71,6 +71,7 @@ def test_gpt_matches_eager(num_devices, style, grain):
     assert_grads_equal(model, ref)
 
 
+@pytest.mark.bitwise
 def test_one_microbatch_is_bitwise_eager():
     torch.manual_seed(0)
     model = models.GPT(depth=4).eval()
@@ -200,6 +201,7 @@ def _dropout_step(plan, n_devices, seed=7):
     return loss, grads_of(model), pipe
 
 
+@pytest.mark.bitwise
 def test_dropout_is_independent_of_plan_and_devices():
     other = fxpipe.ExecutePlan(fwd_plan=[range(0, 2), range(2, 3), range(3, 4)],
                                bwd_plan=[range(4, 6), range(2, 4), range(0, 2)])

@@ -8,11 +8,12 @@ tenth of the layer's recompute). ``torch.utils.checkpoint`` skips the same work 
 stopping its recompute early.
 
 This pass finds such a tail: ``linear`` / ``add`` / ``offload`` nodes whose values reach
-nothing but the stage's output (or other tail nodes), and whose gradients the runtime
-computes from their inputs alone (``runtime.tail``), with the same kernels autograd would
-run. It returns the node names; ``Stage.tail`` holds them, the stage's code says so in a
-comment above the first, and the interpreter defers those nodes when it recomputes for
-backward. The forward, and a fused tail stage, still run every node.
+nothing but the stage's output (or other tail nodes), and whose derivative formulas read
+only their inputs. It returns the node names; ``Stage.tail`` holds them, the stage's code
+says so in a comment above the first, and the interpreter, recomputing for backward,
+runs those nodes under ``runtime.tail.Unfilled``: autograd records them as usual (its own
+formulas and kernels run in backward), the matmuls and adds themselves do not run. The
+forward, and a fused tail stage, still run every node.
 
 >>> import torch, torch.nn as nn, torch.fx as fx
 >>> class Block(nn.Module):
@@ -66,7 +67,7 @@ def skippable_tail(graph: fx.Graph) -> tuple[str, ...]:
 
 
 def _has_rule(n: fx.Node) -> bool:
-    """Whether the runtime computes this node's gradient from its inputs alone."""
+    """Whether this node's backward reads only its inputs (``runtime.tail.SKIPPED``)."""
     if n.op != "call_function" or n.kwargs:
         return False
     if n.target in LINEAR:

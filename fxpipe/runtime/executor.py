@@ -500,8 +500,7 @@ def _free_quietly(device: Device, t: Any) -> None:
 
 
 def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | None]) -> None:
-    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one (a
-    recompute's outputs may be deferred: ``tail.backprop``)."""
+    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one."""
     tail.backprop((o, grads.get(n)) for n, o in outputs.items())
 
 

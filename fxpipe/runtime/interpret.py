@@ -14,8 +14,8 @@ from what those actions left on the device:
 =================  ===========================================================
 
 Recomputing for backward, the nodes in ``defer`` (the stage's ``tail``: values backward
-does not need) are not run: each becomes a ``tail.Deferred`` that ``tail.backprop``
-differentiates from its inputs.
+does not read) run under ``tail.Unfilled``: autograd records them, their matmuls and adds
+do not run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from fxpipe.passes.lower import Stage
 from fxpipe.runtime import rng
-from fxpipe.runtime.tail import Deferred
+from fxpipe.runtime.tail import Unfilled
 from fxpipe.runtime.timer import LayerTimer
 
 _op = torch.ops.fxpipe
@@ -43,6 +43,7 @@ class StageRun(fx.Interpreter):
                  keep_writebacks: bool, timed: bool = False, defer: Collection[str] = ()):
         super().__init__(stage.gm, garbage_collect_values=True)
         self.defer = defer
+        self.unfilled = Unfilled() if defer else None
         self.timed = timed
         self.layer_seconds: dict[int, float] = {}  # per layer, when ``timed``
         self._layer: int | None = None
@@ -60,8 +61,8 @@ class StageRun(fx.Interpreter):
         if self.timed:
             self._enter(n.meta.get("layer"))
         if n.name in self.defer:
-            args, _ = self.fetch_args_kwargs_from_env(n)
-            return Deferred(n.target, args)
+            with self.unfilled:
+                return super().run_node(n)
         return super().run_node(n)
 
     def _enter(self, layer: int | None) -> None:
@@ -118,13 +119,11 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
               kind: str = "fwd") -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``stage`` on one microbatch; returns (outputs, buffer writebacks). With a
     ``timer`` (CPU devices), each layer's time is recorded as ``kind``. A ``"recompute"``
-    (without autocast) defers the stage's ``tail``: outputs it makes are ``Deferred``
-    (see ``tail.backprop``)."""
+    records the stage's ``tail`` for autograd without computing it (``runtime.tail``)."""
     timed = timer is not None
     runner = StageRun(stage, resident, call_seed=call_seed, microbatch=microbatch,
                       device=device, keep_writebacks=keep_writebacks, timed=timed,
-                      defer=stage.tail if kind == "recompute"
-                      and not torch.is_autocast_enabled(device.type) else ())
+                      defer=stage.tail if kind == "recompute" else ())
     if stage.random and call_seed is not None:
         with rng.isolated(device):
             out = runner.run(*inputs)
