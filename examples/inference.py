@@ -66,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiled in {compile_s:.1f} s: {len(pipe.layers)} layers, {len(pipe.stages)} "
           f"stages on {', '.join(d.name for d in pipe.devices)}\n")
 
-    # print(pipe) shows the whole rewritten program: the top-level graph calling the
-    # stages, then every stage's code. Here: the top level, and stage 1's transfers.
-    code = str(pipe)
-    top, rest = code.split("# ---- stage_0 ----", 1)
-    print(top.rstrip())
-    stage_1 = rest.split("# ---- stage_1 ----", 1)[1].split("# ---- stage_2 ----")[0]
+    # print(pipe) shows the top-level graph calling the stages; pipe.code("infer") every
+    # stage GraphModule an inference call runs. Here: the top level, and stage 1's transfers.
+    print(str(pipe).rstrip())
+    stage_1 = pipe.stages[1].code
     transfers = [line.split(";")[0] for line in stage_1.splitlines()
                  if "torch.ops.fxpipe." in line]
     print(f"\n# stage_1: {len(stage_1.splitlines())} lines, of which the transfers are:")

@@ -35,13 +35,14 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
     >>> round(t.bubble_ratio, 1)    # percent of the devices' time spent idle
     93.1
     """
+    from fxpipe.plan import layer_costs
     from fxpipe.sim import Hardware, LayerCost
     from fxpipe.sim import simulate as _simulate
     hardware = hardware or Hardware()
     if isinstance(pipe_or_program, PipelineModule):
         program = pipe_or_program.program(run_type, num_microbatch)
         if costs is None:
-            costs = [LayerCost.of(layer.cost, hardware) for layer in pipe_or_program.layers]
+            costs = [LayerCost.of(c, hardware) for c in layer_costs(pipe_or_program)]
     else:
         program = pipe_or_program
         if costs is None:

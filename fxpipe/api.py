@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,18 +14,23 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
+from fxpipe.optim import as_overlapped
 from fxpipe.passes import gc_paused
 from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.executable import build_executable
+from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.lower import Stage, lower
 from fxpipe.passes.partition import build_layer_graph, find_blocks
-from fxpipe.passes.schedule import Program
+from fxpipe.passes.program import Program
+from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.inputs import check_structure, static_dim_problem
 from fxpipe.runtime.microbatch import PackedData
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
+from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.trace import trace as _trace
 from fxpipe.verbose import is_verbose
 
@@ -47,20 +53,27 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> x = torch.randn(6, 4)
     >>> pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
-    >>> print(pipe)                 # the rewritten graph, with its transfers  # doctest: +ELLIPSIS
+    >>> print(pipe)                 # a summary and the top-level graph  # doctest: +ELLIPSIS
+    # PipelineModule: 3 layers on vcpu:0, vcpu:1; plan fwd [0:2] bwd [2:3, 1:2, 0:1]
+    ...
     def forward(self, input_1):
-        # stage 0 | layers 0-1 (0, 1) | vcpu:0 | params 160 B | saved 288 B | out 192 B | ...
+        # stage 0 fwd | layers 0-1 (0, 1) | vcpu:0 | params 160 B | saved 288 B | out 192 B | ...
         stage_0 = self.stage_0(input_1);  input_1 = None
         relu = stage_0[0];  stage_0 = None
-        # stage 1 | layer 2 (2) | vcpu:1 | params 72 B | saved 192 B | out 48 B | ...
+        # stage 1 fwd | layer 2 (2) | vcpu:1 | params 72 B | saved 192 B | out 48 B | ...
         stage_1 = self.stage_1(relu);  relu = None
     ...
-    # ---- stage_1 ----
+    >>> print(pipe.code("fused"))   # every stage a training step runs  # doctest: +ELLIPSIS
+    def forward(self, input_1):
+        # stage 0 fwd | layers 0-1 (0, 1) | vcpu:0 | ...
     ...
-        relu_dev = torch.ops.fxpipe.upload.default(relu, 1);  relu = None
-        # a recompute for backward skips linear_1, linear_1_host: backward needs only their inputs
-        linear_1 = torch._C._nn.linear(relu_dev, _2_weight, _2_bias);  ...
-        linear_1_host = torch.ops.fxpipe.offload.default(linear_1);  linear_1 = None
+    def forward(self, input_1):
+        # stage 3 bwd | layer 0 (0) | vcpu:1 | ...
+    ...
+        input_1_dev = torch.ops.fxpipe.upload.default(input_1, 1);  input_1 = None
+        # a recompute for backward skips linear, linear_host: backward needs only their inputs
+        linear = torch._C._nn.linear(input_1_dev, _0_weight, _0_bias);  ...
+        linear_host = torch.ops.fxpipe.offload.default(linear);  linear = None
     ...
     >>> pipe(x).sum().backward()    # gradients land in model's own parameters' .grad
     >>> model[0].weight.grad.shape
@@ -103,14 +116,33 @@ def _bad_example(x: Any):
 
 @dataclass
 class _Compiled:
-    """Everything compiled for one (training mode, input signature)."""
+    """Everything compiled for one (training mode, input signature): the layer chain, its
+    auto (or the user's) plan, and every Executable built for it, cached by the kind of
+    call (``executable``)."""
 
     layers: LayerGraph
     plan: ExecutePlan
-    program: fx.GraphModule       # top-level graph calling the forward stages
-    stages: list[Stage]
+    device_names: list[str]
     runners: dict[tuple, Runner] = field(default_factory=dict)  # by plan_key of the plan
+    executables: dict[tuple, Executable] = field(default_factory=dict)
     timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
+
+    def executable(self, plan: ExecutePlan, run_type: str, num_microbatch: int, *,
+                   grain: str = "stage", optimizer: str | None = None, outputs: bool = True,
+                   input_grads: Sequence[str] = ()) -> Executable:
+        """The Executable one kind of call runs under ``plan``: lowered and scheduled once
+        per (plan, run type, microbatch count, grain, optimizer mode, outputs, inputs
+        that require grad), then cached."""
+        key = (plan_key(plan), run_type, num_microbatch, grain, optimizer,
+               outputs or run_type != "fused", tuple(input_grads))
+        if key not in self.executables:
+            self.executables[key] = build_executable(
+                self.layers, plan, run_type, self.device_names, num_microbatch, grain=grain,
+                optimizer=optimizer, outputs=outputs, input_grads=input_grads)
+        return self.executables[key]
+
+    def differentiable(self, inputs: Collection[str]) -> frozenset[str]:
+        return grad_values(self.layers, inputs)
 
 
 class PipelineModule(nn.Module):
@@ -134,6 +166,7 @@ class PipelineModule(nn.Module):
         self._user_plan = plan
         self._cache: list[_Compiled] = []
         self._closed = False
+        self._log = ActionLog()
         self._current = self._compiled_for(example_args, example_kwargs)
 
     # -- compilation -------------------------------------------------------------------
@@ -160,12 +193,7 @@ class PipelineModule(nn.Module):
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
             plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
             plan.validate(len(lg), _run_type_of(plan, len(lg)))
-            ranges = list(plan.fwd_plan)
-            if _is_fused(plan, len(lg)):
-                ranges.append(plan.bwd_plan[0])  # a plain call runs the fused tail forward too
-            names = [d.name for d in self.devices]
-            program, stages = lower(lg, ranges, names)
-        compiled = _Compiled(layers=lg, plan=plan, program=program, stages=stages)
+        compiled = _Compiled(layers=lg, plan=plan, device_names=[d.name for d in self.devices])
         self._cache.append(compiled)
         return compiled
 
@@ -232,7 +260,6 @@ class PipelineModule(nn.Module):
         compiled = self._compiled_for(input_args, kwargs)
         self._current = compiled
         if optimizer is not None:
-            from fxpipe.optim import as_overlapped
             optimizer = as_overlapped(optimizer)
         loss, outputs = self._runner(compiled, cfg).fused(
             input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs, optimizer)
@@ -275,8 +302,10 @@ class PipelineModule(nn.Module):
             plan.validate(len(compiled.layers), _run_type_of(plan, len(compiled.layers)))
         key = plan_key(plan)  # equal plans share one runner (a new ExecutePlan per call is fine)
         if key not in compiled.runners:
-            compiled.runners[key] = Runner(compiled.layers, plan, self.devices, compiled.timer,
-                                           param_dtype=self.param_dtype)
+            compiled.runners[key] = Runner(
+                compiled.layers, self.devices, functools.partial(compiled.executable, plan),
+                compiled.differentiable, compiled.timer, param_dtype=self.param_dtype,
+                log=self._log)
         return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------
@@ -287,50 +316,85 @@ class PipelineModule(nn.Module):
 
     @property
     def stages(self) -> list[Stage]:
-        return self._current.stages
+        """The forward stages an inference call runs (``pipe.code("infer")``)."""
+        exe = self._executable("infer")
+        return [exe.stages[i] for i in sorted(exe.stages)]
 
     @property
     def plan(self) -> ExecutePlan:
         return self._current.plan
 
     @property
-    def code(self) -> str:
-        """The rewritten program: the top-level graph, then every stage's code."""
-        parts = [self._current.program.code.strip("\n")]
-        for st in self.stages:
-            parts.append(f"# ---- stage_{st.index} ----\n" + st.gm.code.strip("\n"))
-        return "\n\n".join(parts) + "\n"
+    def timings(self) -> LayerTimer:
+        """Measured per-layer times (forward, recompute, backward), the table
+        ``ExecutePlan.auto`` and ``fxpipe.simulate`` read once every layer has them:
+        ``pipe.timings.costs(pipe.layers)`` gives the layers' costs with them filled in."""
+        return self._current.timer
+
+    def _executable(self, run_type: str, num_microbatch: int | None = None, *,
+                    optimizer: bool | str = False, grain: str | None = None,
+                    return_outputs: bool = False) -> Executable:
+        """The (cached) Executable a call of this kind runs with the pipe's config."""
+        if run_type not in ("infer", "train", "fused"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        if grain not in (None, "stage", "layer"):
+            raise ValueError(f"grain must be 'stage' or 'layer', got {grain!r}")
+        if optimizer not in (False, True, "exact", "async"):
+            raise ValueError(f"optimizer must be False, True, 'exact' or 'async', got {optimizer!r}")
+        cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
+        plan = cfg.execute_plan or self._current.plan
+        mode = "exact" if optimizer is True else (optimizer or None)
+        return self._current.executable(plan, run_type, cfg.num_microbatch,
+                                        grain=cfg.recompute_grain, optimizer=mode,
+                                        outputs=return_outputs)
+
+    def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
+             grain: Literal["stage", "layer"] | None = None) -> str:
+        """The code of every GraphModule a call of ``run_type`` executes (forward,
+        backward and fused-tail stages; at ``grain="layer"`` the layer pieces of split
+        backward stages), each starting with its ``# stage ...`` header line. The
+        runtime runs exactly these GraphModule objects. ``grain=None``: the pipe's
+        ``recompute_grain`` (``"stage"`` unless its config says otherwise)."""
+        return self._executable(run_type, grain=grain).code()
 
     def __str__(self) -> str:
-        return self.code
+        exe, plan = self._executable("infer"), self.plan
+        spans = lambda rs: ", ".join(f"{r.start}:{r.stop}" for r in rs)  # noqa: E731
+        head = (f"# PipelineModule: {len(self.layers)} layers on "
+                f"{', '.join(d.name for d in self.devices)}; plan fwd [{spans(plan.fwd_plan)}] "
+                f"bwd [{spans(plan.bwd_plan)}]\n"
+                "# pipe.code(run_type) prints every stage a call runs, pipe.program(run_type) "
+                "its actions\n")
+        return head + exe.top.code.lstrip("\n")
 
     def extra_repr(self) -> str:
         return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
                 f"devices=[{', '.join(d.name for d in self.devices)}]")
 
     def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
-                num_microbatch: int | None = None) -> Program:
-        """The schedule a call of ``run_type`` runs: per device, its ordered actions.
+                num_microbatch: int | None = None, optimizer: bool | str = False,
+                grain: Literal["stage", "layer"] | None = None, *,
+                return_outputs: bool = False) -> Program:
+        """The Program a call of ``run_type`` runs, every action included: per device its
+        ordered actions, and the host lane (``optimizer=True``: the streamed
+        ``OptimizerStep``s a call with ``optimizer=`` runs; ``"async"``: its
+        ``AsyncUpdate``; the ``Commit``). ``num_microbatch`` and ``grain`` (``None``)
+        default to the pipe's config; ``return_outputs``: a fused call that also brings
+        the model's outputs to the host (``forward_backward(..., return_outputs=True)``).
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
-        >>> print(pipe.program("fused", num_microbatch=2))   # doctest: +ELLIPSIS
+        >>> print(pipe.program("fused", num_microbatch=2, optimizer=True))   # doctest: +ELLIPSIS
         program devices=2 microbatches=2
-        stage 0 fwd 0:2
-        stage 1 fused 2:3
-        stage 2 bwd 1:2
-        stage 3 bwd 0:1
-        step  d0   d1
-        0     0P   1P
-        1     0U0  1U0
-        2     0F0  1FB0
+        inputs input_1
+        ...
+        step ... host
+        0    0P  1P   S2:3
         ...
         """
-        if run_type not in ("infer", "train", "fused"):
-            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
-        cfg = self._config(RunConfig(num_microbatch=num_microbatch))
-        return self._runner(self._current, cfg).prepared(run_type, cfg.num_microbatch).program
+        return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
+                                return_outputs=return_outputs).program
 
     def trace(self, path: str | None = None):
         """Record the devices' streams during a ``with`` block into a timeline (the
@@ -340,7 +404,7 @@ class PipelineModule(nn.Module):
                 pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
             rec.timeline.plot("run.png")
         """
-        return _trace(self.devices, path)
+        return _trace(self.devices, self._log, path)
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -376,52 +440,6 @@ def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:
     return covered < num_layers
 
 
-def check_structure(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor leaves of a call, after checking it is shaped like the example: the
-    same arguments and nesting, tensors where tensors were (of the same rank), the same
-    constants. Sizes may differ (see :func:`check_inputs`)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    if spec != lg.in_spec:
-        raise TypeError(_structure_message(lg.in_spec, spec))
-    tensors = []
-    for i, (x, ex) in enumerate(zip(leaves, lg.example_leaves)):
-        if isinstance(ex, torch.Tensor):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {lg.leaf_names[i]!r} was a tensor when compiled, got "
-                                f"{type(x).__name__}")
-            if x.dim() != ex.dim():
-                raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
-                                 f"{ex.dim()} (shape {tuple(ex.shape)})")
-            tensors.append(x)
-        elif not _same_constant(x, ex):
-            raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
-                             f"got {x!r}; recompile with the new value")
-    return tensors
-
-
-def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor leaves of a (microbatch) call, after checking its structure and the
-    sizes the captured graph is specific to."""
-    tensors = check_structure(lg, args, kwargs)
-    problem = _static_dim_problem(lg, tensors)
-    if problem is not None:
-        raise ValueError(
-            f"{problem}. If this is a microbatch, the batch cannot be split along that dim: "
-            "use num_microbatch=1 or a split_input spec on another dim.")
-    return tensors
-
-
-def _static_dim_problem(lg: LayerGraph, tensors: Sequence[torch.Tensor]) -> str | None:
-    """Why ``tensors`` (the call's tensor leaves) do not fit the sizes ``lg`` specializes on."""
-    leaf_names = [n for n, ex in zip(lg.leaf_names, lg.example_leaves) if isinstance(ex, torch.Tensor)]
-    for name, leaf, x in zip(lg.input_names, leaf_names, tensors):
-        for d, size in lg.static_dims.get(name, {}).items():
-            if x.shape[d] != size:
-                return (f"input {leaf!r}: dim {d} is {x.shape[d]}, but the captured graph is "
-                        f"specific to {size} there (the model specializes on it)")
-    return None
-
-
 def _check_differentiable(args: tuple, kwargs: dict, cfg: RunConfig) -> None:
     """Refuse what would silently lose gradients: PackedData in and out are not
     differentiable (their microbatches bypass the merged autograd graph)."""
@@ -451,34 +469,6 @@ def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor]) -
     """Why the graph ``lg`` cannot serve a call with these tensor leaves (``None``: it can)."""
     if lg.training != training:
         return f"the model is in {'training' if training else 'eval'} mode"
-    return _static_dim_problem(lg, tensors)
+    return static_dim_problem(lg, tensors)
 
 
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # noqa: BLE001 — incomparable values are different
-        return a is b
-
-
-def _structure_message(expected, got) -> str:
-    """Which argument a call has that the example did not, or lacks (else the two trees)."""
-    try:
-        (exp_args, exp_kw), (got_args, got_kw) = expected.children(), got.children()
-        missing = [k for k in exp_kw.context if k not in got_kw.context]
-        extra = [k for k in got_kw.context if k not in exp_kw.context]
-    except (AttributeError, ValueError, TypeError):
-        return f"the call's argument structure differs from the example's:\n{expected}\nvs\n{got}"
-    problems = []
-    if exp_args.num_children != got_args.num_children:
-        problems.append(f"has {got_args.num_children} positional argument(s) where the example had "
-                        f"{exp_args.num_children}")
-    if missing:
-        problems.append(f"is missing keyword argument(s) {', '.join(map(repr, missing))}")
-    if extra:
-        problems.append(f"has unexpected keyword argument(s) {', '.join(map(repr, extra))}")
-    if not problems:
-        problems.append(f"has an argument nested differently from the example:\n{expected}\nvs\n{got}")
-    return ("the pipeline was compiled for the example's arguments; this call "
-            + "; ".join(problems) + ". Call it with the same arguments as the example "
-            "(sizes may differ), or compile again for the new signature.")

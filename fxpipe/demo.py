@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(d.name for d in pipe.devices)} in {time.perf_counter() - t0:.1f} s")
     print(f"plan: {pipe.plan}\n")
     if not args.quiet:
-        program, first_block = pipe.code.split("# ---- stage_1 ----")[0], pipe.stages[1]
-        print("The rewritten program (print(pipe) shows every stage):\n")
-        print(program.split("# ---- stage_0 ----")[0].rstrip())
-        print(f"\n# ---- stage_1 ----\n{first_block.code.strip()}\n")
+        print("The rewritten program (pipe.code() prints every stage a training step runs, "
+              "pipe.program() its actions):\n")
+        print(str(pipe).rstrip())
+        print(f"\n{pipe.stages[1].code.strip()}\n")
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())

@@ -71,7 +71,7 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.errors import StageError
-from fxpipe.runtime.devices import Event, VirtualDevice
+from fxpipe.runtime.devices import VirtualDevice
 
 Mode = Literal["exact", "async"]
 
@@ -163,9 +163,9 @@ class Overlapped:
             self._host = VirtualDevice(name="host-optimizer")
         return self._host
 
-    def call(self, runner, num_microbatch: int) -> _Call:
-        """The optimizer's part of one ``forward_backward`` call on ``runner``."""
-        return _Call(self, runner, num_microbatch)
+    def call(self) -> _Call:
+        """The optimizer's part of one ``forward_backward`` call."""
+        return _Call(self)
 
     def __repr__(self) -> str:
         opts = [f"mode={self.mode!r}"] + [f"{k}={getattr(self, k)!r}" for k in
@@ -204,46 +204,48 @@ def _call(ref: weakref.ref, name: str) -> None:
 # ------------------------------------------------------------------------------- one call
 
 class _Call:
-    """The optimizer's part of one call: the executor's ``job.optimizer``.
+    """The optimizer's part of one call: the executor's ``call.optimizer``.
 
-    ``streamed``: the call's Program has ``OptimizerStep`` actions; the executor runs
-    ``step(layers, accumulator)`` for each on ``worker`` (the host), after ``waits(layers)``.
-    ``begin()`` runs when the call's parameters were copied for upload (async: the
-    pending update may change them from then on); ``finish()`` after gradients reached
-    ``.grad``; ``failed(exc)`` instead, when the call raised.
+    ``program_mode``: what the call's Program holds for it (``passes.schedule``):
+    ``"exact"``, an ``OptimizerStep`` per backward stage, streamed; ``"async"``, an
+    ``AsyncUpdate`` applying the previous call's pending update; ``None``, nothing (the
+    step, if any, runs in ``finish()``: ``GradScaler``, or clipping without
+    speculation). The executor runs those host actions on ``worker`` in Program order:
+    ``apply_pending()`` and ``step(layers, accumulator)``. ``finish()`` runs after the
+    call committed; ``failed(exc)`` instead, when it raised.
     """
 
-    def __init__(self, ov: Overlapped, runner, num_microbatch: int):
+    def __init__(self, ov: Overlapped):
         self.ov = ov
         opt = ov.optimizer
         self.steps = ov.will_step()
-        self.streamed = self.steps and ov.mode == "exact" and ov.scaler is None and \
+        streamed = self.steps and ov.mode == "exact" and ov.scaler is None and \
             (ov.max_grad_norm is None or ov.speculate)
+        self.program_mode = "exact" if streamed else ("async" if ov.mode == "async" else None)
         self.hyper = _hyperparameters(opt)       # read now: a scheduler may change them later
-        self.worker = ov.host() if self.streamed or ov.pending else None
-        self.backup = self.streamed and (ov.atomic or ov.max_grad_norm is not None)
+        self.worker = ov.host() if self.program_mode is not None else None
+        self.backup = streamed and (ov.atomic or ov.max_grad_norm is not None)
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}
-        self.sharing: dict[int, list[int]] = {}
         self.copies: dict[int, list[int]] = {}   # stage -> store stages holding its params
         self.store = None
-        if self.streamed:
-            prep = runner.prepared("fused", num_microbatch, optimizer=True)
-            self.store = prep.store
-            self._assign(prep.program, prep.stages, runner.lg)
 
-    def _assign(self, program, stages, lg) -> None:
+    def assign(self, exe, lg, store) -> None:
         """Each parameter is stepped with the last backward stage (execution order) that
-        uses it: a tied parameter's gradient is final only then. By that time no stage
-        of the call will read a flat copy of it again (forward stages and every backward
-        stage holding it have run), so the step also refreshes those copies."""
+        uses it: a tied parameter's gradient is final only then (the Program's
+        ``OptimizerStep`` of that stage waits for every stage sharing it). By that time
+        no stage of the call will read a flat copy of it again (forward stages and every
+        backward stage holding it have run), so the step also refreshes those copies."""
+        if self.program_mode != "exact":
+            return
+        self.store = store
         holders: dict[int, list[int]] = {}
         copies: dict[int, set[int]] = {}
         tensors: dict[int, torch.Tensor] = {}
-        for st in program.stages:
-            for fqn in stages[st.index].params:
+        for st in exe.program.stages:
+            for fqn in exe.stages[st.index].params:
                 p = lg.params.get(fqn)
                 if p is None or not p.requires_grad:
                     continue
@@ -257,21 +259,12 @@ class _Call:
         for key, ss in holders.items():
             owner = max(ss)
             self.owned.setdefault(owner, []).append(tensors[key])
-            self.sharing[owner] = sorted(set(self.sharing.get(owner, [])) | set(ss))
             self.copies[owner] = sorted(set(self.copies.get(owner, [])) | copies[key])
 
-    # -- the executor's hooks ----------------------------------------------------------
-    def begin(self) -> Event | None:
-        """Start the previous call's pending update (async); the call waits for it."""
-        with self.ov._lock:
-            pending, self.ov._pending = self.ov._pending, None
-        if pending is None:
-            return None
-        return self.worker.submit("compute", pending.apply, label="async optimizer step")
-
-    def waits(self, layers: range) -> list[int]:
-        """Stages whose gradient download must precede ``OptimizerStep(layers)``."""
-        return self.sharing.get(self.stage_of[(layers.start, layers.stop)], [])
+    # -- the executor's host actions ---------------------------------------------------
+    def apply_pending(self) -> None:
+        """``AsyncUpdate``: apply the previous call's pending update, if there is one."""
+        self.ov.synchronize()
 
     def step(self, layers: range, accumulator) -> None:
         """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them."""
@@ -328,7 +321,7 @@ class _Call:
 
     def _finish_exact(self, params: list[torch.Tensor]) -> None:
         ov, opt = self.ov, self.ov.optimizer
-        done = {id(p) for ps in self.owned.values() for p in ps} if self.streamed else set()
+        done = {id(p) for ps in self.owned.values() for p in ps}
         if ov.max_grad_norm is not None:
             grads = [p.grad for p in params if p.grad is not None]
             total = torch.nn.utils.get_total_norm(grads, ov.norm_type)

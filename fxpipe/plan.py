@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fxpipe.errors import PlanError
+from fxpipe.passes import planner
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES = ("infer", "train", "fused")
@@ -126,8 +127,9 @@ class ExecutePlan:
              num_devices: int | None = None) -> ExecutePlan | list[ExecutePlan]:
         """Plan stages from per-layer costs (see ``fxpipe.passes.planner.plan_chains``).
 
-        A pipe has ``.layers`` (items with ``.cost``) and ``.devices`` (items with an
-        optional ``.memory_limit`` in bytes). ``model_memory_limit`` is in GB (2**30
+        A pipe has ``.layers`` (items with ``.cost``), ``.devices`` (items with an
+        optional ``.memory_limit`` in bytes) and optionally ``.timings`` (a
+        ``LayerTimer``: measured times replace the estimates, see :func:`layer_costs`). ``model_memory_limit`` is in GB (2**30
         bytes; default 60% of the smallest device limit, no cap when no device has one);
         each stage must fit in half of it because the next stage is prefetched.
         ``min_stages`` defaults to the number of devices (a hint: a short model may get
@@ -137,8 +139,6 @@ class ExecutePlan:
         the chosen stage count. Several pipes share one bottleneck. Returns one plan for
         one pipe, a list for several.
         """
-        from fxpipe.passes import planner
-
         _check_run_type(run_type)
         if not pipes:
             raise ValueError("ExecutePlan.auto needs at least one pipe")
@@ -154,21 +154,30 @@ class ExecutePlan:
             if model_memory_limit <= 0:
                 raise ValueError(f"model_memory_limit must be > 0 GB, got {model_memory_limit}")
             cap = model_memory_limit * 2**30 / 2
-        layer_lists = [list(p.layers) for p in pipes]
-        for k, layers in enumerate(layer_lists):
-            for i, layer in enumerate(layers):
-                if getattr(layer, "cost", None) is None:
+        cost_lists = [layer_costs(p) for p in pipes]
+        for k, costs in enumerate(cost_lists):
+            for i, cost in enumerate(costs):
+                if cost is None:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
-        chains = planner.chain_costs([[l.cost for l in layers] for layers in layer_lists],
-                                     need_backward=run_type != "infer")
+        chains = planner.chain_costs(cost_lists, need_backward=run_type != "infer")
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory_cap=cap)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]
-        for plan, layers in zip(plans, layer_lists):
-            plan.validate(len(layers), run_type)
+        for plan, costs in zip(plans, cost_lists):
+            plan.validate(len(costs), run_type)
         return plans[0] if len(plans) == 1 else plans
+
+
+def layer_costs(pipe: Any) -> list[Any]:
+    """A pipe's per-layer costs as the planner and simulator read them: the layers'
+    ``cost`` with the times measured so far (``pipe.timings``, when it has them)."""
+    layers = list(pipe.layers)
+    timings = getattr(pipe, "timings", None)
+    if timings is not None:
+        return timings.costs(layers)
+    return [getattr(layer, "cost", None) for layer in layers]
 
 
 def _check_ranges(name: str, ranges: Sequence[Any], num_layers: int) -> None:

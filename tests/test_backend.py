@@ -40,7 +40,7 @@ def test_compiled_gpt_trains_like_eager_and_serves_other_sizes():
     pipe = be.pipe
     assert [layer.name for layer in pipe.layers] == ["prefix", "blocks.0", "blocks.1", "blocks.2",
                                                      "suffix"]
-    assert "torch.ops.fxpipe.prefetch" in pipe.code and len(pipe.stages) >= 2
+    assert "torch.ops.fxpipe.prefetch" in pipe.code() and len(pipe.stages) >= 2
     # the pipe's parameters are the model's own (tied embedding/head included)
     assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
 

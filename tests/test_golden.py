@@ -1,4 +1,5 @@
-"""Golden tests of lowered code: what print(pipe) shows is pinned, and stable across processes."""
+"""Golden tests of lowered code: what print(pipe) and pipe.code() show is pinned (forward,
+backward and layer-grain stages), and stable across processes."""
 
 from __future__ import annotations
 
@@ -48,28 +49,37 @@ class TestGolden(TestCase):
     def test_tiny_chain_program(self):
         torch.manual_seed(0)
         pipe = fxpipe.compile(TinyChain(), example_inputs=(torch.randn(2, 4), torch.ones(2, 4)))
-        self.assertExpectedInline(normalized(pipe.code), """\
+        self.assertExpectedInline(normalized(str(pipe)), """\
+# PipelineModule: 4 layers on vcpu:0, vcpu:1; plan fwd [0:2, 2:3] bwd [3:4, 2:3, 1:2, 0:1]
+# pipe.code(run_type) prints every stage a call runs, pipe.program(run_type) its actions
 def forward(self, x, mask):
-    # stage 0 | layers 0-1 (prefix, blocks.0) | vcpu:0 | params 160 B | saved 128 B | out 96 B | fwd 128 FLOP | bwd 192 FLOP
+    # stage 0 fwd | layers 0-1 (prefix, blocks.0) | vcpu:0 | params 160 B | saved 128 B | out 96 B | fwd 128 FLOP | bwd 192 FLOP
     stage_0 = self.stage_0(x, mask)
     mul = stage_0[0];  stage_0 = None
-    # stage 1 | layer 2 (blocks.1) | vcpu:1 | params 80 B | saved 32 B | out 96 B | fwd 64 FLOP | bwd 128 FLOP
+    # stage 1 fwd | layer 2 (blocks.1) | vcpu:1 | params 80 B | saved 32 B | out 96 B | fwd 64 FLOP | bwd 128 FLOP
     stage_1 = self.stage_1(mul);  mul = None
     linear_2 = stage_1[0];  stage_1 = None
-    # stage 2 | layer 3 (suffix) | vcpu:0 | params 0 B | saved 64 B | out 32 B | fwd 0 FLOP | bwd 0 FLOP
+    # stage 2 fwd | layer 3 (suffix) | vcpu:0 | params 0 B | saved 64 B | out 32 B | fwd 0 FLOP | bwd 0 FLOP
     stage_2 = self.stage_2(x, mask, linear_2);  x = mask = linear_2 = None
     add = stage_2[0];  stage_2 = None
-    return (add,)
+    return (add,)""")
 
-
-# ---- stage_0 ----
+    def test_backward_stage_and_layer_piece(self):
+        """A backward stage (recomputed, its linear tail skipped) and, at layer grain, the
+        piece of it that one layer's backward runs: what the runtime executes."""
+        torch.manual_seed(0)
+        plan = fxpipe.ExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
+        pipe = fxpipe.compile(TinyChain(), example_inputs=(torch.randn(2, 4), torch.ones(2, 4)),
+                              plan=plan)
+        stage = pipe._executable("fused").stages[2]
+        self.assertExpectedInline(normalized(stage.code), """\
 def forward(self, x, mask):
-    # stage 0 | layers 0-1 (prefix, blocks.0) | vcpu:0 | params 160 B | saved 128 B | out 96 B | fwd 128 FLOP | bwd 192 FLOP
+    # stage 2 bwd | layers 0-1 (prefix, blocks.0) | vcpu:0 | params 160 B | saved 128 B | out 96 B | fwd 128 FLOP | bwd 192 FLOP
     host_inp_weight = self.inp.weight
     host_inp_bias = self.inp.bias
     host_blocks_0_weight = getattr(self.blocks, "0").weight
     host_blocks_0_bias = getattr(self.blocks, "0").bias
-    params = torch.ops.fxpipe.prefetch.default([host_inp_weight, host_inp_bias, host_blocks_0_weight, host_blocks_0_bias], 0, 0);  host_inp_weight = host_inp_bias = host_blocks_0_weight = host_blocks_0_bias = None
+    params = torch.ops.fxpipe.prefetch.default([host_inp_weight, host_inp_bias, host_blocks_0_weight, host_blocks_0_bias], 2, 0);  host_inp_weight = host_inp_bias = host_blocks_0_weight = host_blocks_0_bias = None
     inp_weight = params[0]
     inp_bias = params[1]
     blocks_0_weight = params[2]
@@ -81,51 +91,38 @@ def forward(self, x, mask):
     relu = torch.relu(linear_1);  linear_1 = None
     mul = relu * mask_dev;  relu = mask_dev = None
     mul_host = torch.ops.fxpipe.offload.default(mul);  mul = None
-    release = torch.ops.fxpipe.release.default(params, 0);  params = release = None
-    return (mul_host,)
-
-
-# ---- stage_1 ----
-def forward(self, mul):
-    # stage 1 | layer 2 (blocks.1) | vcpu:1 | params 80 B | saved 32 B | out 96 B | fwd 64 FLOP | bwd 128 FLOP
-    host_blocks_1_weight = getattr(self.blocks, "1").weight
-    host_blocks_1_bias = getattr(self.blocks, "1").bias
-    params = torch.ops.fxpipe.prefetch.default([host_blocks_1_weight, host_blocks_1_bias], 1, 1);  host_blocks_1_weight = host_blocks_1_bias = None
-    blocks_1_weight = params[0]
-    blocks_1_bias = params[1]
-    mul_dev = torch.ops.fxpipe.upload.default(mul, 1);  mul = None
-    # a recompute for backward skips linear_2, linear_2_host: backward needs only their inputs
-    linear_2 = torch._C._nn.linear(mul_dev, blocks_1_weight, blocks_1_bias);  mul_dev = blocks_1_weight = blocks_1_bias = None
-    linear_2_host = torch.ops.fxpipe.offload.default(linear_2);  linear_2 = None
-    release = torch.ops.fxpipe.release.default(params, 1);  params = release = None
-    return (linear_2_host,)
-
-
-# ---- stage_2 ----
-def forward(self, x, mask, linear_2):
-    # stage 2 | layer 3 (suffix) | vcpu:0 | params 0 B | saved 64 B | out 32 B | fwd 0 FLOP | bwd 0 FLOP
-    x_dev = torch.ops.fxpipe.upload.default(x, 0);  x = None
+    release = torch.ops.fxpipe.release.default(params, 2);  params = release = None
+    return (mul_host,)""")
+        piece = pipe._executable("fused", grain="layer").pieces[(2, 1)]
+        self.assertExpectedInline(normalized(piece.code), """\
+def forward(self, mask, linear):
+    # stage 2 bwd piece | layer 1 (blocks.0) | vcpu:0 | params 80 B | saved 96 B | out 96 B | fwd 64 FLOP | bwd 128 FLOP
+    host_blocks_0_weight = getattr(self.blocks, "0").weight
+    host_blocks_0_bias = getattr(self.blocks, "0").bias
+    params = torch.ops.fxpipe.prefetch.default([host_blocks_0_weight, host_blocks_0_bias], 2, 0);  host_blocks_0_weight = host_blocks_0_bias = None
+    blocks_0_weight = params[0]
+    blocks_0_bias = params[1]
     mask_dev = torch.ops.fxpipe.upload.default(mask, 0);  mask = None
-    linear_2_dev = torch.ops.fxpipe.upload.default(linear_2, 0);  linear_2 = None
-    relu_1 = torch.relu(linear_2_dev);  linear_2_dev = None
-    mul_1 = relu_1 * mask_dev;  relu_1 = mask_dev = None
-    add = mul_1 + x_dev;  mul_1 = x_dev = None
-    add_host = torch.ops.fxpipe.offload.default(add);  add = None
-    return (add_host,)""")
+    linear_dev = torch.ops.fxpipe.upload.default(linear, 0);  linear = None
+    linear_1 = torch._C._nn.linear(linear_dev, blocks_0_weight, blocks_0_bias);  linear_dev = blocks_0_weight = blocks_0_bias = None
+    relu = torch.relu(linear_1);  linear_1 = None
+    mul = relu * mask_dev;  relu = mask_dev = None
+    mul_host = torch.ops.fxpipe.offload.default(mul);  mul = None
+    release = torch.ops.fxpipe.release.default(params, 2);  params = release = None
+    return (mul_host,)""")
 
     def test_mlp_stage(self):
         torch.manual_seed(0)
         pipe = fxpipe.compile(models.mlp(width=8, depth=2), example_inputs=(torch.randn(4, 8),))
         self.assertExpectedInline(stage_code(pipe, 0), """\
 def forward(self, input_1):
-    # stage 0 | layer 0 (0) | vcpu:0 | params 288 B | saved 128 B | out 128 B | fwd 512 FLOP | bwd 512 FLOP
+    # stage 0 fwd | layer 0 (0) | vcpu:0 | params 288 B | saved 128 B | out 128 B | fwd 512 FLOP | bwd 512 FLOP
     host_0_weight = getattr(self, "0").weight
     host_0_bias = getattr(self, "0").bias
     params = torch.ops.fxpipe.prefetch.default([host_0_weight, host_0_bias], 0, 0);  host_0_weight = host_0_bias = None
     _0_weight = params[0]
     _0_bias = params[1]
     input_1_dev = torch.ops.fxpipe.upload.default(input_1, 0);  input_1 = None
-    # a recompute for backward skips linear, linear_host: backward needs only their inputs
     linear = torch._C._nn.linear(input_1_dev, _0_weight, _0_bias);  input_1_dev = _0_weight = _0_bias = None
     linear_host = torch.ops.fxpipe.offload.default(linear);  linear = None
     release = torch.ops.fxpipe.release.default(params, 0);  params = release = None
@@ -137,7 +134,7 @@ def forward(self, input_1):
                               example_inputs=(torch.randint(0, 64, (2, 8)),))
         self.assertExpectedInline(stage_code(pipe, 1), """\
 def forward(self, cos, sin, add_5):
-    # stage 1 | layer 2 (blocks.1) | vcpu:1 | params 12.7 kB | saved 21.2 kB | out 1.02 kB | fwd 106 kFLOP | bwd 217 kFLOP
+    # stage 1 fwd | layer 2 (blocks.1) | vcpu:1 | params 12.7 kB | saved 21.2 kB | out 1.02 kB | fwd 106 kFLOP | bwd 217 kFLOP
     host_blocks_1_norm1_weight = getattr(self.blocks, "1").norm1.weight
     host_blocks_1_qkv_weight = getattr(self.blocks, "1").qkv.weight
     host_blocks_1_proj_weight = getattr(self.blocks, "1").proj.weight
@@ -225,7 +222,7 @@ def forward(self, cos, sin, add_5):
                               example_inputs=(torch.randn(2, 3, 4, 4),))
         self.assertExpectedInline(stage_code(pipe, 1), """\
 def forward(self, relu_2):
-    # stage 1 | layer 2 (suffix) | vcpu:1 | params 120 B | saved 16 B | out 80 B | fwd 80 FLOP | bwd 160 FLOP
+    # stage 1 fwd | layer 2 (suffix) | vcpu:1 | params 120 B | saved 16 B | out 80 B | fwd 80 FLOP | bwd 160 FLOP
     host_fc_weight = self.fc.weight
     host_fc_bias = self.fc.bias
     params = torch.ops.fxpipe.prefetch.default([host_fc_weight, host_fc_bias], 1, 1);  host_fc_weight = host_fc_bias = None
@@ -233,7 +230,6 @@ def forward(self, relu_2):
     fc_bias = params[1]
     relu_2_dev = torch.ops.fxpipe.upload.default(relu_2, 1);  relu_2 = None
     mean = torch.ops.aten.mean.dim(relu_2_dev, [2, 3]);  relu_2_dev = None
-    # a recompute for backward skips linear, linear_host: backward needs only their inputs
     linear = torch.ops.aten.linear.default(mean, fc_weight, fc_bias);  mean = fc_weight = fc_bias = None
     linear_host = torch.ops.fxpipe.offload.default(linear);  linear = None
     release = torch.ops.fxpipe.release.default(params, 1);  params = release = None
@@ -246,7 +242,7 @@ from tests import models
 from tests.test_golden import normalized
 torch.manual_seed(0)
 pipe = fxpipe.compile(models.GPT(depth=2, dim=16, heads=2).eval(), example_inputs=(torch.randint(0, 64, (2, 8)),))
-print(normalized(pipe.code))
+print(normalized(pipe.code("fused")))
 """
 
 

@@ -97,7 +97,8 @@ def test_bf16_gradients_are_fp32_and_match_the_reference(tie, num_microbatch, to
         assert rel_diff(p.grad, r.grad) <= tol, (name, rel_diff(p.grad, r.grad))
     # the masters are untouched fp32; device copies were bf16
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    flat = pipe._runner(pipe._current, pipe._config(None)).prepared("fused", num_microbatch).store
+    runner = pipe._runner(pipe._current, pipe._config(None))
+    flat = runner.store(pipe._executable("fused", num_microbatch))
     assert {d for s in flat.stages for d in flat.flat(s)} == {torch.bfloat16}
 
 
@@ -226,7 +227,7 @@ def test_autocast_region_in_the_model_is_kept():
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"],
                           config=fxpipe.RunConfig(num_microbatch=1))
     assert pipe.layers.capture != "fx"
-    assert "wrap_with_autocast" in pipe.code
+    assert "wrap_with_autocast" in pipe.code()
     loss = pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
     ref_loss = F.mse_loss(ref(x), y)
     ref_loss.backward()

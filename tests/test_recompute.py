@@ -148,9 +148,19 @@ def test_pipelines_skip_the_tail_and_match_eager(grain):
                           plan=fxpipe.ExecutePlan(fwd_plan=[range(0, 4)],
                                                   bwd_plan=[range(3, 4), range(1, 3), range(0, 1)]),
                           config=fxpipe.RunConfig(num_microbatch=2, recompute_grain=grain))
-    (stage,) = pipe.stages
-    assert stage.tail == ("linear_7", "add_3", "add_3_host")
-    assert "# a recompute for backward skips linear_7, add_3, add_3_host" in stage.code
+    exe = pipe._executable("fused", grain=grain)
+    tails = {(st.index, st.layers.start): st.tail for st in exe.graph_modules()}
+    # forward and fused stages are never recomputed: only backward stages skip a tail
+    assert tails[(0, 0)] == tails[(1, 3)] == ()
+    if grain == "stage":
+        assert tails[(2, 1)] == ("linear_5", "add_2", "add_2_host")
+    else:  # stage 2 runs as two layer pieces, each recomputed separately
+        assert tails[(2, 1)] == ("linear_3", "add_1", "add_1_host")
+        assert tails[(2, 2)] == ("linear_5", "add_2", "add_2_host")
+    assert tails[(3, 0)] == ("linear_1", "add", "add_host")
+    code = pipe.code("fused", grain=grain)
+    assert code.count("# a recompute for backward skips") == (2 if grain == "stage" else 3)
+    assert "# a recompute for backward skips linear_5, add_2, add_2_host" in code
     skipped = []
     dispatch = tail.Unfilled.__torch_dispatch__
 

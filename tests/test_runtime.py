@@ -256,8 +256,9 @@ def test_overlap_and_residency_on_virtual_devices():
     overlap = sum(max(0.0, min(a1, b1) - max(a0, b0))
                   for a0, a1 in computes[0] for b0, b1 in computes[1])
     assert overlap > 0, "stage jobs on different devices never ran at the same time"
-    prep = pipe._current.runners[plan_key(pipe.plan)].prepared("fused", 4)
-    sizes = sorted((prep.store.nbytes(s) for s in prep.stages), reverse=True)
+    exe = pipe._executable("fused", 4)
+    store = pipe._current.runners[plan_key(pipe.plan)].store(exe)
+    sizes = sorted((store.nbytes(s) for s in exe.stages), reverse=True)
     for d in devs:
         assert d.peak_bytes("params") <= sizes[0] + sizes[1], d.name
         assert d.resident_bytes() == 0, f"{d.name} holds memory after the call"
@@ -273,11 +274,10 @@ def test_at_most_two_stages_resident_per_device():
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=devs, plan=plan,
                           config=fxpipe.RunConfig(num_microbatch=4))
     pipe.forward_backward((x,), label=None, loss_fn=lambda out, _: out.square().mean())
-    prep = pipe._current.runners[plan_key(plan)].prepared("fused", 4)
-    stage_bytes = {prep.store.nbytes(s) for s in prep.stages}
-    assert len(stage_bytes) == 1
+    store = pipe._current.runners[plan_key(plan)].store(pipe._executable("fused", 4))
+    assert len({store.nbytes(s) for s in range(len(plan.fwd_plan) + len(plan.bwd_plan))}) == 1
     for d in devs:  # three resident stages would need 3x
-        assert prep.store.nbytes(0) <= d.peak_bytes("params") <= 2 * prep.store.nbytes(0)
+        assert store.nbytes(0) <= d.peak_bytes("params") <= 2 * store.nbytes(0)
 
 
 # -- failures --------------------------------------------------------------------------------

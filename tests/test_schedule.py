@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import re
+from dataclasses import replace
 
 import expecttest
 import pytest
 
-from fxpipe.passes.schedule import (HOST, DownloadGrads, Forward, FusedBackward, Offload,
+from fxpipe.passes.schedule import (HOST, DownloadGrads, Forward, Free, FusedBackward, Offload,
                                     OptimizerStep, Prefetch, Program, RecomputeBackward, Release,
                                     StageSpec, Upload, UploadGrad, build_program, parse_action)
 
@@ -46,154 +48,183 @@ class TestGolden(expecttest.TestCase):
         p = build_program(*FUSED_6, "fused", 2, 2, "stage")
         self.assertExpectedInline(str(p), """\
 program devices=2 microbatches=2
-stage 0 fwd 0:2
-stage 1 fwd 2:4
-stage 2 fused 4:6
-stage 3 bwd 2:4
-stage 4 bwd 0:2
-step  d0    d1
-0     0P    1P
-1     0U0   1U0
-2     0F0   1F0
-3     0O0   1O0
-4     2P    3P
-5     0U1   1U1
-6     0F1   1F1
-7     0O1   1O1
-8     2U0   3U0
-9     0R    3G0
-10    2FB0  1R
-11    2O0   3B0
-12    4P    3O0
-13    2U1   3U1
-14    2FB1  3G1
-15    2O1   3B1
-16    4U0   3O1
-17    4G0   3D
-18    2D    3R
-19    2R    .
-20    4B0   .
-21    4U1   .
-22    4G1   .
-23    4B1   .
-24    4D    .
-25    4R    .""")
+inputs input
+stage 0 fwd 0:2 reads=input makes=l1
+stage 1 fwd 2:4 reads=l1 makes=l3
+stage 2 fused 4:6 reads=l3 makes=l5
+stage 3 bwd 2:4 reads=l1 makes=l3
+stage 4 bwd 0:2 reads=input makes=l1
+step d0   d1  host
+0    0P   1P  C
+1    0U0  1U0 .
+2    0F0  1F0 .
+3    0O0  1O0 .
+4    0X0  1X0 .
+5    2P   3P  .
+6    0U1  1U1 .
+7    0F1  1F1 .
+8    0O1  1O1 .
+9    0X1  1X1 .
+10   2U0  3U0 .
+11   0R   3G0 .
+12   2FB0 1R  .
+13   2O0  3B0 .
+14   2X0  3O0 .
+15   4P   3X0 .
+16   2U1  3U1 .
+17   2FB1 3G1 .
+18   2O1  3B1 .
+19   2X1  3O1 .
+20   4U0  3X1 .
+21   4G0  3D  .
+22   2D   3R  .
+23   2R   .   .
+24   4B0  .   .
+25   4X0  .   .
+26   4U1  .   .
+27   4G1  .   .
+28   4B1  .   .
+29   4X1  .   .
+30   4D   .   .
+31   4R   .   .""")
 
     def test_stage_dispatch_train_3_devices(self):
         p = build_program(*TRAIN_6, "train", 3, 2, "stage")
         self.assertExpectedInline(str(p), """\
 program devices=3 microbatches=2
-stage 0 fwd 0:2
-stage 1 fwd 2:4
-stage 2 fwd 4:6
-stage 3 bwd 3:6
-stage 4 bwd 0:3
-step  d0   d1   d2
-0     0P   1P   2P
-1     0U0  1U0  2U0
-2     0F0  1F0  2F0
-3     0O0  1O0  2O0
-4     3P   4P   2U1
-5     0U1  1U1  2F1
-6     0F1  1F1  2O1
-7     0O1  1O1  2R
-8     3U0  4U0  .
-9     3G0  4G0  .
-10    0R   1R   .
-11    3B0  4B0  .
-12    3O0  4U1  .
-13    3U1  4G1  .
-14    3G1  4B1  .
-15    3B1  4D   .
-16    3O1  4R   .
-17    3D   .    .
-18    3R   .    .""")
+inputs input
+outputs l5
+stage 0 fwd 0:2 reads=input makes=l1
+stage 1 fwd 2:4 reads=l1 makes=l3,l2
+stage 2 fwd 4:6 reads=l3 makes=l5
+stage 3 bwd 3:6 reads=l2 makes=l5
+stage 4 bwd 0:3 reads=input makes=l2
+step d0  d1  d2  host
+0    0P  1P  2P  C
+1    0U0 1U0 2U0 .
+2    0F0 1F0 2F0 .
+3    0O0 1O0 2O0 .
+4    0X0 1X0 2X0 .
+5    3P  4P  2U1 .
+6    0U1 1U1 2F1 .
+7    0F1 1F1 2O1 .
+8    0O1 1O1 2X1 .
+9    0X1 1X1 2R  .
+10   3U0 4U0 .   .
+11   3G0 4G0 .   .
+12   0R  1R  .   .
+13   3B0 4B0 .   .
+14   3O0 4X0 .   .
+15   3X0 4U1 .   .
+16   3U1 4G1 .   .
+17   3G1 4B1 .   .
+18   3B1 4X1 .   .
+19   3O1 4D  .   .
+20   3X1 4R  .   .
+21   3D  .   .   .
+22   3R  .   .   .""")
 
     def test_roundpipe_dispatch_fused_3_devices(self):
         # rounds {0,1,2} and {3}; without timing, round 2 starts where round 1 left off
         p = build_program(*FUSED_6, "fused", 3, 4, "roundpipe")
         self.assertExpectedInline(str(p), """\
 program devices=3 microbatches=4
-stage 0 fwd 0:2
-stage 1 fwd 2:4
-stage 2 fused 4:6
-stage 3 bwd 2:4
-stage 4 bwd 0:2
-step  d0   d1    d2
-0     0P   1P    2P
-1     0U0  1U0   2U0
-2     0F0  1F0   2FB0
-3     0O0  1O0   2O0
-4     3P   4P    0P
-5     0U1  1U1   2U1
-6     0F1  1F1   2FB1
-7     0O1  1O1   2O1
-8     0U2  1U2   2U2
-9     0F2  1F2   2FB2
-10    0O2  1O2   2O2
-11    3U0  4U0   0U3
-12    3G0  4G0   2D
-13    0R   1R    2R
-14    3B0  4B0   0F3
-15    3O0  2P    0O3
-16    1P   4U1   3P
-17    3U1  4G1   3U3
-18    3G1  4B1   3G3
-19    3B1  4U2   0R
-20    3O1  4G2   3B3
-21    3U2  4B2   3O3
-22    3G2  2U3   3D
-23    3B2  4D    3R
-24    3O2  4R    .
-25    1U3  2FB3  .
-26    3D   2O3   .
-27    3R   2D    .
-28    1F3  2R    .
-29    1O3  .     .
-30    4P   .     .
-31    4U3  .     .
-32    4G3  .     .
-33    1R   .     .
-34    4B3  .     .
-35    4D   .     .
-36    4R   .     .""")
+inputs input
+stage 0 fwd 0:2 reads=input makes=l1
+stage 1 fwd 2:4 reads=l1 makes=l3
+stage 2 fused 4:6 reads=l3 makes=l5
+stage 3 bwd 2:4 reads=l1 makes=l3
+stage 4 bwd 0:2 reads=input makes=l1
+step d0  d1   d2   host
+0    0P  1P   2P   C
+1    0U0 1U0  2U0  .
+2    0F0 1F0  2FB0 .
+3    0O0 1O0  2O0  .
+4    0X0 1X0  2X0  .
+5    3P  4P   0P   .
+6    0U1 1U1  2U1  .
+7    0F1 1F1  2FB1 .
+8    0O1 1O1  2O1  .
+9    0X1 1X1  2X1  .
+10   0U2 1U2  2U2  .
+11   0F2 1F2  2FB2 .
+12   0O2 1O2  2O2  .
+13   0X2 1X2  2X2  .
+14   3U0 4U0  0U3  .
+15   3G0 4G0  2D   .
+16   0R  1R   2R   .
+17   3B0 4B0  0F3  .
+18   3O0 4X0  0O3  .
+19   3X0 2P   0X3  .
+20   1P  4U1  3P   .
+21   3U1 4G1  3U3  .
+22   3G1 4B1  3G3  .
+23   3B1 4X1  0R   .
+24   3O1 4U2  3B3  .
+25   3X1 4G2  3O3  .
+26   3U2 4B2  3X3  .
+27   3G2 4X2  3D   .
+28   3B2 2U3  3R   .
+29   3O2 4D   .    .
+30   3X2 4R   .    .
+31   1U3 2FB3 .    .
+32   3D  2O3  .    .
+33   3R  2X3  .    .
+34   1F3 2D   .    .
+35   1O3 2R   .    .
+36   1X3 .    .    .
+37   4P  .    .    .
+38   4U3 .    .    .
+39   4G3 .    .    .
+40   1R  .    .    .
+41   4B3 .    .    .
+42   4X3 .    .    .
+43   4D  .    .    .
+44   4R  .    .    .""")
 
     def test_roundpipe_dispatch_train_2_devices_with_optimizer(self):
         p = build_program(*TRAIN_6, "train", 2, 2, "roundpipe", optimizer=True)
         self.assertExpectedInline(str(p), """\
 program devices=2 microbatches=2
-stage 0 fwd 0:2
-stage 1 fwd 2:4
-stage 2 fwd 4:6
-stage 3 bwd 3:6
-stage 4 bwd 0:3
-step  d0    d1
-0     0P    1P
-1     0U0   1U0
-2     0F0   1F0
-3     0O0   1O0
-4     2P    3P
-5     0U1   1U1
-6     0F1   1F1
-7     0O1   1O1
-8     2U0   3U0
-9     0R    3G0
-10    2F0   1R
-11    2O0   3B0
-12    4P    3O0
-13    2U1   3U1
-14    2F1   3G1
-15    2O1   3B1
-16    4U0   3O1
-17    4G0   3D
-18    2R    3R
-19    4B0   S3:6
-20    4U1   .
-21    4G1   .
-22    4B1   .
-23    4D    .
-24    4R    .
-25    S0:3  .""")
+inputs input
+outputs l5
+stage 0 fwd 0:2 reads=input makes=l1
+stage 1 fwd 2:4 reads=l1 makes=l3,l2
+stage 2 fwd 4:6 reads=l3 makes=l5
+stage 3 bwd 3:6 reads=l2 makes=l5
+stage 4 bwd 0:3 reads=input makes=l2
+step d0  d1  host
+0    0P  1P  S3:6
+1    0U0 1U0 S0:3
+2    0F0 1F0 C
+3    0O0 1O0 .
+4    0X0 1X0 .
+5    2P  3P  .
+6    0U1 1U1 .
+7    0F1 1F1 .
+8    0O1 1O1 .
+9    0X1 1X1 .
+10   2U0 3U0 .
+11   0R  3G0 .
+12   2F0 1R  .
+13   2O0 3B0 .
+14   2X0 3O0 .
+15   4P  3X0 .
+16   2U1 3U1 .
+17   2F1 3G1 .
+18   2O1 3B1 .
+19   2X1 3O1 .
+20   4U0 3X1 .
+21   4G0 3D  .
+22   2R  3R  .
+23   4B0 .   .
+24   4X0 .   .
+25   4U1 .   .
+26   4G1 .   .
+27   4B1 .   .
+28   4X1 .   .
+29   4D  .   .
+30   4R  .   .""")
 
     def test_roundpipe_forward_lead_and_split_head(self):
         # round 1's forwards go with round 0's backwards; the fused stage 2 takes two
@@ -212,26 +243,32 @@ step  d0    d1
         p = build_program([range(0, 1), range(1, 2), range(2, 3)], [], "infer", 2, 2, "stage")
         self.assertExpectedInline(str(p), """\
 program devices=2 microbatches=2
-stage 0 fwd 0:1
-stage 1 fwd 1:2
-stage 2 fwd 2:3
-step  d0   d1
-0     0P   1P
-1     0U0  1U0
-2     0F0  1F0
-3     0O0  1O0
-4     2P   1U1
-5     0U1  1F1
-6     0F1  1O1
-7     0O1  1R
-8     2U0  .
-9     0R   .
-10    2F0  .
-11    2O0  .
-12    2U1  .
-13    2F1  .
-14    2O1  .
-15    2R   .""")
+inputs input
+outputs l2
+stage 0 fwd 0:1 reads=input makes=l0
+stage 1 fwd 1:2 reads=l0 makes=l1
+stage 2 fwd 2:3 reads=l1 makes=l2
+step d0  d1  host
+0    0P  1P  C
+1    0U0 1U0 .
+2    0F0 1F0 .
+3    0O0 1O0 .
+4    0X0 1X0 .
+5    2P  1U1 .
+6    0U1 1F1 .
+7    0F1 1O1 .
+8    0O1 1X1 .
+9    0X1 1R  .
+10   2U0 .   .
+11   0R  .   .
+12   2F0 .   .
+13   2O0 .   .
+14   2X0 .   .
+15   2U1 .   .
+16   2F1 .   .
+17   2O1 .   .
+18   2X1 .   .
+19   2R  .   .""")
 
     def test_dependency_rules(self):
         p = build_program(*FUSED_6, "fused", 2, 2, "stage")
@@ -240,36 +277,42 @@ step  d0   d1
 0U0 <- -
 0F0 <- 0P@d0.end(params) 0U0@d0.end(input)
 0O0 <- 0F0@d0.end(input)
+0X0 <- 0F0@d0.end(free) 0O0@d0.end(free)
 2P <- 0P@d0.end(stream) 0F0@d0.start(issue)
 0U1 <- 0U0@d0.end(stream) 0F0@d0.start(issue)
 0F1 <- 0F0@d0.end(stream) 0P@d0.end(params) 0U1@d0.end(input)
 0O1 <- 0O0@d0.end(stream) 0F1@d0.end(input)
+0X1 <- 0X0@d0.end(stream) 0F1@d0.end(free) 0O1@d0.end(free)
 2U0 <- 0U1@d0.end(stream) 0F1@d0.start(issue) 1O0@d1.end(input, hop)
 0R <- 0F1@d0.end(job)
 2FB0 <- 0F1@d0.end(stream) 2P@d0.end(params) 2U0@d0.end(input)
 2O0 <- 0O1@d0.end(stream) 2FB0@d0.end(input)
+2X0 <- 0X1@d0.end(stream) 2FB0@d0.end(free) 2O0@d0.end(free)
 4P <- 2P@d0.end(stream) 2FB0@d0.start(issue) 0R@d0.end(release)
 2U1 <- 2U0@d0.end(stream) 2FB0@d0.start(issue) 1O1@d1.end(input, hop)
 2FB1 <- 2FB0@d0.end(stream) 2P@d0.end(params) 2U1@d0.end(input)
 2O1 <- 2O0@d0.end(stream) 2FB1@d0.end(input)
+2X1 <- 2X0@d0.end(stream) 2FB1@d0.end(free) 2O1@d0.end(free)
 4U0 <- 2U1@d0.end(stream) 2FB1@d0.start(issue)
-4G0 <- 4U0@d0.end(stream) 2FB1@d0.start(issue) 3O0@d1.end(input, hop)
+4G0 <- 4U0@d0.end(stream) 2FB1@d0.start(issue) 3O0@d1.end(grad, hop)
 2D <- 2FB1@d0.end(job)
-2R <- 2FB1@d0.end(job) 2D@d0.end(job)
+2R <- 0R@d0.end(stream) 2FB1@d0.end(job) 2D@d0.end(job)
 4B0 <-
     2FB1@d0.end(stream)
     4P@d0.end(params)
     4U0@d0.end(input)
     4G0@d0.end(grad)
+4X0 <- 2X1@d0.end(stream) 4B0@d0.end(free)
 4U1 <- 4G0@d0.end(stream) 4B0@d0.start(issue)
-4G1 <- 4U1@d0.end(stream) 4B0@d0.start(issue) 3O1@d1.end(input, hop)
+4G1 <- 4U1@d0.end(stream) 4B0@d0.start(issue) 3O1@d1.end(grad, hop)
 4B1 <-
     4B0@d0.end(stream)
     4P@d0.end(params)
     4U1@d0.end(input)
     4G1@d0.end(grad)
+4X1 <- 4X0@d0.end(stream) 4B1@d0.end(free)
 4D <- 2D@d0.end(stream) 4B1@d0.end(job)
-4R <- 4B1@d0.end(job) 4D@d0.end(job)""")
+4R <- 2R@d0.end(stream) 4B1@d0.end(job) 4D@d0.end(job)""")
 
     def test_train_first_backward_waits_for_every_output(self):
         p = build_program(*TRAIN_6, "train", 3, 2, "stage")
@@ -278,8 +321,8 @@ step  d0   d1
 3G0 <-
     3U0@d0.end(stream)
     0F1@d0.start(issue)
-    2O0@d2.end(input, hop)
-    2O1@d2.end(input, hop)""")
+    2O0@d2.end(grad, hop)
+    2O1@d2.end(grad, hop)""")
 
 
 class TestTextFormat(expecttest.TestCase):
@@ -300,7 +343,7 @@ class TestTextFormat(expecttest.TestCase):
                 self.assertEqual(str(Program.parse(str(p))), str(p))
 
     def test_parse_errors(self):
-        for bad in ("3X1", "3P1", "3F", "F3.1", ""):
+        for bad in ("3Y1", "3P1", "3F", "F3.1", "3X", ""):
             with self.assertRaisesRegex(ValueError, "not an action"):
                 parse_action(bad)
         text = str(build_program(*FUSED_6, "fused", 2, 1, "stage"))
@@ -309,12 +352,12 @@ class TestTextFormat(expecttest.TestCase):
         with self.assertRaisesRegex(ValueError, "bad table row"):
             Program.parse(text.replace("\n3 ", "\n4 ", 1))
         with self.assertRaisesRegex(ValueError, "gap"):
-            Program.parse(text.replace("\n1     0U0", "\n1     .  ", 1))
+            Program.parse(re.sub(r"\n1( +)0U0", r"\n1\1.  ", text, count=1))
 
     def test_stage_spec_and_relations(self):
         p = build_program([range(0, 2), range(2, 4)], [range(4, 5), range(1, 4), range(0, 1)],
                           "fused", 2, 1, "stage")
-        self.assertEqual(p.stages[3], StageSpec(3, "bwd", range(1, 4)))
+        self.assertEqual(p.stages[3], StageSpec(3, "bwd", range(1, 4), ("l0",), ("l3",)))
         self.assertEqual([p.input_of(s) for s in range(5)], [HOST, 0, 1, 0, HOST])
         self.assertEqual([p.grad_of(s) for s in range(5)], [None, None, None, 2, 3])
         self.assertEqual(p.saved_inputs_of(0), [3])
@@ -379,8 +422,7 @@ class TestBuilderInvariants(expecttest.TestCase):
         p = build_program(*TRAIN_6, "train", 2, 3, "stage")
         acts = p.actions[0]
         i = acts.index(Prefetch(2))
-        self.assertEqual(acts[i - 1], Offload(0, 0))
-        self.assertEqual(acts[i - 2], Forward(0, 0))
+        self.assertEqual(acts[i - 3:i], (Forward(0, 0), Offload(0, 0), Free(0, 0)))
         self.assertEqual(resident_counts(acts)[i], 2)
 
     def test_roundpipe_rotation_uses_device_free(self):
@@ -397,25 +439,25 @@ class TestBuilderInvariants(expecttest.TestCase):
 
     def test_validate_rejects_bad_programs(self):
         p = build_program(*FUSED_6, "fused", 2, 1, "stage")
-        stages, acts = p.stages, [list(a) for a in p.actions]
+        acts = [list(a) for a in p.actions]
         no_prefetch = [a for a in acts[0] if a != Prefetch(0)]
         with self.assertRaisesRegex(ValueError, r"device 0 step 1: 0F0 runs stage 0 with no "
                                                 r"Prefetch\(0\)"):
-            Program(2, 1, stages, (tuple(no_prefetch), tuple(acts[1]))).dependencies()
+            replace(p, actions=(tuple(no_prefetch), tuple(acts[1]))).dependencies()
         twice = acts[0] + [Prefetch(0), Upload(0, 0), Forward(0, 0)]
         with self.assertRaisesRegex(ValueError, "0F0 appears twice"):
-            Program(2, 1, stages, (tuple(twice), tuple(acts[1]))).dependencies()
+            replace(p, actions=(tuple(twice), tuple(acts[1]))).dependencies()
         with self.assertRaisesRegex(ValueError, "stage 0 microbatch 0 runs 2 times"):
-            Program(2, 1, stages, (tuple(twice), tuple(acts[1]))).validate()
+            replace(p, actions=(tuple(twice), tuple(acts[1]))).validate()
         missing = [a for a in acts[1] if a != RecomputeBackward(3, 0)]
         with self.assertRaisesRegex(ValueError, "stage 3 microbatch 0 runs 0 times"):
-            Program(2, 1, stages, (tuple(acts[0]), tuple(missing))).validate()
+            replace(p, actions=(tuple(acts[0]), tuple(missing))).validate()
         no_upload = [a for a in acts[0] if a != Upload(0, 0)]
         with self.assertRaisesRegex(ValueError, "has no Upload before it"):
-            Program(2, 1, stages, (tuple(no_upload), tuple(acts[1]))).dependencies()
+            replace(p, actions=(tuple(no_upload), tuple(acts[1]))).dependencies()
         with self.assertRaisesRegex(ValueError, "FusedBackward"):
             bad = [RecomputeBackward(2, 0) if a == FusedBackward(2, 0) else a for a in acts[0]]
-            Program(2, 1, stages, (tuple(bad), tuple(acts[1]))).validate()
+            replace(p, actions=(tuple(bad), tuple(acts[1]))).validate()
 
     def test_builder_argument_errors(self):
         with self.assertRaisesRegex(ValueError, "dispatch"):

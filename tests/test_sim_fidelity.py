@@ -190,26 +190,30 @@ class TestSimulator:
         costs = [LayerCost(1.0, 2.0, param_bytes=10**6)] * 4
         t = simulate(p, costs, Hardware(cpu_optimizer_bytes_per_s=10**9))
         opt = [iv for iv in t.intervals if iv.kind == "optimizer"]
-        assert [(iv.label, iv.end - iv.start) for iv in opt] == [("S0:2", 2.0), ("S2:4", 2.0)]
+        assert [(iv.label, iv.end - iv.start) for iv in opt] == [("S2:4", 2.0), ("S0:2", 2.0)]
         assert t.makespan == max(iv.end for iv in opt)
 
     def test_deadlock_is_reported(self):
         p = Program.parse("""
             program devices=2 microbatches=1
-            stage 0 fwd 0:1
-            stage 1 fwd 1:2
-            stage 2 fwd 2:3
-            step d0 d1
-            0 0P 1P
-            1 2P 1U0
-            2 2U0 1F0
-            3 0U0 1O0
-            4 0F0 1R
-            5 0O0 .
-            6 0R .
-            7 2F0 .
-            8 2O0 .
-            9 2R .
+            inputs input
+            outputs l2
+            stage 0 fwd 0:1 reads=input makes=l0
+            stage 1 fwd 1:2 reads=l0 makes=l1
+            stage 2 fwd 2:3 reads=l1 makes=l2
+            step d0 d1 host
+            0 0P 1P C
+            1 2P 1U0 .
+            2 2U0 1F0 .
+            3 0U0 1O0 .
+            4 0F0 1X0 .
+            5 0O0 1R .
+            6 0X0 . .
+            7 0R . .
+            8 2F0 . .
+            9 2O0 . .
+            10 2X0 . .
+            11 2R . .
         """)
         with pytest.raises(ValueError, match=r"deadlocks: .*waits forever"):
             simulate(p, [LayerCost(1.0, 1.0)] * 3)

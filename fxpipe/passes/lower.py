@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -34,33 +33,15 @@ from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
 from fxpipe.passes.costs import Cost
 from fxpipe.passes.layer_graph import LayerGraph, graph_module
 from fxpipe.passes.recompute import skippable_tail
+from fxpipe.passes.stage import Stage
 
 _op = torch.ops.fxpipe
 
 
-@dataclass
-class Stage:
-    """One lowered stage: layers ``layers`` on device ``device`` (index into the devices)."""
-
-    index: int
-    layers: range
-    device: int
-    gm: fx.GraphModule
-    inputs: list[str]     # carried values it reads
-    outputs: list[str]    # carried values it makes for later stages / the output
-    params: list[str]     # FQNs of the tensors it prefetches (parameters, then buffers)
-    header: str           # the one-line comment at the top of its code
-    random: bool = False  # some layer draws random numbers (has an rng marker)
-    tail: tuple[str, ...] = ()  # nodes a recompute for backward skips (passes.recompute)
-
-    @property
-    def code(self) -> str:
-        return self.gm.code
-
-
 def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
           *, first_index: int = 0, save_cuts: Sequence[int] = ()) -> tuple[fx.GraphModule, list[Stage]]:
-    """Lower ``lg`` for stages ``ranges`` (in forward order, covering every layer once).
+    """Lower ``lg`` for forward stages ``ranges`` (in forward order, covering every layer
+    once).
 
     Stage *i* (numbered from ``first_index``) runs on device ``i mod len(device_names)``.
     ``save_cuts``: layer indices where a backward stage starts; a forward stage spanning
@@ -93,8 +74,12 @@ def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
 
 
 def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
-                device_names: list[str], *, save_cuts: Sequence[int] = ()) -> Stage:
-    """One stage running layers ``r`` on device ``device`` (see ``lower``)."""
+                device_names: list[str], *, save_cuts: Sequence[int] = (), kind: str = "fwd",
+                piece: bool = False) -> Stage:
+    """One stage running layers ``r`` on device ``device`` (see ``lower``). ``kind``
+    (``"fwd"``, ``"bwd"``, ``"fused"``) goes in its header; a ``"bwd"`` stage, which is
+    recomputed for backward, gets its skippable tail (``passes.recompute``). ``piece``:
+    a layer-grain piece of backward stage ``index``."""
     made_here: set[str] = set()
     reads: list[str] = []
     for i in r:
@@ -167,23 +152,27 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     g.lint()
     root = {f: (lg.params.get(f) if f in lg.params else lg.buffers[f]) for f in fqns}
     root.update(submodules)
-    header = stage_header(lg, r, index, device_names[device])
+    header = stage_header(lg, r, index, device_names[device], kind, piece)
     _comment_at_top(g, header)
-    tail = skippable_tail(g)
+    tail = skippable_tail(g) if kind == "bwd" else ()
     if tail:
         next(n for n in g.nodes if n.name == tail[0]).meta["comment"] = (
             f"a recompute for backward skips {', '.join(tail)}: backward needs only their inputs")
         _comment_before_nodes(g)
-    gm = graph_module(root, g, class_name=f"Stage{index}")
+    gm = graph_module(root, g, class_name=f"Stage{index}" + (f"Layer{r.start}" if piece else ""))
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
                  params=fqns, header=header, random=any(lg.layers[i].random for i in r),
-                 tail=tail)
+                 tail=tail, kind=kind, piece=piece)
 
 
-def stage_header(lg: LayerGraph, r: range, index: int, device_name: str) -> str:
+def stage_header(lg: LayerGraph, r: range, index: int, device_name: str, kind: str = "fwd",
+                 piece: bool = False) -> str:
+    """``stage 3 bwd | layers 4-5 (blocks.3, blocks.4) | vcpu:1 | costs...``; a layer
+    piece says ``stage 3 bwd piece``."""
     names = ", ".join(lg.layers[i].name for i in r)
     span = f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
-    parts = [f"stage {index}", f"{span} ({names})", device_name]
+    parts = [f"stage {index} {kind}{' piece' if piece else ''}", f"{span} ({names})",
+             device_name]
     total = _sum_costs([lg.layers[i].cost for i in r])
     if total:
         parts.append(total)

@@ -29,11 +29,12 @@ import torch
 
 from fxpipe.errors import DeviceMemoryError
 
-# compute; activations in and out; parameters in; gradients out; bookkeeping (Release).
+# compute; activations in and out; parameters in; gradients out; dropping a microbatch's
+# values (Free); bookkeeping (Release).
 # Each is its own FIFO: a stage-sized parameter copy never queues in front of a
 # microbatch's activations, and a Program's streams map one to one (no merged FIFOs,
 # which can wait on each other in a cycle across devices).
-STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "control")
+STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control")
 KINDS = ("params", "activations", "gradients")
 Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
 

@@ -1,25 +1,25 @@
-"""The executor: runs a ``Program`` (``fxpipe.passes.schedule``) on devices.
+"""The executor: interprets one ``Executable`` (``fxpipe.passes.stage``) for one call.
 
-It is deliberately dumb: every action of every device is submitted, in one global
-order consistent with ``Program.dependencies()``, to a stream of its device with the
-events of its dependencies as waits; the devices' streams do the rest. The Program's
-streams are the device's streams, one to one (``Release`` markers run on ``control``);
-a stream runs its actions in Program order.
+It is deliberately dumb. Every action of the Program is submitted, in an order
+consistent with ``Program.dependencies()``, to the stream of its device the Program
+names, with the events of its dependencies as waits; the host lane's actions go to the
+host worker, except ``Commit``, which the caller runs once everything else has ended.
+Each action kind has one handler (``Execution._act``, a ``match`` on the action class),
+and what a handler moves or drops is what ``Program.flow`` says: the executor decides
+nothing the Program does not show. Stages run through ``runtime.interpret``: the
+printed stage code, the Executable's own GraphModules.
 
-Values move by name. Each microbatch has a host environment (the model inputs, every
-stage output offloaded, and gradients of values); each device has a cache of values and
-gradients it holds. A compute takes its inputs from its device's cache, or copies them
-from the host if no ``Upload`` put them there (a Program may hand values over on the
-device). Stages run through ``StageRun`` (``runtime.interpret``): the printed stage code.
+Who owns what: each device's values, gradients and resident parameters live in its
+``_OnDevice`` (only that device's actions touch them; its lock orders its streams);
+the host's per-microbatch values and gradient sums live in ``_OnHost`` (one lock).
+Values are keyed by the compute that made or received them, ``(stage, microbatch,
+name)``, so two actions never write the same slot.
 
-Parameter gradients accumulate on the device across a stage job's microbatches
-(``Prefetch`` makes leaf copies for backward stages), go to the host once per job
-(``DownloadGrads``) into a ``GradAccumulator``, and reach ``.grad`` only when the whole
-call succeeded — except with a streamed optimizer step (``job.optimizer``, see
-``fxpipe.optim``): each ``OptimizerStep`` commits its stage's gradients and steps its
-parameters on the optimizer's host worker. Buffer updates (BatchNorm) are written back
-once per forward, never in recompute. Any failure is raised as ``StageError`` naming stage, layers, device and
-microbatch, after every submitted action has finished and device memory is freed.
+Parameter gradients accumulate on the device over a stage job, go to the host once per
+job (``DownloadGrads``) into a ``GradAccumulator``, and reach ``.grad`` at the
+``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as
+``StageError`` naming stage, layers, device and microbatch, after every submitted
+action has finished and device memory is freed.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import DeviceMemoryError, StageError
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.lower import Stage
-from fxpipe.passes.schedule import (
-    DownloadGrads, Forward, FusedBackward, Offload, OptimizerStep, Prefetch, Program,
-    RecomputeBackward, Release, Upload, UploadGrad, stream_of,
+from fxpipe.passes.program import (
+    HOST, AsyncUpdate, Checkpoint, Commit, DownloadGrads, Forward, Free, FusedBackward,
+    Offload, OptimizerStep, Prefetch, RecomputeBackward, Release, Upload, UploadGrad, stream_of,
 )
+from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime import tail
 from fxpipe.runtime.amp import AutocastState, reentered
 from fxpipe.runtime.devices import Device, Event
@@ -49,38 +49,39 @@ from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 from fxpipe.runtime.timer import LayerTimer
 
-_STREAM = {"prefetch": "prefetch", "h2d": "h2d", "compute": "compute", "d2h": "d2h",
-           "grads": "grads", None: "control"}
-
 
 class Cancelled(RuntimeError):
     """Raised inside actions once a call has been interrupted."""
 
 
 @dataclass
-class Job:
-    """What one call of a Program needs and produces."""
+class Call:
+    """One call of an Executable: what it needs, and (after ``Execution.run``) its results.
 
-    program: Program
-    stages: dict[int, Stage]                 # program stage index -> lowered stage
+    ``phase``: which of the Program's actions this call runs (``Program.phase``): all of
+    them, or for a ``"train"`` Executable its ``"forward"`` (``pipe(x)``) or
+    ``"backward"`` (``.backward()``) half. ``commit``: what the ``Commit`` action does
+    (the caller's: merge results, write gradients and buffers, all or nothing).
+    """
+
+    exe: Executable
     layers: LayerGraph
     store: ParamStore
     devices: list[Device]
-    inputs: list[dict[str, Any]]             # per microbatch: input name -> host value
+    inputs: list[dict[str, Any]]             # per microbatch: value name -> host value
+    phase: str = "all"
     call_seed: int | None = None
     labels: list[Any] | None = None          # fused: per microbatch label
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     loss_weights: list[float] | None = None
-    out_grads: list[dict[str, torch.Tensor]] | None = None   # train: grads of outputs
-    parts: frozenset[str] = frozenset({"fwd", "bwd", "fused"})  # stage kinds to run
-    keep_outputs: bool = False               # fused: keep the model outputs the tail made
-    grain: str = "stage"                     # recompute_grain
-    timer: LayerTimer | None = None          # per-layer times (virtual devices)
-    layer_stages: dict[int, Stage] = field(default_factory=dict)  # grain "layer": by layer
-    optimizer: Any = None                    # fxpipe.optim's part of the call (OptimizerStep)
+    out_grads: list[dict[str, torch.Tensor]] | None = None   # train backward: output grads
+    timer: LayerTimer | None = None
+    optimizer: Any = None                    # fxpipe.optim's part of the call (host lane)
     autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
     differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
-    commit_grads: bool = False               # parameter grads go to .grad when the call succeeds
+    fold_grads: bool = False                 # fold existing .grads in as gradients arrive
+    commit: Callable[[], None] | None = None
+    record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -89,61 +90,111 @@ class Job:
     accumulator: GradAccumulator | None = None
 
 
-class Execution:
-    """One run of a Job's Program (create, ``run()``, read the Job's results)."""
+class _OnHost:
+    """The call's host side: per microbatch, values (inputs and what ``Offload`` brought)
+    and gradient sums (what ``Offload`` brought, the user's output gradients)."""
 
-    def __init__(self, job: Job):
-        self.job = job
-        p = job.program
-        self.M = p.num_microbatches
-        job.host = [dict(x) for x in job.inputs]
-        job.grads = [dict(g) for g in (job.out_grads or [{} for _ in range(self.M)])]
-        # a call that commits at its end folds each existing .grad in as its stage's
-        # gradients arrive; a streamed optimizer commits stage by stage itself
-        job.accumulator = GradAccumulator(job.store,
-                                          fold=job.commit_grads and job.optimizer is None)
-        self.dev_vals: dict[tuple[int, int, str], torch.Tensor] = {}
-        self.dev_grads: dict[tuple[int, int, str], torch.Tensor] = {}
-        self.resident: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.input_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.uploaded: set[tuple[int, int, str]] = set()  # dev_vals entries copied from host
-        self.consumed: dict[int, list[torch.Tensor]] = {}  # per device: grads its compute took
-        self.cancelled = threading.Event()
+    def __init__(self, call: Call):
         self.lock = threading.Lock()
-        self.values_lock = threading.Lock()  # dev_vals / uploaded: an Upload and a compute race
+        self.values = call.host
+        self.grads = call.grads
+
+    def value(self, m: int, name: str) -> Any:
+        with self.lock:
+            return self.values[m][name]
+
+    def put(self, m: int, name: str, value: Any) -> None:
+        with self.lock:
+            self.values[m][name] = value
+
+    def add_grad(self, m: int, name: str, g: torch.Tensor) -> None:
+        with self.lock:
+            prev = self.grads[m].get(name)
+            self.grads[m][name] = g if prev is None else prev + g
+
+    def take_grad(self, m: int, name: str) -> torch.Tensor | None:
+        with self.lock:
+            return self.grads[m].pop(name, None)
+
+
+class _OnDevice:
+    """What one device holds for a call. Keys are ``(stage, microbatch, name)`` of the
+    compute that made or received the tensor (see the module docstring)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.params: dict[int, dict[str, torch.Tensor]] = {}   # stage -> resident tensors
+        self.uploaded: dict[tuple[int, int, str], Any] = {}    # Upload copies for a compute
+        self.made: dict[tuple[int, int, str], Any] = {}        # values a compute made
+        self.parts: dict[tuple[int, int, str], torch.Tensor] = {}  # input grads a backward made
+        self.host_grads: dict[tuple[int, int, str], torch.Tensor] = {}  # UploadGrad copies
+        self.consumed: dict[tuple[int, int], list[torch.Tensor]] = {}  # grads a compute took
+        self.checkpoints: dict[tuple[int, int], _Checkpoint] = {}
+
+    def tensors(self) -> Iterator[Any]:
+        """Everything still held (for cleanup after a failure)."""
+        for table in (self.uploaded, self.made, self.parts, self.host_grads):
+            yield from table.values()
+        for taken in self.consumed.values():
+            yield from taken
+        for ck in self.checkpoints.values():
+            yield from pytree.tree_leaves((ck.saved, ck.grads))
+
+
+@dataclass
+class _Checkpoint:
+    """``recompute_grain="layer"``: each layer's inputs kept by ``Checkpoint``, and the
+    gradients flowing back through the per-layer backwards."""
+
+    saved: dict[int, list[Any]]
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+class Execution:
+    """One run of a Call (create, ``run()``, read the Call's results)."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.program = call.exe.program
+        self.flow = self.program.flow
+        M = self.program.num_microbatches
+        call.host = [dict(x) for x in call.inputs]
+        call.grads = [dict(g) for g in (call.out_grads or [{} for _ in range(M)])]
+        call.accumulator = GradAccumulator(call.store, fold=call.fold_grads)
+        self.on_host = _OnHost(call)
+        self.on = [_OnDevice() for _ in call.devices]
+        self.cancelled = threading.Event()
+        self.record_lock = threading.Lock()
 
     # -- submission ----------------------------------------------------------------------
     def run(self) -> None:
-        p, job = self.job.program, self.job
+        """Run every action of the call's phase; raise the first failure (after
+        everything submitted ended and device memory is freed)."""
+        p = self.program
         deps = p.dependencies()
-        keep = [[self._wanted(a) for a in acts] for acts in p.actions]
+        phase = self.call.phase
+        keep = {lane: [phase == "all" or p.phase(a) == phase for a in acts]
+                for lane, acts in p.lanes()}
         ended: dict[tuple[int, int], Event] = {}
-        # "may start" of an action = the events it waits for. A dependency on another
-        # action's start waits for those (an action skipped because its own wait failed
-        # never starts, but its gate completes, so nothing waits forever).
-        gate: dict[tuple[int, int], list[Event]] = {}
-        order = _topological(p, deps, keep)
-        steps: list[tuple[int, int, OptimizerStep, list[Event]]] = []
+        gate: dict[tuple[int, int], list[Event]] = {}   # what an action's start waits for
+        commit: list[int] = []
         try:
-            if job.optimizer is not None and (ev := job.optimizer.begin()) is not None:
-                ended[(-1, 0)] = ev  # the previous call's update (async), on the host
-            for d, i in order:
-                a = p.actions[d][i]
+            for lane, i in _topological(p, deps, keep):
+                a = p.lane(lane)[i]
                 waits: list[Event] = []
-                for dep in deps[d][i]:
+                for dep in deps[lane][i]:
                     key = (dep.device, dep.step)
                     if keep[key[0]][key[1]]:
                         waits.extend([ended[key]] if dep.on == "end" else gate[key])
                 waits = list({id(e): e for e in waits}.values())
-                gate[(d, i)] = waits
-                stream = stream_of(a)  # None: a Release, run on the control stream
-                if isinstance(a, OptimizerStep):
-                    steps.append((d, i, a, waits))
+                gate[(lane, i)] = waits
+                if isinstance(a, Commit):
+                    commit.append(i)
                     continue
-                device = job.devices[d]
-                ended[(d, i)] = device.submit(_STREAM[stream], self._work(d, a),
-                                              wait=waits, label=f"{a}")
-            self._submit_steps(steps, ended)
+                worker = self.call.optimizer.worker if lane == HOST else self.call.devices[lane]
+                stream = "compute" if lane == HOST else stream_of(a)
+                ended[(lane, i)] = worker.submit(stream, self._work(lane, a), wait=waits,
+                                                 label=str(a))
         except BaseException:
             self.cancelled.set()
             raise
@@ -152,29 +203,10 @@ class Execution:
         if failure is not None:
             self._cleanup()
             raise failure
-        self._finish()
-
-    def _submit_steps(self, steps: list, ended: dict) -> None:
-        """``OptimizerStep``s go to the one host worker deepest first, the order their
-        gradients become final, each also after the gradient downloads of every stage
-        sharing a parameter with it (tied weights)."""
-        p, opt = self.job.program, self.job.optimizer
-        downloads: dict[int, list[Event]] = {}
-        for d, acts in enumerate(p.actions):
-            for i, a in enumerate(acts):
-                if isinstance(a, DownloadGrads) and (d, i) in ended:
-                    downloads.setdefault(a.stage, []).append(ended[(d, i)])
-        for d, i, a, waits in sorted(steps, key=lambda x: -x[2].layers.start):
-            extra = [ev for s in opt.waits(a.layers) for ev in downloads.get(s, [])]
-            waits = list({id(e): e for e in waits + extra}.values())
-            ended[(d, i)] = opt.worker.submit("compute", self._work(d, a), wait=waits,
-                                              label=f"{a}")
-
-    def _wanted(self, a) -> bool:
-        if isinstance(a, OptimizerStep):
-            return self.job.optimizer is not None
-        kind = self.job.program.stages[a.stage].kind if hasattr(a, "stage") else None
-        return kind in self.job.parts
+        self._check_empty()
+        for i in commit:
+            self._act(HOST, p.host[i])
+            self._recorded(HOST, p.host[i])
 
     def _wait_all(self, ended: dict) -> BaseException | None:
         """Wait for every submitted action; the failure to raise is the cause, not the
@@ -195,228 +227,255 @@ class Execution:
             ev._done.wait()
         return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
 
-    def _work(self, d: int, a) -> Callable[[], None]:
+    def _work(self, lane: int, a) -> Callable[[], None]:
         def work():
-            if self.cancelled.is_set():
+            # the previous call's update is owed whatever happens to this call
+            if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
-                self._act(d, a)
+                self._act(lane, a)
             except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt):
                 self.cancelled.set()  # these already say where, or are the user's
                 raise
             except BaseException as e:
                 self.cancelled.set()
-                raise self._stage_error(d, a, e) from e
+                raise self._stage_error(lane, a, e) from e
+            self._recorded(lane, a)
         return work
 
-    def _stage_error(self, d: int, a, e: BaseException) -> StageError:
-        st = self.job.stages.get(getattr(a, "stage", -1))
+    def _recorded(self, lane: int, a) -> None:
+        if self.call.record is not None:
+            with self.record_lock:
+                self.call.record.append((lane, str(a)))
+
+    def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
+        s = getattr(a, "stage", None)
+        st = self.call.exe.stages.get(s) if s is not None else None
         mb = getattr(a, "mb", None)
-        names = ", ".join(self.job.layers.layers[i].name for i in st.layers) if st else "?"
+        names = ", ".join(self.call.layers.layers[i].name for i in st.layers) if st else "?"
         span = f"layers {st.layers.start}-{st.layers.stop - 1} ({names})" if st else ""
         where = f"microbatch {mb}" if mb is not None else "the stage job"
+        device = "host" if lane == HOST else self.call.devices[lane].name
         return StageError(
-            f"{type(a).__name__} of stage {getattr(a, 'stage', '?')} [{span}] on "
-            f"{self.job.devices[d].name}, {where}, failed: {type(e).__name__}: {e}",
-            stage=getattr(a, "stage", None), layers=st.layers if st else None,
-            device=self.job.devices[d].name, microbatch=mb, action=str(a))
+            f"{type(a).__name__} of stage {s if s is not None else '?'} [{span}] on "
+            f"{device}, {where}, failed: {type(e).__name__}: {e}",
+            stage=s, layers=st.layers if st else None, device=device, microbatch=mb,
+            action=str(a))
 
-    # -- actions -------------------------------------------------------------------------
-    def _act(self, d: int, a) -> None:
+    # -- actions: one handler per kind ----------------------------------------------------
+    def _act(self, lane: int, a) -> None:
         match a:
             case Prefetch(stage=s):
-                kind = self.job.program.stages[s].kind
-                self.resident[(d, s)] = self.job.store.upload(
-                    s, self.job.devices[d], requires_grad=kind != "fwd")
+                kind = self.program.stages[s].kind
+                params = self.call.store.upload(s, self.call.devices[lane],
+                                                requires_grad=kind != "fwd")
+                with self.on[lane].lock:
+                    self.on[lane].params[s] = params
             case Upload(stage=s, mb=m):
-                for name in self.job.stages[s].inputs:
-                    self._value_on(d, m, name)
+                self._upload(lane, s, m)
             case UploadGrad(stage=s, mb=m):
-                for name in self.job.stages[s].outputs:
-                    self._grad_on(d, m, name, consume=False)
+                self._upload_grads(lane, s, m)
             case Forward(stage=s, mb=m):
-                self._forward(d, s, m)
-                self._done_with_inputs(d, s, m, [])
-            case FusedBackward(stage=s, mb=m) | RecomputeBackward(stage=s, mb=m):
-                self.consumed[d] = []  # one compute at a time per device
-                self._backward(d, s, m, fused=isinstance(a, FusedBackward))
-                self._done_with_inputs(d, s, m, self.consumed.pop(d))
+                self._forward(lane, s, m)
+            case FusedBackward(stage=s, mb=m):
+                self._fused(lane, s, m)
+            case Checkpoint(stage=s, mb=m):
+                self._checkpoint(lane, s, m)
+            case RecomputeBackward(stage=s, mb=m, layer=None):
+                self._recompute_backward(lane, s, m)
+            case RecomputeBackward(stage=s, mb=m, layer=layer):
+                self._layer_backward(lane, s, m, layer)
             case Offload(stage=s, mb=m):
-                self._offload(d, s, m)
+                self._offload(lane, s, m)
+            case Free(stage=s, mb=m):
+                self._free(lane, s, m)
             case DownloadGrads(stage=s):
-                res = self.resident[(d, s)]
-                grads = {f: t.grad for f, t in res.items() if t.requires_grad}
-                acc = self.job.accumulator
-                host = self.job.store.download_grads(s, self.job.devices[d], grads,
-                                                     plus=acc.fold_into_download(s, grads))
-                if any(g is not None and g.is_cuda for g in grads.values()):
-                    torch.cuda.current_stream().synchronize()  # the sums read them now
-                acc.add(s, host, own=True)
-                for t in res.values():
-                    t.grad = None
+                self._download_grads(lane, s)
             case Release(stage=s):
-                self.job.store.release(self.job.devices[d], self.resident.pop((d, s)))
+                on = self.on[lane]
+                with on.lock:
+                    params = on.params.pop(s)
+                self.call.store.release(self.call.devices[lane], params)
+            case AsyncUpdate():
+                self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
-                self.job.optimizer.step(layers, self.job.accumulator)
+                self.call.optimizer.step(layers, self.call.accumulator)
+            case Commit():
+                if self.call.commit is not None:
+                    self.call.commit()
+            case _:
+                raise TypeError(f"the executor has no handler for {type(a).__name__} ({a})")
 
-    def _value_on(self, d: int, m: int, name: str) -> Any:
-        key = (d, m, name)
-        with self.values_lock:  # else both may upload it, and one copy is never freed
-            if key not in self.dev_vals:
-                value = self.job.host[m][name]
-                if isinstance(value, torch.Tensor):
-                    value = self.job.devices[d].to_device(value, "activations", f"microbatch {m}")
-                    self.uploaded.add(key)
-                self.dev_vals[key] = value
-            return self.dev_vals[key]
+    def _upload(self, d: int, s: int, m: int) -> None:
+        dev, on = self.call.devices[d], self.on[d]
+        for name in self.flow.upload.get((s, m), ()):
+            value = self.on_host.value(m, name)
+            if isinstance(value, torch.Tensor):
+                value = dev.to_device(value, "activations", f"microbatch {m}")
+            with on.lock:
+                on.uploaded[(s, m, name)] = value
 
-    def _done_with_inputs(self, d: int, s: int, m: int, consumed: list) -> None:
-        """After a compute: free the copies it was given that the host still has, and the
-        gradients it consumed (a later stage here uploads again if it needs them)."""
-        dev = self.job.devices[d]
-        with self.values_lock:
-            for name in self.job.stages[s].inputs:
-                key = (d, m, name)
-                if key in self.uploaded and name in self.job.host[m]:
-                    self.uploaded.discard(key)
-                    _free_quietly(dev, self.dev_vals.pop(key))
-        for t in consumed:
-            _free_quietly(dev, t)
+    def _upload_grads(self, d: int, s: int, m: int) -> None:
+        dev, on = self.call.devices[d], self.on[d]
+        for name in self.flow.upload_grads.get((s, m), ()):
+            g = self.on_host.take_grad(m, name)
+            if g is not None:   # a value with no gradient (nothing trainable behind it)
+                g = dev.to_device(g, "activations", f"microbatch {m}")
+                with on.lock:
+                    on.host_grads[(s, m, name)] = g
 
-    def _grad_on(self, d: int, m: int, name: str, consume: bool = True) -> torch.Tensor | None:
-        """The whole gradient of value ``name`` for microbatch ``m`` on device ``d``; the
-        stage that made the value consumes it, an ``UploadGrad`` only stages it."""
-        with self.lock:
-            host = self.job.grads[m].pop(name, None)
-            dev = self.dev_grads.pop((d, m, name), None)
-        if host is not None:
-            host = self.job.devices[d].to_device(host, "activations", f"microbatch {m}")
-            if dev is None:
-                dev = host
-            else:
-                dev = dev + host
-                _free_quietly(self.job.devices[d], host)
-        if dev is not None and not consume:
-            self._add_dev_grad(d, m, name, dev)
-        elif dev is not None:
-            self.consumed.setdefault(d, []).append(dev)
-        return dev
+    def _inputs(self, d: int, s: int, m: int) -> dict[str, Any]:
+        """The values compute ``(s, m)`` reads: its uploads, and what it takes over."""
+        on, key = self.on[d], (s, m)
+        with on.lock:
+            out = {n: on.uploaded[(s, m, n)] for n in self.flow.upload.get(key, ())}
+            out.update({n: on.made[(p, m, n)] for n, p in self.flow.handoff.get(key, ())})
+        return out
+
+    def _take_grads(self, d: int, s: int, m: int) -> dict[str, torch.Tensor]:
+        """The gradients of the values backward stage ``(s, m)`` recomputes: the parts
+        backward computes on this device made, plus what ``UploadGrad`` brought."""
+        on, key = self.on[d], (s, m)
+        taken: list[tuple[str, torch.Tensor]] = []
+        with on.lock:
+            for name, p in self.flow.grad_parts.get(key, ()):
+                g = on.parts.pop((p, m, name), None)
+                if g is not None:
+                    taken.append((name, g))
+            for name in self.flow.upload_grads.get(key, ()):
+                g = on.host_grads.pop((s, m, name), None)
+                if g is not None:
+                    taken.append((name, g))
+            on.consumed.setdefault(key, []).extend(g for _, g in taken)
+        grads: dict[str, torch.Tensor] = {}
+        for name, g in taken:
+            grads[name] = g if name not in grads else grads[name] + g
+        return grads
+
+    def _give_grads(self, d: int, s: int, m: int, grads: Mapping[str, Any]) -> None:
+        """After a backward: the gradients of the values it read, for whoever takes them
+        (``Program.flow.sends_grads``: an on-device consumer, or ``Offload``)."""
+        on = self.on[d]
+        with on.lock:
+            for name in self.flow.sends_grads.get((s, m), ()):
+                g = grads.get(name)
+                if g is not None:
+                    on.parts[(s, m, name)] = g
+
+    def _run(self, d: int, st: Stage, inputs: list, m: int, *, timed: bool = True, **kw: Any):
+        with self.on[d].lock:
+            params = self.on[d].params[st.index]
+        return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
+                         device=_torch_device(self.call.devices[d]),
+                         timer=self.call.timer if timed else None, **kw)
 
     def _forward(self, d: int, s: int, m: int) -> None:
-        st = self.job.stages[s]
-        inputs = [self._value_on(d, m, n) for n in st.inputs]
-        with torch.no_grad(), reentered(self.job.autocast):
-            outs, writebacks = run_stage(st, inputs, self.resident[(d, s)],
-                                         call_seed=self.job.call_seed, microbatch=m,
-                                         device=_torch_device(self.job.devices[d]),
-                                         keep_writebacks=True, timer=self.job.timer)
-        self.job.writebacks.extend(writebacks)
-        for name, value in zip(st.outputs, outs):
-            self.dev_vals[(d, m, name)] = value
-
-    def _backward(self, d: int, s: int, m: int, fused: bool) -> None:
-        job, st = self.job, self.job.stages[s]
-        lg = job.layers
-        if job.grain == "layer" and not fused and len(st.layers) > 1:
-            return self._backward_by_layer(d, s, m)
-        leaves = {n: self._leaf(n, self._value_on(d, m, n)) for n in st.inputs}
-        device = _torch_device(job.devices[d])
-        with torch.enable_grad():
-            with reentered(job.autocast):
-                outs, writebacks = run_stage(st, [leaves[n] for n in st.inputs],
-                                             self.resident[(d, s)], call_seed=job.call_seed,
-                                             microbatch=m, device=device,
-                                             keep_writebacks=fused, timer=job.timer,
-                                             kind="fwd" if fused else "recompute")
-            job.writebacks.extend(writebacks)  # the fused tail's forward is its only one
-            made = dict(zip(st.outputs, outs))
-            if fused:
-                # outputs made by earlier stages are inputs of the loss too
-                for name in lg.output_names:
-                    if name not in made and name not in leaves:
-                        leaves[name] = self._leaf(name, self._value_on(d, m, name))
-                values = {**leaves, **made}
-                out = pytree.tree_unflatten(lg.flat_outputs(values), lg.out_spec)
-                with reentered(job.autocast):
-                    loss = job.loss_fn(out, job.labels[m])
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise ValueError("loss_fn must return a scalar tensor, got "
-                                     f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
-                if job.keep_outputs:  # to the host at the end, like other stages' outputs
-                    with self.values_lock:
-                        for name in lg.output_names:
-                            if name in made:
-                                self.dev_vals[(d, m, name)] = _detached(made[name])
-                weight = job.loss_weights[m]
-                scaled = loss if weight == 1.0 else loss * weight
-                job.losses[m] = scaled.detach()
-                with self._timed_backward(st.layers, device):
-                    if scaled.requires_grad:
-                        scaled.backward()
-            else:
-                grads = {n: self._grad_on(d, m, n) for n in made}
-                with self._timed_backward(st.layers, device):
-                    _backprop(made, grads)
-        grads = {n: x.grad for n, x in leaves.items()
-                 if isinstance(x, torch.Tensor) and x.grad is not None}
-        for n, g in grads.items():
-            self._add_dev_grad(d, m, n, g)
-        self.input_grads[(s, m)] = grads
+        st = self.call.exe.stages[s]
+        values = self._inputs(d, s, m)
+        with torch.no_grad(), reentered(self.call.autocast):
+            outs, writebacks = self._run(d, st, [values[n] for n in st.inputs], m,
+                                         keep_writebacks=True)
+        with self.on_host.lock:
+            self.call.writebacks.extend(writebacks)
+        with self.on[d].lock:
+            for name, value in zip(st.outputs, outs):
+                self.on[d].made[(s, m, name)] = value
 
     def _leaf(self, name: str, x: Any) -> Any:
         """A stage input as backward sees it: a leaf that requires grad if the value may
         have a gradient (``passes.grad_flow``), else the value itself (no gradient work)."""
-        wanted = self.job.differentiable
+        wanted = self.call.differentiable
         if (wanted is None or name in wanted) and isinstance(x, torch.Tensor) \
                 and (x.is_floating_point() or x.is_complex()):
             return x.detach().requires_grad_()
         return x
 
-    def _add_dev_grad(self, d: int, m: int, name: str, g: torch.Tensor) -> None:
-        """Add to the gradient of ``name`` held on device ``d``: a value several stages
-        read gets a part from each, and an ``Offload`` may be taking it to the host now."""
-        with self.lock:
-            prev = self.dev_grads.get((d, m, name))
-            self.dev_grads[(d, m, name)] = g if prev is None else prev + g
+    def _fused(self, d: int, s: int, m: int) -> None:
+        """The tail forward, the loss and the backward, no recompute."""
+        call, st, lg = self.call, self.call.exe.stages[s], self.call.layers
+        leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
+        device = _torch_device(call.devices[d])
+        with torch.enable_grad():
+            with reentered(call.autocast):
+                outs, writebacks = self._run(d, st, [leaves[n] for n in st.inputs], m,
+                                             keep_writebacks=True)
+                made = dict(zip(st.outputs, outs))
+                out = pytree.tree_unflatten(lg.flat_outputs({**leaves, **made}), lg.out_spec)
+                loss = call.loss_fn(out, call.labels[m])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn must return a scalar tensor, got "
+                                 f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+            weight = call.loss_weights[m]
+            scaled = loss if weight == 1.0 else loss * weight
+            with self.on_host.lock:
+                call.writebacks.extend(writebacks)   # the tail's forward is its only one
+                call.losses[m] = scaled.detach()
+            with self.on[d].lock:
+                for name, value in made.items():
+                    self.on[d].made[(s, m, name)] = _detached(value)
+            with self._timed_backward(st.layers, device):
+                if scaled.requires_grad:
+                    scaled.backward()
+        self._give_grads(d, s, m, _grads_of(leaves))
 
-    def _backward_by_layer(self, d: int, s: int, m: int) -> None:
-        """``recompute_grain="layer"``: forward the stage without grad keeping each layer's
-        inputs, then recompute and back-propagate one layer at a time, deepest first."""
-        job, st = self.job, self.job.stages[s]
-        device = _torch_device(job.devices[d])
-        run = dict(resident=self.resident[(d, s)], call_seed=job.call_seed, microbatch=m,
-                   device=device, keep_writebacks=False)
-        values = {n: self._value_on(d, m, n) for n in st.inputs}
-        saved: list[list] = []
-        with torch.no_grad(), reentered(job.autocast):
+    def _recompute_backward(self, d: int, s: int, m: int) -> None:
+        """Recompute the stage from its saved inputs (its tail recorded, not computed),
+        then back-propagate the gradients of what it makes."""
+        call, st = self.call, self.call.exe.stages[s]
+        leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
+        with torch.enable_grad():
+            with reentered(call.autocast):
+                outs, _ = self._run(d, st, [leaves[n] for n in st.inputs], m,
+                                    keep_writebacks=False, kind="recompute")
+            grads = self._take_grads(d, s, m)
+            with self._timed_backward(st.layers, _torch_device(call.devices[d])):
+                _backprop(dict(zip(st.outputs, outs)), grads)
+        self._give_grads(d, s, m, _grads_of(leaves))
+
+    def _checkpoint(self, d: int, s: int, m: int) -> None:
+        """``recompute_grain="layer"``: the stage forward without grad, keeping each
+        layer piece's inputs for its backward."""
+        call, st = self.call, self.call.exe.stages[s]
+        values = self._inputs(d, s, m)
+        saved: dict[int, list[Any]] = {}
+        with torch.no_grad(), reentered(call.autocast):
             for i in st.layers:
-                sub = job.layer_stages[i]
-                saved.append([values[n] for n in sub.inputs])
-                outs, _ = run_stage(sub, saved[-1], **run)
-                values.update(zip(sub.outputs, outs))
-        del values
-        grads: dict[str, torch.Tensor | None] = {n: self._grad_on(d, m, n) for n in st.outputs}
-        for i, inputs in zip(reversed(st.layers), reversed(saved)):
-            sub = job.layer_stages[i]
-            leaves = [self._leaf(n, x) for n, x in zip(sub.inputs, inputs)]
-            with torch.enable_grad():
-                with reentered(job.autocast):
-                    outs, _ = run_stage(sub, leaves, **run, timer=job.timer, kind="recompute")
-                with self._timed_backward(range(i, i + 1), device):
-                    _backprop(dict(zip(sub.outputs, outs)), grads)
-            for n, x in zip(sub.inputs, leaves):
-                if isinstance(x, torch.Tensor) and x.grad is not None:
-                    grads[n] = x.grad if grads.get(n) is None else grads[n] + x.grad
-        input_grads = {n: grads[n] for n in st.inputs if grads.get(n) is not None}
-        for n, g in input_grads.items():
-            self._add_dev_grad(d, m, n, g)
-        self.input_grads[(s, m)] = input_grads
+                piece = call.exe.pieces[(s, i)]
+                saved[i] = [values[n] for n in piece.inputs]
+                outs, _ = self._run(d, piece, saved[i], m, keep_writebacks=False, timed=False)
+                values.update(zip(piece.outputs, outs))
+        with self.on[d].lock:
+            self.on[d].checkpoints[(s, m)] = _Checkpoint(saved)
+
+    def _layer_backward(self, d: int, s: int, m: int, layer: int) -> None:
+        """Recompute one layer piece from its checkpointed inputs, then back-propagate;
+        the deepest takes the stage's output gradients, the shallowest gives its input
+        gradients."""
+        call, st = self.call, self.call.exe.stages[s]
+        piece = call.exe.pieces[(s, layer)]
+        with self.on[d].lock:
+            ck = self.on[d].checkpoints[(s, m)]
+        if layer == st.layers.stop - 1:
+            ck.grads.update(self._take_grads(d, s, m))
+        leaves = [self._leaf(n, x) for n, x in zip(piece.inputs, ck.saved.pop(layer))]
+        with torch.enable_grad():
+            with reentered(call.autocast):
+                outs, _ = self._run(d, piece, leaves, m, keep_writebacks=False, kind="recompute")
+            with self._timed_backward(range(layer, layer + 1), _torch_device(call.devices[d])):
+                _backprop(dict(zip(piece.outputs, outs)), ck.grads)
+        for n, x in zip(piece.inputs, leaves):
+            if isinstance(x, torch.Tensor) and x.grad is not None:
+                ck.grads[n] = x.grad if ck.grads.get(n) is None else ck.grads[n] + x.grad
+        if layer == st.layers.start:
+            with self.on[d].lock:
+                del self.on[d].checkpoints[(s, m)]
+            self._give_grads(d, s, m, {n: ck.grads.get(n) for n in st.inputs})
 
     @contextlib.contextmanager
     def _timed_backward(self, layers: range, device: torch.device) -> Iterator[None]:
         """Record a backward's time over ``layers``, split by their backward FLOPs (one
         autograd call covers the stage; with recompute_grain="layer" it is one layer)."""
-        timer = self.job.timer
+        timer = self.call.timer
         if timer is None:
             yield
             return
@@ -431,60 +490,81 @@ class Execution:
             start = time.perf_counter()
             yield
             ms = (time.perf_counter() - start) * 1e3
-        costs = [self.job.layers.layers[i].cost for i in layers]
+        costs = [self.call.layers.layers[i].cost for i in layers]
         flops = [max(getattr(c, "bwd_flops", 0) or 0, 0) for c in costs]
         total = sum(flops)
         for i, f in zip(layers, flops):
             timer.record(i, "bwd", ms * (f / total if total else 1 / len(layers)))
 
     def _offload(self, d: int, s: int, m: int) -> None:
-        st, job = self.job.stages[s], self.job
-        dev = job.devices[d]
-        if job.program.stages[s].kind == "fwd":
-            for name in st.outputs:
-                value = self.dev_vals.get((d, m, name))
-                job.host[m][name] = dev.to_host(value) if isinstance(value, torch.Tensor) else value
-        else:  # a backward stage hands the gradients of its inputs to the host
-            for name in self.input_grads.get((s, m), {}):
-                with self.lock:
-                    g = self.dev_grads.pop((d, m, name), None)
-                if g is None:
-                    continue
-                g = dev.to_host(g)
-                with self.lock:
-                    prev = job.grads[m].get(name)
-                    job.grads[m][name] = g if prev is None else prev + g
+        """The values ``(s, m)`` made that the host needs, and the gradients it made
+        that go through the host."""
+        dev, on, key = self.call.devices[d], self.on[d], (s, m)
+        for name in self.flow.offload.get(key, ()):
+            with on.lock:
+                value = on.made[(s, m, name)]
+            self.on_host.put(m, name, dev.to_host(value) if isinstance(value, torch.Tensor)
+                             else value)
+        for name in self.flow.offload_grads.get(key, ()):
+            with on.lock:
+                g = on.parts.get((s, m, name))
+            if g is not None:
+                self.on_host.add_grad(m, name, dev.to_host(g))
+
+    def _free(self, d: int, s: int, m: int) -> None:
+        """Drop what ``(s, m)`` was the last to use on the device."""
+        on, key, flow = self.on[d], (s, m), self.flow
+        with on.lock:
+            dropped = [on.uploaded.pop((s, m, n)) for n in flow.upload.get(key, ())]
+            dropped += [on.made.pop((flow.maker[n], m, n)) for n in flow.free.get(key, ())]
+            dropped += [on.parts.pop((s, m, n), None) for n in flow.offload_grads.get(key, ())]
+            dropped += on.consumed.pop(key, [])
+        for t in dropped:
+            _free_quietly(self.call.devices[d], t)
+
+    def _download_grads(self, d: int, s: int) -> None:
+        """The stage's accumulated parameter gradients to the host (added to the call's
+        sums), then their device buffers dropped."""
+        with self.on[d].lock:
+            params = self.on[d].params[s]
+        grads = {f: t.grad for f, t in params.items() if t.requires_grad}
+        acc = self.call.accumulator
+        host = self.call.store.download_grads(s, self.call.devices[d], grads,
+                                              plus=acc.fold_into_download(s, grads))
+        if any(g is not None and g.is_cuda for g in grads.values()):
+            torch.cuda.current_stream().synchronize()  # the sums read them now
+        acc.add(s, host, own=True)
+        for t in params.values():
+            t.grad = None
 
     # -- end of call -----------------------------------------------------------------------
-    def _finish(self) -> None:
-        """Everything a compute left only on a device, and the final gradients, to the host."""
-        job = self.job
-        for (d, m, name), value in list(self.dev_vals.items()):
-            if name not in job.host[m]:
-                job.host[m][name] = job.devices[d].to_host(value) \
-                    if isinstance(value, torch.Tensor) else value
-        for (d, m, name), g in list(self.dev_grads.items()):
-            g = job.devices[d].to_host(g)
-            prev = job.grads[m].get(name)
-            job.grads[m][name] = g if prev is None else prev + g
-        self._cleanup()
+    def _check_empty(self) -> None:
+        """A complete Program leaves nothing on a device: say so loudly if one did."""
+        for d, on in enumerate(self.on):
+            left = [k for table in (on.uploaded, on.made, on.parts, on.host_grads)
+                    for k in table] + list(on.params) + list(on.checkpoints)
+            if left:
+                self._cleanup()
+                raise RuntimeError(f"fxpipe internal error: the Program left {left[:4]} on "
+                                   f"{self.call.devices[d].name}")
 
     def _cleanup(self) -> None:
-        """Free what the call left on devices (parameters of stages never released)."""
-        for (d, s), res in list(self.resident.items()):
-            try:
-                self.job.store.release(self.job.devices[d], res)
-            except ValueError:
-                pass
-        self.resident.clear()
-        for cache in (self.dev_vals, self.dev_grads):
-            for (d, _m, _n), t in cache.items():
-                _free_quietly(self.job.devices[d], t)
-            cache.clear()
-        for d, taken in self.consumed.items():  # gradients a failed backward had taken
-            for t in taken:
-                _free_quietly(self.job.devices[d], t)
-        self.consumed.clear()
+        """Free what a failed call left on devices."""
+        for d, on in enumerate(self.on):
+            dev = self.call.devices[d]
+            for params in on.params.values():
+                try:
+                    self.call.store.release(dev, params)
+                except ValueError:
+                    pass
+            for t in on.tensors():
+                _free_quietly(dev, t)
+            self.on[d] = _OnDevice()
+
+
+def _grads_of(leaves: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
+    return {n: x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+            for n, x in leaves.items()}
 
 
 def _detached(x: Any) -> Any:
@@ -508,24 +588,24 @@ def _torch_device(device: Device) -> torch.device:
     return getattr(device, "device", torch.device("cpu"))
 
 
-def _topological(p: Program, deps, keep) -> list[tuple[int, int]]:
-    """A submission order: dependencies first, each device's actions in list order."""
+def _topological(p, deps, keep) -> list[tuple[int, int]]:
+    """A submission order: dependencies first, each lane's actions in list order."""
     indeg: dict[tuple[int, int], int] = {}
     users: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for d, acts in enumerate(p.actions):
+    for lane, acts in p.lanes():
         for i in range(len(acts)):
-            if not keep[d][i]:
+            if not keep[lane][i]:
                 continue
-            preds = {(dep.device, dep.step) for dep in deps[d][i] if keep[dep.device][dep.step]}
-            prev = next((j for j in range(i - 1, -1, -1) if keep[d][j]), None)
+            preds = {(dep.device, dep.step) for dep in deps[lane][i] if keep[dep.device][dep.step]}
+            prev = next((j for j in range(i - 1, -1, -1) if keep[lane][j]), None)
             if prev is not None:
-                preds.add((d, prev))
+                preds.add((lane, prev))
             for dep in preds:
-                if dep[0] == d and dep[1] > i:
-                    raise ValueError(f"device {d} step {i} ({acts[i]}) depends on step {dep[1]} "
+                if dep[0] == lane and dep[1] > i:
+                    raise ValueError(f"lane {lane} step {i} ({acts[i]}) depends on step {dep[1]} "
                                      "listed after it: the Program cannot run in list order")
-                users.setdefault(dep, []).append((d, i))
-            indeg[(d, i)] = len(preds)
+                users.setdefault(dep, []).append((lane, i))
+            indeg[(lane, i)] = len(preds)
     ready = [k for k, n in indeg.items() if n == 0]
     heapq.heapify(ready)
     order = []

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.lower import Stage
+from fxpipe.passes.stage import Stage
 from fxpipe.runtime import rng
 from fxpipe.runtime.tail import Unfilled
 from fxpipe.runtime.timer import LayerTimer

@@ -20,12 +20,13 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 from fxpipe.verbose import is_verbose
 
@@ -82,6 +83,21 @@ class LayerTimer:
         measured), or ``None`` when nothing about the layer has been kept yet."""
         values = tuple(self.time(layer, k) for k in KINDS)
         return None if all(v is None for v in values) else values  # type: ignore[return-value]
+
+    def costs(self, layers: Iterable[Any]) -> list[Any]:
+        """Each layer's ``cost`` (``passes.costs.Cost``) with the times measured so far
+        in place of the estimates: what ``ExecutePlan.auto`` and ``fxpipe.simulate``
+        read of a pipe (``pipe.timings.costs(pipe.layers)``). The layers' own costs, the
+        compiler's estimates, are left as they are."""
+        out = []
+        for layer in layers:
+            cost, times = layer.cost, self.times(layer.index)
+            if cost is not None and times is not None:
+                measured = {k: t for k, t in zip(("fwd_ms", "recompute_ms", "bwd_ms"), times)
+                            if t is not None}
+                cost = dataclasses.replace(cost, **measured)
+            out.append(cost)
+        return out
 
     def count(self, layer: int, kind: Kind) -> int:
         """How many samples of ``layer``'s ``kind`` were recorded (warm-up included)."""

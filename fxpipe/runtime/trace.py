@@ -8,9 +8,12 @@
     ...     loss = pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
     >>> sorted({interval.kind for interval in rec.timeline.intervals})
     ['backward', 'forward', 'transfer']
+    >>> sorted(rec.actions) == sorted(pipe.program("fused").action_strings())  # ran = printed
+    True
     >>> rec.timeline.plot("run.png"); rec.timeline.bubble_ratio  # doctest: +SKIP
 
-Each device stream's actions (labelled with the Program's action strings) become
+``rec.actions`` lists every action executed, ``(lane, str(action))`` in completion
+order per lane (a device index, or ``-1`` for the host lane). Each device stream's actions (labelled with the Program's action strings) become
 intervals: forward computes as ``forward``, fused and recompute+backward computes as
 ``backward`` (one interval: the run does not split them), transfers as ``transfer``.
 """
@@ -19,38 +22,53 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fxpipe.passes.schedule import (
-    DownloadGrads, Forward, FusedBackward, Offload, Prefetch, RecomputeBackward, Upload,
-    UploadGrad, parse_action,
+from fxpipe.passes.program import (
+    Checkpoint, DownloadGrads, Forward, FusedBackward, Offload, Prefetch, RecomputeBackward,
+    Upload, UploadGrad, parse_action,
 )
 from fxpipe.runtime.devices import Device
+from fxpipe.sim.timeline import Interval, Timeline
+
+
+class ActionLog:
+    """Where a pipe's calls append the actions they execute while a ``trace`` block
+    records (``actions`` is None otherwise)."""
+
+    def __init__(self) -> None:
+        self.actions: list[tuple[int, str]] | None = None
 
 
 @dataclass
 class Recording:
     """Filled in when the ``with pipe.trace()`` block ends."""
 
-    timeline: object | None = None   # a fxpipe.sim.Timeline
+    timeline: Timeline | None = None
+    actions: list[tuple[int, str]] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def trace(devices: Sequence[Device], path: str | Path | None = None) -> Iterator[Recording]:
+def trace(devices: Sequence[Device], log: ActionLog,
+          path: str | Path | None = None) -> Iterator[Recording]:
     """Record what ``devices`` run during the block (see module docstring)."""
     if not all(hasattr(d, "recording") for d in devices):
         raise NotImplementedError("pipe.trace() records VirtualDevices; CUDA devices do not "
                                   "record a timeline yet (use fxpipe.simulate for a prediction)")
+    if log.actions is not None:
+        raise RuntimeError("pipe.trace() blocks do not nest: this pipe is already recording")
     rec = Recording()
     was = [d._sink[0] is not None for d in devices]
     starts = [len(d.records) for d in devices]
     for d in devices:
         d.reset_peak()
         d.recording(True)
+    log.actions = rec.actions
     try:
         yield rec
     finally:
+        log.actions = None
         for d, on in zip(devices, was):
             d.recording(on)
     rec.timeline = timeline_of([d.records[n:] for d, n in zip(devices, starts)],
@@ -59,7 +77,8 @@ def trace(devices: Sequence[Device], path: str | Path | None = None) -> Iterator
         rec.timeline.to_chrome_trace(path)
 
 
-_KIND = {Forward: "forward", FusedBackward: "backward", RecomputeBackward: "backward",
+_KIND = {Forward: "forward", Checkpoint: "forward", FusedBackward: "backward",
+         RecomputeBackward: "backward",
          Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
          DownloadGrads: "transfer"}
 
@@ -67,7 +86,6 @@ _KIND = {Forward: "forward", FusedBackward: "backward", RecomputeBackward: "back
 def timeline_of(records: Sequence[Sequence[tuple[str, str, float, float]]],
                 peak_memory: Sequence[int]):
     """A ``Timeline`` (ms from the first recorded start) from per-device stream records."""
-    from fxpipe.sim.timeline import Interval, Timeline
     t0 = min((r[2] for recs in records for r in recs), default=0.0)
     intervals, busy, free = [], [0.0] * len(records), [0.0] * len(records)
     for d, recs in enumerate(records):

@@ -22,10 +22,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from fxpipe.passes.schedule import Compute, OptimizerStep, Program
+from fxpipe.passes.program import Commit, OptimizerStep, Program
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.simulate import Semantics, simulate
 
@@ -55,26 +56,28 @@ class OptimizerModes:
 
 
 def with_optimizer_steps(program: Program) -> Program:
-    """``program`` with an ``OptimizerStep`` for each backward stage's layers, listed on
-    the device that ran its last microbatch (it waits for every ``DownloadGrads`` of the
-    stage, wherever they are). A Program that has them already is returned as is.
+    """``program`` with an ``OptimizerStep`` for each backward stage's layers in its host
+    lane, in backward execution order, before its ``Commit`` (each waits for every
+    ``DownloadGrads`` of its stage, wherever they run). A Program that has them already
+    is returned as is.
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 2, 2, "stage")
-    >>> [str(a) for acts in with_optimizer_steps(p).actions for a in acts if str(a)[0] == "S"]
-    ['S0:1', 'S1:2']
+    >>> [str(a) for a in with_optimizer_steps(p).host]
+    ['S1:2', 'S0:1', 'C']
     """
-    if any(isinstance(a, OptimizerStep) for acts in program.actions for a in acts):
+    if any(isinstance(a, OptimizerStep) for a in program.host):
         return program
-    last = program.num_microbatches - 1
-    where = {a.stage: d for d, acts in enumerate(program.actions) for a in acts
-             if isinstance(a, Compute) and a.mb == last}
-    actions = [list(acts) for acts in program.actions]
-    for st in program.stages:
-        if st.kind != "fwd":
-            actions[where[st.index]].append(OptimizerStep(st.layers))
-    return Program(program.num_devices, program.num_microbatches, program.stages,
-                   tuple(tuple(a) for a in actions))
+    steps = [OptimizerStep(st.layers) for st in program.stages if st.kind != "fwd"]
+    commit = [a for a in program.host if isinstance(a, Commit)]
+    rest = [a for a in program.host if not isinstance(a, Commit)]
+    return dataclasses.replace(program, host=tuple(rest + steps + commit))
+
+
+def without_optimizer_steps(program: Program) -> Program:
+    """``program`` with no ``OptimizerStep`` in its host lane."""
+    return dataclasses.replace(program, host=tuple(a for a in program.host
+                                                   if not isinstance(a, OptimizerStep)))
 
 
 def optimizer_modes(program: Program, costs: Sequence[LayerCost], hardware: Hardware, *,
@@ -83,9 +86,7 @@ def optimizer_modes(program: Program, costs: Sequence[LayerCost], hardware: Hard
     synchronous, streamed (``exact``) and one-step stale (``async``);
     ``hardware.cpu_optimizer_bytes_per_s`` prices the layers' ``param_bytes``.
     """
-    plain = Program(program.num_devices, program.num_microbatches, program.stages,
-                    tuple(tuple(a for a in acts if not isinstance(a, OptimizerStep))
-                          for acts in program.actions))
+    plain = without_optimizer_steps(program)
     t = simulate(plain, costs, hardware, semantics=semantics)
     layers = sorted({i for st in program.stages for i in st.layers})
     optimizer = hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))

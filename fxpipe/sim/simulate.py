@@ -9,12 +9,14 @@ bandwidth (optimistic by at most the activation traffic, small next to parameter
 Durations come from per-layer ``LayerCost``:
 
 - ``Forward``: the stage's forward times; ``FusedBackward``: forward of its layers
-  (tail + loss), then backward; ``RecomputeBackward``: recompute, then backward.
+  (tail + loss), then backward; ``RecomputeBackward``: recompute, then backward (at
+  layer grain, one layer's); ``Checkpoint``: the stage's forward.
 - ``Prefetch``: parameter bytes (+ nothing for the gradient buffer, allocated on device);
   ``Upload``: the boundary entering the stage; ``UploadGrad``: the boundary leaving it;
   ``Offload``: a fwd stage's output plus any saved inputs of bwd stages inside it, a bwd
   stage's input gradient; ``DownloadGrads``: gradient bytes; ``OptimizerStep``: the
-  layers' parameter bytes at ``cpu_optimizer_bytes_per_s``.
+  layers' parameter bytes at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate``: every
+  layer's); ``Free``, ``Release`` and ``Commit`` take no time.
 
 ``semantics`` decides where the first part of a two-part compute goes:
 
@@ -37,9 +39,26 @@ import heapq
 from typing import Literal, Sequence
 
 from fxpipe.passes import gc_paused
-from fxpipe.passes.schedule import (Compute, Dep, DownloadGrads, Forward, FusedBackward,
-                                    Offload, OptimizerStep, Prefetch, Program, RecomputeBackward,
-                                    Release, RunType, Upload, UploadGrad, build_program, stream_of)
+from fxpipe.passes.program import (
+    HOST,
+    AsyncUpdate,
+    Checkpoint,
+    Compute,
+    Dep,
+    DownloadGrads,
+    Forward,
+    Offload,
+    OptimizerStep,
+    Prefetch,
+    Program,
+    RecomputeBackward,
+    Release,
+    RunType,
+    Upload,
+    UploadGrad,
+    stream_of,
+)
+from fxpipe.passes.schedule import build_program
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
 
@@ -54,6 +73,7 @@ class _StageCosts:
         n = max((st.layers.stop for st in program.stages), default=0)
         if len(costs) < n:
             raise ValueError(f"the program's stages cover {n} layers, costs has {len(costs)}")
+        self.costs = costs
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
         self.inp, self.out, self.grad_in, self.work = [], [], [], []
@@ -75,6 +95,18 @@ class _StageCosts:
             else:
                 self.out.append(boundary(st.layers.start - 1))
                 self.work.append(sum(c.saved_bytes for c in lc))
+
+    def parts(self, a) -> tuple[float, float]:
+        """(first part, backward part) of a compute action, in ms: the forward (also a
+        ``Checkpoint``'s), or the recompute / tail forward before the backward."""
+        if isinstance(a, Forward):
+            return self.fwd[a.stage], 0.0
+        if isinstance(a, Checkpoint):
+            return self.fwd[a.stage], 0.0
+        if isinstance(a, RecomputeBackward) and a.layer is not None:
+            c = self.costs[a.layer]
+            return c.recompute, c.bwd_ms
+        return self.pre[a.stage], self.bwd[a.stage]
 
 
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
@@ -102,7 +134,7 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
 def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes) -> Timeline:
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
-    nodes = [(d, i, a) for d, acts in enumerate(program.actions) for i, a in enumerate(acts)]
+    nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
     nid = {(d, i): k for k, (d, i, _) in enumerate(nodes)}
     N = len(nodes)
     dep_ids = [[(nid[(x.device, x.step)], x) for x in deps[d][i]] for d, i, _ in nodes]
@@ -114,7 +146,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
     start, end, split, ready_data = [0.0] * N, [0.0] * N, [0.0] * N, [0.0] * N
     done = [False] * N
     hop = hardware.comm_ms_per_hop
-    link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host"}
+    link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
+            "free": None, "control": None}
     bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
 
     def dep_time(j: int, x: Dep, instant: tuple[type, ...] = ()) -> float:
@@ -138,16 +171,18 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
                 return hardware.transfer_ms(sc.grads[s], "d2h")
             case OptimizerStep(layers=layers):
                 return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
+            case AsyncUpdate():
+                return hardware.optimizer_ms(sum(c.param_bytes for c in costs))
         return 0.0
 
     def compute_times(k: int, instant: tuple[type, ...] = ()) -> tuple[float, float, float]:
         """(start, backward start, end) of compute node k."""
         a = nodes[k][2]
         free = max((dep_time(j, x) for j, x in dep_ids[k] if x.why == "stream"), default=0.0)
-        if isinstance(a, Forward):
+        pre, main = sc.parts(a)
+        if isinstance(a, (Forward, Checkpoint)):
             t = max([free] + [dep_time(j, x, instant) for j, x in dep_ids[k]])
-            return t, t, t + sc.fwd[a.stage]
-        pre, main = sc.pre[a.stage], sc.bwd[a.stage]
+            return t, t, t + pre
         if semantics == "roundpipe":
             data = max((dep_time(j, x, instant) for j, x in dep_ids[k] if x.why != "stream"),
                        default=0.0)
@@ -179,12 +214,12 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
             if isinstance(a, _TRANSFERS):
                 ready_data[k] = max((dep_time(j, x, _TRANSFERS) for j, x in dep_ids[k]
                                      if x.why != "stream"), default=0.0)
-            stream = stream_of(a)
+            stream = link[stream_of(a)]
             shared = stream == "host" or (hardware.shared_bus and stream is not None)
-            start[k] = max(t, bus[link[stream]]) if shared else t
+            start[k] = max(t, bus[stream]) if shared else t
             end[k] = start[k] + duration(a)
             if shared:
-                bus[link[stream]] = end[k]
+                bus[stream] = end[k]
         done[k] = True
         for j in dependents[k]:
             waiting[j] -= 1
@@ -207,16 +242,17 @@ def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
     mem: list[list[tuple[float, int]]] = [[] for _ in range(G)]
     busy, device_free = [0.0] * G, [0.0] * G
     for k, (d, i, a) in enumerate(nodes):
-        stream = stream_of(a) or "compute"
+        stream = stream_of(a)
         label = str(a)
         if isinstance(a, Compute):
-            if isinstance(a, Forward):
-                parts = [("forward", start[k], end[k])]
+            if isinstance(a, (Forward, Checkpoint)):
+                pieces = [("forward" if isinstance(a, Forward) else "recompute",
+                           start[k], end[k])]
             else:
                 first = "recompute" if isinstance(a, RecomputeBackward) else "forward"
-                parts = [(first, start[k], start[k] + sc.pre[a.stage]),
-                         ("backward", split[k], end[k])]
-            for kind, s, e in parts:
+                pieces = [(first, start[k], start[k] + sc.parts(a)[0]),
+                          ("backward", split[k], end[k])]
+            for kind, s, e in pieces:
                 intervals.append(Interval(d, stream, label, kind, s, e))
                 busy[d] += e - s
             device_free[d] = max(device_free[d], end[k])
@@ -229,8 +265,10 @@ def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
                 elif x.why in ("input", "grad") and isinstance(src, Compute):
                     mem[d] += [(end[j], sc.out[src.stage]), (end[k], -sc.out[src.stage])]
         else:
-            kind = "optimizer" if isinstance(a, OptimizerStep) else "transfer"
+            kind = "optimizer" if isinstance(a, (OptimizerStep, AsyncUpdate)) else "transfer"
             intervals.append(Interval(d, stream, label, kind, start[k], end[k]))
+            if d == HOST:
+                continue
             if isinstance(a, Prefetch):
                 nbytes = sc.params[a.stage] + sc.grads[a.stage]
                 mem[d].append((start[k], nbytes))

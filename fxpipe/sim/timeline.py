@@ -130,7 +130,7 @@ class Timeline:
         events: list[dict] = []
         for d in sorted({iv.device for iv in self.intervals}):
             events.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0,
-                           "args": {"name": f"device {d}"}})
+                           "args": {"name": f"device {d}" if d >= 0 else "host"}})
             for s in streams:
                 events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid[s],
                                "args": {"name": s}})
@@ -144,27 +144,30 @@ class Timeline:
         return path
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
-        """Draw the timeline (PNG, SVG, ... by suffix): one row per device, compute in
-        the upper band, transfers and the host optimizer in a thin lower band."""
+        """Draw the timeline (PNG, SVG, ... by suffix): one row per device (and one for the
+        host's lane), compute in the upper band, transfers and the optimizer in a thin
+        lower band."""
         try:
             from matplotlib.figure import Figure
             from matplotlib.patches import Patch
         except ImportError as e:
             raise ImportError("Timeline.plot needs matplotlib: pip install 'fxpipe[plot]' "
                               "(or pip install matplotlib)") from e
-        fig = Figure(figsize=(12, 0.6 * self.num_devices + 1.2))
+        rows = self.num_devices + any(iv.device < 0 for iv in self.intervals)  # + the host
+        fig = Figure(figsize=(12, 0.6 * rows + 1.2))
         ax = fig.subplots()
         for iv in self.intervals:
             if iv.end <= iv.start:
                 continue
             compute = iv.kind in COMPUTE_KINDS
-            y, h = (iv.device + 0.05, 0.6) if compute else (iv.device + 0.68, 0.25)
+            row = iv.device if iv.device >= 0 else self.num_devices
+            y, h = (row + 0.05, 0.6) if compute else (row + 0.68, 0.25)
             ax.broken_barh([(iv.start, iv.end - iv.start)], (y, h), facecolors=COLORS[iv.kind],
                            edgecolors="black", linewidth=0.2)
         ax.set_xlim(0, max(self.makespan, 1e-9) * 1.01)
-        ax.set_ylim(self.num_devices, 0)
-        ax.set_yticks([d + 0.5 for d in range(self.num_devices)],
-                      [f"device {d}" for d in range(self.num_devices)])
+        ax.set_ylim(rows, 0)
+        ax.set_yticks([d + 0.5 for d in range(rows)],
+                      [f"device {d}" if d < self.num_devices else "host" for d in range(rows)])
         ax.set_xlabel("time (ms)")
         ax.set_title(title or f"makespan {self.makespan:.1f} ms, bubble {self.bubble_ratio:.2f}%")
         ax.legend(handles=[Patch(facecolor=c, label=k) for k, c in COLORS.items()],

@@ -1,0 +1,110 @@
+"""Build an ``Executable``: every GraphModule one kind of call runs, and its Program.
+
+``build_executable(lg, plan, run_type, ...)`` lowers the plan's stages for that run type
+(forward stages with the values backward stages restart from, backward stages, the
+fused tail, and at ``grain="layer"`` the single-layer pieces a backward stage of several
+layers runs), reads off what each stage reads and makes, and builds the Program over
+them (``passes.schedule``). ``fxpipe.compile`` caches one per (plan, run type,
+microbatch count, grain, optimizer mode, outputs); the runtime interprets it and
+lowers nothing.
+
+>>> import torch, torch.nn as nn
+>>> from fxpipe.passes.partition import build_layer_graph
+>>> from fxpipe.plan import ExecutePlan
+>>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+...                        (torch.randn(3, 4),))
+>>> plan = ExecutePlan([range(0, 2)], [range(2, 3), range(0, 2)])
+>>> exe = build_executable(lg, plan, "fused", ["vcpu:0", "vcpu:1"], 1)
+>>> for line in exe.code().splitlines():
+...     if line.strip().startswith("# stage"):
+...         print(line.strip())
+# stage 0 fwd | layers 0-1 (0, 1) | vcpu:0
+# stage 1 fused | layer 2 (2) | vcpu:1
+# stage 2 bwd | layers 0-1 (0, 1) | vcpu:0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fxpipe.errors import PlanError
+from fxpipe.passes import gc_paused
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.lower import lower, lower_stage
+from fxpipe.passes.schedule import OptimizerMode, Values, build_program
+from fxpipe.passes.stage import Executable, Stage
+
+if TYPE_CHECKING:
+    from fxpipe.plan import ExecutePlan
+
+
+def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[list[range], list[range]]:
+    """(forward ranges, backward ranges) a ``run_type`` call runs under ``plan``: a
+    ``"fused"`` call's forward stops where its tail stage starts; ``"infer"`` and
+    ``"train"`` run a fused plan's tail forward too."""
+    fwd, bwd = list(plan.fwd_plan), list(plan.bwd_plan)
+    tail = bwd[0] if bwd else None
+    if run_type != "infer" and tail is None:
+        raise PlanError(f"this ExecutePlan has no bwd_plan, so it can only run inference; "
+                        f"a {'fused step' if run_type == 'fused' else 'backward'} needs "
+                        "backward stages (bwd_plan=[...]), or use torch.no_grad()")
+    if run_type == "fused":
+        return [range(r.start, min(r.stop, tail.start)) for r in fwd if r.start < tail.start], bwd
+    covered = fwd[-1].stop if fwd else 0
+    if covered < num_layers:   # a fused-style plan: the tail runs forward too
+        fwd.append(range(covered, num_layers))
+    return fwd, (bwd if run_type == "train" else [])
+
+
+def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
+                     device_names: Sequence[str], num_microbatch: int, *, grain: str = "stage",
+                     optimizer: OptimizerMode | None = None, outputs: bool = True,
+                     input_grads: Sequence[str] = ()) -> Executable:
+    """Lower ``plan`` for ``run_type`` and build its Program (module docstring).
+
+    ``optimizer``: ``"exact"`` (streamed ``OptimizerStep``s) or ``"async"`` (an
+    ``AsyncUpdate``), fused only. ``outputs``: whether a fused call brings the model's
+    outputs to the host (``return_outputs``); other run types always do.
+    ``input_grads``: model inputs that require grad (their gradients go to the host).
+    """
+    if run_type not in ("infer", "train", "fused"):
+        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    if optimizer is not None and run_type != "fused":
+        raise ValueError(f"optimizer steps run in fused calls only, not {run_type!r}")
+    names = list(device_names)
+    G = len(names)
+    fwd, bwd = stage_ranges(plan, run_type, len(lg))
+    with gc_paused():
+        top, fstages = lower(lg, fwd, names, save_cuts=[r.start for r in bwd]) if fwd else (None, [])
+        stages: dict[int, Stage] = {st.index: st for st in fstages}
+        pieces: dict[tuple[int, int], Stage] = {}
+        for k, r in enumerate(bwd):
+            i = len(fwd) + k
+            kind = "fused" if run_type == "fused" and k == 0 else "bwd"
+            stages[i] = lower_stage(lg, r, i, i % G, names, kind=kind)
+            if grain == "layer" and kind == "bwd" and len(r) > 1:
+                for layer in r:
+                    pieces[(i, layer)] = lower_stage(lg, range(layer, layer + 1), i, i % G, names,
+                                                     kind="bwd", piece=True)
+    reads, makes = [], []
+    for i in sorted(stages):
+        st = stages[i]
+        loss_reads = [o for o in lg.output_names if o not in st.outputs and o not in st.inputs] \
+            if st.kind == "fused" else []
+        reads.append(tuple(st.inputs) + tuple(loss_reads))
+        makes.append(tuple(st.outputs))
+    holders: dict[int, list[int]] = {}
+    for i, st in stages.items():
+        if st.kind != "fwd":
+            for fqn in st.params:
+                p = lg.params.get(fqn)
+                if p is not None and p.requires_grad:
+                    holders.setdefault(id(p), []).append(i)
+    shared = tuple(sorted({tuple(sorted(set(h))) for h in holders.values() if len(set(h)) > 1}))
+    values = Values(tuple(reads), tuple(makes), tuple(lg.input_names),
+                    tuple(lg.output_names) if run_type != "fused" or outputs else (),
+                    tuple(n for n in lg.input_names if n in set(input_grads)), shared)
+    program = build_program(fwd, bwd, run_type, G, num_microbatch, "stage", optimizer=optimizer,
+                            grain=grain, values=values)
+    return Executable(run_type, grain, program, stages, pieces, top)

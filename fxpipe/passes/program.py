@@ -1,0 +1,902 @@
+"""Program: everything one call runs, per device and on the host, as a printable value.
+
+A ``Program`` holds the stages (each a ``StageSpec``: kind, layer range, and the values it
+reads and makes), the model's inputs (on the host when the call starts) and the outputs
+the host gets, and the actions: per device an ordered tuple, plus the host's own lane
+(optimizer steps, the asynchronous update, the commit). It prints as a table, one row
+per step and one column per lane, and parses back::
+
+    >>> from fxpipe.passes.schedule import build_program
+    >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 1, "stage")
+    >>> print(p)
+    program devices=2 microbatches=1
+    inputs input
+    stage 0 fwd 0:2 reads=input makes=l1
+    stage 1 fused 2:3 reads=l1 makes=l2
+    stage 2 bwd 0:2 reads=input makes=l1
+    step  d0   d1   host
+    0     0P   1P   C
+    1     0U0  1U0  .
+    2     0F0  1FB0 .
+    3     0O0  1O0  .
+    4     0X0  1X0  .
+    5     2P   1D   .
+    6     2U0  1R   .
+    7     2G0  .    .
+    8     0R   .    .
+    9     2B0  .    .
+    10    2X0  .    .
+    11    2D   .    .
+    12    2R   .    .
+    >>> Program.parse(str(p)) == p
+    True
+
+Stages are indexed in execution order: forward stages ``0 .. F-1``, then backward stages
+``F .. F+B-1`` (deep to shallow). In a ``"fused"`` program the first backward stage is
+``fused``: it runs the tail layers forward, the loss and the backward with no recompute.
+Every other backward stage (``bwd``) recomputes its layers from their saved inputs, then
+back-propagates. A stage's ``reads`` are the values its compute reads (for the fused
+stage: also the model outputs made earlier, which the loss reads); its ``makes`` are the
+values it makes for later stages or the output (for a ``bwd`` stage: the recomputed
+values whose gradients it takes in).
+
+Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs on)::
+
+    Prefetch(s)             [sP]    the stage's parameters to the device         prefetch
+    Upload(s, m)            [sUm]   the values (s, m) reads from the host         h2d
+    UploadGrad(s, m)        [sGm]   the host's gradient parts of its values       h2d
+    Forward(s, m)           [sFm]   forward of a fwd stage                        compute
+    FusedBackward(s, m)     [sFBm]  tail forward + loss, then backward            compute
+    RecomputeBackward(s, m) [sBm]   recompute, then backward                      compute
+    Checkpoint(s, m)        [sKm]   layer grain: forward keeping layer inputs     compute
+    RecomputeBackward(s, m, i) [sBm.i] layer grain: recompute + backward, layer i compute
+    Offload(s, m)           [sOm]   values (fwd, fused) / input gradients → host  d2h
+    Free(s, m)              [sXm]   drop the values and gradients (s, m) was last  free
+                                    to use on the device
+    DownloadGrads(s)        [sD]    parameter gradients → host, then their        grads
+                                    device buffers are freed
+    Release(s)              [sR]    free the stage's parameters                   control
+    AsyncUpdate()           [A]     apply the previous call's optimizer update    host
+    OptimizerStep(layers)   [Sa:b]  step the parameters of ``layers``             host
+    Commit()                [C]     gradients to ``.grad`` and buffer updates to  host
+                                    the model, all or nothing
+
+What each transfer moves and each ``Free`` drops is a function of the Program alone
+(``Program.flow``, see :func:`dataflow`): a value a stage reads comes from the device
+when a compute of the same device made it earlier in the same phase (a hand-off), else
+from the host, where its maker's ``Offload`` put it. Backward stages always read their
+saved inputs from the host. A value's gradient goes to the stage that recomputes it
+(``makes`` it): on the device when that stage runs on the same device, else through
+the host (``Offload``, then ``UploadGrad``); gradients of model inputs go to the host.
+
+Dependency rules (``Program.dependencies()`` derives them; the executor and the
+simulator both follow them, nothing else orders actions):
+
+1. Streams are FIFO: an action starts after the previous action of the same stream on
+   the same device ended (the host lane is one stream).
+2. Issue: ``Prefetch``/``Upload``/``UploadGrad`` start no earlier than the start of the
+   latest compute listed before them. Builders place the prefetch of a device's next
+   stage after the first compute of its current stage (so it overlaps that stage,
+   DESIGN rule 2) and the inputs of the next compute after the current compute (one
+   microbatch of look-ahead).
+3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it; a compute
+   needs the latest ``Prefetch`` of its stage listed before it (not released).
+4. Inputs: the first compute of ``(s, m)`` needs ``Upload(s, m)`` listed before it when
+   it reads anything from the host, and the compute that made each value it takes over
+   on the device. ``Upload(s, m)`` waits for the ``Offload`` of each value's maker (on
+   any device; a ``hop`` when the devices differ).
+5. Gradients: the backward part of ``(s, m)`` needs ``UploadGrad(s, m)`` when gradient
+   parts of its values come through the host, and the computes that made the parts on
+   its device. ``UploadGrad`` waits for the ``Offload``s that put the parts there; in a
+   ``"train"`` program, the gradients of the model outputs come from the host once
+   every microbatch's outputs are there (the user's loss runs in between).
+6. ``Offload(s, m)`` waits for the last compute of ``(s, m)``; ``Free(s, m)`` for it,
+   for ``Offload(s, m)`` and for the ``Offload`` of each value it drops.
+7. ``DownloadGrads(s)`` and ``Release(s)`` wait for the last compute of ``s`` since its
+   ``Prefetch`` (``Release`` also for the ``DownloadGrads``); ``OptimizerStep(layers)``
+   for every ``DownloadGrads`` of its stage and of the stages sharing a parameter it
+   steps (``Program.shared``: a parameter shared by several backward stages is stepped
+   with the last of them); ``Commit`` for the last action of every stream of its phase.
+
+A two-part compute (``FusedBackward``: tail forward then backward;
+``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only
+its backward part; everything else gates its start.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, Sequence, Union
+
+StageKind = Literal["fwd", "bwd", "fused"]
+RunType = Literal["infer", "train", "fused"]
+HOST = -1
+"""Lane and producer index meaning "the host" (model inputs, the user's loss gradient,
+the optimizer and commit actions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """One stage of a Program: its execution-order index, kind, layer range, and the
+    values it reads and makes.
+
+    >>> str(StageSpec(3, "bwd", range(4, 6), ("l3", "mask"), ("l5",)))
+    '3 bwd 4:6 reads=l3,mask makes=l5'
+    """
+
+    index: int
+    kind: StageKind
+    layers: range
+    reads: tuple[str, ...] = ()
+    makes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.index} {self.kind} {self.layers.start}:{self.layers.stop}"
+        if self.reads:
+            text += f" reads={','.join(self.reads)}"
+        if self.makes:
+            text += f" makes={','.join(self.makes)}"
+        return text
+
+
+# ----------------------------------------------------------------------------- actions
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Upload stage ``stage``'s parameters to the device (``str``: ``3P``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}P"
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """Copy the values ``(stage, mb)`` reads from the host to the device (``3U1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}U{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class UploadGrad:
+    """Copy the host's gradient parts of ``(stage, mb)``'s values to the device (``3G1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}G{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Forward of a fwd stage on one microbatch (``3F1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}F{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class FusedBackward:
+    """Tail forward + loss, then backward, no recompute (``3FB1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}FB{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """``recompute_grain="layer"``: run the stage forward without grad, keeping each
+    layer's inputs on the device for the per-layer backward (``3K1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}K{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeBackward:
+    """Recompute the stage's layers from their saved inputs, then backward (``3B1``); at
+    layer grain one layer, from the inputs its ``Checkpoint`` kept (``3B1.5``)."""
+    stage: int
+    mb: int
+    layer: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.stage}B{self.mb}" + ("" if self.layer is None else f".{self.layer}")
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Copy ``(stage, mb)``'s values (fwd, fused) and input gradients (bwd, fused) that
+    the host needs to the host (``3O1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}O{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Drop, on the device, the values and gradients ``(stage, mb)`` was the last to use
+    (``3X1``)."""
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}X{self.mb}"
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadGrads:
+    """Bring the stage's accumulated parameter gradients to the host, then free their
+    device buffers (``3D``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}D"
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free the stage's parameters on the device (``3R``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}R"
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep:
+    """Host: step the parameters of ``layers`` once their gradients are final (``S4:6``)."""
+    layers: range
+
+    def __str__(self) -> str:
+        return f"S{self.layers.start}:{self.layers.stop}"
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncUpdate:
+    """Host: apply the previous call's optimizer update, if one is pending (``A``;
+    ``fxpipe.optim``'s ``mode="async"``)."""
+
+    def __str__(self) -> str:
+        return "A"
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Host: the call's parameter gradients to ``.grad`` and its buffer updates to the
+    model, all or nothing, once everything else of its phase has run (``C``)."""
+
+    def __str__(self) -> str:
+        return "C"
+
+
+Action = Union[Prefetch, Upload, UploadGrad, Forward, FusedBackward, Checkpoint,
+               RecomputeBackward, Offload, Free, DownloadGrads, Release, OptimizerStep,
+               AsyncUpdate, Commit]
+Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
+HostAction = (OptimizerStep, AsyncUpdate, Commit)
+_CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
+                           "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
+                           "B": RecomputeBackward, "O": Offload, "X": Free}
+_ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?$")
+_OPT_RE = re.compile(r"^S(\d+):(\d+)$")
+
+
+def parse_action(text: str) -> Action:
+    """The action whose ``str`` is ``text``.
+
+    >>> parse_action("3FB1"), parse_action("S0:4"), parse_action("2B0.5")
+    (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
+    """
+    if text == "A":
+        return AsyncUpdate()
+    if text == "C":
+        return Commit()
+    if m := _OPT_RE.match(text):
+        return OptimizerStep(range(int(m[1]), int(m[2])))
+    m = _ACTION_RE.match(text)
+    if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B"):
+        raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, C)")
+    cls = _CODES[m[2]]
+    if m[3] == "":
+        return cls(int(m[1]))
+    if m[4] is not None:
+        return cls(int(m[1]), int(m[3]), int(m[4]))
+    return cls(int(m[1]), int(m[3]))
+
+
+STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
+          FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
+          Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
+          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host"}
+
+
+def stream_of(action: Action) -> str:
+    """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
+    ``free``, ``grads``, ``control`` (``Release``) or ``host``."""
+    return STREAM[type(action)]
+
+
+@dataclass(frozen=True, slots=True)
+class Dep:
+    """Action at ``(device, step)`` must reach ``on`` ("start"/"end") first.
+
+    ``device`` is a device index or ``HOST`` (the host lane). ``why`` is one of
+    ``stream``, ``issue``, ``release``, ``params``, ``input``, ``grad``, ``job``,
+    ``free``; ``hop`` marks a hand-off between two devices.
+    """
+
+    device: int
+    step: int
+    on: Literal["start", "end"]
+    why: str
+    hop: bool = False
+
+
+# ----------------------------------------------------------------------------- dataflow
+
+Key = tuple[int, int]   # (stage, microbatch): one compute job of one microbatch
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    """What each action of a Program moves or drops, by ``(stage, microbatch)``.
+
+    ``upload``: values ``Upload`` copies from the host; ``handoff``: ``(value, maker)``
+    taken over on the device; ``offload``: values ``Offload`` copies to the host;
+    ``offload_grads``: gradients ``Offload`` moves to the host (those present);
+    ``upload_grads``: values whose host gradient parts ``UploadGrad`` copies;
+    ``sends_grads``: the values read by a backward compute whose gradients someone takes
+    (the stage recomputing them, or the host for inputs that require grad);
+    ``grad_parts``: ``(value, producer stage)`` gradient parts made on the same device;
+    ``host_grad_parts``: those that come through the host; ``free``: values made on the
+    device that ``Free`` drops (with the copies ``Upload`` made for it, and the gradients
+    its compute consumed); ``maker``: the stage making each value.
+    """
+
+    upload: dict[Key, tuple[str, ...]]
+    handoff: dict[Key, tuple[tuple[str, int], ...]]
+    offload: dict[Key, tuple[str, ...]]
+    offload_grads: dict[Key, tuple[str, ...]]
+    upload_grads: dict[Key, tuple[str, ...]]
+    sends_grads: dict[Key, tuple[str, ...]]
+    grad_parts: dict[Key, tuple[tuple[str, int], ...]]
+    host_grad_parts: dict[Key, tuple[tuple[str, int], ...]]
+    free: dict[Key, tuple[str, ...]]
+    maker: dict[str, int]
+
+    def needs_upload(self, key: Key) -> bool:
+        return bool(self.upload.get(key))
+
+    def needs_upload_grad(self, key: Key) -> bool:
+        return bool(self.upload_grads.get(key))
+
+    def needs_offload(self, key: Key) -> bool:
+        return bool(self.offload.get(key) or self.offload_grads.get(key))
+
+    def needs_free(self, key: Key, kind: StageKind) -> bool:
+        return bool(self.upload.get(key) or self.free.get(key) or self.offload_grads.get(key)
+                    or (kind == "bwd" and (self.grad_parts.get(key) or self.upload_grads.get(key))))
+
+
+def dataflow(stages: Sequence[StageSpec], placement: Sequence[Sequence[Key]],
+             inputs: Sequence[str], outputs: Sequence[str], run_type: RunType,
+             input_grads: Sequence[str] = ()) -> Dataflow:
+    """Decide, for computes placed on devices in the order ``placement[d]``, where each
+    value and gradient comes from and goes to (see the module docstring). ``input_grads``:
+    the model inputs whose gradients the host takes (inputs that require grad).
+
+    >>> st = (StageSpec(0, "fwd", range(0, 1), ("x",), ("a",)),
+    ...       StageSpec(1, "fwd", range(1, 2), ("a", "x"), ("b",)))
+    >>> f = dataflow(st, [[(0, 0), (1, 0)]], ["x"], ["b"], "infer")
+    >>> f.upload[(1, 0)], f.handoff[(1, 0)], f.offload[(1, 0)], f.free[(1, 0)]
+    (('x',), (('a', 0),), ('b',), ('a', 'b'))
+    """
+    inputs, outputs = set(inputs), tuple(outputs)
+    where = {key: d for d, keys in enumerate(placement) for key in keys}
+    pos = {key: i for keys in placement for i, key in enumerate(keys)}
+    maker: dict[str, int] = {}
+    consumer: dict[str, int] = {}   # value -> the bwd stage that recomputes it
+    for st in stages:
+        table = consumer if st.kind == "bwd" else maker
+        for v in st.makes:
+            if v in table:
+                raise ValueError(f"stage {st.index} makes {v!r}, which stage {table[v]} "
+                                 "makes too")
+            table[v] = st.index
+    upload: dict[Key, tuple[str, ...]] = {}
+    handoff: dict[Key, tuple[tuple[str, int], ...]] = {}
+    on_host: dict[Key, set[str]] = {}
+    last_use: dict[tuple[str, int, int], Key] = {}   # (value, mb, device) -> last user
+    for d, keys in enumerate(placement):
+        for key in keys:
+            s, m = key
+            st = stages[s]
+            up, hand = [], []
+            for v in st.reads:
+                p = maker.get(v)
+                if (st.kind != "bwd" and p is not None and where.get((p, m)) == d
+                        and pos[(p, m)] < pos[key]):
+                    hand.append((v, p))
+                    last_use[(v, m, d)] = key
+                    continue
+                if v not in inputs:
+                    if p is None:
+                        raise ValueError(f"stage {s} reads {v!r}, which no forward stage makes "
+                                         "and is not a model input")
+                    on_host.setdefault((p, m), set()).add(v)
+                up.append(v)
+            upload[key], handoff[key] = tuple(up), tuple(hand)
+            if st.kind != "bwd":
+                for v in st.makes:
+                    last_use.setdefault((v, m, d), key)
+    for v in outputs:
+        if v in inputs:
+            continue
+        if v not in maker:
+            raise ValueError(f"output {v!r} is made by no forward stage")
+        for m in range(1 + max((mb for _, mb in where), default=-1)):
+            if (maker[v], m) in where:
+                on_host.setdefault((maker[v], m), set()).add(v)
+    offload = {key: tuple(v for v in stages[key[0]].makes if v in vs)
+               for key, vs in on_host.items()}
+    free: dict[Key, list[str]] = {}
+    for (v, m, d), key in last_use.items():
+        free.setdefault(key, []).append(v)
+    offload_grads: dict[Key, list[str]] = {}
+    sends: dict[Key, list[str]] = {}
+    grad_parts: dict[Key, list[tuple[str, int]]] = {}
+    host_parts: dict[Key, list[tuple[str, int]]] = {}
+    for key, d in where.items():
+        s, m = key
+        if stages[s].kind == "fwd":
+            continue
+        for v in stages[s].reads:
+            c = (HOST if v in input_grads else None) if v in inputs else consumer.get(v)
+            if c is None:
+                continue
+            sends.setdefault(key, []).append(v)
+            if c == HOST or where.get((c, m)) != d:
+                offload_grads.setdefault(key, []).append(v)
+                if c != HOST:
+                    host_parts.setdefault((c, m), []).append((v, s))
+            else:
+                grad_parts.setdefault((c, m), []).append((v, s))
+    upload_grads: dict[Key, tuple[str, ...]] = {}
+    for key in where:
+        st = stages[key[0]]
+        if st.kind != "bwd":
+            continue
+        via_host = {v for v, _ in host_parts.get(key, ())}
+        if run_type == "train":
+            via_host |= set(outputs) & set(st.makes)
+        upload_grads[key] = tuple(v for v in st.makes if v in via_host)
+    return Dataflow(upload=upload, handoff=handoff, offload=offload,
+                    offload_grads={k: tuple(v) for k, v in offload_grads.items()},
+                    upload_grads=upload_grads, sends_grads={k: tuple(v) for k, v in sends.items()},
+                    grad_parts={k: tuple(v) for k, v in grad_parts.items()},
+                    host_grad_parts={k: tuple(v) for k, v in host_parts.items()},
+                    free={k: tuple(v) for k, v in free.items()}, maker=maker)
+
+
+# ----------------------------------------------------------------------------- program
+
+@dataclass(frozen=True)
+class Program:
+    """Per-device action lists and the host lane over a chain of stages (see the module
+    docstring). ``inputs``: values on the host when the call starts; ``outputs``: values
+    the host gets (a ``"train"`` program gets their gradients back from the host);
+    ``input_grads``: the inputs whose gradients the host takes; ``shared``: groups of
+    backward stages that share a parameter."""
+
+    num_devices: int
+    num_microbatches: int
+    stages: tuple[StageSpec, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    host: tuple[Action, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    input_grads: tuple[str, ...] = ()
+    shared: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.actions) != self.num_devices:
+            raise ValueError(f"Program has {len(self.actions)} action lists for "
+                             f"{self.num_devices} devices")
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise ValueError(f"stage {st} is listed at position {i}: stages must be in "
+                                 "execution order")
+        for d, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                if isinstance(a, HostAction):
+                    raise ValueError(f"device {d} step {i}: {a} is a host action; list it in "
+                                     "the host lane")
+        for i, a in enumerate(self.host):
+            if not isinstance(a, HostAction):
+                raise ValueError(f"host step {i}: {a} runs on a device, not on the host")
+
+    # -- lanes and stage relations ----------------------------------------------------
+    def lane(self, lane: int) -> tuple[Action, ...]:
+        """Device ``lane``'s actions, or the host's (``HOST``)."""
+        return self.host if lane == HOST else self.actions[lane]
+
+    def lanes(self) -> list[tuple[int, tuple[Action, ...]]]:
+        """``(lane, actions)`` for every device, then the host."""
+        return [*enumerate(self.actions), (HOST, self.host)]
+
+    @cached_property
+    def num_forward_stages(self) -> int:
+        return sum(st.kind == "fwd" for st in self.stages)
+
+    @property
+    def run_type(self) -> RunType:
+        if any(st.kind == "fused" for st in self.stages):
+            return "fused"
+        return "train" if any(st.kind == "bwd" for st in self.stages) else "infer"
+
+    def input_of(self, stage: int) -> int:
+        """The stage holding the layer before ``stage``'s first one, or ``HOST``: what a
+        layer chain reads (the simulator's view of activation bytes).
+
+        >>> from fxpipe.passes.schedule import build_program
+        >>> p = build_program([range(0, 2), range(2, 4)], [range(4, 5), range(1, 4),
+        ...                   range(0, 1)], "fused", 2, 1, "stage")
+        >>> [p.input_of(s) for s in range(5)]     # stage 3 = layers 1:4 reads layer 0's output
+        [-1, 0, 1, 0, -1]
+        """
+        return self._inputs[stage]
+
+    @cached_property
+    def _inputs(self) -> tuple[int, ...]:
+        holder = {i: fs.index for fs in self.stages[: self.num_forward_stages] for i in fs.layers}
+        out = []
+        for st in self.stages:
+            if st.kind != "bwd":
+                out.append(st.index - 1 if st.index > 0 else HOST)
+            elif st.layers.start == 0:
+                out.append(HOST)
+            elif st.layers.start - 1 in holder:
+                out.append(holder[st.layers.start - 1])
+            else:
+                raise ValueError(f"stage {st}: no forward stage produces the input of "
+                                 f"layer {st.layers.start}")
+        return tuple(out)
+
+    def grad_of(self, stage: int) -> int | None:
+        """The backward stage before ``stage`` (whose input gradient a layer chain's
+        ``stage`` takes in), ``HOST`` (first bwd stage of a train program) or None."""
+        if self.stages[stage].kind != "bwd":
+            return None
+        return stage - 1 if self.stages[stage - 1].kind != "fwd" else HOST
+
+    def saved_inputs_of(self, stage: int) -> list[int]:
+        """The bwd stages whose saved input is produced by fwd stage ``stage``."""
+        return [st.index for st in self.stages
+                if st.kind == "bwd" and st.layers.start > 0 and self.input_of(st.index) == stage]
+
+    def placement(self) -> list[list[Key]]:
+        """Per device, its ``(stage, microbatch)`` compute jobs in order."""
+        out: list[list[Key]] = []
+        for acts in self.actions:
+            keys: list[Key] = []
+            for a in acts:
+                if isinstance(a, Compute) and (a.stage, a.mb) not in keys[-1:]:
+                    keys.append((a.stage, a.mb))
+            out.append(keys)
+        return out
+
+    @cached_property
+    def flow(self) -> Dataflow:
+        """What each action moves or drops (:func:`dataflow` over this Program)."""
+        return dataflow(self.stages, self.placement(), self.inputs, self.outputs, self.run_type,
+                        self.input_grads)
+
+    # -- text -----------------------------------------------------------------------
+    def __str__(self) -> str:
+        lines = [f"program devices={self.num_devices} microbatches={self.num_microbatches}"]
+        if self.inputs:
+            lines.append("inputs " + " ".join(self.inputs))
+        if self.outputs:
+            lines.append("outputs " + " ".join(self.outputs))
+        if self.input_grads:
+            lines.append("input-grads " + " ".join(self.input_grads))
+        lines += ["shared " + " ".join(map(str, group)) for group in self.shared]
+        lines += [f"stage {st}" for st in self.stages]
+        lanes = [*self.actions, self.host]
+        steps = max((len(a) for a in lanes), default=0)
+        cells = [["step"] + [f"d{d}" for d in range(self.num_devices)] + ["host"]]
+        for i in range(steps):
+            cells.append([str(i)] + [str(a[i]) if i < len(a) else "." for a in lanes])
+        widths = [max(len(row[c]) for row in cells) + 1 for c in range(len(cells[0]))]
+        for row in cells:
+            lines.append("".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+    @classmethod
+    def parse(cls, text: str) -> Program:
+        """Inverse of ``str(program)``."""
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        m = re.match(r"^program devices=(\d+) microbatches=(\d+)$", lines[0]) if lines else None
+        if not m:
+            raise ValueError("a Program text starts with 'program devices=N microbatches=M'")
+        num_devices, stages, rows = int(m[1]), [], []
+        inputs: tuple[str, ...] = ()
+        outputs: tuple[str, ...] = ()
+        input_grads: tuple[str, ...] = ()
+        shared: list[tuple[int, ...]] = []
+        stage_re = re.compile(r"^stage (\d+) (fwd|bwd|fused) (\d+):(\d+)"
+                              r"(?: reads=(\S+))?(?: makes=(\S+))?$")
+        header = ["step"] + [f"d{d}" for d in range(num_devices)] + ["host"]
+        for ln in lines[1:]:
+            word = ln.split()[0]
+            if word == "inputs":
+                inputs = tuple(ln.split()[1:])
+            elif word == "outputs":
+                outputs = tuple(ln.split()[1:])
+            elif word == "input-grads":
+                input_grads = tuple(ln.split()[1:])
+            elif word == "shared":
+                shared.append(tuple(int(x) for x in ln.split()[1:]))
+            elif word == "stage":
+                sm = stage_re.match(ln)
+                if not sm:
+                    raise ValueError(f"bad stage line {ln!r}")
+                stages.append(StageSpec(int(sm[1]), sm[2], range(int(sm[3]), int(sm[4])),
+                                        tuple(sm[5].split(",")) if sm[5] else (),
+                                        tuple(sm[6].split(",")) if sm[6] else ()))
+            elif word == "step":
+                if ln.split() != header:
+                    raise ValueError(f"bad table header {ln!r}")
+            else:
+                rows.append(ln.split())
+        lanes: list[list[Action]] = [[] for _ in range(num_devices + 1)]
+        for i, row in enumerate(rows):
+            if row[0] != str(i) or len(row) != num_devices + 2:
+                raise ValueError(f"bad table row {i}: {' '.join(row)!r}")
+            for d, cell in enumerate(row[1:]):
+                if cell != ".":
+                    if len(lanes[d]) != i:
+                        raise ValueError(f"{'host' if d == num_devices else f'device {d}'} "
+                                         f"has a gap before step {i}")
+                    lanes[d].append(parse_action(cell))
+        return cls(num_devices, int(m[2]), tuple(stages), tuple(tuple(a) for a in lanes[:-1]),
+                   tuple(lanes[-1]), inputs, outputs, input_grads, tuple(shared))
+
+    # -- checks ---------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless every (stage, microbatch) runs exactly once with
+        the compute actions its stage kind needs (at layer grain: a ``Checkpoint``, then
+        each layer's backward, deepest first), and ``dependencies()`` resolves."""
+        want = {"fwd": Forward, "fused": FusedBackward, "bwd": RecomputeBackward}
+        seen: dict[Key, list] = {}
+        for d, acts in enumerate(self.actions):
+            for a in acts:
+                if isinstance(a, Compute):
+                    if not 0 <= a.stage < len(self.stages):
+                        raise ValueError(f"device {d}: {a} names stage {a.stage}, "
+                                         f"the program has {len(self.stages)} stages")
+                    st = self.stages[a.stage]
+                    if not isinstance(a, (want[st.kind], Checkpoint)) or (
+                            isinstance(a, Checkpoint) and st.kind != "bwd"):
+                        raise ValueError(f"device {d}: {a} on a {st.kind} stage; expected "
+                                         f"{want[st.kind].__name__}")
+                    seen.setdefault((a.stage, a.mb), []).append(a)
+        for st in self.stages:
+            for mb in range(self.num_microbatches):
+                got = seen.get((st.index, mb), [])
+                if len(got) > 1 and not isinstance(got[0], Checkpoint):
+                    raise ValueError(f"stage {st.index} microbatch {mb} runs {len(got)} times; "
+                                     "expected once")
+                if not got:
+                    raise ValueError(f"stage {st.index} microbatch {mb} runs 0 times; "
+                                     "expected once")
+                if isinstance(got[0], Checkpoint):
+                    layers = [a.layer for a in got[1:]]
+                    if layers != list(reversed(st.layers)):
+                        raise ValueError(f"stage {st.index} microbatch {mb}: after {got[0]} "
+                                         f"each layer's backward must run once, deepest first "
+                                         f"({list(reversed(st.layers))}); got {layers}")
+        self.dependencies()
+
+    def dependencies(self) -> dict[int, tuple[tuple[Dep, ...], ...]]:
+        """For each lane (device index, or ``HOST``) and step, the ``Dep``s of that
+        action (module docstring rules).
+
+        Raises ``ValueError`` naming the lane, step and action when an action's
+        parameters or inputs are not provided by the Program.
+        """
+        return self._dependencies
+
+    @cached_property
+    def _dependencies(self) -> dict[int, tuple[tuple[Dep, ...], ...]]:
+        computes: dict[Key, list[tuple[int, int]]] = {}
+        offload_at: dict[Key, tuple[int, int]] = {}
+        downloads: dict[int, list[tuple[int, int]]] = {}
+        for d, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                if isinstance(a, Compute):
+                    at = computes.setdefault((a.stage, a.mb), [])
+                    if at and (at[-1][0] != d or isinstance(a, (Forward, FusedBackward))
+                               or a.layer is None):
+                        raise ValueError(f"device {d} step {i}: {a} appears twice "
+                                         f"(first on device {at[0][0]})")
+                    at.append((d, i))
+                elif isinstance(a, Offload):
+                    if (a.stage, a.mb) in offload_at:
+                        raise ValueError(f"device {d} step {i}: {a} appears twice "
+                                         f"(first on device {offload_at[(a.stage, a.mb)][0]})")
+                    offload_at[(a.stage, a.mb)] = (d, i)
+                elif isinstance(a, DownloadGrads):
+                    downloads.setdefault(a.stage, []).append((d, i))
+        out = {d: self._device_deps(d, computes, offload_at) for d in range(self.num_devices)}
+        out[HOST] = self._host_deps(downloads)
+        return out
+
+    def _device_deps(self, d, computes, offload_at) -> tuple[tuple[Dep, ...], ...]:
+        flow = self.flow
+        out: list[tuple[Dep, ...]] = []
+        last_stream: dict[str, int] = {}
+        last_compute: int | None = None
+        prefetched: dict[int, int] = {}
+        job: dict[int, dict[str, int]] = {}   # stage -> its last compute / download here
+        releases: list[int] = []
+        uploads: dict[tuple[type, Key], int] = {}
+
+        def fail(i: int, a: Action, msg: str):
+            raise ValueError(f"device {d} step {i}: {a} {msg}")
+
+        def offloaded(i, a, producer, mb, why) -> Dep:
+            if (producer, mb) not in offload_at:
+                fail(i, a, f"needs Offload({producer}, {mb}) somewhere in the program")
+            od, oi = offload_at[(producer, mb)]
+            return Dep(od, oi, "end", why, hop=od != d)
+
+        def made_here(i, a, producer, mb, what) -> Dep:
+            at = computes.get((producer, mb), [])
+            if not at or at[-1][0] != d or at[-1][1] > i:
+                fail(i, a, f"takes over {what} on device {d}, but stage {producer} did not "
+                           f"compute microbatch {mb} there before it")
+            return Dep(d, at[-1][1], "end", "grad" if what.startswith("the gradient") else "input")
+
+        def uploaded(i, a, kind, key, why) -> list[Dep]:
+            if (kind, key) not in uploads:
+                fail(i, a, f"has no {kind.__name__} before it, and it reads "
+                           f"{'gradients' if kind is UploadGrad else 'values'} from the host")
+            return [Dep(d, uploads.pop((kind, key)), "end", why)]
+
+        for i, a in enumerate(self.actions[d]):
+            deps: list[Dep] = []
+            stream = stream_of(a)
+            if stream in last_stream:
+                deps.append(Dep(d, last_stream[stream], "end", "stream"))
+            last_stream[stream] = i
+            if stream in ("prefetch", "h2d") and last_compute is not None:
+                deps.append(Dep(d, last_compute, "start", "issue"))
+            match a:
+                case Prefetch(stage=s):
+                    deps += [Dep(d, r, "end", "release") for r in releases]
+                    releases.clear()
+                    prefetched[s] = i
+                    job[s] = {}
+                case Upload(stage=s, mb=mb):
+                    for v in flow.upload.get((s, mb), ()):
+                        if v not in self.inputs:
+                            deps.append(offloaded(i, a, flow.maker[v], mb, "input"))
+                    uploads[(Upload, (s, mb))] = i
+                case UploadGrad(stage=s, mb=mb):
+                    if not flow.upload_grads.get((s, mb)):
+                        fail(i, a, f"but no gradient of stage {s}'s values comes through the host")
+                    for _, producer in flow.host_grad_parts.get((s, mb), ()):
+                        deps.append(offloaded(i, a, producer, mb, "grad"))
+                    if self.run_type == "train":
+                        for v in set(self.outputs) & set(self.stages[s].makes):
+                            deps += [offloaded(i, a, flow.maker[v], m, "grad")
+                                     for m in range(self.num_microbatches)]
+                    uploads[(UploadGrad, (s, mb))] = i
+                case Forward(stage=s, mb=mb) | FusedBackward(stage=s, mb=mb) | Checkpoint(
+                        stage=s, mb=mb) | RecomputeBackward(stage=s, mb=mb):
+                    key = (s, mb)
+                    first = computes[key][0][1] == i
+                    if s not in prefetched:
+                        fail(i, a, f"runs stage {s} with no Prefetch({s}) before it on device {d}")
+                    deps.append(Dep(d, prefetched[s], "end", "params"))
+                    if first:
+                        if flow.upload.get(key):
+                            deps += uploaded(i, a, Upload, key, "input")
+                        for v, p in flow.handoff.get(key, ()):
+                            deps.append(made_here(i, a, p, mb, f"value {v!r}"))
+                    if isinstance(a, RecomputeBackward) and (a.layer is None or first or
+                                                             computes[key][1][1] == i):
+                        if flow.upload_grads.get(key):
+                            deps += uploaded(i, a, UploadGrad, key, "grad")
+                        for v, p in flow.grad_parts.get(key, ()):
+                            deps.append(made_here(i, a, p, mb, f"the gradient of {v!r}"))
+                    job[s]["compute"] = i
+                    last_compute = i
+                case Offload(stage=s, mb=mb) | Free(stage=s, mb=mb):
+                    at = computes.get((s, mb), [])
+                    if not at or at[-1][0] != d or at[-1][1] > i:
+                        fail(i, a, f"but ({s}, {mb}) was not computed on device {d} before it")
+                    deps.append(Dep(d, at[-1][1], "end", "input" if isinstance(a, Offload)
+                                    else "free"))
+                    if isinstance(a, Free):
+                        makers = {flow.maker[v] for v in flow.free.get((s, mb), ())} | {s}
+                        for p in sorted(makers):
+                            if (p, mb) in offload_at:
+                                od, oi = offload_at[(p, mb)]
+                                deps.append(Dep(od, oi, "end", "free"))
+                case DownloadGrads(stage=s) | Release(stage=s):
+                    if s not in prefetched:
+                        fail(i, a, f"but stage {s} is not resident on device {d}")
+                    deps += [Dep(d, j, "end", "job") for j in job[s].values()]
+                    if isinstance(a, DownloadGrads):
+                        job[s]["download"] = i
+                    else:
+                        del prefetched[s], job[s]
+                        releases.append(i)
+            out.append(tuple(deps))
+        return tuple(out)
+
+    def _host_deps(self, downloads) -> tuple[tuple[Dep, ...], ...]:
+        out: list[tuple[Dep, ...]] = []
+        by_layers = {(st.layers.start, st.layers.stop): st.index for st in self.stages
+                     if st.kind != "fwd"}
+        waits = {s: {s} for s in by_layers.values()}
+        for group in self.shared:
+            waits.setdefault(max(group), {max(group)}).update(group)
+        for i, a in enumerate(self.host):
+            deps = [Dep(HOST, i - 1, "end", "stream")] if i else []
+            match a:
+                case OptimizerStep(layers=layers):
+                    s = by_layers.get((layers.start, layers.stop))
+                    if s is None:
+                        raise ValueError(f"host step {i}: {a} names no backward stage's layers")
+                    for w in sorted(waits[s]):
+                        deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(w, [])]
+                case Commit():
+                    phase = self._phase_of(a)
+                    for d, acts in enumerate(self.actions):
+                        last: dict[str, int] = {}
+                        for j, b in enumerate(acts):
+                            if self._phase_of(b) == phase:
+                                last[stream_of(b)] = j
+                        deps += [Dep(d, j, "end", "job") for j in sorted(last.values())]
+            out.append(tuple(deps))
+        return tuple(out)
+
+    def _phase_of(self, a: Action) -> str:
+        """``"forward"`` or ``"backward"`` in a ``"train"`` program (its two calls); else
+        ``"all"``. ``Commit`` belongs to the forward call: the backward's gradients go to
+        autograd."""
+        if self.run_type != "train":
+            return "all"
+        if isinstance(a, Commit):
+            return "forward"
+        if isinstance(a, HostAction):
+            return "backward"
+        return "forward" if self.stages[a.stage].kind == "fwd" else "backward"
+
+    def action_strings(self, phase: str | None = None) -> list[tuple[int, str]]:
+        """``(lane, str(action))`` of every action (of one ``phase``, if given): what a
+        ``pipe.trace()`` of the call records as ``rec.actions``, as a multiset."""
+        return [(lane, str(a)) for lane, acts in self.lanes() for a in acts
+                if phase is None or self.phase(a) == phase]
+
+    def phase(self, a: Action) -> str:
+        """The call that runs ``a``: ``"all"``, or in a ``"train"`` program
+        ``"forward"`` (``pipe(x)``) or ``"backward"`` (``.backward()``)."""
+        return self._phase_of(a)

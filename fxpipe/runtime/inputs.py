@@ -1,0 +1,88 @@
+"""Checks that a call fits the graph it runs: the example's argument structure, and the
+sizes the captured graph is specific to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe.passes.layer_graph import LayerGraph
+
+
+def check_structure(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of a call, after checking it is shaped like the example: the
+    same arguments and nesting, tensors where tensors were (of the same rank), the same
+    constants. Sizes may differ (see :func:`check_inputs`)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != lg.in_spec:
+        raise TypeError(_structure_message(lg.in_spec, spec))
+    tensors = []
+    for i, (x, ex) in enumerate(zip(leaves, lg.example_leaves)):
+        if isinstance(ex, torch.Tensor):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {lg.leaf_names[i]!r} was a tensor when compiled, got "
+                                f"{type(x).__name__}")
+            if x.dim() != ex.dim():
+                raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
+                                 f"{ex.dim()} (shape {tuple(ex.shape)})")
+            tensors.append(x)
+        elif not _same_constant(x, ex):
+            raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
+                             f"got {x!r}; recompile with the new value")
+    return tensors
+
+
+def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor leaves of a (microbatch) call, after checking its structure and the
+    sizes the captured graph is specific to."""
+    tensors = check_structure(lg, args, kwargs)
+    problem = static_dim_problem(lg, tensors)
+    if problem is not None:
+        raise ValueError(
+            f"{problem}. If this is a microbatch, the batch cannot be split along that dim: "
+            "use num_microbatch=1 or a split_input spec on another dim.")
+    return tensors
+
+
+def static_dim_problem(lg: LayerGraph, tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why ``tensors`` (the call's tensor leaves) do not fit the sizes ``lg`` specializes on."""
+    leaf_names = [n for n, ex in zip(lg.leaf_names, lg.example_leaves) if isinstance(ex, torch.Tensor)]
+    for name, leaf, x in zip(lg.input_names, leaf_names, tensors):
+        for d, size in lg.static_dims.get(name, {}).items():
+            if x.shape[d] != size:
+                return (f"input {leaf!r}: dim {d} is {x.shape[d]}, but the captured graph is "
+                        f"specific to {size} there (the model specializes on it)")
+    return None
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 — incomparable values are different
+        return a is b
+
+
+def _structure_message(expected, got) -> str:
+    """Which argument a call has that the example did not, or lacks (else the two trees)."""
+    try:
+        (exp_args, exp_kw), (got_args, got_kw) = expected.children(), got.children()
+        missing = [k for k in exp_kw.context if k not in got_kw.context]
+        extra = [k for k in got_kw.context if k not in exp_kw.context]
+    except (AttributeError, ValueError, TypeError):
+        return f"the call's argument structure differs from the example's:\n{expected}\nvs\n{got}"
+    problems = []
+    if exp_args.num_children != got_args.num_children:
+        problems.append(f"has {got_args.num_children} positional argument(s) where the example had "
+                        f"{exp_args.num_children}")
+    if missing:
+        problems.append(f"is missing keyword argument(s) {', '.join(map(repr, missing))}")
+    if extra:
+        problems.append(f"has unexpected keyword argument(s) {', '.join(map(repr, extra))}")
+    if not problems:
+        problems.append(f"has an argument nested differently from the example:\n{expected}\nvs\n{got}")
+    return ("the pipeline was compiled for the example's arguments; this call "
+            + "; ".join(problems) + ". Call it with the same arguments as the example "
+            "(sizes may differ), or compile again for the new signature.")
