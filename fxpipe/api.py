@@ -396,6 +396,26 @@ class PipelineModule(nn.Module):
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs).program
 
+    def stats(self) -> dict[str, int]:
+        """Counters of the last call (empty before the first), a flat dict: ``actions``
+        executed; ``host_waits``, the times a host thread waited for device work (a host
+        action waiting for the events it reads, and the end of the call: one per fused
+        call without an optimizer); bytes moved: ``h2d_bytes_params``,
+        ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
+        ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``interpreted_nodes`` (graph
+        nodes run one by one: layer timing, a recompute skipping its tail) and
+        ``generated_runs`` (stage runs as generated code). An eager-style step is two
+        calls: ``pipe(x)`` and ``.backward()``.
+
+        >>> import fxpipe
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
+        >>> loss = pipe.forward_backward((torch.randn(6, 4),), loss_fn=lambda out, _: out.sum())
+        >>> pipe.stats()["host_waits"], pipe.stats()["h2d_bytes_params"]
+        (1, 392)
+        """
+        return dict(self._log.stats)
+
     def trace(self, path: str | None = None):
         """Record the devices' streams during a ``with`` block into a timeline (the
         simulator's ``Timeline``: ``plot``, ``to_chrome_trace``, ``bubble_ratio``)::

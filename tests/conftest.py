@@ -1,5 +1,10 @@
 """Suite-wide fixtures.
 
+``FXPIPE_TEST_DEVICE=cuda-sim`` runs the suite on virtual devices with a GPU's semantics
+toward the host (``VirtualDevice(semantics="cuda")``: copies land when their stream
+reaches them, unwritten memory reads as NaN), so a host read of data still in flight
+fails here, as it would on a GPU.
+
 A test marked ``bitwise`` asserts bitwise equality between fxpipe and a reference (eager
 PyTorch, or the captured program). Its reference runs on one intra-op thread, as every
 fxpipe worker does: some kernels split a reduction per thread, and the claim is "the same
@@ -9,8 +14,18 @@ kernel code paths, so a claim that holds on one CPU's BLAS path only fails here.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from fxpipe.runtime import devices
+
+TEST_DEVICE = os.environ.get("FXPIPE_TEST_DEVICE", "virtual")
+if TEST_DEVICE not in ("virtual", "cuda-sim"):
+    raise ValueError(f"FXPIPE_TEST_DEVICE must be 'virtual' or 'cuda-sim', got {TEST_DEVICE!r}")
+if TEST_DEVICE == "cuda-sim":
+    devices.default_semantics = "cuda"
 
 
 @pytest.fixture(autouse=True)

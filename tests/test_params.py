@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.runtime.devices import Device, VirtualDevice
+from fxpipe.runtime.devices import VirtualDevice
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 
 TIMEOUT = 10.0
@@ -33,9 +33,9 @@ class CountingDevice(VirtualDevice):
         self.downloads.append(dev_tensor)
         return super().to_host(dev_tensor, pin)
 
-    def to_host_each(self, dev_tensors, plus=None):
+    def to_host_each(self, dev_tensors):
         self.downloads.append(dev_tensors)
-        return super().to_host_each(dev_tensors, plus)
+        return super().to_host_each(dev_tensors)
 
 
 @pytest.fixture
@@ -305,141 +305,6 @@ def test_accumulator_is_thread_safe():
     assert torch.equal(p.grad, torch.full((1000,), 200.0))
 
 
-
-# --- folding an existing .grad in as gradients arrive (a call that commits at its end) ---
-
-def _folding(p: nn.Parameter, grad: torch.Tensor, how: str = "add") -> GradAccumulator:
-    """An accumulator with ``fold=True`` that has been given ``grad`` for ``p``: by
-    ``add`` (the old .grad added into the host gradient), or as the executor does, by a
-    ``download`` that adds the old .grad in as it arrives."""
-    store = ParamStore({0: {"p": p}}, pin=False)
-    acc = GradAccumulator(store, fold=True)
-    if how == "add":
-        acc.add(0, {"p": grad}, own=True)
-    else:
-        with VirtualDevice() as d:
-            grads = {"p": grad}
-            acc.add(0, store.download_grads(0, d, grads, plus=acc.fold_into_download(0, grads)),
-                    own=True)
-    return acc
-
-
-HOW = pytest.mark.parametrize("how", ["add", "download"])
-
-
-@HOW
-def test_fold_replaces_a_private_grad_with_the_sum(how):
-    p = nn.Parameter(torch.zeros(4, 3))
-    p.grad = torch.full((4, 3), 2.0)
-    old_id = id(p.grad)
-    acc = _folding(p, torch.ones(4, 3), how)
-    assert torch.equal(p.grad, torch.full((4, 3), 2.0))  # nothing written before commit
-    acc.commit()
-    assert torch.equal(p.grad, torch.full((4, 3), 3.0))
-    assert id(p.grad) != old_id  # the sum took the old tensor's place: no pass at commit
-
-
-@HOW
-@pytest.mark.parametrize("holder", ["reference", "view", "shared_memory", "layout", "fold_off"])
-def test_fold_adds_in_place_when_the_old_grad_can_be_seen(holder, how):
-    """Anyone who can see the old .grad sees it updated in place, as with autograd."""
-    p = nn.Parameter(torch.zeros(4, 3))
-    flat = torch.full((20,), 2.0)
-    p.grad = flat[:12].view(4, 3) if holder == "view" else torch.full((4, 3), 2.0)
-    if holder == "shared_memory":  # not a view to autograd, but on another tensor's memory
-        p.grad = flat[:12].view(4, 3).detach()
-    if holder == "layout":  # a .grad strided unlike the parameter
-        p.grad = torch.empty_strided((4, 3), (1, 4)).fill_(2.0)
-    held = p.grad if holder == "reference" else None
-    if holder == "fold_off":
-        acc = GradAccumulator(ParamStore({0: {"p": p}}, pin=False))
-        acc.add(0, {"p": torch.ones(4, 3)}, own=True)
-    else:
-        acc = _folding(p, torch.ones(4, 3), how)
-    before = p.grad
-    acc.commit()
-    assert p.grad is before and torch.equal(p.grad, torch.full((4, 3), 3.0))
-    if holder in ("view", "shared_memory"):
-        assert torch.equal(flat[:12], torch.full((12,), 3.0)) and flat[12:].eq(2).all()
-    if held is not None:
-        assert torch.equal(held, torch.full((4, 3), 3.0))
-
-
-@HOW
-def test_fold_then_discard_leaves_grad_untouched(how):
-    p = nn.Parameter(torch.zeros(5))
-    p.grad = torch.full((5,), 2.0)
-    old = p.grad
-    _folding(p, torch.ones(5), how).discard()
-    assert p.grad is old and torch.equal(old, torch.full((5,), 2.0))
-
-
-@pytest.mark.parametrize("change", ["replaced", "modified"])
-def test_fold_refuses_to_commit_over_a_grad_changed_meanwhile(change):
-    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
-    a.grad, b.grad = torch.full((2,), 2.0), torch.full((3,), 2.0)
-    acc = GradAccumulator(ParamStore({0: {"a": a, "b": b}}, pin=False), fold=True)
-    acc.add(0, {"a": torch.ones(2), "b": torch.ones(3)}, own=True)
-    if change == "replaced":
-        b.grad = torch.full((3,), 7.0)
-    else:
-        b.grad.mul_(2)
-    expected_b = b.grad.clone()
-    with pytest.raises(RuntimeError, match="changed by someone else during the call; nothing was written"):
-        acc.commit()
-    assert torch.equal(a.grad, torch.full((2,), 2.0)) and torch.equal(b.grad, expected_b)
-
-
-def test_fold_with_tied_parameter_counts_the_old_grad_once():
-    w = nn.Parameter(torch.zeros(3))
-    w.grad = torch.full((3,), 10.0)
-    acc = GradAccumulator(ParamStore({0: {"embed": w}, 1: {"head": w}}, pin=False), fold=True)
-    acc.add(1, {"head": torch.ones(3)}, own=True)
-    acc.add(0, {"embed": torch.full((3,), 2.0)}, own=True)
-    acc.commit()
-    assert torch.equal(w.grad, torch.full((3,), 13.0))
-
-
-def test_download_folds_a_tied_parameter_once():
-    w = nn.Parameter(torch.zeros(3))
-    w.grad = torch.full((3,), 10.0)
-    store = ParamStore({0: {"embed": w}, 1: {"head": w}}, pin=False)
-    acc = GradAccumulator(store, fold=True)
-    with VirtualDevice() as d:
-        first, second = {"head": torch.ones(3)}, {"embed": torch.full((3,), 2.0)}
-        plus = acc.fold_into_download(1, first)
-        assert set(plus) == {"head"} and acc.fold_into_download(0, second) == {}  # reserved once
-        acc.add(1, store.download_grads(1, d, first, plus=plus), own=True)
-        acc.add(0, store.download_grads(0, d, second), own=True)
-    acc.commit()
-    assert torch.equal(w.grad, torch.full((3,), 13.0))
-
-
-def test_download_does_not_fold_a_grad_of_another_dtype():
-    """Mixed precision: gradients come back in param_dtype; the fp32 .grad is not summed
-    in bfloat16 on the way (the accumulator folds it after converting, in float32)."""
-    p = nn.Parameter(torch.zeros(2))
-    p.grad = torch.full((2,), 10.0)
-    store = ParamStore({0: {"p": p}}, pin=False, param_dtype=torch.bfloat16)
-    acc = GradAccumulator(store, fold=True)
-    grads = {"p": torch.ones(2, dtype=torch.bfloat16)}
-    assert acc.fold_into_download(0, grads) == {}
-    with VirtualDevice() as d:
-        acc.add(0, store.download_grads(0, d, grads), own=True)
-    acc.commit()
-    assert p.grad.dtype == torch.float32 and torch.equal(p.grad, torch.full((2,), 11.0))
-
-
-def test_a_download_with_plus_is_the_sum_on_every_backend(dev):
-    """The base implementation (one transfer, then an add on the host; what CUDA runs)
-    and the virtual device's one-pass sum agree."""
-    ts = [torch.arange(6.0).view(2, 3), torch.ones(4)]
-    plus = [torch.full((2, 3), 0.5), None]
-    for out in (dev.to_host_each(ts, plus), Device.to_host_each(dev, ts, plus)):
-        assert torch.equal(out[0], ts[0] + 0.5) and torch.equal(out[1], ts[1])
-        assert out[0].data_ptr() not in (ts[0].data_ptr(), plus[0].data_ptr())
-
-# --- buffers --------------------------------------------------------------------------
 
 def test_buffer_write_back_matches_eager_batchnorm(dev):
     m, ref = _mixed_model(), _mixed_model()

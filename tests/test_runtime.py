@@ -166,10 +166,9 @@ def test_gradient_accumulation_and_no_grad():
 
 
 
-def test_accumulating_calls_replace_unseen_grads_and_update_held_ones():
-    """forward_backward onto existing .grads equals eager; a .grad the caller holds is
-    updated in place, as autograd would, and every other one is replaced by its sum (the
-    old values folded in while later stages computed, not in a pass after the call)."""
+def test_accumulating_calls_add_into_existing_grads():
+    """forward_backward onto existing .grads equals eager, and adds into them in place, as
+    autograd does (a .grad the caller holds sees the sum)."""
     torch.manual_seed(0)
     model = models.GPT(depth=2).eval()
     ref = copy.deepcopy(model)
@@ -179,14 +178,12 @@ def test_accumulating_calls_replace_unseen_grads_and_update_held_ones():
     pipe.forward_backward((ids,), label=t, loss_fn=ce)
     ce(ref(ids), t).backward()
     params = dict(model.named_parameters())
-    held_name = next(n for n in params if n.startswith("blocks.1."))
-    held = params[held_name].grad
-    before = {n: id(p.grad) for n, p in params.items()}
+    held = {n: p.grad for n, p in params.items()}
     pipe.forward_backward((ids,), label=t, loss_fn=ce)
     ce(ref(ids), t).backward()
     assert_grads_equal(model, ref)
-    assert params[held_name].grad is held
-    assert {n for n, p in params.items() if id(p.grad) != before[n]} == set(params) - {held_name}
+    assert all(params[n].grad is g for n, g in held.items())
+
 
 # -- random ops ----------------------------------------------------------------------------
 
@@ -439,4 +436,4 @@ def test_trace_records_a_real_run_as_a_timeline(tmp_path):
     with pipe.trace() as rec2:  # nothing ran: an empty timeline, recording off again after
         pass
     assert rec2.timeline.intervals == []
-    assert all(d._sink[0] is None for d in pipe.devices)
+    assert not any(d.is_recording() for d in pipe.devices)

@@ -851,21 +851,31 @@ class Program:
             out.append(tuple(deps))
         return tuple(out)
 
-    def _host_deps(self, downloads) -> tuple[tuple[Dep, ...], ...]:
-        out: list[tuple[Dep, ...]] = []
+    def step_stages(self, step: OptimizerStep) -> tuple[int, ...]:
+        """The backward stages whose gradients ``step`` needs: the stage of its layers, and
+        every stage sharing a parameter with it when it is the last of them (rule 7)."""
         by_layers = {(st.layers.start, st.layers.stop): st.index for st in self.stages
                      if st.kind != "fwd"}
-        waits = {s: {s} for s in by_layers.values()}
+        s = by_layers.get((step.layers.start, step.layers.stop))
+        if s is None:
+            raise ValueError(f"{step} names no backward stage's layers")
+        waits = {s}
         for group in self.shared:
-            waits.setdefault(max(group), {max(group)}).update(group)
+            if max(group) == s:
+                waits.update(group)
+        return tuple(sorted(waits))
+
+    def _host_deps(self, downloads) -> tuple[tuple[Dep, ...], ...]:
+        out: list[tuple[Dep, ...]] = []
         for i, a in enumerate(self.host):
             deps = [Dep(HOST, i - 1, "end", "stream")] if i else []
             match a:
-                case OptimizerStep(layers=layers):
-                    s = by_layers.get((layers.start, layers.stop))
-                    if s is None:
-                        raise ValueError(f"host step {i}: {a} names no backward stage's layers")
-                    for w in sorted(waits[s]):
+                case OptimizerStep():
+                    try:
+                        stages = self.step_stages(a)
+                    except ValueError as e:
+                        raise ValueError(f"host step {i}: {e}") from None
+                    for w in stages:
                         deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(w, [])]
                 case Commit():
                     phase = self._phase_of(a)

@@ -1,10 +1,24 @@
 """Devices: one interface, two backends (:class:`CudaDevice`, and :class:`VirtualDevice` on CPU).
 
-A device has three ordered work queues, *streams* (``"compute"``, ``"h2d"``, ``"d2h"``).
-``submit`` puts a callable on one and returns an :class:`Event`; other work (any stream,
-any device) can ``wait`` on it, the host can ``event.result()``. Device memory made by
-``to_device`` / ``track`` is counted by kind (params, activations, gradients), with
-peaks and an optional limit (:class:`fxpipe.errors.DeviceMemoryError`).
+A device has ordered work queues, *streams* (``STREAMS``). ``submit`` puts a callable on
+one and returns an :class:`Event`; other work (any stream, any device) can ``wait`` on
+it, the host can ``event.result()``. Device memory made by ``to_device`` / ``track`` is
+counted by kind (params, activations, gradients), with peaks and an optional limit
+(:class:`fxpipe.errors.DeviceMemoryError`).
+
+How copies behave toward the host (``semantics``):
+
+- ``"cuda"`` (every :class:`CudaDevice`, and ``VirtualDevice(semantics="cuda")``): work
+  *queues* copies. ``to_host`` returns its destination at once; the data lands when the
+  stream reaches the copy (a virtual device fills it with NaN until then), so the host
+  may read it only after waiting for the work's event. ``to_device`` reads its source
+  when the stream performs the copy, not when it is queued. An event completes when its
+  stream has performed everything queued before it. Memory freed while other streams
+  may still use it is reused only after they passed that point (``record_stream``).
+- ``"sync"`` (a plain ``VirtualDevice``): a copy is done when it returns.
+
+The runtime issues the same work, the same way, on both; ``semantics="cuda"`` makes a
+CPU-only test see what a GPU would do with it (a host read of data still in flight).
 
 >>> d = VirtualDevice(name="vcpu:0")
 >>> x = d.to_device(torch.ones(4), kind="activations", owner="stage 0")
@@ -36,6 +50,10 @@ from fxpipe.errors import DeviceMemoryError
 # which can wait on each other in a cycle across devices).
 STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control")
 KINDS = ("params", "activations", "gradients")
+SEMANTICS = ("sync", "cuda")
+default_semantics = "sync"
+"""What ``VirtualDevice()`` uses when ``semantics`` is not given (the test suite's
+``FXPIPE_TEST_DEVICE=cuda-sim`` sets ``"cuda"``)."""
 Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
 
 _virtual_ids = itertools.count()
@@ -141,25 +159,12 @@ class Device(ABC):
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
 
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor],
-                     plus: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """New contiguous host copies of the device tensors, in one transfer (e.g. a
-        stage's parameter gradients; they share a dtype): views into one flat host tensor.
-
-        ``plus``: per tensor, a host tensor of its shape and dtype to add, or None; that
-        result is then the sum (here: the transfer, then an add on the host; a device
-        whose copies are host work can do both in one pass).
-        """
+        stage's parameter gradients; they share a dtype): views into one flat host tensor."""
         flat = self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
-        out = [part.view(t.shape) for part, t in
-               zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
-        self._add_on_host(out, plus)
-        return out
-
-    def _add_on_host(self, out: list[torch.Tensor], plus: Sequence[torch.Tensor | None] | None) -> None:
-        for o, p in zip(out, plus or ()):
-            if p is not None:
-                o.add_(p)
+        return [part.view(t.shape) for part, t in
+                zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -177,6 +182,14 @@ class Device(ABC):
         survive one pipe being closed or collected.
         """
         self.synchronize()
+
+    def recording(self, flag: bool = True) -> None:
+        """Start (or stop) appending ``(stream, label, t_start, t_end)`` to ``records``
+        for each work item (``pipe.trace()``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not record a timeline")
+
+    def is_recording(self) -> bool:
+        return False
 
     def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         """Count a tensor made on the device (e.g. accumulated gradients); returns it."""
@@ -307,18 +320,39 @@ def _run_stream(stream: str, work: queue.SimpleQueue, sink: list,
         item = None  # hold no tensors while idle
 
 
+class _Work(threading.local):
+    """The work item a VirtualDevice stream thread is running: its device's ``token``,
+    and the copies it queued (``semantics="cuda"``), performed when the item's own code
+    has returned, before its event completes: where the stream reaches them."""
+
+    token: object | None = None
+    copies: list[Callable[[], Any]] | None = None
+
+
+_work = _Work()
+
+
 def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event, ...],
-             event: Event, records: list[Record] | None) -> None:
+             event: Event, token: object, records: list[Record] | None) -> None:
     for e in wait:
         exc = e.exception()
         if exc is not None:  # do not compute on the output of failed work
             event._finish(exc=exc)
             return
     result, exc, start = None, None, time.perf_counter()
+    _work.token, _work.copies = token, []
     try:
         result = fn(*args)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the event
         exc = e
+    finally:
+        copies, _work.token, _work.copies = _work.copies, None, None
+    for copy in copies:  # what the work queued runs in order, as on a GPU stream
+        try:
+            copy()
+        except BaseException as e:  # noqa: BLE001
+            exc = exc if exc is not None else e
+    copies = None
     if records is not None:
         records.append((stream, event.label, start, time.perf_counter()))
     event._finish(result, exc)
@@ -334,47 +368,50 @@ def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 class _StorageCache:
-    """A VirtualDevice's freed ``to_device`` memory, by size, to copy the next transfer of
-    that size into: a fresh allocation of megabytes is mapped and zeroed page by page by
-    the kernel, which on a small machine costs as much memory traffic as the copy itself,
-    while the compute threads share that bandwidth.
+    """A VirtualDevice's freed ``to_device`` memory, by size, for the next transfer of that
+    size, as a GPU's caching allocator keeps it. That makes reuse bugs visible: memory
+    still read after its ``free`` is overwritten by the next copy.
 
     A freed storage is reused only once nothing else holds it (a view, an autograd
-    graph, a value handed on): its use count is then the cache's own reference alone.
+    graph, a value handed on: its use count is then the cache's own reference alone) and,
+    with ``semantics="cuda"``, once every stream of the device has passed the point where
+    it was freed (the events given to ``put``), as ``record_stream`` makes a GPU wait.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._made: set[int] = set()  # data_ptr of storages copy_in made and not yet put back
-        self._free: dict[int, list[torch.UntypedStorage]] = {}  # by nbytes
+        self._made: set[int] = set()  # data_ptr of storages alloc made and not yet put back
+        # by nbytes: (storage, events that must complete before it is reused)
+        self._free: dict[int, list[tuple[torch.UntypedStorage, tuple[Event, ...]]]] = {}
 
-    def copy_in(self, host: torch.Tensor) -> torch.Tensor:
-        """A new contiguous device copy of ``host``, in reused memory when some is free."""
+    def alloc(self, host: torch.Tensor) -> torch.Tensor:
+        """New contiguous memory shaped like ``host`` (uninitialized), reused when some is
+        free."""
         nbytes = host.numel() * host.element_size()
         storage = self._take(nbytes) if nbytes and storage_use_count is not None else None
         if storage is None:
-            out = host.detach().clone(memory_format=torch.contiguous_format)
+            out = torch.empty(host.shape, dtype=host.dtype)
         else:
-            out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape).copy_(host)
+            out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape)
         if nbytes and storage_use_count is not None:
             with self._lock:
                 self._made.add(out.untyped_storage().data_ptr())
         return out
 
-    def put(self, tensor: torch.Tensor) -> None:
+    def put(self, tensor: torch.Tensor, after: tuple[Event, ...] = ()) -> None:
         storage = tensor.untyped_storage()
         with self._lock:
             if storage.data_ptr() not in self._made:
                 return  # not ours (made by compute and tracked): left to Python
             self._made.discard(storage.data_ptr())
-            self._free.setdefault(storage.nbytes(), []).append(storage)
+            self._free.setdefault(storage.nbytes(), []).append((storage, after))
 
     def _take(self, nbytes: int) -> torch.UntypedStorage | None:
         with self._lock:
             free = self._free.get(nbytes, [])
-            for i, storage in enumerate(free):
-                if storage_use_count(storage._cdata) == 1:  # only this list holds it
-                    return free.pop(i)
+            for i, (storage, after) in enumerate(free):
+                if storage_use_count(storage._cdata) == 1 and all(e.done() for e in after):
+                    return free.pop(i)[0]
         return None
 
     def nbytes(self) -> int:
@@ -387,21 +424,51 @@ class _StorageCache:
             self._made.clear()  # still-live copies are then left to Python when freed
 
 
+def _unwritten(like: torch.Tensor) -> torch.Tensor:
+    """Memory a copy has not written yet, filled so a read shows it: NaN (floating),
+    the lowest value (integers), True (bool)."""
+    return torch.empty(like.shape, dtype=like.dtype).fill_(_unwritten_fill(like.dtype))
+
+
+def _unwritten_fill(dtype: torch.dtype) -> Any:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).min
+
+
 class VirtualDevice(Device):
     """A CPU stand-in for a GPU: one worker thread per stream, real separate tensor copies.
 
     Threads start on the first submit (daemon, one intra-op thread each). ``records``
     collects ``(stream, label, t_start, t_end)`` per work item when ``record=True``.
+    ``semantics="cuda"`` makes copies behave as a GPU's do toward the host (module
+    docstring); the default is ``fxpipe.runtime.devices.default_semantics`` (``"sync"``).
 
     >>> with VirtualDevice(memory_limit=1024, record=True) as d:
     ...     w = d.to_device(torch.zeros(8), kind="params", owner="stage 0")
     ...     d.submit("compute", torch.add, w, 1, label="F s0 m0").result().sum()
     tensor(8.)
+    >>> d = VirtualDevice(semantics="cuda")
+    >>> x = d.to_device(torch.ones(2), kind="activations", owner="stage 0")
+    >>> seen = []
+    >>> def offload():
+    ...     host = d.to_host(x)
+    ...     seen.append(host.clone())        # a host read before the copy landed: NaN
+    ...     return host
+    >>> d.submit("d2h", offload).result(), seen[0]
+    (tensor([1., 1.]), tensor([nan, nan]))
+    >>> d.close()
     """
 
     def __init__(self, memory_limit: int | None = None, name: str | None = None, *,
-                 record: bool = False):
+                 record: bool = False, semantics: str | None = None):
         super().__init__(name if name is not None else f"vcpu:{next(_virtual_ids)}", memory_limit)
+        semantics = default_semantics if semantics is None else semantics
+        if semantics not in SEMANTICS:
+            raise ValueError(f"{self.name}: semantics must be one of {SEMANTICS}, got {semantics!r}")
+        self.semantics = semantics
         self._sink: list = [self.records if record else None]  # shared with the workers
         self._lock = threading.Lock()
         self._closed = False
@@ -410,6 +477,7 @@ class VirtualDevice(Device):
         self._stopped: dict[str, threading.Thread] = {}  # by stream: stopped, maybe still draining
         self._last: dict[str, Event] = {}
         self._cache = _StorageCache()
+        self._token = object()  # marks this device's work items (``_work.token``)
         # Stop the workers if the device is dropped without close(); they hold no reference to it.
         self._stop = weakref.finalize(self, _stop_workers, self._queues)
 
@@ -434,7 +502,7 @@ class VirtualDevice(Device):
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
                 _start_worker(thread, ready)
-            self._queues[stream].put((fn, args, wait, event))
+            self._queues[stream].put((fn, args, wait, event, self._token))
             self._last[stream] = event
         return event
 
@@ -442,19 +510,45 @@ class VirtualDevice(Device):
         """Start (or stop) appending ``(stream, label, t_start, t_end)`` to ``records``."""
         self._sink[0] = self.records if flag else None
 
+    def is_recording(self) -> bool:
+        return self._sink[0] is not None
+
+    def _queued(self) -> list[Callable[[], Any]] | None:
+        """Where a copy made now is queued (``semantics="cuda"``, inside this device's
+        work), or None: done at once."""
+        return _work.copies if self.semantics == "cuda" and _work.token is self._token else None
+
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         """A separate contiguous copy, counted as ``kind`` (raises DeviceMemoryError)."""
         if host_tensor.device.type != "cpu":
             raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
                              f"got one on {host_tensor.device}")
         nbytes = host_tensor.numel() * host_tensor.element_size()
-        return self._allocate(nbytes, kind, owner, lambda: self._cache.copy_in(host_tensor))
+        queued = self._queued()
+
+        source = host_tensor.detach()
+
+        def copy() -> torch.Tensor:
+            out = self._cache.alloc(source)
+            if queued is None:
+                return out.copy_(source)
+            out.fill_(_unwritten_fill(out.dtype))  # the source is read when the stream gets here
+            queued.append(lambda: out.copy_(source))
+            return out
+
+        return self._allocate(nbytes, kind, owner, copy)
 
     def free(self, tensor: torch.Tensor) -> None:
         """Stop counting ``tensor``'s allocation; memory ``to_device`` made is kept for reuse
-        (as a GPU's caching allocator does; ``empty_cache()`` gives it back)."""
+        (as a GPU's caching allocator does; ``empty_cache()`` gives it back), with
+        ``semantics="cuda"`` once the streams have passed this point."""
         super().free(tensor)
-        self._cache.put(tensor)
+        if self.semantics == "cuda":
+            with self._lock:
+                after = tuple(self._last.values())
+        else:
+            after = ()
+        self._cache.put(tensor, after)
 
     def cached_bytes(self) -> int:
         """Freed device memory kept for reuse (not counted as resident)."""
@@ -465,19 +559,24 @@ class VirtualDevice(Device):
         self._cache.clear()
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
-        """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU)."""
-        return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
+        """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU).
+        With ``semantics="cuda"`` inside this device's work: filled when the stream
+        reaches the copy (NaN until then)."""
+        return self._copy_to_host(dev_tensor)
 
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor],
-                     plus: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One copy each, in its own memory: there is no transfer to batch, and a copy
         that becomes a parameter's ``.grad`` then holds only itself (no shared flat buffer
-        that would keep every other copy alive, or stop ``.grad`` being replaced). With
-        ``plus``, a sum is written in the copy's place: one pass over memory, not two."""
-        plus = plus or [None] * len(dev_tensors)
-        return [t.detach().clone(memory_format=torch.contiguous_format) if p is None
-                else torch.add(t.detach(), p, out=torch.empty(t.shape, dtype=t.dtype))
-                for t, p in zip(dev_tensors, plus)]
+        that would keep every other copy alive)."""
+        return [self._copy_to_host(t) for t in dev_tensors]
+
+    def _copy_to_host(self, dev_tensor: torch.Tensor) -> torch.Tensor:
+        queued = self._queued()
+        if queued is None:
+            return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
+        out = _unwritten(dev_tensor)
+        queued.append(lambda: out.copy_(dev_tensor.detach()))
+        return out
 
     def synchronize(self) -> None:
         """Block until every stream has run all work submitted so far."""
@@ -515,19 +614,24 @@ class VirtualDevice(Device):
                 if not thread.is_alive():
                     del self._stopped[stream]
 
+    def __repr__(self) -> str:
+        return (f"VirtualDevice({self.name!r}, memory_limit={self.memory_limit}, "
+                f"semantics={self.semantics!r})")
+
 
 class CudaDevice(Device):
     """One GPU: ``torch.cuda.Stream`` per stream, ``torch.cuda.Event`` between them.
 
-    ``submit`` runs ``fn`` on the calling thread inside ``torch.cuda.stream(s)``, after
-    ``s.wait_event(...)`` for each CUDA event waited on (a VirtualDevice event is waited on
-    by the host). The host only *queues* kernels, so this overlaps like worker threads
-    would, without threads; the returned event completes on the GPU when they finish.
+    ``submit`` runs ``fn`` on the calling thread (the runtime calls it from this device's
+    issue thread) inside ``torch.cuda.stream(s)``, after ``s.wait_event(...)`` for each
+    CUDA event waited on (a VirtualDevice event is waited on by the host). The host only
+    *queues* kernels; the returned event completes on the GPU when they finish.
     ``to_device`` copies from pinned memory without blocking, ``to_host`` copies into
     pinned memory without blocking (read it after the event completes). Tensors are
     ``record_stream``-ed on every stream that may use them. ``peak_bytes()`` is
-    ``torch.cuda.max_memory_allocated`` (everything, not only tracked tensors). No
-    ``records`` timeline yet. Needs a CUDA build and a visible GPU.
+    ``torch.cuda.max_memory_allocated`` (everything, not only tracked tensors). While
+    recording (``pipe.trace()``), each work item is bracketed by timing events, read when
+    ``records`` is (never inside a call). Needs a CUDA build and a visible GPU.
     """
 
     def __init__(self, index: int | None = None, memory_limit: int | None = None):
@@ -544,15 +648,20 @@ class CudaDevice(Device):
         if memory_limit is None:
             memory_limit = torch.cuda.get_device_properties(index).total_memory
         super().__init__(f"cuda:{index}", memory_limit)
+        self.semantics = "cuda"
         self.streams = {name: torch.cuda.Stream(self.device) for name in STREAMS}
         self._closed = False
+        self._recording = False
+        self._timed: list[tuple[str, str, Any, Any]] = []  # (stream, label, start, end) events
+        self._origin: tuple[Any, float] | None = None     # (event, perf_counter) at start
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
         """Queue ``fn(*args)``'s kernels on ``stream`` after ``wait``; returns their event."""
         wait = _check_submit(self, stream, wait)
         s = self.streams[stream]
-        event = Event(label if label is not None else getattr(fn, "__name__", "work"), torch.cuda.Event())
+        label = label if label is not None else getattr(fn, "__name__", "work")
+        event = Event(label, torch.cuda.Event(enable_timing=self._recording))
         result, exc = None, None
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             for e in wait:
@@ -562,14 +671,50 @@ class CudaDevice(Device):
                 else:  # a VirtualDevice event: the host waits for it
                     failed = e.exception()
                 exc = failed if exc is None else exc
+            start = None
+            if self._recording:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(s)
             if exc is None:
                 try:
                     result = fn(*args)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the event
                     exc = e
             event._cuda_event.record(s)
+            if start is not None:
+                self._timed.append((stream, label, start, event._cuda_event))
         event._finish(result, exc)
         return event
+
+    def recording(self, flag: bool = True) -> None:
+        if flag and self._origin is None:
+            torch.cuda.synchronize(self.device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record(torch.cuda.current_stream(self.device))
+            origin.synchronize()
+            self._origin = (origin, time.perf_counter())
+        self._recording = flag
+
+    def is_recording(self) -> bool:
+        return self._recording
+
+    @property
+    def records(self) -> list[Record]:
+        """``(stream, label, t_start, t_end)`` per recorded work item, in
+        ``time.perf_counter()`` seconds (waits for the GPU to finish what was recorded)."""
+        if self._timed:
+            self._timed[-1][3].synchronize()
+            torch.cuda.synchronize(self.device)
+            origin, t0 = self._origin
+            for stream, label, start, end in self._timed:
+                self._records.append((stream, label, t0 + origin.elapsed_time(start) / 1e3,
+                                      t0 + origin.elapsed_time(end) / 1e3))
+            self._timed.clear()
+        return self._records
+
+    @records.setter
+    def records(self, value: list[Record]) -> None:
+        self._records = value
 
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         """Copy on the current stream (non-blocking from pinned memory), counted as ``kind``."""
@@ -594,11 +739,6 @@ class CudaDevice(Device):
         dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
         out.copy_(dev_tensor.detach(), non_blocking=pin)
         return out
-
-    def _add_on_host(self, out: list[torch.Tensor], plus: Sequence[torch.Tensor | None] | None) -> None:
-        if plus and any(p is not None for p in plus):
-            torch.cuda.current_stream(self.device).synchronize()  # the copies land first
-        super()._add_on_host(out, plus)
 
     def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
         self._record_streams(tensor)

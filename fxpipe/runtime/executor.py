@@ -1,31 +1,38 @@
 """The executor: interprets one ``Executable`` (``fxpipe.passes.stage``) for one call.
 
-It is deliberately dumb. Every action of the Program is submitted, in an order
-consistent with ``Program.dependencies()``, to the stream of its device the Program
-names, with the events of its dependencies as waits; the host lane's actions go to the
-host worker, except ``Commit``, which the caller runs once everything else has ended.
-Each action kind has one handler (``Execution._act``, a ``match`` on the action class),
-and what a handler moves or drops is what ``Program.flow`` says: the executor decides
-nothing the Program does not show. Stages run through ``runtime.interpret``: the
-printed stage code, the Executable's own GraphModules.
+It is deliberately dumb. Each device's actions are issued, in Program order, by that
+device's own host thread (the host lane's by one more): an action is submitted to the
+stream of its device the Program names, with the events of its dependencies
+(``Program.dependencies()``) as waits, once those were issued. Issuing never waits for
+device work: on a GPU it queues kernels and copies after ``wait_event``s. The only host
+waits are the host lane's actions, each for exactly the events it reads (an optimizer
+step reading downloaded gradients), and the end of the call; ``Commit`` runs on the
+caller's thread after that. Each action kind has one handler (``Execution._act``, a
+``match`` on the action class), and what a handler moves or drops is what
+``Program.flow`` says: the executor decides nothing the Program does not show. Stages run
+through ``runtime.interpret``: the printed stage code, the Executable's own GraphModules.
+
+The host never reads data a copy may still be writing: values and gradient parts that
+come through the host go back to a device as they are (the device sums gradient parts),
+and downloaded parameter gradients are read by host actions only (an ``OptimizerStep``
+after its downloads' events, the ``Commit`` after the call's end).
 
 Who owns what: each device's values, gradients and resident parameters live in its
 ``_OnDevice`` (only that device's actions touch them; its lock orders its streams);
-the host's per-microbatch values and gradient sums live in ``_OnHost`` (one lock).
+the host's per-microbatch values and gradient parts live in ``_OnHost`` (one lock).
 Values are keyed by the compute that made or received them, ``(stage, microbatch,
 name)``, so two actions never write the same slot.
 
 Parameter gradients accumulate on the device over a stage job, go to the host once per
-job (``DownloadGrads``) into a ``GradAccumulator``, and reach ``.grad`` at the
-``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as
-``StageError`` naming stage, layers, device and microbatch, after every submitted
-action has finished and device memory is freed.
+job (``DownloadGrads``), and reach ``.grad`` at the ``Commit`` (or at a streamed
+``OptimizerStep``). Any failure is raised as ``StageError`` naming stage, layers, device
+and microbatch, after every submitted action has finished and device memory is freed.
+``Execution.stats`` counts what the call did (``pipe.stats()``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +53,7 @@ from fxpipe.runtime import tail
 from fxpipe.runtime.amp import AutocastState, reentered
 from fxpipe.runtime.devices import Device, Event
 from fxpipe.runtime.interpret import run_stage
+from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 from fxpipe.runtime.timer import LayerTimer
 
@@ -79,7 +87,6 @@ class Call:
     optimizer: Any = None                    # fxpipe.optim's part of the call (host lane)
     autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
     differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
-    fold_grads: bool = False                 # fold existing .grads in as gradients arrive
     commit: Callable[[], None] | None = None
     record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
     # results
@@ -88,11 +95,13 @@ class Call:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     writebacks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     accumulator: GradAccumulator | None = None
+    stats: Stats | None = None
 
 
 class _OnHost:
     """The call's host side: per microbatch, values (inputs and what ``Offload`` brought)
-    and gradient sums (what ``Offload`` brought, the user's output gradients)."""
+    and gradient parts (what ``Offload`` brought, the user's output gradients), kept as
+    they came: the host does not add parts a copy may still be writing."""
 
     def __init__(self, call: Call):
         self.lock = threading.Lock()
@@ -109,12 +118,11 @@ class _OnHost:
 
     def add_grad(self, m: int, name: str, g: torch.Tensor) -> None:
         with self.lock:
-            prev = self.grads[m].get(name)
-            self.grads[m][name] = g if prev is None else prev + g
+            self.grads[m].setdefault(name, []).append(g)
 
-    def take_grad(self, m: int, name: str) -> torch.Tensor | None:
+    def take_grads(self, m: int, name: str) -> list[torch.Tensor]:
         with self.lock:
-            return self.grads[m].pop(name, None)
+            return self.grads[m].pop(name, [])
 
 
 class _OnDevice:
@@ -127,14 +135,16 @@ class _OnDevice:
         self.uploaded: dict[tuple[int, int, str], Any] = {}    # Upload copies for a compute
         self.made: dict[tuple[int, int, str], Any] = {}        # values a compute made
         self.parts: dict[tuple[int, int, str], torch.Tensor] = {}  # input grads a backward made
-        self.host_grads: dict[tuple[int, int, str], torch.Tensor] = {}  # UploadGrad copies
+        self.host_grads: dict[tuple[int, int, str], list[torch.Tensor]] = {}  # UploadGrad copies
         self.consumed: dict[tuple[int, int], list[torch.Tensor]] = {}  # grads a compute took
         self.checkpoints: dict[tuple[int, int], _Checkpoint] = {}
 
     def tensors(self) -> Iterator[Any]:
         """Everything still held (for cleanup after a failure)."""
-        for table in (self.uploaded, self.made, self.parts, self.host_grads):
+        for table in (self.uploaded, self.made, self.parts):
             yield from table.values()
+        for parts in self.host_grads.values():
+            yield from parts
         for taken in self.consumed.values():
             yield from taken
         for ck in self.checkpoints.values():
@@ -150,6 +160,41 @@ class _Checkpoint:
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
+STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
+         "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes", "generated_runs")
+
+
+class Stats:
+    """Counters of one call (``pipe.stats()``): actions executed; host waits for device
+    work (a host action waiting for the events it reads, the end of the call); bytes
+    moved by kind and direction; stage runs through the interpreter (nodes interpreted)
+    and as generated code (``generated_runs``). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(STATS, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _Issued:
+    """One action as its issue thread submitted it: the event it completes, and what its
+    start waited for (a ``Dep`` on its start waits for the same)."""
+
+    __slots__ = ("ready", "event", "gate")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.event: Event | None = None
+        self.gate: list[Event] = []
+
+
 class Execution:
     """One run of a Call (create, ``run()``, read the Call's results)."""
 
@@ -159,71 +204,124 @@ class Execution:
         self.flow = self.program.flow
         M = self.program.num_microbatches
         call.host = [dict(x) for x in call.inputs]
-        call.grads = [dict(g) for g in (call.out_grads or [{} for _ in range(M)])]
-        call.accumulator = GradAccumulator(call.store, fold=call.fold_grads)
+        call.grads = [{n: [g] for n, g in gs.items()}
+                      for gs in (call.out_grads or [{} for _ in range(M)])]
+        call.accumulator = GradAccumulator(call.store)
         self.on_host = _OnHost(call)
         self.on = [_OnDevice() for _ in call.devices]
+        self.stats = call.stats = Stats()
+        self.downloads: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> host grads
+        self.downloads_lock = threading.Lock()
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
 
-    # -- submission ----------------------------------------------------------------------
+    # -- issuing -------------------------------------------------------------------------
     def run(self) -> None:
-        """Run every action of the call's phase; raise the first failure (after
-        everything submitted ended and device memory is freed)."""
+        """Issue every action of the call's phase, one issue thread per lane; wait for the
+        end of the call; then run its ``Commit``. Raise the first failure (after everything
+        submitted ended and device memory is freed)."""
         p = self.program
         deps = p.dependencies()
         phase = self.call.phase
         keep = {lane: [phase == "all" or p.phase(a) == phase for a in acts]
                 for lane, acts in p.lanes()}
-        ended: dict[tuple[int, int], Event] = {}
-        gate: dict[tuple[int, int], list[Event]] = {}   # what an action's start waits for
-        commit: list[int] = []
+        _check_issue_order(p, deps, keep)
+        slots: dict[tuple[int, int], _Issued] = {}
+        lanes: list[tuple[int, list[int]]] = []
+        for lane, acts in p.lanes():
+            idxs = [i for i, a in enumerate(acts) if keep[lane][i] and not isinstance(a, Commit)]
+            slots.update({(lane, i): _Issued() for i in idxs})
+            if idxs:
+                lanes.append((lane, idxs))
+        commit = [i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)]
+        threads = [threading.Thread(target=self._issue, args=(lane, idxs, deps, keep, slots),
+                                    name=f"fxpipe-issue-{'host' if lane == HOST else lane}",
+                                    daemon=True) for lane, idxs in lanes]
+        interrupt: BaseException | None = None
+        with deferred_interrupt():   # every issue thread starts: others may wait on its lane
+            for t in threads:
+                t.start()
         try:
-            for lane, i in _topological(p, deps, keep):
-                a = p.lane(lane)[i]
-                waits: list[Event] = []
-                for dep in deps[lane][i]:
-                    key = (dep.device, dep.step)
-                    if keep[key[0]][key[1]]:
-                        waits.extend([ended[key]] if dep.on == "end" else gate[key])
-                waits = list({id(e): e for e in waits}.values())
-                gate[(lane, i)] = waits
-                if isinstance(a, Commit):
-                    commit.append(i)
-                    continue
-                worker = self.call.optimizer.worker if lane == HOST else self.call.devices[lane]
-                stream = "compute" if lane == HOST else stream_of(a)
-                ended[(lane, i)] = worker.submit(stream, self._work(lane, a), wait=waits,
-                                                 label=str(a))
-        except BaseException:
+            for t in threads:
+                t.join()   # until everything is issued: no device work is waited for here
+        except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
             self.cancelled.set()
-            raise
-        finally:
-            failure = self._wait_all(ended)
+            interrupt = e
+        for t in threads:
+            while t.is_alive():
+                try:
+                    t.join()
+                except BaseException as e:  # noqa: BLE001 — a second Ctrl-C: still clean up
+                    self.cancelled.set()
+                    interrupt = interrupt or e
+        failure = self._wait_all(slots)
+        if interrupt is not None and not isinstance(failure, KeyboardInterrupt):
+            failure = interrupt
         if failure is not None:
             self._cleanup()
             raise failure
         self._check_empty()
+        # the call has ended: what came to the host has landed, the host may read it
+        for grads in self.call.grads:
+            for name, parts in list(grads.items()):
+                grads[name] = _sum(parts)
+        self._take_downloads(list(self.downloads))
         for i in commit:
             self._act(HOST, p.host[i])
             self._recorded(HOST, p.host[i])
 
-    def _wait_all(self, ended: dict) -> BaseException | None:
-        """Wait for every submitted action; the failure to raise is the cause, not the
-        ``Cancelled`` of actions that started after it (whatever their order)."""
+    def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
+        """Issue ``lane``'s actions in Program order: each once its dependencies were
+        issued, with their events as the stream's waits."""
+        acts = self.program.lane(lane)
+        worker = self.call.optimizer.worker if lane == HOST else self.call.devices[lane]
+        done = 0
+        try:
+            for i in idxs:
+                a = acts[i]
+                waits: list[Event] = []
+                for dep in deps[lane][i]:
+                    key = (dep.device, dep.step)
+                    if not keep[key[0]][key[1]]:
+                        continue
+                    src = slots[key]
+                    src.ready.wait()
+                    waits.extend([src.event] if dep.on == "end" else src.gate)
+                waits = list({id(e): e for e in waits}.values())
+                slot = slots[(lane, i)]
+                slot.gate = waits
+                if lane == HOST and waits:
+                    self.stats.add("host_waits")  # a host action reads what those events made
+                slot.event = worker.submit("compute" if lane == HOST else stream_of(a),
+                                           self._work(lane, a), wait=waits, label=str(a))
+                slot.ready.set()
+                done += 1
+        except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
+            self.cancelled.set()
+            for i in idxs[done:]:
+                failed = Event(str(acts[i]))
+                failed._finish(exc=e)
+                slots[(lane, i)].event = failed
+                slots[(lane, i)].ready.set()
+
+    def _wait_all(self, slots: dict[tuple[int, int], _Issued]) -> BaseException | None:
+        """The end of the call: wait for every action; the failure to raise is the cause,
+        not the ``Cancelled`` of actions that started after it (whatever their order)."""
+        self.stats.add("host_waits")
+        events = [slot.event for slot in slots.values() if slot.event is not None]
         failures = []
         # latest first: those end last, so the caller wakes once, not once per action
-        for ev in reversed(list(ended.values())):
+        for ev in reversed(events):
             try:
                 exc = ev.exception()
             except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
                 self.cancelled.set()
                 exc = e
             if exc is not None:
-                failures.insert(0, exc)  # in submission order
+                failures.insert(0, exc)  # in issue order
         if not failures:
             return None
-        for ev in ended.values():  # everything submitted has finished; make sure of it
+        for ev in events:  # everything submitted has finished; make sure of it
             ev._done.wait()
         return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
 
@@ -244,6 +342,7 @@ class Execution:
         return work
 
     def _recorded(self, lane: int, a) -> None:
+        self.stats.add("actions")
         if self.call.record is not None:
             with self.record_lock:
                 self.call.record.append((lane, str(a)))
@@ -269,6 +368,7 @@ class Execution:
                 kind = self.program.stages[s].kind
                 params = self.call.store.upload(s, self.call.devices[lane],
                                                 requires_grad=kind != "fwd")
+                self.stats.add("h2d_bytes_params", self.call.store.nbytes(s))
                 with self.on[lane].lock:
                     self.on[lane].params[s] = params
             case Upload(stage=s, mb=m):
@@ -299,6 +399,7 @@ class Execution:
             case AsyncUpdate():
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
+                self._take_downloads(self.program.step_stages(a))  # their events have ended
                 self.call.optimizer.step(layers, self.call.accumulator)
             case Commit():
                 if self.call.commit is not None:
@@ -312,17 +413,20 @@ class Execution:
             value = self.on_host.value(m, name)
             if isinstance(value, torch.Tensor):
                 value = dev.to_device(value, "activations", f"microbatch {m}")
+                self.stats.add("h2d_bytes_activations", _nbytes(value))
             with on.lock:
                 on.uploaded[(s, m, name)] = value
 
     def _upload_grads(self, d: int, s: int, m: int) -> None:
+        """Each host gradient part of ``(s, m)``'s values, as it came (the device adds them)."""
         dev, on = self.call.devices[d], self.on[d]
         for name in self.flow.upload_grads.get((s, m), ()):
-            g = self.on_host.take_grad(m, name)
-            if g is not None:   # a value with no gradient (nothing trainable behind it)
-                g = dev.to_device(g, "activations", f"microbatch {m}")
+            parts = [dev.to_device(g, "activations", f"microbatch {m}")
+                     for g in self.on_host.take_grads(m, name)]
+            self.stats.add("h2d_bytes_activations", sum(_nbytes(g) for g in parts))
+            if parts:   # none: a value with no gradient (nothing trainable behind it)
                 with on.lock:
-                    on.host_grads[(s, m, name)] = g
+                    on.host_grads[(s, m, name)] = parts
 
     def _inputs(self, d: int, s: int, m: int) -> dict[str, Any]:
         """The values compute ``(s, m)`` reads: its uploads, and what it takes over."""
@@ -334,7 +438,7 @@ class Execution:
 
     def _take_grads(self, d: int, s: int, m: int) -> dict[str, torch.Tensor]:
         """The gradients of the values backward stage ``(s, m)`` recomputes: the parts
-        backward computes on this device made, plus what ``UploadGrad`` brought."""
+        backward computes on this device made, plus those ``UploadGrad`` brought, summed."""
         on, key = self.on[d], (s, m)
         taken: list[tuple[str, torch.Tensor]] = []
         with on.lock:
@@ -343,9 +447,7 @@ class Execution:
                 if g is not None:
                     taken.append((name, g))
             for name in self.flow.upload_grads.get(key, ()):
-                g = on.host_grads.pop((s, m, name), None)
-                if g is not None:
-                    taken.append((name, g))
+                taken += [(name, g) for g in on.host_grads.pop((s, m, name), [])]
             on.consumed.setdefault(key, []).extend(g for _, g in taken)
         grads: dict[str, torch.Tensor] = {}
         for name, g in taken:
@@ -367,7 +469,7 @@ class Execution:
             params = self.on[d].params[st.index]
         return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
                          device=_torch_device(self.call.devices[d]),
-                         timer=self.call.timer if timed else None, **kw)
+                         timer=self.call.timer if timed else None, stats=self.stats, **kw)
 
     def _forward(self, d: int, s: int, m: int) -> None:
         st = self.call.exe.stages[s]
@@ -474,41 +576,47 @@ class Execution:
     @contextlib.contextmanager
     def _timed_backward(self, layers: range, device: torch.device) -> Iterator[None]:
         """Record a backward's time over ``layers``, split by their backward FLOPs (one
-        autograd call covers the stage; with recompute_grain="layer" it is one layer)."""
+        autograd call covers the stage; with recompute_grain="layer" it is one layer). On
+        a GPU, events on the stream, read once the call has ended (no wait here)."""
         timer = self.call.timer
         if timer is None:
             yield
             return
-        if device.type == "cuda":  # device events on the stream the backward ran on
+        costs = [self.call.layers.layers[i].cost for i in layers]
+        flops = [max(getattr(c, "bwd_flops", 0) or 0, 0) for c in costs]
+        total = sum(flops)
+
+        def record(ms: float) -> None:
+            for i, f in zip(layers, flops):
+                timer.record(i, "bwd", ms * (f / total if total else 1 / len(layers)))
+
+        if device.type == "cuda":
             start_ev, end_ev = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start_ev.record()
             yield
             end_ev.record()
-            end_ev.synchronize()
-            ms = start_ev.elapsed_time(end_ev)
+            timer.later(lambda: record(start_ev.elapsed_time(end_ev)))
         else:
             start = time.perf_counter()
             yield
-            ms = (time.perf_counter() - start) * 1e3
-        costs = [self.call.layers.layers[i].cost for i in layers]
-        flops = [max(getattr(c, "bwd_flops", 0) or 0, 0) for c in costs]
-        total = sum(flops)
-        for i, f in zip(layers, flops):
-            timer.record(i, "bwd", ms * (f / total if total else 1 / len(layers)))
+            record((time.perf_counter() - start) * 1e3)
 
     def _offload(self, d: int, s: int, m: int) -> None:
         """The values ``(s, m)`` made that the host needs, and the gradients it made
-        that go through the host."""
+        that go through the host (copies: they land when the stream gets to them)."""
         dev, on, key = self.call.devices[d], self.on[d], (s, m)
         for name in self.flow.offload.get(key, ()):
             with on.lock:
                 value = on.made[(s, m, name)]
-            self.on_host.put(m, name, dev.to_host(value) if isinstance(value, torch.Tensor)
-                             else value)
+            if isinstance(value, torch.Tensor):
+                self.stats.add("d2h_bytes_activations", _nbytes(value))
+                value = dev.to_host(value)
+            self.on_host.put(m, name, value)
         for name in self.flow.offload_grads.get(key, ()):
             with on.lock:
                 g = on.parts.get((s, m, name))
             if g is not None:
+                self.stats.add("d2h_bytes_activations", _nbytes(g))
                 self.on_host.add_grad(m, name, dev.to_host(g))
 
     def _free(self, d: int, s: int, m: int) -> None:
@@ -523,19 +631,26 @@ class Execution:
             _free_quietly(self.call.devices[d], t)
 
     def _download_grads(self, d: int, s: int) -> None:
-        """The stage's accumulated parameter gradients to the host (added to the call's
-        sums), then their device buffers dropped."""
+        """The stage's accumulated parameter gradients to the host, then their device
+        buffers dropped. The copies land when the stream gets to them: host actions read
+        them (``_take_downloads``) once this action's event has ended."""
         with self.on[d].lock:
             params = self.on[d].params[s]
         grads = {f: t.grad for f, t in params.items() if t.requires_grad}
-        acc = self.call.accumulator
-        host = self.call.store.download_grads(s, self.call.devices[d], grads,
-                                              plus=acc.fold_into_download(s, grads))
-        if any(g is not None and g.is_cuda for g in grads.values()):
-            torch.cuda.current_stream().synchronize()  # the sums read them now
-        acc.add(s, host, own=True)
+        host = self.call.store.download_grads(s, self.call.devices[d], grads)
+        self.stats.add("d2h_bytes_grads", sum(_nbytes(g) for g in host.values()))
+        with self.downloads_lock:
+            self.downloads.setdefault(s, []).append(host)
         for t in params.values():
             t.grad = None
+
+    def _take_downloads(self, stages) -> None:
+        """Add the downloaded gradients of ``stages`` to the call's sums. Only from a host
+        action whose waits include those downloads (or after the call's end)."""
+        with self.downloads_lock:
+            taken = [(s, host) for s in stages for host in self.downloads.pop(s, [])]
+        for s, host in taken:
+            self.call.accumulator.add(s, host, own=True)
 
     # -- end of call -----------------------------------------------------------------------
     def _check_empty(self) -> None:
@@ -567,6 +682,17 @@ def _grads_of(leaves: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
             for n, x in leaves.items()}
 
 
+def _sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _nbytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
 def _detached(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
@@ -588,18 +714,21 @@ def _torch_device(device: Device) -> torch.device:
     return getattr(device, "device", torch.device("cpu"))
 
 
-def _topological(p, deps, keep) -> list[tuple[int, int]]:
-    """A submission order: dependencies first, each lane's actions in list order."""
+def _check_issue_order(p, deps, keep) -> None:
+    """Raise unless the lanes can be issued each in list order: no action depends on one
+    listed after it in its own lane, and the dependencies have no cycle (else an issue
+    thread would wait forever)."""
     indeg: dict[tuple[int, int], int] = {}
     users: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for lane, acts in p.lanes():
+        prev = None
         for i in range(len(acts)):
             if not keep[lane][i]:
                 continue
             preds = {(dep.device, dep.step) for dep in deps[lane][i] if keep[dep.device][dep.step]}
-            prev = next((j for j in range(i - 1, -1, -1) if keep[lane][j]), None)
             if prev is not None:
                 preds.add((lane, prev))
+            prev = i
             for dep in preds:
                 if dep[0] == lane and dep[1] > i:
                     raise ValueError(f"lane {lane} step {i} ({acts[i]}) depends on step {dep[1]} "
@@ -607,18 +736,16 @@ def _topological(p, deps, keep) -> list[tuple[int, int]]:
                 users.setdefault(dep, []).append((lane, i))
             indeg[(lane, i)] = len(preds)
     ready = [k for k, n in indeg.items() if n == 0]
-    heapq.heapify(ready)
-    order = []
+    seen = 0
     while ready:
-        k = heapq.heappop(ready)
-        order.append(k)
+        k = ready.pop()
+        seen += 1
         for u in users.get(k, ()):
             indeg[u] -= 1
             if indeg[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(indeg):
+                ready.append(u)
+    if seen != len(indeg):
         raise ValueError("the Program's dependencies have a cycle")
-    return order
 
 
 def refresh_and_snapshot(store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> dict:

@@ -25,14 +25,13 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from fxpipe.runtime.devices import Device, storage_use_count
+from fxpipe.runtime.devices import Device
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
 
@@ -179,17 +178,14 @@ class ParamStore:
             device.free(t)
 
     def download_grads(self, stage: int, device: Device,
-                       device_grads: Mapping[str, torch.Tensor | None],
-                       plus: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                       device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """Bring ``{fqn: device gradient}`` to the host in one transfer per dtype.
 
         Give a tied parameter's gradient once, under any of its names. Returns
         ``{fqn: host gradient}`` (new host tensors, from ``Device.to_host_each``). Call it
-        on the device's ``"d2h"`` stream; on CUDA the values are ready when that event is.
-        ``plus``: ``{fqn: host tensor}`` added into those gradients as they arrive
-        (``GradAccumulator.fold_into_download``).
+        inside work on one of the device's streams: the values are there when that
+        work's event has completed (a GPU's copies are queued).
         """
-        st = self._stage(stage)
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         seen: dict[int, str] = {}
         for fqn, g in device_grads.items():
@@ -213,8 +209,7 @@ class ParamStore:
             if items[0][1].is_cuda:  # the packing below reads them on this (d2h) stream
                 for _, g in items:
                     g.record_stream(torch.cuda.current_stream(g.device))
-            out.update(zip([fqn for fqn, _ in items], device.to_host_each(
-                [g for _, g in items], [(plus or {}).get(fqn) for fqn, _ in items])))
+            out.update(zip([fqn for fqn, _ in items], device.to_host_each([g for _, g in items])))
         return out
 
     def write_back_buffers(self, stage: int, device_buffers: Mapping[str, torch.Tensor]) -> None:
@@ -259,14 +254,8 @@ class GradAccumulator:
 
     Tied parameters (one tensor in several stages) sum. ``commit`` adds into an existing
     ``.grad`` (or sets it), as autograd does; ``discard`` drops everything (a failed call).
-    Thread-safe. Reusable after commit/discard.
-
-    ``fold=True`` (a call that commits everything at its end): an existing ``.grad`` that
-    nothing else can see (no other reference, not a view, no other tensor on its memory,
-    laid out like the sum) is added into the sum when the stage's first gradient arrives,
-    on the stream that downloads it, and ``commit`` then puts the sum in its place: the
-    same values as adding in place, without a pass over every gradient after the call.
-    Any other ``.grad`` is added into in place at ``commit``.
+    Thread-safe. Reusable after commit/discard. Give it gradients only once their copies
+    have landed (after the event of the work that downloaded them).
 
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> store = ParamStore({0: {"p": p}, 1: {"p": p}}, pin=False)
@@ -276,15 +265,10 @@ class GradAccumulator:
     tensor([2., 2.])
     """
 
-    def __init__(self, store: ParamStore, *, fold: bool = False):
+    def __init__(self, store: ParamStore):
         self._store = store
-        self._fold = fold and storage_use_count is not None
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
-        self._folded: dict[int, tuple[torch.Tensor, int]] = {}  # id(master) -> (.grad, its _version)
-        # a .grad nobody else holds, to count a real one's references against
-        self._probe = torch.nn.Parameter(torch.empty(0))
-        self._probe.grad = torch.empty(0)
 
     def add(self, stage: int, host_grads: Mapping[str, torch.Tensor], *, own: bool = False) -> None:
         """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``).
@@ -308,41 +292,6 @@ class GradAccumulator:
                         and g.data_ptr() % _ALIGN_BYTES == 0):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
-                if (old := self._take_for_fold(master, g)) is not None:
-                    g.add_(old)
-
-    def fold_into_download(self, stage: int,
-                           device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """The existing ``.grad``s that the download of ``stage``'s gradients should add
-        in (``ParamStore.download_grads(plus=...)``), each recorded as folded: a
-        parameter's first gradient of the call, whose ``.grad`` nobody else can see and is
-        laid out like the download will be (contiguous, in the gradient's dtype, like the
-        parameter). The sum is then made in one pass instead of a copy and an add. Empty
-        without ``fold``."""
-        out: dict[str, torch.Tensor] = {}
-        if not self._fold:
-            return out
-        with self._lock:
-            for fqn, g in device_grads.items():
-                master = self._store._slot(stage, fqn).master
-                if g is None or id(master) in self._sums:
-                    continue
-                like = torch.empty(g.shape, dtype=g.dtype, device="meta")
-                if (old := self._take_for_fold(master, like)) is not None:
-                    out[fqn] = old
-        return out
-
-    def _take_for_fold(self, master: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-        """With ``fold``: if ``master``'s ``.grad`` is not folded yet, nobody else can see
-        it, and it is laid out like ``like`` (a sum laid out like the parameter), record it
-        as folded and return it for the caller to add into the sum; else None. Hold the lock."""
-        if not self._fold or id(master) in self._folded or master.stride() != like.stride():
-            return None
-        old, probe = master.grad, self._probe.grad
-        if old is None or not _replaceable(old, like, probe):
-            return None
-        self._folded[id(master)] = (old, old._version)
-        return old
 
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
@@ -354,19 +303,14 @@ class GradAccumulator:
             for key in keys:
                 master, total = self._sums[key]
                 grad = master.grad
-                if key in self._folded and (grad is not self._folded[key][0]
-                                            or grad._version != self._folded[key][1]):
-                    raise RuntimeError(f"the .grad of a parameter of shape {tuple(master.shape)} "
-                                       "was changed by someone else during the call; nothing "
-                                       "was written")
                 if grad is not None and (grad.shape != total.shape
                                          or not torch.can_cast(total.dtype, grad.dtype)):
                     raise RuntimeError(f"a parameter of shape {tuple(master.shape)} has a .grad of "
                                        f"{tuple(grad.shape)} {grad.dtype}; nothing was written")
             for key in keys:
                 master, total = self._sums.pop(key)
-                if master.grad is None or self._folded.pop(key, None) is not None:
-                    master.grad = total  # (a folded sum already holds the old .grad)
+                if master.grad is None:
+                    master.grad = total
                 else:
                     master.grad.add_(total)
 
@@ -379,23 +323,6 @@ class GradAccumulator:
         """Drop the sums; no ``.grad`` changes."""
         with self._lock:
             self._sums.clear()
-            self._folded.clear()
 
     def __len__(self) -> int:
         return len(self._sums)
-
-
-def _replaceable(grad: torch.Tensor, total: torch.Tensor, probe: torch.Tensor) -> bool:
-    """Whether putting ``total`` in place of ``grad`` (a parameter's ``.grad``) is the same,
-    to everyone else, as adding into it: nothing else refers to it or shares its memory,
-    and it is laid out like ``total``. ``probe``: the ``.grad`` of a parameter of the
-    caller's own, held the same way as ``grad`` (one local), to count references against
-    (a ``.grad`` may carry references of its own, depending on the torch version).
-    ``total`` gives the layout only (it may be a meta tensor).
-    """
-    return (type(grad) is torch.Tensor and grad.layout == torch.strided
-            and grad.device.type == "cpu" and grad.dtype == total.dtype
-            and grad.shape == total.shape and grad.stride() == total.stride()
-            and not grad.requires_grad and grad._base is None
-            and storage_use_count(grad.untyped_storage()._cdata) == 2  # grad + this call's handle
-            and sys.getrefcount(grad) <= sys.getrefcount(probe))

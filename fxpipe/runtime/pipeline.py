@@ -99,7 +99,8 @@ class Runner:
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         return Call(exe=exe, layers=self.lg, store=self.store(exe), devices=self.devices,
-                    inputs=envs, call_seed=seed, timer=self.timer, autocast=amp.captured(),
+                    inputs=envs, call_seed=seed, autocast=amp.captured(),
+                    timer=self.timer if self.timer is not None and self.timer.sample() else None,
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
                     record=self.log.actions, **kw)
 
@@ -128,7 +129,13 @@ class Runner:
             restore(self.lg.buffers, snapshot)
             if call.accumulator is not None:
                 call.accumulator.discard()
+            if call.timer is not None:
+                call.timer.settle(drop=True)
             raise
+        finally:
+            self.log.stats = call.stats.as_dict() if call.stats is not None else {}
+        if call.timer is not None:
+            call.timer.settle()  # device-event timings, read now that the call has ended
         return value
 
     def outputs(self, call: Call, cfg: RunConfig) -> Any:
@@ -157,11 +164,8 @@ class Runner:
         opt = optimizer.call() if optimizer is not None else None
         if opt is not None:
             loss_fn = opt.scale_loss(loss_fn)
-        # a call that commits at its end folds each existing .grad in as its stage's
-        # gradients arrive; a streamed optimizer commits stage by stage itself
         call = self.call("fused", envs, cfg, optimizer=opt, outputs=return_outputs,
-                         labels=labels, loss_fn=loss_fn, loss_weights=weights,
-                         fold_grads=opt is None)
+                         labels=labels, loss_fn=loss_fn, loss_weights=weights)
         try:
             outputs = self.execute(call, results=(lambda: self.outputs(call, cfg))
                                    if return_outputs else None, commit_grads=True)

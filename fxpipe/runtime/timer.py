@@ -24,7 +24,7 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -37,17 +37,45 @@ KINDS: tuple[str, ...] = ("fwd", "recompute", "bwd")
 class LayerTimer:
     """Bias-corrected moving averages of per-layer times (thread-safe; see module doc)."""
 
-    def __init__(self, beta: float = 0.9, warmup: int = 1):
+    def __init__(self, beta: float = 0.9, warmup: int = 1, *, first: int = 4, every: int = 8):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if first < 0 or every < 1:
+            raise ValueError(f"first must be >= 0 and every >= 1, got {first}, {every}")
         self.beta = beta
         self.warmup = warmup
+        self.first, self.every = first, every
+        self._calls = 0
+        self._pending: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._seen: dict[tuple[int, str], int] = {}       # samples seen (incl. warm-up)
         self._avg: dict[tuple[int, str], float] = {}      # biased average m_t
         self._kept: dict[tuple[int, str], int] = {}       # samples averaged (t)
+
+    def sample(self) -> bool:
+        """Whether the next call is timed: its first ``first`` calls, then every
+        ``every``-th (a timed call runs its stages through the interpreter, layer by
+        layer; the others run their generated code); every call in verbose mode."""
+        with self._lock:
+            self._calls += 1
+            n = self._calls
+        return is_verbose() or n <= self.first or n % self.every == 0
+
+    def later(self, fn: Callable[[], None]) -> None:
+        """Record with ``fn()`` once the call has ended (``settle``): a GPU's timing
+        events are read then, never with a wait inside the call."""
+        with self._lock:
+            self._pending.append(fn)
+
+    def settle(self, drop: bool = False) -> None:
+        """Run what ``later`` deferred (``drop``: forget it: the call failed)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not drop:
+            for fn in pending:
+                fn()
 
     def record(self, layer: int, kind: Kind, ms: float) -> None:
         """Add one measurement of ``layer``'s ``kind`` time, in milliseconds."""
@@ -105,8 +133,10 @@ class LayerTimer:
             return self._seen.get((layer, kind), 0)
 
     def reset(self) -> None:
-        """Forget every measurement (e.g. after the model or the hardware changed)."""
+        """Forget every measurement (e.g. after the model or the hardware changed); the
+        next calls are sampled as the first ones were."""
         with self._lock:
+            self._calls = 0
             self._seen.clear()
             self._avg.clear()
             self._kept.clear()

@@ -34,11 +34,13 @@ from fxpipe.sim.timeline import Interval, Timeline
 
 
 class ActionLog:
-    """Where a pipe's calls append the actions they execute while a ``trace`` block
-    records (``actions`` is None otherwise)."""
+    """What a pipe's calls report: while a ``trace`` block records, the actions they
+    execute (``actions`` is None otherwise); the counters of the last call
+    (``pipe.stats()``)."""
 
     def __init__(self) -> None:
         self.actions: list[tuple[int, str]] | None = None
+        self.stats: dict[str, int] = {}
 
 
 @dataclass
@@ -53,13 +55,10 @@ class Recording:
 def trace(devices: Sequence[Device], log: ActionLog,
           path: str | Path | None = None) -> Iterator[Recording]:
     """Record what ``devices`` run during the block (see module docstring)."""
-    if not all(hasattr(d, "recording") for d in devices):
-        raise NotImplementedError("pipe.trace() records VirtualDevices; CUDA devices do not "
-                                  "record a timeline yet (use fxpipe.simulate for a prediction)")
     if log.actions is not None:
         raise RuntimeError("pipe.trace() blocks do not nest: this pipe is already recording")
     rec = Recording()
-    was = [d._sink[0] is not None for d in devices]
+    was = [d.is_recording() for d in devices]
     starts = [len(d.records) for d in devices]
     for d in devices:
         d.reset_peak()

@@ -1,0 +1,127 @@
+"""On real GPUs: the same runtime, CudaDevice streams and events, pinned host memory.
+
+Skipped without CUDA; the multi-GPU cases skip on a machine with one GPU. ``python -m
+fxpipe.check`` runs these first, then measures (see ``fxpipe/check.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpipe
+from tests import models
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+PLAN = fxpipe.ExecutePlan(fwd_plan=[range(0, 3), range(3, 5)],
+                          bwd_plan=[range(5, 6), range(3, 5), range(1, 3), range(0, 1)])
+
+
+def ce(out, label):
+    return F.cross_entropy(out.float().flatten(0, 1), label.flatten())
+
+
+def gpus(n: int) -> list[str]:
+    if n > GPUS:
+        pytest.skip(f"needs {n} GPUs, {GPUS} visible")
+    return [f"cuda:{i}" for i in range(n)]
+
+
+def pair(n: int, grain: str = "stage", **kw):
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ref = copy.deepcopy(model).cuda()
+    pipe = fxpipe.compile(model, example_inputs=(torch.randint(0, 64, (6, 8)),),
+                          devices=gpus(n), plan=PLAN,
+                          config=fxpipe.RunConfig(num_microbatch=3, recompute_grain=grain), **kw)
+    return model, ref, pipe
+
+
+def batch():
+    torch.manual_seed(1)
+    return torch.randint(0, 64, (6, 8)), torch.randint(0, 64, (6, 8))
+
+
+def assert_grads_close(model, ref, atol=1e-5, rtol=1e-4):
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.device.type == "cpu", n
+        torch.testing.assert_close(p.grad, r.grad.cpu(), atol=atol, rtol=rtol, msg=n)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("style", ["fused", "eager"])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_training_equals_eager_on_gpus(n, style, grain):
+    model, ref, pipe = pair(n, grain)
+    ids, y = batch()
+    if style == "fused":
+        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    else:
+        loss = ce(pipe(ids), y)
+        loss.backward()
+    ref_loss = ce(ref(ids.cuda()), y.cuda())
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
+    assert_grads_close(model, ref)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_one_host_wait_per_fused_call_and_a_cuda_timeline():
+    model, ref, pipe = pair(1)
+    ids, y = batch()
+    pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    with pipe.trace() as rec:
+        pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    assert pipe.stats()["host_waits"] == 1
+    kinds = {iv.kind for iv in rec.timeline.intervals}
+    assert {"forward", "backward", "transfer"} <= kinds and rec.timeline.makespan > 0
+    assert sorted(rec.actions) == sorted(pipe.program("fused", 3).action_strings())
+
+
+def test_bf16_parameters_on_gpu():
+    model, ref, pipe = pair(1, param_dtype=torch.bfloat16)
+    ids, y = batch()
+    loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    ref_loss = ce(ref(ids.cuda()), y.cuda())
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+    for p in model.parameters():
+        assert p.dtype == p.grad.dtype == torch.float32
+
+
+def test_a_failing_stage_leaves_the_model_untouched_and_the_gpu_usable():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=gpus(1))
+    pipe.forward_backward((x,), loss_fn=lambda out, _: out.square().mean())
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    def failing(out, _):
+        raise RuntimeError("loss failed")
+
+    with pytest.raises(fxpipe.StageError, match="loss failed"):
+        pipe.forward_backward((x,), loss_fn=failing)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    assert all(d.resident_bytes() == 0 for d in pipe.devices)
+    pipe.forward_backward((x,), loss_fn=lambda out, _: out.square().mean())  # usable again
+
+
+def test_the_streamed_optimizer_on_gpus():
+    model, ref, pipe = pair(min(2, GPUS))
+    ids, y = batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt)
+        opt.zero_grad()
+        ce(ref(ids.cuda()), y.cuda()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach().cpu(), atol=1e-4, rtol=1e-3, msg=n)
