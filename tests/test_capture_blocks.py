@@ -116,6 +116,35 @@ def test_costs_of_a_data_dependent_layer_are_bounded_without_weights():
     assert costs[1].bwd_flops == 2 * costs[1].fwd_flops
 
 
+class NormedRouted(Routed):
+    """A data-dependent block with BatchNorm: in training mode it updates its statistics."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__(dim)
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x, scale):
+        return super().forward(self.bn(x), scale)
+
+
+def test_buffers_a_block_run_as_a_module_updates_are_written_back():
+    torch.manual_seed(0)
+    model = MoE()
+    model.blocks = nn.ModuleList([NormedRouted() for _ in range(2)])
+    model.train()
+    ref = copy.deepcopy(model)
+    x, scale = torch.randn(8, 8), torch.tensor(0.5)
+    pipe = fxpipe.compile(model, (x, scale), devices=devices(2),
+                          config=fxpipe.RunConfig(num_microbatch=1))
+    assert pipe.layers.capture == "blocks"
+    assert all(b.running_mean.abs().sum() == 0 for b in (m.bn for m in model.blocks))  # untouched
+    pipe.forward_backward((x, scale), loss_fn=lambda out, _: out.square().mean())
+    ref(x, scale).square().mean().backward()
+    assert_grads_equal(model, ref, atol=1e-6)
+    for (name, b), r in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, r, msg=name)
+
+
 class NoGradInside(nn.Module):
     """Leaves its gradients to a custom autograd.Function around it (like Reformer's
     reversible layers): run as a module, it would silently get none."""

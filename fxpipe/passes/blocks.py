@@ -247,6 +247,11 @@ def _run_once(model: nn.Module, modules: list[nn.Module], run_example: Callable[
                 any(p.requires_grad for p in module.parameters()):
             no_grad.append(names[id(module)])
 
+    checkpointed = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    if checkpointed:
+        raise RuntimeError(f"{checkpointed[0]} uses gradient checkpointing, whose backward would "
+                           "recompute a block with the host's parameters; fxpipe recomputes each "
+                           "stage itself: call model.gradient_checkpointing_disable() first")
     if any(t.is_meta for t in model.parameters()):
         raise RuntimeError("capturing at block granularity runs the example once, but the model's "
                            "parameters are on the meta device; load its weights first")
@@ -265,10 +270,9 @@ def _run_once(model: nn.Module, modules: list[nn.Module], run_example: Callable[
     if no_grad:
         raise RuntimeError(
             f"block {no_grad[0]} returns no gradient although its parameters require grad: the "
-            "model runs it with grad off (e.g. inside a custom torch.autograd.Function around the "
-            "blocks, as Reformer's reversible layers do, whose backward recomputes them); run as "
-            "a module in a pipeline it would get no gradient, and fxpipe cannot split that "
-            "Function. Set requires_grad=False on its parameters if they are frozen")
+            "model calls it with grad off and leaves its gradients to a custom autograd.Function "
+            "around the blocks that recomputes them (Reformer's reversible layers), which a "
+            "pipeline cannot split. Set requires_grad=False on them if they are frozen")
     return examples
 
 
