@@ -42,7 +42,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     example_kwargs: dict | None = None,
     *,
     devices: Sequence[str | torch.device | Device] | None = None,
-    capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
+    capture: Literal["auto", "fx", "dynamo", "export", "blocks"] = "auto",
     layers: str | Sequence[str] | None = None,
     config: RunConfig | None = None,
     plan: ExecutePlan | None = None,
@@ -191,7 +191,8 @@ class PipelineModule(nn.Module):
         if reasons:
             _check_constant_variants([c.layers for c in self._cache], leaves)
         if reasons and is_verbose():
-            others = f" (nor does any of the {len(reasons) - 1} other graphs)" if len(reasons) > 1 else ""
+            others = (f" (nor does any of the {len(reasons) - 1} other graphs)"
+                      if len(reasons) > 1 else "")
             print(f"fxpipe: capturing the model again ({len(self._cache) + 1} graphs cached "
                   f"after this): {reasons[0]}{others}", file=sys.stderr)
         with gc_paused():

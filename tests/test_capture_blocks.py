@@ -165,6 +165,26 @@ def test_a_block_that_turns_grad_off_inside_is_refused():
         fxpipe.compile(model, (torch.randn(4, 8),))
 
 
+class Settings:
+    """An object handed to every block: frozen into the graph, it would go stale."""
+
+    factor = 2.0
+
+
+class TakesSettings(Routed):
+    def forward(self, x, settings):
+        return super().forward(x, settings.factor)
+
+
+def test_an_object_argument_of_a_block_run_as_a_module_is_refused():
+    model = MoE(depth=2)
+    model.blocks = nn.ModuleList([TakesSettings() for _ in range(2)])
+    with pytest.raises(fxpipe.CaptureError,
+                       match=r"blocks: BlockCallError: block blocks.0 is called with a value of "
+                             r"type Settings, which would be frozen into the graph"):
+        fxpipe.compile(model, (torch.randn(4, 8), Settings()))
+
+
 # -- one block object at several places ---------------------------------------------------
 
 class Block(nn.Module):

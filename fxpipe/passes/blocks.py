@@ -104,6 +104,29 @@ def run_block(block: OpaqueBlock, params: list[torch.Tensor], tensors: list[torc
     return tuple(x for x, (kind, _) in zip(flat, block.out_leaves) if kind == "tensor")
 
 
+_CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout,
+              torch.memory_format)
+
+
+class BlockCallError(RuntimeError):
+    """A block call that cannot be made opaque (an object argument or output)."""
+
+
+def _constant(x: Any, path: str, how: str, dropped: list[str]) -> Any:
+    """``x``, a non-tensor value a block call is given or returns, which becomes a constant
+    of the graph. An object cannot be one; a cache (a type named ``...Cache``, as Hugging
+    Face's are), which blocks fill in for generation, is replaced by ``None``: the cache is
+    off for the captured call (the model's output carries none either)."""
+    if isinstance(x, _CONSTANTS):
+        return x
+    if any(c.__name__.endswith("Cache") for c in type(x).__mro__):
+        dropped.append(f"block {path} {how} a value of type {type(x).__name__}")
+        return None
+    raise BlockCallError(f"block {path} {how} a value of type {type(x).__name__}, which would be "
+                         "frozen into the graph as it was while tracing; a pipeline cannot carry "
+                         "such an object between layers")
+
+
 class _Like(NamedTuple):
     """What a block call returned for the example: a tensor's shape, dtype and device."""
 
@@ -122,6 +145,7 @@ class _Trace:
         self.counts = {k: 0 for k in paths}
         self.calls: list[OpaqueBlock] = []
         self.like: list[list[_Like]] = []  # per call: the example's output tensors
+        self.dropped: list[str] = []       # cache objects passed to blocks as None
 
     def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         key, path = id(module), self.paths[id(module)]
@@ -140,10 +164,12 @@ class _Trace:
             elif isinstance(x, torch.SymInt):
                 in_leaves.append(("size", len(sizes)))
                 sizes.append(x)
-            elif isinstance(x, (torch.SymFloat, torch.SymBool)):  # rare: fixed to the example's
-                in_leaves.append(("value", type(x.node.hint)(x.node.hint)))
+            elif isinstance(x, torch.SymFloat):  # rare: specialized (export guards on it)
+                in_leaves.append(("value", float(x)))
+            elif isinstance(x, torch.SymBool):
+                in_leaves.append(("value", bool(x)))
             else:
-                in_leaves.append(("value", x))
+                in_leaves.append(("value", _constant(x, path, "is called with", self.dropped)))
         named = list(module.named_parameters()) + list(module.named_buffers())
         out_leaves, like = [], []
         for x in out:
@@ -151,14 +177,14 @@ class _Trace:
                 out_leaves.append(("tensor", len(like)))
                 like.append(x)
             else:
-                out_leaves.append(("value", x))
+                out_leaves.append(("value", _constant(x, path, "returns", self.dropped)))
         name = path if k == 0 else f"{path}@{k}"
         self.calls.append(OpaqueBlock(module, name, [n for n, _ in named], in_spec, in_leaves,
                                       out_spec, out_leaves))
         self.like.append(like)
         flat = iter(_OPAQUE([t for _, t in named], tensors, sizes, len(self.calls) - 1))
-        return pytree.tree_unflatten([next(flat) if kind == "tensor" else v for kind, v in out_leaves],
-                                     out_spec)
+        leaves = [next(flat) if kind == "tensor" else v for kind, v in out_leaves]
+        return pytree.tree_unflatten(leaves, out_spec)
 
     def where(self) -> str:
         """Where the trace is, in the words of the layer chain."""
@@ -218,6 +244,8 @@ def opaque_blocks(model: nn.Module, paths: Sequence[str],
     _traces.append(trace)
     try:
         yield trace
+    except BlockCallError:
+        raise
     except Exception as e:
         raise OutsideBlocksError(f"the model's own forward, outside its blocks, {trace.where()}"
                            f"{_user_line(e)}, hit {type(e).__name__}: {_first_line(e)}") from e
@@ -247,7 +275,8 @@ def _run_once(model: nn.Module, modules: list[nn.Module], run_example: Callable[
                 any(p.requires_grad for p in module.parameters()):
             no_grad.append(names[id(module)])
 
-    checkpointed = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    checkpointed = [n for n, m in model.named_modules()
+                    if getattr(m, "gradient_checkpointing", False)]
     if checkpointed:
         raise RuntimeError(f"{checkpointed[0]} uses gradient checkpointing, whose backward would "
                            "recompute a block with the host's parameters; fxpipe recomputes each "

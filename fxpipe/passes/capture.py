@@ -27,8 +27,9 @@ model's own forward with each block an opaque call, run as its module:
 
 Export and dynamo keep the dims named by ``dynamic`` symbolic (``None``: every dim) and
 specialize the rest: a graph with fewer symbolic sizes is traced much faster (a tiny
-Swin: 45 s with every dim symbolic, 1.5 s with the batch dim only), and a call with
-another size in a specialized dim is captured again (``fxpipe.api``).
+Swin: 36 s with every dim symbolic, 0.9 s with the batch dim only, in
+``benchmarks/bench_capture.py``), and a call with another size in a specialized dim is
+captured again (``fxpipe.api``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                 with opaque.opaque_blocks(model, blocks, lambda: wrapper(*tensors)) as trace:
                     gm, out_spec = _trace_export(wrapper, tensors, dims, strict=False)
                 opaque.call_blocks(gm, trace)
+                wrapper.dropped.extend(dict.fromkeys(trace.dropped))
             else:
                 gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
         except Exception as e:  # noqa: BLE001 — every failure is reported below
@@ -113,7 +115,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         if is_verbose():
             _say_what_changed(model, m, tried, wrapper.dropped)
         return gm
-    raise CaptureError(_capture_message(model, tried, blocks), tried)
+    raise CaptureError(_capture_message(model, tried), tried)
 
 
 def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseException],
@@ -124,8 +126,9 @@ def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseExcept
               f"one graph ({'; '.join(f'{m}: {type(e).__name__}' for m, e in tried.items())}); "
               "each block runs as its module, with all of its parameters uploaded", file=sys.stderr)
     for leaf in dropped:
-        print(f"fxpipe: {name} returns {leaf}, which a pipeline cannot split into microbatches "
-              "or merge; the pipeline returns None there (for a Hugging Face cache, pass "
+        what = leaf if leaf.startswith("block ") else f"{name} returns {leaf}"
+        print(f"fxpipe: {what}, which a pipeline cannot split into microbatches or carry "
+              "between layers; None is used there (for a Hugging Face cache, pass "
               "use_cache=False so it is not built)", file=sys.stderr)
 
 
@@ -175,7 +178,6 @@ class _FlatCall(nn.Module):
         flat, self.out_spec = pytree.tree_flatten(out)
         return tuple(flat)
 
-
     def _dropping(self, out: Any) -> Any:
         """``out`` with each leaf that is no tensor, number, string or ``None`` (a cache
         object, which no capture method can return) replaced by ``None``; names them."""
@@ -184,7 +186,8 @@ class _FlatCall(nn.Module):
         if not bad:
             return out
         try:
-            names = [pytree.keystr(path).lstrip(".") for path, _ in pytree.tree_flatten_with_path(out)[0]]
+            paths = pytree.tree_flatten_with_path(out)[0]
+            names = [pytree.keystr(path).lstrip(".") for path, _ in paths]
         except Exception:  # noqa: BLE001 — a pytree node without key paths
             names = [f"output leaf {i}" for i in range(len(flat))]
         self.dropped[:] = [f"{names[i]} ({type(flat[i]).__name__})" for i in bad]
@@ -275,11 +278,13 @@ def module_stack(n: fx.Node) -> list[tuple[str, int]]:
     return out
 
 
-def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[int]], strict: bool):
+def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[int]],
+                  strict: bool):
     wrapper.flatten_output = False
     # the dims asked for stay symbolic where the model allows it (export specializes the
     # rest), so one graph serves every microbatch size (and sequence length, if asked)
-    dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()} for t, d in zip(tensors, dims))
+    dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()}
+                    for t, d in zip(tensors, dims))
     try:
         ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
     finally:
@@ -405,8 +410,7 @@ def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
     return out
 
 
-def _capture_message(model: nn.Module, tried: dict[str, BaseException],
-                     blocks: Sequence[str] = ()) -> str:
+def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
     lines = [f"fxpipe could not capture {type(model).__name__} as a graph. What each method hit:"]
     for m, e in tried.items():
         first = (str(e).strip().splitlines() or [""])[0][:400]

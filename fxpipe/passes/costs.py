@@ -168,7 +168,8 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
                 how = ("FLOPs bounded by 2 x parameters x tokens (no weights: meta)" if on_meta
                        else "measured on the example's real tensors")
                 print(f"fxpipe: layer {i} ({lg[i].name}) cannot run on fake tensors "
-                      f"({type(e).__name__}: {_first_line(e)}); its costs are {how}", file=sys.stderr)
+                      f"({type(e).__name__}: {_first_line(e)}); its costs are {how}",
+                      file=sys.stderr)
 
     costs = []
     for layer in lg:
@@ -438,6 +439,10 @@ def _outputs_as_captured(layer: Layer) -> tuple:
 
     def like(v: Any) -> Any:
         if isinstance(v, torch.SymInt):
+            if v.node.hint is None:  # a data-dependent size
+                raise RuntimeError(f"layer {layer.index} ({layer.name!r}) cannot run on fake "
+                                   f"tensors and returns a value of data-dependent size ({v}), so "
+                                   "the layers after it cannot be costed")
             return v.node.hint
         if not isinstance(v, torch.Tensor):
             return v
@@ -445,10 +450,10 @@ def _outputs_as_captured(layer: Layer) -> tuple:
                         device=_CPU if v.device.type == "meta" else v.device)
         return t.requires_grad_(True) if t.is_floating_point() else t
 
-    vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
     if any(isinstance(o, fx.Node) and "val" not in o.meta for o in outs):
         raise RuntimeError(f"layer {layer.index} ({layer.name!r}) cannot run on fake tensors and "
                            "its graph records no output shapes to continue costing with")
+    vals = [o.meta["val"] if isinstance(o, fx.Node) else o for o in outs]
     return tuple(pytree.tree_map(like, vals))
 
 
