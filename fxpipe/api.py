@@ -20,13 +20,14 @@ from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.partition import build_layer_graph, find_blocks
+from fxpipe.passes.partition import build_layer_graph, find_block_lists
 from fxpipe.passes.program import Program
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
-from fxpipe.runtime.inputs import check_structure, static_dim_problem
+from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
+                                   static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
@@ -41,8 +42,8 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     example_kwargs: dict | None = None,
     *,
     devices: Sequence[str | torch.device | Device] | None = None,
-    capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
-    layers: str | None = None,
+    capture: Literal["auto", "fx", "dynamo", "export", "blocks"] = "auto",
+    layers: str | Sequence[str] | None = None,
     config: RunConfig | None = None,
     plan: ExecutePlan | None = None,
     param_dtype: torch.dtype | None = None,
@@ -102,7 +103,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
                                         and param_dtype.is_floating_point):
         raise TypeError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, "
                         f"torch.float16) or None, got {param_dtype!r}")
-    find_blocks(model, layers)  # a bad layers= fails before anything slow runs
+    find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
     resolved = resolve_devices(devices)
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
@@ -154,7 +155,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
                  devices: list[Device], capture: str | Callable[[], fx.GraphModule],
-                 layers: str | None, config: RunConfig,
+                 layers: str | Sequence[str] | None, config: RunConfig,
                  plan: ExecutePlan | None, param_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = model
@@ -165,6 +166,7 @@ class PipelineModule(nn.Module):
         self._layers_path = layers
         self._user_plan = plan
         self._cache: list[_Compiled] = []
+        self._varying: dict[int, set[int]] = {}  # tensor input -> dims seen with other sizes
         self._closed = False
         self._log = ActionLog()
         self._current = self._compiled_for(example_args, example_kwargs)
@@ -172,30 +174,53 @@ class PipelineModule(nn.Module):
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
         """The compiled graph serving this call: one of the same training mode whose
-        static dims (export specializes some) fit the call, else a new capture."""
+        static dims (export specializes some) and non-tensor inputs fit the call, else a
+        new capture (at most ``MAX_CONSTANT_VARIANTS`` sets of non-tensor values)."""
         args, kwargs = _first_microbatch(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
         # a structurally different call is an error, not a new capture (every cached
         # graph has the example's structure, so checking against one suffices)
-        tensors = check_structure(self._cache[0].layers, args, kwargs) if self._cache else []
+        tensors = check_structure(self._cache[0].layers, args, kwargs, constants=False) \
+            if self._cache else [x for x in leaves if isinstance(x, torch.Tensor)]
         reasons = []
         for compiled in self._cache:
-            reason = _mismatch(compiled.layers, self.module.training, tensors)
+            reason = _mismatch(compiled.layers, self.module.training, tensors, leaves)
             if reason is None:
                 return compiled
             reasons.append(reason)
+        if reasons:
+            _check_constant_variants([c.layers for c in self._cache], leaves)
         if reasons and is_verbose():
+            others = (f" (nor does any of the {len(reasons) - 1} other graphs)"
+                      if len(reasons) > 1 else "")
             print(f"fxpipe: capturing the model again ({len(self._cache) + 1} graphs cached "
-                  f"after this): {'; '.join(dict.fromkeys(reasons))}", file=sys.stderr)
+                  f"after this): {reasons[0]}{others}", file=sys.stderr)
         with gc_paused():
             lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
-                                   layers=self._layers_path)
-            leaves = pytree.tree_leaves((args, kwargs))
+                                   layers=self._layers_path,
+                                   dynamic=self._dynamic_dims(tensors))
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
             plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
             plan.validate(len(lg), _run_type_of(plan, len(lg)))
         compiled = _Compiled(layers=lg, plan=plan, device_names=[d.name for d in self.devices])
         self._cache.append(compiled)
         return compiled
+
+    def _dynamic_dims(self, tensors: Sequence[torch.Tensor]) -> list[set[int]] | None:
+        """The dims of each tensor input a new capture keeps symbolic: the batch dim
+        (microbatches split it), and every dim seen with another size than a cached
+        graph's (so a second capture serves every size there, as dynamo's automatic
+        dynamic shapes do). Specializing the rest makes export much faster. ``None``
+        (every dim) under a custom ``split_input``, which may split any dim."""
+        if self.config.split_input is not None:
+            return None
+        for compiled in self._cache:
+            examples = [x for x in compiled.layers.example_leaves if isinstance(x, torch.Tensor)]
+            for i, (t, ex) in enumerate(zip(tensors, examples)):
+                self._varying.setdefault(i, set()).update(
+                    d for d in range(t.dim()) if t.shape[d] != ex.shape[d])
+        return [({0} if t.dim() else set()) | self._varying.get(i, set())
+                for i, t in enumerate(tensors)]
 
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
@@ -485,10 +510,36 @@ def _first_microbatch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
 
 
-def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor]) -> str | None:
-    """Why the graph ``lg`` cannot serve a call with these tensor leaves (``None``: it can)."""
+def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor],
+              leaves: Sequence[Any]) -> str | None:
+    """Why the graph ``lg`` cannot serve a call with these tensor leaves and pytree
+    ``leaves`` (``None``: it can)."""
     if lg.training != training:
         return f"the model is in {'training' if training else 'eval'} mode"
+    changed = changed_constant(lg, leaves)
+    if changed is not None:
+        name, value, captured = changed
+        return f"input {name!r} is {value!r}, the captured graph has the constant {captured!r}"
     return static_dim_problem(lg, tensors)
+
+
+MAX_CONSTANT_VARIANTS = 8  # sets of non-tensor input values a pipe captures a graph for
+
+
+def _check_constant_variants(cached: Sequence[LayerGraph], leaves: Sequence[Any]) -> None:
+    """Refuse a capture for yet another set of non-tensor input values past the bound."""
+    variants: list[list] = []
+    for lg in cached:
+        if not any(same_constants(lg.example_leaves, v) for v in variants):
+            variants.append(lg.example_leaves)
+    if len(variants) < MAX_CONSTANT_VARIANTS or any(same_constants(leaves, v) for v in variants):
+        return
+    name, value, captured = changed_constant(cached[0], leaves)
+    raise ValueError(
+        f"input {name!r} is {value!r}: the pipeline has captured the model for "
+        f"{MAX_CONSTANT_VARIANTS} sets of values of its non-tensor inputs already (the first "
+        f"had {captured!r}), the most it keeps. Pass {name!r} as a tensor (e.g. "
+        f"torch.tensor({value!r})), so that one graph serves every value, or call it with a "
+        "value already captured.")
 
 

@@ -60,9 +60,8 @@ def budget(ci: int) -> settings:
 class BlockSpec:
     residual: bool        # h + f(h) instead of f(h)
     carry: int            # 0, or k >= 1: also reads the hidden state from k blocks before the input
-    # also applies block ``share``'s weight (one Parameter, two layers). Not a shared
-    # submodule: partition assigns ops by the module's first name, so block j calling
-    # block i's Linear is rejected as "block i runs after block j" (README, Limitations).
+    # also applies block ``share``'s weight (one Parameter, two layers); shared submodules
+    # and block objects are tested in test_capture_blocks.py
     share: int | None
     bn: bool              # BatchNorm1d after the block's Linear
     dropout: bool         # nn.Dropout(NetSpec.p) at the end of the block

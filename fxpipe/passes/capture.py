@@ -10,14 +10,26 @@ Whatever the method, the result has the same form:
   appear once, under the first name ``named_parameters()`` gives them;
 - ``node.meta["module_path"]``: the innermost module path the node was made in
   (``""`` for the root), taken from the *values* of ``nn_module_stack``;
-- a flat tuple output, one entry per leaf of the model's output;
+  ``node.meta["module_stack"]``: every module call around the node, outermost first, as
+  ``(path, call)``: ``call`` counts earlier calls of the same module (``("blocks.0", 1)``
+  is the second call of ``blocks.0``: a block object used twice);
+- a flat tuple output, one entry per leaf of the model's output. Output values fxpipe
+  cannot split or merge (a ``Cache`` object, anything not a tensor, number, string or
+  registered pytree) are returned as ``None``; ``gm.meta["dropped_outputs"]`` names them;
 - ``gm.meta``: ``in_spec``/``out_spec`` (pytree specs), ``input_leaves`` (the example
   leaves, for the constant check), ``capture`` (the method used), ``training``.
 
 Methods: ``"fx"`` (``torch.fx`` symbolic tracing through every submodule; fast, keeps
 module structure), ``"export"`` (``torch.export.export(strict=False)``), ``"dynamo"``
-(``torch.export.export(strict=True)``, i.e. TorchDynamo), ``"auto"`` (fx, then export,
-then dynamo).
+(``torch.export.export(strict=True)``, i.e. TorchDynamo), ``"blocks"`` (export of the
+model's own forward with each block an opaque call, run as its module:
+``fxpipe.passes.blocks``), ``"auto"`` (fx, then export, then dynamo, then blocks).
+
+Export and dynamo keep the dims named by ``dynamic`` symbolic (``None``: every dim) and
+specialize the rest: a graph with fewer symbolic sizes is traced much faster (a tiny
+Swin: 36 s with every dim symbolic, 0.9 s with the batch dim only, in
+``benchmarks/bench_capture.py``), and a call with another size in a specialized dim is
+captured again (``fxpipe.api``).
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ import contextlib
 import inspect
 import keyword
 import re
+import sys
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -34,14 +48,21 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import CaptureError
+from fxpipe.passes import blocks as opaque
+from fxpipe.verbose import is_verbose
 
-METHODS = ("fx", "export", "dynamo")
+METHODS = ("fx", "export", "dynamo", "blocks")
 _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
 
 
 def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
-            method: str = "auto") -> fx.GraphModule:
+            method: str = "auto", *, dynamic: Sequence[Collection[int]] | None = None,
+            blocks: Sequence[str] = ()) -> fx.GraphModule:
     """Capture ``model(*args, **kwargs)`` as a flat GraphModule (see module docstring).
+
+    ``dynamic``: per tensor leaf of ``(args, kwargs)``, the dims export and dynamo keep
+    symbolic (``None``: all). ``blocks``: module paths of the repeated blocks, which the
+    ``"blocks"`` method calls opaquely (it is skipped without them).
 
     >>> gm = capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [n.op for n in gm.graph.nodes][:2]
@@ -54,7 +75,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                         f"{type(args).__name__}; write example_inputs=(x,)")
     kwargs = dict(kwargs or {})
     if method not in ("auto",) + METHODS:
-        raise ValueError(f"capture={method!r} is not one of 'auto', 'fx', 'export', 'dynamo'")
+        raise ValueError(f"capture={method!r} is not one of 'auto', 'fx', 'export', 'dynamo', "
+                         "'blocks'")
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     if not any(isinstance(x, torch.Tensor) for x in leaves):
         raise ValueError(
@@ -65,22 +87,49 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
     wrapper = _FlatCall(model, in_spec, leaves, names)
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
+    if method == "blocks" and not blocks:
+        raise ValueError("capture='blocks' needs the blocks: pass layers='path.to.blocks'")
+    dims = [range(t.dim()) if dynamic is None else dynamic[i] for i, t in enumerate(tensors)]
+
     tried: dict[str, BaseException] = {}
     for m in (METHODS if method == "auto" else (method,)):
+        if m == "blocks" and not blocks:
+            continue
         try:
             if m == "fx":
                 gm = _trace_fx(wrapper)
                 out_spec = wrapper.out_spec
+            elif m == "blocks":
+                with opaque.opaque_blocks(model, blocks, lambda: wrapper(*tensors)) as trace:
+                    gm, out_spec = _trace_export(wrapper, tensors, dims, strict=False)
+                opaque.call_blocks(gm, trace)
+                wrapper.dropped.extend(dict.fromkeys(trace.dropped))
             else:
-                gm, out_spec = _trace_export(wrapper, tensors, strict=(m == "dynamo"))
+                gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
         except Exception as e:  # noqa: BLE001 — every failure is reported below
             tried[m] = e
             continue
         gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
-                       capture=m, training=model.training,
+                       capture=m, training=model.training, dropped_outputs=list(wrapper.dropped),
                        static_dims={} if m == "fx" else _static_dims(gm))
+        if is_verbose():
+            _say_what_changed(model, m, tried, wrapper.dropped)
         return gm
     raise CaptureError(_capture_message(model, tried), tried)
+
+
+def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseException],
+                      dropped: list[str]) -> None:
+    name = type(model).__name__
+    if method == "blocks":
+        print(f"fxpipe: captured {name} at block granularity: the whole model could not be "
+              f"one graph ({'; '.join(f'{m}: {type(e).__name__}' for m, e in tried.items())}); "
+              "each block runs as its module, with all of its parameters uploaded", file=sys.stderr)
+    for leaf in dropped:
+        what = leaf if leaf.startswith("block ") else f"{name} returns {leaf}"
+        print(f"fxpipe: {what}, which a pipeline cannot split into microbatches or carry "
+              "between layers; None is used there (for a Hugging Face cache, pass "
+              "use_cache=False so it is not built)", file=sys.stderr)
 
 
 def _unaliased(leaves: list) -> list:
@@ -109,6 +158,7 @@ class _FlatCall(nn.Module):
         self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.out_spec = None
         self.flatten_output = True
+        self.dropped = _Notes()  # output leaves returned as None (see _dropping)
         # A real signature so tracers name placeholders after the model's arguments.
         params = ", ".join(names[i] for i in self.tensor_pos)
         src = f"def forward(self, {params}):\n    return self._call(({params}{',' if params else ''}))\n"
@@ -122,11 +172,35 @@ class _FlatCall(nn.Module):
         for pos, t in zip(self.tensor_pos, tensors):
             leaves[pos] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
-        out = getattr(self, _ROOT)(*args, **kwargs)
+        out = self._dropping(getattr(self, _ROOT)(*args, **kwargs))
         if not self.flatten_output:  # export flattens itself (and undoes attribute writes)
             return out
         flat, self.out_spec = pytree.tree_flatten(out)
         return tuple(flat)
+
+    def _dropping(self, out: Any) -> Any:
+        """``out`` with each leaf that is no tensor, number, string or ``None`` (a cache
+        object, which no capture method can return) replaced by ``None``; names them."""
+        flat, spec = pytree.tree_flatten(out)
+        bad = [i for i, x in enumerate(flat) if not isinstance(x, _OUTPUT_LEAVES)]
+        if not bad:
+            return out
+        try:
+            paths = pytree.tree_flatten_with_path(out)[0]
+            names = [pytree.keystr(path).lstrip(".") for path, _ in paths]
+        except Exception:  # noqa: BLE001 — a pytree node without key paths
+            names = [f"output leaf {i}" for i in range(len(flat))]
+        self.dropped[:] = [f"{names[i]} ({type(flat[i]).__name__})" for i in bad]
+        return pytree.tree_unflatten([None if i in bad else x for i, x in enumerate(flat)], spec)
+
+
+class _Notes(list):
+    """A list the tracer writes into. Not a plain ``list``: export puts the plain lists on
+    the module it traces back as they were, undoing what was written while tracing."""
+
+
+_OUTPUT_LEAVES = (torch.Tensor, fx.Proxy, int, float, bool, complex, str, type(None), torch.dtype,
+                  torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class _Tracer(fx.Tracer):
@@ -162,8 +236,7 @@ def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
             tensor_of[n] = _fetch(wrapper, n.target)
         elif n.op == "call_module":  # cannot happen with _Tracer; keep the graph flat
             raise RuntimeError(f"fx left a module call {n.target!r} in the graph")
-    paths = {n: _fx_path(n) for n in graph.nodes}
-    gm = _normalize(wrapper, graph, tensor_of, paths)
+    gm = _normalize(wrapper, graph, tensor_of)
     propagate_fake_values(gm, [wrapper.leaves[i] for i in wrapper.tensor_pos])
     return gm
 
@@ -193,18 +266,25 @@ def propagate_fake_values(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Non
     FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(t) for t in inputs])
 
 
-def _fx_path(n: fx.Node) -> str:
-    stack = n.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    return _strip_root(list(stack.values())[-1][0])
+def module_stack(n: fx.Node) -> list[tuple[str, int]]:
+    """``(path, call)`` of every module call around ``n``, outermost first, from its
+    ``nn_module_stack`` (keys end in ``@k`` for the k-th repeated call of a module)."""
+    out = []
+    for key, value in (n.meta.get("nn_module_stack") or {}).items():
+        path = _strip_root(value[0])
+        if path:
+            head, _, call = str(key).rpartition("@")
+            out.append((path, int(call) if head and call.isdigit() else 0))
+    return out
 
 
-def _trace_export(wrapper: _FlatCall, tensors: tuple, strict: bool):
+def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[int]],
+                  strict: bool):
     wrapper.flatten_output = False
-    # every dim dynamic where the model allows it (export specializes the rest), so one
-    # graph serves every microbatch size and sequence length
-    dynamic = tuple({i: torch.export.Dim.AUTO for i in range(t.dim())} for t in tensors)
+    # the dims asked for stay symbolic where the model allows it (export specializes the
+    # rest), so one graph serves every microbatch size (and sequence length, if asked)
+    dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()}
+                    for t, d in zip(tensors, dims))
     try:
         ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
     finally:
@@ -228,11 +308,7 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, strict: bool):
         kinds = sorted({s.kind.name for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT})
         raise RuntimeError(f"export produced non-user outputs {kinds}; fxpipe expects in-place "
                            "buffer updates to stay in the graph")
-    paths = {}
-    for n in graph.nodes:
-        stack = n.meta.get("nn_module_stack")
-        paths[n] = _strip_root(list(stack.values())[-1][0]) if stack else ""
-    return _normalize(wrapper, graph, tensor_of, paths), ep.call_spec.out_spec
+    return _normalize(wrapper, graph, tensor_of), ep.call_spec.out_spec
 
 
 def _static_dims(gm: fx.GraphModule) -> dict[str, dict[int, int]]:
@@ -267,8 +343,8 @@ def _fetch(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def _normalize(wrapper: _FlatCall, graph: fx.Graph, tensor_of: dict[fx.Node, torch.Tensor],
-               paths: dict[fx.Node, str]) -> fx.GraphModule:
+def _normalize(wrapper: _FlatCall, graph: fx.Graph,
+               tensor_of: dict[fx.Node, torch.Tensor]) -> fx.GraphModule:
     """Rebuild ``graph`` in the common form (see module docstring)."""
     model = getattr(wrapper, _ROOT)
     canonical: dict[int, str] = {}
@@ -298,7 +374,8 @@ def _normalize(wrapper: _FlatCall, graph: fx.Graph, tensor_of: dict[fx.Node, tor
                 env[n].meta["val"] = n.meta["val"]
         else:
             env[n] = new.node_copy(n, lambda a: env[a])
-            env[n].meta = {"module_path": paths.get(n, "")}
+            stack = module_stack(n)
+            env[n].meta = {"module_path": stack[-1][0] if stack else "", "module_stack": stack}
             if "val" in n.meta:
                 env[n].meta["val"] = n.meta["val"]
     new.lint()
@@ -336,11 +413,20 @@ def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
     lines = [f"fxpipe could not capture {type(model).__name__} as a graph. What each method hit:"]
     for m, e in tried.items():
-        first = (str(e).strip().splitlines() or [""])[0][:300]
+        first = (str(e).strip().splitlines() or [""])[0][:400]
         lines.append(f"  - {m}: {type(e).__name__}: {first}")
-    lines.append(
-        "What to do: try another capture= ('fx', 'export', 'dynamo'); make data-dependent "
-        "Python control flow in forward() graph-friendly (e.g. torch.where instead of `if "
-        "tensor:`); or pass layers='path.to.blocks' if the failure is in block detection. "
-        "See docs/troubleshooting.md.")
+    if isinstance(tried.get("blocks"), opaque.OutsideBlocksError):
+        lines.append(
+            "What to do: with capture='blocks' each block runs as its module, so data-dependent "
+            "code inside the blocks is fine; the line it names is in the model's own forward "
+            "outside the blocks. Make that line graph-friendly (torch.where or torch._check "
+            "instead of `if tensor:`), move it out of forward (e.g. compute the loss in loss_fn "
+            "rather than passing labels=), or pass layers= naming blocks that contain it. "
+            "See docs/troubleshooting.md.")
+    else:
+        lines.append(
+            "What to do: try another capture= ('fx', 'export', 'dynamo', 'blocks'); make "
+            "data-dependent Python control flow in forward() graph-friendly (e.g. torch.where "
+            "instead of `if tensor:`); or pass layers='path.to.blocks' if the failure is in "
+            "block detection. See docs/troubleshooting.md.")
     return "\n".join(lines)

@@ -21,6 +21,12 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
 a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
 adds wall-clock times measured on the real tensors.
 
+A layer that cannot run on fake tensors (data-dependent code: ``.nonzero()`` or
+``.tolist()`` in an MoE router, a block captured opaquely) is costed by running the
+chain once on the real inputs up to it, counting its FLOPs and saved bytes as it runs
+for the example (its routing); with no real weights (``meta``) its FLOPs are bounded
+instead (see ``_bounded``). Verbose mode (``fxpipe.set_verbose``) says which layers.
+
 >>> from torch import nn
 >>> from fxpipe.passes.partition import build_layer_graph
 >>> x = torch.randn(32, 256)
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -48,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
+from fxpipe.verbose import is_verbose
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
     counter = FlopCounterMode(display=False)
     flops: dict[int, tuple[int, int, int]] = {}
     seen: dict[tuple, tuple] = {}  # layer key -> (flops, output recipe)
+    failed: dict[int, Exception] = {}  # layers that cannot run on fake tensors
 
     def run(layer: Layer, args: tuple, kwargs: dict):
         attrs = _attr_tensors(layer.gm)
@@ -139,9 +148,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
         try:
             attrs = {name: fake(t) for name, t in attrs.items()}
             out, flops[layer.index] = _fake_layer(layer.gm, attrs, args, kwargs, counter)
-        except Exception as e:
-            raise RuntimeError(f"costing layer {layer.index} ({layer.name!r}) on fake tensors "
-                               f"failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 — measured (or bounded) below instead
+            failed[layer.index] = e
+            return _outputs_as_captured(layer)
         if key is not None:
             seen[key] = flops[layer.index], _recipe(out, args, kwargs)
         return out
@@ -151,6 +160,16 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
     inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
     with mode, _MetaAsCPU() if on_meta else contextlib.nullcontext(), torch.enable_grad():
         env = _walk(lg, inputs, run)
+    if failed:
+        flops.update(_measured(lg, flat_inputs, failed) if not on_meta else
+                     {i: _bounded(lg[i], env) for i in failed})
+        if is_verbose():
+            for i, e in failed.items():
+                how = ("FLOPs bounded by 2 x parameters x tokens (no weights: meta)" if on_meta
+                       else "measured on the example's real tensors")
+                print(f"fxpipe: layer {i} ({lg[i].name}) cannot run on fake tensors "
+                      f"({type(e).__name__}: {_first_line(e)}); its costs are {how}",
+                      file=sys.stderr)
 
     costs = []
     for layer in lg:
@@ -212,12 +231,16 @@ def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) 
 
 # --- running the chain -------------------------------------------------------------
 
-def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any]) -> dict[str, Any]:
-    """Evaluate ``lg.gm`` node by node, ``run`` computing each layer; every value by name."""
+def _walk(lg: LayerGraph, inputs: list, run: Callable[[Layer, tuple, dict], Any],
+          until: int | None = None) -> dict[str, Any]:
+    """Evaluate ``lg.gm`` node by node, ``run`` computing each layer (up to layer
+    ``until``); every value by name."""
     layer_of = {layer.node: layer for layer in lg}
     env: dict[str, Any] = {}
     it = iter(inputs)
     for node in lg.gm.graph.nodes:
+        if node.op == "call_module" and until is not None and layer_of[node].index > until:
+            break
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         if node.op == "placeholder":
             env[node.name] = next(it)
@@ -361,7 +384,12 @@ def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, 
         else:
             target = None if n.op == "placeholder" else n.target
         parts.append((n.op, target, value(n.args), value(n.kwargs)))
-    return tuple(parts)
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:  # a symbolic size (a data-dependent shape): not compared
+        return None
+    return key
 
 
 def _recipe(out: Any, args: tuple, kwargs: dict) -> tuple:
@@ -400,6 +428,81 @@ def _rebuild(recipe: tuple, args: tuple, kwargs: dict) -> Any:
             t = bases[group].as_strided(shape, stride, offset)
             out.append(t.requires_grad_(True) if requires_grad else t)
     return pytree.tree_unflatten(out, spec)
+
+
+# --- layers that cannot run on fake tensors ------------------------------------------
+
+def _outputs_as_captured(layer: Layer) -> tuple:
+    """Fake outputs for ``layer``, shaped as its captured graph recorded them for the
+    example (``meta["val"]``, sizes at their example values)."""
+    outs = layer.gm.graph.output_node().args[0]
+
+    def like(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            if v.node.hint is None:  # a data-dependent size
+                raise RuntimeError(f"layer {layer.index} ({layer.name!r}) cannot run on fake "
+                                   f"tensors and returns a value of data-dependent size ({v}), so "
+                                   "the layers after it cannot be costed")
+            return v.node.hint
+        if not isinstance(v, torch.Tensor):
+            return v
+        t = torch.empty([like(s) for s in v.shape], dtype=v.dtype,
+                        device=_CPU if v.device.type == "meta" else v.device)
+        return t.requires_grad_(True) if t.is_floating_point() else t
+
+    if any(isinstance(o, fx.Node) and "val" not in o.meta for o in outs):
+        raise RuntimeError(f"layer {layer.index} ({layer.name!r}) cannot run on fake tensors and "
+                           "its graph records no output shapes to continue costing with")
+    vals = [o.meta["val"] if isinstance(o, fx.Node) else o for o in outs]
+    return tuple(pytree.tree_map(like, vals))
+
+
+def _measured(lg: LayerGraph, flat_inputs: list, failed: dict[int, Exception]) -> dict[int, tuple]:
+    """(fwd FLOPs, bwd FLOPs, saved bytes) of the ``failed`` layers, counted while the chain
+    runs on the real inputs up to the last of them (buffers and the RNG restored)."""
+    counts: dict[int, tuple[int, int, int]] = {}
+    last = max(failed)
+
+    def run(layer: Layer, args: tuple, kwargs: dict):
+        try:
+            out, counts[layer.index] = _fake_layer(layer.gm, _attr_tensors(layer.gm), args, kwargs,
+                                                   FlopCounterMode(display=False))
+        except Exception as e:
+            if layer.index not in failed:
+                raise
+            raise RuntimeError(f"costing layer {layer.index} ({layer.name!r}) failed on fake "
+                               f"tensors ({type(failed[layer.index]).__name__}: "
+                               f"{_first_line(failed[layer.index])}) and when run on the example: "
+                               f"{type(e).__name__}: {e}") from e
+        return out
+
+    backup = [(b, b.detach().clone()) for b in _unique(_tensors(lg.buffers.values()))]
+    cuda = sorted({t.get_device() for t in lg.params.values() if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+            _walk(lg, flat_inputs, run, until=last)
+    finally:
+        with torch.no_grad():
+            for b, saved in backup:
+                b.copy_(saved)
+    return {i: counts[i] for i in failed}
+
+
+def _bounded(layer: Layer, env: dict[str, Any]) -> tuple[int, int, int]:
+    """(fwd FLOPs, bwd FLOPs, saved bytes) bounds for a layer that cannot run, from sizes
+    alone: every parameter used once per token (all experts of an MoE layer, an upper
+    bound for top-k routing), backward twice the forward, and 16 bytes saved per byte
+    of its largest input (a transformer block saves about that much at fp32)."""
+    inputs = [t for t in _tensors(env[n] for n in layer.inputs) if t.dim() > 0]
+    tokens = max((t.numel() // max(t.shape[-1], 1) for t in inputs if t.is_floating_point()),
+                 default=1)
+    numel = sum(p.numel() for p in _unique(_attr_tensors(layer.gm).values()))
+    fwd = 2 * numel * tokens
+    return fwd, 2 * fwd, 16 * max((_nbytes(t) for t in inputs), default=0)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 # --- on real tensors -----------------------------------------------------------------

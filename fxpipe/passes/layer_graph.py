@@ -48,6 +48,7 @@ class Layer:
     params: list[str] = field(default_factory=list)   # FQNs of parameters it uses
     buffers: list[str] = field(default_factory=list)  # FQNs of buffers it uses
     random: bool = False           # runs random ops (dropout): gets its own RNG state
+    opaque: bool = False           # calls a block as its module (``passes.blocks``)
 
     @property
     def cost(self):
@@ -158,7 +159,10 @@ _RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", 
 
 
 def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` draws random numbers (an active dropout, ``rand``, ``bernoulli_``...)."""
+    """Whether ``node`` draws random numbers (an active dropout, ``rand``, ``bernoulli_``...).
+    A node that says so itself (``meta["random"]``: a block run as its module) is believed."""
+    if "random" in node.meta:
+        return bool(node.meta["random"])
     if isinstance(node.target, torch._ops.OpOverload):
         if torch.Tag.nondeterministic_seeded not in node.target.tags:
             return False

@@ -173,6 +173,9 @@ def stage_header(lg: LayerGraph, r: range, index: int, device_name: str, kind: s
     span = f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
     parts = [f"stage {index} {kind}{' piece' if piece else ''}", f"{span} ({names})",
              device_name]
+    opaque = [lg.layers[i].name for i in r if lg.layers[i].opaque]
+    if opaque:  # each runs as its module: all of its parameters (every expert) are uploaded
+        parts.append(f"run as modules, all parameters uploaded: {', '.join(opaque)}")
     total = _sum_costs([lg.layers[i].cost for i in r])
     if total:
         parts.append(total)
@@ -198,6 +201,8 @@ def _mutated_attrs(n: fx.Node) -> list[str]:
     def attr(a):
         return a.target if isinstance(a, fx.Node) and a.op == "get_attr" else None
 
+    if "writes" in n.meta:  # a block run as its module says which buffers it may update
+        return list(n.meta["writes"])
     if isinstance(n.target, torch._ops.OpOverload):
         if n.target.overloadpacket in _NORM_OPS:  # their schemas hide the stats update
             return [t for t in (attr(a) for a in n.args) if t]

@@ -1,12 +1,17 @@
 """Partition: flat captured graph → ``LayerGraph`` (an ordered chain of layer graphs).
 
 1. Find the repeated blocks: the ``ModuleList``/``Sequential`` holding the most
-   parameters, or the module named by ``layers=``. Each child is a block.
-2. Assign every node a layer from its module path (``node.meta["module_path"]``, taken
-   from the *values* of ``nn_module_stack`` by capture): a node inside block *i* belongs
-   to block *i*'s layer; a node outside every block belongs to the prefix layer if it
-   runs before the first block, to the suffix layer if it runs after the last block,
-   and otherwise to the block that ran just before it.
+   parameters, and every other one (neither inside nor around it) holding at least an
+   eighth as many: an encoder's and a decoder's blocks are both found. Or the modules
+   named by ``layers=``. Each child is a block.
+2. Assign every node a layer from the module calls around it (``node.meta["module_stack"]``,
+   else its ``module_path``): each *call* of a block is a layer, in the order they run;
+   a block object registered at two places of its list, or called twice, is one layer
+   per call (its parameters shared by them, like tied weights). A node outside every
+   block belongs to the prefix layer if it runs before the first block, to the suffix
+   layer if it runs after the last block, and otherwise to the block that ran just
+   before it (so an encoder's final norm goes with its last block, and the encoder's
+   output is carried to every decoder layer that reads it).
 3. Cut: every layer becomes a ``GraphModule`` whose inputs are the values it reads from
    earlier layers (or the model inputs) and whose outputs are the values later layers
    or the model output read. Parameters are ``get_attr`` nodes in each layer that uses
@@ -17,62 +22,99 @@ from __future__ import annotations
 
 import difflib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                       capture: str | Callable[[], fx.GraphModule] = "auto",
-                      layers: str | None = None) -> LayerGraph:
+                      layers: str | Sequence[str] | None = None,
+                      dynamic: Sequence[Collection[int]] | None = None) -> LayerGraph:
     """Capture ``model(*args, **kwargs)`` and cut it into a chain of layers. ``capture``
-    is a method name, or a function returning an already captured graph (of ``model``).
+    is a method name, or a function returning an already captured graph (of ``model``);
+    ``dynamic``: the dims of each tensor input export keeps symbolic (``None``: all).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
     ['0', '1']
     """
-    container = find_blocks(model, layers)  # fail on a bad layers= before the slow capture
-    gm = capture() if callable(capture) else capture_graph(model, args, kwargs, capture)
-    return partition(gm, model, container)
+    containers = find_block_lists(model, layers)  # fail on a bad layers= before the slow capture
+    if callable(capture):
+        gm = capture()
+    else:
+        blocks = [path for path, _ in _positions(model, containers)]
+        gm = capture_graph(model, args, kwargs, capture, dynamic=dynamic, blocks=blocks)
+    try:
+        return partition(gm, model, containers)
+    except ValueError:
+        if layers is not None or len(containers) == 1:
+            raise
+        return partition(gm, model, containers[:1])  # the other lists do not run in sequence
 
 
+def find_block_lists(model: nn.Module, layers: str | Sequence[str] | None = None) -> list[str]:
+    """Module paths of the lists of repeated blocks, the largest first: ``layers`` (a path
+    or several, checked), else the ``ModuleList``/``Sequential`` with the most parameters
+    and each other one, neither inside nor around a chosen one, holding at least an eighth
+    as many (``[""]``: the model's own children).
 
-def find_blocks(model: nn.Module, layers: str | None = None) -> str:
-    """Module path of the repeated blocks: ``layers`` if given (checked), else the
-    ``ModuleList``/``Sequential`` with the most parameters (``""``: the model itself)."""
+    >>> t5 = nn.Module()
+    >>> t5.encoder, t5.decoder = nn.ModuleList([nn.Linear(4, 4)]), nn.ModuleList([nn.Linear(4, 8)])
+    >>> find_block_lists(t5)
+    ['decoder', 'encoder']
+    """
     modules = dict(model.named_modules())
     if layers is not None:
-        if layers not in modules:
-            close = difflib.get_close_matches(layers, [k for k in modules if k], n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(f"layers={layers!r} names no submodule of {type(model).__name__}."
-                             f"{hint} Give the dotted path of the module holding the repeated "
-                             "blocks, e.g. layers='model.layers'.")
-        if not list(modules[layers].children()):
-            raise ValueError(f"layers={layers!r} is a {type(modules[layers]).__name__} with no "
-                             "child modules; it must hold the repeated blocks (one layer each).")
-        return layers
-    best, best_count = None, -1
-    for path, mod in modules.items():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0:
-            count = sum(p.numel() for p in mod.parameters())
-            if count > best_count:
-                best, best_count = path, count
-    return best if best is not None else ""
+        paths = [layers] if isinstance(layers, str) else list(layers)
+        for path in paths:
+            _check_layers(model, modules, path)
+        return paths
+    counts = {path: sum(p.numel() for p in mod.parameters()) for path, mod in modules.items()
+              if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0}
+    if not counts:
+        return [""]
+    chosen = [max(counts, key=counts.__getitem__)]  # the first of equals, in module order
+    for path in sorted(counts, key=lambda p: -counts[p]):
+        if counts[path] and 8 * counts[path] >= counts[chosen[0]] and \
+                not any(_nested(path, c) for c in chosen):
+            chosen.append(path)
+    return chosen
 
 
-def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGraph:
-    """Cut a captured graph (``fxpipe.passes.capture``) into a ``LayerGraph``."""
-    children = [name for name, _ in modules_children(model, container)]
-    layer_of = _assign_layers(gm, container, children)
+def find_blocks(model: nn.Module, layers: str | Sequence[str] | None = None) -> str:
+    """Module path of the main list of repeated blocks (see ``find_block_lists``)."""
+    return find_block_lists(model, layers)[0]
+
+
+def _check_layers(model: nn.Module, modules: dict[str, nn.Module], layers: str) -> None:
+    if layers not in modules:
+        close = difflib.get_close_matches(layers, [k for k in modules if k], n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"layers={layers!r} names no submodule of {type(model).__name__}."
+                         f"{hint} Give the dotted path of the module holding the repeated "
+                         "blocks, e.g. layers='model.layers'.")
+    if not list(modules[layers].children()):
+        raise ValueError(f"layers={layers!r} is a {type(modules[layers]).__name__} with no "
+                         "child modules; it must hold the repeated blocks (one layer each).")
+
+
+def _nested(a: str, b: str) -> bool:
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[str]) -> LayerGraph:
+    """Cut a captured graph (``fxpipe.passes.capture``) into a ``LayerGraph`` at the
+    blocks of ``containers`` (module paths of block lists)."""
+    containers = [containers] if isinstance(containers, str) else list(containers)
+    layer_of, names = _assign_layers(gm, _positions(model, containers))
     order = sorted(set(layer_of.values()))
-    names = {k: _layer_name(k, container, children) for k in order}
     index = {k: i for i, k in enumerate(order)}  # dense layer indices, empty layers dropped
 
     graph = gm.graph
@@ -101,7 +143,7 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
         name = f"layer_{i}"
         root[name] = sub
         call = top.call_module(name, tuple(env[r] for r in reads if r.op != "get_attr"))
-        call.meta["layer_name"] = names[[k for k in order if index[k] == i][0]]
+        call.meta["layer_name"] = names[order[i]]
         for j, o in enumerate(outs):
             env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o.name)
         is_param = {p: isinstance(_fetch(gm, p), nn.Parameter) for p in params}
@@ -110,7 +152,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
                            outputs=[o.name for o in outs],
                            params=[p for p in params if is_param[p]],
                            buffers=[p for p in params if not is_param[p]],
-                           random=any(is_random(n) for n in ns)))
+                           random=any(is_random(n) for n in ns),
+                           opaque=any(n.target is run_block for n in ns)))
     top.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
     top_gm = graph_module(root, top, class_name="LayerChain")
     tensors = {n.target: _fetch(gm, n.target) for n in nodes if n.op == "get_attr"}
@@ -127,11 +170,6 @@ def partition(gm: fx.GraphModule, model: nn.Module, container: str) -> LayerGrap
         training=gm.meta.get("training", True))
 
 
-def modules_children(model: nn.Module, container: str):
-    return list(model.get_submodule(container).named_children()) if container else \
-        list(model.named_children())
-
-
 def _fetch(gm: fx.GraphModule, target: str):
     obj = gm
     for part in target.split("."):
@@ -139,63 +177,74 @@ def _fetch(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _block_of(path: str, container: str, child_index: dict[str, int]) -> int | None:
-    if container:
-        if not path.startswith(container + "."):
-            return None
-        rest = path[len(container) + 1:]
-    else:
-        rest = path
-    return child_index.get(rest.split(".")[0]) if rest else None
+def _positions(model: nn.Module, containers: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """``(path, block)`` for every place of every block list, a block registered twice
+    included (``named_children`` would list it once)."""
+    out = []
+    for c in containers:
+        for name, child in (model.get_submodule(c) if c else model)._modules.items():
+            if child is not None:
+                out.append((f"{c}.{name}" if c else name, child))
+    return out
 
 
-def _assign_layers(gm: fx.GraphModule, container: str, children: list[str]) -> dict:
-    """node -> layer key: 0 = prefix, 1 + b = block b, len(children) + 1 = suffix."""
-    child_index = {c: i for i, c in enumerate(children)}
+_SUFFIX = float("inf")
+
+
+def _assign_layers(gm: fx.GraphModule, positions: list[tuple[str, nn.Module]]
+                   ) -> tuple[dict[fx.Node, float], dict[float, str]]:
+    """node -> layer key (0 = prefix, k = the k-th block call to run, ``_SUFFIX``), and
+    each key's layer name."""
+    at_path = {path: i for i, (path, _) in enumerate(positions)}
+    places: dict[int, list[int]] = {}  # id(block) -> its places in the lists
+    for i, (_, block) in enumerate(positions):
+        places.setdefault(id(block), []).append(i)
+
+    def call_of(n: fx.Node) -> tuple[int, int] | None:
+        """(place, extra): the block call ``n`` is in. The k-th call of a block registered
+        at several places is its k-th place; calls beyond its places are extra calls."""
+        for path, k in n.meta.get("module_stack", ()):
+            if path in at_path:
+                mine = places[id(positions[at_path[path]][1])]
+                j = mine.index(at_path[path]) + k
+                return (mine[j], 0) if j < len(mine) else (mine[-1], j - len(mine) + 1)
+        path = n.meta.get("module_path", "")  # a graph without module stacks (torch.compile)
+        return next(((i, 0) for i, (p, _) in enumerate(positions)
+                     if path == p or path.startswith(p + ".")), None)
+
+    def name(c: tuple[int, int]) -> str:
+        return positions[c[0]][0] + (f"@{c[1]}" if c[1] else "")
+
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-    block = {n: _block_of(n.meta.get("module_path", ""), container, child_index) for n in compute}
-    last_block_pos = max((i for i, n in enumerate(compute) if block[n] is not None), default=-1)
-    suffix = len(children) + 1
-    layer_of: dict[fx.Node, int] = {}
-    current = 0
-    seen_block = -1
+    calls = {n: call_of(n) for n in compute}
+    last_block_pos = max((i for i, n in enumerate(compute) if calls[n] is not None), default=-1)
+    keys: dict[tuple[int, int], int] = {}  # block call -> its key, in the order calls run
+    names: dict[float, str] = {0: "prefix", _SUFFIX: "suffix"}
+    layer_of: dict[fx.Node, float] = {}
+    current: float = 0
+    active = None
     for pos, n in enumerate(compute):
-        b = block[n]
-        if b is not None:
-            if b < seen_block:
+        c = calls[n]
+        if c is not None and c != active:
+            if c in keys:
                 raise ValueError(
-                    f"block {_child_path(container, children[b])} runs after block "
-                    f"{_child_path(container, children[seen_block])} (op {n.name!r}); fxpipe "
-                    "needs blocks that run once each, in order. Pass layers= naming a "
-                    "container whose blocks run in sequence.")
-            seen_block = b
-            current = 1 + b
-        elif pos > last_block_pos:
-            current = suffix
+                    f"block {name(c)} runs again after block {name(active)} started (op "
+                    f"{n.name!r}); fxpipe needs each block call to run as one piece, one "
+                    "after the other. Pass layers= naming a container whose blocks run in "
+                    "sequence.")
+            keys[c] = current = len(keys) + 1
+            names[current] = name(c)
+            active = c
+        elif c is None and pos > last_block_pos:
+            current = _SUFFIX
         layer_of[n] = current
     for n, k in layer_of.items():  # every value must come from this layer or an earlier one
         for a in n.all_input_nodes:
             if a in layer_of and layer_of[a] > k:
-                raise ValueError(f"op {n.name!r} in {_describe(k, container, children)} reads "
-                                 f"{a.name!r} made later in {_describe(layer_of[a], container, children)}; "
-                                 "the model is not a chain of blocks at this cut. Pass layers=.")
-    return layer_of
-
-
-def _child_path(container: str, child: str) -> str:
-    return f"{container}.{child}" if container else child
-
-
-def _layer_name(k: int, container: str, children: list[str]) -> str:
-    if k == 0:
-        return "prefix"
-    if k == len(children) + 1:
-        return "suffix"
-    return _child_path(container, children[k - 1])
-
-
-def _describe(k: int, container: str, children: list[str]) -> str:
-    return f"layer {_layer_name(k, container, children)!r}"
+                raise ValueError(f"op {n.name!r} in layer {names[k]!r} reads {a.name!r} made "
+                                 f"later in layer {names[layer_of[a]]!r}; the model is not a "
+                                 "chain of blocks at this cut. Pass layers=.")
+    return layer_of, names
 
 
 def _reads(ns: list[fx.Node]) -> list[fx.Node]:

@@ -12,10 +12,11 @@ import torch.utils._pytree as pytree
 from fxpipe.passes.layer_graph import LayerGraph
 
 
-def check_structure(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def check_structure(lg: LayerGraph, args: tuple, kwargs: dict, *,
+                    constants: bool = True) -> list[torch.Tensor]:
     """The tensor leaves of a call, after checking it is shaped like the example: the
-    same arguments and nesting, tensors where tensors were (of the same rank), the same
-    constants. Sizes may differ (see :func:`check_inputs`)."""
+    same arguments and nesting, tensors where tensors were (of the same rank), and with
+    ``constants`` the same non-tensor values. Sizes may differ (see :func:`check_inputs`)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if spec != lg.in_spec:
         raise TypeError(_structure_message(lg.in_spec, spec))
@@ -29,10 +30,19 @@ def check_structure(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Ten
                 raise ValueError(f"input {lg.leaf_names[i]!r} has {x.dim()} dims, compiled with "
                                  f"{ex.dim()} (shape {tuple(ex.shape)})")
             tensors.append(x)
-        elif not _same_constant(x, ex):
+        elif constants and not _same_constant(x, ex):
             raise ValueError(f"input {lg.leaf_names[i]!r} was compiled as the constant {ex!r}, "
-                             f"got {x!r}; recompile with the new value")
+                             f"got {x!r}; this graph serves only that value")
     return tensors
+
+
+def changed_constant(lg: LayerGraph, leaves: Sequence[Any]) -> tuple[str, Any, Any] | None:
+    """``(name, value, captured value)`` of the first non-tensor input of a call (its
+    pytree ``leaves``) that differs from the constant ``lg`` was captured with."""
+    for name, x, ex in zip(lg.leaf_names, leaves, lg.example_leaves):
+        if not isinstance(ex, torch.Tensor) and not _same_constant(x, ex):
+            return name, x, ex
+    return None
 
 
 def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -56,6 +66,11 @@ def static_dim_problem(lg: LayerGraph, tensors: Sequence[torch.Tensor]) -> str |
                 return (f"input {leaf!r}: dim {d} is {x.shape[d]}, but the captured graph is "
                         f"specific to {size} there (the model specializes on it)")
     return None
+
+
+def same_constants(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two calls' pytree leaves have the same non-tensor values."""
+    return all(isinstance(x, torch.Tensor) or _same_constant(x, y) for x, y in zip(a, b))
 
 
 def _same_constant(a: Any, b: Any) -> bool:
