@@ -191,7 +191,10 @@ class PipelineModule(nn.Module):
                                    layers=self._layers_path)
             leaves = pytree.tree_leaves((args, kwargs))
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-            plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
+            cfg = self._config(None)
+            plan = self._user_plan or ExecutePlan.auto(
+                "fused", _Planned(lg, self.devices, cfg), num_microbatch=cfg.num_microbatch,
+                recompute_grain=cfg.recompute_grain)
             plan.validate(len(lg), _run_type_of(plan, len(lg)))
         compiled = _Compiled(layers=lg, plan=plan, device_names=[d.name for d in self.devices])
         self._cache.append(compiled)
@@ -420,6 +423,7 @@ class _Planned:
 
     layers: LayerGraph
     devices: list[Device]
+    config: RunConfig
 
 
 def plan_key(plan: ExecutePlan) -> tuple:

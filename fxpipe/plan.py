@@ -12,19 +12,35 @@ ExecutePlan(fwd=[0:3], bwd=[3:4, 2:3, 0:2])
 >>> plan.validate(4, "fused")
 >>> ExecutePlan.default(3, "train")
 ExecutePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
+
+Memory: ``predict_memory`` gives each stage's predicted peak bytes on its device, by kind
+(``fxpipe.passes.memory``); ``ExecutePlan.auto`` keeps every stage within the device
+limit; ``max_sequence_length`` (``fxpipe.plan.seqlen``) finds the longest sequence a plan
+fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+import torch.utils._pytree as pytree
+
 from fxpipe.errors import PlanError
 from fxpipe.passes import planner
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.memory import (KINDS, ChainMemory, StagePeak, device_peaks, human_bytes,
+                                  program_peaks)
+from fxpipe.passes.schedule import build_program
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES = ("infer", "train", "fused")
+MEMORY_FRACTION = 0.9
+"""The share of the smallest device's ``memory_limit`` a plan may use at its predicted
+peak by default; the rest covers the prediction's error and allocator fragmentation."""
 
 
 def _fmt(r: range) -> str:
@@ -124,14 +140,24 @@ class ExecutePlan:
     @classmethod
     def auto(cls, run_type: RunType, *pipes: Any, min_stages: int | None = None,
              upper_threshold: float = 1.1, model_memory_limit: float | None = None,
-             num_devices: int | None = None) -> ExecutePlan | list[ExecutePlan]:
+             num_devices: int | None = None, num_microbatch: int | None = None,
+             recompute_grain: Literal["stage", "layer"] = "stage") -> ExecutePlan | list[ExecutePlan]:
         """Plan stages from per-layer costs (see ``fxpipe.passes.planner.plan_chains``).
 
-        A pipe has ``.layers`` (items with ``.cost``), ``.devices`` (items with an
-        optional ``.memory_limit`` in bytes) and optionally ``.timings`` (a
-        ``LayerTimer``: measured times replace the estimates, see :func:`layer_costs`). ``model_memory_limit`` is in GB (2**30
-        bytes; default 60% of the smallest device limit, no cap when no device has one);
-        each stage must fit in half of it because the next stage is prefetched.
+        A pipe has ``.layers`` (a ``LayerGraph``, or items with ``.cost``), ``.devices``
+        (items with an optional ``.memory_limit`` in bytes) and optionally ``.timings``
+        (a ``LayerTimer``: measured times replace the estimates, see :func:`layer_costs`)
+        and ``.config`` (a ``RunConfig``: its ``split_input``).
+
+        Memory: every stage's predicted peak on its device (:func:`predict_memory`: its
+        parameters and those of the stage its device prefetches meanwhile, gradients,
+        activations, saved tensors and workspace, for one microbatch of
+        ``num_microbatch``, default devices + 1, at ``recompute_grain``) fits
+        ``model_memory_limit`` GB (2**30 bytes; default ``MEMORY_FRACTION`` = 90% of the
+        smallest device limit, no limit when no device has one). A pipe whose ``layers``
+        is a ``LayerGraph`` is costed again on fake tensors shaped like one microbatch;
+        other costs are taken as one microbatch's.
+
         ``min_stages`` defaults to the number of devices (a hint: a short model may get
         fewer). ``upper_threshold`` bounds the granularity: no more stages than needed to
         keep every stage within ``upper_threshold`` x the best achievable bottleneck
@@ -149,11 +175,12 @@ class ExecutePlan:
             raise ValueError("ExecutePlan.auto: no devices; pass num_devices=")
         if model_memory_limit is None:
             limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
-            cap = 0.6 * min(limits) / 2 if limits else None
+            limit = MEMORY_FRACTION * min(limits) if limits else None
         else:
             if model_memory_limit <= 0:
                 raise ValueError(f"model_memory_limit must be > 0 GB, got {model_memory_limit}")
-            cap = model_memory_limit * 2**30 / 2
+            limit = model_memory_limit * 2**30
+        M = num_microbatch or num_devices + 1
         cost_lists = [layer_costs(p) for p in pipes]
         for k, costs in enumerate(cost_lists):
             for i, cost in enumerate(costs):
@@ -161,9 +188,11 @@ class ExecutePlan:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
         chains = planner.chain_costs(cost_lists, need_backward=run_type != "infer")
-        planned = planner.plan_chains(run_type, chains, num_devices=num_devices,
+        memory = None if limit is None else [chain_memory(p, M) for p in pipes]
+        planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
-                                      memory_cap=cap)
+                                      memory=memory, memory_limit=limit,
+                                      recompute_grain=recompute_grain)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]
         for plan, costs in zip(plans, cost_lists):
             plan.validate(len(costs), run_type)
@@ -178,6 +207,111 @@ def layer_costs(pipe: Any) -> list[Any]:
     if timings is not None:
         return timings.costs(layers)
     return [getattr(layer, "cost", None) for layer in layers]
+
+
+def chain_memory(pipe: Any, num_microbatch: int = 1, *,
+                 loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
+    """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
+    ``num_microbatch``: its layers costed again on fake tensors shaped like it (split as
+    ``pipe.config.split_input`` says). ``loss=(loss_fn, label)``: also cost the loss on
+    that microbatch's share of ``label``. Other pipes' layer costs are taken as one
+    microbatch's."""
+    from fxpipe.runtime.microbatch import split_input, split_label
+
+    lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
+    if not (isinstance(lg, LayerGraph) and lg.example_leaves):
+        return ChainMemory.of(layer_costs(pipe))
+    args, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
+    if loss is not None and num_microbatch > 1:
+        loss = loss[0], split_label(loss[1], num_microbatch)[0]
+    if num_microbatch > 1:
+        spec = getattr(getattr(pipe, "config", None), "split_input", None)
+        args, kwargs = (x[0] for x in split_input(args, kwargs, num_microbatch, spec))
+    flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    costs = compute_costs(lg, flat, store=False, loss=loss)
+    return ChainMemory.of(costs, sum(x.numel() * x.element_size() for x in flat))
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """What :func:`predict_memory` returns: every stage's predicted peak
+    (``fxpipe.passes.memory.StagePeak``: bytes by kind, device, the layer at the peak),
+    and per device the stage with the highest (``None``: a device with no stage).
+    ``limit``: the smallest device limit, if any."""
+
+    stages: list[StagePeak]
+    devices: list[StagePeak | None]
+    limit: int | None = None
+
+    @property
+    def peak(self) -> int:
+        """The highest predicted peak of any device."""
+        return max((p.total for p in self.stages), default=0)
+
+    def by_device(self) -> list[dict[str, int]]:
+        """Per device, its peak's bytes by kind (all zero for a device with no stage)."""
+        return [dict(p.bytes) if p is not None else dict.fromkeys(KINDS, 0) for p in self.devices]
+
+    def __str__(self) -> str:
+        head = "stage kind   layers  dev  " + "  ".join(f"{k:>11}" for k in KINDS) + "        total"
+        rows = [head]
+        for p in self.stages:
+            rows.append(f"{p.stage:>5} {p.kind:<6} {p.layers.start:>3}:{p.layers.stop:<3} {p.device:>4}  "
+                        + "  ".join(f"{human_bytes(p.bytes[k]):>11}" for k in KINDS)
+                        + f"  {human_bytes(p.total):>11}")
+        limit = f" of {human_bytes(self.limit)}" if self.limit else ""
+        rows.append(f"peak {human_bytes(self.peak)}{limit}: "
+                    + ", ".join(f"device {d} {human_bytes(p.total) if p else '0 B'}"
+                                for d, p in enumerate(self.devices)))
+        return "\n".join(rows)
+
+
+def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunType | None = None,
+                   num_microbatch: int | None = None,
+                   grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
+                   loss_fn: Callable[[Any, Any], Any] | None = None,
+                   label: Any = None) -> MemoryPrediction:
+    """Predicted peak device bytes of every stage of a call, before running it.
+
+    ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
+    ``recompute_grain`` are the defaults) or a ``LayerGraph`` (give ``plan`` and
+    ``num_devices``). ``run_type`` defaults to what ``plan`` runs (``"fused"`` when its
+    forward stops before the tail). Each stage's peak counts, for one microbatch
+    (costed on fake tensors shaped like it), its parameters and those of the stage its
+    device prefetches meanwhile, its gradients, its activations, the tensors saved for
+    backward and the workspace at its peak (``fxpipe.passes.memory``). ``loss_fn`` and
+    ``label`` (the whole batch's): cost the loss the fused tail runs; without them it
+    counts as a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes).
+
+    >>> import torch, fxpipe
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(64, 256),), devices=["cpu"] * 2)
+    >>> print(fxpipe.plan.predict_memory(pipe, num_microbatch=2))  # doctest: +ELLIPSIS
+    stage kind   layers  dev       params    gradients  activations        saved    workspace        total
+        0 fwd      0:3      0  ...
+    ...
+    peak ... B: device 0 ... B, device 1 ... B
+    """
+    lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
+    devices = list(getattr(pipe, "devices", None) or [])
+    config = getattr(pipe, "config", None)
+    plan = plan or getattr(pipe, "plan", None)
+    if plan is None:
+        raise ValueError("predict_memory(layer_graph, ...) needs plan=ExecutePlan(...)")
+    G = num_devices or len(devices)
+    if G < 1:
+        raise ValueError("predict_memory: no devices; pass num_devices=")
+    M = num_microbatch or getattr(config, "num_microbatch", None) or G + 1
+    grain = grain or getattr(config, "recompute_grain", None) or "stage"
+    if run_type is None:
+        covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
+        run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
+    plan.validate(len(lg), run_type)
+    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
+    program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
+    peaks = program_peaks(program, memory)
+    limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
+    return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)
 
 
 def _check_ranges(name: str, ranges: Sequence[Any], num_layers: int) -> None:
