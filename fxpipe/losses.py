@@ -23,7 +23,9 @@ and ``forward_backward``'s default ``loss_fn`` (the output itself) is the loss::
 
 Captured (fx, export or dynamo) it is one opaque op, ``torch.ops.fxpipe.linear_cross_entropy``;
 ``fxpipe.passes.capture`` binds it back to this function, so the runtime (and the cost
-model, on fake tensors) runs the chunks, each op visible to byte accounting.
+model, on fake tensors) runs the chunks, each op visible to byte accounting. On fake or
+meta tensors (costing) only the first and the last chunk run: every chunk allocates and
+frees the same, and ``torch.ops.fxpipe.matmul_flops`` counts the others' matmuls.
 
 >>> h, w, y = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4), torch.arange(6)
 >>> loss = linear_cross_entropy(h, w, y, chunk_size=4)
@@ -37,6 +39,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.flop_counter import register_flop_formula
 
 CHUNK_BYTES = 2**28
 """The default chunk: as many tokens as make 256 MiB of fp32 logits."""
@@ -86,8 +90,16 @@ def _check(hidden: Tensor, weight: Tensor, labels: Tensor) -> None:
                          f"(hidden without its last dim), got {tuple(labels.shape)}")
 
 
-def _rows(n: int, vocab: int, chunk: int) -> int:
-    return chunk if chunk > 0 else max(1, min(n, CHUNK_BYTES // (4 * vocab)))
+def _starts(h: Tensor, weight: Tensor, chunk: int, matmuls: int) -> tuple[int, list[int]]:
+    """Rows per chunk and the chunks' first rows; on fake or meta tensors the first and
+    the last chunk only, the others' ``matmuls`` head matmuls each counted as FLOPs."""
+    n = h.shape[0]
+    rows = chunk if chunk > 0 else max(1, min(n, CHUNK_BYTES // (4 * weight.shape[0])))
+    starts = list(range(0, n, rows))
+    if len(starts) > 2 and (is_fake(h) or h.device.type == "meta"):
+        torch.ops.fxpipe.matmul_flops(h[:rows], weight, (len(starts) - 2) * matmuls)
+        starts = [starts[0], starts[-1]]
+    return rows, starts
 
 
 def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
@@ -99,9 +111,9 @@ def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
 def _loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_index: int,
           reduction: str) -> Tensor:
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    rows = _rows(h.shape[0], weight.shape[0], chunk)
+    rows, starts = _starts(h, weight, chunk, 1)
     total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
-    for s in range(0, h.shape[0], rows):
+    for s in starts:
         logits = _chunk_logits(h[s:s + rows], weight)
         yc = y[s:s + rows]
         picked = logits.gather(1, yc.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -119,13 +131,13 @@ def _grads(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: 
     """The gradients of ``hidden`` and ``weight`` (those ``want`` asks for) of the loss
     scaled by ``grad``: per chunk, ``(softmax(logits) - onehot(labels)) * scale``."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    rows = _rows(h.shape[0], weight.shape[0], chunk)
+    rows, starts = _starts(h, weight, chunk, 1 + want[0] + want[1])
     scale = grad.to(torch.promote_types(grad.dtype, torch.float32))
     if reduction == "mean":
         scale = scale / (y != ignore_index).sum()
     dh = torch.empty_like(h) if want[0] else None
     dw = torch.zeros_like(weight) if want[1] else None
-    for s in range(0, h.shape[0], rows):
+    for s in starts:
         hc, yc = h[s:s + rows], y[s:s + rows]
         p = _chunk_logits(hc, weight)
         p.sub_(torch.logsumexp(p, dim=1, keepdim=True)).exp_()          # softmax, in place
@@ -134,9 +146,10 @@ def _grads(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: 
         g = p.to(h.dtype)
         del p
         if dh is not None:
-            torch.mm(g, weight, out=dh[s:s + rows])
+            dh[s:s + rows] = g @ weight
         if dw is not None:
-            dw.addmm_(g.t(), hc)
+            torch.addmm(dw, g.t(), hc, out=dw)   # counted by FlopCounterMode, addmm_ is not
+        del g   # before the next chunk's logits
     return (None if dh is None else dh.view_as(hidden)), dw
 
 
@@ -166,3 +179,20 @@ def _op_backward(ctx, grad):
 
 
 _op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+@torch.library.custom_op("fxpipe::matmul_flops", mutates_args=())
+def _matmul_flops(a: Tensor, b: Tensor, times: int) -> None:
+    """Nothing: stands for ``times`` more ``a @ b.t()`` for ``FlopCounterMode`` (costing
+    runs one chunk of each shape, see ``_starts``)."""
+    return None
+
+
+@_matmul_flops.register_fake
+def _(a, b, times):
+    return None
+
+
+@register_flop_formula(torch.ops.fxpipe.matmul_flops)
+def _(a_shape, b_shape, times, *args, out_shape=None, **kwargs) -> int:
+    return 2 * times * a_shape[0] * a_shape[1] * b_shape[0]

@@ -13,34 +13,25 @@ ExecutePlan(fwd=[0:3], bwd=[3:4, 2:3, 0:2])
 >>> ExecutePlan.default(3, "train")
 ExecutePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
 
-Memory: ``predict_memory`` gives each stage's predicted peak bytes on its device, by kind
-(``fxpipe.passes.memory``); ``ExecutePlan.auto`` keeps every stage within the device
-limit; ``max_sequence_length`` (``fxpipe.plan.seqlen``) finds the longest sequence a plan
-fits.
+Memory (``fxpipe.memory``, also importable from here): ``predict_memory`` gives each
+stage's predicted peak bytes on its device, by kind; ``ExecutePlan.auto`` keeps every
+stage within the device limit; ``max_sequence_length`` finds the longest sequence for
+which a plan fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-import torch.utils._pytree as pytree
-
 from fxpipe.errors import PlanError
+from fxpipe.memory import (MEMORY_FRACTION, MemoryPrediction, chain_memory,  # noqa: F401
+                           max_sequence_length, predict_memory)
 from fxpipe.passes import planner
-from fxpipe.passes.costs import compute_costs
-from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.memory import (KINDS, ChainMemory, StagePeak, device_peaks, human_bytes,
-                                  program_peaks)
-from fxpipe.passes.schedule import build_program
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES = ("infer", "train", "fused")
-MEMORY_FRACTION = 0.9
-"""The share of the smallest device's ``memory_limit`` a plan may use at its predicted
-peak by default; the rest covers the prediction's error and allocator fragmentation."""
 
 
 def _fmt(r: range) -> str:
@@ -207,115 +198,6 @@ def layer_costs(pipe: Any) -> list[Any]:
     if timings is not None:
         return timings.costs(layers)
     return [getattr(layer, "cost", None) for layer in layers]
-
-
-def chain_memory(pipe: Any, num_microbatch: int = 1, *,
-                 loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
-    """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
-    ``num_microbatch``: its layers costed again on fake tensors shaped like it (split as
-    ``pipe.config.split_input`` says). ``loss=(loss_fn, label)``: also cost the loss on
-    that microbatch's share of ``label``. Other pipes' layer costs are taken as one
-    microbatch's."""
-    from fxpipe.runtime.microbatch import split_input, split_label
-
-    lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
-    if not (isinstance(lg, LayerGraph) and lg.example_leaves):
-        return ChainMemory.of(layer_costs(pipe))
-    args, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
-    if loss is not None and num_microbatch > 1:
-        loss = loss[0], split_label(loss[1], num_microbatch)[0]
-    if num_microbatch > 1:
-        spec = getattr(getattr(pipe, "config", None), "split_input", None)
-        args, kwargs = (x[0] for x in split_input(args, kwargs, num_microbatch, spec))
-    flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    costs = compute_costs(lg, flat, store=False, loss=loss)
-    return ChainMemory.of(costs, sum(x.numel() * x.element_size() for x in flat))
-
-
-@dataclass(frozen=True)
-class MemoryPrediction:
-    """What :func:`predict_memory` returns: every stage's predicted peak
-    (``fxpipe.passes.memory.StagePeak``: bytes by kind, device, the layer at the peak),
-    and per device the stage with the highest (``None``: a device with no stage).
-    ``limit``: the smallest device limit, if any."""
-
-    stages: list[StagePeak]
-    devices: list[StagePeak | None]
-    limit: int | None = None
-
-    @property
-    def peak(self) -> int:
-        """The highest predicted peak of any device."""
-        return max((p.total for p in self.stages), default=0)
-
-    def by_device(self) -> list[dict[str, int]]:
-        """Per device, its peak's bytes by kind (all zero for a device with no stage)."""
-        return [dict(p.bytes) if p is not None else dict.fromkeys(KINDS, 0) for p in self.devices]
-
-    def __str__(self) -> str:
-        head = "stage kind   layers  dev  " + "  ".join(f"{k:>11}" for k in KINDS) + "        total"
-        rows = [head]
-        for p in self.stages:
-            rows.append(f"{p.stage:>5} {p.kind:<6} {p.layers.start:>3}:{p.layers.stop:<3} {p.device:>4}  "
-                        + "  ".join(f"{human_bytes(p.bytes[k]):>11}" for k in KINDS)
-                        + f"  {human_bytes(p.total):>11}")
-        limit = f" of {human_bytes(self.limit)}" if self.limit else ""
-        rows.append(f"peak {human_bytes(self.peak)}{limit}: "
-                    + ", ".join(f"device {d} {human_bytes(p.total) if p else '0 B'}"
-                                for d, p in enumerate(self.devices)))
-        return "\n".join(rows)
-
-
-def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunType | None = None,
-                   num_microbatch: int | None = None,
-                   grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
-                   loss_fn: Callable[[Any, Any], Any] | None = None,
-                   label: Any = None) -> MemoryPrediction:
-    """Predicted peak device bytes of every stage of a call, before running it.
-
-    ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
-    ``recompute_grain`` are the defaults) or a ``LayerGraph`` (give ``plan`` and
-    ``num_devices``). ``run_type`` defaults to what ``plan`` runs (``"fused"`` when its
-    forward stops before the tail). Each stage's peak counts, for one microbatch
-    (costed on fake tensors shaped like it), its parameters and those of the stage its
-    device prefetches meanwhile, its gradients, its activations, the tensors saved for
-    backward and the workspace at its peak (``fxpipe.passes.memory``). ``loss_fn`` and
-    ``label`` (the whole batch's): cost the loss the fused tail runs; without them it
-    counts as a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes).
-
-    >>> import torch, fxpipe
-    >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(64, 256),), devices=["cpu"] * 2)
-    >>> print(fxpipe.plan.predict_memory(pipe, num_microbatch=2))
-    stage kind   layers  dev       params    gradients  activations        saved    workspace        total
-        0 fwd      0:1      0       526 kB          0 B      98.3 kB          0 B      32.8 kB       657 kB
-        1 fwd      1:3      1       790 kB          0 B      98.3 kB          0 B      65.5 kB       953 kB
-        2 fused    3:4      0       526 kB       263 kB      98.3 kB      32.8 kB       329 kB      1.25 MB
-        3 bwd      2:3      1       526 kB       263 kB       164 kB      32.8 kB       296 kB      1.28 MB
-        4 bwd      1:2      0       263 kB       263 kB       164 kB      32.8 kB       296 kB      1.02 MB
-        5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
-    peak 1.28 MB: device 0 1.25 MB, device 1 1.28 MB
-    """
-    lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
-    devices = list(getattr(pipe, "devices", None) or [])
-    config = getattr(pipe, "config", None)
-    plan = plan or getattr(pipe, "plan", None)
-    if plan is None:
-        raise ValueError("predict_memory(layer_graph, ...) needs plan=ExecutePlan(...)")
-    G = num_devices or len(devices)
-    if G < 1:
-        raise ValueError("predict_memory: no devices; pass num_devices=")
-    M = num_microbatch or getattr(config, "num_microbatch", None) or G + 1
-    grain = grain or getattr(config, "recompute_grain", None) or "stage"
-    if run_type is None:
-        covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
-        run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
-    plan.validate(len(lg), run_type)
-    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
-    program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
-    peaks = program_peaks(program, memory)
-    limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
-    return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)
 
 
 def _check_ranges(name: str, ranges: Sequence[Any], num_layers: int) -> None:

@@ -591,15 +591,12 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
         return _ranges(cs, _plan(cs, G, M, want, upper_threshold)[1])
     if memory_limit is None or len(memory) != len(chains):
         raise ValueError("plan_chains(memory=...) needs one ChainMemory per chain and memory_limit")
-    # with one device, stages hand every microbatch's values over on it (no offload)
-    residency = Residency(M, M, M) if G == 1 else Residency.of(M)
     largest = max(p for m in memory for p in m.params)
     reserves = sorted({largest} | {memory_limit * f for f in (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2)
                                    if memory_limit * f > largest})
     best = None
     for reserve in reserves:   # the smallest reserve leaves the most room: it fits first
-        cs = _chains(run_type, chains, peaks=[(m, recompute_grain, residency, memory_limit - reserve,
-                                               reserve) for m in memory])
+        cs = _peak_chains(run_type, chains, memory, memory_limit, reserve, G, M, recompute_grain)
         try:
             _check_memory(cs)
         except PlanError:
@@ -611,6 +608,38 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
                 (est <= best[0] * (1 + 1e-12) and len(stages) < len(best[2])):  # ties: fewer stages
             best = est, cs, stages
     return _ranges(best[1], best[2])
+
+
+def check_memory(run_type: str | Sequence[str], memory: Sequence[ChainMemory], memory_limit: float,
+                 *, num_devices: int, num_microbatch: int | None = None,
+                 recompute_grain: str = "stage") -> None:
+    """Raise ``PlanError`` (naming the layer and its bytes by kind) unless some plan fits
+    ``memory_limit`` at every stage's predicted peak: exactly when ``plan_chains`` with
+    ``memory`` finds a plan. Each layer alone must fit, with room for the largest layer's
+    parameters prefetched.
+
+    >>> from fxpipe.passes.memory import ChainMemory
+    >>> m = ChainMemory(*[(10, 10)] * 8)
+    >>> check_memory("fused", [m], 200, num_devices=2)
+    >>> check_memory("fused", [m], 50, num_devices=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fxpipe.errors.PlanError: layer 1 needs 90 bytes (90 B: params 10 B, ...) in a fused tail stage, ...
+    """
+    G = num_devices
+    chains = [ChainCosts.from_times([0.0] * len(m)) for m in memory]
+    largest = max(p for m in memory for p in m.params)
+    _check_memory(_peak_chains(run_type, chains, memory, memory_limit, largest, G,
+                               num_microbatch or G + 1, recompute_grain))
+
+
+def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
+                 memory: Sequence[ChainMemory], limit: float, reserve: float, G: int, M: int,
+                 grain: str) -> list[_Chain]:
+    # with one device, stages hand every microbatch's values over on it (no offload)
+    residency = Residency(M, M, M) if G == 1 else Residency.of(M)
+    return _chains(run_type, chains, peaks=[(m, grain, residency, limit - reserve, reserve)
+                                            for m in memory])
 
 
 def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float
