@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import PlanError
 from fxpipe.passes import planner
 from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.executable import build_executable
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.memory import (KINDS, ChainMemory, StagePeak, device_peaks, human_bytes,
                                   program_peaks)
@@ -41,19 +42,23 @@ RunType = Literal["infer", "train", "fused"]
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
                  loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
     """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
-    ``num_microbatch``: its layers costed again on fake tensors shaped like it (split as
-    ``pipe.config.split_input`` says). ``loss=(loss_fn, label)``: also cost the loss on
+    ``num_microbatch`` its example inputs split into (as ``pipe.config.split_input`` says;
+    an example too small to split is one microbatch): its layers costed again on fake
+    tensors shaped like it. ``loss=(loss_fn, label)``: also cost the loss on
     that microbatch's share of ``label``. Other pipes' layer costs are taken as one
     microbatch's."""
     lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
     if not (isinstance(lg, LayerGraph) and lg.example_leaves):
         return ChainMemory.of([layer.cost for layer in pipe.layers])
     args, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
-    if loss is not None and num_microbatch > 1:
-        loss = loss[0], split_label(loss[1], num_microbatch)[0]
     if num_microbatch > 1:
         spec = getattr(getattr(pipe, "config", None), "split_input", None)
-        args, kwargs = (x[0] for x in split_input(args, kwargs, num_microbatch, spec))
+        try:
+            args, kwargs = (x[0] for x in split_input(args, kwargs, num_microbatch, spec))
+            if loss is not None:
+                loss = loss[0], split_label(loss[1], num_microbatch)[0]
+        except ValueError:   # an example smaller than a step: costed as one microbatch
+            pass
     flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     costs = compute_costs(lg, flat, store=False, loss=loss)
     return ChainMemory.of(costs, sum(x.numel() * x.element_size() for x in flat))
@@ -139,7 +144,13 @@ def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunT
         run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
     plan.validate(len(lg), run_type)
     memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
-    program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
+    if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
+        tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
+        program = build_executable(
+            lg, plan, run_type, [f"device {d}" for d in range(G)], M, grain=grain, outputs=False,
+            input_grads=[n for n, x in zip(lg.input_names, tensors) if x.requires_grad]).program
+    else:
+        program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
     peaks = program_peaks(program, memory)
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)

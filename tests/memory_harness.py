@@ -51,17 +51,19 @@ def chain_values(lg: LayerGraph, flat_inputs: Sequence[Any]) -> dict[str, Any]:
 def measure_stage(lg: LayerGraph, kind: str, layers: range, flat_inputs: Sequence[Any], *,
                   grain: str = "stage", residency: Residency | None = None,
                   prefetched: Sequence[torch.Tensor] = (),
-                  loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None) -> dict[str, int]:
+                  loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
+                  env: dict[str, Any] | None = None) -> dict[str, int]:
     """Peak bytes by kind (``KINDS``) and ``"total"`` of one microbatch of a stage job
     (module docstring). ``flat_inputs``: the microbatch's flat model inputs;
     ``prefetched``: the next stage's parameters; ``loss``: ``(loss_fn, label)`` for a
-    fused stage."""
+    fused stage; ``env``: ``chain_values(lg, flat_inputs)``, if already made."""
     res = residency or Residency()
-    env = chain_values(lg, flat_inputs)
-    wanted = grad_values(lg, ())   # the values backward makes leaves of, as the runtime does
+    env = env if env is not None else chain_values(lg, flat_inputs)
+    # the values backward makes leaves of, as the runtime does (passes.grad_flow)
+    wanted = grad_values(lg, [n for n, x in zip(lg.input_names, flat_inputs)
+                              if isinstance(x, torch.Tensor) and x.requires_grad])
     a, b = layers.start, layers.stop
-    before = lg.input_names if a == 0 else lg.boundary(a - 1)
-    after = lg.boundary(b - 1)
+    before, after = _cut(lg, a - 1), _cut(lg, b - 1)
     attrs = {id(t): t for i in layers for t in _attrs(lg.layers[i].gm).values()}
     live = LiveBytes()
     with live:
@@ -73,14 +75,19 @@ def measure_stage(lg: LayerGraph, kind: str, layers: range, flat_inputs: Sequenc
             for t in device.values():
                 if t.requires_grad:
                     t.grad = torch.zeros_like(t)
-        live.kind = "activations"
+        live.kind = "activations"   # one copy each is the compute's; the rest wait
+        carried_in = set(before) & set(_cut(lg, a - 2)) if a > 0 else set()
+        made = [n for n in after if n not in before]
+        onward = set(made) & set(_cut(lg, b)) if b < len(lg) else set()
         inputs = {n: _clone(env[n]) for n in before}
-        kept += [_clone(env[n]) for n in before for _ in range(res.inputs - 1)]
+        kept += _copies(env, before, carried_in, res.inputs - 1, res.carried_inputs - 1, _clone)
         grads = {n: _grad_like(env[n]) for n in after} if kind == "bwd" else {}
-        kept += [_grad_like(env[n]) for n in after for _ in range(res.grads - 1)] if kind == "bwd" else []
-        pending = before if kind != "fwd" and a > 0 else after if kind == "fwd" else []
-        kept += [(_grad_like if kind != "fwd" else _clone)(env[n]) for n in pending
-                 for _ in range(res.outputs)]
+        if kind == "bwd":
+            kept += _copies(env, made, onward, res.grads - 1, res.carried_grads - 1, _grad_like)
+        if kind == "fwd":   # its values, awaiting offload
+            kept += _copies(env, made, onward, res.outputs, res.carried_outputs, _clone)
+        elif a > 0:         # its input gradients, awaiting offload
+            kept += _copies(env, before, carried_in, res.outputs, res.carried_outputs, _grad_like)
         live.kind = "workspace"
         with saved_tensors_hooks(lambda t: (live.retag(t, "saved", only="workspace"), t)[1], lambda t: t):
             if kind == "fwd":
@@ -150,6 +157,17 @@ def _backward(values: dict[str, Any], grads: dict[str, Any]) -> None:
              if isinstance(v, torch.Tensor) and v.requires_grad and grads.get(n) is not None]
     if roots:
         torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
+
+
+def _cut(lg: LayerGraph, i: int) -> list[str]:
+    """The values live after layer ``i`` (the model inputs for ``i = -1``)."""
+    return lg.input_names if i < 0 else lg.boundary(i)
+
+
+def _copies(env: dict[str, Any], names: Sequence[str], carried: set[str], plain: int,
+            carried_count: int, make: Callable[[Any], Any]) -> list[Any]:
+    """``plain`` copies of each value among ``names``, ``carried_count`` of the carried."""
+    return [make(env[n]) for n in names for _ in range(carried_count if n in carried else plain)]
 
 
 def _attrs(gm: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
   counts matmul-like ops only (mm, conv, attention); causal attention counts in full.
 - the memory profile (``LiveBytes`` over the layer's own allocations, its inputs and
   parameters already there): ``out_bytes``, the new values it hands on;
+  ``carried_bytes``, the part of ``boundary_bytes`` it passed on unchanged (values made
+  before it, or model inputs);
   ``fwd_peak_bytes``, the most a forward without grad allocates at once;
   ``recompute_peak_bytes`` and ``held_bytes``, the same with grad and what stays
   allocated after it (saved tensors and outputs); ``bwd_peak_bytes``, the most allocated
@@ -76,6 +78,7 @@ class Cost:
     bwd_ms: float | None = None
     # memory profile (module docstring); a stage's peak is not a sum: fxpipe.passes.memory
     out_bytes: int | None = None
+    carried_bytes: int | None = None
     fwd_peak_bytes: int | None = None
     recompute_peak_bytes: int | None = None
     held_bytes: int | None = None
@@ -115,8 +118,8 @@ class Cost:
         return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
 
 
-_PROFILE = ("out_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes", "bwd_peak_bytes",
-            "loss_bytes")
+_PROFILE = ("out_bytes", "carried_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes",
+            "bwd_peak_bytes", "loss_bytes")
 
 
 def total_param_bytes(lg: LayerGraph) -> int:
@@ -191,12 +194,15 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         params = list(_unique(lg.params[p] for p in layer.params))
         fwd, bwd, saved, profile = flops[layer.index]
         last = layer.index == len(lg) - 1
+        cut = lg.boundary(layer.index)
+        before = set(lg.input_names if layer.index == 0 else lg.boundary(layer.index - 1))
         cost = Cost(
             param_bytes=sum(map(_nbytes, params)),
             grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
             buffer_bytes=sum(map(_nbytes, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
-            boundary_bytes=_boundary_bytes([env[name] for name in lg.boundary(layer.index)]),
+            boundary_bytes=_boundary_bytes([env[name] for name in cut]),
             saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd,
+            carried_bytes=_boundary_bytes([env[name] for name in cut if name in before]),
             loss_bytes=loss_bytes if last else None, **profile)
         if store:
             layer.node.meta["cost"] = cost

@@ -32,7 +32,7 @@ The compute, per kind of stage (``k`` is the layer at the peak):
   and the logits' gradient).
 
 >>> m = ChainMemory(params=(100, 100), grads=(100, 100), boundary=(10, 10), out=(10, 10),
-...                 fwd_peak=(20, 20), recompute_peak=(50, 50), held=(40, 40),
+...                 carried=(0, 0), fwd_peak=(20, 20), recompute_peak=(50, 50), held=(40, 40),
 ...                 bwd_peak=(60, 60), input_bytes=10)
 >>> print(stage_peak(m, "bwd", range(0, 2), num_microbatch=1))
 bwd 0:2: 520 B (params 200 B, gradients 200 B, activations 20 B, saved 80 B, workspace 20 B) at layer 1
@@ -57,8 +57,8 @@ Grain = Literal["stage", "layer"]
 class ChainMemory:
     """Per-layer memory of a chain for one microbatch (index = layer), from ``Cost``s.
 
-    ``boundary[i]``: bytes live across the cut after layer ``i``; ``input_bytes``: the
-    model inputs (before layer 0); ``loss_bytes``: the loss's peak, ``None`` when not
+    ``boundary[i]``: bytes live across the cut after layer ``i``, ``carried[i]`` the part
+    layer ``i`` passed on unchanged; ``input_bytes``: the model inputs (before layer 0); ``loss_bytes``: the loss's peak, ``None`` when not
     costed (``LOSS_FACTOR`` x the output bytes then). The other fields are the ``Cost``
     memory profile (``params`` includes buffers).
     """
@@ -67,6 +67,7 @@ class ChainMemory:
     grads: tuple[int, ...]
     boundary: tuple[int, ...]
     out: tuple[int, ...]
+    carried: tuple[int, ...]
     fwd_peak: tuple[int, ...]
     recompute_peak: tuple[int, ...]
     held: tuple[int, ...]
@@ -95,6 +96,7 @@ class ChainMemory:
         return cls(
             params=tuple(get(c, "param_bytes") + get(c, "buffer_bytes") for c in costs),
             grads=tuple(grads), boundary=tuple(boundary), out=tuple(out),
+            carried=tuple(get(c, "carried_bytes") for c in costs),
             fwd_peak=tuple(get(c, "fwd_peak_bytes", o) for c, o in zip(costs, out)),
             recompute_peak=tuple(get(c, "recompute_peak_bytes", h) for c, h in zip(costs, held)),
             held=tuple(held),
@@ -118,7 +120,9 @@ class ChainMemory:
 @dataclass(frozen=True)
 class StagePeak:
     """A stage's predicted peak on its device: ``bytes`` by kind (``KINDS``), reached while
-    computing ``layer``. ``stage`` / ``device``: where it sits in a Program, if known."""
+    computing ``layer``; what it assumed: ``grain``, ``residency``, and ``prefetch``, the
+    layers of the stage its device prefetches meanwhile. ``stage`` / ``device``: where it
+    sits in a Program, if known."""
 
     kind: str
     layers: range
@@ -126,6 +130,9 @@ class StagePeak:
     layer: int
     stage: int | None = None
     device: int | None = None
+    grain: str = "stage"
+    residency: Residency | None = None
+    prefetch: range | None = None
 
     @property
     def total(self) -> int:
@@ -139,25 +146,45 @@ class StagePeak:
                 f"{human_bytes(self.total)} ({kinds}) at layer {self.layer}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Residency:
     """How many microbatches' worth of a stage's boundary values are on its device at
-    once: inputs, gradients of its outputs, and its outputs (or input gradients)."""
+    once: its inputs, the gradients of its values (backward), its values or input
+    gradients awaiting offload; separately for *carried* values (read beyond the next
+    layer: inputs made before the stage's previous layer, values it makes that layers
+    after the next one read): a value a stage makes and a later stage on the same device
+    reads is kept there for every microbatch (a hand-off)."""
 
     inputs: int = 1
     grads: int = 1
     outputs: int = 0
+    carried_inputs: int = 1
+    carried_grads: int = 1
+    carried_outputs: int = 0
 
     @classmethod
     def of(cls, num_microbatch: int, *, inputs_handed: bool = False, grads_handed: bool = False,
-           outputs_handed: bool = False) -> Residency:
-        """The current microbatch's values, the next one's uploaded during its compute,
-        the previous one's outputs awaiting offload; every microbatch's when a value is
-        handed over on the device (the next stage on the same device takes it)."""
+           outputs_handed: bool = False, one_device: bool = False) -> Residency:
+        """In a Program: the current microbatch's values, the next one's (uploaded during
+        this compute), the previous one's outputs until offloaded; every microbatch's for
+        the values a stage takes over or hands over on the device: the carried ones, and
+        all of them when every stage runs on ``one_device``."""
         M = num_microbatch
         more = 1 if M > 1 else 0
-        return cls(M if inputs_handed else 1 + more, M if grads_handed else 1 + more,
-                   M if outputs_handed else more)
+
+        def n(handed: bool, usual: int) -> int:
+            return M if handed else usual
+
+        return cls(n(inputs_handed and one_device, 1 + more), n(grads_handed and one_device, 1 + more),
+                   n(outputs_handed and one_device, more), n(inputs_handed, 1 + more),
+                   n(grads_handed, 1 + more), n(outputs_handed, more))
+
+    @classmethod
+    def worst(cls, num_microbatch: int, num_devices: int) -> Residency:
+        """Before the Program exists (the planner): every value that can be handed over
+        is: on one device all of them, else the carried ones."""
+        return cls.of(num_microbatch, inputs_handed=True, grads_handed=True, outputs_handed=True,
+                      one_device=num_devices == 1)
 
 
 class Growth:
@@ -220,11 +247,18 @@ class Growth:
 
     def activations(self) -> int:
         m, r, a, b = self.m, self.res, self.start, self.stop
-        if self.kind == "fwd":
-            return r.inputs * m.before(a) + r.outputs * m.boundary[b - 1]
-        grads_in = r.grads * m.boundary[b - 1] if self.kind == "bwd" else 0
-        grads_out = r.outputs * m.before(a) if a > 0 else 0
-        return r.inputs * m.before(a) + grads_in + grads_out
+        before, after = m.before(a), m.boundary[b - 1]
+        cin = m.carried[a - 1] if a > 0 else 0      # inputs made before the previous layer
+        made = after - min(cin, after)              # what the stage makes (not passed through)
+        onward = min(made, max(0, (m.carried[b] if b < len(m) else 0) - cin))  # read beyond
+        acts = (before - cin) * r.inputs + cin * r.carried_inputs
+        if self.kind == "fwd":                      # its values, until offloaded
+            return acts + (made - onward) * r.outputs + onward * r.carried_outputs
+        if self.kind == "bwd":                      # the gradients of its values
+            acts += (made - onward) * r.grads + onward * r.carried_grads
+        if a > 0:                                   # its input gradients, until offloaded
+            acts += (before - cin) * r.outputs + cin * r.carried_outputs
+        return acts
 
     def bytes(self, prefetched: int = 0) -> dict[str, int]:
         """The peak by kind, with ``prefetched`` bytes of the next stage's parameters."""
@@ -239,19 +273,22 @@ class Growth:
 
 def stage_peak(m: ChainMemory, kind: Kind, layers: range, *, grain: Grain = "stage",
                num_microbatch: int = 1, residency: Residency | None = None,
-               prefetched: int = 0, stage: int | None = None,
+               prefetch: range | None = None, stage: int | None = None,
                device: int | None = None) -> StagePeak:
     """The peak of a stage running ``layers`` (see the module docstring). ``residency``
-    defaults to ``Residency.of(num_microbatch)``; ``prefetched``: the parameter bytes of
-    the stage its device prefetches meanwhile."""
+    defaults to ``Residency.of(num_microbatch)``; ``prefetch``: the layers of the stage
+    its device prefetches meanwhile (their parameters count)."""
     if not layers or layers.start < 0 or layers.stop > len(m):
         raise ValueError(f"layers {layers.start}:{layers.stop} are not a non-empty range of "
                          f"the chain's {len(m)} layers")
+    residency = residency or Residency.of(num_microbatch)
     g = Growth(m, kind, layers.start if kind == "fwd" else layers.stop, grain=grain,
-               residency=residency or Residency.of(num_microbatch))
+               residency=residency)
     for _ in layers:
         g.add()
-    return StagePeak(kind, layers, g.bytes(prefetched), g.peak[2], stage, device)
+    prefetched = sum(m.params[i] for i in prefetch or ())
+    return StagePeak(kind, layers, g.bytes(prefetched), g.peak[2], stage, device,
+                     "layer" if g.layer_grain else "stage", residency, prefetch)
 
 
 def program_peaks(program: Any, m: ChainMemory) -> list[StagePeak]:
@@ -277,11 +314,11 @@ def program_peaks(program: Any, m: ChainMemory) -> list[StagePeak]:
             continue
         d, nxt = order[st.index]
         res = Residency.of(M, inputs_handed=any(flow.handoff.get((st.index, mb)) for mb in range(M)),
-                           grads_handed=st.index in grads_here,
-                           outputs_handed=st.index in handed)
-        nbytes = 0 if nxt is None else sum(m.params[i] for i in program.stages[nxt].layers)
+                           grads_handed=st.index in grads_here, outputs_handed=st.index in handed,
+                           one_device=program.num_devices == 1)
         peaks.append(stage_peak(m, st.kind, st.layers, grain="layer" if st.index in split else "stage",
-                                residency=res, prefetched=nbytes, stage=st.index, device=d))
+                                residency=res, stage=st.index, device=d,
+                                prefetch=None if nxt is None else program.stages[nxt].layers))
     return peaks
 
 

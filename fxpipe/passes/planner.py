@@ -619,12 +619,12 @@ def check_memory(run_type: str | Sequence[str], memory: Sequence[ChainMemory], m
     parameters prefetched.
 
     >>> from fxpipe.passes.memory import ChainMemory
-    >>> m = ChainMemory(*[(10, 10)] * 8)
+    >>> m = ChainMemory(*[(10, 10)] * 9)
     >>> check_memory("fused", [m], 200, num_devices=2)
     >>> check_memory("fused", [m], 50, num_devices=2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fxpipe.errors.PlanError: layer 1 needs 90 bytes (90 B: params 10 B, ...) in a fused tail stage, ...
+    fxpipe.errors.PlanError: layer 0 needs 50 bytes (50 B: params 10 B, ...) in a forward stage, ...
     """
     G = num_devices
     chains = [ChainCosts.from_times([0.0] * len(m)) for m in memory]
@@ -636,8 +636,7 @@ def check_memory(run_type: str | Sequence[str], memory: Sequence[ChainMemory], m
 def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
                  memory: Sequence[ChainMemory], limit: float, reserve: float, G: int, M: int,
                  grain: str) -> list[_Chain]:
-    # with one device, stages hand every microbatch's values over on it (no offload)
-    residency = Residency(M, M, M) if G == 1 else Residency.of(M)
+    residency = Residency.worst(M, G)
     return _chains(run_type, chains, peaks=[(m, grain, residency, limit - reserve, reserve)
                                             for m in memory])
 
