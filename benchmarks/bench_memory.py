@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 import fxpipe  # noqa: E402
 from fxpipe.demo import TinyLlama  # noqa: E402
 from fxpipe.passes.costs import compute_costs  # noqa: E402
-from fxpipe.passes.memory import KINDS, human_bytes  # noqa: E402
+from fxpipe.passes.memory import ChainMemory, Residency, human_bytes, stage_peak  # noqa: E402
 from fxpipe.passes.partition import build_layer_graph  # noqa: E402
 from fxpipe.plan import ExecutePlan, predict_memory  # noqa: E402
 from fxpipe.runtime.microbatch import split_input, split_label  # noqa: E402
@@ -289,12 +289,28 @@ def ids2(n: int):
     return ids, ids
 
 
+def binding_stage(model, example, n: int, num_devices: int):
+    """The single-layer stage with the highest predicted peak at ``n`` tokens, as the planner
+    sees it (what stops a longer sequence), with the prefetch reserve in its parameters."""
+    args = example(n)
+    flat = [x for x in args if isinstance(x, torch.Tensor)]
+    lg = build_layer_graph(copy.deepcopy(model).to(torch.bfloat16), args, {})
+    memory = ChainMemory.of(compute_costs(lg, flat, store=False), sum(x.numel() * x.element_size() for x in flat))
+    res, last = Residency.worst(num_devices + 1, num_devices), len(memory) - 1
+    stages = [stage_peak(memory, kind, range(i, i + 1), residency=res, prefetch=range(j, j + 1))
+              for j in [max(range(len(memory)), key=lambda i: memory.params[i])]
+              for i in range(len(memory))
+              for kind in (("fused",) if i == last else ("fwd", "bwd"))]
+    return max(stages, key=lambda p: p.total)
+
+
 def part_c(hf: bool) -> list[dict]:
     rows = []
     print("\n(c) longest trainable sequence, 8 devices, bf16, microbatch 1 (K = 1024 tokens)")
     head = f"{'model':<14} {'device':>8} {'RoundPipe':>10} {'logits+CE':>10} {'chunked CE':>11}"
     print(head + (f" {'HF export':>10}" if hf else "") + f" {'vs RoundPipe':>13} {'seconds':>8}")
     hf_ce = lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten())  # noqa: E731
+    notes = []
     for name, cfg, qk_norm, hf_class in configs():
         with torch.device("meta"):
             plain, chunked = CausalLM(cfg, qk_norm), CausalLM(cfg, qk_norm, chunked=True)
@@ -310,9 +326,15 @@ def part_c(hf: bool) -> list[dict]:
             print(f"{name:<14} {gib:>5} GiB {rp:>9}K {logits // 1024:>9}K {best // 1024:>10}K"
                   + (f" {via_hf // 1024:>9}K" if hf else "")
                   + f" {best / 1024 / rp:>12.2f}x {seconds:>8.1f}")
+            binding = binding_stage(chunked, ids2, best, 8)
             rows.append({"model": name, "device_gib": gib, "devices": 8, "roundpipe_k": rp,
                          "logits_ce_tokens": logits, "chunked_ce_tokens": best,
-                         "hf_export_chunked_tokens": via_hf, "seconds": seconds})
+                         "hf_export_chunked_tokens": via_hf, "seconds": seconds,
+                         "chunked_binding_stage": {"kind": binding.kind, "layer": binding.layer,
+                                                   "bytes": binding.bytes, "total": binding.total}})
+            notes.append(f"{name}, {gib} GiB, chunked CE at {best // 1024}K: {binding}")
+    print("\nthe stage that stops a longer sequence (chunked CE; params include the prefetch reserve):")
+    print("\n".join(notes))
     return rows
 
 

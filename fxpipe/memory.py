@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -26,12 +26,21 @@ from fxpipe.passes import planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.memory import (KINDS, ChainMemory, StagePeak, device_peaks, human_bytes,
-                                  program_peaks)
+from fxpipe.passes.memory import (
+    KINDS,
+    ChainMemory,
+    StagePeak,
+    device_peaks,
+    human_bytes,
+    program_peaks,
+)
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.schedule import build_program
 from fxpipe.runtime.inputs import static_dim_problem
 from fxpipe.runtime.microbatch import split_input, split_label
+
+if TYPE_CHECKING:
+    from fxpipe.plan import ExecutePlan
 
 MEMORY_FRACTION = 0.9
 """The share of the smallest device's ``memory_limit`` a plan may use at its predicted

@@ -4,6 +4,7 @@ the longest sequence; the chunked linear + cross-entropy that raises it."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,12 @@ from fxpipe.passes.memory import ChainMemory, Residency, program_peaks, stage_pe
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.planner import ChainCosts, check_memory, plan_chains
 from fxpipe.passes.schedule import build_program
-from fxpipe.plan import MEMORY_FRACTION, ExecutePlan, max_sequence_length, predict_memory
+from fxpipe.plan import (
+    MEMORY_FRACTION,
+    ExecutePlan,
+    max_sequence_length,
+    predict_memory,
+)
 from fxpipe.runtime.microbatch import split_input, split_label
 from tests import test_fuzz
 from tests.memory_harness import chain_values, measure_stage
@@ -110,7 +116,7 @@ def test_prediction_within_15_percent_of_measured(name, grain):
 
 
 def test_layer_grain_holds_less_than_stage_grain():
-    model, inputs, run_type, plan, loss_fn, label = model_case("llama")
+    model, inputs, *_ = model_case("llama")
     lg = build_layer_graph(model, inputs, {})
     memory = ChainMemory.of(compute_costs(lg, list(inputs), store=False))
     stage, layer = (stage_peak(memory, "bwd", R(1, 5), grain=g) for g in ("stage", "layer"))
@@ -356,3 +362,30 @@ def test_residency_of_a_stage_job():
     assert Residency.of(4, inputs_handed=True, one_device=True) == Residency(4, 2, 1, 4, 2, 1)
     assert Residency.worst(4, 2) == Residency(2, 2, 1, 4, 4, 4)
     assert Residency.worst(4, 1) == Residency(4, 4, 4, 4, 4, 4)
+
+
+def test_linear_cross_entropy_as_a_hugging_face_head():
+    pytest.importorskip("transformers")
+    from tests.models import init_like_training, tiny_llama
+
+    class WithLoss(nn.Module):   # docs/user-guide.md, Memory
+        def __init__(self, lm):
+            super().__init__()
+            self.model, self.lm_head = lm.model, lm.lm_head
+
+        def forward(self, input_ids, labels):
+            hidden = self.model(input_ids=input_ids).last_hidden_state
+            return fxpipe.linear_cross_entropy(hidden, self.lm_head.weight, labels, 7)
+
+    lm = init_like_training(tiny_llama(layers=2, tie=False))
+    ref = copy.deepcopy(lm)
+    torch.manual_seed(1)
+    ids = torch.randint(2, 64, (4, 12))
+    labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)   # next token
+    with fxpipe.compile(WithLoss(lm), example_inputs=(ids, labels), devices=test_fuzz.devices(2)) as pipe:
+        loss = pipe.forward_backward((ids, labels))
+    expected = ref(input_ids=ids, labels=ids).loss   # transformers shifts the labels itself
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), r in zip(lm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -251,7 +251,8 @@ class Growth:
         cin = m.carried[a - 1] if a > 0 else 0      # inputs made before the previous layer
         made = after - min(cin, after)              # what the stage makes (not passed through)
         onward = min(made, max(0, (m.carried[b] if b < len(m) else 0) - cin))  # read beyond
-        acts = (before - cin) * r.inputs + cin * r.carried_inputs
+        handed = r.inputs if self.kind == "bwd" else r.carried_inputs  # bwd: from the host
+        acts = (before - cin) * r.inputs + cin * handed
         if self.kind == "fwd":                      # its values, until offloaded
             return acts + (made - onward) * r.outputs + onward * r.carried_outputs
         if self.kind == "bwd":                      # the gradients of its values
