@@ -36,8 +36,6 @@ from fxpipe.passes.memory import (
 )
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.schedule import build_program
-from fxpipe.runtime.inputs import static_dim_problem
-from fxpipe.runtime.microbatch import split_input, split_label
 
 if TYPE_CHECKING:
     from fxpipe.plan import ExecutePlan
@@ -51,26 +49,46 @@ RunType = Literal["infer", "train", "fused"]
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
                  loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
     """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
-    ``num_microbatch`` its example inputs split into (as ``pipe.config.split_input`` says;
-    an example too small to split is one microbatch): its layers costed again on fake
-    tensors shaped like it. ``loss=(loss_fn, label)``: also cost the loss on
-    that microbatch's share of ``label``. Other pipes' layer costs are taken as one
+    the ``num_microbatch`` its example splits into: its layers costed again on fake
+    tensors shaped like it. A pipe splits as its ``RunConfig`` says
+    (``pipe._microbatch_example``), a ``LayerGraph`` along dim 0; an example too small
+    to split is one microbatch. ``loss=(loss_fn, label)``: also cost the loss on that
+    microbatch's share of ``label``. Other pipes' layer costs are taken as one
     microbatch's."""
     lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
-    if not (isinstance(lg, LayerGraph) and lg.example_leaves):
-        return ChainMemory.of([layer.cost for layer in pipe.layers])
-    args, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
-    if num_microbatch > 1:
-        spec = getattr(getattr(pipe, "config", None), "split_input", None)
-        try:
-            args, kwargs = (x[0] for x in split_input(args, kwargs, num_microbatch, spec))
-            if loss is not None:
-                loss = loss[0], split_label(loss[1], num_microbatch)[0]
-        except ValueError:   # an example smaller than a step: costed as one microbatch
-            pass
-    flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    costs = compute_costs(lg, flat, store=False, loss=loss)
-    return ChainMemory.of(costs, sum(x.numel() * x.element_size() for x in flat))
+    costs = [layer.cost for layer in lg] if lg is not None else []
+    profiled = costs and all(getattr(c, "held_bytes", None) is not None for c in costs)
+    if not (isinstance(lg, LayerGraph) and lg.example_leaves) or \
+            (num_microbatch == 1 and loss is None and profiled):   # costed as it is
+        return ChainMemory.of(costs, _input_bytes(lg))
+    label = None if loss is None else loss[1]
+    split = getattr(pipe, "_microbatch_example", None) or \
+        (lambda m, y: _first_rows(lg.example_leaves, y, m))
+    flat, label = split(num_microbatch, label)
+    loss = None if loss is None else (loss[0], label)
+    return ChainMemory.of(compute_costs(lg, flat, store=False, loss=loss), _nbytes(flat))
+
+
+def _first_rows(leaves: list, label: Any, num_microbatch: int) -> tuple[list, Any]:
+    """The flat tensor inputs and the label of the first of ``num_microbatch``
+    microbatches, split along dim 0 (``torch.tensor_split``: the first is the largest);
+    tensors too short to split stay whole."""
+    def first(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] >= num_microbatch:
+            return torch.tensor_split(x, num_microbatch)[0]
+        return x
+
+    flat = [first(x) for x in leaves if isinstance(x, torch.Tensor)]
+    return flat, pytree.tree_map(first, label)
+
+
+def _input_bytes(lg: Any) -> int:
+    leaves = getattr(lg, "example_leaves", None) or []
+    return _nbytes([x for x in leaves if isinstance(x, torch.Tensor)])
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(x.numel() * x.element_size() for x in tensors)
 
 
 @dataclass(frozen=True)
@@ -224,11 +242,12 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
             raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
                             f"arguments, got {type(args).__name__}")
         flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        if not graph or static_dim_problem(graph[0], flat):
+        if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
+                            for d, size in graph[0].static_dims.get(name, {}).items()):
             graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers)]
         loss = None if loss_fn is None else (loss_fn, make_label(n))
         costs = compute_costs(graph[0], flat, store=False, loss=loss)
-        memory = ChainMemory.of(costs, sum(x.numel() * x.element_size() for x in flat))
+        memory = ChainMemory.of(costs, _nbytes(flat))
         planner.check_memory("fused", [memory], limit, num_devices=num_devices, num_microbatch=M,
                              recompute_grain=recompute_grain)
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from fxpipe.passes.costs import _human
+from fxpipe.passes.program import Checkpoint, Prefetch, Program
 
 KINDS = ("params", "gradients", "activations", "saved", "workspace")
 LOSS_FACTOR = 3
@@ -58,9 +59,10 @@ class ChainMemory:
     """Per-layer memory of a chain for one microbatch (index = layer), from ``Cost``s.
 
     ``boundary[i]``: bytes live across the cut after layer ``i``, ``carried[i]`` the part
-    layer ``i`` passed on unchanged; ``input_bytes``: the model inputs (before layer 0); ``loss_bytes``: the loss's peak, ``None`` when not
-    costed (``LOSS_FACTOR`` x the output bytes then). The other fields are the ``Cost``
-    memory profile (``params`` includes buffers).
+    layer ``i`` passed on unchanged; ``input_bytes``: the model inputs (before layer 0);
+    ``loss_bytes``: the loss's peak, ``None`` when not costed (``LOSS_FACTOR`` x the
+    output bytes then). The other fields are the ``Cost`` memory profile (``params``
+    includes buffers).
     """
 
     params: tuple[int, ...]
@@ -292,12 +294,10 @@ def stage_peak(m: ChainMemory, kind: Kind, layers: range, *, grain: Grain = "sta
                      "layer" if g.layer_grain else "stage", residency, prefetch)
 
 
-def program_peaks(program: Any, m: ChainMemory) -> list[StagePeak]:
-    """Every stage's peak in a ``Program`` (``fxpipe.passes.program``): its device, the
-    stage that device prefetches next, what is handed over on the device, and its grain
-    (a stage with ``Checkpoint`` actions runs at layer grain) come from the Program."""
-    from fxpipe.passes.program import Checkpoint, Prefetch
-
+def program_peaks(program: Program, m: ChainMemory) -> list[StagePeak]:
+    """Every stage's peak in a ``Program``: its device, the stage that device prefetches
+    next, what is handed over on the device, and its grain (a stage with ``Checkpoint``
+    actions runs at layer grain) come from the Program."""
     order: dict[int, tuple[int, int | None]] = {}   # stage -> (device, next stage there)
     split: set[int] = set()
     for d, acts in enumerate(program.actions):

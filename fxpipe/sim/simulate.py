@@ -40,7 +40,7 @@ import heapq
 from typing import Literal, Sequence
 
 from fxpipe.passes import gc_paused
-from fxpipe.passes.memory import ChainMemory, device_peaks, program_peaks
+from fxpipe.passes.memory import KINDS, ChainMemory, device_peaks, program_peaks
 from fxpipe.passes.program import (
     AsyncUpdate,
     Checkpoint,
@@ -263,7 +263,8 @@ def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
     tps = tokens_per_step / (makespan / 1e3) if tokens_per_step and makespan > 0 else None
     return Timeline(G, intervals, makespan, busy, device_free, [p.total if p else 0 for p in peaks],
                     *exposed, memory_limit=hardware.memory, tokens_per_s=tps,
-                    peak_memory_by_kind=[dict(p.bytes) if p else {} for p in peaks])
+                    peak_memory_by_kind=[dict(p.bytes) if p else dict.fromkeys(KINDS, 0)
+                                         for p in peaks])
 
 
 def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,
