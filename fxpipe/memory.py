@@ -264,8 +264,10 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
         raise PlanError(f"max_sequence_length: not even {step} tokens fit "
                         f"{memory_fraction:.0%} of {human_bytes(device_memory)}: {e}") from None
     lo, hi = step, None
-    while hi is None and lo < max_length:
+    while hi is None:
         n = min(2 * lo, max_length) // step * step
+        if n <= lo:   # max_length reached
+            break
         lo, hi = (n, None) if fits(n) else (lo, n)
     while hi is not None and hi - lo > step:
         mid = (lo + hi) // 2 // step * step

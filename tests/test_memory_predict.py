@@ -223,8 +223,10 @@ def test_max_sequence_length_is_monotone_and_what_the_planner_fits():
         plan_at(small + 256)
 
 
-def test_max_sequence_length_errors():
+def test_max_sequence_length_bounds_and_errors():
     model = tiny_meta_llama()
+    assert max_sequence_length(model, device_memory=2**30, num_devices=2, step=1024,
+                               max_length=3500, dtype=None) == 3072   # capped, a multiple of step
     with pytest.raises(PlanError, match=r"not even 256 tokens fit 90% of 1.05 MB: layer \d+ needs"):
         max_sequence_length(model, device_memory=2**20, num_devices=2, step=256, dtype=None)
     with pytest.raises(ValueError, match="need 1 <= step <= max_length"):
