@@ -6,7 +6,7 @@
 log-sum-exp and target logit, and frees them; the backward makes them again, chunk by
 chunk, and turns each into its share of the gradients of ``hidden`` and ``weight``. Only
 ``hidden``, ``weight`` and ``labels`` are kept for backward, so a 128K-token sequence
-over a 128K vocabulary needs one chunk's logits (256 MiB by default) instead of 64 GiB
+over a 128K vocabulary needs one chunk's logits (256 MiB by default) instead of 63 GiB
 of fp32 logits and as much again for their gradient. The head's matmul runs twice.
 
 In a pipeline, the loss belongs to the model: its last layer reads the hidden states and
