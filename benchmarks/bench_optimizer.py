@@ -228,7 +228,7 @@ def part_sim(args, cpu: dict | None) -> dict:
     """RoundPipe's schedule (its semantics) synchronous and asynchronous, fxpipe's searched
     schedule with the streamed exact step, at a host optimizer rate measured here."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_schedule import DATA, G, M, layer_costs, roundpipe_candidate, search  # noqa: E402
+    from bench_schedule import DATA, M, layer_costs, roundpipe_candidate, search  # noqa: E402
     from fxpipe.sim import Hardware, optimizer_modes  # noqa: E402
     data = json.loads(DATA.read_text())
     per_core = cpu["params_per_s_1_thread"] if cpu else args.params_per_core

@@ -13,6 +13,7 @@ from fxpipe.api import PipelineModule, compile
 from fxpipe.backend import backend
 from fxpipe.config import RunConfig
 from fxpipe.errors import CaptureError, DeviceMemoryError, PlanError, StageError
+from fxpipe.losses import linear_cross_entropy
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.devices import Device, VirtualDevice
 from fxpipe.runtime.microbatch import PackedData
@@ -22,11 +23,14 @@ from fxpipe.verbose import set_verbose
 def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fused",
              num_microbatch: int | None = None, **kwargs):
     """Simulate a pipeline's schedule on a hardware model; returns a ``fxpipe.sim.Timeline``
-    (``makespan``, ``bubble_ratio``, per-device ``busy``, ``to_chrome_trace``, ``plot``).
+    (``makespan``, ``bubble_ratio``, per-device ``busy``, ``to_chrome_trace``, ``plot``,
+    and the predicted peak bytes per device: ``peak_memory``, by kind in
+    ``peak_memory_by_kind``, as ``fxpipe.plan.predict_memory`` gives them).
 
     ``pipe_or_program``: a ``PipelineModule`` (its Program for ``run_type`` and its layers'
-    costs: measured times where known, else FLOPs on ``hardware``) or a ``Program`` with
-    ``costs`` (a ``fxpipe.sim.LayerCost`` per layer).
+    costs: measured times where known, else FLOPs on ``hardware``; its memory for one
+    microbatch, costed on fake tensors) or a ``Program`` with ``costs`` (a
+    ``fxpipe.sim.LayerCost`` per layer).
 
     >>> import torch, fxpipe
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
@@ -34,8 +38,10 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
     >>> t = fxpipe.simulate(pipe, fxpipe.sim.Hardware.rtx4090_pcie4())
     >>> round(t.bubble_ratio, 1)    # percent of the devices' time spent idle
     93.1
+    >>> t.peak_memory_by_kind[0]["params"]   # the stage's and the prefetched one's
+    8396800
     """
-    from fxpipe.plan import layer_costs
+    from fxpipe.plan import chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost
     from fxpipe.sim import simulate as _simulate
     hardware = hardware or Hardware()
@@ -43,6 +49,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
         program = pipe_or_program.program(run_type, num_microbatch)
         if costs is None:
             costs = [LayerCost.of(c, hardware) for c in layer_costs(pipe_or_program)]
+        kwargs.setdefault("memory", chain_memory(pipe_or_program, program.num_microbatches))
     else:
         program = pipe_or_program
         if costs is None:
@@ -53,6 +60,6 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 __all__ = [
     "CaptureError", "Device", "DeviceMemoryError", "ExecutePlan", "PackedData", "PipelineModule",
-    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "optim", "set_verbose",
-    "sim", "simulate",
+    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "linear_cross_entropy",
+    "optim", "set_verbose", "sim", "simulate",
 ]

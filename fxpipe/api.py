@@ -28,7 +28,7 @@ from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
-from fxpipe.runtime.microbatch import PackedData
+from fxpipe.runtime.microbatch import PackedData, split_input, split_label
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
@@ -200,7 +200,10 @@ class PipelineModule(nn.Module):
                                    layers=self._layers_path,
                                    dynamic=self._dynamic_dims(tensors))
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-            plan = self._user_plan or ExecutePlan.auto("fused", _Planned(lg, self.devices))
+            cfg = self._config(None)
+            plan = self._user_plan or ExecutePlan.auto(
+                "fused", _Planned(lg, self.devices, cfg), num_microbatch=cfg.num_microbatch,
+                recompute_grain=cfg.recompute_grain)
             plan.validate(len(lg), _run_type_of(plan, len(lg)))
         compiled = _Compiled(layers=lg, plan=plan, device_names=[d.name for d in self.devices])
         self._cache.append(compiled)
@@ -396,6 +399,10 @@ class PipelineModule(nn.Module):
         return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
                 f"devices=[{', '.join(d.name for d in self.devices)}]")
 
+    def _microbatch_example(self, num_microbatch: int, label: Any = None) -> tuple[list, Any]:
+        """The first microbatch of the example (and of ``label``): what memory is costed on."""
+        return _microbatch_example(self.layers, self.config, num_microbatch, label)
+
     def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
                 num_microbatch: int | None = None, optimizer: bool | str = False,
                 grain: Literal["stage", "layer"] | None = None, *,
@@ -465,6 +472,25 @@ class _Planned:
 
     layers: LayerGraph
     devices: list[Device]
+    config: RunConfig
+
+    def _microbatch_example(self, num_microbatch: int, label: Any = None) -> tuple[list, Any]:
+        return _microbatch_example(self.layers, self.config, num_microbatch, label)
+
+
+def _microbatch_example(lg: LayerGraph, config: RunConfig, num_microbatch: int,
+                        label: Any = None) -> tuple[list, Any]:
+    """The flat tensor inputs (and the label) of the first, largest microbatch the
+    example splits into under ``config`` (what ``fxpipe.memory.chain_memory`` costs); an
+    example too small to split, whole."""
+    args, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
+    try:
+        parts = split_input(args, kwargs, num_microbatch, config.split_input)
+        labels = None if label is None else split_label(label, num_microbatch, config.split_label)
+    except ValueError:
+        return [x for x in lg.example_leaves if isinstance(x, torch.Tensor)], label
+    leaves = pytree.tree_leaves((parts[0][0], parts[1][0]))
+    return [x for x in leaves if isinstance(x, torch.Tensor)], None if labels is None else labels[0]
 
 
 def plan_key(plan: ExecutePlan) -> tuple:

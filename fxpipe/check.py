@@ -142,7 +142,6 @@ def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
         times["eager_checkpoint"].append(e)
         ratios.append(f / e)
     pipe.close()
-    del eager
     return {"fxpipe_s": min(times["fxpipe"]), "eager_checkpoint_s": min(times["eager_checkpoint"]),
             "ratio_min": min(ratios), "ratio_median": statistics.median(ratios),
             "params": sum(p.numel() for p in model.parameters())}

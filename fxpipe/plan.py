@@ -12,6 +12,11 @@ ExecutePlan(fwd=[0:3], bwd=[3:4, 2:3, 0:2])
 >>> plan.validate(4, "fused")
 >>> ExecutePlan.default(3, "train")
 ExecutePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
+
+Memory (``fxpipe.memory``, also importable from here): ``predict_memory`` gives each
+stage's predicted peak bytes on its device, by kind; ``ExecutePlan.auto`` keeps every
+stage within the device limit; ``max_sequence_length`` finds the longest sequence for
+which a plan fits.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fxpipe.errors import PlanError
+from fxpipe.memory import (MEMORY_FRACTION, MemoryPrediction, chain_memory,  # noqa: F401
+                           max_sequence_length, predict_memory)
 from fxpipe.passes import planner
 
 RunType = Literal["infer", "train", "fused"]
@@ -124,14 +131,24 @@ class ExecutePlan:
     @classmethod
     def auto(cls, run_type: RunType, *pipes: Any, min_stages: int | None = None,
              upper_threshold: float = 1.1, model_memory_limit: float | None = None,
-             num_devices: int | None = None) -> ExecutePlan | list[ExecutePlan]:
+             num_devices: int | None = None, num_microbatch: int | None = None,
+             recompute_grain: Literal["stage", "layer"] = "stage") -> ExecutePlan | list[ExecutePlan]:
         """Plan stages from per-layer costs (see ``fxpipe.passes.planner.plan_chains``).
 
-        A pipe has ``.layers`` (items with ``.cost``), ``.devices`` (items with an
-        optional ``.memory_limit`` in bytes) and optionally ``.timings`` (a
-        ``LayerTimer``: measured times replace the estimates, see :func:`layer_costs`). ``model_memory_limit`` is in GB (2**30
-        bytes; default 60% of the smallest device limit, no cap when no device has one);
-        each stage must fit in half of it because the next stage is prefetched.
+        A pipe has ``.layers`` (a ``LayerGraph``, or items with ``.cost``), ``.devices``
+        (items with an optional ``.memory_limit`` in bytes) and optionally ``.timings``
+        (a ``LayerTimer``: measured times replace the estimates, see :func:`layer_costs`)
+        and ``.config`` (a ``RunConfig``: its ``split_input``).
+
+        Memory: every stage's predicted peak on its device (:func:`predict_memory`: its
+        parameters and those of the stage its device prefetches meanwhile, gradients,
+        activations, saved tensors and workspace, for one microbatch of
+        ``num_microbatch``, default devices + 1, at ``recompute_grain``) fits
+        ``model_memory_limit`` GB (2**30 bytes; default ``MEMORY_FRACTION`` = 90% of the
+        smallest device limit, no limit when no device has one). A pipe whose ``layers``
+        is a ``LayerGraph`` is costed again on fake tensors shaped like one microbatch;
+        other costs are taken as one microbatch's.
+
         ``min_stages`` defaults to the number of devices (a hint: a short model may get
         fewer). ``upper_threshold`` bounds the granularity: no more stages than needed to
         keep every stage within ``upper_threshold`` x the best achievable bottleneck
@@ -149,11 +166,12 @@ class ExecutePlan:
             raise ValueError("ExecutePlan.auto: no devices; pass num_devices=")
         if model_memory_limit is None:
             limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
-            cap = 0.6 * min(limits) / 2 if limits else None
+            limit = MEMORY_FRACTION * min(limits) if limits else None
         else:
             if model_memory_limit <= 0:
                 raise ValueError(f"model_memory_limit must be > 0 GB, got {model_memory_limit}")
-            cap = model_memory_limit * 2**30 / 2
+            limit = model_memory_limit * 2**30
+        M = num_microbatch or num_devices + 1
         cost_lists = [layer_costs(p) for p in pipes]
         for k, costs in enumerate(cost_lists):
             for i, cost in enumerate(costs):
@@ -161,9 +179,11 @@ class ExecutePlan:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
         chains = planner.chain_costs(cost_lists, need_backward=run_type != "infer")
-        planned = planner.plan_chains(run_type, chains, num_devices=num_devices,
+        memory = None if limit is None else [chain_memory(p, M) for p in pipes]
+        planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
-                                      memory_cap=cap)
+                                      memory=memory, memory_limit=limit,
+                                      recompute_grain=recompute_grain)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]
         for plan, costs in zip(plans, cost_lists):
             plan.validate(len(costs), run_type)

@@ -168,8 +168,8 @@ def test_compiled_artifacts_are_built_once_and_cached():
 # -- layering ---------------------------------------------------------------------------
 
 LAYERS = [
-    ("fxpipe.errors", "fxpipe.ops", "fxpipe.verbose"),
-    ("fxpipe.passes", "fxpipe.plan", "fxpipe.config"),
+    ("fxpipe.errors", "fxpipe.ops", "fxpipe.verbose", "fxpipe.losses"),
+    ("fxpipe.passes", "fxpipe.plan", "fxpipe.memory", "fxpipe.config"),
     ("fxpipe.sim",),
     ("fxpipe.runtime",),
     ("fxpipe.optim",),

@@ -504,4 +504,6 @@ def test_llama_7b_on_meta_is_fast_and_exact():  # ~10 s, nearly all of it the ca
     assert block.fwd_flops == 2 * s * (4 * h * h + 3 * h * inter) + 2 * 2 * s * s * h
     assert block.boundary_bytes > s * h * F32  # the hidden state and the carried tables
     assert last.boundary_bytes == s * h * F32  # the hidden state only
-    assert dataclasses.replace(last, boundary_bytes=block.boundary_bytes) == block
+    assert last.carried_bytes == 0 < block.carried_bytes  # the tables the next block reads
+    assert dataclasses.replace(last, boundary_bytes=block.boundary_bytes,
+                               carried_bytes=block.carried_bytes) == block

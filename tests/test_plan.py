@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from fxpipe.errors import PlanError
-from fxpipe.plan import ExecutePlan
+from fxpipe.plan import ExecutePlan, predict_memory
 
 
 def R(a, b):
@@ -128,12 +128,17 @@ def test_auto_uses_estimates_without_measurements():
 def test_auto_memory_limits():
     GB = 2**30
     layers = [layer(1.0, 2.0, param_bytes=GB) for _ in range(4)]
-    # default: 60% of the smallest device (10 GB) / 2 = 3 GB per stage; backward holds params + grads
-    plan = ExecutePlan.auto("train", pipe(layers, devices=1, memory_limit=10 * GB), upper_threshold=100)
-    assert [len(r) for r in plan.bwd_plan] == [1, 1, 1, 1] and max(len(r) for r in plan.fwd_plan) <= 3
+    # default: 90% of the smallest device (10 GB) at the predicted peak: a backward stage holds
+    # its parameters and gradients, its device the next stage's parameters meanwhile
+    p = pipe(layers, devices=1, memory_limit=10 * GB)
+    plan = ExecutePlan.auto("train", p, upper_threshold=100)
+    assert max(len(r) for r in plan.bwd_plan) == 2   # 2 + 2 GB, and 2 GB prefetched
+    assert predict_memory(p, plan, num_microbatch=2).peak <= 0.9 * 10 * GB
     plan = ExecutePlan.auto("train", pipe(layers, devices=1), model_memory_limit=100, upper_threshold=100)
     assert plan.fwd_plan == [R(0, 4)] and plan.bwd_plan == [R(0, 4)]
-    with pytest.raises(PlanError, match=r"layer 0 needs \d+ bytes .*in a backward stage, over the per-stage limit of 1073741824 bytes"):
+    with pytest.raises(PlanError, match=r"layer 3 needs 2147483648 bytes \(2.15 GB: params 1.07 GB, "
+                                        r"gradients 1.07 GB.*\) in a backward stage, over the "
+                                        r"per-stage limit of 1073741824 bytes"):
         ExecutePlan.auto("train", pipe(layers), model_memory_limit=2)
     with pytest.raises(ValueError, match="model_memory_limit must be > 0"):
         ExecutePlan.auto("train", pipe(layers), model_memory_limit=0)

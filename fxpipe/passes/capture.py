@@ -109,6 +109,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         except Exception as e:  # noqa: BLE001 — every failure is reported below
             tried[m] = e
             continue
+        _bind_python(gm)
         gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
                        capture=m, training=model.training, dropped_outputs=list(wrapper.dropped),
                        static_dims={} if m == "fx" else _static_dims(gm))
@@ -130,6 +131,20 @@ def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseExcept
         print(f"fxpipe: {what}, which a pipeline cannot split into microbatches or carry "
               "between layers; None is used there (for a Hugging Face cache, pass "
               "use_cache=False so it is not built)", file=sys.stderr)
+
+
+def _bind_python(gm: fx.GraphModule) -> None:
+    """Nodes of fxpipe's own opaque ops call their Python implementation instead
+    (``fxpipe.losses.linear_cross_entropy``: an autograd.Function whose every op a
+    dispatch mode sees, so the cost model and device byte accounting count its chunks)."""
+    from fxpipe.losses import linear_cross_entropy
+
+    op = torch.ops.fxpipe.linear_cross_entropy
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+    for n in nodes:
+        n.target = linear_cross_entropy
+    if nodes:
+        gm.recompile()
 
 
 def _unaliased(leaves: list) -> list:

@@ -16,6 +16,17 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
 - ``fwd_flops`` / ``bwd_flops``: ``FlopCounterMode`` over the forward, and over the
   gradient w.r.t. the parameters and float inputs that require grad. Like the counter it
   counts matmul-like ops only (mm, conv, attention); causal attention counts in full.
+- the memory profile (``LiveBytes`` over the layer's own allocations, its inputs and
+  parameters already there): ``out_bytes``, the new values it hands on;
+  ``carried_bytes``, the part of ``boundary_bytes`` it passed on unchanged (values made
+  before it, or model inputs);
+  ``fwd_peak_bytes``, the most a forward without grad allocates at once;
+  ``recompute_peak_bytes`` and ``held_bytes``, the same with grad and what stays
+  allocated after it (saved tensors and outputs); ``bwd_peak_bytes``, the most allocated
+  at once during its backward (``held_bytes`` included), with its parameters' gradient
+  buffers already there, as in a stage's later microbatches. ``fxpipe.passes.memory``
+  composes them into a stage's peak. With ``loss=(loss_fn, label)`` the last layer also
+  gets ``loss_bytes``, what the loss allocates at its peak (forward and backward).
 
 ``meta`` tensors are costed as CPU tensors (attention dispatches to a fused kernel, as on
 a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
@@ -55,6 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
+from fxpipe.passes.live_bytes import LiveBytes
 from fxpipe.verbose import is_verbose
 
 
@@ -72,6 +84,14 @@ class Cost:
     fwd_ms: float | None = None
     recompute_ms: float | None = None  # forward with grad (building the autograd graph)
     bwd_ms: float | None = None
+    # memory profile (module docstring); a stage's peak is not a sum: fxpipe.passes.memory
+    out_bytes: int | None = None
+    carried_bytes: int | None = None
+    fwd_peak_bytes: int | None = None
+    recompute_peak_bytes: int | None = None
+    held_bytes: int | None = None
+    bwd_peak_bytes: int | None = None
+    loss_bytes: int | None = None
 
     def __str__(self) -> str:
         parts = [f"params {_human(self.param_bytes, 'B')}"]
@@ -89,8 +109,10 @@ class Cost:
     @classmethod
     def sum(cls, costs: Iterable[Cost]) -> Cost:
         """The cost of consecutive layers: fields added up, except ``boundary_bytes``,
-        which is the last layer's (what leaves the run). A time is ``None`` unless every
-        layer has it. A parameter tied between the layers counts once per layer."""
+        which is the last layer's (what leaves the run), and the memory profile, which
+        does not add up (``None``; ``fxpipe.passes.memory.stage_peak`` composes it). A
+        time is ``None`` unless every layer has it. A parameter tied between the layers
+        counts once per layer."""
         costs = list(costs)
         if not costs:
             return cls()
@@ -99,8 +121,13 @@ class Cost:
             values = [getattr(c, name) for c in costs]
             return None if any(v is None for v in values) else sum(values)
 
-        fields = {f.name: total(f.name) for f in dataclasses.fields(cls)}
+        fields = {f.name: None if f.name in _PROFILE else total(f.name)
+                  for f in dataclasses.fields(cls)}
         return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
+
+
+_PROFILE = ("out_bytes", "carried_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes",
+            "bwd_peak_bytes", "loss_bytes")
 
 
 def total_param_bytes(lg: LayerGraph) -> int:
@@ -108,10 +135,13 @@ def total_param_bytes(lg: LayerGraph) -> int:
     return sum(map(_nbytes, _unique(lg.params.values())))
 
 
-def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
+def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = True,
+                  loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> list[Cost]:
     """Cost every layer of ``lg`` for inputs shaped like ``flat_inputs`` (the flat model
     inputs, one per ``lg.input_names``; real or ``meta`` tensors). Stores each ``Cost``
-    in ``layer.node.meta["cost"]`` and returns them in layer order.
+    in ``layer.node.meta["cost"]`` (unless ``store=False``) and returns them in layer
+    order. ``loss=(loss_fn, label)``: also cost ``loss_fn(outputs, label)`` (the last
+    layer's ``loss_bytes``).
 
     Inputs, parameters and buffers are replaced by fake stand-ins: the model's tensors,
     their ``.grad`` and buffer updates (BatchNorm statistics) are left untouched. A layer
@@ -135,7 +165,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
         return fakes[id(t)][1]
 
     counter = FlopCounterMode(display=False)
-    flops: dict[int, tuple[int, int, int]] = {}
+    flops: dict[int, tuple] = {}   # layer -> (fwd flops, bwd flops, saved bytes, profile)
     seen: dict[tuple, tuple] = {}  # layer key -> (flops, output recipe)
     failed: dict[int, Exception] = {}  # layers that cannot run on fake tensors
 
@@ -158,8 +188,15 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
     tensors = [*_tensors(flat_inputs), *lg.params.values(), *_tensors(lg.buffers.values())]
     on_meta = any(t.device.type == "meta" for t in tensors)
     inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+    loss_bytes = None
+    if loss is not None:
+        loss_fn, label = loss
+        label = pytree.tree_map(
+            lambda t: fake(t, from_input=True) if isinstance(t, torch.Tensor) else t, label)
     with mode, _MetaAsCPU() if on_meta else contextlib.nullcontext(), torch.enable_grad():
         env = _walk(lg, inputs, run)
+        if loss is not None:
+            loss_bytes = _fake_loss(lg, env, loss_fn, label)
     if failed:
         flops.update(_measured(lg, flat_inputs, failed) if not on_meta else
                      {i: _bounded(lg[i], env) for i in failed})
@@ -174,14 +211,20 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list[Cost]:
     costs = []
     for layer in lg:
         params = list(_unique(lg.params[p] for p in layer.params))
-        fwd, bwd, saved = flops[layer.index]
+        fwd, bwd, saved, profile = flops[layer.index]
+        last = layer.index == len(lg) - 1
+        cut = lg.boundary(layer.index)
+        before = set(lg.input_names if layer.index == 0 else lg.boundary(layer.index - 1))
         cost = Cost(
             param_bytes=sum(map(_nbytes, params)),
             grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
             buffer_bytes=sum(map(_nbytes, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
-            boundary_bytes=_boundary_bytes([env[name] for name in lg.boundary(layer.index)]),
-            saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd)
-        layer.node.meta["cost"] = cost
+            boundary_bytes=_boundary_bytes([env[name] for name in cut]),
+            saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd,
+            carried_bytes=_boundary_bytes([env[name] for name in cut if name in before]),
+            loss_bytes=loss_bytes if last else None, **profile)
+        if store:
+            layer.node.meta["cost"] = cost
         costs.append(cost)
     return costs
 
@@ -316,7 +359,8 @@ class _MetaAsCPU(TorchDispatchMode):
 
 def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
                 counter: FlopCounterMode):
-    """Run one layer on fakes; returns its outputs and (fwd flops, bwd flops, saved bytes)."""
+    """Run one layer on fakes; returns its outputs and (fwd flops, bwd flops, saved bytes,
+    memory profile): a forward with grad, its backward, and a forward without grad."""
     held = {_storage_key(t) for t in attrs.values()}
     saved: dict[int, int] = {}
 
@@ -328,22 +372,51 @@ def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
     for clone in (False, True):  # inputs as leaves; copies if the layer writes into them
         a, k, leaves, passed = _fresh_inputs(args, kwargs, clone)
         saved.clear()
+        live = LiveBytes()
         try:
-            with saved_tensors_hooks(pack, lambda t: t), counter:
+            with saved_tensors_hooks(pack, lambda t: t), counter, live:
                 out = torch.func.functional_call(gm, attrs, a, k)
             break
         except RuntimeError as e:
             if clone or "leaf Variable that requires grad" not in str(e):
                 raise
     fwd, bwd = counter.get_total_flops(), 0
+    profile = dict(out_bytes=live.new_bytes(pytree.tree_leaves(out)),
+                   recompute_peak_bytes=live.peak, held_bytes=live.bytes)
     roots = _grad_roots(out)
-    wrt = list(_unique([t for t in attrs.values() if t.requires_grad] + leaves))
+    params = [t for t in _unique(attrs.values()) if t.requires_grad]
+    wrt = list(_unique(params + leaves))
+    live.reset_peak()
     if roots and wrt:
         grads = [torch.ones_like(r) for r in roots]
-        with counter:
-            torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        for p in params:  # gradient buffers exist, as in a stage job's later microbatches
+            p.grad = torch.zeros_like(p)
+        try:
+            with counter, live:
+                torch.autograd.backward(roots, grads, inputs=wrt)
+        finally:
+            for t in wrt:
+                t.grad = None
         bwd = counter.get_total_flops()
-    return _detached(out, passed), (fwd, bwd, sum(saved.values()))
+    profile["bwd_peak_bytes"] = live.peak
+    a, k, _, _ = _fresh_inputs(args, kwargs, clone)
+    with torch.no_grad(), LiveBytes() as live:
+        torch.func.functional_call(gm, attrs, a, k)
+    profile["fwd_peak_bytes"] = live.peak
+    return _detached(out, passed), (fwd, bwd, sum(saved.values()), profile)
+
+
+def _fake_loss(lg: LayerGraph, env: dict[str, Any], loss_fn: Callable[[Any, Any], Any],
+               label: Any) -> int:
+    """What ``loss_fn(outputs, label)`` allocates at its peak, forward and backward, on the
+    fake outputs of the chain (``label``: fake too)."""
+    out = pytree.tree_unflatten(lg.flat_outputs(env), lg.out_spec)
+    roots = _grad_roots(out)
+    with LiveBytes() as live:
+        loss = loss_fn(out, label)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad and roots:
+            torch.autograd.grad(loss, roots, allow_unused=True)
+    return live.peak
 
 
 # A layer costs what an earlier one did when its graph is the same up to names and its
@@ -458,9 +531,10 @@ def _outputs_as_captured(layer: Layer) -> tuple:
 
 
 def _measured(lg: LayerGraph, flat_inputs: list, failed: dict[int, Exception]) -> dict[int, tuple]:
-    """(fwd FLOPs, bwd FLOPs, saved bytes) of the ``failed`` layers, counted while the chain
-    runs on the real inputs up to the last of them (buffers and the RNG restored)."""
-    counts: dict[int, tuple[int, int, int]] = {}
+    """(fwd FLOPs, bwd FLOPs, saved bytes, memory profile) of the ``failed`` layers,
+    counted while the chain runs on the real inputs up to the last of them (buffers and
+    the RNG restored)."""
+    counts: dict[int, tuple] = {}
     last = max(failed)
 
     def run(layer: Layer, args: tuple, kwargs: dict):
@@ -488,17 +562,18 @@ def _measured(lg: LayerGraph, flat_inputs: list, failed: dict[int, Exception]) -
     return {i: counts[i] for i in failed}
 
 
-def _bounded(layer: Layer, env: dict[str, Any]) -> tuple[int, int, int]:
-    """(fwd FLOPs, bwd FLOPs, saved bytes) bounds for a layer that cannot run, from sizes
-    alone: every parameter used once per token (all experts of an MoE layer, an upper
-    bound for top-k routing), backward twice the forward, and 16 bytes saved per byte
-    of its largest input (a transformer block saves about that much at fp32)."""
+def _bounded(layer: Layer, env: dict[str, Any]) -> tuple[int, int, int, dict]:
+    """(fwd FLOPs, bwd FLOPs, saved bytes, memory profile) bounds for a layer that cannot
+    run, from sizes alone: every parameter used once per token (all experts of an MoE
+    layer, an upper bound for top-k routing), backward twice the forward, and 16 bytes
+    saved per byte of its largest input (a transformer block saves about that much at
+    fp32); no profile (``fxpipe.passes.memory`` falls back to saved and boundary bytes)."""
     inputs = [t for t in _tensors(env[n] for n in layer.inputs) if t.dim() > 0]
     tokens = max((t.numel() // max(t.shape[-1], 1) for t in inputs if t.is_floating_point()),
                  default=1)
     numel = sum(p.numel() for p in _unique(_attr_tensors(layer.gm).values()))
     fwd = 2 * numel * tokens
-    return fwd, 2 * fwd, 16 * max((_nbytes(t) for t in inputs), default=0)
+    return fwd, 2 * fwd, 16 * max((_nbytes(t) for t in inputs), default=0), {}
 
 
 def _first_line(e: BaseException) -> str:

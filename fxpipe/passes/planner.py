@@ -9,9 +9,13 @@ microbatches. Costs per layer: forward / recompute / backward ms, and bytes.
   bwd_ms``; for ``"fused"`` the first backward stage (the tail) runs forward + loss +
   backward without recompute, so it costs ``fwd_ms + bwd_ms`` and its layers are not in
   the forward plan. ``"infer"`` has no backward plan.
-* Stage memory (additive): ``param_bytes`` (+ ``grad_bytes`` and ``act_bytes`` in backward
-  stages; ``fwd_act_bytes`` in forward stages) must fit the per-stage cap (half the model
-  memory limit, because the next stage is prefetched).
+* Stage memory, either additive: ``param_bytes`` (+ ``grad_bytes`` and ``act_bytes`` in
+  backward stages; ``fwd_act_bytes`` in forward stages) must fit a per-stage cap; or the
+  stage's predicted peak (``fxpipe.passes.memory``: parameters of this and the prefetched
+  stage, gradients, boundary activations, saved tensors, workspace) must fit the device.
+  A predicted peak need not shrink when a stage loses a layer at its start (the cut
+  there may carry more than the layers inside held): greedy then stays correct (every
+  stage it makes is checked) but may not be the fewest stages.
 * Bottleneck: the slowest stage. All stages of all pipes planned together share it.
 
 Algorithm (``plan_chains``):
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import PlanError
+from fxpipe.passes.memory import ChainMemory, Growth, Residency, human_bytes
 
 INF = math.inf
 
@@ -200,13 +205,15 @@ def _prefix(xs: Sequence[float]) -> list[float]:
     return out
 
 
-def _pack(P1: list[float], P: list[float], Q: list[float] | None, end: int, bound: float,
-          cap: float | None, limit: float, start: int = 0) -> tuple[list[int] | None, float, float]:
-    """Greedy over positions [start, end): stage 0 uses prefix sums ``P1``, later ones
-    ``P``; memory prefix ``Q`` under ``cap``. Returns (stage ends, or None if more than
-    ``limit`` stages are needed; worst stage time; smallest bound that changes a stage)."""
+def _pack(P1: list[float], P: list[float], fit1: Any, fit: Any, end: int, bound: float,
+          limit: float, start: int = 0) -> tuple[list[int] | None, float, float]:
+    """Greedy over positions [start, end): stage 0 uses prefix sums ``P1`` and memory
+    ``fit1``, later ones ``P`` and ``fit`` (``None``: no memory limit; else
+    ``fit.reach(i, end)`` is where a stage from ``i`` must end to fit). Returns (stage
+    ends, or None if more than ``limit`` stages are needed; worst stage time; smallest
+    bound that changes a stage)."""
     cuts: list[int] = []
-    i, worst, nxt, T = start, 0.0, INF, P1
+    i, worst, nxt, T, F = start, 0.0, INF, P1, fit1
     right = bisect.bisect_right
     while i < end:
         if len(cuts) >= limit:
@@ -217,14 +224,7 @@ def _pack(P1: list[float], P: list[float], Q: list[float] | None, end: int, boun
             j -= 1                                   # are reported, despite rounding
         while j < end and T[j + 1] - Ti <= bound:
             j += 1
-        jm = end
-        if cap is not None:
-            Qi = Q[i]
-            jm = right(Q, Qi + cap, i + 1, end + 1) - 1
-            while jm > i and Q[jm] - Qi > cap:
-                jm -= 1
-            while jm < end and Q[jm + 1] - Qi <= cap:
-                jm += 1
+        jm = end if F is None else F.reach(i, min(end, j + 1))  # j + 1: enough to compare
         if jm < j:                                   # memory-limited: a larger bound
             j = jm                                   # changes nothing here
         elif j < end and j < jm and T[j + 1] - Ti < nxt:
@@ -234,24 +234,95 @@ def _pack(P1: list[float], P: list[float], Q: list[float] | None, end: int, boun
         if T[j] - Ti > worst:
             worst = T[j] - Ti
         cuts.append(j)
-        i, T = j, P
+        i, T, F = j, P, fit
     return cuts, worst, nxt
 
 
-class _Chain:
-    """One chain's prefix sums in processing order (backward: deep to shallow)."""
+class _Additive:
+    """Stage memory as the sum of per-layer bytes, under ``cap`` (bytes per stage)."""
 
-    def __init__(self, c: ChainCosts, run_type: str):
+    def __init__(self, mem: Sequence[float], cap: float):
+        self.mem, self.Q, self.cap = list(mem), _prefix(mem), cap
+
+    def reach(self, i: int, end: int) -> int:
+        Q, cap = self.Q, self.cap
+        jm = bisect.bisect_right(Q, Q[i] + cap, i + 1, end + 1) - 1
+        while jm > i and Q[jm] - Q[i] > cap:
+            jm -= 1
+        while jm < end and Q[jm + 1] - Q[i] <= cap:
+            jm += 1
+        return jm
+
+    def refusal(self, position: int, layer: int, kind: str) -> str:
+        m = self.mem[position]
+        return (f"needs {m:.0f} bytes ({m / 2**30:.2f} GB) in a {kind} stage, over the "
+                f"per-stage limit of {self.cap:.0f} bytes ({self.cap / 2**30:.2f} GB)")
+
+
+class _Peak:
+    """Stage memory as its predicted peak (``fxpipe.passes.memory``): every stage's own
+    bytes fit ``cap`` and its parameters fit ``reserve``, the room kept for the next
+    stage's parameters, which its device prefetches meanwhile (``cap + reserve`` is the
+    device limit). Backward positions run deep to shallow."""
+
+    def __init__(self, memory: ChainMemory, kind: str, grain: str, residency: Residency,
+                 cap: float, reserve: float):
+        self.m, self.kind, self.grain, self.res = memory, kind, grain, residency
+        self.cap, self.reserve, self.backward = cap, reserve, kind != "fwd"
+
+    def _growth(self, i: int) -> Growth:
+        return Growth(self.m, self.kind, len(self.m) - i if self.backward else i,
+                      grain=self.grain, residency=self.res)
+
+    def reach(self, i: int, end: int) -> int:
+        g, j = self._growth(i), i
+        while j < end:
+            g.add()
+            if g.params > self.reserve or g.own() > self.cap:
+                break
+            j += 1
+        return j
+
+    def refusal(self, position: int, layer: int, kind: str) -> str:
+        g = self._growth(position)
+        g.add()
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in g.bytes().items())
+        return (f"needs {g.own():.0f} bytes ({human_bytes(g.own())}: {parts}) in a {kind} stage, "
+                f"over the per-stage limit of {self.cap:.0f} bytes (the device limit "
+                f"{human_bytes(self.cap + self.reserve)} less {human_bytes(self.reserve)} for the "
+                f"parameters of the stage its device prefetches meanwhile); its parameters "
+                f"alone: {human_bytes(g.params)}")
+
+
+class _Chain:
+    """One chain's prefix sums in processing order (backward: deep to shallow), and its
+    memory fits (``ffit`` forward, ``bfit1`` the first backward stage, ``bfit`` the
+    others; ``None``: no limit): additive bytes under ``cap``, or with ``peak`` =
+    ``(ChainMemory, grain, Residency, cap, reserve)`` the predicted peak."""
+
+    def __init__(self, c: ChainCosts, run_type: str, cap: float | None = None,
+                 peak: tuple | None = None):
         n = self.n = len(c)
         self.fused, self.has_bwd = run_type == "fused", run_type != "infer"
-        fact = c.fwd_act_bytes if c.fwd_act_bytes is not None else c.act_bytes
-        self.f_mem = [p + a for p, a in zip(c.param_bytes, fact)]
-        self.b_mem = [p + g + a for p, g, a in zip(c.param_bytes, c.grad_bytes, c.act_bytes)]
-        self.F, self.FQ = _prefix(c.fwd_ms), _prefix(self.f_mem)
+        self.F = _prefix(c.fwd_ms)
         rb = [r + b for r, b in zip(c.recompute_ms, c.bwd_ms)][::-1]
         fb = [f + b for f, b in zip(c.fwd_ms, c.bwd_ms)][::-1]
-        self.B, self.BQ = _prefix(rb), _prefix(self.b_mem[::-1])
+        self.B = _prefix(rb)
         self.B1 = _prefix(fb) if self.fused else self.B
+        self.ffit = self.bfit = self.bfit1 = None
+        if peak is not None:
+            memory, grain, residency, pcap, reserve = peak
+            if len(memory) != n:
+                raise ValueError(f"the chain has {n} layers, its memory {len(memory)}")
+            self.ffit, self.bfit = (_Peak(memory, k, grain, residency, pcap, reserve)
+                                    for k in ("fwd", "bwd"))
+            self.bfit1 = _Peak(memory, "fused", grain, residency, pcap, reserve) \
+                if self.fused else self.bfit
+        elif cap is not None:
+            fact = c.fwd_act_bytes if c.fwd_act_bytes is not None else c.act_bytes
+            self.ffit = _Additive([p + a for p, a in zip(c.param_bytes, fact)], cap)
+            self.bfit = self.bfit1 = _Additive(
+                [p + g + a for p, g, a in zip(c.param_bytes, c.grad_bytes, c.act_bytes)][::-1], cap)
         if not self.has_bwd:
             self.lower = max(c.fwd_ms)
             self.work = sum(c.fwd_ms)
@@ -274,20 +345,20 @@ class _Probe:
     count: int
 
 
-def _probe(chains: list[_Chain], bound: float, cap: float | None, limit: float) -> _Probe:
+def _probe(chains: list[_Chain], bound: float, limit: float) -> _Probe:
     parts, total, worst, nxt = [], 0, 0.0, INF
     for ch in chains:
         bcuts: list[int] = []
         fend = ch.n
         if ch.has_bwd:
-            cuts, w, x = _pack(ch.B1, ch.B, ch.BQ, ch.n, bound, cap, limit - total)
+            cuts, w, x = _pack(ch.B1, ch.B, ch.bfit1, ch.bfit, ch.n, bound, limit - total)
             worst, nxt = max(worst, w), min(nxt, x)
             if cuts is None:
                 return _Probe(False, parts, worst, nxt, total)
             bcuts, total = cuts, total + len(cuts)
             if ch.fused:
                 fend = ch.n - bcuts[0]
-        cuts, w, x = _pack(ch.F, ch.F, ch.FQ, fend, bound, cap, limit - total)
+        cuts, w, x = _pack(ch.F, ch.F, ch.ffit, ch.ffit, fend, bound, limit - total)
         worst, nxt = max(worst, w), min(nxt, x)
         if cuts is None:
             return _Probe(False, parts, worst, nxt, total)
@@ -316,23 +387,22 @@ def _search(probe: Any, lo: float, best: _Probe) -> _Probe:
     return best
 
 
-def _solve(chains: list[_Chain], limit: int, cap: float | None, lo: float = 0.0,
+def _solve(chains: list[_Chain], limit: int, lo: float = 0.0,
            start: _Probe | None = None) -> _Probe | None:
     """The greedy plan at the smallest common bound needing at most ``limit`` stages
     (``None`` when memory alone needs more); ``start``: a feasible probe, if known."""
     best = start if start is not None and start.ok and start.count <= limit else \
-        _probe(chains, INF, cap, limit)
+        _probe(chains, INF, limit)
     if not best.ok:
         return None
-    return _search(lambda bound: _probe(chains, bound, cap, limit), lo, best)
+    return _search(lambda bound: _probe(chains, bound, limit), lo, best)
 
 
-def _segment(P: list[float], Q: list[float], a: int, b: int, count: int,
-             cap: float | None, hi: float) -> list[int]:
+def _segment(P: list[float], fit: Any, a: int, b: int, count: int, hi: float) -> list[int]:
     """Positions [a, b) in at most ``count`` stages with the smallest bottleneck (``hi``
     is a feasible bound)."""
     def probe(bound: float) -> _Probe:
-        cuts, worst, nxt = _pack(P, P, Q, b, bound, cap, count, a)
+        cuts, worst, nxt = _pack(P, P, fit, fit, b, bound, count, a)
         return _Probe(cuts is not None, [(cuts or [], [])], worst, nxt, len(cuts or []))
     start = probe(hi)
     if not start.ok:  # cannot happen for the bound the segment was packed under
@@ -342,34 +412,39 @@ def _segment(P: list[float], Q: list[float], a: int, b: int, count: int,
 
 
 def _rebalance(chains: list[_Chain], parts: list[tuple[list[int], list[int]]],
-               cap: float | None, bound: float) -> list[tuple[list[int], list[int]]]:
+               bound: float) -> list[tuple[list[int], list[int]]]:
     """Keep each segment's stage count (and a fused tail), but re-cut every segment for
     its own smallest bottleneck: the common bottleneck stays, the other stages even out."""
     out = []
     for ch, (fcuts, bcuts) in zip(chains, parts):
         if fcuts:
-            fcuts = _segment(ch.F, ch.FQ, 0, fcuts[-1], len(fcuts), cap, bound)
+            fcuts = _segment(ch.F, ch.ffit, 0, fcuts[-1], len(fcuts), bound)
         head = bcuts[:1] if ch.fused else []
         if len(bcuts) > len(head):
-            bcuts = head + _segment(ch.B, ch.BQ, head[0] if head else 0, ch.n,
-                                    len(bcuts) - len(head), cap, bound)
+            bcuts = head + _segment(ch.B, ch.bfit, head[0] if head else 0, ch.n,
+                                    len(bcuts) - len(head), bound)
         out.append((fcuts, bcuts))
     return out
 
 
-def _check_memory(chains: list[_Chain], cap: float | None) -> None:
-    if cap is None:
-        return
+def _check_memory(chains: list[_Chain]) -> None:
+    """Every layer fits alone in each kind of stage it can run in (the last layer of a
+    fused chain: the tail)."""
     for k, ch in enumerate(chains):
         which = f"layer {{}} of pipe {k}" if len(chains) > 1 else "layer {}"
-        for kind, mem in (("forward", ch.f_mem), ("backward", ch.b_mem if ch.has_bwd else [])):
-            for i, m in enumerate(mem):
-                if m > cap:
-                    raise PlanError(f"{which.format(i)} needs {m:.0f} bytes ({m / 2**30:.2f} GB) "
-                                    f"in a {kind} stage, over the per-stage limit of {cap:.0f} bytes "
-                                    f"({cap / 2**30:.2f} GB = half of model_memory_limit, because "
-                                    f"the next stage is prefetched); raise model_memory_limit or "
-                                    f"split the layer")
+        n, tail = ch.n, 1 if ch.fused else 0
+        checks = [(ch.ffit, "forward", p, p) for p in range(n - tail)]
+        if ch.has_bwd:
+            checks += [(ch.bfit1, "fused tail" if ch.fused else "backward", 0, n - 1)]
+            checks += [(ch.bfit, "backward", p, n - 1 - p) for p in range(1, n)]
+        for fit, kind, position, layer in checks:
+            if fit is not None and fit.reach(position, position + 1) == position:
+                raise PlanError(f"{which.format(layer)} {fit.refusal(position, layer, kind)}; "
+                                f"{_ADVICE}")
+
+
+_ADVICE = ("raise the device memory (model_memory_limit), use smaller microbatches (more of "
+           "them) or shorter sequences, or split the layer")
 
 
 def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None = None,
@@ -384,9 +459,9 @@ def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None =
         raise ValueError(f"k must be >= 1, got {k}")
     n = len(times)
     c = ChainCosts(times, times, times, mem or [0.0] * n, [0.0] * n, [0.0] * n)
-    ch = _Chain(c, "infer")
-    _check_memory([ch], cap)
-    p = _solve([ch], k, cap, max(ch.lower, ch.work / k))
+    ch = _Chain(c, "infer", cap)
+    _check_memory([ch])
+    p = _solve([ch], k, max(ch.lower, ch.work / k))
     if p is None:
         raise PlanError(f"no partition into at most {k} stages fits {cap} bytes per stage")
     ends = p.parts[0][0]
@@ -401,12 +476,12 @@ def solve_stages(run_type: str | Sequence[str], chains: Sequence[ChainCosts], nu
     >>> solve_stages("train", [ChainCosts.from_times([1, 1, 1, 1])], 3)
     (6.0, [([range(0, 4)], [range(2, 4), range(0, 2)])])
     """
-    cs = _chains(run_type, chains)
-    _check_memory(cs, memory_cap)
+    cs = _chains(run_type, chains, memory_cap)
+    _check_memory(cs)
     lo = max(max(ch.lower for ch in cs), sum(ch.work for ch in cs) / max(num_stages, 1))
-    p = _solve(cs, num_stages, memory_cap, lo)
+    p = _solve(cs, num_stages, lo)
     if p is None:
-        need = _probe(cs, INF, memory_cap, INF).count
+        need = _probe(cs, INF, INF).count
         why = f" under the memory cap of {memory_cap:.0f} bytes" if memory_cap is not None else ""
         raise PlanError(f"{num_stages} stages are too few: the plan needs at least {need}{why}")
     return p.worst, _ranges(cs, _stages(cs, p.parts))
@@ -420,8 +495,10 @@ def _ranges(cs: list[_Chain], stages: list[list]) -> list[tuple[list[range], lis
     return out
 
 
-def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts]) -> list[_Chain]:
-    """One run type for every chain, or one per chain."""
+def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], cap: float | None = None,
+            peaks: Sequence[tuple] | None = None) -> list[_Chain]:
+    """One run type for every chain, or one per chain; memory: additive under ``cap``, or
+    one ``_Chain`` peak tuple per chain."""
     if not chains:
         raise ValueError("the planner needs at least one chain")
     types = [run_type] * len(chains) if isinstance(run_type, str) else list(run_type)
@@ -430,7 +507,8 @@ def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts]) -> list
     for t in types:
         if t not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {t!r}")
-    return [_Chain(c, t) for c, t in zip(chains, types)]
+    peaks = peaks or [None] * len(chains)
+    return [_Chain(c, t, cap, p) for c, t, p in zip(chains, types, peaks)]
 
 
 # --- stage count -----------------------------------------------------------------------
@@ -462,8 +540,11 @@ def _split_to(chains: list[_Chain], stages: list[list], count: int) -> list[list
         if b - a < 2 or (d == "b" and chains[k].fused and a == 0):
             continue
         T = chains[k].F if d == "f" else chains[k].B
+        fit = chains[k].ffit if d == "f" else chains[k].bfit
         m = bisect.bisect_left(T, T[a] + (T[b] - T[a]) / 2, a + 1, b)
         m = min((x for x in (m - 1, m) if a < x < b), key=lambda x: max(T[x] - T[a], T[b] - T[x]))
+        if fit is not None and (fit.reach(a, m) < m or fit.reach(m, b) < b):
+            continue  # a predicted peak need not shrink with the stage: keep it whole
         keyed[key] = [T[m] - T[a], k, d, a, m]
         keyed[(key[0], m)] = [T[b] - T[m], k, d, m, b]
         heapq.heappush(heap, (-keyed[key][0], key))
@@ -473,13 +554,23 @@ def _split_to(chains: list[_Chain], stages: list[list], count: int) -> list[list
 
 def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, num_devices: int,
                 num_microbatch: int | None = None, min_stages: int | None = None,
-                upper_threshold: float = 1.1, memory_cap: float | None = None
-                ) -> list[tuple[list[range], list[range]]]:
+                upper_threshold: float = 1.1, memory_cap: float | None = None,
+                memory: Sequence[ChainMemory] | None = None, memory_limit: float | None = None,
+                recompute_grain: str = "stage") -> list[tuple[list[range], list[range]]]:
     """Plan every chain with one common bottleneck; returns ``(fwd_plan, bwd_plan)`` per
     chain (layer ranges; ``bwd_plan`` deep to shallow, empty for ``"infer"``).
     ``run_type`` applies to every chain, or give one per chain (e.g. an encoder run with
-    ``"train"`` feeding a decoder run with ``"fused"``). ``memory_cap`` is bytes per
-    stage; ``num_microbatch`` defaults to G + 1. See the module docstring.
+    ``"train"`` feeding a decoder run with ``"fused"``); ``num_microbatch`` defaults to
+    G + 1. See the module docstring.
+
+    Memory, one of: ``memory_cap``, bytes per stage of the chains' additive byte
+    vectors; or ``memory`` (a ``ChainMemory`` per chain, for one microbatch) and
+    ``memory_limit`` (bytes per device): every stage's predicted peak
+    (``fxpipe.passes.memory``, at ``recompute_grain``), the parameters of the stage its
+    device prefetches included, fits the limit. A stage's parameters then fit a
+    *reserve* and the rest of its peak fits the limit less the reserve; a few reserves
+    between the largest layer's parameters and half the limit are tried, and the plan
+    with the best ``estimate_makespan`` (then the fewest stages) is kept.
 
     >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
     [range(0, 3), range(3, 6)]
@@ -494,13 +585,71 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     G = num_devices
     M = num_microbatch or G + 1
     want = G if min_stages is None else min_stages
-    cs = _chains(run_type, chains)
-    _check_memory(cs, memory_cap)
+    if memory is None:
+        cs = _chains(run_type, chains, memory_cap)
+        _check_memory(cs)
+        return _ranges(cs, _plan(cs, G, M, want, upper_threshold)[1])
+    if memory_limit is None or len(memory) != len(chains):
+        raise ValueError("plan_chains(memory=...) needs one ChainMemory per chain and memory_limit")
+    largest = max(p for m in memory for p in m.params)
+    reserves = sorted({largest} | {memory_limit * f for f in (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2)
+                                   if memory_limit * f > largest})
+    best = None
+    for reserve in reserves:   # the smallest reserve leaves the most room: it fits first
+        cs = _peak_chains(run_type, chains, memory, memory_limit, reserve, G, M, recompute_grain)
+        try:
+            _check_memory(cs)
+        except PlanError:
+            if best is None:
+                raise
+            continue
+        est, stages = _plan(cs, G, M, want, upper_threshold)
+        if best is None or est < best[0] * (1 - 1e-12) or \
+                (est <= best[0] * (1 + 1e-12) and len(stages) < len(best[2])):  # ties: fewer stages
+            best = est, cs, stages
+    return _ranges(best[1], best[2])
+
+
+def check_memory(run_type: str | Sequence[str], memory: Sequence[ChainMemory], memory_limit: float,
+                 *, num_devices: int, num_microbatch: int | None = None,
+                 recompute_grain: str = "stage") -> None:
+    """Raise ``PlanError`` (naming the layer and its bytes by kind) unless some plan fits
+    ``memory_limit`` at every stage's predicted peak: exactly when ``plan_chains`` with
+    ``memory`` finds a plan. Each layer alone must fit, with room for the largest layer's
+    parameters prefetched.
+
+    >>> from fxpipe.passes.memory import ChainMemory
+    >>> m = ChainMemory(*[(10, 10)] * 9)
+    >>> check_memory("fused", [m], 200, num_devices=2)
+    >>> check_memory("fused", [m], 50, num_devices=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fxpipe.errors.PlanError: layer 0 needs 50 bytes (50 B: params 10 B, ...) in a forward stage, ...
+    """
+    G = num_devices
+    chains = [ChainCosts.from_times([0.0] * len(m)) for m in memory]
+    largest = max(p for m in memory for p in m.params)
+    _check_memory(_peak_chains(run_type, chains, memory, memory_limit, largest, G,
+                               num_microbatch or G + 1, recompute_grain))
+
+
+def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
+                 memory: Sequence[ChainMemory], limit: float, reserve: float, G: int, M: int,
+                 grain: str) -> list[_Chain]:
+    residency = Residency.worst(M, G)
+    return _chains(run_type, chains, peaks=[(m, grain, residency, limit - reserve, reserve)
+                                            for m in memory])
+
+
+def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float
+          ) -> tuple[float, list[list]]:
+    """The stage count and plan of ``plan_chains`` for these chains (memory checked):
+    (estimated makespan, stages)."""
     max_count = sum(ch.max_stages for ch in cs)
     lower = max(ch.lower for ch in cs)
-    finest = _solve(cs, max_count, memory_cap, lower)
-    assert finest is not None  # every layer fits alone (checked above)
-    coarse = _probe(cs, upper_threshold * finest.worst, memory_cap, max_count)
+    finest = _solve(cs, max_count, lower)
+    assert finest is not None  # every layer fits alone (checked before)
+    coarse = _probe(cs, upper_threshold * finest.worst, max_count)
     top = min(max(coarse.count, want), max_count)
     bottom = max(min(want, top), top - G + 1)
     best, best_est = None, INF
@@ -509,17 +658,17 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     if top >= 4 * G:   # many rounds: only whole rounds matter (top, or the last full round)
         counts = sorted({top, max(bottom, top - top % G)}, reverse=True)
     for S in counts:   # B*(S) >= B*(S + 1): each solve starts from the previous one
-        p = _solve(cs, S, memory_cap, lo := max(lo, work / S), coarse)
+        p = _solve(cs, S, lo := max(lo, work / S), coarse)
         if p is None:
             break
         lo = p.worst
-        for parts in (p.parts, _rebalance(cs, p.parts, memory_cap, p.worst)):
+        for parts in (p.parts, _rebalance(cs, p.parts, p.worst)):
             stages = _split_to(cs, _stages(cs, parts), S)
             est = estimate_makespan([s[0] for s in stages], G, M)
             if est <= best_est * (1 + 1e-12):   # ties: the later (fewer stages) wins
                 best, best_est = stages, est
     assert best is not None
-    return _ranges(cs, best)
+    return best_est, best
 
 
 def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_stages: int = 1,
@@ -532,11 +681,12 @@ def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_s
     [range(0, 2), range(2, 4), range(4, 5)]
     """
     n = len(times)
-    P, Q = _prefix(times), _prefix(mem or [0.0] * n)
+    P = _prefix(times)
+    fit = None if cap is None else _Additive(mem or [0.0] * n, cap)
     slowest = max(b - a for a, b in zip(P, P[1:]))  # as the prefix sums see it
-    cuts, _, _ = _pack(P, P, Q, n, upper_threshold * slowest, cap, INF)
+    cuts, _, _ = _pack(P, P, fit, fit, n, upper_threshold * slowest, INF)
     if cuts is not None and len(cuts) < min_stages:
-        cuts, _, _ = _pack(P, P, Q, n, max(slowest, P[-1] / min_stages), cap, INF)
+        cuts, _, _ = _pack(P, P, fit, fit, n, max(slowest, P[-1] / min_stages), INF)
     if cuts is None:
         raise PlanError("roundpipe_greedy: a layer does not fit the memory cap")
     return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]

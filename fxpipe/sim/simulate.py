@@ -27,10 +27,11 @@ Durations come from per-layer ``LayerCost``:
   dependency gates only the backward part. This lets a fused head forward start before
   its input arrived; use it to reproduce RoundPipe's published figures.
 
-Memory per device: parameters (+ gradient buffer for backward stages) from ``Prefetch``
-start to ``Release``; uploaded activations until their consumer ends; a compute's output
-from its end until its ``Offload`` (or on-device consumer) ends; while computing, the
-saved activations of the stage (backward) or of its largest layer (forward).
+Memory per device: the highest predicted peak of its stages (``fxpipe.passes.memory``:
+parameters of the stage and of the one its device prefetches meanwhile, gradients,
+activations, saved tensors, workspace), from the layers' memory (``memory=``, a
+``ChainMemory``; by default from the ``LayerCost``s' bytes, each layer holding its
+``saved_bytes`` and boundary); ``Timeline.peak_memory_by_kind`` has the kinds.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import heapq
 from typing import Literal, Sequence
 
 from fxpipe.passes import gc_paused
+from fxpipe.passes.memory import KINDS, ChainMemory, device_peaks, program_peaks
 from fxpipe.passes.program import (
-    HOST,
     AsyncUpdate,
     Checkpoint,
     Compute,
@@ -52,7 +53,6 @@ from fxpipe.passes.program import (
     Prefetch,
     Program,
     RecomputeBackward,
-    Release,
     RunType,
     Upload,
     UploadGrad,
@@ -76,7 +76,7 @@ class _StageCosts:
         self.costs = costs
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
-        self.inp, self.out, self.grad_in, self.work = [], [], [], []
+        self.inp, self.out, self.grad_in = [], [], []
         for st in program.stages:
             lc = [costs[i] for i in st.layers]
             self.fwd.append(sum(c.fwd_ms for c in lc))
@@ -91,10 +91,8 @@ class _StageCosts:
                             for b in program.saved_inputs_of(st.index)
                             if program.stages[b].layers.start != st.layers.stop)
                 self.out.append(boundary(st.layers.stop - 1) + saved)
-                self.work.append(max((c.saved_bytes for c in lc), default=0))
             else:
                 self.out.append(boundary(st.layers.start - 1))
-                self.work.append(sum(c.saved_bytes for c in lc))
 
     def parts(self, a) -> tuple[float, float]:
         """(first part, backward part) of a compute action, in ms: the forward (also a
@@ -111,12 +109,13 @@ class _StageCosts:
 
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
              *, semantics: Semantics = "fxpipe", tokens_per_step: int | None = None,
-             input_bytes: int = 0) -> Timeline:
+             input_bytes: int = 0, memory: ChainMemory | None = None) -> Timeline:
     """Time ``program`` with per-layer ``costs`` on ``hardware``.
 
     ``hardware=None`` is ``Hardware()``: every transfer free, no memory limit.
     ``tokens_per_step`` (tokens in one call of the program) gives ``tokens_per_s``;
-    ``input_bytes`` is the model input per microbatch.
+    ``input_bytes`` is the model input per microbatch; ``memory``: the layers' memory
+    for one microbatch (``fxpipe.passes.memory.ChainMemory``; default from ``costs``).
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 2)], [range(2, 4), range(0, 2)], "fused", 2, 4, "stage")
@@ -128,10 +127,10 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
         raise ValueError(f"semantics must be 'fxpipe' or 'roundpipe', got {semantics!r}")
     with gc_paused():  # many small acyclic objects: collector passes cost ~half the run
         return _simulate(program, costs, Hardware() if hardware is None else hardware,
-                         semantics, tokens_per_step, input_bytes)
+                         semantics, tokens_per_step, input_bytes, memory)
 
 
-def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes) -> Timeline:
+def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory) -> Timeline:
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
@@ -231,15 +230,15 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes)
                     if not done[j]]
         raise ValueError(f"program deadlocks: device {d} step {i} ({a}) waits forever on "
                          f"{', '.join(blockers)}")
-    return _timeline(program, sc, nodes, dep_ids, start, split, end, hardware,
-                     (exposed, exposed_prefetch), tokens_per_step)
+    memory = memory if memory is not None else ChainMemory.of(costs, input_bytes)
+    return _timeline(program, sc, nodes, start, split, end, hardware,
+                     (exposed, exposed_prefetch), tokens_per_step, memory)
 
 
-def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
-              tokens_per_step) -> Timeline:
+def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
+              tokens_per_step, memory) -> Timeline:
     G = program.num_devices
     intervals: list[Interval] = []
-    mem: list[list[tuple[float, int]]] = [[] for _ in range(G)]
     busy, device_free = [0.0] * G, [0.0] * G
     for k, (d, i, a) in enumerate(nodes):
         stream = stream_of(a)
@@ -256,38 +255,16 @@ def _timeline(program, sc, nodes, dep_ids, start, split, end, hardware, exposed,
                 intervals.append(Interval(d, stream, label, kind, s, e))
                 busy[d] += e - s
             device_free[d] = max(device_free[d], end[k])
-            mem[d] += [(start[k], sc.work[a.stage]), (end[k], -sc.work[a.stage])]
-            for j, x in dep_ids[k]:
-                src = nodes[j][2]
-                if x.why in ("input", "grad") and isinstance(src, (Upload, UploadGrad)):
-                    nbytes = sc.inp[src.stage] if isinstance(src, Upload) else sc.grad_in[src.stage]
-                    mem[d] += [(start[j], nbytes), (end[k], -nbytes)]
-                elif x.why in ("input", "grad") and isinstance(src, Compute):
-                    mem[d] += [(end[j], sc.out[src.stage]), (end[k], -sc.out[src.stage])]
         else:
             kind = "optimizer" if isinstance(a, (OptimizerStep, AsyncUpdate)) else "transfer"
             intervals.append(Interval(d, stream, label, kind, start[k], end[k]))
-            if d == HOST:
-                continue
-            if isinstance(a, Prefetch):
-                nbytes = sc.params[a.stage] + sc.grads[a.stage]
-                mem[d].append((start[k], nbytes))
-            elif isinstance(a, Release):
-                mem[d].append((end[k], -(sc.params[a.stage] + sc.grads[a.stage])))
-            elif isinstance(a, Offload):
-                j = next(j for j, x in dep_ids[k] if x.why == "input")
-                mem[d] += [(end[j], sc.out[a.stage]), (end[k], -sc.out[a.stage])]
-    peaks = []
-    for events in mem:
-        cur = peak = 0
-        for _, delta in sorted(events):
-            cur += delta
-            peak = max(peak, cur)
-        peaks.append(peak)
+    peaks = device_peaks(program_peaks(program, memory), G)
     makespan = max((iv.end for iv in intervals), default=0.0)
     tps = tokens_per_step / (makespan / 1e3) if tokens_per_step and makespan > 0 else None
-    return Timeline(G, intervals, makespan, busy, device_free, peaks, *exposed,
-                    memory_limit=hardware.memory, tokens_per_s=tps)
+    return Timeline(G, intervals, makespan, busy, device_free, [p.total if p else 0 for p in peaks],
+                    *exposed, memory_limit=hardware.memory, tokens_per_s=tps,
+                    peak_memory_by_kind=[dict(p.bytes) if p else dict.fromkeys(KINDS, 0)
+                                         for p in peaks])
 
 
 def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,

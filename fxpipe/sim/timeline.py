@@ -58,6 +58,7 @@ class Timeline:
     prefetch_exposed_by_compute: dict[str, float]
     memory_limit: float = float("inf")
     tokens_per_s: float | None = None
+    peak_memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per device
     fill: float = field(init=False)
     drain: float = field(init=False)
     switch: float = field(init=False)

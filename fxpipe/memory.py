@@ -1,0 +1,275 @@
+"""Memory before running: each stage's predicted peak on its device, and the longest
+sequence that trains.
+
+``predict_memory`` composes the layers' costed memory (``fxpipe.passes.memory``, costed
+on fake tensors shaped like one microbatch) into every stage's peak for a plan, by kind
+(parameters of the stage and of the one its device prefetches meanwhile, gradients,
+activations, saved tensors, workspace). ``ExecutePlan.auto`` keeps every stage's peak
+within the device limit (``MEMORY_FRACTION`` of it by default), and
+``max_sequence_length`` searches the longest sequence for which that plan exists, for a
+model built on the ``meta`` device (no weights). All are importable from ``fxpipe.plan``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import PlanError
+from fxpipe.passes import planner
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.executable import build_executable
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.memory import (
+    KINDS,
+    ChainMemory,
+    StagePeak,
+    device_peaks,
+    human_bytes,
+    program_peaks,
+)
+from fxpipe.passes.partition import build_layer_graph
+from fxpipe.passes.schedule import build_program
+
+if TYPE_CHECKING:
+    from fxpipe.plan import ExecutePlan
+
+MEMORY_FRACTION = 0.9
+"""The share of the smallest device's ``memory_limit`` a plan may use at its predicted
+peak by default; the rest covers the prediction's error and allocator fragmentation."""
+RunType = Literal["infer", "train", "fused"]
+
+
+def chain_memory(pipe: Any, num_microbatch: int = 1, *,
+                 loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
+    """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
+    the ``num_microbatch`` its example splits into: its layers costed again on fake
+    tensors shaped like it. A pipe splits as its ``RunConfig`` says
+    (``pipe._microbatch_example``), a ``LayerGraph`` along dim 0; an example too small
+    to split is one microbatch. ``loss=(loss_fn, label)``: also cost the loss on that
+    microbatch's share of ``label``. Other pipes' layer costs are taken as one
+    microbatch's."""
+    lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
+    costs = [layer.cost for layer in lg] if lg is not None else []
+    profiled = costs and all(getattr(c, "held_bytes", None) is not None for c in costs)
+    if not (isinstance(lg, LayerGraph) and lg.example_leaves) or \
+            (num_microbatch == 1 and loss is None and profiled):   # costed as it is
+        return ChainMemory.of(costs, _input_bytes(lg))
+    label = None if loss is None else loss[1]
+    split = getattr(pipe, "_microbatch_example", None) or \
+        (lambda m, y: _first_rows(lg.example_leaves, y, m))
+    flat, label = split(num_microbatch, label)
+    loss = None if loss is None else (loss[0], label)
+    return ChainMemory.of(compute_costs(lg, flat, store=False, loss=loss), _nbytes(flat))
+
+
+def _first_rows(leaves: list, label: Any, num_microbatch: int) -> tuple[list, Any]:
+    """The flat tensor inputs and the label of the first of ``num_microbatch``
+    microbatches, split along dim 0 (``torch.tensor_split``: the first is the largest);
+    tensors too short to split stay whole."""
+    def first(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] >= num_microbatch:
+            return torch.tensor_split(x, num_microbatch)[0]
+        return x
+
+    flat = [first(x) for x in leaves if isinstance(x, torch.Tensor)]
+    return flat, pytree.tree_map(first, label)
+
+
+def _input_bytes(lg: Any) -> int:
+    leaves = getattr(lg, "example_leaves", None) or []
+    return _nbytes([x for x in leaves if isinstance(x, torch.Tensor)])
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(x.numel() * x.element_size() for x in tensors)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """What :func:`predict_memory` returns: every stage's predicted peak
+    (``fxpipe.passes.memory.StagePeak``: bytes by kind, device, the layer at the peak),
+    and per device the stage with the highest (``None``: a device with no stage).
+    ``limit``: the smallest device limit, if any."""
+
+    stages: list[StagePeak]
+    devices: list[StagePeak | None]
+    limit: int | None = None
+
+    @property
+    def peak(self) -> int:
+        """The highest predicted peak of any device."""
+        return max((p.total for p in self.stages), default=0)
+
+    def by_device(self) -> list[dict[str, int]]:
+        """Per device, its peak's bytes by kind (all zero for a device with no stage)."""
+        return [dict(p.bytes) if p is not None else dict.fromkeys(KINDS, 0) for p in self.devices]
+
+    def __str__(self) -> str:
+        head = "stage kind   layers  dev  " + "  ".join(f"{k:>11}" for k in KINDS) + "        total"
+        rows = [head]
+        for p in self.stages:
+            rows.append(f"{p.stage:>5} {p.kind:<6} {p.layers.start:>3}:{p.layers.stop:<3} {p.device:>4}  "
+                        + "  ".join(f"{human_bytes(p.bytes[k]):>11}" for k in KINDS)
+                        + f"  {human_bytes(p.total):>11}")
+        limit = f" of {human_bytes(self.limit)}" if self.limit else ""
+        rows.append(f"peak {human_bytes(self.peak)}{limit}: "
+                    + ", ".join(f"device {d} {human_bytes(p.total) if p else '0 B'}"
+                                for d, p in enumerate(self.devices)))
+        return "\n".join(rows)
+
+
+def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunType | None = None,
+                   num_microbatch: int | None = None,
+                   grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
+                   loss_fn: Callable[[Any, Any], Any] | None = None,
+                   label: Any = None) -> MemoryPrediction:
+    """Predicted peak device bytes of every stage of a call, before running it.
+
+    ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
+    ``recompute_grain`` are the defaults) or a ``LayerGraph`` (give ``plan`` and
+    ``num_devices``). ``run_type`` defaults to what ``plan`` runs (``"fused"`` when its
+    forward stops before the tail). Each stage's peak counts, for one microbatch
+    (costed on fake tensors shaped like it), its parameters and those of the stage its
+    device prefetches meanwhile, its gradients, its activations, the tensors saved for
+    backward and the workspace at its peak (``fxpipe.passes.memory``). ``loss_fn`` and
+    ``label`` (the whole batch's): cost the loss the fused tail runs; without them it
+    counts as a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes).
+
+    >>> import torch, fxpipe
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(64, 256),), devices=["cpu"] * 2)
+    >>> print(fxpipe.plan.predict_memory(pipe, num_microbatch=2))
+    stage kind   layers  dev       params    gradients  activations        saved    workspace        total
+        0 fwd      0:1      0       526 kB          0 B      98.3 kB          0 B      32.8 kB       657 kB
+        1 fwd      1:3      1       790 kB          0 B      98.3 kB          0 B      65.5 kB       953 kB
+        2 fused    3:4      0       526 kB       263 kB      98.3 kB      32.8 kB       329 kB      1.25 MB
+        3 bwd      2:3      1       526 kB       263 kB       164 kB      32.8 kB       296 kB      1.28 MB
+        4 bwd      1:2      0       263 kB       263 kB       164 kB      32.8 kB       296 kB      1.02 MB
+        5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
+    peak 1.28 MB: device 0 1.25 MB, device 1 1.28 MB
+    """
+    lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
+    devices = list(getattr(pipe, "devices", None) or [])
+    config = getattr(pipe, "config", None)
+    plan = plan or getattr(pipe, "plan", None)
+    if plan is None:
+        raise ValueError("predict_memory(layer_graph, ...) needs plan=ExecutePlan(...)")
+    G = num_devices or len(devices)
+    if G < 1:
+        raise ValueError("predict_memory: no devices; pass num_devices=")
+    M = num_microbatch or getattr(config, "num_microbatch", None) or G + 1
+    grain = grain or getattr(config, "recompute_grain", None) or "stage"
+    if run_type is None:
+        covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
+        run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
+    plan.validate(len(lg), run_type)
+    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
+    if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
+        tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
+        program = build_executable(
+            lg, plan, run_type, [f"device {d}" for d in range(G)], M, grain=grain, outputs=False,
+            input_grads=[n for n, x in zip(lg.input_names, tensors) if x.requires_grad]).program
+    else:
+        program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
+    peaks = program_peaks(program, memory)
+    limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
+    return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)
+
+
+def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple] | None = None, *,
+                        device_memory: int, num_devices: int, microbatch_size: int = 1,
+                        num_microbatch: int | None = None,
+                        dtype: torch.dtype | None = torch.bfloat16,
+                        recompute_grain: Literal["stage", "layer"] = "stage",
+                        loss_fn: Callable[[Any, Any], Any] | None = None,
+                        label: Callable[[int], Any] | None = None,
+                        memory_fraction: float = MEMORY_FRACTION, step: int = 1024,
+                        max_length: int = 1 << 22, layers: str | None = None,
+                        capture: Literal["auto", "fx", "dynamo", "export"] = "auto") -> int:
+    """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
+    ``num_devices`` devices of ``device_memory`` bytes each: the largest for which
+    ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
+    ``memory_fraction`` of ``device_memory`` (:func:`predict_memory`).
+
+    ``model``: best built on the ``meta`` device (no weights are read; a copy is cast to
+    ``dtype``, the device copies' dtype, e.g. ``param_dtype=torch.bfloat16``; ``None``
+    keeps the model's). ``example_inputs(seq_len)``: the model's positional inputs for
+    one microbatch of ``microbatch_size`` sequences (default: token ids
+    ``(microbatch_size, seq_len)`` on ``meta``). A step runs ``num_microbatch``
+    microbatches (default devices + 1). ``loss_fn`` and ``label(seq_len)`` (default:
+    ids-shaped labels): the loss the fused tail runs, costed; without it the tail counts
+    a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes); a model that
+    returns its loss (``fxpipe.linear_cross_entropy``) needs neither.
+
+    The model is captured once at ``step`` tokens and costed on fake tensors at each
+    length tried (a graph specialized on the sequence length is captured again); the
+    search doubles, then bisects. Raises ``PlanError`` (what does not fit, by kind)
+    when not even ``step`` tokens fit.
+
+    >>> import torch, fxpipe
+    >>> from fxpipe.demo import TinyLlama
+    >>> with torch.device("meta"):
+    ...     model = TinyLlama(vocab=256, dim=64, depth=2)
+    >>> fxpipe.plan.max_sequence_length(model, device_memory=64 * 2**20, num_devices=2, step=256,
+    ...                                 dtype=None)
+    7168
+    """
+    if step < 1 or max_length < step:
+        raise ValueError(f"max_sequence_length: need 1 <= step <= max_length, got step={step}, "
+                         f"max_length={max_length}")
+    if device_memory <= 0 or not 0 < memory_fraction <= 1:
+        raise ValueError(f"max_sequence_length: device_memory must be > 0 bytes and "
+                         f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+    make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
+                                                     device="meta"),))
+    make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
+    M = num_microbatch or num_devices + 1
+    limit = memory_fraction * device_memory
+    graph: list[LayerGraph] = []
+
+    def check(n: int) -> None:
+        args = make(n)
+        if not isinstance(args, tuple):
+            raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
+                            f"arguments, got {type(args).__name__}")
+        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
+                            for d, size in graph[0].static_dims.get(name, {}).items()):
+            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers)]
+        loss = None if loss_fn is None else (loss_fn, make_label(n))
+        costs = compute_costs(graph[0], flat, store=False, loss=loss)
+        memory = ChainMemory.of(costs, _nbytes(flat))
+        planner.check_memory("fused", [memory], limit, num_devices=num_devices, num_microbatch=M,
+                             recompute_grain=recompute_grain)
+
+    def fits(n: int) -> bool:
+        try:
+            check(n)
+        except PlanError:
+            return False
+        return True
+
+    try:
+        check(step)
+    except PlanError as e:
+        raise PlanError(f"max_sequence_length: not even {step} tokens fit "
+                        f"{memory_fraction:.0%} of {human_bytes(device_memory)}: {e}") from None
+    lo, hi = step, None
+    while hi is None:
+        n = min(2 * lo, max_length) // step * step
+        if n <= lo:   # max_length reached
+            break
+        lo, hi = (n, None) if fits(n) else (lo, n)
+    while hi is not None and hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,110 @@
+"""``LiveBytes``: the bytes of tensor storages allocated under a dispatch mode, while they live.
+
+Every op dispatched under the mode is looked at after it ran: each output storage that is
+not one of the op's inputs' (a view, an in-place result) and not already counted is a new
+allocation, counted until Python frees it (``StorageWeakRef``: the mode keeps no storage
+alive). ``bytes`` is what is allocated now, ``peak`` the most at any point, and each
+allocation carries the ``kind`` set when it was made (``retag`` moves it to another,
+e.g. a tensor autograd saves). It works on real tensors (measuring) and on fake ones
+(costing: the storages are meta, their sizes real).
+
+Storages made before the mode was entered are not counted. What a kernel allocates
+internally and frees before returning (e.g. a fused attention kernel's scratch memory)
+is not visible to a dispatch mode.
+
+>>> with LiveBytes() as live:
+...     x = torch.ones(256)                  # 1 kB
+...     y = x.view(16, 16) * 2               # the view is free, the product 1 kB
+...     del x
+>>> live.bytes, live.peak
+(1024, 2048)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class LiveBytes(TorchDispatchMode):
+    """Count live storage bytes made under the mode (see the module docstring)."""
+
+    def __init__(self, kind: str = "workspace"):
+        super().__init__()
+        self.kind = kind
+        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}  # storage -> (ref, bytes, kind)
+        self._bytes = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}   # bytes by kind when the peak was reached
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self._sweep()
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
+                self.track(t)
+        return out
+
+    @property
+    def bytes(self) -> int:
+        """Bytes allocated under the mode and still alive."""
+        self._sweep()
+        return self._bytes
+
+    def track(self, t: torch.Tensor, kind: str | None = None) -> None:
+        """Count ``t``'s storage (once) as allocated now, of ``kind`` (default ``self.kind``)."""
+        key = _key(t)
+        if key in self._live:
+            if not self._live[key][0].expired():
+                return
+            self._bytes -= self._live.pop(key)[1]   # freed, and its address reused
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        self._live[key] = (StorageWeakRef(storage), nbytes, kind or self.kind)
+        self._bytes += nbytes
+        if self._bytes > self.peak:
+            self.peak = self._bytes
+            self.at_peak = self.by_kind()
+
+    def retag(self, t: torch.Tensor, kind: str, only: str | None = None) -> None:
+        """Count ``t``'s storage as ``kind`` from now on, if the mode counts it (and it is
+        of kind ``only``, when given)."""
+        entry = self._live.get(_key(t))
+        if entry is not None and not entry[0].expired() and only in (None, entry[2]):
+            self._live[_key(t)] = (entry[0], entry[1], kind)
+
+    def counts(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was allocated under the mode and is alive."""
+        entry = self._live.get(_key(t))
+        return entry is not None and not entry[0].expired()
+
+    def new_bytes(self, tensors: Iterable[Any]) -> int:
+        """Bytes of the distinct storages among ``tensors`` that the mode counts."""
+        keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and self.counts(t)}
+        return sum(self._live[k][1] for k in keys)
+
+    def by_kind(self) -> dict[str, int]:
+        """Live bytes by kind."""
+        out: dict[str, int] = {}
+        for _, nbytes, kind in self._live.values():
+            out[kind] = out.get(kind, 0) + nbytes
+        return out
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is allocated now."""
+        self.peak = self.bytes
+        self.at_peak = self.by_kind()
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self._bytes -= self._live.pop(k)[1]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
