@@ -1,8 +1,25 @@
 """Device memory, predicted before running: accuracy, and the longest sequence that trains.
 
-    python benchmarks/bench_memory.py              # both parts (a few minutes on 2 cores)
+    python benchmarks/bench_memory.py              # every part (a few minutes on 2 cores)
+    python benchmarks/bench_memory.py --part a     # host memory only
     python benchmarks/bench_memory.py --part b     # predicted vs measured only
     python benchmarks/bench_memory.py --part c     # longest sequences only
+
+Part (a): host memory. A 24-block MLP-style model (``x + W2 gelu(W1 x)``, d = 1024,
+hidden 4096: P = 769 MiB of fp32 parameters) trains three SGD steps on 2 virtual
+devices with 2 microbatches; each row runs in a fresh process and reports the peak
+resident set size above the process's baseline (after imports, before the model is
+built), as a multiple of P: eager PyTorch (parameters + gradients); fxpipe's fused step;
+a fused step, an eager-style ``pipe(x).backward()`` step and ``no_grad`` inference in
+one process; the fused step with ``param_dtype=torch.bfloat16``. Virtual devices live in
+the same process, so their memory (``device``: the sum of the devices' peak reserved
+bytes: every byte their work allocated, plus freed memory their caching allocator keeps,
+as a GPU's ``max_memory_reserved``) is part of the RSS. Rows run with glibc's
+``MALLOC_MMAP_THRESHOLD_=131072`` (``--default-malloc``: without): by default glibc raises
+its mmap threshold up to 32 MiB after the first large free, then keeps freed blocks of
+up to that size in its heaps, and RSS measures the allocator's reserve rather than the
+program's memory. Targets (issue 16): fused <= eager + device + 0.1 P; all three styles
+<= that + 0.05 P; bf16 <= eager + 0.5 P + device + 0.1 P.
 
 Part (b): predicted vs measured peak device bytes. Three models (an MLP chain, a
 Llama-style decoder at 4096 tokens, the encoder-decoder of examples/encoder_decoder.py as
@@ -35,6 +52,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,6 +80,91 @@ from tests.memory_harness import chain_values, measure_stage  # noqa: E402
 GiB = 2**30
 ROUNDPIPE = {("Llama-3.1-8B", 24): 49, ("Qwen3-32B", 24): 28,     # K tokens, 8 x RTX 4090
              ("Llama-3.1-8B", 80): 226, ("Qwen3-32B", 80): 126}   # 8 x A800
+
+
+# --- part (a): host memory -------------------------------------------------------------------
+
+RSS_ROWS = ["eager", "fused", "three_styles", "fused_bf16"]
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_row(name: str) -> dict:
+    """One row of part (a), in this (fresh) process."""
+    torch.set_num_threads(1)
+    base = _rss_kib("VmRSS")
+
+    class Block(nn.Module):
+        def __init__(self, d: int = 1024):
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.down(F.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(24)])
+    P = sum(p.numel() * p.element_size() for p in model.parameters())
+    x, y = torch.randn(16, 1024), torch.randn(16, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    device = 0
+    if name == "eager":
+        for _ in range(3):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        devs = [fxpipe.VirtualDevice() for _ in range(2)]
+        pipe = fxpipe.compile(model, example_inputs=(x,), devices=devs,
+                              config=fxpipe.RunConfig(num_microbatch=2),
+                              param_dtype=torch.bfloat16 if name == "fused_bf16" else None)
+        for _ in range(3):
+            pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if name == "three_styles":
+                F.mse_loss(pipe(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    pipe(x)
+        device = sum(d.peak_reserved_bytes() for d in devs)
+    peak = (_rss_kib("VmHWM") - base) * 1024
+    return {"row": name, "P_bytes": P, "rss_bytes": peak, "rss_over_P": peak / P,
+            "device_bytes": device, "device_over_P": device / P}
+
+
+def part_a(default_malloc: bool = False) -> list[dict]:
+    rows = []
+    env = dict(os.environ)
+    if not default_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    for name in RSS_ROWS:   # each in a fresh process: RSS peaks do not come down
+        run = subprocess.run([sys.executable, __file__, "--rss-row", name], capture_output=True,
+                             text=True, timeout=1800, cwd=ROOT, env=env)
+        if run.returncode != 0:
+            raise RuntimeError(f"part (a) row {name} failed:\n{run.stderr[-3000:]}")
+        rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    eager = rows[0]["rss_over_P"]
+    targets = {"fused": lambda r: eager + r["device_over_P"] + 0.10,
+               "three_styles": lambda r: eager + r["device_over_P"] + 0.15,
+               "fused_bf16": lambda r: eager + 0.5 + r["device_over_P"] + 0.10}
+    print(f"(a) host memory: peak RSS above the baseline, / P (P = {rows[0]['P_bytes'] / 2**20:.0f} MiB"
+          f"{', default malloc' if default_malloc else ', MALLOC_MMAP_THRESHOLD_=131072'})")
+    print(f"{'row':>14} | {'RSS / P':>8} | {'device / P':>10} | {'target <=':>9} | met")
+    for r in rows:
+        target = targets[r["row"]](r) if r["row"] in targets else None
+        r["target_over_P"] = target
+        r["met"] = None if target is None else r["rss_over_P"] <= target
+        print(f"{r['row']:>14} | {r['rss_over_P']:8.2f} | {r['device_over_P']:10.2f} | "
+              f"{'' if target is None else f'{target:9.2f}':>9} | "
+              f"{'' if r['met'] is None else ('yes' if r['met'] else 'NO')}")
+    return rows
 
 
 # --- part (b): predicted vs measured ---------------------------------------------------------
@@ -340,14 +444,23 @@ def part_c(hf: bool) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["b", "c", "all"], default="all")
+    ap.add_argument("--part", choices=["a", "b", "c", "all"], default="all")
+    ap.add_argument("--rss-row", choices=RSS_ROWS, help=argparse.SUPPRESS)
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="part (a) without MALLOC_MMAP_THRESHOLD_ (glibc's dynamic threshold)")
     ap.add_argument("--measure", choices=["harness", "virtual"], default="harness",
                     help="part (b)'s measurement (default: the CPU harness)")
     ap.add_argument("--hf", action="store_true", help="part (c): also transformers' models via export")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_memory.json"))
     args = ap.parse_args(argv)
+    if args.rss_row:   # one row of part (a), in a fresh process
+        print(json.dumps(rss_row(args.rss_row)))
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = {"torch": torch.__version__}
+    if args.part in ("a", "all"):
+        result["host_memory"] = part_a(args.default_malloc)
+        result["host_memory_malloc"] = "default" if args.default_malloc else "MALLOC_MMAP_THRESHOLD_=131072"
     if args.part in ("b", "all"):
         result["predicted_vs_measured"] = part_b(args.measure)
         result["measure"] = args.measure

@@ -29,6 +29,7 @@ from fxpipe.runtime.devices import Device, resolve_devices
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
+from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
@@ -47,6 +48,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     config: RunConfig | None = None,
     plan: ExecutePlan | None = None,
     param_dtype: torch.dtype | None = None,
+    pin_memory: bool | None = None,
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
@@ -84,6 +86,14 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     stay the (fp32) master weights; devices get copies cast to ``param_dtype`` (floating
     buffers and floating inputs too) and compute in it; gradients come back and are
     added to the masters' ``.grad`` in their own dtype.
+
+    The host holds the model once: on the first call, the parameters and buffers the
+    pipeline uses move into one flat buffer per dtype, laid out in layer order, and the
+    model's tensors become views of it (``fxpipe.runtime.params.HostParams``; the
+    parameter objects, ``state_dict()`` and optimizers are unchanged). ``pin_memory``:
+    whether that buffer is pinned (page-locked), which lets GPUs copy from it
+    asynchronously; default: when CUDA is available. Pass ``False`` on a host that cannot
+    pin the whole model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -103,11 +113,14 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
                                         and param_dtype.is_floating_point):
         raise TypeError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, "
                         f"torch.float16) or None, got {param_dtype!r}")
+    if pin_memory not in (None, True, False):
+        raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is "
+                        f"available), got {pin_memory!r}")
     find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
     resolved = resolve_devices(devices)
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
-                          plan=plan, param_dtype=param_dtype)
+                          plan=plan, param_dtype=param_dtype, pin_memory=pin_memory)
 
 
 def _bad_example(x: Any):
@@ -156,10 +169,12 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
                  devices: list[Device], capture: str | Callable[[], fx.GraphModule],
                  layers: str | Sequence[str] | None, config: RunConfig,
-                 plan: ExecutePlan | None, param_dtype: torch.dtype | None = None):
+                 plan: ExecutePlan | None, param_dtype: torch.dtype | None = None,
+                 pin_memory: bool | None = None):
         super().__init__()
         self.module = model
         self.param_dtype = param_dtype
+        self.pin_memory = pin_memory
         self.devices = devices
         self.config = config
         self._capture = capture
@@ -332,8 +347,9 @@ class PipelineModule(nn.Module):
         if key not in compiled.runners:
             compiled.runners[key] = Runner(
                 compiled.layers, self.devices, functools.partial(compiled.executable, plan),
-                compiled.differentiable, compiled.timer, param_dtype=self.param_dtype,
-                log=self._log)
+                compiled.differentiable, functools.partial(HostParams.of, self.module,
+                                                           pin=self.pin_memory),
+                compiled.timer, param_dtype=self.param_dtype, log=self._log)
         return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------

@@ -160,7 +160,7 @@ class Overlapped:
     def host(self) -> VirtualDevice:
         """The host worker the steps run on (one thread, started on first use)."""
         if self._host is None:
-            self._host = VirtualDevice(name="host-optimizer")
+            self._host = VirtualDevice(name="host-optimizer", count_work=False)
         return self._host
 
     def call(self) -> _Call:
@@ -229,27 +229,22 @@ class _Call:
         self.stepped: list[range] = []           # layers stepped, in order
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}
-        self.copies: dict[int, list[int]] = {}   # stage -> store stages holding its params
-        self.store = None
 
-    def assign(self, exe, lg, store) -> None:
+    def assign(self, exe, lg) -> None:
         """Each parameter is stepped with the last backward stage (execution order) that
         uses it: a tied parameter's gradient is final only then (the Program's
         ``OptimizerStep`` of that stage waits for every stage sharing it). By that time
-        no stage of the call will read a flat copy of it again (forward stages and every
-        backward stage holding it have run), so the step also refreshes those copies."""
+        no stage of the call reads it again (forward stages and every backward stage
+        holding it have run), so it may change in place."""
         if self.program_mode != "exact":
             return
-        self.store = store
         holders: dict[int, list[int]] = {}
-        copies: dict[int, set[int]] = {}
         tensors: dict[int, torch.Tensor] = {}
         for st in exe.program.stages:
             for fqn in exe.stages[st.index].params:
                 p = lg.params.get(fqn)
                 if p is None or not p.requires_grad:
                     continue
-                copies.setdefault(id(p), set()).add(st.index)
                 if st.kind != "fwd":
                     tensors[id(p)] = p
                     if st.index not in holders.setdefault(id(p), []):
@@ -259,7 +254,6 @@ class _Call:
         for key, ss in holders.items():
             owner = max(ss)
             self.owned.setdefault(owner, []).append(tensors[key])
-            self.copies[owner] = sorted(set(self.copies.get(owner, [])) | copies[key])
 
     # -- the executor's host actions ---------------------------------------------------
     def apply_pending(self) -> None:
@@ -277,8 +271,6 @@ class _Call:
             if saved is not None:
                 self.saved.append(saved)
             _step_view(self.ov.optimizer, self.hyper, in_opt)
-            for copy_stage in self.copies.get(stage, []):  # the next call need not copy them
-                self.store.refresh(copy_stage)
         except Exception as e:
             raise StageError(
                 f"the optimizer step of stage {stage} [layers {layers.start}-{layers.stop - 1}] "

@@ -27,7 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.live_bytes import LiveBytes
+from fxpipe.live_bytes import LiveBytes
 from fxpipe.passes.memory import KINDS, Residency
 
 

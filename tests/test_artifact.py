@@ -168,7 +168,7 @@ def test_compiled_artifacts_are_built_once_and_cached():
 # -- layering ---------------------------------------------------------------------------
 
 LAYERS = [
-    ("fxpipe.errors", "fxpipe.ops", "fxpipe.verbose", "fxpipe.losses"),
+    ("fxpipe.errors", "fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.live_bytes"),
     ("fxpipe.passes", "fxpipe.plan", "fxpipe.memory", "fxpipe.config"),
     ("fxpipe.sim",),
     ("fxpipe.runtime",),

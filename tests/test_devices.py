@@ -234,11 +234,12 @@ def test_free_rejects_unknown_or_double_free(dev):
 def test_concurrent_allocations_respect_the_limit():
     with VirtualDevice(memory_limit=20 * 400) as d:
         errors, kept = [], []
+        host = torch.zeros(100)   # made on the host: only the copies are the device's
 
         def allocate():
             for _ in range(10):
                 try:
-                    kept.append(d.to_device(torch.zeros(100), kind="activations", owner="stage 0"))
+                    kept.append(d.to_device(host, kind="activations", owner="stage 0"))
                 except DeviceMemoryError as e:
                     errors.append(e)
 

@@ -20,7 +20,7 @@ import fxpipe
 from fxpipe.demo import TinyLlama, rotary_tables
 from fxpipe.errors import PlanError
 from fxpipe.passes.costs import compute_costs
-from fxpipe.passes.live_bytes import LiveBytes
+from fxpipe.live_bytes import LiveBytes
 from fxpipe.passes.memory import ChainMemory, Residency, program_peaks, stage_peak
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.planner import ChainCosts, check_memory, plan_chains

@@ -1,4 +1,5 @@
-"""Host parameter store: flat per-dtype uploads, refresh, gradients, tied params, buffers."""
+"""Host parameters: one flat buffer per dtype holding the model's tensors as views, stages as
+slices of it, re-aliasing, upload copies, and gradients written into one flat buffer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.func import functional_call
 
 from fxpipe.errors import DeviceMemoryError
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import GradAccumulator, ParamStore
+from fxpipe.runtime.params import GradAccumulator, HostParams, ParamStore
 
 TIMEOUT = 10.0
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -33,9 +34,9 @@ class CountingDevice(VirtualDevice):
         self.downloads.append(dev_tensor)
         return super().to_host(dev_tensor, pin)
 
-    def to_host_each(self, dev_tensors):
-        self.downloads.append(dev_tensors)
-        return super().to_host_each(dev_tensors)
+    def copy_to_host(self, dev_tensor, out):
+        self.downloads.append(dev_tensor)
+        return super().copy_to_host(dev_tensor, out)
 
 
 @pytest.fixture
@@ -52,99 +53,151 @@ def _mixed_model() -> nn.Module:
     return m
 
 
-def _stage_dicts(m: nn.Module):
+def _store(m: nn.Module, **kw) -> ParamStore:
+    """Two stages: layers 0-1 (fp32 + BatchNorm buffers), layer 2 (bf16)."""
     params = {0: {k: v for k, v in m.named_parameters() if not k.startswith("2.")},
               1: {k: v for k, v in m.named_parameters() if k.startswith("2.")}}
-    buffers = {0: dict(m.named_buffers())}
-    return params, buffers
+    return ParamStore(HostParams.of(m, pin=False), params, {0: dict(m.named_buffers())}, **kw)
 
 
-# --- upload ---------------------------------------------------------------------------
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
-def test_upload_views_equal_master_one_transfer_per_dtype(dev):
+
+# --- one host copy ----------------------------------------------------------------------
+
+def test_the_model_becomes_views_of_one_buffer_per_dtype():
     m = _mixed_model()
-    m[0].weight.data[0, 0] = 0.5  # not all-random, to see the copy is of this tensor
-    store = ParamStore(*_stage_dicts(m), pin=False)
-    assert sorted(map(str, store.flat(0))) == ["torch.float32", "torch.int64"]
-    assert list(store.flat(1)) == [torch.bfloat16]
+    objects = {n: (id(p), p.detach().clone(), p.requires_grad) for n, p in m.named_parameters()}
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    _store(m)
+    fp32 = [p for p in (*m.parameters(), *m.buffers()) if p.dtype == torch.float32]
+    assert len(_storages(fp32)) == 1                       # weights, biases, BN stats
+    assert len(_storages(m[2].parameters())) == 1 and _storages(m[2].parameters()) != _storages(fp32)
+    for n, p in m.named_parameters():                      # the same Parameter objects
+        assert (id(p), p.requires_grad) == (objects[n][0], objects[n][2])
+        assert torch.equal(p, objects[n][1]), n
+    assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+    host = HostParams.of(m)
+    assert sum(t.numel() * t.element_size() for t in host.flats) < 2 * sum(
+        t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))  # once, + padding
 
-    named = {**dict(m.named_parameters()), **dict(m.named_buffers())}
-    for stage in (0, 1):
-        dev.uploads.clear()
+
+def test_layout_is_layer_order_with_shared_tensors_first():
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 4)
+    blocks = [nn.Linear(4, 4) for _ in range(3)]
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight                            # tied: used by the first and last
+    model = nn.ModuleList([embed, *blocks, head])
+    layers = [{"e": embed.weight}, *[dict(b.named_parameters()) for b in blocks], {"h": head.weight}]
+    store = ParamStore(HostParams.of(model, pin=False), dict(enumerate(layers)))
+    host = store.host
+    offsets = [host.slot(t).offset for t in (embed.weight, *[p for b in blocks for p in b.parameters()])]
+    assert offsets == sorted(offsets) and offsets[0] == 0   # the tied weight first
+    for s in (1, 2, 3):                                   # a block: one contiguous run
+        assert len(store._runs_of(s)) == 1
+    both = ParamStore(host, {0: {**dict(blocks[0].named_parameters()),
+                                 **dict(blocks[1].named_parameters())}})
+    assert len(both._runs_of(0)) == 1                     # adjacent layers: still one run
+    assert len(ParamStore(host, {0: {"w": blocks[1].weight, "h": head.weight}})._runs_of(0)) == 2
+
+
+def test_upload_is_one_transfer_per_run_and_views_equal_the_masters(dev):
+    m = _mixed_model()
+    store = _store(m)
+    for stage, runs in ((0, 2), (1, 1)):   # stage 0: fp32, and BatchNorm's int64 counter
+        n = len(dev.uploads)
         up = store.upload(stage, dev)
-        assert len(dev.uploads) == len(store.flat(stage))  # one transfer per dtype
-        assert set(up) == {k for k in named if k.startswith("2.") == (stage == 1)}
-        for fqn, view in up.items():
-            assert torch.equal(view, named[fqn]) and view.dtype == named[fqn].dtype, fqn
-            assert view.untyped_storage().data_ptr() != named[fqn].untyped_storage().data_ptr()
-        by_dtype: dict[torch.dtype, set[int]] = {}
-        for view in up.values():  # all views of one dtype share one device buffer
-            by_dtype.setdefault(view.dtype, set()).add(view.untyped_storage().data_ptr())
-        assert all(len(ptrs) == 1 for ptrs in by_dtype.values())
-    assert dev.resident_bytes("params") == store.nbytes(0) + store.nbytes(1)
-
-
-def test_flat_offsets_are_aligned_and_disjoint():
-    params = {0: {"a": torch.ones(3), "b": torch.full((5,), 2.0), "c": torch.ones(2, dtype=torch.bfloat16)}}
-    store = ParamStore(params, pin=False)
-    flat = store.flat(0)[torch.float32]
-    assert flat.numel() == 16 + 5  # "b" starts on the next 64-byte boundary
-    assert torch.equal(flat[:3], torch.ones(3)) and torch.equal(flat[16:], torch.full((5,), 2.0))
-    assert store.nbytes(0) == 21 * 4 + 2 * 2
-
-
-def test_refresh_picks_up_in_place_master_updates(dev):
-    lin = nn.Linear(3, 2)
-    store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
-    with torch.no_grad():
-        lin.weight.mul_(3)  # the user's optimizer step
-    stale = store.upload(0, dev)
-    assert not torch.equal(stale["weight"], lin.weight)
-    store.refresh(0)
-    fresh = store.upload(0, dev)
-    assert torch.equal(fresh["weight"], lin.weight) and torch.equal(fresh["bias"], lin.bias)
+        assert len(dev.uploads) - n == len(store._runs_of(stage)) == runs
+        for k, v in up.items():
+            assert torch.equal(v, dict(m.state_dict())[k]), k
+        assert all(v.untyped_storage().data_ptr() not in _storages(m.parameters()) for v in up.values())
+        store.release(dev, up)
+    assert dev.resident_bytes() == 0
+    assert store.nbytes(1) == (32 + 3) * 2   # bf16: 21 weights, padded to 64 bytes, 3 biases
+    with pytest.raises(KeyError, match="no stage 9"):
+        store.upload(9, dev)
 
 
 def test_requires_grad_follows_master_and_buffers_never_require_grad(dev):
     m = _mixed_model()
     m[0].bias.requires_grad_(False)
-    store = ParamStore(*_stage_dicts(m), pin=False)
-    up = store.upload(0, dev, requires_grad=True)
+    up = _store(m).upload(0, dev, requires_grad=True)
     assert up["0.weight"].requires_grad and up["0.weight"].is_leaf
-    assert not up["0.bias"].requires_grad
-    assert not up["1.running_mean"].requires_grad
-    assert not any(t.requires_grad for t in store.upload(0, dev).values())
-
-
-def test_release_frees_each_flat_buffer_once(dev):
-    store = ParamStore(*_stage_dicts(_mixed_model()), pin=False)
-    up = store.upload(0, dev)
-    assert dev.resident_bytes("params") == store.nbytes(0)
-    store.release(dev, up)
-    assert dev.resident_bytes() == 0
+    assert not up["0.bias"].requires_grad and not up["1.running_mean"].requires_grad
 
 
 def test_upload_over_the_memory_limit_names_the_stage_and_counts_nothing():
-    store = ParamStore({3: {"w": torch.zeros(40), "h": torch.zeros(100, dtype=torch.float64)}}, pin=False)
-    with VirtualDevice(memory_limit=512) as d:
-        with pytest.raises(DeviceMemoryError, match="800 B of params for stage 3"):
-            store.upload(3, d)  # the float32 buffer fits, the float64 one does not
+    m = _mixed_model()
+    with VirtualDevice(memory_limit=16) as d:
+        with pytest.raises(DeviceMemoryError, match="stage 0"):
+            _store(m).upload(0, d)
         assert d.resident_bytes() == 0
 
 
 def test_masters_must_be_dense_host_tensors():
-    with pytest.raises(ValueError, match=r"stage 2: 'w' .* on meta"):
-        ParamStore({2: {"w": torch.empty(3, device="meta")}})
-    with pytest.raises(TypeError, match="'w' must be a tensor"):
-        ParamStore({0: {"w": [1.0]}})
+    with pytest.raises(ValueError, match="meta"):
+        meta = nn.Linear(2, 2, device="meta")
+        ParamStore(HostParams.of(meta, pin=False), {0: dict(meta.named_parameters())})
     with pytest.raises(ValueError, match="both as a parameter and as a buffer"):
         t = torch.zeros(2)
-        ParamStore({0: {"a": t}}, {0: {"b": t}})
-    with pytest.raises(KeyError, match="no stage 9"):
-        ParamStore({0: {"w": torch.zeros(1)}}).refresh(9)
+        ParamStore(HostParams.of(nn.Module(), pin=False), {0: {"a": t}}, {1: {"b": t}})
 
 
-# --- gradients ------------------------------------------------------------------------
+def test_a_tensor_sharing_memory_with_another_stays_where_it_is(dev):
+    base = torch.arange(8.0)
+    a, b = nn.Parameter(base[:4]), nn.Parameter(base[4:])  # views of one tensor
+    holder = nn.ParameterList([a, b])
+    store = ParamStore(HostParams.of(holder, pin=False), {0: {"a": a, "b": b}})
+    assert a.data_ptr() == base.data_ptr()                # not moved: the sharing is kept
+    up = store.upload(0, dev)
+    assert torch.equal(up["a"], base[:4]) and torch.equal(up["b"], base[4:])
+
+
+# --- refresh ----------------------------------------------------------------------------
+
+def test_p_data_assignment_is_copied_in_and_re_aliased(dev):
+    m = _mixed_model()
+    store = _store(m)
+    flat = _storages([m[0].weight])
+    m[0].weight.data = torch.full((7, 5), 3.0)             # the user breaks the alias
+    assert _storages([m[0].weight]) != flat
+    store.refresh()
+    assert _storages([m[0].weight]) == flat and torch.equal(m[0].weight, torch.full((7, 5), 3.0))
+    assert torch.equal(store.upload(0, dev)["0.weight"], torch.full((7, 5), 3.0))
+    m[0].weight.data = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="replaced by a tensor of"):
+        store.refresh()
+
+
+def test_mixed_precision_uploads_a_bf16_copy_kept_up_to_date(dev):
+    m = _mixed_model()
+    store = _store(m, param_dtype=torch.bfloat16)
+    store.refresh()
+    up = store.upload(0, dev)
+    assert up["0.weight"].dtype == torch.bfloat16 and up["1.num_batches_tracked"].dtype == torch.int64
+    assert m[0].weight.dtype == torch.float32              # the masters stay fp32
+    with torch.no_grad():
+        m[0].weight.add_(1.0)                              # an optimizer step
+    store.refresh()
+    assert torch.equal(store.upload(0, dev)["0.weight"], m[0].weight.to(torch.bfloat16))
+
+
+def test_snapshot_uploads_do_not_see_later_updates(dev):
+    m = _mixed_model()
+    store = _store(m)
+    store.snapshot = True
+    store.refresh()
+    before = m[0].weight.detach().clone()
+    with torch.no_grad():
+        m[0].weight.add_(1.0)                              # an async update during the call
+    assert torch.equal(store.upload(0, dev)["0.weight"], before)
+    store.refresh()                                        # the next call sees it
+    assert torch.equal(store.upload(0, dev)["0.weight"], m[0].weight)
+
+
+# --- gradients --------------------------------------------------------------------------
 
 def _pipelined_grads(m: nn.Module, x: torch.Tensor, store: ParamStore, dev) -> GradAccumulator:
     """Run ``m`` as two stages on ``dev`` with the store; return the filled accumulator."""
@@ -156,8 +209,8 @@ def _pipelined_grads(m: nn.Module, x: torch.Tensor, store: ParamStore, dev) -> G
     leaves0 = [k for k, v in up0.items() if v.requires_grad]
     grads = torch.autograd.grad(loss, [up0[k] for k in leaves0] + list(up1.values()))
     acc = GradAccumulator(store)
-    acc.add(0, store.download_grads(0, dev, dict(zip(leaves0, grads))))
-    acc.add(1, store.download_grads(1, dev, dict(zip(up1, grads[len(leaves0):]))))
+    acc.add(0, store.download_grads(0, dev, dict(zip(leaves0, grads)), acc), own=True)
+    acc.add(1, store.download_grads(1, dev, dict(zip(up1, grads[len(leaves0):])), acc), own=True)
     return acc
 
 
@@ -166,137 +219,108 @@ def _eager_grads(m: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
-def test_download_is_one_transfer_per_dtype_and_commit_equals_eager(dev):
+def test_gradients_land_in_one_flat_buffer_and_equal_eager(dev):
     m, ref = _mixed_model(), _mixed_model()
-    x = torch.randn(8, 5)
-    params, _ = _stage_dicts(m)
-    store = ParamStore(params, pin=False)  # buffers aside here: eval-free comparison below
     m.eval(), ref.eval()
+    x = torch.randn(8, 5)
+    store = _store(m)
     acc = _pipelined_grads(m, x, store, dev)
-    assert len(dev.downloads) == 2  # fp32 for stage 0, bf16 for stage 1
-    assert all(p.grad is None for p in m.parameters())  # nothing written before commit
+    assert all(p.grad is None for p in m.parameters())     # nothing before the commit
     acc.commit()
-    expected = _eager_grads(ref, x)
+    want = _eager_grads(ref, x)
     for k, p in m.named_parameters():
-        assert p.grad.dtype == p.dtype and torch.equal(p.grad, expected[k]), k
-    # a second call before zero_grad accumulates, as eager does
+        assert torch.equal(p.grad, want[k]), k
+    assert len(_storages(p.grad for p in m[:2].parameters())) == 1  # views of one buffer
+    host = store.host
+    assert all(host.slot(p).grad is not None for p in m.parameters())
+    assert not any(host.slot(b).grad for b in m.buffers())  # buffers get no gradient slot
+
+
+def test_frozen_parameters_get_no_gradient_memory(dev):
+    m = _mixed_model()
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    store = _store(m)
+    acc = _pipelined_grads(m.eval(), torch.randn(8, 5), store, dev)
+    acc.commit()
+    assert m[0].weight.grad is None
+    grad_bytes = sum(t.numel() * t.element_size() for t in store.host.grad_flats)
+    trainable = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+    assert grad_bytes < trainable + 64 * 4                 # padding only beyond the trainable
+
+
+def test_accumulating_calls_add_in_place_and_a_failed_call_changes_nothing(dev):
+    m, ref = _mixed_model(), _mixed_model()
+    m.eval(), ref.eval()
+    x = torch.randn(8, 5)
+    store = _store(m)
     _pipelined_grads(m, x, store, dev).commit()
-    expected = _eager_grads(ref, x)
+    held = {k: p.grad for k, p in m.named_parameters()}
+    _pipelined_grads(m, x, store, dev).commit()
+    _eager_grads(ref, x)
+    want = _eager_grads(ref, x)
     for k, p in m.named_parameters():
-        assert torch.equal(p.grad, expected[k]), k
+        assert p.grad is held[k] and torch.allclose(p.grad, want[k]), k
+    before = {k: p.grad.clone() for k, p in m.named_parameters()}
+    _pipelined_grads(m, x, store, dev).discard()           # a failed call
+    assert all(torch.equal(p.grad, before[k]) for k, p in m.named_parameters())
 
 
-def test_discard_leaves_grad_untouched(dev):
+def test_a_discarded_call_leaves_none_and_a_held_old_grad_is_never_overwritten(dev):
     m = _mixed_model().eval()
-    m[0].weight.grad = torch.full_like(m[0].weight, 7.0)
-    store = ParamStore(_stage_dicts(m)[0], pin=False)
-    acc = _pipelined_grads(m, torch.randn(4, 5), store, dev)
-    assert len(acc) == 6  # every parameter has a pending gradient
-    acc.discard()
-    acc.commit()  # nothing left to commit
-    assert torch.equal(m[0].weight.grad, torch.full_like(m[0].weight, 7.0))
-    assert all(p.grad is None for k, p in m.named_parameters() if k != "0.weight")
+    x = torch.randn(8, 5)
+    store = _store(m)
+    _pipelined_grads(m, x, store, dev).discard()
+    assert all(p.grad is None for p in m.parameters())
+    _pipelined_grads(m, x, store, dev).commit()
+    kept = m[0].weight.grad                                # the user keeps last step's gradient
+    copy = kept.clone()
+    m.zero_grad(set_to_none=True)
+    _pipelined_grads(m, 2 * x, store, dev).commit()
+    assert torch.equal(kept, copy)                         # its memory was not written again
+    assert m[0].weight.grad is not kept
+    del kept
+    m.zero_grad(set_to_none=True)
+    _pipelined_grads(m, x, store, dev).commit()            # nobody holds it: the flat slot again
+    assert _storages([m[0].weight.grad]) == _storages([m[0].bias.grad])
 
 
 def test_tied_parameter_across_stages_sums_like_autograd(dev):
-    torch.manual_seed(1)
-    emb = nn.Embedding(11, 4)
-    tokens = torch.tensor([[1, 2, 3, 9], [4, 4, 0, 10]])
-
-    def model(w_in, w_out):  # embedding in stage 0, tied output projection in stage 1
-        return (nn.functional.embedding(tokens, w_in) @ w_out.t()).logsumexp(-1).sum()
-
-    model(emb.weight, emb.weight).backward()
-    expected = emb.weight.grad.clone()
-    emb.weight.grad = None
-
-    store = ParamStore({0: {"embed.weight": emb.weight}, 1: {"head.weight": emb.weight}}, pin=False)
-    w0 = store.upload(0, dev, requires_grad=True)["embed.weight"]
-    w1 = store.upload(1, dev, requires_grad=True)["head.weight"]
-    g0, g1 = torch.autograd.grad(model(w0, w1), [w0, w1])
-    acc = GradAccumulator(store)
-    acc.add(1, store.download_grads(1, dev, {"head.weight": g1}))
-    acc.add(0, store.download_grads(0, dev, {"embed.weight": g0}))
-    acc.commit()
-    assert torch.allclose(emb.weight.grad, expected, rtol=0, atol=1e-6)
-    assert torch.equal(emb.weight.grad, g0 + g1)
-
-
-def test_tied_names_in_one_stage_share_one_slot(dev):
     w = nn.Parameter(torch.randn(3, 3))
-    store = ParamStore({0: {"a.weight": w, "b.weight": w}}, pin=False)
-    assert store.nbytes(0) == 9 * 4  # stored once
-    up = store.upload(0, dev, requires_grad=True)
-    assert up["a.weight"] is up["b.weight"]
-    g = torch.ones(3, 3)
-    with pytest.raises(ValueError, match="same \\(tied\\) parameter"):
-        store.download_grads(0, dev, {"a.weight": g, "b.weight": g})
+    holder = nn.ParameterList([w])
+    store = ParamStore(HostParams.of(holder, pin=False), {0: {"embed": w}, 1: {"head": w}})
+    g0, g1 = torch.randn(3, 3), torch.randn(3, 3)
     acc = GradAccumulator(store)
-    acc.add(0, store.download_grads(0, dev, {"b.weight": g}))
+    first = store.download_grads(1, dev, {"head": g1}, acc)   # the deeper stage first
+    second = store.download_grads(0, dev, {"embed": g0}, acc)
+    acc.add(0, second, own=True)
+    acc.add(1, first, own=True)
     acc.commit()
-    assert torch.equal(w.grad, g) and len(acc) == 0
-    acc.commit()  # committed sums are gone: nothing is added twice
-    assert torch.equal(w.grad, g)
+    assert torch.allclose(w.grad, g0 + g1)
+    assert _storages([w.grad]) == _storages(store.host.grad_flats)  # the sum is the flat view
 
 
 def test_download_grads_rejects_what_gets_no_gradient(dev):
     m = _mixed_model()
     m[0].bias.requires_grad_(False)
-    store = ParamStore(*_stage_dicts(m), pin=False)
-    with pytest.raises(ValueError, match="'1.running_mean': it is a buffer"):
+    store = _store(m)
+    with pytest.raises(ValueError, match="buffer, which gets no gradient"):
         store.download_grads(0, dev, {"1.running_mean": torch.zeros(7)})
-    with pytest.raises(ValueError, match="'0.bias': it is a frozen parameter"):
+    with pytest.raises(ValueError, match="frozen parameter"):
         store.download_grads(0, dev, {"0.bias": torch.zeros(7)})
-    with pytest.raises(ValueError, match=r"shape \(7,\) torch.float32, the parameter \(7, 5\)"):
-        store.download_grads(0, dev, {"0.weight": torch.zeros(7)})
-    with pytest.raises(KeyError, match="stage 1 has no parameter or buffer '0.weight'"):
-        store.download_grads(1, dev, {"0.weight": torch.zeros(7, 5)})
-    assert store.download_grads(0, dev, {"0.weight": None}) == {}
-
-
-def test_commit_checks_before_writing_anything():
-    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
-    b.grad_dtype = None  # allow any .grad dtype ...
-    b.grad = torch.zeros(3, dtype=torch.int64)  # ... so a float gradient cannot be added in place
-    store = ParamStore({0: {"a": a, "b": b}}, pin=False)
-    acc = GradAccumulator(store)
-    acc.add(0, {"a": torch.ones(2), "b": torch.ones(3)})
-    with pytest.raises(RuntimeError, match="nothing was written"):
-        acc.commit()
-    assert a.grad is None and torch.equal(b.grad, torch.zeros(3, dtype=torch.int64))
-
-
-def test_commit_honours_grad_dtype(dev):
-    lin = nn.Linear(4, 2).to(torch.bfloat16)
-    lin.weight.grad_dtype = torch.float32  # bf16 weights, fp32 gradients
-    x = torch.randn(3, 4, dtype=torch.bfloat16)
-    expected = torch.autograd.grad(lin(x).float().sum(), [lin.weight])[0].float()
-    store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
-    up = store.upload(0, dev, requires_grad=True)
-    g = torch.autograd.grad(functional_call(lin, up, (x,)).float().sum(), [up["weight"]])
-    acc = GradAccumulator(store)
-    acc.add(0, store.download_grads(0, dev, {"weight": g[0]}))
-    acc.commit()
-    assert lin.weight.grad.dtype == torch.float32 and torch.equal(lin.weight.grad, expected)
-
-
-def test_accumulator_owns_its_sums_and_keeps_param_layout():
-    p = nn.Parameter(torch.zeros(4, 3).t())  # non-contiguous parameter
-    store = ParamStore({0: {"p": p}}, pin=False)
-    g = torch.ones(3, 4)
-    acc = GradAccumulator(store)
-    acc.add(0, {"p": g})
-    g.fill_(100)  # the download buffer is reused: the sum must not change
-    acc.commit()
-    assert torch.equal(p.grad, torch.ones(3, 4)) and p.grad.stride() == p.stride()
+    with pytest.raises(ValueError, match="has shape"):
+        store.download_grads(0, dev, {"0.weight": torch.zeros(5, 7)})
 
 
 def test_accumulator_is_thread_safe():
     p = nn.Parameter(torch.zeros(1000))
-    store = ParamStore({s: {"p": p} for s in range(4)}, pin=False)
+    store = ParamStore(HostParams.of(nn.ParameterList([p]), pin=False), {0: {"p": p}})
     acc = GradAccumulator(store)
-    threads = [threading.Thread(target=lambda s=s: [acc.add(s, {"p": torch.ones(1000)}) for _ in range(50)])
-               for s in range(4)]
+
+    def add():
+        for _ in range(50):
+            acc.add(0, {"p": torch.ones(1000)})
+    threads = [threading.Thread(target=add) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -305,42 +329,23 @@ def test_accumulator_is_thread_safe():
     assert torch.equal(p.grad, torch.full((1000,), 200.0))
 
 
+# --- on the device's streams ------------------------------------------------------------
 
-def test_buffer_write_back_matches_eager_batchnorm(dev):
-    m, ref = _mixed_model(), _mixed_model()
-    x = torch.randn(8, 5)
-    params, buffers = _stage_dicts(m)
-    store = ParamStore(params, buffers, pin=False)
-    before = {k: v.clone() for k, v in m.named_buffers()}
-    up = store.upload(0, dev)
-    functional_call(m[:2], up, (x,))  # train mode: BatchNorm updates the device buffers
-    assert not torch.equal(up["1.running_mean"], before["1.running_mean"])
-    assert all(torch.equal(v, before[k]) for k, v in m.named_buffers())  # model untouched so far
-    store.write_back_buffers(0, {k: up[k] for k in buffers[0]})
-    ref[:2](x)
-    for k, v in ref.named_buffers():
-        assert torch.equal(dict(m.named_buffers())[k], v), k
-    assert int(m[1].num_batches_tracked) == 1
-    with pytest.raises(ValueError, match="'0.weight' is a parameter, not a buffer"):
-        store.write_back_buffers(0, {"0.weight": up["0.weight"]})
-    with pytest.raises(ValueError, match="came back with shape"):
-        store.write_back_buffers(0, {"1.running_mean": torch.zeros(7), "1.running_var": torch.zeros(2)})
-    assert torch.equal(m[1].running_mean, ref[1].running_mean)  # checked before writing
-
-
-# --- on the device's streams ----------------------------------------------------------
-
-def test_stage_job_on_streams(dev):
-    """h2d upload -> compute (forward + grads) -> d2h download, the executor's pattern."""
+def test_stage_job_on_streams_with_gpu_semantics():
+    """h2d upload -> compute (forward + grads) -> d2h download into the flat gradient
+    buffer, the executor's pattern, on a device whose copies land when their stream
+    reaches them."""
     lin = nn.Linear(6, 6)
-    store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
+    store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
     x = torch.randn(3, 6)
-    up = dev.submit("h2d", lambda: store.upload(0, dev, requires_grad=True), label="H2D s0")
-    grads = dev.submit("compute", lambda: dict(zip(up.value(), torch.autograd.grad(
-        functional_call(lin, up.value(), (x,)).sum(), list(up.value().values())))), wait=[up])
-    host = dev.submit("d2h", lambda: store.download_grads(0, dev, grads.value()), wait=[grads])
-    acc = GradAccumulator(store)
-    acc.add(0, host.result(TIMEOUT))
+    with VirtualDevice(semantics="cuda") as d:
+        acc = GradAccumulator(store)
+        up = d.submit("h2d", lambda: store.upload(0, d, requires_grad=True))
+        grads = d.submit("compute", lambda: dict(zip(up.value(), torch.autograd.grad(
+            functional_call(lin, up.value(), (x,)).sum(), list(up.value().values())))), wait=[up])
+        host = d.submit("grads", lambda: store.download_grads(0, d, grads.value(), acc),
+                        wait=[grads])
+        acc.add(0, host.result(TIMEOUT), own=True)         # after its event: landed
     acc.commit()
     expected = torch.autograd.grad(lin(x).sum(), [lin.weight, lin.bias])
     assert torch.equal(lin.weight.grad, expected[0]) and torch.equal(lin.bias.grad, expected[1])
@@ -351,58 +356,15 @@ def test_cuda_round_trip_with_pinned_flat_buffers():
     from fxpipe.runtime.devices import CudaDevice
 
     m = _mixed_model()
-    params, buffers = _stage_dicts(m)
-    store = ParamStore(params, buffers)
-    assert all(t.is_pinned() for s in store.stages for t in store.flat(s).values())
+    store = ParamStore(HostParams.of(m), {0: dict(m.named_parameters())})
+    assert all(t.is_pinned() for t in store.host.flats)
     with CudaDevice(0) as d:
+        acc = GradAccumulator(store)
         up = d.submit("h2d", store.upload, 0, d, label="H2D s0")
         grads = d.submit("compute", lambda: {k: torch.full_like(v, 2.0) for k, v in up.value().items()
-                                             if k.endswith("weight")}, wait=[up])
-        back = d.submit("d2h", lambda: store.download_grads(0, d, grads.value()), wait=[grads])
-        host_grads = back.result(TIMEOUT)
-        assert set(host_grads) == {"0.weight", "1.weight"}
-        for g in host_grads.values():
-            assert g.device.type == "cpu" and torch.equal(g, torch.full_like(g, 2.0))
-        views = up.result(TIMEOUT)
-        assert all(v.is_cuda for v in views.values())
-        for k, v in views.items():
-            assert torch.equal(v.cpu(), m.state_dict()[k]), k
-        store.release(d, views)
-        assert d.resident_bytes() == 0
-
-
-def test_refresh_copies_only_changed_masters_and_sees_every_kind_of_update():
-    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
-    store = ParamStore({0: {"a": a, "b": b}}, pin=False)
-    dev = VirtualDevice()
-    with torch.no_grad():
-        a.add_(1.0)                      # an optimizer-style in-place step
-    store.refresh()
-    b.data = torch.full((2,), 5.0)       # storage swapped under the parameter
-    store.refresh()
-    up = store.upload(0, dev)
-    assert torch.equal(up["a"], torch.ones(3)) and torch.equal(up["b"], torch.full((2,), 5.0))
-    store.release(dev, up)
-    dev.close()
-
-
-def test_accumulator_keeps_owned_gradients_without_copying():
-    p, q, r = nn.Parameter(torch.zeros(16)), nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))
-    store = ParamStore({0: {"p": p, "q": q, "r": r}, 1: {"p": p}}, pin=False)
-    flat = torch.arange(16 + 3 + 4 + 16, dtype=torch.float32)
-    gp, gq, gr, gp1 = flat[:16], flat[16:19], flat[19:23], flat[23:]
-    acc = GradAccumulator(store)
-    acc.add(0, {"p": gp, "q": gq, "r": gr}, own=True)
-    acc.add(1, {"p": gp1}, own=True)  # tied: adds into the kept sum
+                                             if v.is_floating_point()}, wait=[up])
+        host = d.submit("grads", lambda: store.download_grads(0, d, grads.value(), acc),
+                        wait=[grads])
+        acc.add(0, host.result(TIMEOUT), own=True)
     acc.commit()
-    assert p.grad.data_ptr() == gp.data_ptr()  # kept, not copied
-    assert torch.equal(p.grad, torch.arange(16.0) + torch.arange(23.0, 39.0))
-    assert q.grad.data_ptr() == gq.data_ptr()  # 64 B in: aligned, kept
-    assert r.grad.data_ptr() != gr.data_ptr() and torch.equal(r.grad, gr)  # 76 B in: copied
-    # without own=True the caller's tensors are never kept
-    w = nn.Parameter(torch.zeros(16))
-    acc = GradAccumulator(ParamStore({0: {"w": w}}, pin=False))
-    given = torch.ones(16)
-    acc.add(0, {"w": given})
-    acc.commit()
-    assert w.grad.data_ptr() != given.data_ptr() and torch.equal(w.grad, given)
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in m.parameters())

@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
-from fxpipe.passes.live_bytes import LiveBytes
+from fxpipe.live_bytes import LiveBytes
 from fxpipe.verbose import is_verbose
 
 

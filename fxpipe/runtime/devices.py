@@ -30,6 +30,7 @@ tensor([2., 2., 2., 2.])
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -40,8 +41,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import DeviceMemoryError
+from fxpipe.passes.program import parse_action
 
 # compute; activations in and out; parameters in; gradients out; dropping a microbatch's
 # values (Free); bookkeeping (Release).
@@ -49,7 +54,7 @@ from fxpipe.errors import DeviceMemoryError
 # microbatch's activations, and a Program's streams map one to one (no merged FIFOs,
 # which can wait on each other in a cycle across devices).
 STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control")
-KINDS = ("params", "activations", "gradients")
+KINDS = ("params", "activations", "saved", "gradients", "workspace")
 SEMANTICS = ("sync", "cuda")
 default_semantics = "sync"
 """What ``VirtualDevice()`` uses when ``semantics`` is not given (the test suite's
@@ -127,8 +132,10 @@ class Device(ABC):
     """A GPU-like worker: streams, events, and byte-accounted device memory.
 
     Backends: :class:`VirtualDevice` (CPU worker threads) and :class:`CudaDevice`.
-    Memory is counted for the allocations made by ``to_device`` and ``track`` (not for
-    temporaries inside submitted work), per storage, until ``free``.
+    Memory is counted per storage, by kind (``KINDS``): the allocations of ``to_device``
+    and ``track`` until ``free``; and on a VirtualDevice every storage its work allocates
+    (``_count_made``: intermediates, saved tensors, gradients, workspace) until Python
+    frees it. ``memory_limit`` holds for the total.
     """
 
     def __init__(self, name: str, memory_limit: int | float | None):
@@ -142,9 +149,12 @@ class Device(ABC):
         self.records: list[Record] = []
         self._mem_lock = threading.Lock()
         self._live: dict[int, tuple[Any, str, int]] = {}  # storage data_ptr -> (storage, kind, nbytes)
+        # what work allocated: storage id -> (weak reference, nbytes, kind), until freed
+        self._made: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self._resident = dict.fromkeys(KINDS, 0)
         self._peak = dict.fromkeys(KINDS, 0)
         self._peak_total = 0
+        self._peak_reserved = 0
 
     @abstractmethod
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
@@ -158,6 +168,13 @@ class Device(ABC):
     @abstractmethod
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into a new host tensor (pinned if ``pin`` and supported)."""
+
+    def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy a device tensor into existing host memory ``out`` (e.g. a parameter's
+        place in the flat gradient buffer); returns ``out``. Like ``to_host``, the data
+        is there once the work that queued the copy has completed."""
+        dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
+        return out.copy_(dev_tensor.detach(), non_blocking=out.is_pinned())
 
     def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """New contiguous host copies of the device tensors, in one transfer (e.g. a
@@ -213,24 +230,111 @@ class Device(ABC):
     def resident_bytes(self, kind: str | None = None) -> int:
         """Counted bytes resident now (of one kind, or all)."""
         with self._mem_lock:
+            self._sweep()
             return sum(self._resident.values()) if kind is None else self._resident[_check_kind(kind)]
 
     def peak_bytes(self, kind: str | None = None) -> int:
-        """Highest counted resident bytes since creation or :meth:`reset_peak`."""
+        """Highest counted resident bytes since creation or :meth:`reset_peak` (of one
+        kind: its own highest, reached at any time)."""
         with self._mem_lock:
             return self._peak_total if kind is None else self._peak[_check_kind(kind)]
 
     def reset_peak(self) -> None:
         """Set the peaks to what is resident now."""
         with self._mem_lock:
+            self._sweep()
             self._peak = dict(self._resident)
             self._peak_total = sum(self._resident.values())
+            self._peak_reserved = self._reserved()
+
+    def peak_reserved_bytes(self) -> int:
+        """Highest memory the device held: counted bytes plus freed memory its allocator
+        keeps for reuse (a GPU's ``max_memory_reserved``)."""
+        with self._mem_lock:
+            return self._peak_reserved
+
+    def _reserved(self) -> int:
+        """Counted bytes plus what the allocator keeps (hold ``_mem_lock``)."""
+        return sum(self._resident.values())
+
+    def _count_made(self, tensors: Sequence[torch.Tensor], kind: str, owner: str) -> None:
+        """Count the storages of ``tensors``, just made by work on this device, as
+        ``kind`` until they are freed; raise DeviceMemoryError once the total is over the
+        limit (on a GPU the allocation would have failed)."""
+        with self._mem_lock:
+            self._sweep()
+            added = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                nbytes = storage.nbytes()
+                key = storage._cdata
+                if not nbytes or storage.data_ptr() in self._live or key in self._made:
+                    continue
+                self._made[key] = (StorageWeakRef(storage), nbytes, kind)
+                self._resident[kind] += nbytes
+                _work.made.append(key)
+                added += nbytes
+            if not added:
+                return
+            total = sum(self._resident.values())
+            self._peak[kind] = max(self._peak[kind], self._resident[kind])
+            self._peak_total = max(self._peak_total, total)
+            self._peak_reserved = max(self._peak_reserved, self._reserved())
+            if self.memory_limit is not None and total > self.memory_limit:
+                parts = ", ".join(f"{k} {v} B" for k, v in self._resident.items() if v)
+                raise DeviceMemoryError(
+                    f"{self.name}: {_describe(owner)} allocated {added} B of {kind}, which exceeds the "
+                    f"memory limit: {total} B resident ({parts}) > limit {self.memory_limit} B. "
+                    "Give the stage fewer layers (a smaller ExecutePlan range), use smaller "
+                    "microbatches or recompute_grain='layer', or raise memory_limit.")
+
+    def _recount(self, t: torch.Tensor, kind: str, only: str) -> None:
+        """Count ``t``'s storage as ``kind`` from now on, if work made it as ``only``."""
+        with self._mem_lock:
+            entry = self._made.get(t.untyped_storage()._cdata)
+            if entry is not None and entry[2] == only and not entry[0].expired():
+                self._made[t.untyped_storage()._cdata] = (entry[0], entry[1], kind)
+                self._resident[only] -= entry[1]
+                self._resident[kind] += entry[1]
+                self._peak[kind] = max(self._peak[kind], self._resident[kind])
+
+    def _sweep(self) -> None:
+        """Stop counting what work made and Python has freed (hold ``_mem_lock``)."""
+        for key in [k for k, (ref, _, _) in self._made.items() if ref.expired()]:
+            _, nbytes, kind = self._made.pop(key)
+            self._resident[kind] -= nbytes
+
+    def allocating(self, kind: str) -> contextlib.AbstractContextManager:
+        """Within the block, what this thread's work on the device allocates is counted as
+        ``kind`` (a VirtualDevice; a GPU's allocator does not tell kinds apart)."""
+        return contextlib.nullcontext()
+
+    def keep(self, values: Any, *, saved: bool = False) -> None:
+        """After a forward in this thread's work: the tensors in ``values`` (made as
+        ``workspace``) outlive the work, count them as ``activations``; with ``saved``
+        (a forward with grad), what else it made and is still alive is held by the
+        autograd graph for backward: ``saved``. (A saved-tensors hook would tell the same,
+        but holding a tensor from its own graph makes a cycle no collector sees.)"""
+        for t in pytree.tree_leaves(values):
+            if isinstance(t, torch.Tensor):
+                self._recount(t, "activations", only="workspace")
+        made, _work.made = _work.made, []
+        if saved:
+            with self._mem_lock:
+                for key in made:
+                    entry = self._made.get(key)
+                    if entry is not None and entry[2] == "workspace" and not entry[0].expired():
+                        self._made[key] = (entry[0], entry[1], "saved")
+                        self._resident["workspace"] -= entry[1]
+                        self._resident["saved"] += entry[1]
+                        self._peak["saved"] = max(self._peak["saved"], self._resident["saved"])
 
     def _allocate(self, nbytes: int, kind: str, owner: str,
                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Reserve ``nbytes`` (or raise DeviceMemoryError, changing nothing), then ``make()``."""
         _check_kind(kind)
         with self._mem_lock:
+            self._sweep()
             total = sum(self._resident.values())
             if self.memory_limit is not None and total + nbytes > self.memory_limit:
                 parts = ", ".join(f"{k} {v} B" for k, v in self._resident.items() if v) or "nothing"
@@ -241,7 +345,8 @@ class Device(ABC):
                     "range), use smaller microbatches, or raise memory_limit.")
             self._resident[kind] += nbytes
         try:
-            tensor = make()
+            with host_allocations():   # counted here, as ``kind``, not as what the work made
+                tensor = make()
             storage = tensor.untyped_storage()
             with self._mem_lock:
                 if nbytes and storage.data_ptr() in self._live:
@@ -251,6 +356,7 @@ class Device(ABC):
                     self._live[storage.data_ptr()] = (storage, kind, nbytes)
                 self._peak[kind] = max(self._peak[kind], self._resident[kind])
                 self._peak_total = max(self._peak_total, sum(self._resident.values()))
+                self._peak_reserved = max(self._peak_reserved, self._reserved())
         except BaseException:
             with self._mem_lock:
                 self._resident[kind] -= nbytes
@@ -265,6 +371,18 @@ class Device(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, memory_limit={self.memory_limit})"
+
+
+def _describe(label: str) -> str:
+    """``"2B1 (stage 2, microbatch 1)"`` for a Program action's label, else the label."""
+    try:
+        action = parse_action(label)
+    except ValueError:
+        return label
+    parts = [f"stage {action.stage}"] if hasattr(action, "stage") else []
+    if getattr(action, "mb", None) is not None:
+        parts.append(f"microbatch {action.mb}")
+    return f"{label} ({', '.join(parts)})" if parts else label
 
 
 def _check_kind(kind: str) -> str:
@@ -323,33 +441,89 @@ def _run_stream(stream: str, work: queue.SimpleQueue, sink: list,
 class _Work(threading.local):
     """The work item a VirtualDevice stream thread is running: its device's ``token``,
     and the copies it queued (``semantics="cuda"``), performed when the item's own code
-    has returned, before its event completes: where the stream reaches them."""
+    has returned, before its event completes: where the stream reaches them. ``kind``
+    and ``paused`` steer the counting of what it allocates (``_Counting``)."""
 
     token: object | None = None
     copies: list[Callable[[], Any]] | None = None
+    owner: str = "work"
+    kind: str = "workspace"
+    paused: bool = False
+    made: list[int]     # storages this thread's work counted since the last ``keep``
+
+    def __init__(self) -> None:
+        self.made = []
 
 
 _work = _Work()
 
 
+@contextlib.contextmanager
+def _counted_as(kind: str):
+    was, _work.kind = _work.kind, kind
+    try:
+        yield
+    finally:
+        _work.kind = was
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """Allocations made in the block are host memory, not the device's whose work runs
+    them (host copies, the flat gradient buffer made on first use, counted transfers)."""
+    was, _work.paused = _work.paused, True
+    try:
+        yield
+    finally:
+        _work.paused = was
+
+
+class _Counting(TorchDispatchMode):
+    """Active in a VirtualDevice's stream threads while they run its work: every storage an
+    op makes (not an input's: views and in-place results are not new) is counted on the
+    device (``Device._count_made``) until Python frees it."""
+
+    def __init__(self, device: weakref.ref):
+        super().__init__()
+        self._device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        device = self._device()
+        if _work.paused or device is None:
+            return out
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if made:
+            inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            made = [t for t in made if t.untyped_storage()._cdata not in inputs]
+            if made:
+                device._count_made(made, _work.kind, _work.owner)
+        return out
+
+
 def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event, ...],
-             event: Event, token: object, records: list[Record] | None) -> None:
+             event: Event, token: object, counting: weakref.ref | None,
+             records: list[Record] | None) -> None:
     for e in wait:
         exc = e.exception()
         if exc is not None:  # do not compute on the output of failed work
             event._finish(exc=exc)
             return
     result, exc, start = None, None, time.perf_counter()
-    _work.token, _work.copies = token, []
+    _work.token, _work.copies, _work.owner, _work.made = token, [], event.label, []
     try:
-        result = fn(*args)
+        # a mode per item: a mode object is not entered by two threads at once
+        with _Counting(counting) if counting is not None else contextlib.nullcontext():
+            result = fn(*args)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the event
         exc = e
     finally:
         copies, _work.token, _work.copies = _work.copies, None, None
-    for copy in copies:  # what the work queued runs in order, as on a GPU stream
+    copies.reverse()
+    while copies:  # what the work queued runs in order, as on a GPU stream
         try:
-            copy()
+            copies.pop()()   # (no variable keeps a copy's tensors once it has run)
         except BaseException as e:  # noqa: BLE001
             exc = exc if exc is not None else e
     copies = None
@@ -383,6 +557,7 @@ class _StorageCache:
         self._made: set[int] = set()  # data_ptr of storages alloc made and not yet put back
         # by nbytes: (storage, events that must complete before it is reused)
         self._free: dict[int, list[tuple[torch.UntypedStorage, tuple[Event, ...]]]] = {}
+        self._bytes = 0
 
     def alloc(self, host: torch.Tensor) -> torch.Tensor:
         """New contiguous memory shaped like ``host`` (uninitialized), reused when some is
@@ -405,22 +580,24 @@ class _StorageCache:
                 return  # not ours (made by compute and tracked): left to Python
             self._made.discard(storage.data_ptr())
             self._free.setdefault(storage.nbytes(), []).append((storage, after))
+            self._bytes += storage.nbytes()
 
     def _take(self, nbytes: int) -> torch.UntypedStorage | None:
         with self._lock:
             free = self._free.get(nbytes, [])
             for i, (storage, after) in enumerate(free):
                 if storage_use_count(storage._cdata) == 1 and all(e.done() for e in after):
+                    self._bytes -= nbytes
                     return free.pop(i)[0]
         return None
 
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(n * len(v) for n, v in self._free.items())
+        return self._bytes
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._bytes = 0
             self._made.clear()  # still-live copies are then left to Python when freed
 
 
@@ -463,7 +640,7 @@ class VirtualDevice(Device):
     """
 
     def __init__(self, memory_limit: int | None = None, name: str | None = None, *,
-                 record: bool = False, semantics: str | None = None):
+                 record: bool = False, semantics: str | None = None, count_work: bool = True):
         super().__init__(name if name is not None else f"vcpu:{next(_virtual_ids)}", memory_limit)
         semantics = default_semantics if semantics is None else semantics
         if semantics not in SEMANTICS:
@@ -478,6 +655,8 @@ class VirtualDevice(Device):
         self._last: dict[str, Event] = {}
         self._cache = _StorageCache()
         self._token = object()  # marks this device's work items (``_work.token``)
+        # count what its work allocates (off for a host worker: its memory is the host's)
+        self._counting = weakref.ref(self) if count_work else None
         # Stop the workers if the device is dropped without close(); they hold no reference to it.
         self._stop = weakref.finalize(self, _stop_workers, self._queues)
 
@@ -502,7 +681,7 @@ class VirtualDevice(Device):
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
                 _start_worker(thread, ready)
-            self._queues[stream].put((fn, args, wait, event, self._token))
+            self._queues[stream].put((fn, args, wait, event, self._token, self._counting))
             self._last[stream] = event
         return event
 
@@ -512,6 +691,10 @@ class VirtualDevice(Device):
 
     def is_recording(self) -> bool:
         return self._sink[0] is not None
+
+    def allocating(self, kind: str) -> contextlib.AbstractContextManager:
+        _check_kind(kind)
+        return _counted_as(kind)
 
     def _queued(self) -> list[Callable[[], Any]] | None:
         """Where a copy made now is queued (``semantics="cuda"``, inside this device's
@@ -554,6 +737,9 @@ class VirtualDevice(Device):
         """Freed device memory kept for reuse (not counted as resident)."""
         return self._cache.nbytes()
 
+    def _reserved(self) -> int:
+        return sum(self._resident.values()) + self._cache.nbytes()
+
     def empty_cache(self) -> None:
         """Give the freed memory kept for reuse back (``stop_workers``/``close`` do too)."""
         self._cache.clear()
@@ -570,11 +756,22 @@ class VirtualDevice(Device):
         that would keep every other copy alive)."""
         return [self._copy_to_host(t) for t in dev_tensors]
 
-    def _copy_to_host(self, dev_tensor: torch.Tensor) -> torch.Tensor:
+    def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy into existing host memory ``out``; with ``semantics="cuda"`` inside this
+        device's work it lands when the stream reaches it (NaN until then)."""
         queued = self._queued()
         if queued is None:
-            return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
-        out = _unwritten(dev_tensor)
+            return out.copy_(dev_tensor.detach())
+        out.fill_(_unwritten_fill(out.dtype))
+        queued.append(lambda: out.copy_(dev_tensor.detach()))
+        return out
+
+    def _copy_to_host(self, dev_tensor: torch.Tensor) -> torch.Tensor:
+        queued = self._queued()
+        with host_allocations():   # host memory, not the device's
+            if queued is None:
+                return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
+            out = _unwritten(dev_tensor)
         queued.append(lambda: out.copy_(dev_tensor.detach()))
         return out
 
@@ -756,6 +953,9 @@ class CudaDevice(Device):
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_reserved_bytes(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -332,11 +333,15 @@ class Execution:
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
                 self._act(lane, a)
-            except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt):
+            except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt) as e:
                 self.cancelled.set()  # these already say where, or are the user's
+                traceback.clear_frames(e.__traceback__)
                 raise
             except BaseException as e:
                 self.cancelled.set()
+                # the traceback stays readable, but its frames no longer hold the action's
+                # tensors: an exception the caller keeps does not keep device memory
+                traceback.clear_frames(e.__traceback__)
                 raise self._stage_error(lane, a, e) from e
             self._recorded(lane, a)
         return work
@@ -477,6 +482,7 @@ class Execution:
         with torch.no_grad(), reentered(self.call.autocast):
             outs, writebacks = self._run(d, st, [values[n] for n in st.inputs], m,
                                          keep_writebacks=True)
+        self.call.devices[d].keep(outs)   # they outlive the compute: activations
         with self.on_host.lock:
             self.call.writebacks.extend(writebacks)
         with self.on[d].lock:
@@ -496,7 +502,8 @@ class Execution:
         """The tail forward, the loss and the backward, no recompute."""
         call, st, lg = self.call, self.call.exe.stages[s], self.call.layers
         leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
-        device = _torch_device(call.devices[d])
+        dev = call.devices[d]
+        device = _torch_device(dev)
         with torch.enable_grad():
             with reentered(call.autocast):
                 outs, writebacks = self._run(d, st, [leaves[n] for n in st.inputs], m,
@@ -512,10 +519,11 @@ class Execution:
             with self.on_host.lock:
                 call.writebacks.extend(writebacks)   # the tail's forward is its only one
                 call.losses[m] = scaled.detach()
+            dev.keep(made, saved=True)
             with self.on[d].lock:
                 for name, value in made.items():
                     self.on[d].made[(s, m, name)] = _detached(value)
-            with self._timed_backward(st.layers, device):
+            with self._timed_backward(st.layers, device), dev.allocating("gradients"):
                 if scaled.requires_grad:
                     scaled.backward()
         self._give_grads(d, s, m, _grads_of(leaves))
@@ -524,13 +532,15 @@ class Execution:
         """Recompute the stage from its saved inputs (its tail recorded, not computed),
         then back-propagate the gradients of what it makes."""
         call, st = self.call, self.call.exe.stages[s]
+        dev = call.devices[d]
         leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
         with torch.enable_grad():
             with reentered(call.autocast):
                 outs, _ = self._run(d, st, [leaves[n] for n in st.inputs], m,
                                     keep_writebacks=False, kind="recompute")
+            dev.keep(outs, saved=True)
             grads = self._take_grads(d, s, m)
-            with self._timed_backward(st.layers, _torch_device(call.devices[d])):
+            with self._timed_backward(st.layers, _torch_device(dev)), dev.allocating("gradients"):
                 _backprop(dict(zip(st.outputs, outs)), grads)
         self._give_grads(d, s, m, _grads_of(leaves))
 
@@ -546,6 +556,7 @@ class Execution:
                 saved[i] = [values[n] for n in piece.inputs]
                 outs, _ = self._run(d, piece, saved[i], m, keep_writebacks=False, timed=False)
                 values.update(zip(piece.outputs, outs))
+        call.devices[d].keep(saved)   # each layer's inputs, kept for its backward
         with self.on[d].lock:
             self.on[d].checkpoints[(s, m)] = _Checkpoint(saved)
 
@@ -560,11 +571,17 @@ class Execution:
         if layer == st.layers.stop - 1:
             ck.grads.update(self._take_grads(d, s, m))
         leaves = [self._leaf(n, x) for n, x in zip(piece.inputs, ck.saved.pop(layer))]
+        dev = call.devices[d]
         with torch.enable_grad():
             with reentered(call.autocast):
                 outs, _ = self._run(d, piece, leaves, m, keep_writebacks=False, kind="recompute")
-            with self._timed_backward(range(layer, layer + 1), _torch_device(call.devices[d])):
+            dev.keep(outs, saved=True)
+            with self._timed_backward(range(layer, layer + 1), _torch_device(dev)), \
+                    dev.allocating("gradients"):
                 _backprop(dict(zip(piece.outputs, outs)), ck.grads)
+        for n in piece.outputs:   # consumed: a shallower layer needs its inputs' gradients only
+            if n not in st.outputs or layer == st.layers.start:
+                ck.grads.pop(n, None)
         for n, x in zip(piece.inputs, leaves):
             if isinstance(x, torch.Tensor) and x.grad is not None:
                 ck.grads[n] = x.grad if ck.grads.get(n) is None else ck.grads[n] + x.grad
@@ -637,7 +654,8 @@ class Execution:
         with self.on[d].lock:
             params = self.on[d].params[s]
         grads = {f: t.grad for f, t in params.items() if t.requires_grad}
-        host = self.call.store.download_grads(s, self.call.devices[d], grads)
+        host = self.call.store.download_grads(s, self.call.devices[d], grads,
+                                              self.call.accumulator)
         self.stats.add("d2h_bytes_grads", sum(_nbytes(g) for g in host.values()))
         with self.downloads_lock:
             self.downloads.setdefault(s, []).append(host)

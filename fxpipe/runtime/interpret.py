@@ -173,11 +173,16 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
         with Transfers(serve):
             return stage.gm(*inputs)
 
-    if stage.random and call_seed is not None:
-        with rng.isolated(device):
+    try:
+        if stage.random and call_seed is not None:
+            with rng.isolated(device):
+                out = go()
+        else:
             out = go()
-    else:
-        out = go()
+    except BaseException:
+        if runner is not None:   # an exception the caller keeps must not keep the values
+            runner.env.clear()
+        raise
     if runner is not None:
         if timer is not None:
             runner.record_times(timer, kind)

@@ -1,23 +1,37 @@
-"""Host parameter store: the model's own tensors stay the master copy; stages upload flat.
+"""Host parameters: the model holds them once, in one flat buffer per dtype.
 
-Per stage, :class:`ParamStore` keeps one contiguous host buffer per dtype (pinned when
-CUDA is available) holding a copy of that stage's parameters and buffers, so a stage
-goes to a device in one transfer per dtype. ``refresh`` copies the master values in
-(the user's optimizer changes them between calls). Gradients come back flat too, and
-:class:`GradAccumulator` adds them into the parameters' ``.grad`` only when the whole
-call succeeded.
+:class:`HostParams` (one per model) moves the storage of every parameter and buffer a
+pipeline uses into one contiguous host buffer per dtype, laid out in layer order (the
+tensors several layers use first), and makes the model's tensors views of it, as FSDP's
+flat parameter does: ``model.parameters()``, ``state_dict()``, ``load_state_dict()`` and
+any ``torch.optim`` optimizer see the same tensors as before, and every stage of every
+plan is one or a few contiguous slices of that buffer, uploaded without a copy on the
+host. Pinned when CUDA is available (``pin=`` decides otherwise). ``p.data = t`` by the
+user breaks the alias; ``refresh`` (before each call) copies the new values in and
+re-aliases. Gradients have one flat buffer too (per dtype, the trainable parameters
+only): a gradient download writes into it directly, and the parameters' ``.grad`` become
+views of it at the commit.
+
+Two things keep one more copy, in the same layout: ``param_dtype`` (mixed precision,
+devices compute in bf16: the bf16 copy they upload) and an asynchronous optimizer
+(``fxpipe.optim`` ``mode="async"``: its update changes the parameters while the devices
+still read the previous ones). :class:`ParamStore` is one Executable's view of it: per
+stage, the slices it uploads.
 
 >>> import torch.nn as nn
 >>> from fxpipe.runtime.devices import VirtualDevice
 >>> lin = nn.Linear(2, 2)
->>> store = ParamStore({0: dict(lin.named_parameters())})
->>> store.refresh(0)  # before each call: the optimizer may have changed the weights
+>>> host = HostParams.of(lin, pin=False)
+>>> store = ParamStore(host, {0: dict(lin.named_parameters())})
+>>> lin.weight.untyped_storage().data_ptr() == lin.bias.untyped_storage().data_ptr()  # one buffer
+True
+>>> store.refresh()                     # before each call
 >>> dev = VirtualDevice()
 >>> w = store.upload(0, dev, requires_grad=True)
 >>> loss = (w["weight"] @ torch.ones(2) + w["bias"]).sum()
 >>> grads = dict(zip(w, torch.autograd.grad(loss, list(w.values()))))
 >>> acc = GradAccumulator(store)
->>> acc.add(0, store.download_grads(0, dev, grads))
+>>> acc.add(0, store.download_grads(0, dev, grads, acc), own=True)
 >>> acc.commit()
 >>> lin.bias.grad
 tensor([1., 1.])
@@ -26,151 +40,348 @@ tensor([1., 1.])
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from fxpipe.runtime.devices import Device
+from fxpipe.runtime.devices import Device, host_allocations
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True)
+def _align(n: int, dtype: torch.dtype) -> int:
+    a = max(1, _ALIGN_BYTES // dtype.itemsize)
+    return -(-n // a) * a
+
+
+@dataclass(eq=False)
 class _Slot:
-    """Where one master tensor lives in its stage's flat buffer of its dtype."""
+    """Where one of the model's tensors lives: ``flat[offset:offset + numel]`` of its dtype's
+    buffer ``region`` (``region is None``: not moved, its own storage; see ``_adoptable``)."""
 
-    names: tuple[str, ...]  # every fqn of this tensor in the stage (tied names share a slot)
-    master: torch.Tensor
-    offset: int  # in elements of dtype
+    tensor: torch.Tensor
+    names: list[str]
     is_buffer: bool
-    dtype: torch.dtype  # of the flat copy: master's, or the store's param_dtype
+    shape: torch.Size = torch.Size()      # as adopted (the model's tensor may be replaced)
+    region: int | None = None
+    offset: int = 0
+    grad: tuple[int, int] | None = None   # (grad region, offset) once it has a grad slot
 
     @property
     def numel(self) -> int:
-        return self.master.numel()
+        return self.shape.numel()
 
 
-class _StageParams:
-    def __init__(self, stage: int, params: Mapping[str, torch.Tensor],
-                 buffers: Mapping[str, torch.Tensor], pin: bool,
-                 param_dtype: torch.dtype | None = None):
-        self.slots: dict[str, _Slot] = {}  # fqn -> slot (aliases map to the same slot)
-        by_tensor: dict[int, list] = {}  # id(master) -> [names, master, is_buffer]
-        for is_buffer, named in ((False, params), (True, buffers)):
-            for fqn, t in named.items():
-                _check_master(stage, fqn, t)
-                entry = by_tensor.setdefault(id(t), [[], t, is_buffer])
-                if entry[2] != is_buffer:
-                    raise ValueError(f"stage {stage}: {fqn!r} is the same tensor as {entry[0][0]!r} "
-                                     "but is given both as a parameter and as a buffer")
-                entry[0].append(fqn)
-        sizes: dict[torch.dtype, int] = {}
-        for names, t, is_buffer in by_tensor.values():
-            dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
-            align = max(1, _ALIGN_BYTES // dtype.itemsize)
-            offset = -(-sizes.get(dtype, 0) // align) * align
-            sizes[dtype] = offset + t.numel()
-            slot = _Slot(tuple(names), t, offset, is_buffer, dtype)
-            self.slots.update(dict.fromkeys(names, slot))
-        self.flat = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
-        self.versions: dict[int, tuple[int, int]] = {}  # id(master) -> (version, data_ptr) copied
+class HostParams:
+    """One model's parameters and buffers in flat host buffers (module docstring). Get
+    it with :meth:`of`: one per model, shared by every pipe compiled from it."""
 
-    def distinct(self) -> list[_Slot]:
-        return list({id(s): s for s in self.slots.values()}.values())
+    def __init__(self, *, pin: bool):
+        self.pin = pin
+        self.lock = threading.RLock()
+        self.slots: dict[int, _Slot] = {}              # id(tensor) -> slot
+        self.flats: list[torch.Tensor] = []            # regions (each one dtype)
+        self.grad_flats: list[torch.Tensor] = []
+        self._copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (region, dtype)
+        self._copied: dict[tuple[int, torch.dtype], tuple[int, int]] = {}  # (slot, dtype) -> stamp
+        self._exposed: dict[int, weakref.ref] = {}      # id(param) -> its .grad view handed out
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, *, pin: bool | None = None) -> HostParams:
+        """The model's HostParams (made on first use; ``pin`` defaults to
+        ``torch.cuda.is_available()``)."""
+        host = _BY_MODEL.get(model)
+        if host is None:
+            host = cls(pin=torch.cuda.is_available() if pin is None else pin)
+            _BY_MODEL[model] = host
+        return host
+
+    # -- adopting tensors -----------------------------------------------------------------
+    def adopt(self, groups: Sequence[Sequence[tuple[str, torch.Tensor, bool]]]) -> None:
+        """Move the tensors of ``groups`` (per layer, in layer order: ``(fqn, tensor,
+        is_buffer)``) into new flat buffers, the tensors used by several layers first;
+        tensors already adopted are left where they are."""
+        with self.lock, torch.no_grad():
+            uses: dict[int, int] = {}
+            for group in groups:
+                for key in {id(t) for _, t, _ in group}:
+                    uses[key] = uses.get(key, 0) + 1
+            order: list[tuple[str, torch.Tensor, bool]] = []
+            seen: set[int] = set()
+            for shared_first in (True, False):
+                for group in groups:
+                    for fqn, t, is_buffer in group:
+                        if (uses[id(t)] > 1) == shared_first and id(t) not in seen:
+                            seen.add(id(t))
+                            order.append((fqn, t, is_buffer))
+            for group in groups:  # every name of a tensor (tied names, other layers)
+                for fqn, t, is_buffer in group:
+                    slot = self.slots.get(id(t))
+                    if slot is not None and fqn not in slot.names:
+                        slot.names.append(fqn)
+            new: dict[torch.dtype, list[_Slot]] = {}
+            for fqn, t, is_buffer in order:
+                if id(t) in self.slots:
+                    continue
+                _check_master(fqn, t)
+                slot = _Slot(t, [fqn], is_buffer, t.shape)
+                self.slots[id(t)] = slot
+                if _adoptable(t, self.slots.values()):
+                    new.setdefault(t.dtype, []).append(slot)
+            for dtype, slots in new.items():
+                size = 0
+                for slot in slots:
+                    slot.offset = _align(size, dtype)
+                    size = slot.offset + slot.numel
+                flat = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+                region = len(self.flats)
+                self.flats.append(flat)
+                for slot in slots:
+                    view = flat[slot.offset:slot.offset + slot.numel].view(slot.tensor.shape)
+                    view.copy_(slot.tensor)
+                    slot.region = region
+                    slot.tensor.data = view
+
+    def slot(self, t: torch.Tensor) -> _Slot:
+        return self.slots[id(t)]
+
+    def view(self, slot: _Slot) -> torch.Tensor:
+        """The flat-buffer memory of ``slot`` (its own tensor when not moved)."""
+        if slot.region is None:
+            return slot.tensor.detach()
+        flat = self.flats[slot.region]
+        return flat[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
+
+    # -- before each call -----------------------------------------------------------------
+    def refresh(self, upload_dtype: torch.dtype | None = None, snapshot: bool = False) -> None:
+        """Before a call: re-alias tensors whose ``.data`` someone replaced (their new
+        values copied in), and bring the upload copies up to date (``upload_dtype``: the
+        mixed-precision copy; ``snapshot``: a copy in the masters' own dtype, for an
+        asynchronous optimizer)."""
+        with self.lock, torch.no_grad():
+            for slot in self.slots.values():
+                if slot.region is None:
+                    continue
+                view = self.view(slot)
+                t = slot.tensor
+                if t.data_ptr() != view.data_ptr() or t.stride() != view.stride():
+                    if t.shape != view.shape or t.dtype != view.dtype:
+                        raise ValueError(
+                            f"{slot.names[0]!r} was replaced by a tensor of {tuple(t.shape)} "
+                            f"{t.dtype}; the pipeline was compiled for {tuple(view.shape)} "
+                            f"{view.dtype}: compile again for the new model")
+                    view.copy_(t.data)
+                    t.data = view
+            for slot in self.slots.values():
+                if slot.region is None:
+                    continue
+                flat = self.flats[slot.region]
+                dtype = _upload_dtype(flat.dtype, upload_dtype)
+                if dtype == flat.dtype and not snapshot:
+                    continue
+                key = (slot.region, dtype)
+                if key not in self._copies:
+                    self._copies[key] = torch.empty(flat.shape, dtype=dtype, pin_memory=self.pin)
+                # an in-place update (optimizer step, load_state_dict, a buffer written
+                # back) bumps the tensor's version; an unchanged one needs no copy
+                stamp = (slot.tensor._version, slot.tensor.data_ptr())
+                if self._copied.get((id(slot), dtype)) != stamp:
+                    copy = self._copies[key][slot.offset:slot.offset + slot.numel]
+                    copy.copy_(self.view(slot).reshape(-1))
+                    self._copied[(id(slot), dtype)] = stamp
+
+    def source(self, slot: _Slot, upload_dtype: torch.dtype | None, snapshot: bool) -> torch.Tensor:
+        """What an upload of ``slot``'s region reads: the flat buffer or its copy."""
+        flat = self.flats[slot.region]
+        dtype = _upload_dtype(flat.dtype, upload_dtype)
+        if dtype == flat.dtype and not snapshot:
+            return flat
+        return self._copies[(slot.region, dtype)]
+
+    # -- gradients ------------------------------------------------------------------------
+    def grad_view(self, slot: _Slot) -> torch.Tensor:
+        """``slot``'s memory in the flat gradient buffer (given a slot when first asked,
+        with every other trainable parameter of its region still lacking one)."""
+        with self.lock:
+            if slot.grad is None:
+                self._grad_slots(slot)
+            region, offset = slot.grad
+            flat = self.grad_flats[region]
+            return flat[offset:offset + slot.numel].view(slot.shape)
+
+    def _grad_slots(self, want: _Slot) -> None:
+        dtype = _grad_dtype(want.tensor)
+        todo = [s for s in self.slots.values() if s.grad is None and not s.is_buffer
+                and s.tensor.requires_grad and _grad_dtype(s.tensor) == dtype]
+        todo.sort(key=lambda s: (s.region is None, s.region or 0, s.offset))
+        if want not in todo:
+            todo.append(want)
+        size, offsets = 0, []
+        for s in todo:
+            offsets.append(_align(size, dtype))
+            size = offsets[-1] + s.numel
+        region = len(self.grad_flats)
+        with host_allocations():   # possibly from a device's download work: host memory
+            self.grad_flats.append(torch.empty(size, dtype=dtype, pin_memory=self.pin))
+        for s, off in zip(todo, offsets):
+            s.grad = (region, off)
+
+    def claim_grad(self, slot: _Slot) -> torch.Tensor | None:
+        """Where a download may write ``slot``'s gradient directly: its flat gradient view,
+        when its ``.grad`` is None and no earlier ``.grad`` view of that memory is still
+        held by someone (else None: download to a new tensor and add it at the commit)."""
+        t = slot.tensor
+        if slot.is_buffer or t.grad is not None or not t.requires_grad:
+            return None
+        old = self._exposed.get(id(t))
+        if old is not None and old() is not None:
+            return None
+        return self.grad_view(slot)
+
+    def exposed(self, t: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad`` (a view of the flat gradient buffer) became ``t.grad``."""
+        self._exposed[id(t)] = weakref.ref(grad)
+
+    def nbytes(self) -> int:
+        """Host bytes of the flat buffers and their copies (parameters, buffers, grads)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.flats, *self.grad_flats, *self._copies.values()))
 
 
-def _check_master(stage: int, fqn: str, t: object) -> None:
+def _upload_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def _grad_dtype(t: torch.Tensor) -> torch.dtype:
+    return (t.grad_dtype if t.is_leaf else None) or t.dtype
+
+
+def _adoptable(t: torch.Tensor, slots: Collection[_Slot]) -> bool:
+    """Whether ``t`` may move into a flat buffer: a dense contiguous tensor that owns its
+    whole storage (not a view, not sharing memory with another of the model's tensors)."""
+    if not t.is_contiguous() or t.storage_offset() != 0 or t.numel() == 0:
+        return False
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return not any(s.tensor is not t and s.tensor.untyped_storage().data_ptr() == ptr
+                   for s in slots)
+
+
+def _check_master(fqn: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"stage {stage}: {fqn!r} must be a tensor, got {type(t).__name__}")
+        raise TypeError(f"{fqn!r} must be a tensor, got {type(t).__name__}")
     if t.device.type != "cpu" or t.layout != torch.strided:
-        raise ValueError(f"stage {stage}: {fqn!r} is a {t.layout} tensor on {t.device}; fxpipe keeps "
-                         "parameters in host memory as dense tensors: load the model on the CPU "
-                         "(with real weights, not meta) before compiling")
+        raise ValueError(f"{fqn!r} is a {t.layout} tensor on {t.device}; fxpipe keeps parameters "
+                         "in host memory as dense tensors: load the model on the CPU (with real "
+                         "weights, not meta) before compiling")
+
+
+# ------------------------------------------------------------------------------ stages
+
+@dataclass
+class _Run:
+    """A contiguous piece of one flat buffer a stage uploads: ``[start, stop)``."""
+
+    region: int | None          # None: one tensor that was not moved (``slot``)
+    start: int
+    stop: int
+    slots: list[_Slot] = field(default_factory=list)
 
 
 class ParamStore:
-    """Per-stage flat host copies of the model's parameters and buffers.
+    """One Executable's stages as slices of the model's :class:`HostParams`.
 
     ``params`` / ``buffers`` map a stage index to ``{fqn: tensor}`` (the model's own
-    tensors; the same tensor may appear in several stages, or under several names in
-    one stage: it is stored once per stage). ``pin`` defaults to ``torch.cuda.is_available()``.
+    tensors; a tensor may appear in several stages, or under several names in one stage).
+    A stage uploads the contiguous runs of the flat buffers holding its tensors (usually
+    one per dtype). ``param_dtype`` (mixed precision): floating tensors go to the devices
+    in it, from the bf16 copy; their gradients come back into the masters' dtype.
 
     >>> lin = torch.nn.Linear(3, 1)
-    >>> store = ParamStore({0: dict(lin.named_parameters())}, pin=False)
-    >>> [(d, t.numel()) for d, t in store.flat(0).items()]  # bias starts 64 bytes in
-    [(torch.float32, 17)]
-
-    ``param_dtype`` (mixed precision): floating-point tensors are copied into the flat
-    buffers cast to it (the masters keep their dtype), and their gradients come back in
-    it; ``GradAccumulator`` adds them into ``.grad`` in the master's dtype.
+    >>> store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
+    >>> store.nbytes(0)               # weight 3 floats, then the bias 64 bytes in
+    68
     """
 
-    def __init__(self, params: Mapping[int, Mapping[str, torch.Tensor]],
+    def __init__(self, host: HostParams, params: Mapping[int, Mapping[str, torch.Tensor]],
                  buffers: Mapping[int, Mapping[str, torch.Tensor]] | None = None, *,
-                 pin: bool | None = None, param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None):
         buffers = buffers or {}
-        pin = torch.cuda.is_available() if pin is None else pin
-        self._stages = {s: _StageParams(s, params.get(s, {}), buffers.get(s, {}), pin, param_dtype)
-                        for s in sorted(set(params) | set(buffers))}
-        self.refresh()
+        self.host = host
+        self.param_dtype = param_dtype
+        self.snapshot = False   # uploads read a copy (an asynchronous optimizer is stepping)
+        stages = sorted(set(params) | set(buffers))
+        host.adopt([[(f, t, False) for f, t in params.get(s, {}).items()]
+                    + [(f, t, True) for f, t in buffers.get(s, {}).items()] for s in stages])
+        self._names: dict[int, dict[str, _Slot]] = {}
+        self._runs: dict[int, list[_Run]] = {}
+        for s in stages:
+            named = {**params.get(s, {}), **buffers.get(s, {})}
+            slots = {f: host.slot(t) for f, t in named.items()}
+            for f, t in named.items():
+                if host.slot(t).is_buffer != (f in buffers.get(s, {})):
+                    raise ValueError(f"stage {s}: {f!r} is the same tensor as "
+                                     f"{host.slot(t).names[0]!r} but is given both as a "
+                                     "parameter and as a buffer")
+            self._names[s] = slots
+            self._runs[s] = _runs(host, list({id(x): x for x in slots.values()}.values()))
 
     @property
     def stages(self) -> list[int]:
         """The stage indices, ascending."""
-        return list(self._stages)
-
-    def flat(self, stage: int) -> dict[torch.dtype, torch.Tensor]:
-        """The stage's flat host buffers, one per dtype (read-only use)."""
-        return dict(self._stage(stage).flat)
+        return list(self._names)
 
     def nbytes(self, stage: int) -> int:
-        """Bytes one upload of ``stage`` moves (all dtypes, with alignment padding)."""
-        return sum(t.numel() * t.element_size() for t in self._stage(stage).flat.values())
+        """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
+        total = 0
+        for run in self._runs_of(stage):
+            dtype = run.slots[0].tensor.dtype
+            dtype = _upload_dtype(dtype, self.param_dtype)
+            total += (run.stop - run.start) * dtype.itemsize
+        return total
 
-    def refresh(self, stage: int | None = None) -> None:
-        """Copy the current master values into the flat buffers (one stage, or all).
-
-        Do not refresh a stage while an upload from it may still be reading (CUDA
-        non-blocking copies): wait for that upload's event first.
-        """
-        for s in self.stages if stage is None else [stage]:
-            st = self._stage(s)
-            with torch.no_grad():
-                for slot in st.distinct():
-                    # in-place updates (optimizer steps, load_state_dict) bump _version and
-                    # `p.data = t` moves the storage: an unchanged master needs no copy
-                    version = (slot.master._version, slot.master.data_ptr())
-                    if st.versions.get(id(slot.master)) != version:
-                        _view(st.flat[slot.dtype], slot).copy_(slot.master)
-                        st.versions[id(slot.master)] = version
+    def refresh(self) -> None:
+        """Before a call (see :meth:`HostParams.refresh`)."""
+        self.host.refresh(self.param_dtype, self.snapshot)
 
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False) -> dict[str, torch.Tensor]:
-        """Copy the stage's flat buffers to ``device`` (counted as ``"params"``).
+        """Copy the stage's runs to ``device`` (counted as ``"params"``).
 
         Returns ``{fqn: device view}`` for every name, tied names sharing one tensor. With
         ``requires_grad``, parameter views are leaves that require grad like their master.
-        Release with :meth:`release`.
-        """
-        st = self._stage(stage)
-        on_device: dict[torch.dtype, torch.Tensor] = {}
+        Release with :meth:`release`."""
+        on_device: list[tuple[_Run, torch.Tensor]] = []
         try:
-            for dtype, flat in st.flat.items():
-                on_device[dtype] = device.to_device(flat, kind="params", owner=f"stage {stage}")
-        except BaseException:  # e.g. DeviceMemoryError on the second dtype: undo the first
-            for t in on_device.values():
+            for run in self._runs_of(stage):
+                src = self._source(run)
+                on_device.append((run, device.to_device(src, kind="params", owner=f"stage {stage}")))
+        except BaseException:  # e.g. DeviceMemoryError on the second run: undo the first
+            for _, t in on_device:
                 device.free(t)
             raise
-        out: dict[str, torch.Tensor] = {}
-        for slot in st.distinct():
-            view = _view(on_device[slot.dtype], slot)
-            if requires_grad and not slot.is_buffer and slot.master.requires_grad:
-                view = view.detach().requires_grad_()
-            out.update(dict.fromkeys(slot.names, view))
-        return out
+        views: dict[int, torch.Tensor] = {}
+        for run, dev in on_device:
+            for slot in run.slots:
+                start = slot.offset - run.start if run.region is not None else 0
+                view = dev[start:start + slot.numel].view(slot.tensor.shape)
+                if requires_grad and not slot.is_buffer and slot.tensor.requires_grad:
+                    view = view.detach().requires_grad_()
+                views[id(slot)] = view
+        return {fqn: views[id(slot)] for fqn, slot in self._names[stage].items()}
+
+    def _source(self, run: _Run) -> torch.Tensor:
+        if run.region is None:
+            t = run.slots[0].tensor.detach().reshape(-1)
+            return t.to(_upload_dtype(t.dtype, self.param_dtype))
+        src = self.host.source(run.slots[0], self.param_dtype, self.snapshot)
+        return src[run.start:run.stop]
 
     def release(self, device: Device, uploaded: Mapping[str, torch.Tensor]) -> None:
-        """Stop counting what :meth:`upload` put on ``device`` (each flat buffer once)."""
+        """Stop counting what :meth:`upload` put on ``device`` (each run once)."""
         seen: dict[int, torch.Tensor] = {}
         for t in uploaded.values():
             seen.setdefault(t.untyped_storage().data_ptr(), t)
@@ -178,87 +389,90 @@ class ParamStore:
             device.free(t)
 
     def download_grads(self, stage: int, device: Device,
-                       device_grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Bring ``{fqn: device gradient}`` to the host in one transfer per dtype.
+                       device_grads: Mapping[str, torch.Tensor | None],
+                       accumulator: GradAccumulator | None = None) -> dict[str, torch.Tensor]:
+        """Bring ``{fqn: device gradient}`` to the host, in the masters' gradient dtype.
 
         Give a tied parameter's gradient once, under any of its names. Returns
-        ``{fqn: host gradient}`` (new host tensors, from ``Device.to_host_each``). Call it
-        inside work on one of the device's streams: the values are there when that
-        work's event has completed (a GPU's copies are queued).
-        """
-        groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        ``{fqn: host gradient}``. With an ``accumulator``, a gradient whose parameter has
+        no ``.grad`` yet is copied straight into its place in the flat gradient buffer
+        (``HostParams.claim_grad``), others into new host tensors. Call it inside work on
+        one of the device's streams: the values are there when that work's event has
+        completed (a GPU's copies are queued)."""
+        items: list[tuple[str, _Slot, torch.Tensor]] = []
         seen: dict[int, str] = {}
         for fqn, g in device_grads.items():
             if g is None:
                 continue
             slot = self._slot(stage, fqn)
             what = f"stage {stage}: gradient of {fqn!r}"
-            if slot.is_buffer or not slot.master.requires_grad:
+            if slot.is_buffer or not slot.tensor.requires_grad:
                 raise ValueError(f"{what}: it is a {'buffer' if slot.is_buffer else 'frozen parameter'}, "
                                  "which gets no gradient; leave it out")
             if id(slot) in seen:
                 raise ValueError(f"{what}: {seen[id(slot)]!r} is the same (tied) parameter and already "
                                  "has a gradient; give each tied parameter's gradient once")
-            if g.shape != slot.master.shape or g.dtype != slot.dtype:
+            want = _upload_dtype(slot.tensor.dtype, self.param_dtype)
+            if g.shape != slot.tensor.shape or g.dtype != want:
                 raise ValueError(f"{what} has shape {tuple(g.shape)} {g.dtype}, the parameter "
-                                 f"{tuple(slot.master.shape)} {slot.dtype}")
+                                 f"{tuple(slot.tensor.shape)} {want}")
             seen[id(slot)] = fqn
-            groups.setdefault(g.dtype, []).append((fqn, g))
+            items.append((fqn, slot, g))
         out: dict[str, torch.Tensor] = {}
-        for items in groups.values():
-            if items[0][1].is_cuda:  # the packing below reads them on this (d2h) stream
-                for _, g in items:
-                    g.record_stream(torch.cuda.current_stream(g.device))
-            out.update(zip([fqn for fqn, _ in items], device.to_host_each([g for _, g in items])))
+        for fqn, slot, g in items:
+            dtype = _grad_dtype(slot.tensor)
+            if g.dtype != dtype:
+                g = g.to(dtype)  # on the device: the download moves the gradient's own dtype
+            dest = accumulator.claim(slot) if accumulator is not None else None
+            out[fqn] = device.to_host(g) if dest is None else device.copy_to_host(g, dest)
         return out
 
-    def write_back_buffers(self, stage: int, device_buffers: Mapping[str, torch.Tensor]) -> None:
-        """Copy buffer values updated on the device (e.g. BatchNorm running stats) into the model.
-
-        Checks every name and shape first, so the model is never half-written.
-        """
-        pairs = []
-        for fqn, t in device_buffers.items():
-            slot = self._slot(stage, fqn)
-            if not slot.is_buffer:
-                raise ValueError(f"stage {stage}: {fqn!r} is a parameter, not a buffer; parameters "
-                                 "change only through the optimizer")
-            if t.shape != slot.master.shape:
-                raise ValueError(f"stage {stage}: buffer {fqn!r} came back with shape {tuple(t.shape)}, "
-                                 f"the model's is {tuple(slot.master.shape)}")
-            pairs.append((slot.master, t))
-        with torch.no_grad():
-            for master, t in pairs:
-                master.copy_(t)
-
-    def _stage(self, stage: int) -> _StageParams:
+    def _runs_of(self, stage: int) -> list[_Run]:
         try:
-            return self._stages[stage]
+            return self._runs[stage]
         except KeyError:
             raise KeyError(f"no stage {stage} in the parameter store (stages {self.stages})") from None
 
     def _slot(self, stage: int, fqn: str) -> _Slot:
-        slots = self._stage(stage).slots
+        self._runs_of(stage)
+        slots = self._names[stage]
         if fqn not in slots:
             raise KeyError(f"stage {stage} has no parameter or buffer {fqn!r} "
                            f"(it has {sorted(slots)[:8]}{' ...' if len(slots) > 8 else ''})")
         return slots[fqn]
 
 
-def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
-    return flat[slot.offset:slot.offset + slot.numel].view(slot.master.shape)
+def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:
+    """The contiguous runs of flat memory holding ``slots`` (gaps of alignment padding
+    only are bridged; a tensor that was not moved is a run of its own)."""
+    runs: list[_Run] = []
+    for slot in sorted(slots, key=lambda s: (s.region is None, s.region or 0, s.offset)):
+        if slot.region is None:
+            runs.append(_Run(None, 0, slot.numel, [slot]))
+            continue
+        dtype = host.flats[slot.region].dtype
+        last = runs[-1] if runs else None
+        if (last is not None and last.region == slot.region
+                and slot.offset <= _align(last.stop, dtype)):
+            last.stop = max(last.stop, slot.offset + slot.numel)
+            last.slots.append(slot)
+        else:
+            runs.append(_Run(slot.region, slot.offset, slot.offset + slot.numel, [slot]))
+    return runs
 
 
 class GradAccumulator:
     """Sums host gradients over one call, then adds them to ``.grad`` all at once.
 
-    Tied parameters (one tensor in several stages) sum. ``commit`` adds into an existing
-    ``.grad`` (or sets it), as autograd does; ``discard`` drops everything (a failed call).
-    Thread-safe. Reusable after commit/discard. Give it gradients only once their copies
-    have landed (after the event of the work that downloaded them).
+    Tied parameters (one tensor in several stages) sum. ``commit`` sets a ``.grad`` that
+    is None (to its view of the flat gradient buffer, where the download put it) or adds
+    into an existing one, as autograd does; ``discard`` drops everything (a failed call:
+    no ``.grad`` changes). Thread-safe. Give it gradients only once their copies have
+    landed (after the event of the work that downloaded them).
 
     >>> p = torch.nn.Parameter(torch.zeros(2))
-    >>> store = ParamStore({0: {"p": p}, 1: {"p": p}}, pin=False)
+    >>> store = ParamStore(HostParams.of(torch.nn.ParameterList([p]), pin=False),
+    ...                    {0: {"p": p}, 1: {"p": p}})
     >>> acc = GradAccumulator(store)
     >>> acc.add(0, {"p": torch.ones(2)}); acc.add(1, {"p": torch.ones(2)})
     >>> acc.commit(); p.grad
@@ -269,27 +483,44 @@ class GradAccumulator:
         self._store = store
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
+        self._claimed: dict[int, torch.Tensor] = {}  # id(master) -> its flat gradient view
+
+    def claim(self, slot: _Slot) -> torch.Tensor | None:
+        """Where this call's download of ``slot``'s gradient goes directly (once per
+        parameter per call), or None (``HostParams.claim_grad``)."""
+        with self._lock:
+            key = id(slot.tensor)
+            if key in self._claimed:
+                return None
+            view = self._store.host.claim_grad(slot)
+            if view is not None:
+                self._claimed[key] = view
+            return view
 
     def add(self, stage: int, host_grads: Mapping[str, torch.Tensor], *, own: bool = False) -> None:
         """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``).
 
         ``own``: the tensors are the accumulator's to keep (fresh from ``download_grads``):
-        one laid out like its parameter, in its grad dtype and aligned, becomes the sum
-        itself instead of being copied (it may end up as ``.grad``).
-        """
+        a flat-buffer view it claimed, or one laid out like its parameter in its grad
+        dtype, becomes the sum itself instead of being copied."""
         with self._lock, torch.no_grad():
             for fqn, g in host_grads.items():
-                master = self._store._slot(stage, fqn).master
+                master = self._store._slot(stage, fqn).tensor
                 if g.shape != master.shape:
                     raise ValueError(f"stage {stage}: gradient of {fqn!r} has shape {tuple(g.shape)}, "
                                      f"the parameter {tuple(master.shape)}")
+                claimed = self._claimed.get(id(master))
+                mine = claimed is not None and g.data_ptr() == claimed.data_ptr()
                 if id(master) in self._sums:
-                    self._sums[id(master)][1].add_(g)
+                    total = self._sums[id(master)][1]
+                    if mine:   # the flat view holds the sum: add what came before into it
+                        g.add_(total)
+                        self._sums[id(master)] = (master, g)
+                    else:
+                        total.add_(g)
                     continue
-                # laid out like the parameter, in its grad_dtype (as autograd)
-                dtype = (master.grad_dtype if master.is_leaf else None) or master.dtype
-                if not (own and g.dtype == dtype and g.stride() == master.stride()
-                        and g.data_ptr() % _ALIGN_BYTES == 0):
+                dtype = _grad_dtype(master)
+                if not (own and g.dtype == dtype and g.stride() == master.stride()):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
 
@@ -311,18 +542,29 @@ class GradAccumulator:
                 master, total = self._sums.pop(key)
                 if master.grad is None:
                     master.grad = total
+                    claimed = self._claimed.get(key)
+                    if claimed is not None and total.data_ptr() == claimed.data_ptr():
+                        self._store.host.exposed(master, master.grad)
                 else:
                     master.grad.add_(total)
 
     def totals(self) -> dict[int, torch.Tensor]:
-        """The sums so far, by ``id`` of the parameter (to hand them to autograd instead)."""
+        """The sums so far, by ``id`` of the parameter, handed to autograd instead of
+        committed (flat-buffer views among them count as handed out: a later call writes
+        there again only once nobody holds them)."""
         with self._lock:
+            for key, (master, total) in self._sums.items():
+                claimed = self._claimed.get(key)
+                if claimed is not None and total.data_ptr() == claimed.data_ptr():
+                    self._store.host.exposed(master, total)
             return {key: total for key, (_, total) in self._sums.items()}
 
     def discard(self) -> None:
         """Drop the sums; no ``.grad`` changes."""
         with self._lock:
             self._sums.clear()
+            self._claimed.clear()
 
     def __len__(self) -> int:
         return len(self._sums)
+

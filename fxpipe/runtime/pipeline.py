@@ -28,7 +28,7 @@ from fxpipe.runtime.executor import (
 )
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.interrupts import deferred_interrupt
-from fxpipe.runtime.params import ParamStore
+from fxpipe.runtime.params import HostParams, ParamStore
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
@@ -47,22 +47,25 @@ class Runner:
 
     def __init__(self, lg: LayerGraph, devices: list[Device], executable: BuildExecutable,
                  differentiable: Callable[[Collection[str]], frozenset[str]],
-                 timer: LayerTimer | None = None, param_dtype: torch.dtype | None = None,
-                 log: ActionLog | None = None):
+                 host: Callable[[], HostParams], timer: LayerTimer | None = None,
+                 param_dtype: torch.dtype | None = None, log: ActionLog | None = None):
         self.lg, self.devices = lg, devices
         self.executable = executable
         self.differentiable = differentiable
+        self.host = host
         self.timer = timer
         self.param_dtype = param_dtype  # mixed precision: devices compute in it
         self.log = log or ActionLog()
         self._stores: dict[str, ParamStore] = {}
 
     def store(self, exe: Executable) -> ParamStore:
-        """The host parameter store of ``exe``'s run type (one per run type: every
-        microbatch count, grain and optimizer mode has the same stages)."""
+        """``exe``'s stages as slices of the model's flat host buffers (one view per run
+        type: every microbatch count, grain and optimizer mode has the same stages). The
+        first one moves the model's tensors into those buffers (``HostParams``)."""
         if exe.run_type not in self._stores:
             lg = self.lg
             self._stores[exe.run_type] = ParamStore(
+                self.host(),
                 {i: {f: lg.params[f] for f in st.params if f in lg.params}
                  for i, st in exe.stages.items()},
                 {i: {f: lg.buffers[f] for f in st.params if f in lg.buffers}
@@ -95,7 +98,10 @@ class Runner:
                               optimizer=getattr(optimizer, "program_mode", None),
                               outputs=outputs, input_grads=inputs)
         if optimizer is not None:
-            optimizer.assign(exe, self.lg, self.store(exe))
+            # an asynchronous update changes the parameters while this call's devices read
+            # them: they read a copy (kept from then on)
+            self.store(exe).snapshot |= optimizer.program_mode == "async"
+            optimizer.assign(exe, self.lg)
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         return Call(exe=exe, layers=self.lg, store=self.store(exe), devices=self.devices,
@@ -121,6 +127,7 @@ class Runner:
                 if commit_grads:
                     call.accumulator.commit()  # checks everything before writing anything
                 apply_writebacks(call.writebacks)
+                call.writebacks.clear()   # device copies: nothing keeps them past the call
 
         call.commit = commit
         try:
@@ -129,11 +136,15 @@ class Runner:
             restore(self.lg.buffers, snapshot)
             if call.accumulator is not None:
                 call.accumulator.discard()
+            # the exception's frames keep the call: it must not keep device memory
+            call.losses.clear()
+            call.writebacks.clear()
             if call.timer is not None:
                 call.timer.settle(drop=True)
             raise
         finally:
             self.log.stats = call.stats.as_dict() if call.stats is not None else {}
+            call.commit = None   # the closure refers to the call: no cycle keeps its tensors
         if call.timer is not None:
             call.timer.settle()  # device-event timings, read now that the call has ended
         return value
@@ -179,7 +190,7 @@ class Runner:
         if opt is not None:
             opt.finish()
             loss = opt.unscale_loss(loss)
-        return loss.detach().cpu(), outputs
+        return loss.detach().to("cpu", copy=True), outputs   # the host's own copy
 
 
 class TrainCall:
