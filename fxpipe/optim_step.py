@@ -76,7 +76,7 @@ def _not_fused(opt: torch.optim.Optimizer, hp: dict, params: Collection[torch.Te
     bad = next((p for p in params if p.requires_grad and not (
         p.device.type == "cpu" and p.dtype in FUSED_DTYPES and p.layout == torch.strided)), None)
     if bad is not None:
-        return (f"a {name} param group holds a {bad.dtype} {bad.layout} parameter on "
+        return (f"a param group of {name} holds a {bad.dtype} {bad.layout} parameter on "
                 f"{bad.device}; fused CPU kernels take dense {', '.join(map(str, FUSED_DTYPES))}")
     return None
 

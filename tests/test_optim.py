@@ -522,3 +522,30 @@ def test_fused_sgd_steps_parameters_whose_first_gradient_comes_later():
         ref_opt.zero_grad(set_to_none=True)
     assert_same_training_state(model, opt, ref, ref_opt, exact=False)
     assert opt.state[late[0]]["momentum_buffer"] is not None
+
+
+@pytest.mark.parametrize("make, fused, says", [
+    (lambda ps: torch.optim.AdamW(ps), True, None),
+    (lambda ps: torch.optim.Adagrad(ps), True, None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True, None),
+    (lambda ps: torch.optim.Adam(ps, fused=False), False, None),
+    (lambda ps: torch.optim.Adam(ps, foreach=True), None, "Adam was built with foreach=True"),
+    (lambda ps: torch.optim.Adam(ps, differentiable=True), None,
+     "Adam was built with differentiable=True, which fused kernels do not support"),
+    (lambda ps: torch.optim.Adam([nn.Parameter(torch.zeros(2, dtype=torch.complex64))]), None,
+     "a param group of Adam holds a torch.complex64 torch.strided parameter on cpu"),
+    (lambda ps: torch.optim.NAdam(ps), None, "NAdam has no fused CPU kernel in torch"),
+])
+def test_which_groups_get_fused_kernels_and_why_not(make, fused, says):
+    from fxpipe.optim_step import fused_groups
+    opt = make([nn.Parameter(torch.zeros(2))])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fused_groups(opt, hyper)
+        fused_groups(opt, hyper)                           # once per optimizer and reason
+    assert out[0].get("fused") == fused
+    assert opt.param_groups[0].get("fused") == hyper[0].get("fused")   # the optimizer's own stay
+    assert len(caught) == (says is not None)
+    if says is not None:
+        assert f"runs without torch's fused CPU kernels: {says}" in str(caught[0].message)
