@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/bench_optimizer.py                 # all parts, ~15 min
     .venv/bin/python benchmarks/bench_optimizer.py --part runtime  # ~5 min
 
-(runtime) 2 virtual devices (then 1), a 16-block Llama-style model, AdamW. Wall time per
+(runtime) 2 virtual devices (then 1), a 16-block Llama-style model, AdamW (``fused=True``,
+    the kernels the streamed step runs for an AdamW built with torch's defaults, so
+    ``sync``'s ``opt.step()`` runs them too). Wall time per
     training step for: ``none`` (forward_backward only, its weights marked changed
     between calls so it copies them for upload like the others: what the devices need),
     ``sync`` (then ``opt.step()`` after the call), ``exact``
@@ -18,9 +20,19 @@
     and the host optimizer share the cores: with 2 devices on 2 vCPUs, work overlapped
     with the backward still takes CPU time from it; with 1 device the host optimizer
     has a vCPU of its own (closer to a GPU machine, where compute is not on the host).
-(cpu) AdamW step throughput on this host, one thread and every thread, in parameters/s
-    (the simulator's ``cpu_optimizer_bytes_per_s`` counts bf16 parameter bytes: x2); and
-    how much a compute thread slows down while the host optimizer runs next to it.
+(cpu) The host AdamW step against the memory-bandwidth limit: parameters/s of one step
+    over 16.8M fp32 parameters (16 tensors) for torch's fused, foreach and for-loop
+    (torch's CPU default) implementations, fxpipe's streamed step (``fxpipe.optim_step``:
+    an AdamW built with torch's defaults, stepped with fused kernels on ``--threads``
+    intra-op threads) and a pool of Python threads running fused steps on parameters
+    partitioned by bytes, on 1 and 2 threads; against the limit of 28 bytes moved per
+    parameter (param, grad, exp_avg, exp_avg_sq read; param and both moments written) at
+    the bandwidth of a 256 MB tensor copy (read + write counted, 8 B/element, as STREAM
+    does) and of an in-place pass (``mul_``: each element read and written back, AdamW's
+    own pattern; a copy's destination is also read first, write-allocate, so its real
+    traffic is 12 B/element). Also how much a compute thread slows down while the host
+    optimizer runs next to it; part (sim) takes the for-loop's single-thread rate (the
+    simulator's ``cpu_optimizer_bytes_per_s`` counts bf16 parameter bytes: x2).
 (sim) RoundPipe's five published configurations (8 RTX 4090, 16 microbatches, their
     measured layer times; ``../shared/data/roundpipe_simulation.json``) with the host
     optimizer modelled (``fxpipe.sim.optimizer_modes``): relative throughput of
@@ -36,10 +48,12 @@ and median are reported. Writes ``benchmarks/results/bench_optimizer.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,7 +87,8 @@ def part_runtime(args, num_devices: int) -> dict:
                               devices=[fxpipe.VirtualDevice(record=True)
                                        for _ in range(num_devices)],
                               config=fxpipe.RunConfig(num_microbatch=args.microbatches))
-        return model, pipe, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # fused: the kernels the streamed step runs, so sync steps with them too
+        return model, pipe, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     opt_times: list[float] = []
     tails: dict[str, list[float]] = {}
@@ -152,23 +167,128 @@ def part_runtime(args, num_devices: int) -> dict:
 
 # ---------------------------------------------------------------------------------- cpu
 
-def adamw_params_per_s(numel: int, threads: int, repeats: int) -> float:
+# AdamW in fp32 reads a parameter, its gradient and both moments, and writes the parameter
+# and both moments back: 7 x 4 bytes of memory traffic per parameter and step
+ADAMW_BYTES_PER_PARAM = 7 * 4
+
+
+@contextlib.contextmanager
+def intra_op(threads: int):
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        params = [torch.nn.Parameter(torch.randn(numel // 16)) for _ in range(16)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        opt.step()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            opt.step()
-            best = min(best, time.perf_counter() - t0)
-        return numel / best
+        yield
     finally:
         torch.set_num_threads(prev)
+
+
+def bandwidth_passes(threads: int, numel: int = 1 << 26) -> dict[str, Callable[[], None]]:
+    """Two passes over 256 MB of fp32, each counted as 8 B per element: a tensor copy
+    (read + write, as STREAM counts it) and an in-place multiply (each element read and
+    written back: AdamW's own pattern). A copy's destination is also read into the
+    cache before it is written (write-allocate), so its memory traffic is 12 B per
+    element; the in-place pass moves exactly what it counts."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+
+    def on_threads(fn):
+        def run():
+            with intra_op(threads):
+                fn()
+        return run
+    return {"copy": on_threads(lambda: dst.copy_(src)), "in place": on_threads(lambda: src.mul_(1.0))}
+
+
+def adamw_steppers(numel: int, threads: int) -> dict[str, Callable[[], None]]:
+    """One AdamW step over ``numel`` fp32 parameters (16 tensors) per implementation, each
+    with its own parameters and state, on ``threads`` threads: torch's fused, foreach and
+    for-loop (torch's default on CPU) on intra-op threads; ``fxpipe``: an AdamW built with
+    torch's defaults stepped as the streamed step does (``fxpipe.optim_step``: fused
+    kernels, ``threads`` intra-op threads); ``fused pool``: ``threads`` Python threads of
+    one intra-op thread each, the parameters partitioned by bytes (the lever not taken)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fxpipe.optim_step import fused_groups, intra_op_threads, step_view
+
+    def params():
+        ps = [torch.nn.Parameter(torch.randn(numel // 16)) for _ in range(16)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+
+    def on_threads(step):
+        def run():
+            with intra_op(threads):
+                step()
+        return run
+    steppers = {name: on_threads(torch.optim.AdamW(params(), lr=1e-4, **kw).step)
+                for name, kw in (("fused", {"fused": True}), ("foreach", {"foreach": True}),
+                                 ("for-loop", {"foreach": False}))}
+    opt = torch.optim.AdamW(params(), lr=1e-4)
+    hyper = fused_groups(opt, [{k: v for k, v in g.items() if k != "params"}
+                               for g in opt.param_groups])
+    caller = torch.get_num_threads()
+
+    def fxpipe_step():
+        with intra_op_threads(threads, caller):
+            step_view(opt, hyper, opt.param_groups[0]["params"])
+    steppers["fxpipe"] = fxpipe_step
+    ps, parts = params(), [[] for _ in range(threads)]
+    for p in sorted(ps, key=lambda p: -p.numel()):   # greedy: the lightest part takes the next
+        min(parts, key=lambda part: sum(q.numel() for q in part)).append(p)
+    pool = ThreadPoolExecutor(threads, initializer=lambda: torch.set_num_threads(1))
+    opts = [torch.optim.AdamW(part, lr=1e-4, fused=True) for part in parts]
+    steppers["fused pool"] = lambda: list(pool.map(lambda o: o.step(), opts))
+    return steppers
+
+
+def part_cpu(args) -> dict:
+    import os
+    cores = os.cpu_count() or 1
+    numel, band_numel = 1 << 24, 1 << 26
+    steppers = {(name, t): fn for t in args.threads for name, fn in adamw_steppers(numel, t).items()
+                if not (name == "fused pool" and t == 1)}
+    passes = {(name, t): fn for t in args.threads for name, fn in bandwidth_passes(t, band_numel).items()}
+    times: dict[tuple, list[float]] = {k: [] for k in (*steppers, *passes)}
+    for fn in (*steppers.values(), *passes.values()):  # warm-up: the first step makes the state
+        fn()
+    for _ in range(args.repeats):
+        for k, fn in (*steppers.items(), *passes.items()):   # interleaved
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    bw = {f"{name}, {t} thread{'s' if t > 1 else ''}": 8 * band_numel / min(times[(name, t)])
+          for name, t in passes}
+    best = {name: max(8 * band_numel / min(times[(n, t)]) for n, t in passes if n == name)
+            for name in ("copy", "in place")}
+    limit = {name: b / ADAMW_BYTES_PER_PARAM for name, b in best.items()}
+    rows = {}
+    print(f"\n(cpu) host AdamW step, fp32, {numel / 1e6:.1f}M parameters (16 tensors), {cores} cores; "
+          f"min / median of {args.repeats} interleaved steps")
+    print("  bandwidth, 256 MB passes counted at 8 B/element (best of the interleaved repeats): "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()))
+    print(f"  limit: {ADAMW_BYTES_PER_PARAM} B per parameter (4 tensors read, 3 written): copy "
+          f"{best['copy'] / 1e9:.1f} GB/s -> {limit['copy'] / 1e6:.0f}M params/s; in place "
+          f"{best['in place'] / 1e9:.1f} GB/s -> {limit['in place'] / 1e6:.0f}M params/s (a copy "
+          f"also reads its destination first: its real traffic is 1.5x what it counts)")
+    print(f"{'implementation':>14} | {'threads':>7} | {'min ms':>6} | {'M params/s':>10} | "
+          f"{'median':>6} | {'/ copy limit':>12} | {'/ in-place limit':>16}")
+    for (name, t) in steppers:
+        ts = times[(name, t)]
+        fastest, median = numel / min(ts), numel / statistics.median(ts)
+        row = {"threads": t, "min_s": min(ts), "median_s": statistics.median(ts),
+               "params_per_s": fastest, "params_per_s_median": median,
+               "over_copy_limit": fastest / limit["copy"],
+               "over_in_place_limit": fastest / limit["in place"]}
+        rows[f"{name}, {t} thread{'s' if t > 1 else ''}"] = row
+        print(f"{name:>14} | {t:>7} | {row['min_s'] * 1e3:6.1f} | {fastest / 1e6:10.0f} | "
+              f"{median / 1e6:6.0f} | {row['over_copy_limit']:12.2f} | "
+              f"{row['over_in_place_limit']:16.2f}")
+    one = numel / min(times[("for-loop", 1)])  # torch's default on CPU, one thread (part sim)
+    slowdown = matmul_slowdown_next_to_adamw(args.repeats)
+    print(f"  a matmul thread next to a (for-loop) AdamW thread takes {slowdown:.2f}x as long (median)")
+    return {"parameters": numel, "cores": cores, "bytes_per_param": ADAMW_BYTES_PER_PARAM,
+            "bandwidth_bytes_per_s": bw, "limit_params_per_s": limit, "adamw": rows,
+            "params_per_s_1_thread": one, "matmul_slowdown_next_to_adamw": slowdown}
 
 
 def matmul_slowdown_next_to_adamw(repeats: int) -> float:
@@ -205,21 +325,6 @@ def matmul_slowdown_next_to_adamw(repeats: int) -> float:
         th.join()
         ratios.append(beside / alone)
     return statistics.median(ratios)
-
-
-def part_cpu(args) -> dict:
-    import os
-    cores = os.cpu_count() or 1
-    numel = 1 << 24
-    one = adamw_params_per_s(numel, 1, args.repeats)
-    every = adamw_params_per_s(numel, cores, args.repeats)
-    slowdown = matmul_slowdown_next_to_adamw(args.repeats)
-    print(f"\n(cpu) AdamW step, fp32, {numel / 1e6:.0f}M parameters: {one / 1e6:.0f}M params/s on "
-          f"1 thread, {every / 1e6:.0f}M params/s on {cores} threads; a matmul thread next to "
-          f"an AdamW thread takes {slowdown:.2f}x as long (median)")
-    return {"parameters": numel, "cores": cores, "params_per_s_1_thread": one,
-            f"params_per_s_{cores}_threads": every, "params_per_s_per_core": every / cores,
-            "matmul_slowdown_next_to_adamw": slowdown}
 
 
 # ---------------------------------------------------------------------------------- sim
@@ -291,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--devices", type=int, nargs="+", default=[2, 1],
                     help="(runtime) virtual device counts to measure")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="(cpu) host threads to step AdamW with")
     ap.add_argument("--host-cores", type=int, default=32,
                     help="(sim) host cores running the optimizer, at the measured per-core rate")
     ap.add_argument("--budget", type=int, default=120, help="(sim) simulations per schedule search")

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
 from fxpipe.optim import as_overlapped
+from fxpipe.optim_step import watch_fused_steps
 from fxpipe.passes import gc_paused
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable
@@ -118,6 +119,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
                         f"available), got {pin_memory!r}")
     find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
     resolved = resolve_devices(devices)
+    watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
                           plan=plan, param_dtype=param_dtype, pin_memory=pin_memory)

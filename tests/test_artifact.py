@@ -172,7 +172,7 @@ LAYERS = [
     ("fxpipe.passes", "fxpipe.plan", "fxpipe.memory", "fxpipe.config"),
     ("fxpipe.sim",),
     ("fxpipe.runtime",),
-    ("fxpipe.optim",),
+    ("fxpipe.optim", "fxpipe.optim_step"),
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),

@@ -301,19 +301,62 @@ def test_reformer_says_its_reversible_layers_cannot_be_split():
 peft = pytest.importorskip("peft")
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_peft_lora_adapters_train_and_base_weights_stay_frozen(name):
+def lora_model(name: str):
     torch.manual_seed(0)
     base = T.LlamaForCausalLM(T.LlamaConfig(**DENSE)) if name == "llama" else \
         T.MixtralForCausalLM(T.MixtralConfig(**MOE, num_local_experts=4))
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                            init_lora_weights=False, lora_dropout=0.0)
-    model = peft.get_peft_model(init_like_training(base), lora).eval()
+    return peft.get_peft_model(init_like_training(base), lora).eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_peft_lora_adapters_train_and_base_weights_stay_frozen(name, monkeypatch):
+    """Only the adapters' gradients exist and travel: on the devices only adapters are
+    leaves that require grad (so only they get gradient buffers), only their gradient
+    bytes come back, the base weights' .grad stay None, and an optimizer over every
+    parameter keeps state for the adapters alone; gradients and steps equal eager."""
+    from fxpipe.runtime.params import ParamStore
+    model = lora_model(name)
     ref = copy.deepcopy(model)
     kw = text()
+    leaves: set[str] = set()   # parameters the runtime made leaves that require grad
+    upload = ParamStore.upload
+
+    def recording_upload(self, *args, **kwargs):
+        out = upload(self, *args, **kwargs)
+        leaves.update(f for f, t in out.items() if t.requires_grad)
+        return out
+    monkeypatch.setattr(ParamStore, "upload", recording_upload)
     pipe = fxpipe.compile(model, example_kwargs=kw, devices=[fxpipe.VirtualDevice() for _ in range(2)],
                           config=fxpipe.RunConfig(num_microbatch=2))
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in adapters.values())
+    assert adapter_bytes * 10 < sum(p.numel() * p.element_size() for p in model.parameters())
+
     assert_step_equals_eager(name, pipe, model, ref, kw)
-    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
-    assert adapters and all(p.grad is not None for p in adapters)
-    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+    assert all(p.grad is not None for p in adapters.values())
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in adapters)
+    assert leaves == set(adapters)
+    assert pipe.stats()["d2h_bytes_grads"] == adapter_bytes
+
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)      # frozen weights included
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        loss = pipe.forward_backward((), kw, loss_fn=lambda out, _: out.loss, optimizer=opt)
+        assert pipe.stats()["d2h_bytes_grads"] == adapter_bytes
+        ref_loss = ref(**kw).loss
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    assert {id(p) for p in opt.state} == {id(p) for p in adapters.values()}
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, refs[n], atol=1e-5, rtol=1e-4, msg=n)
+    pipe.close()

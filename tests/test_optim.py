@@ -1,10 +1,17 @@
-"""The streamed optimizer step (fxpipe.optim): equal to eager training, step for step."""
+"""The streamed optimizer step (fxpipe.optim): equal to eager training, step for step.
+
+The optimizers below are built with torch's defaults (``foreach=None, fused=None``), which
+the streamed step runs with torch's fused CPU kernels (``fxpipe.optim_step``); their eager
+references are the same optimizers built with ``fused=True`` (``reference``): the same
+kernels, so bitwise. (torch's own CPU default, the for-loop, rounds differently.)"""
 
 from __future__ import annotations
 
 import copy
 import re
+import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -20,10 +27,16 @@ GPT_PLAN = fxpipe.ExecutePlan(fwd_plan=[range(0, 3), range(3, 5)],
                               bwd_plan=[range(5, 6), range(3, 5), range(1, 3), range(0, 1)])
 
 OPTIMIZERS = {
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2,
+                                                     **kw),
+    "adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, **kw),
+    "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
 }
+
+
+def reference(name, params):
+    """The eager reference of ``OPTIMIZERS[name]``: the kernels the streamed step runs."""
+    return OPTIMIZERS[name](params, fused=True)
 
 
 def ce(out, label):
@@ -57,7 +70,9 @@ def assert_same_training_state(model, opt, ref, ref_opt, exact=True):
         else:
             torch.testing.assert_close(p, r, msg=name)
     sd, rsd = opt.state_dict(), ref_opt.state_dict()
-    assert sd["param_groups"] == rsd["param_groups"]
+    settings = lambda sd: [{k: v for k, v in g.items() if k != "fused"}  # noqa: E731
+                           for g in sd["param_groups"]]   # the reference says fused=True
+    assert settings(sd) == settings(rsd)
     assert sd["state"].keys() == rsd["state"].keys()
     for k in sd["state"]:
         for field, v in sd["state"][k].items():
@@ -73,7 +88,7 @@ def assert_same_training_state(model, opt, ref, ref_opt, exact=True):
 def test_one_microbatch_equals_eager_training_bitwise(name):
     """1 microbatch: gradients are bitwise eager's, so the whole run is."""
     model, ref, pipe = gpt_pair(1)
-    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](model.parameters()), reference(name, ref.parameters())
     for ids, y in batches(3):
         loss = pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt)
         ref_loss = ce(ref(ids), y)
@@ -92,7 +107,7 @@ def test_streamed_step_equals_step_after_the_call(name, n_devices):
     """Any microbatching: exactly what opt.step() after the same pipelined call gives."""
     model, _, pipe = gpt_pair(3, n_devices=n_devices)
     ref, _, ref_pipe = gpt_pair(3, n_devices=n_devices)
-    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](model.parameters()), reference(name, ref.parameters())
     for ids, y in batches(3):
         loss = pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt)
         ref_loss = ref_pipe.forward_backward((ids,), label=y, loss_fn=ce)
@@ -111,7 +126,7 @@ def test_streamed_step_equals_step_after_the_call(name, n_devices):
 def test_accumulation_scheduler_clipping_equal_eager(name, max_norm):
     """k=2 accumulation, an LR schedule and global-norm clipping, against eager's loop."""
     model, ref, pipe = gpt_pair(1)
-    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](model.parameters()), reference(name, ref.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: 1.0 / (1 + i))
     step = overlapped(opt, accumulate=2, max_grad_norm=max_norm)
@@ -144,6 +159,8 @@ def test_state_dict_loads_into_a_plain_optimizer():
     ref_pipe.module.load_state_dict(model.state_dict())
     plain = torch.optim.AdamW(ref_pipe.module.parameters(), lr=1e-2)
     plain.load_state_dict(copy.deepcopy(opt.state_dict()))  # (torch shares 'step' tensors)
+    for g in plain.param_groups:   # the loaded settings say fused=None: step as fxpipe does
+        g["fused"] = True
     assert all(int(s["step"]) == 2 for s in plain.state.values())
     for ids, y in data[2:]:
         pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt)
@@ -184,7 +201,7 @@ def test_async_is_one_step_stale():
     """mode="async": call t's gradients are taken at the weights before update t-1."""
     model, ref, pipe = gpt_pair(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
     step = overlapped(opt, mode="async")
@@ -315,7 +332,7 @@ def test_optimizer_argument_is_checked():
 def test_async_with_accumulation_applies_the_update_during_the_next_call():
     model, ref, pipe = gpt_pair(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, fused=True)
     step = overlapped(opt, mode="async", accumulate=2)
     data = batches(4)
     for i, (ids, y) in enumerate(data):
@@ -360,3 +377,175 @@ def test_simulated_optimizer_modes():
     rel = modes.relative_throughput()
     assert rel["sync"] == 1.0 and rel["async"] > rel["exact"] > 1.0
     assert [str(a) for a in with_optimizer_steps(p).host] == ["S6:8", "S4:6", "S2:4", "S0:2", "C"]
+
+
+# -- kernels and threads (fxpipe.optim_step) ---------------------------------------------
+
+def train(opt_or_step, model, pipe, data):
+    for ids, y in data:
+        pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt_or_step)
+        model.zero_grad(set_to_none=True)
+
+
+def eager(ref, ref_opt, data):
+    for ids, y in data:
+        ce(ref(ids), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("built", [{}, {"fused": True}])
+def test_streamed_step_runs_fused_kernels_bitwise_equal_to_eager_fused(built, monkeypatch):
+    """AdamW built with torch's defaults (or fused=True): the streamed step runs torch's
+    fused CPU kernel, 3 steps bitwise those of eager AdamW(fused=True)."""
+    calls = []
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(len(a[0])),
+                                                                 kernel(*a, **k))[1])
+    model, ref, pipe = gpt_pair(1)
+    opt = OPTIMIZERS["adamw"](model.parameters(), **built)
+    ref_opt = reference("adamw", ref.parameters())
+    data = batches(3)
+    train(opt, model, pipe, data)
+    fused_calls = len(calls)
+    eager(ref, ref_opt, data)
+    assert_same_training_state(model, opt, ref, ref_opt)
+    assert fused_calls == 3 * 4                            # each backward stage, each call
+    assert sum(calls[:fused_calls]) == 3 * len(list(model.parameters()))
+    assert opt.param_groups[0]["fused"] == built.get("fused")   # the user's settings stay
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("built", [{"foreach": False}, {"foreach": True}, {"fused": False}])
+def test_an_implementation_the_user_chose_is_kept(built, recwarn):
+    """foreach=... or fused=False: stepped as built, bitwise eager's; foreach (a choice
+    that may not know fused CPU kernels exist) warns once, fused=False does not."""
+    model, ref, pipe = gpt_pair(1)
+    opt = OPTIMIZERS["adam"](model.parameters(), **built)
+    ref_opt = OPTIMIZERS["adam"](ref.parameters(), **built)
+    data = batches(3)
+    train(opt, model, pipe, data)
+    eager(ref, ref_opt, data)
+    assert_same_training_state(model, opt, ref, ref_opt)
+    mine = [str(w.message) for w in recwarn if "fxpipe: the streamed optimizer" in str(w.message)]
+    if "foreach" in built:
+        assert len(mine) == 1, mine                       # once, not once per call
+        assert f"Adam was built with foreach={built['foreach']}, which fxpipe keeps; build it " \
+               "with fused=True (or leave foreach=None)" in mine[0]
+        assert "3x the parameters per second" in mine[0]
+    else:
+        assert mine == []
+
+
+def test_optimizers_without_fused_kernels_warn_once():
+    model, ref, pipe = gpt_pair(1)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.RMSprop(ref.parameters(), lr=1e-3)
+    data = batches(2)
+    with pytest.warns(UserWarning, match="without torch's fused CPU kernels: RMSprop has no "
+                                         "fused CPU kernel in torch.*SGD, Adam, AdamW and Adagrad"):
+        train(opt, model, pipe, data[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # no second warning
+        train(opt, model, pipe, data[1:])
+    eager(ref, ref_opt, data)
+    assert_same_training_state(model, opt, ref, ref_opt)
+
+
+@pytest.mark.bitwise
+def test_step_threads_give_the_same_bits_and_leave_thread_counts():
+    """threads=2: each stage's step on two intra-op threads; the same result as eager
+    AdamW(fused=True) after the same pipelined calls (3 microbatches), and the caller's
+    count (and the one new threads adopt) as before."""
+    model, _, pipe = gpt_pair(3)
+    ref, _, ref_pipe = gpt_pair(3)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    ref_opt = reference("adamw", ref.parameters())
+    step = overlapped(opt, threads=2)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(torch.get_num_threads()))
+    data = batches(3)
+    train(step, model, pipe, data)
+    for ids, y in data:
+        ref_pipe.forward_backward((ids,), label=y, loss_fn=ce)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    assert_same_training_state(model, opt, ref, ref_opt)
+    assert seen == [2] * 12                                # 4 stages x 3 calls, on 2 threads
+    assert torch.get_num_threads() == 1                    # (the bitwise fixture's count)
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert fresh == [1]
+    assert repr(step) == "Overlapped(AdamW, mode='exact', threads=2)"
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        overlapped(opt, threads=0)
+
+
+@pytest.mark.bitwise
+def test_eager_fused_step_between_calls_reaches_the_devices():
+    """The user's own AdamW(fused=True).step() after the call: torch's fused kernels do not
+    bump the parameters' versions, by which the parameter store sees changed weights;
+    fxpipe bumps them (a step post-hook), so the next call uploads the new weights."""
+    model, ref, pipe = gpt_pair(1)
+    opt, ref_opt = reference("adamw", model.parameters()), reference("adamw", ref.parameters())
+    for ids, y in batches(3):
+        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ce(ref(ids), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(loss, ref_loss.detach())
+    assert_same_training_state(model, opt, ref, ref_opt)
+
+
+def test_fused_sgd_steps_parameters_whose_first_gradient_comes_later():
+    """Fused SGD steps a list all with momentum buffers or all without; a stage whose
+    parameters are in both states (one was frozen on the first call) is stepped as two
+    lists, as torch's for-loop steps each parameter (eager fused=True raises here)."""
+    model, ref, pipe = gpt_pair(1)
+    late = [model.blocks[1].up.weight, ref.blocks[1].up.weight]
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    ref_opt = OPTIMIZERS["sgd_momentum"](ref.parameters())   # torch's for-loop
+    data = batches(3)
+    for i, (ids, y) in enumerate(data):
+        for p in late:
+            p.requires_grad_(i > 0)
+        pipe.forward_backward((ids,), label=y, loss_fn=ce, optimizer=opt)
+        model.zero_grad(set_to_none=True)
+        ce(ref(ids), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    assert_same_training_state(model, opt, ref, ref_opt, exact=False)
+    assert opt.state[late[0]]["momentum_buffer"] is not None
+
+
+@pytest.mark.parametrize("make, fused, says", [
+    (lambda ps: torch.optim.AdamW(ps), True, None),
+    (lambda ps: torch.optim.Adagrad(ps), True, None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True, None),
+    (lambda ps: torch.optim.Adam(ps, fused=False), False, None),
+    (lambda ps: torch.optim.Adam(ps, foreach=True), None, "Adam was built with foreach=True"),
+    (lambda ps: torch.optim.Adam(ps, differentiable=True), None,
+     "Adam was built with differentiable=True, which fused kernels do not support"),
+    (lambda ps: torch.optim.Adam([nn.Parameter(torch.zeros(2, dtype=torch.complex64))]), None,
+     "a param group of Adam holds a torch.complex64 torch.strided parameter on cpu"),
+    (lambda ps: torch.optim.NAdam(ps), None, "NAdam has no fused CPU kernel in torch"),
+])
+def test_which_groups_get_fused_kernels_and_why_not(make, fused, says):
+    from fxpipe.optim_step import fused_groups
+    opt = make([nn.Parameter(torch.zeros(2))])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fused_groups(opt, hyper)
+        fused_groups(opt, hyper)                           # once per optimizer and reason
+    assert out[0].get("fused") == fused
+    assert opt.param_groups[0].get("fused") == hyper[0].get("fused")   # the optimizer's own stay
+    assert len(caught) == (says is not None)
+    if says is not None:
+        assert f"runs without torch's fused CPU kernels: {says}" in str(caught[0].message)
