@@ -302,6 +302,40 @@ def test_ctrl_c_in_the_caller_mid_step_leaves_the_model_untouched():
     _assert_same_model(model, ref)
 
 
+def test_ctrl_c_while_the_issue_threads_start_stops_and_frees_the_call(monkeypatch):
+    """A Ctrl-C held while the issue threads start is raised when they all have: it then
+    cancels and waits for what they issue, as one arriving later does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2), capture="fx")
+    cfg = fxpipe.RunConfig(num_microbatch=3)
+
+    def step():
+        pipe.forward_backward((x,), loss_fn=lambda out, _: out.square().mean(), run_config=cfg)
+
+    step()
+    ref, state = _clone(model), _state(model)
+    issue, sent = executor.Execution._issue, []
+
+    def interrupting_issue(self, *args):
+        if not sent:
+            sent.append(True)
+            _thread.interrupt_main()  # reaches the caller while it starts the others
+        return issue(self, *args)
+
+    monkeypatch.setattr(executor.Execution, "_issue", interrupting_issue)
+    with pytest.raises(KeyboardInterrupt):
+        step()
+    monkeypatch.undo()
+    assert sent
+    _assert_state(model, state)
+    _assert_workers_idle(pipe)
+    step()
+    ref(x).square().mean().backward()
+    _assert_same_model(model, ref)
+
+
 # -- shape changes -----------------------------------------------------------------------------
 
 def test_other_batch_sizes_and_sequence_lengths_reuse_one_graph():

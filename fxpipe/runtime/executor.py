@@ -239,10 +239,12 @@ class Execution:
                                     name=f"fxpipe-issue-{'host' if lane == HOST else lane}",
                                     daemon=True) for lane, idxs in lanes]
         interrupt: BaseException | None = None
-        with deferred_interrupt():   # every issue thread starts: others may wait on its lane
-            for t in threads:
-                t.start()
         try:
+            # every issue thread starts (others may wait on its lane); a Ctrl-C held until
+            # then is raised here, and stops them as one arriving later does
+            with deferred_interrupt():
+                for t in threads:
+                    t.start()
             for t in threads:
                 t.join()   # until everything is issued: no device work is waited for here
         except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
