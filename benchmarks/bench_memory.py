@@ -233,7 +233,7 @@ def virtual_device_peaks(model, inputs, plan, run_type, num_microbatch, grain, l
             pipe.forward_backward(inputs, label=label, loss_fn=loss_fn)
         else:
             pipe(*inputs).float().sum().backward()
-    return [{**{k: d.peak_bytes(k) for k in ("params", "activations", "gradients")},
+    return [{**{k: d.peak_bytes(k) for k in ("params", "activations", "gradients", "saved", "workspace")},
              "total": d.peak_bytes()} for d in devices]
 
 
