@@ -277,9 +277,11 @@ class InterruptingBlock(nn.Module):
         return _ctrl_c_once_armed(torch.tanh(self.lin(x)))
 
 
-def test_ctrl_c_in_the_caller_mid_step_leaves_the_model_untouched():
+def _ctrl_c_leaves_the_model_untouched(block, arm, disarm):
+    """A step that ``arm()`` makes end in a Ctrl-C leaves the model as it was and every
+    device idle and empty; the next step then equals eager."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[InterruptingBlock(8) for _ in range(4)])
+    model = nn.Sequential(*[block(8) for _ in range(4)])
     x = torch.randn(6, 8)
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2), capture="fx")
     cfg = fxpipe.RunConfig(num_microbatch=3)
@@ -289,12 +291,12 @@ def test_ctrl_c_in_the_caller_mid_step_leaves_the_model_untouched():
 
     step()
     ref, state = _clone(model), _state(model)
-    _ctrl_c_armed.set()
+    arm()
     try:
         with pytest.raises(KeyboardInterrupt):
             step()
     finally:
-        _ctrl_c_armed.clear()
+        disarm()
     _assert_state(model, state)
     _assert_workers_idle(pipe)
     step()
@@ -302,20 +304,13 @@ def test_ctrl_c_in_the_caller_mid_step_leaves_the_model_untouched():
     _assert_same_model(model, ref)
 
 
+def test_ctrl_c_in_the_caller_mid_step_leaves_the_model_untouched():
+    _ctrl_c_leaves_the_model_untouched(InterruptingBlock, _ctrl_c_armed.set, _ctrl_c_armed.clear)
+
+
 def test_ctrl_c_while_the_issue_threads_start_stops_and_frees_the_call(monkeypatch):
     """A Ctrl-C held while the issue threads start is raised when they all have: it then
     cancels and waits for what they issue, as one arriving later does."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    x = torch.randn(6, 8)
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices(2), capture="fx")
-    cfg = fxpipe.RunConfig(num_microbatch=3)
-
-    def step():
-        pipe.forward_backward((x,), loss_fn=lambda out, _: out.square().mean(), run_config=cfg)
-
-    step()
-    ref, state = _clone(model), _state(model)
     issue, sent = executor.Execution._issue, []
 
     def interrupting_issue(self, *args):
@@ -324,16 +319,11 @@ def test_ctrl_c_while_the_issue_threads_start_stops_and_frees_the_call(monkeypat
             _thread.interrupt_main()  # reaches the caller while it starts the others
         return issue(self, *args)
 
-    monkeypatch.setattr(executor.Execution, "_issue", interrupting_issue)
-    with pytest.raises(KeyboardInterrupt):
-        step()
-    monkeypatch.undo()
+    _ctrl_c_leaves_the_model_untouched(
+        lambda dim: nn.Linear(dim, dim),
+        lambda: monkeypatch.setattr(executor.Execution, "_issue", interrupting_issue),
+        monkeypatch.undo)
     assert sent
-    _assert_state(model, state)
-    _assert_workers_idle(pipe)
-    step()
-    ref(x).square().mean().backward()
-    _assert_same_model(model, ref)
 
 
 # -- shape changes -----------------------------------------------------------------------------
