@@ -147,13 +147,13 @@ def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunT
     >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(64, 256),), devices=["cpu"] * 2)
     >>> print(fxpipe.plan.predict_memory(pipe, num_microbatch=2))
     stage kind   layers  dev       params    gradients  activations        saved    workspace        total
-        0 fwd      0:1      0       526 kB          0 B      98.3 kB          0 B      32.8 kB       657 kB
-        1 fwd      1:3      1       790 kB          0 B      98.3 kB          0 B      65.5 kB       953 kB
-        2 fused    3:4      0       526 kB       263 kB      98.3 kB      32.8 kB       329 kB      1.25 MB
-        3 bwd      2:3      1       526 kB       263 kB       164 kB      32.8 kB       296 kB      1.28 MB
-        4 bwd      1:2      0       263 kB       263 kB       164 kB      32.8 kB       296 kB      1.02 MB
+        0 fwd      0:1      0       526 kB          0 B      65.5 kB          0 B      32.8 kB       625 kB
+        1 fwd      1:3      1       790 kB          0 B      65.5 kB          0 B      65.5 kB       921 kB
+        2 fused    3:4      0       526 kB       263 kB      65.5 kB      32.8 kB       329 kB      1.22 MB
+        3 bwd      2:3      1       526 kB       263 kB       131 kB      32.8 kB       296 kB      1.25 MB
+        4 bwd      1:2      0       263 kB       263 kB       131 kB      32.8 kB       296 kB       986 kB
         5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
-    peak 1.28 MB: device 0 1.25 MB, device 1 1.28 MB
+    peak 1.25 MB: device 0 1.22 MB, device 1 1.25 MB
     """
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])

@@ -59,6 +59,10 @@ def measure_stage(lg: LayerGraph, kind: str, layers: range, flat_inputs: Sequenc
     fused stage; ``env``: ``chain_values(lg, flat_inputs)``, if already made."""
     res = residency or Residency()
     env = env if env is not None else chain_values(lg, flat_inputs)
+    if res.alternative is not None:   # the microbatch whose residency peaks higher
+        return max((measure_stage(lg, kind, layers, flat_inputs, grain=grain, residency=r,
+                                  prefetched=prefetched, loss=loss, env=env)
+                    for r in res.scenarios()), key=lambda out: out["total"])
     # the values backward makes leaves of, as the runtime does (passes.grad_flow)
     wanted = grad_values(lg, [n for n, x in zip(lg.input_names, flat_inputs)
                               if isinstance(x, torch.Tensor) and x.requires_grad])

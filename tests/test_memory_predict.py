@@ -364,6 +364,9 @@ def test_residency_of_a_stage_job():
     assert Residency.of(4, inputs_handed=True, one_device=True) == Residency(4, 2, 1, 4, 2, 1)
     assert Residency.worst(4, 2) == Residency(2, 2, 1, 4, 4, 4)
     assert Residency.worst(4, 1) == Residency(4, 4, 4, 4, 4, 4)
+    # two microbatches: the first has the next one's uploads, the second the first's offload
+    two = Residency.of(2, outputs_handed=True)
+    assert two.scenarios() == [Residency(2, 2, 0, 2, 2, 2), Residency(1, 1, 1, 1, 1, 2)]
 
 
 def test_linear_cross_entropy_as_a_hugging_face_head():

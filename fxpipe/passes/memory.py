@@ -42,7 +42,7 @@ bwd 0:2: 520 B (params 200 B, gradients 200 B, activations 20 B, saved 80 B, wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 from fxpipe.passes.costs import _human
@@ -163,6 +163,14 @@ class Residency:
     carried_inputs: int = 1
     carried_grads: int = 1
     carried_outputs: int = 0
+    # another microbatch's residency the peak may come at instead (the larger counts)
+    alternative: Residency | None = None
+
+    def scenarios(self) -> list[Residency]:
+        """Each microbatch's residency the peak may come at."""
+        if self.alternative is None:
+            return [self]
+        return [replace(self, alternative=None), *self.alternative.scenarios()]
 
     @classmethod
     def of(cls, num_microbatch: int, *, inputs_handed: bool = False, grads_handed: bool = False,
@@ -170,16 +178,23 @@ class Residency:
         """In a Program: the current microbatch's values, the next one's (uploaded during
         this compute), the previous one's outputs until offloaded; every microbatch's for
         the values a stage takes over or hands over on the device: the carried ones, and
-        all of them when every stage runs on ``one_device``."""
+        all of them when every stage runs on ``one_device``. With two microbatches the
+        first has no previous one and the second no next one: two scenarios
+        (``alternative``), the peak is the larger."""
         M = num_microbatch
-        more = 1 if M > 1 else 0
 
-        def n(handed: bool, usual: int) -> int:
-            return M if handed else usual
+        def at(ahead: int, behind: int) -> Residency:   # next microbatch's, previous one's
+            def n(handed: bool, usual: int) -> int:
+                return M if handed else usual
 
-        return cls(n(inputs_handed and one_device, 1 + more), n(grads_handed and one_device, 1 + more),
-                   n(outputs_handed and one_device, more), n(inputs_handed, 1 + more),
-                   n(grads_handed, 1 + more), n(outputs_handed, more))
+            return cls(n(inputs_handed and one_device, 1 + ahead),
+                       n(grads_handed and one_device, 1 + ahead),
+                       n(outputs_handed and one_device, behind), n(inputs_handed, 1 + ahead),
+                       n(grads_handed, 1 + ahead), n(outputs_handed, behind))
+
+        if M == 2:  # the first has a next one, the last a previous one: never both at once
+            return replace(at(1, 0), alternative=at(0, 1))
+        return at(int(M > 2), int(M > 2))
 
     @classmethod
     def worst(cls, num_microbatch: int, num_devices: int) -> Residency:
@@ -248,7 +263,10 @@ class Growth:
             self.peak = candidate
 
     def activations(self) -> int:
-        m, r, a, b = self.m, self.res, self.start, self.stop
+        return max(self._activations(r) for r in self.res.scenarios())
+
+    def _activations(self, r: Residency) -> int:
+        m, a, b = self.m, self.start, self.stop
         before, after = m.before(a), m.boundary[b - 1]
         cin = m.carried[a - 1] if a > 0 else 0      # inputs made before the previous layer
         made = after - min(cin, after)              # what the stage makes (not passed through)
