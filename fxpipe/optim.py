@@ -79,8 +79,10 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.errors import StageError
-from fxpipe.optim_step import default_threads, fused_groups, intra_op_threads, step_view
+from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, step_shards,
+                               step_view)
 from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.runtime.params import owned_params
 
 Mode = Literal["exact", "async"]
 
@@ -136,6 +138,8 @@ class Overlapped:
         self.stepped = False      # whether the last call stepped (async: queued its update)
         self._pending: _Update | None = None
         self._host: VirtualDevice | None = None
+        # shard_optimizer: the state of this rank's shards, by (bucket key, segment)
+        self.shard_state: dict[tuple, dict] = {}
         self._lock = threading.Lock()
         if mode == "async":
             me = weakref.ref(self)
@@ -257,22 +261,9 @@ class _Call:
         holding it have run), so it may change in place."""
         if self.program_mode != "exact":
             return
-        holders: dict[int, list[int]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        for st in exe.program.stages:
-            for fqn in exe.stages[st.index].params:
-                p = lg.params.get(fqn)
-                if p is None or not p.requires_grad:
-                    continue
-                if st.kind != "fwd":
-                    tensors[id(p)] = p
-                    if st.index not in holders.setdefault(id(p), []):
-                        holders[id(p)].append(st.index)
-            if st.kind != "fwd":
-                self.stage_of[(st.layers.start, st.layers.stop)] = st.index
-        for key, ss in holders.items():
-            owner = max(ss)
-            self.owned.setdefault(owner, []).append(tensors[key])
+        self.owned = owned_params(exe, lg)
+        self.stage_of = {(st.layers.start, st.layers.stop): st.index
+                         for st in exe.program.stages if st.kind != "fwd"}
 
     # -- the executor's host actions ---------------------------------------------------
     def apply_pending(self) -> None:
@@ -280,13 +271,20 @@ class _Call:
         with intra_op_threads(self.threads, self.caller_threads):
             self.ov.synchronize()
 
-    def step(self, layers: range, accumulator) -> None:
-        """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them."""
+    def step(self, layers: range, accumulator, shards: list | None = None) -> None:
+        """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them; with
+        ``shards`` (``shard_optimizer``), step this rank's shard of them instead."""
         stage = self.stage_of[(layers.start, layers.stop)]
         params = self.owned.get(stage, [])
         in_opt = _in_optimizer(self.ov.optimizer, params)
         try:
             with intra_op_threads(self.threads, self.caller_threads):
+                if shards is not None:
+                    step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
+                    for p in params:   # their gradients were consumed by the sharded step
+                        p.grad = None
+                    self.stepped.append(layers)
+                    return
                 saved = _Saved(self.ov.optimizer, in_opt) if self.backup and in_opt else None
                 accumulator.commit(params)
                 if saved is not None:

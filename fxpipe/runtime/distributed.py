@@ -1,0 +1,346 @@
+"""Data parallel across processes: the collectives of a Program's host lane.
+
+``fxpipe.compile(model, ..., data_parallel=True)`` on every rank of a ``torch.distributed``
+job: each rank runs its own pipeline on its share of the batch, and the host lane of
+each training call's Program holds the collectives (``passes.program``): ``BC``
+broadcasts the buffers from rank 0, ``AR4:6`` averages the gradients of the parameters
+``S4:6`` steps (one bucket per backward stage, reduced as soon as that stage's
+gradients are downloaded, while the devices back-propagate the shallower stages), and
+with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket and
+gather the stepped shards back. :class:`DataParallel` runs them on the host's flat
+buffers, with ``torch.distributed`` (gloo).
+
+What is averaged, exactly as ``DistributedDataParallel`` does: the bucket holds each
+parameter's ``.grad`` plus this call's gradient (DDP reduces the accumulated ``.grad``),
+divided by the number of ranks, then summed across ranks; the result becomes the new
+``.grad`` at the commit. Nothing reaches ``.grad`` before the call's ``Commit`` (or a
+streamed ``OptimizerStep``): a call that fails on any rank leaves ``.grad`` as it was
+on every rank. A parameter that gets no gradient on a rank counts as zero there.
+
+Failures: the collectives run on a process group fxpipe makes over the ranks of the
+user's (gloo, ``timeout`` seconds). A rank whose training call fails records why in the
+group's store and aborts that group, so that every other rank's pending collective
+fails at once, and raises :class:`fxpipe.errors.DistributedError` naming the rank that
+failed first; a rank that stops answering fails the others at the timeout. Either way
+that process group cannot be used again: restart every rank (``torchrun`` does) and
+resume from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import DistributedError
+from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype, owned_params
+
+ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
+
+
+@dataclass
+class Bucket:
+    """One backward stage's parameters of one gradient dtype, as one flat tensor: each
+    parameter at ``offsets[i]`` (numel ``sizes[i]``), ``numel`` in all, padded to
+    ``padded`` (a multiple of the number of ranks) for a reduce-scatter; this rank's
+    shard is ``[shard_start, shard_start + shard_len)``, ``shard_len = padded // world``.
+    ``key`` names it the same way on every rank."""
+
+    key: tuple[int, int, str]                # (layers.start, layers.stop, dtype)
+    layers: range
+    dtype: torch.dtype
+    params: list[torch.Tensor]
+    offsets: list[int]
+    sizes: list[int]
+    numel: int
+    padded: int
+    shard_start: int
+    shard_len: int
+
+    def pieces(self) -> list[tuple[torch.Tensor, int, int, int]]:
+        """``(param, start in param, stop in param, start in shard)`` of each parameter
+        that overlaps this rank's shard."""
+        a, b = self.shard_start, self.shard_start + self.shard_len
+        out = []
+        for p, o, n in zip(self.params, self.offsets, self.sizes):
+            lo, hi = max(a, o), min(b, o + n)
+            if lo < hi:
+                out.append((p, lo - o, hi - o, lo - a))
+        return out
+
+
+@dataclass
+class Shard:
+    """This rank's part of a bucket in a sharded step: the averaged gradient of its shard
+    (``grad``) and the shard's parameter values (``master``, the fp32 master of its 1/N:
+    filled from the parameters before the step, stepped, then gathered)."""
+
+    bucket: Bucket
+    grad: torch.Tensor
+    master: torch.Tensor
+
+
+class DataParallel:
+    """The collectives of one data-parallel pipe (module docstring). Made by
+    ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
+
+    def __init__(self, process_group: Any = None, *, timeout: float = 300.0,
+                 shard: bool = False, broadcast: bool = True):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized "
+                "on every rank first: torch.distributed.init_process_group('gloo') (torchrun "
+                "sets the rank, world size and address in the environment); see the README, "
+                "'Several machines'")
+        if not timeout > 0:
+            raise ValueError(f"collective_timeout must be > 0 seconds, got {timeout!r}")
+        parent = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(parent)
+        self.rank = dist.get_rank(parent)
+        self.world = len(ranks)
+        self.timeout = float(timeout)
+        self.shard = shard            # shard_optimizer
+        self.broadcast = broadcast    # broadcast_buffers
+        # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
+        # and aborting it on a failure wakes every rank without touching the user's group
+        self.group = dist.new_group(ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=self.timeout),
+                                    use_local_synchronization=process_group is not None)
+        self.store = dist.distributed_c10d._get_process_group_store(self.group)
+        self.dead: DistributedError | None = None
+        self._lock = threading.Lock()
+        self._worker: VirtualDevice | None = None
+        self._buckets: dict[int, dict[tuple[int, int], list[Bucket]]] = {}
+        self._masters: dict[tuple, torch.Tensor] = {}
+
+    # -- compile time ----------------------------------------------------------------------
+    def check_same(self, what: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank passes equal ``what`` (the
+        plan, the parameters' names, shapes and dtypes...), naming the first difference."""
+        gathered: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(gathered, dict(what), group=self.group)
+        except Exception as e:  # noqa: BLE001 — e.g. a rank that never compiled: timeout
+            raise DistributedError(
+                f"rank {self.rank}: comparing the compiled pipeline with the other ranks failed "
+                f"({type(e).__name__}: {e}); every rank must call fxpipe.compile(..., "
+                "data_parallel=True) for the same model") from e
+        mine = gathered[self.rank]
+        for r, theirs in enumerate(gathered):
+            for k in mine:
+                if theirs.get(k) != mine[k]:
+                    raise ValueError(
+                        f"fxpipe.compile(data_parallel=True): ranks differ in {k}: rank "
+                        f"{self.rank} has {_first_difference(mine[k], theirs.get(k), r)}. Every "
+                        "rank must compile the same model with the same plan: pass the same "
+                        "plan=fxpipe.ExecutePlan(...) on every rank (ExecutePlan.auto may choose "
+                        "differently where ranks have other devices), and build the model the "
+                        "same way everywhere")
+
+    # -- running -----------------------------------------------------------------------------
+    @property
+    def worker(self) -> VirtualDevice:
+        """The host thread the collective stream of the host lane runs on."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = VirtualDevice(name=f"host-collectives-r{self.rank}",
+                                             count_work=False)
+            return self._worker
+
+    def check_alive(self) -> None:
+        """Raise if an earlier call failed (this process group cannot be used again)."""
+        if self.dead is not None:
+            raise DistributedError(
+                f"rank {self.rank}: an earlier data-parallel call failed ({self.dead}); fxpipe's "
+                "process group cannot be used again: restart every rank and resume from a "
+                "checkpoint", rank=self.dead.rank)
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's call failed: say so in the store (unless another rank failed first
+        and caused it), and abort fxpipe's group so that every rank's pending collective
+        fails now. Idempotent."""
+        with self._lock:
+            if self.dead is not None:
+                return
+            origin = exc.rank if isinstance(exc, DistributedError) else self.rank
+            self.dead = DistributedError(f"{type(exc).__name__}: {exc}", rank=origin)
+        if not isinstance(exc, DistributedError):
+            try:
+                self.store.compare_set(ORIGIN, "", f"{self.rank}: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 — the store is gone too: the abort still tells
+                pass
+        try:
+            self.group.abort()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            rank, why = self._origin()
+            if rank is None:
+                raise DistributedError(
+                    f"rank {self.rank}: the {what} failed ({type(e).__name__}: {e}); no rank "
+                    f"reported a failure: one may have stopped answering (timeout "
+                    f"{self.timeout:g} s) or died") from e
+            raise DistributedError(
+                f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
+                rank=rank) from e
+
+    def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
+        """The rank that failed first and why, from the store (it writes before aborting,
+        so a short wait suffices)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                if self.store.check([ORIGIN]):
+                    text = self.store.get(ORIGIN).decode(errors="replace")
+                    rank, _, why = text.partition(": ")
+                    return int(rank), why
+            except Exception:  # noqa: BLE001 — the store is unreachable
+                return None, ""
+            if time.monotonic() > deadline:
+                return None, ""
+            time.sleep(0.05)
+
+    # -- buckets -------------------------------------------------------------------------
+    def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
+        """Per backward stage's layers, its buckets (one per gradient dtype), in the same
+        order on every rank: its ``owned_params`` in the order of the host buffers."""
+        key = id(exe)
+        if key not in self._buckets:
+            host = store.host
+            out: dict[tuple[int, int], list[Bucket]] = {}
+            for s, params in owned_params(exe, lg).items():
+                layers = exe.program.stages[s].layers
+
+                def order(p: torch.Tensor) -> tuple:
+                    slot = host.slots.get(id(p))
+                    if slot is None or slot.region is None:
+                        return (1, 0, 0, slot.names[0] if slot else "")
+                    return (0, slot.region, slot.offset, "")
+
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                for p in sorted(params, key=order):
+                    by_dtype.setdefault(_grad_dtype(p), []).append(p)
+                out[(layers.start, layers.stop)] = [
+                    self._bucket(layers, dtype, ps) for dtype, ps in by_dtype.items()]
+            self._buckets[key] = out
+        return self._buckets[key]
+
+    def _bucket(self, layers: range, dtype: torch.dtype, params: list[torch.Tensor]) -> Bucket:
+        offsets, sizes, n = [], [], 0
+        for p in params:
+            offsets.append(n)
+            sizes.append(p.numel())
+            n += p.numel()
+        padded = -(-n // self.world) * self.world
+        length = padded // self.world
+        return Bucket((layers.start, layers.stop, str(dtype).removeprefix("torch.")), layers,
+                      dtype, params, offsets, sizes, n, padded, self.rank * length, length)
+
+    def _pack(self, bucket: Bucket, acc: GradAccumulator) -> torch.Tensor:
+        """The bucket's flat gradient: per parameter its ``.grad`` plus this call's sum,
+        divided by the number of ranks (DDP's order: divide, then sum across ranks)."""
+        flat = torch.empty(bucket.padded, dtype=bucket.dtype)
+        flat[bucket.numel:].zero_()
+        with torch.no_grad():
+            for p, o, n, new in zip(bucket.params, bucket.offsets, bucket.sizes,
+                                    acc.sums(bucket.params)):
+                seg = flat[o:o + n]
+                old = p.grad
+                if new is None and old is None:
+                    seg.zero_()
+                    continue
+                seg.copy_((new if new is not None else old).reshape(-1))
+                if new is not None and old is not None:
+                    seg.add_(old.reshape(-1))
+            flat.div_(self.world)
+        return flat
+
+    # -- the collectives ---------------------------------------------------------------------
+    def broadcast_buffers(self, store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> None:
+        """``BroadcastBuffers``: rank 0's buffers into every rank's (one flat tensor per
+        dtype), then the upload copies refreshed."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for name in sorted(buffers):
+            by_dtype.setdefault(buffers[name].dtype, []).append(buffers[name])
+        for dtype, tensors in by_dtype.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self._wait(dist.broadcast(flat, group=self.group, group_src=0, async_op=True),
+                       "broadcast of the buffers")
+            if self.rank != 0:
+                with torch.no_grad():
+                    n = 0
+                    for t in tensors:
+                        t.copy_(flat[n:n + t.numel()].view_as(t))
+                        n += t.numel()
+        if self.rank != 0:
+            store.refresh()   # the copies devices upload from (param_dtype) see the new values
+
+    def all_reduce(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> None:
+        """``AllReduce``: each bucket averaged across ranks, the result each parameter's
+        new ``.grad`` (``GradAccumulator.replace``)."""
+        for b in buckets:
+            flat = self._pack(b, acc)
+            self._wait(dist.all_reduce(flat, group=self.group, async_op=True),
+                       f"all-reduce of layers {b.layers.start}-{b.layers.stop - 1}")
+            for p, o, n in zip(b.params, b.offsets, b.sizes):
+                acc.replace(p, flat[o:o + n].view(p.shape))
+
+    def reduce_scatter(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> list[Shard]:
+        """``ReduceScatter``: each bucket's average, this rank's shard of it only; the
+        shard's parameter values in its master (to step)."""
+        shards = []
+        for b in buckets:
+            flat = self._pack(b, acc)
+            grad = torch.empty(b.shard_len, dtype=b.dtype)
+            self._wait(dist.reduce_scatter_single(grad, flat, group=self.group, async_op=True),
+                       f"reduce-scatter of layers {b.layers.start}-{b.layers.stop - 1}")
+            acc.drop(b.params)   # consumed by the sharded step
+            master = self._masters.get(b.key)
+            if master is None or master.dtype != b.params[0].dtype:
+                master = self._masters[b.key] = torch.zeros(b.shard_len, dtype=b.params[0].dtype)
+            with torch.no_grad():
+                for p, lo, hi, at in b.pieces():
+                    master[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+            shards.append(Shard(b, grad, master))
+        return shards
+
+    def all_gather(self, shards: Sequence[Shard]) -> None:
+        """``AllGather``: every rank's stepped master shard into every rank's parameters."""
+        for sh in shards:
+            b = sh.bucket
+            full = torch.empty(b.padded, dtype=sh.master.dtype)
+            self._wait(dist.all_gather_single(full, sh.master, group=self.group, async_op=True),
+                       f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}")
+            with torch.no_grad():
+                for p, o, n in zip(b.params, b.offsets, b.sizes):
+                    p.view(-1).copy_(full[o:o + n])
+
+    def state_bytes(self) -> int:
+        """Host bytes of the master shards this rank keeps."""
+        return sum(t.numel() * t.element_size() for t in self._masters.values())
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+def _first_difference(mine: Any, theirs: Any, rank: int) -> str:
+    """``"X, rank r has Y"`` for the first entry where two digests differ."""
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        for a, b in zip(mine, theirs):
+            if a != b:
+                return f"{a!r}, rank {rank} has {b!r}"
+        return f"{len(mine)} entries, rank {rank} has {len(theirs)}"
+    return f"{mine!r}, rank {rank} has {theirs!r}"
