@@ -143,7 +143,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if pin_memory not in (None, True, False):
         raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is "
                         f"available), got {pin_memory!r}")
-    if data_parallel not in (True, False):
+    if not isinstance(data_parallel, bool):
         raise TypeError(f"data_parallel must be True or False, got {data_parallel!r}")
     if not data_parallel:
         given = [name for name, value, default in (

@@ -140,6 +140,7 @@ class Overlapped:
         self._host: VirtualDevice | None = None
         # shard_optimizer: the state of this rank's shards, by (bucket key, segment)
         self.shard_state: dict[tuple, dict] = {}
+        self._shard_hooks: list = []
         self._lock = threading.Lock()
         if mode == "async":
             me = weakref.ref(self)
@@ -158,6 +159,23 @@ class Overlapped:
             pending, self._pending = self._pending, None
         if pending is not None:
             pending.apply()
+
+    def sharded(self) -> None:
+        """``shard_optimizer``: this optimizer's state now lives in ``shard_state``, this
+        rank's shards only; ``state_dict()`` and ``load_state_dict()`` would see none of it
+        and raise instead."""
+        if self._shard_hooks:
+            return
+
+        def refuse(*_: Any) -> None:
+            raise NotImplementedError(
+                "this optimizer is stepped by fxpipe with shard_optimizer=True: its state is "
+                "sharded across the ranks (fxpipe.optim.Overlapped.shard_state, this rank's "
+                "1/N), not in optimizer.state, and checkpointing it (torch.distributed."
+                "checkpoint) is not implemented yet; compile with shard_optimizer=False to "
+                "save and load optimizer state")
+        self._shard_hooks = [self.optimizer.register_state_dict_pre_hook(refuse),
+                             self.optimizer.register_load_state_dict_pre_hook(refuse)]
 
     def _drop(self) -> None:
         with self._lock:
@@ -280,6 +298,7 @@ class _Call:
         try:
             with intra_op_threads(self.threads, self.caller_threads):
                 if shards is not None:
+                    self.ov.sharded()
                     step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
                     for p in params:   # their gradients were consumed by the sharded step
                         p.grad = None

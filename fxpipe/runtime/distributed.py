@@ -18,12 +18,18 @@ streamed ``OptimizerStep``): a call that fails on any rank leaves ``.grad`` as i
 on every rank. A parameter that gets no gradient on a rank counts as zero there.
 
 Failures: the collectives run on a process group fxpipe makes over the ranks of the
-user's (gloo, ``timeout`` seconds). A rank whose training call fails records why in the
-group's store and aborts that group, so that every other rank's pending collective
-fails at once, and raises :class:`fxpipe.errors.DistributedError` naming the rank that
-failed first; a rank that stops answering fails the others at the timeout. Either way
-that process group cannot be used again: restart every rank (``torchrun`` does) and
-resume from a checkpoint.
+user's (gloo, ``timeout`` seconds). A rank whose training call fails writes which rank
+and why into the group's store, then completes the collectives of the call it still
+owes the other ranks with zeros (``drain``: gloo cannot cancel a posted collective);
+every rank checks the store while and after it waits for a collective, so the others
+raise :class:`fxpipe.errors.DistributedError` naming the rank that failed first within
+about 50 ms, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
+they were on every rank (parameters too, without a streamed optimizer or with
+``overlapped(opt, atomic=True)``). A rank that stops answering or dies fails the others
+at the timeout. The pipe cannot train again afterwards: restart every rank
+(``torchrun`` does) and resume from a checkpoint. A rank failing after its last
+collective of a call (in the shallowest stage's optimizer step, or the commit) fails
+alone.
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ class DataParallel:
         self.shard = shard            # shard_optimizer
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
-        # and aborting it on a failure wakes every rank without touching the user's group
+        # and our store key for failures, without touching the user's group
         self.group = dist.new_group(ranks, backend="gloo",
                                     timeout=datetime.timedelta(seconds=self.timeout),
                                     use_local_synchronization=process_group is not None)
@@ -119,6 +125,8 @@ class DataParallel:
         self._worker: VirtualDevice | None = None
         self._buckets: dict[int, dict[tuple[int, int], list[Bucket]]] = {}
         self._masters: dict[tuple, torch.Tensor] = {}
+        self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
+        self._posted = 0                                      # how many were posted
 
     # -- compile time ----------------------------------------------------------------------
     def check_same(self, what: Mapping[str, Any]) -> None:
@@ -164,8 +172,8 @@ class DataParallel:
 
     def fail(self, exc: BaseException) -> None:
         """This rank's call failed: say so in the store (unless another rank failed first
-        and caused it), and abort fxpipe's group so that every rank's pending collective
-        fails now. Idempotent."""
+        and caused it), so that every rank's pending and later collective fails now.
+        Idempotent."""
         with self._lock:
             if self.dead is not None:
                 return
@@ -174,14 +182,28 @@ class DataParallel:
         if not isinstance(exc, DistributedError):
             try:
                 self.store.compare_set(ORIGIN, "", f"{self.rank}: {type(exc).__name__}: {exc}")
-            except Exception:  # noqa: BLE001 — the store is gone too: the abort still tells
+            except Exception:  # noqa: BLE001 — the store is gone: the others time out
                 pass
-        try:
-            self.group.abort()
-        except Exception:  # noqa: BLE001
-            pass
+        # the other ranks see it in the store once their next collective completes (this
+        # rank's drain completes it); the group is not destroyed: destroying it under a
+        # collective pending on gloo's threads aborts the process
 
-    def _wait(self, work: Any, what: str) -> None:
+    # -- posting collectives: every rank posts the same ops in the same order -------------
+    def begin(self, ops: Sequence[tuple[str, int, torch.dtype]]) -> None:
+        """A call starts: ``ops`` (kind, numel, dtype) are the collectives it will post,
+        in order (:meth:`plan_ops`), what :meth:`drain` completes when it fails."""
+        self._ops, self._posted = list(ops), 0
+
+    def _post(self, kind: str, tensor: torch.Tensor, what: str,
+              out: torch.Tensor | None = None) -> None:
+        """Post the call's next collective and wait for it; then raise ``DistributedError``
+        if another rank reported a failure in the store (a failed rank says so first, then
+        completes the collectives it owes with zeros: :meth:`drain`)."""
+        if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
+            raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call is "
+                               f"{kind}, the Program said {self._ops[self._posted][0]}")
+        work = _issue(kind, tensor, out, self.group)
+        self._posted += 1
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001
@@ -194,10 +216,55 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
                 rank=rank) from e
+        self._raise_if_failed(what)
+
+    def _raise_if_failed(self, what: str) -> None:
+        rank, why = self._origin(patience=0)
+        if rank is not None:
+            raise DistributedError(
+                f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
+                rank=rank)
+
+    def drain(self) -> None:
+        """The call failed on this rank (its own failure or another's): complete every
+        collective it still owes the other ranks, with zeros, so that no rank waits for
+        it (gloo cannot cancel a posted collective). Bounded by the timeout."""
+        while self._posted < len(self._ops):
+            kind, numel, dtype = self._ops[self._posted]
+            world = self.world if kind == "all_gather" else 1
+            out = torch.zeros(numel * world if kind == "all_gather" else
+                              numel // self.world, dtype=dtype) \
+                if kind in ("all_gather", "reduce_scatter") else None
+            self._posted += 1
+            try:
+                _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group).wait()
+            except Exception:  # noqa: BLE001
+                return
+
+    def plan_ops(self, actions: Sequence[Any], exe: Any, lg: Any, store: ParamStore
+                 ) -> list[tuple[str, int, torch.dtype]]:
+        """The collectives (kind, numel, dtype) the host ``actions`` post, in order."""
+        from fxpipe.passes.program import AllGather, AllReduce, BroadcastBuffers, ReduceScatter
+        buckets = self.buckets(exe, lg, store)
+        ops: list[tuple[str, int, torch.dtype]] = []
+        for a in actions:
+            match a:
+                case BroadcastBuffers():
+                    for dtype, tensors in _by_dtype(lg.buffers).items():
+                        ops.append(("broadcast", sum(t.numel() for t in tensors), dtype))
+                case AllReduce(layers=r):
+                    ops += [("all_reduce", b.padded, b.dtype) for b in buckets.get(_span(r), [])]
+                case ReduceScatter(layers=r):
+                    ops += [("reduce_scatter", b.padded, b.dtype)
+                            for b in buckets.get(_span(r), [])]
+                case AllGather(layers=r):
+                    ops += [("all_gather", b.shard_len, b.params[0].dtype)
+                            for b in buckets.get(_span(r), [])]
+        return ops
 
     def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
-        """The rank that failed first and why, from the store (it writes before aborting,
-        so a short wait suffices)."""
+        """The rank that failed first and why, from the store (it writes before it drains,
+        so a short wait suffices after a collective failed)."""
         deadline = time.monotonic() + patience
         while True:
             try:
@@ -207,7 +274,7 @@ class DataParallel:
                     return int(rank), why
             except Exception:  # noqa: BLE001 — the store is unreachable
                 return None, ""
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 return None, ""
             time.sleep(0.05)
 
@@ -270,13 +337,9 @@ class DataParallel:
     def broadcast_buffers(self, store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> None:
         """``BroadcastBuffers``: rank 0's buffers into every rank's (one flat tensor per
         dtype), then the upload copies refreshed."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for name in sorted(buffers):
-            by_dtype.setdefault(buffers[name].dtype, []).append(buffers[name])
-        for dtype, tensors in by_dtype.items():
+        for dtype, tensors in _by_dtype(buffers).items():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            self._wait(dist.broadcast(flat, group=self.group, group_src=0, async_op=True),
-                       "broadcast of the buffers")
+            self._post("broadcast", flat, "broadcast of the buffers")
             if self.rank != 0:
                 with torch.no_grad():
                     n = 0
@@ -291,7 +354,7 @@ class DataParallel:
         new ``.grad`` (``GradAccumulator.replace``)."""
         for b in buckets:
             flat = self._pack(b, acc)
-            self._wait(dist.all_reduce(flat, group=self.group, async_op=True),
+            self._post("all_reduce", flat,
                        f"all-reduce of layers {b.layers.start}-{b.layers.stop - 1}")
             for p, o, n in zip(b.params, b.offsets, b.sizes):
                 acc.replace(p, flat[o:o + n].view(p.shape))
@@ -303,8 +366,8 @@ class DataParallel:
         for b in buckets:
             flat = self._pack(b, acc)
             grad = torch.empty(b.shard_len, dtype=b.dtype)
-            self._wait(dist.reduce_scatter_single(grad, flat, group=self.group, async_op=True),
-                       f"reduce-scatter of layers {b.layers.start}-{b.layers.stop - 1}")
+            self._post("reduce_scatter", flat,
+                       f"reduce-scatter of layers {b.layers.start}-{b.layers.stop - 1}", grad)
             acc.drop(b.params)   # consumed by the sharded step
             master = self._masters.get(b.key)
             if master is None or master.dtype != b.params[0].dtype:
@@ -320,8 +383,8 @@ class DataParallel:
         for sh in shards:
             b = sh.bucket
             full = torch.empty(b.padded, dtype=sh.master.dtype)
-            self._wait(dist.all_gather_single(full, sh.master, group=self.group, async_op=True),
-                       f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}")
+            self._post("all_gather", sh.master,
+                       f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}", full)
             with torch.no_grad():
                 for p, o, n in zip(b.params, b.offsets, b.sizes):
                     p.view(-1).copy_(full[o:o + n])
@@ -334,6 +397,32 @@ class DataParallel:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
+    """Post one collective on ``group``: ``broadcast`` (from rank 0) and ``all_reduce``
+    (sum) in place, ``reduce_scatter`` (sum) and ``all_gather`` into ``out``."""
+    if kind == "broadcast":
+        return dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, group=group, async_op=True)
+    if kind == "reduce_scatter":
+        return dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
+    if kind == "all_gather":
+        return dist.all_gather_single(out, tensor, group=group, async_op=True)
+    raise ValueError(f"not a collective: {kind!r}")
+
+
+def _by_dtype(buffers: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """The buffers by dtype, each list in name order (the same on every rank)."""
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for name in sorted(buffers):
+        out.setdefault(buffers[name].dtype, []).append(buffers[name])
+    return out
+
+
+def _span(layers: range) -> tuple[int, int]:
+    return layers.start, layers.stop
 
 
 def _first_difference(mine: Any, theirs: Any, rank: int) -> str:

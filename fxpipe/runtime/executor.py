@@ -230,6 +230,10 @@ class Execution:
         keep = {lane: [phase == "all" or p.phase(a) == phase for a in acts]
                 for lane, acts in p.lanes()}
         _check_issue_order(p, deps, keep)
+        if self.call.dp is not None:
+            self.call.dp.begin(self.call.dp.plan_ops(
+                [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
+                self.call.exe, self.call.layers, self.call.store))
         slots: dict[tuple[int, int], _Issued] = {}
         lanes: list[tuple[int, list[int]]] = []
         for lane, acts in p.lanes():
@@ -263,6 +267,8 @@ class Execution:
             failure = interrupt
         if failure is not None:
             self._cleanup()
+            if self.call.dp is not None:
+                self.call.dp.drain()   # the collectives the other ranks wait for, with zeros
             raise failure
         self._check_empty()
         # the call has ended: what came to the host has landed, the host may read it
