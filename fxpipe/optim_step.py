@@ -144,27 +144,21 @@ def step_groups(opt: torch.optim.Optimizer, groups: list[dict],
 def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[Any],
                 state: dict[tuple, dict]) -> None:
     """``shard_optimizer``: step this rank's shard of some buckets
-    (``fxpipe.runtime.distributed.Shard``: the averaged gradient and the parameter values
-    of its 1/N, one flat tensor each) with ``opt``'s class and each param group's settings
-    ``hyper``. The shard is cut into segments, each a run of parameters of one param
-    group (parameters ``opt`` does not hold are left as they are); their state lives in
-    ``state`` by ``(bucket key, segment)``, not in ``opt.state``."""
+    (``fxpipe.runtime.distributed.Shard``: the averaged gradient of its 1/N, one flat
+    tensor) with ``opt``'s class and each param group's settings ``hyper``, in place on
+    the parameters: each piece of a parameter inside the shard is stepped as a view of
+    it (parameters ``opt`` does not hold are left as they are). Their state lives in
+    ``state`` by ``(bucket key, piece)``, not in ``opt.state``: this rank's 1/N."""
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     groups: dict[int, list[torch.Tensor]] = {}
     view_state: dict = collections.defaultdict(dict)
     for sh in shards:
-        segments: list[list[int]] = []   # [group, start, stop] in the shard
-        for p, lo, hi, at in sh.bucket.pieces():
+        for k, (p, lo, hi, at) in enumerate(sh.bucket.pieces()):
             g = group_of.get(id(p))
             if g is None:
                 continue
-            if segments and segments[-1][0] == g and segments[-1][2] == at:
-                segments[-1][2] = at + hi - lo
-            else:
-                segments.append([g, at, at + hi - lo])
-        for k, (g, a, b) in enumerate(segments):
-            t = sh.master[a:b]
-            t.grad = sh.grad[a:b]
+            t = p.detach().view(-1)[lo:hi]
+            t.grad = sh.grad[at:at + hi - lo]
             groups.setdefault(g, []).append(t)
             view_state[t] = state.setdefault((*sh.bucket.key, k), {})
     step_groups(opt, [{**hyper[g], "params": ts} for g, ts in sorted(groups.items())],

@@ -84,13 +84,12 @@ class Bucket:
 
 @dataclass
 class Shard:
-    """This rank's part of a bucket in a sharded step: the averaged gradient of its shard
-    (``grad``) and the shard's parameter values (``master``, the fp32 master of its 1/N:
-    filled from the parameters before the step, stepped, then gathered)."""
+    """This rank's part of a bucket in a sharded step: the averaged gradient of its 1/N
+    (``grad``); the step updates those parameter elements in place, the all-gather
+    sends them to every rank."""
 
     bucket: Bucket
     grad: torch.Tensor
-    master: torch.Tensor
 
 
 class DataParallel:
@@ -124,7 +123,6 @@ class DataParallel:
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
         self._buckets: dict[int, dict[tuple[int, int], list[Bucket]]] = {}
-        self._masters: dict[tuple, torch.Tensor] = {}
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
 
@@ -360,8 +358,7 @@ class DataParallel:
                 acc.replace(p, flat[o:o + n].view(p.shape))
 
     def reduce_scatter(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> list[Shard]:
-        """``ReduceScatter``: each bucket's average, this rank's shard of it only; the
-        shard's parameter values in its master (to step)."""
+        """``ReduceScatter``: each bucket's average, this rank's shard of it only."""
         shards = []
         for b in buckets:
             flat = self._pack(b, acc)
@@ -369,29 +366,24 @@ class DataParallel:
             self._post("reduce_scatter", flat,
                        f"reduce-scatter of layers {b.layers.start}-{b.layers.stop - 1}", grad)
             acc.drop(b.params)   # consumed by the sharded step
-            master = self._masters.get(b.key)
-            if master is None or master.dtype != b.params[0].dtype:
-                master = self._masters[b.key] = torch.zeros(b.shard_len, dtype=b.params[0].dtype)
-            with torch.no_grad():
-                for p, lo, hi, at in b.pieces():
-                    master[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
-            shards.append(Shard(b, grad, master))
+            shards.append(Shard(b, grad))
         return shards
 
     def all_gather(self, shards: Sequence[Shard]) -> None:
-        """``AllGather``: every rank's stepped master shard into every rank's parameters."""
+        """``AllGather``: every rank's stepped shard into every rank's parameters."""
         for sh in shards:
             b = sh.bucket
-            full = torch.empty(b.padded, dtype=sh.master.dtype)
-            self._post("all_gather", sh.master,
+            dtype = b.params[0].dtype
+            mine = torch.zeros(b.shard_len, dtype=dtype)
+            with torch.no_grad():
+                for p, lo, hi, at in b.pieces():
+                    mine[at:at + hi - lo].copy_(p.detach().view(-1)[lo:hi])
+            full = torch.empty(b.padded, dtype=dtype)
+            self._post("all_gather", mine,
                        f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}", full)
             with torch.no_grad():
                 for p, o, n in zip(b.params, b.offsets, b.sizes):
                     p.view(-1).copy_(full[o:o + n])
-
-    def state_bytes(self) -> int:
-        """Host bytes of the master shards this rank keeps."""
-        return sum(t.numel() * t.element_size() for t in self._masters.values())
 
     def close(self) -> None:
         if self._worker is not None:
