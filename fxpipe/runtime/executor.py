@@ -381,6 +381,12 @@ class Execution:
 
     def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
         s = getattr(a, "stage", None)
+        if isinstance(a, Collective):   # a host collective: name its layers (or buffers)
+            layers = getattr(a, "layers", None)
+            what = f"layers {layers.start}-{layers.stop - 1}" if layers else "the buffers"
+            return StageError(f"{type(a).__name__} of {what} on the host, failed: "
+                              f"{type(e).__name__}: {e}", layers=layers, device="host",
+                              action=str(a))
         st = self.call.exe.stages.get(s) if s is not None else None
         mb = getattr(a, "mb", None)
         names = ", ".join(self.call.layers.layers[i].name for i in st.layers) if st else "?"
