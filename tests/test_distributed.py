@@ -93,7 +93,11 @@ def check_gradients(rank: int, world: int) -> None:
     model = make_model()
     model[5].s.fill_(1.0 + rank)        # rank 0's value wins
     pipe = compile_dp(model, rank)
-    loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
+    with pipe.trace() as rec:
+        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
+    host = [str(a) for a in pipe.program("fused").host]
+    assert host[0] == "BC" and "AR0:1" in host, host
+    assert sorted(a for d, a in rec.actions if d == -1) == sorted(host)  # what ran is printed
     assert model[5].s.item() == 1.0
     assert_close(mean_across(loss), ce(ref(X), Y).detach(), "fused loss")
     assert_grads(model, ref, "fused")
@@ -108,6 +112,38 @@ def check_gradients(rank: int, world: int) -> None:
     pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
     ce(ref(X), Y).backward()
     assert_grads(model, ref, "accumulated without zero_grad")
+    pipe.close()
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output projection: one parameter, two stages."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def check_tied(rank: int, world: int) -> None:
+    """A weight shared by the first and the last stage is reduced once, with the last."""
+    g = torch.Generator().manual_seed(7)
+    ids, y = torch.randint(0, 11, (ROWS * world,), generator=g), \
+        torch.randint(0, 11, (ROWS * world,), generator=g)
+    ref, model = Tied(), Tied()
+    ce(ref(ids), y).backward()
+    pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
+                          data_parallel=True, collective_timeout=TIMEOUT)
+    pipe.forward_backward((mine(ids, rank),), label=mine(y, rank), loss_fn=ce)
+    assert_grads(model, ref, "tied")
     pipe.close()
 
 
@@ -255,8 +291,8 @@ def check_failure(rank: int, world: int) -> None:
 
 
 CHECKS = {
-    2: [check_gradients, check_streamed_optimizer, check_no_sync, check_shard_optimizer,
-        check_mismatch, check_failure],
+    2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
+        check_shard_optimizer, check_mismatch, check_failure],
     3: [check_gradients, check_no_sync, check_shard_optimizer],
 }
 
