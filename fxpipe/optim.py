@@ -299,6 +299,8 @@ class _Call:
             with intra_op_threads(self.threads, self.caller_threads):
                 if shards is not None:
                     self.ov.sharded()
+                    if self.backup:
+                        self.saved.append(_SavedShards(self.ov, params, shards))
                     step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
                     for p in params:   # their gradients were consumed by the sharded step
                         p.grad = None
@@ -410,6 +412,29 @@ class _Saved:
                     self.opt.state[p] = state
                 if grads:
                     p.grad = grad
+
+
+class _SavedShards:
+    """``shard_optimizer``: a copy of a stage's parameters (the all-gather rewrites them
+    whole), ``.grad`` and this rank's shard state of its buckets, to put back."""
+
+    def __init__(self, ov: Overlapped, params: Sequence[torch.Tensor], shards: Sequence[Any]):
+        self.ov = ov
+        self.entries = [(p, p.detach().clone(), None if p.grad is None else p.grad.clone())
+                        for p in params]
+        buckets = {sh.bucket.key for sh in shards}
+        self.state = {k: _copy_state(v) for k, v in ov.shard_state.items() if k[:3] in buckets}
+        self.buckets = buckets
+
+    def restore(self, grads: bool = False) -> None:
+        with torch.no_grad():
+            for p, value, grad in self.entries:
+                p.copy_(value)
+                if grads:
+                    p.grad = grad
+        for k in [k for k in self.ov.shard_state if k[:3] in self.buckets]:
+            del self.ov.shard_state[k]
+        self.ov.shard_state.update({k: v for k, v in self.state.items() if v is not None})
 
 
 def _copy_state(state: dict | None) -> dict | None:

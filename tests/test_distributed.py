@@ -246,7 +246,7 @@ def check_mismatch(rank: int, world: int) -> None:
         compile_dp(model, rank)
 
 
-def check_failure(rank: int, world: int) -> None:
+def check_failure(rank: int, world: int, shard: bool = False) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
@@ -255,11 +255,14 @@ def check_failure(rank: int, world: int) -> None:
 
     model = make_model()
     opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
-    pipe = compile_dp(model, rank)
+    pipe = compile_dp(model, rank, shard_optimizer=shard)
     X, Y = data(world, 0)
     x, y = mine(X, rank), mine(Y, rank)
     pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)   # grads + momentum exist
-    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    before = [(p.detach().clone(), None if p.grad is None else p.grad.clone())
+              for p in model.parameters()]
+    state_before = {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
+                    for k, s in opt.shard_state.items()}
     download = ParamStore.download_grads
     shallowest = len(pipe.program().stages) - 1
 
@@ -284,15 +287,27 @@ def check_failure(rank: int, world: int) -> None:
         assert isinstance(info.value, fxpipe.DistributedError), repr(info.value)
         assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
     for (p0, g0), p in zip(before, model.parameters()):
-        assert torch.equal(p0, p.detach()) and torch.equal(g0, p.grad), "half-written"
+        assert torch.equal(p0, p.detach()), "half-written parameters"
+        assert (g0 is None and p.grad is None) or torch.equal(g0, p.grad), "half-written .grad"
+    if shard:
+        assert {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
+                for k, s in opt.shard_state.items()}.keys() == state_before.keys()
+        for k, s in opt.shard_state.items():
+            for v, v0 in zip([v for v in s.values() if torch.is_tensor(v)], state_before[k]):
+                assert torch.equal(v, v0), f"half-written shard state {k}"
     with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
         pipe.forward_backward((x,), label=y, loss_fn=ce)
     pipe.close()
 
 
+def check_failure_sharded(rank: int, world: int) -> None:
+    """The same with shard_optimizer=True: stepped shards and their state put back."""
+    check_failure(rank, world, shard=True)
+
+
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
-        check_shard_optimizer, check_mismatch, check_failure],
+        check_shard_optimizer, check_mismatch, check_failure, check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer],
 }
 
