@@ -577,6 +577,66 @@ class PipelineModule(nn.Module):
         """
         return _trace(self.devices, self._log, path)
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
+        """Save the model's state and ``optimizer``'s with ``torch.distributed.checkpoint``
+        into the folder ``path`` (every rank calls it; parameters are written once, each
+        rank writes its own optimizer shards under ``shard_optimizer=True``). Also
+        without data parallel. :meth:`load_checkpoint` resumes exactly."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from fxpipe.optim import shard_items
+        items: dict[str, Any] = {"model": self.module.state_dict()}
+        if optimizer is not None:
+            ov = as_overlapped(optimizer)
+            if self._dp is not None and self._dp.shard:
+                items.update(shard_items(ov, self._dp.rank, self._dp.world))
+            else:
+                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
+        dcp.save(items, checkpoint_id=path, process_group=self._group())
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
+        """Load what :meth:`save_checkpoint` saved into the model (in place: the
+        parameters stay views of the host buffers) and ``optimizer``; the same number of
+        ranks and the same ``shard_optimizer`` (resharding is not implemented)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+
+        from fxpipe.optim import load_shard_items, shard_items
+        items: dict[str, Any] = {"model": self.module.state_dict()}
+        sharded = self._dp is not None and self._dp.shard
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if optimizer is not None:
+            ov = as_overlapped(optimizer)
+            if sharded != ("optim.world" in saved):
+                raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
+                                 "shard_optimizer; load it into a pipe compiled the same way")
+            if sharded:
+                prefix = f"optim.rank{self._dp.rank}."
+                # the structure to fill (DCP flattens the list of settings per key)
+                items.update({k: v for k, v in shard_items(ov, 0, 0).items()
+                              if not k.startswith("optim.rank")})
+                for fqn, md in saved.items():
+                    if fqn.startswith(prefix):
+                        items[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+            else:
+                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
+        dcp.load(items, checkpoint_id=path, process_group=self._group())
+        if optimizer is None:
+            return
+        if sharded:
+            if items["optim.world"] != self._dp.world:
+                raise ValueError(f"{path} holds optimizer shards of {items['optim.world']} ranks, "
+                                 f"this job has {self._dp.world}: resharding is not implemented")
+            load_shard_items(ov, self._dp.rank, items)
+        else:
+            set_optimizer_state_dict(self.module, ov.optimizer, items["optim"])
+
+    def _group(self) -> Any:
+        return self._dp.group if self._dp is not None else None
+
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

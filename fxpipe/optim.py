@@ -171,9 +171,10 @@ class Overlapped:
             raise NotImplementedError(
                 "this optimizer is stepped by fxpipe with shard_optimizer=True: its state is "
                 "sharded across the ranks (fxpipe.optim.Overlapped.shard_state, this rank's "
-                "1/N), not in optimizer.state, and checkpointing it (torch.distributed."
-                "checkpoint) is not implemented yet; compile with shard_optimizer=False to "
-                "save and load optimizer state")
+                "1/N), not in optimizer.state, so optimizer.state_dict() would miss it; save "
+                "and load it with pipe.save_checkpoint(path, optimizer) / "
+                "pipe.load_checkpoint(path, optimizer) on every rank (torch.distributed."
+                "checkpoint)")
         self._shard_hooks = [self.optimizer.register_state_dict_pre_hook(refuse),
                              self.optimizer.register_load_state_dict_pre_hook(refuse)]
 
@@ -435,6 +436,39 @@ class _SavedShards:
         for k in [k for k in self.ov.shard_state if k[:3] in self.buckets]:
             del self.ov.shard_state[k]
         self.ov.shard_state.update({k: v for k, v in self.state.items() if v is not None})
+
+
+def shard_items(ov: Overlapped, rank: int, world: int) -> dict[str, Any]:
+    """``shard_optimizer``: this rank's part of a ``torch.distributed.checkpoint`` state
+    dict: the param groups' settings (the same on every rank) and this rank's shard
+    state, one flat key per tensor (``optim.rank{r}.{start}:{stop}:{dtype}:{piece}.{name}``)."""
+    out: dict[str, Any] = {
+        "optim.world": world,
+        "optim.param_groups": [{k: v for k, v in g.items() if k != "params"}
+                               for g in ov.optimizer.param_groups]}
+    for (start, stop, dtype, piece), state in ov.shard_state.items():
+        for name, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                raise NotImplementedError(f"shard_optimizer checkpoint: optimizer state {name!r} "
+                                          f"is a {type(v).__name__}, not a tensor")
+            out[f"optim.rank{rank}.{start}:{stop}:{dtype}:{piece}.{name}"] = v
+    return out
+
+
+def load_shard_items(ov: Overlapped, rank: int, items: dict[str, Any]) -> None:
+    """Put back what :func:`shard_items` saved (``items`` as ``dcp.load`` filled them)."""
+    for g, saved in zip(ov.optimizer.param_groups, items["optim.param_groups"]):
+        g.update(saved)
+    prefix = f"optim.rank{rank}."
+    state: dict[tuple, dict] = {}
+    for fqn, v in items.items():
+        if fqn.startswith(prefix):
+            key, _, name = fqn[len(prefix):].rpartition(".")
+            start, stop, dtype, piece = key.split(":")
+            state.setdefault((int(start), int(stop), dtype, int(piece)), {})[name] = v
+    ov.shard_state.clear()
+    ov.shard_state.update(state)
+    ov.sharded()
 
 
 def _copy_state(state: dict | None) -> dict | None:

@@ -239,6 +239,46 @@ def check_shard_optimizer(rank: int, world: int) -> None:
     pipe.close()
 
 
+def check_checkpoint(rank: int, world: int, folder: str, shard: bool) -> None:
+    """Save after 2 steps (DCP, every rank), run 2 more; a fresh model, pipe and optimizer
+    loading the checkpoint give bit-identical later losses and parameters."""
+    def train(steps, model, pipe, opt):
+        losses = []
+        for step in steps:
+            X, Y = data(world, step)
+            losses.append(pipe.forward_backward((mine(X, rank),), label=mine(Y, rank),
+                                                loss_fn=ce, optimizer=opt))
+            opt.zero_grad()
+        return losses
+
+    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}"
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dp(model, rank, shard_optimizer=shard)
+    train(range(2), model, pipe, opt)
+    pipe.save_checkpoint(path, opt)
+    later = train(range(2, 4), model, pipe, opt)
+    pipe.close()
+    torch.manual_seed(123)
+    fresh = make_model()
+    for p in fresh.parameters():          # other weights: the checkpoint must set them
+        p.data.add_(1.0)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard)
+    pipe2.load_checkpoint(path, opt2)
+    again = train(range(2, 4), fresh, pipe2, opt2)
+    assert [x.item() for x in again] == [x.item() for x in later], (again, later)
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    pipe2.close()
+
+
+def check_checkpoints(rank: int, world: int) -> None:
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    check_checkpoint(rank, world, folder, shard=True)
+    check_checkpoint(rank, world, folder, shard=False)
+
+
 def check_mismatch(rank: int, world: int) -> None:
     """Ranks compiling different parameter shapes fail at compile time, on every rank."""
     model = make_model(hidden=8 if rank == 0 else 9)
@@ -307,13 +347,15 @@ def check_failure_sharded(rank: int, world: int) -> None:
 
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
-        check_shard_optimizer, check_mismatch, check_failure, check_failure_sharded],
+        check_shard_optimizer, check_checkpoints, check_mismatch, check_failure,
+        check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer],
 }
 
 
 def _rank_main(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
+    os.environ["FXPIPE_TEST_FOLDER"] = folder
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world)
     try:
