@@ -7,8 +7,8 @@ broadcasts the buffers from rank 0, ``AR4:6`` averages the gradients of the para
 ``S4:6`` steps (one bucket per backward stage, reduced as soon as that stage's
 gradients are downloaded, while the devices back-propagate the shallower stages), and
 with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket and
-gather the stepped shards back. :class:`DataParallel` runs them on the host's flat
-buffers, with ``torch.distributed`` (gloo).
+gather the stepped shards back. :class:`DataParallel` runs them on host tensors, with
+``torch.distributed`` (gloo).
 
 What is averaged, exactly as ``DistributedDataParallel`` does: the bucket holds each
 parameter's ``.grad`` plus this call's gradient (DDP reduces the accumulated ``.grad``),
@@ -21,9 +21,9 @@ Failures: the collectives run on a process group fxpipe makes over the ranks of 
 user's (gloo, ``timeout`` seconds). A rank whose training call fails writes which rank
 and why into the group's store, then completes the collectives of the call it still
 owes the other ranks with zeros (``drain``: gloo cannot cancel a posted collective);
-every rank checks the store while and after it waits for a collective, so the others
-raise :class:`fxpipe.errors.DistributedError` naming the rank that failed first within
-about 50 ms, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
+every rank checks the store after each collective, so the others raise
+:class:`fxpipe.errors.DistributedError` naming the rank that failed first as soon as
+their pending collective completes, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
 they were on every rank (parameters too, without a streamed optimizer or with
 ``overlapped(opt, atomic=True)``). A rank that stops answering or dies fails the others
 at the timeout. The pipe cannot train again afterwards: restart every rank
@@ -38,7 +38,7 @@ import datetime
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
