@@ -22,7 +22,8 @@
     stepping the stage after it, host AdamW at ``--host-params-per-s``), simulated with
     a ring all-reduce on 25 GbE (3.125 GB/s, 20 us per message) and 200 Gb/s InfiniBand
     (25 GB/s, 5 us). Tokens/s of the whole job and the scaling efficiency against N x
-    one node.
+    one node; and with ``shard_optimizer`` (reduce-scatter, each rank stepping 1/N of
+    the parameters, all-gather).
 
 Writes ``benchmarks/results/bench_distributed.json``.
 """
@@ -183,23 +184,30 @@ def part_sim(args: argparse.Namespace) -> dict:
             costs = [replace(c, grad_bytes=c.param_bytes) for c in bs.layer_costs(m, name)]
             cand = bs.roundpipe_candidate(m)
             fwd, bwd = cand.plans(L)
-            row = {}
+            row: dict = {}
             for n in NODES:
-                hw = Hardware(comm_ms_per_hop=m["comm_ms_per_hop"],
-                              cpu_optimizer_bytes_per_s=2 * args.host_params_per_s,
-                              ranks=n, network_bytes_per_s=bw, network_latency_ms=lat)
-                prog = roundpipe_program(fwd, bwd, "fused", bs.G, bs.M, costs, hw,
-                                         semantics="roundpipe", round_size=cand.round_size,
-                                         forward_lead=cand.forward_lead, optimizer=True,
-                                         data_parallel="allreduce" if n > 1 else None,
-                                         split_stages=(len(fwd),) if cand.split_head else ())
-                t = simulate(prog, costs, hw, semantics="roundpipe")
-                row[n] = {"makespan_ms": t.makespan, "tokens_per_s": n * tokens / (t.makespan / 1e3)}
-            for n in NODES:
-                row[n]["efficiency"] = row[n]["tokens_per_s"] / (n * row[1]["tokens_per_s"])
+                for mode in ("allreduce", "shard"):
+                    hw = Hardware(comm_ms_per_hop=m["comm_ms_per_hop"],
+                                  cpu_optimizer_bytes_per_s=2 * args.host_params_per_s,
+                                  ranks=n, network_bytes_per_s=bw, network_latency_ms=lat)
+                    if mode == "shard":   # each rank steps 1/N of the parameters
+                        hw = replace(hw, cpu_optimizer_bytes_per_s=2 * n * args.host_params_per_s)
+                    prog = roundpipe_program(
+                        fwd, bwd, "fused", bs.G, bs.M, costs, hw, semantics="roundpipe",
+                        round_size=cand.round_size, forward_lead=cand.forward_lead,
+                        optimizer=True, data_parallel=mode if n > 1 else None,
+                        split_stages=(len(fwd),) if cand.split_head else ())
+                    t = simulate(prog, costs, hw, semantics="roundpipe")
+                    key = n if mode == "allreduce" else f"{n}_sharded"
+                    row[key] = {"makespan_ms": t.makespan,
+                                "tokens_per_s": n * tokens / (t.makespan / 1e3)}
+            for key in row:
+                n = int(str(key).split("_")[0])
+                row[key]["efficiency"] = row[key]["tokens_per_s"] / (n * row[1]["tokens_per_s"])
             rows[name] = row
             print(f"{name:>11} | " + " | ".join(
-                f"{row[n]['tokens_per_s']:>13,.0f} ({row[n]['efficiency']:.2f})" for n in NODES))
+                f"{row[n]['tokens_per_s']:>13,.0f} ({row[n]['efficiency']:.2f})" for n in NODES)
+                + f" | sharded, 16 nodes: {row['16_sharded']['efficiency']:.2f}")
         out["networks"][net] = {"bytes_per_s": bw, "latency_ms": lat, "models": rows}
     return out
 
