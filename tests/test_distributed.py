@@ -478,6 +478,53 @@ def test_bad_timeout(one_rank):
                        collective_timeout=0)
 
 
+def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
+    model = make_model()
+    pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                          data_parallel=True, shard_optimizer=True)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    for opt in (overlapped(torch.optim.SGD(model.parameters(), lr=0.1), mode="async"),
+                overlapped(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0)):
+        with pytest.raises(NotImplementedError, match="shard_optimizer=True"):
+            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    with pytest.raises(NotImplementedError, match="streamed exact step only"):
+        pipe.program(optimizer="async")
+    # one rank: the sharded step is the whole step, and equals eager
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        ce(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    assert_params(model, ref, "one rank, sharded")
+    pipe.close()
+
+
+def test_simulated_collectives_overlap_the_backward():
+    """The simulator times AR on the host's collective stream: on a slow network the step
+    grows by less than the sum of the all-reduces (they overlap the shallower stages'
+    backward), and not at all with one rank."""
+    from fxpipe.passes.schedule import build_program
+    from fxpipe.sim import Hardware, LayerCost
+
+    costs = [LayerCost(1.0, 2.0, param_bytes=10**6, grad_bytes=10**6)] * 6
+    prog = build_program([range(0, 3), range(3, 5)], [range(5, 6), range(4, 5), range(3, 4),
+                                                      range(0, 3)], "fused", 2, 4,
+                         optimizer=True, data_parallel="allreduce")
+    assert [str(a) for a in prog.host][:2] == ["AR5:6", "S5:6"]
+    base = fxpipe.simulate(prog, costs=costs, hardware=Hardware()).makespan
+    one = fxpipe.simulate(prog, costs=costs, hardware=Hardware(ranks=1, network_bytes_per_s=1e9))
+    assert one.makespan == base
+    hw = Hardware(ranks=4, network_bytes_per_s=1e9)   # AR of 1 MB: 1.5 ms
+    slow = fxpipe.simulate(prog, costs=costs, hardware=hw)
+    total_ar = sum(hw.collective_ms("all_reduce", 10**6 * len(r)) for r in
+                   (range(5, 6), range(4, 5), range(3, 4), range(0, 3)))
+    assert base < slow.makespan < base + total_ar
+    assert any(iv.stream == "collective" and iv.label == "AR0:3" for iv in slow.intervals)
+
+
 if __name__ == "__main__":   # python tests/test_distributed.py: one spawn, verbose
     os.environ.setdefault("PYTHONPATH", os.getcwd())
     pytest.main([__file__, "-q"])
