@@ -14,6 +14,8 @@ after its all-reduce. Every ``--accum`` steps the first microsteps run under
 ``pipe.no_sync()`` (no all-reduce); the last one averages the accumulated ``.grad``.
 
 Options: ``--shard-optimizer`` (each rank keeps 1/N of the optimizer state),
+``--checkpoint DIR`` (resume from DIR if it holds a checkpoint, save there at the end:
+``torch.distributed.checkpoint``, every rank writing its part),
 ``--fail-rank R --fail-step S`` (rank R raises inside step S: every rank stops with an
 error naming rank R, nothing half-written), ``--steps``, ``--accum``.
 
@@ -77,12 +79,18 @@ def main(args: argparse.Namespace) -> int:
                           collective_timeout=60)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step_opt = fxpipe.optim.overlapped(opt, atomic=True)   # a failed step changes nothing
+    start = 0
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, ".metadata")):
+        pipe.load_checkpoint(args.checkpoint, step_opt)
+        start = int(open(os.path.join(args.checkpoint, "step.txt")).read())
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {start}", flush=True)
     if rank == 0:
         host = " ".join(str(a) for a in pipe.program("fused", optimizer=True).host)
         print(f"{world} ranks; host lane of a training step: {host}", flush=True)
     ce = nn.functional.cross_entropy
     losses = []
-    for step in range(args.steps):
+    for step in range(start, start + args.steps):
         x, y = batch(step, rows * args.accum)
         mine = slice(rank * args.rows_per_rank, (rank + 1) * args.rows_per_rank)
         parts = [(x[k * rows:(k + 1) * rows][mine], y[k * rows:(k + 1) * rows][mine])
@@ -103,8 +111,13 @@ def main(args: argparse.Namespace) -> int:
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         losses.append(total.item() / world)
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % 5 == 0 or step == start + args.steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
+    if args.checkpoint:
+        pipe.save_checkpoint(args.checkpoint, step_opt)
+        if rank == 0:
+            with open(os.path.join(args.checkpoint, "step.txt"), "w") as f:
+                f.write(str(start + args.steps))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
@@ -139,6 +152,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--rows-per-rank", type=int, default=8)
     p.add_argument("--shard-optimizer", action="store_true")
+    p.add_argument("--checkpoint", default="", help="folder to resume from and save to")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -580,9 +581,10 @@ class PipelineModule(nn.Module):
     # -- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
         """Save the model's state and ``optimizer``'s with ``torch.distributed.checkpoint``
-        into the folder ``path`` (every rank calls it; parameters are written once, each
-        rank writes its own optimizer shards under ``shard_optimizer=True``). Also
-        without data parallel. :meth:`load_checkpoint` resumes exactly."""
+        into the folder ``path``, replacing a checkpoint there (every rank calls it;
+        parameters are written once, each rank writes its own optimizer shards under
+        ``shard_optimizer=True``). Also without data parallel. :meth:`load_checkpoint`
+        resumes exactly."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -594,7 +596,10 @@ class PipelineModule(nn.Module):
                 items.update(shard_items(ov, self._dp.rank, self._dp.world))
             else:
                 items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
-        dcp.save(items, checkpoint_id=path, process_group=self._group())
+        with warnings.catch_warnings():   # replacing is what this method says it does
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            dcp.save(items, storage_writer=dcp.FileSystemWriter(path, overwrite=True),
+                     process_group=self._group())
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
         """Load what :meth:`save_checkpoint` saved into the model (in place: the
