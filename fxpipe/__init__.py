@@ -12,7 +12,8 @@ from fxpipe import sim
 from fxpipe.api import PipelineModule, compile
 from fxpipe.backend import backend
 from fxpipe.config import RunConfig
-from fxpipe.errors import CaptureError, DeviceMemoryError, PlanError, StageError
+from fxpipe.errors import (CaptureError, DeviceMemoryError, DistributedError, PlanError,
+                           StageError)
 from fxpipe.losses import linear_cross_entropy
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.devices import Device, VirtualDevice
@@ -59,7 +60,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 
 __all__ = [
-    "CaptureError", "Device", "DeviceMemoryError", "ExecutePlan", "PackedData", "PipelineModule",
-    "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "linear_cross_entropy",
+    "CaptureError", "Device", "DeviceMemoryError", "DistributedError", "ExecutePlan",
+    "PackedData", "PipelineModule", "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "linear_cross_entropy",
     "optim", "set_verbose", "sim", "simulate",
 ]

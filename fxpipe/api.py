@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable, Collection, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +29,7 @@ from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.distributed import DataParallel
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
@@ -50,6 +53,11 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     plan: ExecutePlan | None = None,
     param_dtype: torch.dtype | None = None,
     pin_memory: bool | None = None,
+    data_parallel: bool = False,
+    process_group: Any = None,
+    shard_optimizer: bool = False,
+    broadcast_buffers: bool = True,
+    collective_timeout: float = 300.0,
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
@@ -95,6 +103,25 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     whether that buffer is pinned (page-locked), which lets GPUs copy from it
     asynchronously; default: when CUDA is available. Pass ``False`` on a host that cannot
     pin the whole model.
+
+    ``data_parallel=True`` (every rank of an initialized ``torch.distributed`` job calls
+    ``compile`` with the same model and plan): each rank runs its own pipeline on its
+    share of the batch and the gradients are averaged across ``process_group`` (None:
+    the default group) as ``DistributedDataParallel`` does: each backward stage's bucket
+    is all-reduced by an ``AR`` action of the Program's host lane as soon as that stage's
+    gradients are final, while the devices back-propagate the shallower stages, and a
+    streamed optimizer steps the stage after it. ``pipe.no_sync()`` or
+    ``forward_backward(..., sync_gradients=False)`` accumulate locally without the
+    all-reduce (the next synchronized call averages the accumulated ``.grad``).
+    ``broadcast_buffers``: rank 0's buffers go to every rank at the start of each
+    synchronized training call (``BC``), DDP's default. ``shard_optimizer=True``: a call
+    stepping ``optimizer=`` reduce-scatters each bucket instead, steps only this rank's
+    1/N (the optimizer state of the rest lives on the other ranks), then all-gathers the
+    updated parameters. ``collective_timeout`` (seconds): how long a collective waits
+    for the other ranks; a training call that fails on one rank fails on every rank
+    with ``fxpipe.DistributedError`` naming the rank (``fxpipe.runtime.distributed``).
+    Ranks that compiled different plans or parameter shapes fail here with a
+    ``ValueError`` saying where they differ.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -117,12 +144,25 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if pin_memory not in (None, True, False):
         raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is "
                         f"available), got {pin_memory!r}")
+    if not isinstance(data_parallel, bool):
+        raise TypeError(f"data_parallel must be True or False, got {data_parallel!r}")
+    if not data_parallel:
+        given = [name for name, value, default in (
+            ("process_group", process_group, None), ("shard_optimizer", shard_optimizer, False),
+            ("broadcast_buffers", broadcast_buffers, True),
+            ("collective_timeout", collective_timeout, 300.0)) if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with data_parallel=True: "
+                             "fxpipe.compile(model, ..., data_parallel=True, "
+                             f"{given[0]}=...) on every rank of a torch.distributed job")
     find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
+    dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
+                      broadcast=bool(broadcast_buffers)) if data_parallel else None
     resolved = resolve_devices(devices)
     watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
-                          plan=plan, param_dtype=param_dtype, pin_memory=pin_memory)
+                          plan=plan, param_dtype=param_dtype, pin_memory=pin_memory, dp=dp)
 
 
 def _bad_example(x: Any):
@@ -145,16 +185,19 @@ class _Compiled:
 
     def executable(self, plan: ExecutePlan, run_type: str, num_microbatch: int, *,
                    grain: str = "stage", optimizer: str | None = None, outputs: bool = True,
-                   input_grads: Sequence[str] = ()) -> Executable:
+                   input_grads: Sequence[str] = (), data_parallel: str | None = None,
+                   broadcast_buffers: bool = False) -> Executable:
         """The Executable one kind of call runs under ``plan``: lowered and scheduled once
         per (plan, run type, microbatch count, grain, optimizer mode, outputs, inputs
-        that require grad), then cached."""
+        that require grad, collectives), then cached."""
         key = (plan_key(plan), run_type, num_microbatch, grain, optimizer,
-               outputs or run_type != "fused", tuple(input_grads))
+               outputs or run_type != "fused", tuple(input_grads), data_parallel,
+               broadcast_buffers)
         if key not in self.executables:
             self.executables[key] = build_executable(
                 self.layers, plan, run_type, self.device_names, num_microbatch, grain=grain,
-                optimizer=optimizer, outputs=outputs, input_grads=input_grads)
+                optimizer=optimizer, outputs=outputs, input_grads=input_grads,
+                data_parallel=data_parallel, broadcast_buffers=broadcast_buffers)
         return self.executables[key]
 
     def differentiable(self, inputs: Collection[str]) -> frozenset[str]:
@@ -172,8 +215,10 @@ class PipelineModule(nn.Module):
                  devices: list[Device], capture: str | Callable[[], fx.GraphModule],
                  layers: str | Sequence[str] | None, config: RunConfig,
                  plan: ExecutePlan | None, param_dtype: torch.dtype | None = None,
-                 pin_memory: bool | None = None):
+                 pin_memory: bool | None = None, dp: DataParallel | None = None):
         super().__init__()
+        self._dp = dp
+        self._sync = True   # pipe.no_sync() sets it False
         self.module = model
         self.param_dtype = param_dtype
         self.pin_memory = pin_memory
@@ -187,6 +232,8 @@ class PipelineModule(nn.Module):
         self._closed = False
         self._log = ActionLog()
         self._current = self._compiled_for(example_args, example_kwargs)
+        if dp is not None:
+            dp.check_same(_digest(self._current, param_dtype, dp))
 
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
@@ -266,7 +313,7 @@ class PipelineModule(nn.Module):
                         f"input {name!r} requires grad and split_input is custom: fxpipe cannot "
                         "route its gradient back yet; use the default split_input")
                 inputs.append((name, x, 0 if x.dim() > 0 else None))
-        return train_call(TrainCall(runner, args, kwargs, cfg), inputs, params)
+        return train_call(TrainCall(runner, args, kwargs, cfg, sync=self._sync), inputs, params)
 
     def forward_backward(
         self,
@@ -279,6 +326,7 @@ class PipelineModule(nn.Module):
         return_outputs: bool = False,
         run_config: RunConfig | None = None,
         optimizer: torch.optim.Optimizer | Any = None,
+        sync_gradients: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Forward, loss and backward as one fused pipelined step; returns the loss
         detached on the host (and the merged outputs with ``return_outputs=True``).
@@ -292,6 +340,12 @@ class PipelineModule(nn.Module):
         step in this call, each stage's parameters as soon as their gradients are final,
         overlapped with the rest of the backward; the result equals eager
         ``loss.backward(); opt.step()``. See ``fxpipe.optim``.
+
+        ``sync_gradients`` (``data_parallel=True``): whether this call averages the
+        gradients across ranks. ``None``: it does, unless inside ``pipe.no_sync()`` or
+        when ``optimizer=`` does not step in this call (``overlapped(opt, accumulate=k)``
+        between steps); ``False`` accumulates this rank's gradients into ``.grad`` only,
+        as ``DistributedDataParallel.no_sync()`` does.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -306,8 +360,20 @@ class PipelineModule(nn.Module):
         self._current = compiled
         if optimizer is not None:
             optimizer = as_overlapped(optimizer)
+        if sync_gradients not in (None, True, False):
+            raise TypeError(f"sync_gradients must be True, False or None, got {sync_gradients!r}")
+        sync = self._sync if sync_gradients is None else sync_gradients
+        if sync_gradients is None and optimizer is not None and not optimizer.will_step():
+            sync = False   # accumulating between steps: the stepping call averages the sum
+        if not sync and optimizer is not None and optimizer.will_step() and self._dp is not None:
+            raise ValueError(
+                "forward_backward(optimizer=..., sync_gradients=False) (or inside pipe.no_sync()) "
+                "would step each rank with its own gradients and the ranks' parameters would "
+                "differ: synchronize the call that steps (leave sync_gradients=None, outside "
+                "no_sync())")
         loss, outputs = self._runner(compiled, cfg).fused(
-            input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs, optimizer)
+            input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs, optimizer,
+            sync=sync)
         return (loss, outputs) if return_outputs else loss
 
     def close(self) -> None:
@@ -324,6 +390,30 @@ class PipelineModule(nn.Module):
         self._closed = True
         for device in self.devices:
             device.stop_workers()
+        if self._dp is not None:
+            self._dp.close()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``data_parallel=True``: training calls inside the block accumulate this rank's
+        gradients into ``.grad`` without averaging them across ranks (no ``AR`` in their
+        Program), as ``DistributedDataParallel.no_sync()``; the first synchronized call
+        after it averages the accumulated ``.grad``. For eager-style training, the
+        forward (``pipe(x)``) decides, as in DDP::
+
+            with pipe.no_sync():
+                for x, y in microsteps[:-1]:
+                    pipe.forward_backward((x,), label=y, loss_fn=ce)
+            pipe.forward_backward((x_last,), label=y_last, loss_fn=ce, optimizer=opt)
+        """
+        if self._dp is None:
+            raise ValueError("pipe.no_sync() applies to data-parallel pipes only: "
+                             "fxpipe.compile(..., data_parallel=True)")
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     def _check_open(self) -> None:
         if self._closed:
@@ -351,7 +441,7 @@ class PipelineModule(nn.Module):
                 compiled.layers, self.devices, functools.partial(compiled.executable, plan),
                 compiled.differentiable, functools.partial(HostParams.of, self.module,
                                                            pin=self.pin_memory),
-                compiled.timer, param_dtype=self.param_dtype, log=self._log)
+                compiled.timer, param_dtype=self.param_dtype, log=self._log, dp=self._dp)
         return compiled.runners[key]
 
     # -- inspecting --------------------------------------------------------------------
@@ -379,7 +469,7 @@ class PipelineModule(nn.Module):
 
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: bool | str = False, grain: str | None = None,
-                    return_outputs: bool = False) -> Executable:
+                    return_outputs: bool = False, sync_gradients: bool = True) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
@@ -390,9 +480,18 @@ class PipelineModule(nn.Module):
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
         plan = cfg.execute_plan or self._current.plan
         mode = "exact" if optimizer is True else (optimizer or None)
+        data_parallel, broadcast = None, False
+        dp = self._dp
+        if dp is not None and run_type != "infer" and sync_gradients:
+            if dp.shard and mode is not None and mode != "exact":
+                raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
+                                          f"step only, not optimizer={optimizer!r}")
+            data_parallel = "shard" if dp.shard and mode == "exact" else "allreduce"
+            broadcast = dp.broadcast and bool(self._current.layers.buffers)
         return self._current.executable(plan, run_type, cfg.num_microbatch,
                                         grain=cfg.recompute_grain, optimizer=mode,
-                                        outputs=return_outputs)
+                                        outputs=return_outputs, data_parallel=data_parallel,
+                                        broadcast_buffers=broadcast)
 
     def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
              grain: Literal["stage", "layer"] | None = None) -> str:
@@ -424,13 +523,15 @@ class PipelineModule(nn.Module):
     def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
                 num_microbatch: int | None = None, optimizer: bool | str = False,
                 grain: Literal["stage", "layer"] | None = None, *,
-                return_outputs: bool = False) -> Program:
+                return_outputs: bool = False, sync_gradients: bool = True) -> Program:
         """The Program a call of ``run_type`` runs, every action included: per device its
         ordered actions, and the host lane (``optimizer=True``: the streamed
         ``OptimizerStep``s a call with ``optimizer=`` runs; ``"async"``: its
         ``AsyncUpdate``; the ``Commit``). ``num_microbatch`` and ``grain`` (``None``)
         default to the pipe's config; ``return_outputs``: a fused call that also brings
         the model's outputs to the host (``forward_backward(..., return_outputs=True)``).
+        A data-parallel pipe's training Programs hold their collectives (``BC``, ``AR``;
+        ``RS`` and ``AG`` with ``shard_optimizer``) unless ``sync_gradients=False``.
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -444,7 +545,8 @@ class PipelineModule(nn.Module):
         ...
         """
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
-                                return_outputs=return_outputs).program
+                                return_outputs=return_outputs,
+                                sync_gradients=sync_gradients).program
 
     def stats(self) -> dict[str, int]:
         """Counters of the last call (empty before the first), a flat dict: ``actions``
@@ -475,6 +577,70 @@ class PipelineModule(nn.Module):
             rec.timeline.plot("run.png")
         """
         return _trace(self.devices, self._log, path)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
+        """Save the model's state and ``optimizer``'s with ``torch.distributed.checkpoint``
+        into the folder ``path``, replacing a checkpoint there (every rank calls it;
+        parameters are written once, each rank writes its own optimizer shards under
+        ``shard_optimizer=True``). Also without data parallel. :meth:`load_checkpoint`
+        resumes exactly."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from fxpipe.optim import shard_items
+        items: dict[str, Any] = {"model": self.module.state_dict()}
+        if optimizer is not None:
+            ov = as_overlapped(optimizer)
+            if self._dp is not None and self._dp.shard:
+                items.update(shard_items(ov, self._dp.rank, self._dp.world))
+            else:
+                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
+        with warnings.catch_warnings():   # replacing is what this method says it does
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            dcp.save(items, storage_writer=dcp.FileSystemWriter(path, overwrite=True),
+                     process_group=self._group())
+
+    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
+        """Load what :meth:`save_checkpoint` saved into the model (in place: the
+        parameters stay views of the host buffers) and ``optimizer``; the same number of
+        ranks and the same ``shard_optimizer`` (resharding is not implemented)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+
+        from fxpipe.optim import load_shard_items, shard_items
+        items: dict[str, Any] = {"model": self.module.state_dict()}
+        sharded = self._dp is not None and self._dp.shard
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if optimizer is not None:
+            ov = as_overlapped(optimizer)
+            if sharded != ("optim.world" in saved):
+                raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
+                                 "shard_optimizer; load it into a pipe compiled the same way")
+            if sharded:
+                prefix = f"optim.rank{self._dp.rank}."
+                # the structure to fill (DCP flattens the list of settings per key)
+                items.update({k: v for k, v in shard_items(ov, 0, 0).items()
+                              if not k.startswith("optim.rank")})
+                for fqn, md in saved.items():
+                    if fqn.startswith(prefix):
+                        items[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+            else:
+                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
+        dcp.load(items, checkpoint_id=path, process_group=self._group())
+        if optimizer is None:
+            return
+        if sharded:
+            if items["optim.world"] != self._dp.world:
+                raise ValueError(f"{path} holds optimizer shards of {items['optim.world']} ranks, "
+                                 f"this job has {self._dp.world}: resharding is not implemented")
+            load_shard_items(ov, self._dp.rank, items)
+        else:
+            set_optimizer_state_dict(self.module, ov.optimizer, items["optim"])
+
+    def _group(self) -> Any:
+        return self._dp.group if self._dp is not None else None
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -509,6 +675,26 @@ def _microbatch_example(lg: LayerGraph, config: RunConfig, num_microbatch: int,
         return [x for x in lg.example_leaves if isinstance(x, torch.Tensor)], label
     leaves = pytree.tree_leaves((parts[0][0], parts[1][0]))
     return [x for x in leaves if isinstance(x, torch.Tensor)], None if labels is None else labels[0]
+
+
+def _digest(compiled: _Compiled, param_dtype: torch.dtype | None,
+            dp: DataParallel) -> dict[str, Any]:
+    """What must be equal on every rank of a data-parallel pipe (``check_same``): the plan
+    (its collectives must match), the parameters and buffers (names, shapes, dtypes:
+    the buckets must match) and the options that change the Program."""
+    lg, plan = compiled.layers, compiled.plan
+    spans = lambda rs: [f"{r.start}:{r.stop}" for r in rs]  # noqa: E731
+    return {
+        "the number of layers": len(lg),
+        "the plan's forward stages": spans(plan.fwd_plan),
+        "the plan's backward stages": spans(plan.bwd_plan),
+        "the parameters (name, shape, dtype, requires_grad)": [
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in lg.params.items()],
+        "the buffers (name, shape, dtype)": [
+            (n, tuple(b.shape), str(b.dtype)) for n, b in lg.buffers.items()],
+        "param_dtype": str(param_dtype),
+        "shard_optimizer / broadcast_buffers": (dp.shard, dp.broadcast),
+    }
 
 
 def plan_key(plan: ExecutePlan) -> tuple:

@@ -39,3 +39,13 @@ class StageError(RuntimeError):
 
 class DeviceMemoryError(torch.OutOfMemoryError):
     """A device's memory limit would be exceeded (names the stage and the bytes)."""
+
+
+class DistributedError(RuntimeError):
+    """Data parallel: a collective failed or timed out, or another rank failed (``rank``:
+    the rank whose failure caused it, when known). The process group fxpipe made for the
+    pipe cannot be used again: restart every rank and resume from a checkpoint."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank

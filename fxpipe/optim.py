@@ -79,8 +79,10 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.errors import StageError
-from fxpipe.optim_step import default_threads, fused_groups, intra_op_threads, step_view
+from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, step_shards,
+                               step_view)
 from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.runtime.params import owned_params
 
 Mode = Literal["exact", "async"]
 
@@ -136,6 +138,9 @@ class Overlapped:
         self.stepped = False      # whether the last call stepped (async: queued its update)
         self._pending: _Update | None = None
         self._host: VirtualDevice | None = None
+        # shard_optimizer: the state of this rank's shards, by (bucket key, segment)
+        self.shard_state: dict[tuple, dict] = {}
+        self._shard_hooks: list = []
         self._lock = threading.Lock()
         if mode == "async":
             me = weakref.ref(self)
@@ -154,6 +159,24 @@ class Overlapped:
             pending, self._pending = self._pending, None
         if pending is not None:
             pending.apply()
+
+    def sharded(self) -> None:
+        """``shard_optimizer``: this optimizer's state now lives in ``shard_state``, this
+        rank's shards only; ``state_dict()`` and ``load_state_dict()`` would see none of it
+        and raise instead."""
+        if self._shard_hooks:
+            return
+
+        def refuse(*_: Any) -> None:
+            raise NotImplementedError(
+                "this optimizer is stepped by fxpipe with shard_optimizer=True: its state is "
+                "sharded across the ranks (fxpipe.optim.Overlapped.shard_state, this rank's "
+                "1/N), not in optimizer.state, so optimizer.state_dict() would miss it; save "
+                "and load it with pipe.save_checkpoint(path, optimizer) / "
+                "pipe.load_checkpoint(path, optimizer) on every rank (torch.distributed."
+                "checkpoint)")
+        self._shard_hooks = [self.optimizer.register_state_dict_pre_hook(refuse),
+                             self.optimizer.register_load_state_dict_pre_hook(refuse)]
 
     def _drop(self) -> None:
         with self._lock:
@@ -257,22 +280,9 @@ class _Call:
         holding it have run), so it may change in place."""
         if self.program_mode != "exact":
             return
-        holders: dict[int, list[int]] = {}
-        tensors: dict[int, torch.Tensor] = {}
-        for st in exe.program.stages:
-            for fqn in exe.stages[st.index].params:
-                p = lg.params.get(fqn)
-                if p is None or not p.requires_grad:
-                    continue
-                if st.kind != "fwd":
-                    tensors[id(p)] = p
-                    if st.index not in holders.setdefault(id(p), []):
-                        holders[id(p)].append(st.index)
-            if st.kind != "fwd":
-                self.stage_of[(st.layers.start, st.layers.stop)] = st.index
-        for key, ss in holders.items():
-            owner = max(ss)
-            self.owned.setdefault(owner, []).append(tensors[key])
+        self.owned = owned_params(exe, lg)
+        self.stage_of = {(st.layers.start, st.layers.stop): st.index
+                         for st in exe.program.stages if st.kind != "fwd"}
 
     # -- the executor's host actions ---------------------------------------------------
     def apply_pending(self) -> None:
@@ -280,13 +290,23 @@ class _Call:
         with intra_op_threads(self.threads, self.caller_threads):
             self.ov.synchronize()
 
-    def step(self, layers: range, accumulator) -> None:
-        """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them."""
+    def step(self, layers: range, accumulator, shards: list | None = None) -> None:
+        """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them; with
+        ``shards`` (``shard_optimizer``), step this rank's shard of them instead."""
         stage = self.stage_of[(layers.start, layers.stop)]
         params = self.owned.get(stage, [])
         in_opt = _in_optimizer(self.ov.optimizer, params)
         try:
             with intra_op_threads(self.threads, self.caller_threads):
+                if shards is not None:
+                    self.ov.sharded()
+                    if self.backup:
+                        self.saved.append(_SavedShards(self.ov, params, shards))
+                    step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
+                    for p in params:   # their gradients were consumed by the sharded step
+                        p.grad = None
+                    self.stepped.append(layers)
+                    return
                 saved = _Saved(self.ov.optimizer, in_opt) if self.backup and in_opt else None
                 accumulator.commit(params)
                 if saved is not None:
@@ -393,6 +413,62 @@ class _Saved:
                     self.opt.state[p] = state
                 if grads:
                     p.grad = grad
+
+
+class _SavedShards:
+    """``shard_optimizer``: a copy of a stage's parameters (the all-gather rewrites them
+    whole), ``.grad`` and this rank's shard state of its buckets, to put back."""
+
+    def __init__(self, ov: Overlapped, params: Sequence[torch.Tensor], shards: Sequence[Any]):
+        self.ov = ov
+        self.entries = [(p, p.detach().clone(), None if p.grad is None else p.grad.clone())
+                        for p in params]
+        buckets = {sh.bucket.key for sh in shards}
+        self.state = {k: _copy_state(v) for k, v in ov.shard_state.items() if k[:3] in buckets}
+        self.buckets = buckets
+
+    def restore(self, grads: bool = False) -> None:
+        with torch.no_grad():
+            for p, value, grad in self.entries:
+                p.copy_(value)
+                if grads:
+                    p.grad = grad
+        for k in [k for k in self.ov.shard_state if k[:3] in self.buckets]:
+            del self.ov.shard_state[k]
+        self.ov.shard_state.update({k: v for k, v in self.state.items() if v is not None})
+
+
+def shard_items(ov: Overlapped, rank: int, world: int) -> dict[str, Any]:
+    """``shard_optimizer``: this rank's part of a ``torch.distributed.checkpoint`` state
+    dict: the param groups' settings (the same on every rank) and this rank's shard
+    state, one flat key per tensor (``optim.rank{r}.{start}:{stop}:{dtype}:{piece}.{name}``)."""
+    out: dict[str, Any] = {
+        "optim.world": world,
+        "optim.param_groups": [{k: v for k, v in g.items() if k != "params"}
+                               for g in ov.optimizer.param_groups]}
+    for (start, stop, dtype, piece), state in ov.shard_state.items():
+        for name, v in state.items():
+            if not isinstance(v, torch.Tensor):
+                raise NotImplementedError(f"shard_optimizer checkpoint: optimizer state {name!r} "
+                                          f"is a {type(v).__name__}, not a tensor")
+            out[f"optim.rank{rank}.{start}:{stop}:{dtype}:{piece}.{name}"] = v
+    return out
+
+
+def load_shard_items(ov: Overlapped, rank: int, items: dict[str, Any]) -> None:
+    """Put back what :func:`shard_items` saved (``items`` as ``dcp.load`` filled them)."""
+    for g, saved in zip(ov.optimizer.param_groups, items["optim.param_groups"]):
+        g.update(saved)
+    prefix = f"optim.rank{rank}."
+    state: dict[tuple, dict] = {}
+    for fqn, v in items.items():
+        if fqn.startswith(prefix):
+            key, _, name = fqn[len(prefix):].rpartition(".")
+            start, stop, dtype, piece = key.split(":")
+            state.setdefault((int(start), int(stop), dtype, int(piece)), {})[name] = v
+    ov.shard_state.clear()
+    ov.shard_state.update(state)
+    ov.sharded()
 
 
 def _copy_state(state: dict | None) -> dict | None:

@@ -30,10 +30,12 @@ optimizer step"), fused AdamW steps about 3x the parameters per second of the fo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -100,31 +102,67 @@ def step_view(opt: torch.optim.Optimizer, hyper: list[dict],
     """``opt.step()`` restricted to ``params``, with the settings ``hyper`` (one dict per
     param group, without ``"params"``; e.g. :func:`fused_groups`'s): the class's own step
     on a view whose param groups hold only those parameters and whose ``state`` is the
-    optimizer's (per-parameter math: the same result as a full step).
+    optimizer's (per-parameter math: the same result as a full step)."""
+    ids = {id(p) for p in params}
+    groups = []
+    for g, hp in zip(opt.param_groups, hyper):
+        sub = [p for p in g["params"] if id(p) in ids]
+        if sub:
+            groups.append({**hp, "params": sub})
+    step_groups(opt, groups)
+
+
+def step_groups(opt: torch.optim.Optimizer, groups: list[dict],
+                state: dict | None = None) -> None:
+    """Run ``opt``'s class's ``step`` over ``groups`` (param groups: settings and
+    ``"params"``), with ``state`` (default: ``opt.state``), on a view of ``opt``.
 
     Fused SGD with momentum steps a list of parameters either all with a momentum buffer
     or all without one (its first step): a group that holds both kinds (a parameter
     whose first gradient came later) is stepped as two, each parameter as torch's
     for-loop would (eager ``fused=True`` raises there)."""
-    ids = {id(p) for p in params}
-    groups = []
-    for g, hp in zip(opt.param_groups, hyper):
-        sub = [p for p in g["params"] if id(p) in ids]
-        if not sub:
-            continue
-        if hp.get("fused") and isinstance(opt, torch.optim.SGD) and hp.get("momentum"):
-            started = [p for p in sub if opt.state.get(p, {}).get("momentum_buffer") is not None]
-            fresh = [p for p in sub if opt.state.get(p, {}).get("momentum_buffer") is None]
-            groups += [{**hp, "params": ps} for ps in (started, fresh) if ps]
-        else:
-            groups.append({**hp, "params": sub})
-    if not groups:
+    state = opt.state if state is None else state
+    split = []
+    for g in groups:
+        if g.get("fused") and isinstance(opt, torch.optim.SGD) and g.get("momentum"):
+            started = [p for p in g["params"]
+                       if state.get(p, {}).get("momentum_buffer") is not None]
+            fresh = [p for p in g["params"] if state.get(p, {}).get("momentum_buffer") is None]
+            split += [{**g, "params": ps} for ps in (started, fresh) if ps]
+        elif g["params"]:
+            split.append(g)
+    if not split:
         return
     view = object.__new__(type(opt))
     view.__dict__.update(opt.__dict__)
-    view.param_groups = groups
+    view.param_groups = split
+    view.state = state
     watch_fused_steps()
     type(opt).step(view)
+
+
+def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[Any],
+                state: dict[tuple, dict]) -> None:
+    """``shard_optimizer``: step this rank's shard of some buckets
+    (``fxpipe.runtime.distributed.Shard``: the averaged gradient of its 1/N, one flat
+    tensor) with ``opt``'s class and each param group's settings ``hyper``, in place on
+    the parameters: each piece of a parameter inside the shard is stepped as a view of
+    it (parameters ``opt`` does not hold are left as they are). Their state lives in
+    ``state`` by ``(bucket key, piece)``, not in ``opt.state``: this rank's 1/N."""
+    group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+    groups: dict[int, list[torch.Tensor]] = {}
+    view_state: dict = collections.defaultdict(dict)
+    for sh in shards:
+        for k, (p, lo, hi, at) in enumerate(sh.bucket.pieces()):
+            g = group_of.get(id(p))
+            if g is None:
+                continue
+            t = p.detach().view(-1)[lo:hi]
+            t.grad = sh.grad[at:at + hi - lo]
+            groups.setdefault(g, []).append(t)
+            view_state[t] = state.setdefault((*sh.bucket.key, k), {})
+    step_groups(opt, [{**hyper[g], "params": ts} for g, ts in sorted(groups.items())],
+                view_state)
 
 
 _watching = False

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ("finetune_hf", r"loss \d+\.\d+ -> \d+\.\d+ over \d+ steps"),
     ("inference", r"logits equal to eager at every step .* same tokens"),
     ("encoder_decoder", r"gradients of encoder and decoder equal eager"),
+    ("train_distributed", r"loss \d+\.\d+ -> \d+\.\d+ over \d+ steps on 2 ranks; parameters "
+                          r"identical on every rank: True"),
 ])
 def test_example_runs(name: str, expected: str) -> None:
     env = {**os.environ, "FXPIPE_EXAMPLE_SMALL": "1"}

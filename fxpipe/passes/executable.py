@@ -32,7 +32,7 @@ from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import lower, lower_stage
-from fxpipe.passes.schedule import OptimizerMode, Values, build_program
+from fxpipe.passes.schedule import DataParallel, OptimizerMode, Values, build_program
 from fxpipe.passes.stage import Executable, Stage
 
 if TYPE_CHECKING:
@@ -60,18 +60,24 @@ def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[lis
 def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
                      device_names: Sequence[str], num_microbatch: int, *, grain: str = "stage",
                      optimizer: OptimizerMode | None = None, outputs: bool = True,
-                     input_grads: Sequence[str] = ()) -> Executable:
+                     input_grads: Sequence[str] = (), data_parallel: DataParallel | None = None,
+                     broadcast_buffers: bool = False) -> Executable:
     """Lower ``plan`` for ``run_type`` and build its Program (module docstring).
 
     ``optimizer``: ``"exact"`` (streamed ``OptimizerStep``s) or ``"async"`` (an
     ``AsyncUpdate``), fused only. ``outputs``: whether a fused call brings the model's
     outputs to the host (``return_outputs``); other run types always do.
     ``input_grads``: model inputs that require grad (their gradients go to the host).
+    ``data_parallel`` (``"allreduce"`` or ``"shard"``) and ``broadcast_buffers``: the
+    collectives of the host lane (``passes.schedule.host_lane``), training calls only.
     """
     if run_type not in ("infer", "train", "fused"):
         raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
     if optimizer is not None and run_type != "fused":
         raise ValueError(f"optimizer steps run in fused calls only, not {run_type!r}")
+    if (data_parallel is not None or broadcast_buffers) and run_type == "infer":
+        raise ValueError("collectives (data_parallel, broadcast_buffers) run in training calls "
+                         "only, not 'infer'")
     names = list(device_names)
     G = len(names)
     fwd, bwd = stage_ranges(plan, run_type, len(lg))
@@ -106,5 +112,6 @@ def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
                     tuple(lg.output_names) if run_type != "fused" or outputs else (),
                     tuple(n for n in lg.input_names if n in set(input_grads)), shared)
     program = build_program(fwd, bwd, run_type, G, num_microbatch, "stage", optimizer=optimizer,
-                            grain=grain, values=values)
+                            grain=grain, values=values, data_parallel=data_parallel,
+                            broadcast_buffers=broadcast_buffers)
     return Executable(run_type, grain, program, stages, pieces, top)

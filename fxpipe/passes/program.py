@@ -60,6 +60,18 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     OptimizerStep(layers)   [Sa:b]  step the parameters of ``layers``             host
     Commit()                [C]     gradients to ``.grad`` and buffer updates to  host
                                     the model, all or nothing
+    BroadcastBuffers()      [BC]    data parallel: the buffers from rank 0 to     collective
+                                    every rank (``broadcast_buffers``)
+    AllReduce(layers)       [ARa:b] data parallel: average the gradients of the   collective
+                                    parameters ``OptimizerStep(layers)`` steps
+                                    (the stage's bucket) across ranks
+    ReduceScatter(layers)   [RSa:b] ``shard_optimizer``: each rank gets the       collective
+                                    average of its 1/N of that bucket
+    AllGather(layers)       [AGa:b] ``shard_optimizer``: the stepped shards into  collective
+                                    every rank's parameters
+
+The host lane has two streams: ``host`` (the optimizer and the commit) and
+``collective`` (the collectives, in the same order on every rank, so that they match).
 
 What each transfer moves and each ``Free`` drops is a function of the Program alone
 (``Program.flow``, see :func:`dataflow`): a value a stage reads comes from the device
@@ -73,14 +85,15 @@ Dependency rules (``Program.dependencies()`` derives them; the executor and the
 simulator both follow them, nothing else orders actions):
 
 1. Streams are FIFO: an action starts after the previous action of the same stream on
-   the same device ended (the host lane is one stream).
+   the same device (or the host) ended.
 2. Issue: ``Prefetch``/``Upload``/``UploadGrad`` start no earlier than the start of the
    latest compute listed before them. Builders place the prefetch of a device's next
    stage after the first compute of its current stage (so it overlaps that stage,
    DESIGN rule 2) and the inputs of the next compute after the current compute (one
    microbatch of look-ahead).
-3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it; a compute
-   needs the latest ``Prefetch`` of its stage listed before it (not released).
+3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it (and after
+   the host's ``BroadcastBuffers``, when there is one); a compute needs the latest
+   ``Prefetch`` of its stage listed before it (not released).
 4. Inputs: the first compute of ``(s, m)`` needs ``Upload(s, m)`` listed before it when
    it reads anything from the host, and the compute that made each value it takes over
    on the device. ``Upload(s, m)`` waits for the ``Offload`` of each value's maker (on
@@ -97,6 +110,9 @@ simulator both follow them, nothing else orders actions):
    for every ``DownloadGrads`` of its stage and of the stages sharing a parameter it
    steps (``Program.shared``: a parameter shared by several backward stages is stepped
    with the last of them); ``Commit`` for the last action of every stream of its phase.
+8. Data parallel: ``AllReduce(layers)`` and ``ReduceScatter(layers)`` wait for the
+   downloads ``OptimizerStep(layers)`` would (rule 7), the ``OptimizerStep`` of the same
+   layers for them, ``AllGather(layers)`` for that ``OptimizerStep``.
 
 A two-part compute (``FusedBackward``: tail forward then backward;
 ``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only
@@ -283,16 +299,60 @@ class Commit:
         return "C"
 
 
+@dataclass(frozen=True, slots=True)
+class BroadcastBuffers:
+    """Host, data parallel: the model's buffers (BatchNorm statistics...) from rank 0 to
+    every rank, before any stage's parameters and buffers go to a device, as
+    ``DistributedDataParallel(broadcast_buffers=True)`` does at each forward (``BC``)."""
+
+    def __str__(self) -> str:
+        return "BC"
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduce:
+    """Host, data parallel: average across ranks the gradients of the parameters
+    ``OptimizerStep(layers)`` steps (that stage's bucket), once its downloads landed
+    (``AR4:6``)."""
+    layers: range
+
+    def __str__(self) -> str:
+        return f"AR{self.layers.start}:{self.layers.stop}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatter:
+    """Host, ``shard_optimizer``: like ``AllReduce``, but each rank gets only the average
+    of its 1/N of the bucket, the part it steps (``RS4:6``)."""
+    layers: range
+
+    def __str__(self) -> str:
+        return f"RS{self.layers.start}:{self.layers.stop}"
+
+
+@dataclass(frozen=True, slots=True)
+class AllGather:
+    """Host, ``shard_optimizer``: every rank's stepped part of the bucket's parameters into
+    every rank's parameters (``AG4:6``)."""
+    layers: range
+
+    def __str__(self) -> str:
+        return f"AG{self.layers.start}:{self.layers.stop}"
+
+
 Action = Union[Prefetch, Upload, UploadGrad, Forward, FusedBackward, Checkpoint,
                RecomputeBackward, Offload, Free, DownloadGrads, Release, OptimizerStep,
-               AsyncUpdate, Commit]
+               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
-HostAction = (OptimizerStep, AsyncUpdate, Commit)
+Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather)
+HostAction = (OptimizerStep, AsyncUpdate, Commit, *Collective)
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
 _ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?$")
-_OPT_RE = re.compile(r"^S(\d+):(\d+)$")
+_HOST_RE = re.compile(r"^(S|AR|RS|AG)(\d+):(\d+)$")
+_HOST_CODES: dict[str, type] = {"S": OptimizerStep, "AR": AllReduce, "RS": ReduceScatter,
+                                "AG": AllGather}
 
 
 def parse_action(text: str) -> Action:
@@ -300,16 +360,21 @@ def parse_action(text: str) -> Action:
 
     >>> parse_action("3FB1"), parse_action("S0:4"), parse_action("2B0.5")
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
+    >>> parse_action("AR4:6"), parse_action("BC")
+    (AllReduce(layers=range(4, 6)), BroadcastBuffers())
     """
     if text == "A":
         return AsyncUpdate()
     if text == "C":
         return Commit()
-    if m := _OPT_RE.match(text):
-        return OptimizerStep(range(int(m[1]), int(m[2])))
+    if text == "BC":
+        return BroadcastBuffers()
+    if m := _HOST_RE.match(text):
+        return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
     if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B"):
-        raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, C)")
+        raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
+                         "AR0:4, C)")
     cls = _CODES[m[2]]
     if m[3] == "":
         return cls(int(m[1]))
@@ -321,12 +386,15 @@ def parse_action(text: str) -> Action:
 STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
-          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host"}
+          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host",
+          BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
+          AllGather: "collective"}
 
 
 def stream_of(action: Action) -> str:
     """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
-    ``free``, ``grads``, ``control`` (``Release``) or ``host``."""
+    ``free``, ``grads``, ``control`` (``Release``), and on the host ``host`` or
+    ``collective``."""
     return STREAM[type(action)]
 
 
@@ -336,7 +404,8 @@ class Dep:
 
     ``device`` is a device index or ``HOST`` (the host lane). ``why`` is one of
     ``stream``, ``issue``, ``release``, ``params``, ``input``, ``grad``, ``job``,
-    ``free``; ``hop`` marks a hand-off between two devices.
+    ``free``, ``buffers``, ``reduced``, ``stepped``; ``hop`` marks a hand-off between two
+    devices.
     """
 
     device: int
@@ -742,11 +811,13 @@ class Program:
                     offload_at[(a.stage, a.mb)] = (d, i)
                 elif isinstance(a, DownloadGrads):
                     downloads.setdefault(a.stage, []).append((d, i))
-        out = {d: self._device_deps(d, computes, offload_at) for d in range(self.num_devices)}
+        broadcast = [i for i, a in enumerate(self.host) if isinstance(a, BroadcastBuffers)]
+        out = {d: self._device_deps(d, computes, offload_at, broadcast)
+               for d in range(self.num_devices)}
         out[HOST] = self._host_deps(downloads)
         return out
 
-    def _device_deps(self, d, computes, offload_at) -> tuple[tuple[Dep, ...], ...]:
+    def _device_deps(self, d, computes, offload_at, broadcast) -> tuple[tuple[Dep, ...], ...]:
         flow = self.flow
         out: list[tuple[Dep, ...]] = []
         last_stream: dict[str, int] = {}
@@ -789,6 +860,7 @@ class Program:
             match a:
                 case Prefetch(stage=s):
                     deps += [Dep(d, r, "end", "release") for r in releases]
+                    deps += [Dep(HOST, b, "end", "buffers") for b in broadcast]
                     releases.clear()
                     prefetched[s] = i
                     job[s] = {}
@@ -851,9 +923,11 @@ class Program:
             out.append(tuple(deps))
         return tuple(out)
 
-    def step_stages(self, step: OptimizerStep) -> tuple[int, ...]:
+    def step_stages(self, step: OptimizerStep | AllReduce | ReduceScatter) -> tuple[int, ...]:
         """The backward stages whose gradients ``step`` needs: the stage of its layers, and
-        every stage sharing a parameter with it when it is the last of them (rule 7)."""
+        every stage sharing a parameter with it when it is the last of them (rule 7). The
+        parameters it steps (or reduces) are those of the stage that it is the last
+        backward stage to use."""
         by_layers = {(st.layers.start, st.layers.stop): st.index for st in self.stages
                      if st.kind != "fwd"}
         s = by_layers.get((step.layers.start, step.layers.stop))
@@ -867,34 +941,57 @@ class Program:
 
     def _host_deps(self, downloads) -> tuple[tuple[Dep, ...], ...]:
         out: list[tuple[Dep, ...]] = []
+        last: dict[str, int] = {}                    # host stream -> its latest action
+        reduced: dict[tuple[int, int], int] = {}     # layers -> its AllReduce / ReduceScatter
+        stepped: dict[tuple[int, int], int] = {}     # layers -> its OptimizerStep
         for i, a in enumerate(self.host):
-            deps = [Dep(HOST, i - 1, "end", "stream")] if i else []
+            stream = stream_of(a)
+            deps = [Dep(HOST, last[stream], "end", "stream")] if stream in last else []
+            span = (a.layers.start, a.layers.stop) if hasattr(a, "layers") else None
             match a:
-                case OptimizerStep():
+                case OptimizerStep() | AllReduce() | ReduceScatter():
                     try:
                         stages = self.step_stages(a)
                     except ValueError as e:
                         raise ValueError(f"host step {i}: {e}") from None
                     for w in stages:
                         deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(w, [])]
+                    if isinstance(a, OptimizerStep):
+                        if span in reduced:
+                            deps.append(Dep(HOST, reduced[span], "end", "reduced"))
+                        stepped[span] = i
+                    else:
+                        reduced[span] = i
+                case AllGather():
+                    if span not in stepped:
+                        raise ValueError(f"host step {i}: {a} gathers what no OptimizerStep "
+                                         f"of layers {span[0]}:{span[1]} listed before it stepped")
+                    deps.append(Dep(HOST, stepped[span], "end", "stepped"))
                 case Commit():
                     phase = self._phase_of(a)
                     for d, acts in enumerate(self.actions):
-                        last: dict[str, int] = {}
+                        ends: dict[str, int] = {}
                         for j, b in enumerate(acts):
                             if self._phase_of(b) == phase:
-                                last[stream_of(b)] = j
-                        deps += [Dep(d, j, "end", "job") for j in sorted(last.values())]
+                                ends[stream_of(b)] = j
+                        deps += [Dep(d, j, "end", "job") for j in sorted(ends.values())]
+                    ends = {}
+                    for j, b in enumerate(self.host[:i]):
+                        if self._phase_of(b) == phase:
+                            ends[stream_of(b)] = j
+                    deps += [Dep(HOST, j, "end", "job") for j in sorted(ends.values())
+                             if j != last.get("host")]
+            last[stream] = i
             out.append(tuple(deps))
         return tuple(out)
 
     def _phase_of(self, a: Action) -> str:
         """``"forward"`` or ``"backward"`` in a ``"train"`` program (its two calls); else
-        ``"all"``. ``Commit`` belongs to the forward call: the backward's gradients go to
-        autograd."""
+        ``"all"``. ``Commit`` (and ``BroadcastBuffers``) belong to the forward call: the
+        backward's gradients go to autograd."""
         if self.run_type != "train":
             return "all"
-        if isinstance(a, Commit):
+        if isinstance(a, (Commit, BroadcastBuffers)):
             return "forward"
         if isinstance(a, HostAction):
             return "backward"

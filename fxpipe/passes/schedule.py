@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Literal, Sequence
 
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
-    HOST, Action, AsyncUpdate, Checkpoint, Commit, Compute, Dataflow, Dep, DownloadGrads,
-    Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerStep, Prefetch, Program,
-    RecomputeBackward, Release, RunType, StageKind, StageSpec, Upload, UploadGrad, dataflow,
-    parse_action, stream_of,
+    HOST, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective,
+    Commit, Compute, Dataflow, Dep, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key,
+    Offload, OptimizerStep, Prefetch, Program, RecomputeBackward, ReduceScatter, Release, RunType,
+    StageKind, StageSpec, Upload, UploadGrad, dataflow, parse_action, stream_of,
 )
 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
+DataParallel = Literal["allreduce", "shard"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   split_stages: Collection[int] = (),
                   device_free: Callable[[Program], Sequence[float]] | None = None,
                   optimizer: bool | OptimizerMode | None = False, grain: str = "stage",
-                  values: Values | None = None) -> Program:
+                  values: Values | None = None, data_parallel: DataParallel | None = None,
+                  broadcast_buffers: bool = False) -> Program:
     """Build the Program for a plan.
 
     ``dispatch="stage"`` (DESIGN rule 1): stage ``s`` runs on device ``s mod G`` as one
@@ -123,6 +125,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     ``grain="layer"``: a backward stage of several layers recomputes one layer at a time
     (``Checkpoint``, then each layer's ``RecomputeBackward``, deepest first).
     ``values``: the stages' values (:class:`Values`; default :func:`chain_values`).
+    ``data_parallel`` and ``broadcast_buffers``: the collectives of the host lane
+    (:func:`host_lane`).
 
     >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 4)
     >>> [str(a) for a in p.actions[1] if isinstance(a, (Forward, FusedBackward))]
@@ -132,19 +136,14 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
         raise ValueError("num_devices and num_microbatches must be >= 1")
     if grain not in ("stage", "layer"):
         raise ValueError(f"grain must be 'stage' or 'layer', got {grain!r}")
-    if optimizer not in (False, None, True, "exact", "async"):
-        raise ValueError(f"optimizer must be False, True, 'exact' or 'async', got {optimizer!r}")
     stages = make_stages(plan_fwd, plan_bwd, run_type)
     values = values or chain_values(stages, run_type)
     if len(values.reads) != len(stages) or len(values.makes) != len(stages):
         raise ValueError(f"values describe {len(values.reads)} stages, the plan has {len(stages)}")
     stages = tuple(StageSpec(st.index, st.kind, st.layers, tuple(r), tuple(m))
                    for st, r, m in zip(stages, values.reads, values.makes))
-    host: list[Action] = [AsyncUpdate()] if optimizer == "async" else []
-    if optimizer in (True, "exact"):
-        host += [OptimizerStep(st.layers) for st in stages if st.kind != "fwd"]
-    host.append(Commit())
-    emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, tuple(host))
+    host = host_lane(stages, optimizer, data_parallel, broadcast_buffers)
+    emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, host)
     G, M, F, S = num_devices, num_microbatches, len(plan_fwd), len(stages)
     jobs: list[list[tuple[int, list[int]]]] = [[] for _ in range(G)]
     if dispatch == "stage":
@@ -180,6 +179,51 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
             jobs[(r0 + k) % G].append((s, list(mbs)))
         placed = len(slots)
     return emit(jobs)
+
+
+def host_lane(stages: Sequence[StageSpec], optimizer: bool | OptimizerMode | None = False,
+              data_parallel: DataParallel | None = None,
+              broadcast_buffers: bool = False) -> tuple[Action, ...]:
+    """The host's actions, in issue order: ``BroadcastBuffers`` first (data parallel, with
+    buffers), the asynchronous update, then per backward stage, deepest first, its
+    gradients' ``AllReduce`` and its ``OptimizerStep``; the ``Commit`` last.
+
+    With ``data_parallel="shard"`` a stage's bucket is reduce-scattered, its shard stepped,
+    then gathered; each ``AllGather`` is listed after the next stage's ``ReduceScatter``,
+    so that the collective stream does not hold that reduction behind a step::
+
+        >>> st = make_stages([range(0, 1)], [range(1, 3), range(0, 1)], "fused")
+        >>> [str(a) for a in host_lane(st, True, "allreduce", True)]
+        ['BC', 'AR1:3', 'S1:3', 'AR0:1', 'S0:1', 'C']
+        >>> [str(a) for a in host_lane(st, True, "shard")]
+        ['RS1:3', 'S1:3', 'RS0:1', 'AG1:3', 'S0:1', 'AG0:1', 'C']
+    """
+    if optimizer not in (False, None, True, "exact", "async"):
+        raise ValueError(f"optimizer must be False, True, 'exact' or 'async', got {optimizer!r}")
+    if data_parallel not in (None, "allreduce", "shard"):
+        raise ValueError(f"data_parallel must be None, 'allreduce' or 'shard', got "
+                         f"{data_parallel!r}")
+    if data_parallel == "shard" and optimizer not in (True, "exact"):
+        raise ValueError("data_parallel='shard' steps each rank's shard in the call: it needs "
+                         "optimizer=True (the streamed exact step)")
+    exact = optimizer in (True, "exact")
+    host: list[Action] = [BroadcastBuffers()] if broadcast_buffers else []
+    if optimizer == "async":
+        host.append(AsyncUpdate())
+    backward = [st.layers for st in stages if st.kind != "fwd"]
+    for j, layers in enumerate(backward):
+        if data_parallel == "shard":
+            host.append(ReduceScatter(layers))
+            if j:
+                host.append(AllGather(backward[j - 1]))
+        elif data_parallel == "allreduce":
+            host.append(AllReduce(layers))
+        if exact:
+            host.append(OptimizerStep(layers))
+    if data_parallel == "shard" and backward:
+        host.append(AllGather(backward[-1]))
+    host.append(Commit())
+    return tuple(host)
 
 
 class _Emitter:

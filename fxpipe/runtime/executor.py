@@ -43,11 +43,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import DeviceMemoryError, StageError
+from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import (
-    HOST, AsyncUpdate, Checkpoint, Commit, DownloadGrads, Forward, Free, FusedBackward,
-    Offload, OptimizerStep, Prefetch, RecomputeBackward, Release, Upload, UploadGrad, stream_of,
+    HOST, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective, Commit,
+    DownloadGrads, Forward, Free, FusedBackward, Offload, OptimizerStep, Prefetch,
+    RecomputeBackward, ReduceScatter, Release, Upload, UploadGrad, stream_of,
 )
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime import tail
@@ -86,6 +87,7 @@ class Call:
     out_grads: list[dict[str, torch.Tensor]] | None = None   # train backward: output grads
     timer: LayerTimer | None = None
     optimizer: Any = None                    # fxpipe.optim's part of the call (host lane)
+    dp: Any = None                           # runtime.distributed.DataParallel (collectives)
     autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
     differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
     commit: Callable[[], None] | None = None
@@ -213,6 +215,7 @@ class Execution:
         self.stats = call.stats = Stats()
         self.downloads: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> host grads
         self.downloads_lock = threading.Lock()
+        self.shards: dict[tuple[int, int], list] = {}   # layers -> ReduceScatter's shards
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
 
@@ -227,6 +230,10 @@ class Execution:
         keep = {lane: [phase == "all" or p.phase(a) == phase for a in acts]
                 for lane, acts in p.lanes()}
         _check_issue_order(p, deps, keep)
+        if self.call.dp is not None:
+            self.call.dp.begin(self.call.dp.plan_ops(
+                [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
+                self.call.exe, self.call.layers, self.call.store))
         slots: dict[tuple[int, int], _Issued] = {}
         lanes: list[tuple[int, list[int]]] = []
         for lane, acts in p.lanes():
@@ -248,20 +255,22 @@ class Execution:
             for t in threads:
                 t.join()   # until everything is issued: no device work is waited for here
         except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
-            self.cancelled.set()
+            self._cancel(e)
             interrupt = e
         for t in threads:
             while t.is_alive():
                 try:
                     t.join()
                 except BaseException as e:  # noqa: BLE001 — a second Ctrl-C: still clean up
-                    self.cancelled.set()
+                    self._cancel(e)
                     interrupt = interrupt or e
         failure = self._wait_all(slots)
         if interrupt is not None and not isinstance(failure, KeyboardInterrupt):
             failure = interrupt
         if failure is not None:
             self._cleanup()
+            if self.call.dp is not None:
+                self.call.dp.drain()   # the collectives the other ranks wait for, with zeros
             raise failure
         self._check_empty()
         # the call has ended: what came to the host has landed, the host may read it
@@ -277,7 +286,6 @@ class Execution:
         """Issue ``lane``'s actions in Program order: each once its dependencies were
         issued, with their events as the stream's waits."""
         acts = self.program.lane(lane)
-        worker = self.call.optimizer.worker if lane == HOST else self.call.devices[lane]
         done = 0
         try:
             for i in idxs:
@@ -295,12 +303,17 @@ class Execution:
                 slot.gate = waits
                 if lane == HOST and waits:
                     self.stats.add("host_waits")  # a host action reads what those events made
-                slot.event = worker.submit("compute" if lane == HOST else stream_of(a),
-                                           self._work(lane, a), wait=waits, label=str(a))
+                if lane != HOST:
+                    worker, stream = self.call.devices[lane], stream_of(a)
+                else:   # the host's streams: the optimizer's worker, the collectives' worker
+                    worker = (self.call.dp if isinstance(a, Collective) else
+                              self.call.optimizer).worker
+                    stream = "compute"
+                slot.event = worker.submit(stream, self._work(lane, a), wait=waits, label=str(a))
                 slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
-            self.cancelled.set()
+            self._cancel(e)
             for i in idxs[done:]:
                 failed = Event(str(acts[i]))
                 failed._finish(exc=e)
@@ -318,7 +331,7 @@ class Execution:
             try:
                 exc = ev.exception()
             except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
-                self.cancelled.set()
+                self._cancel(e)
                 exc = e
             if exc is not None:
                 failures.insert(0, exc)  # in issue order
@@ -335,18 +348,32 @@ class Execution:
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
                 self._act(lane, a)
+            except DistributedError as e:
+                if self.cancelled.is_set():  # this rank's own failure aborted the collective
+                    raise Cancelled(f"{a}: the call was interrupted") from e
+                self._cancel(e)
+                raise
             except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt) as e:
-                self.cancelled.set()  # these already say where, or are the user's
+                self._cancel(e)  # these already say where, or are the user's
                 traceback.clear_frames(e.__traceback__)
                 raise
             except BaseException as e:
-                self.cancelled.set()
                 # the traceback stays readable, but its frames no longer hold the action's
                 # tensors: an exception the caller keeps does not keep device memory
                 traceback.clear_frames(e.__traceback__)
-                raise self._stage_error(lane, a, e) from e
+                error = self._stage_error(lane, a, e)
+                self._cancel(error)
+                raise error from e
             self._recorded(lane, a)
         return work
+
+    def _cancel(self, exc: BaseException) -> None:
+        """Stop the call: actions that have not started raise ``Cancelled``; with data
+        parallel, every other rank's collectives fail too (``DataParallel.fail``)."""
+        first = not self.cancelled.is_set()
+        self.cancelled.set()
+        if first and self.call.dp is not None and not isinstance(exc, Cancelled):
+            self.call.dp.fail(exc)
 
     def _recorded(self, lane: int, a) -> None:
         self.stats.add("actions")
@@ -356,6 +383,12 @@ class Execution:
 
     def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
         s = getattr(a, "stage", None)
+        if isinstance(a, Collective):   # a host collective: name its layers (or buffers)
+            layers = getattr(a, "layers", None)
+            what = f"layers {layers.start}-{layers.stop - 1}" if layers else "the buffers"
+            return StageError(f"{type(a).__name__} of {what} on the host, failed: "
+                              f"{type(e).__name__}: {e}", layers=layers, device="host",
+                              action=str(a))
         st = self.call.exe.stages.get(s) if s is not None else None
         mb = getattr(a, "mb", None)
         names = ", ".join(self.call.layers.layers[i].name for i in st.layers) if st else "?"
@@ -407,12 +440,29 @@ class Execution:
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
                 self._take_downloads(self.program.step_stages(a))  # their events have ended
-                self.call.optimizer.step(layers, self.call.accumulator)
+                self.call.optimizer.step(layers, self.call.accumulator,
+                                         self.shards.get((layers.start, layers.stop)))
+            case BroadcastBuffers():
+                self.call.dp.broadcast_buffers(self.call.store, self.call.layers.buffers)
+            case AllReduce(layers=layers):
+                self._take_downloads(self.program.step_stages(a))
+                self.call.dp.all_reduce(self._buckets(layers), self.call.accumulator)
+            case ReduceScatter(layers=layers):
+                self._take_downloads(self.program.step_stages(a))
+                self.shards[(layers.start, layers.stop)] = self.call.dp.reduce_scatter(
+                    self._buckets(layers), self.call.accumulator)
+            case AllGather(layers=layers):
+                self.call.dp.all_gather(self.shards.pop((layers.start, layers.stop)))
             case Commit():
                 if self.call.commit is not None:
                     self.call.commit()
             case _:
                 raise TypeError(f"the executor has no handler for {type(a).__name__} ({a})")
+
+    def _buckets(self, layers: range) -> list:
+        """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""
+        call = self.call
+        return call.dp.buckets(call.exe, call.layers, call.store).get((layers.start, layers.stop), [])
 
     def _upload(self, d: int, s: int, m: int) -> None:
         dev, on = self.call.devices[d], self.on[d]

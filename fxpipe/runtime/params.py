@@ -461,6 +461,29 @@ def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:
     return runs
 
 
+def owned_params(exe, lg) -> dict[int, list[torch.Tensor]]:
+    """Per backward stage of the Executable ``exe``, the trainable parameters it is the last
+    backward stage (execution order) to use: those whose gradients are final once its
+    gradients are downloaded, which its ``OptimizerStep`` steps and its ``AllReduce``
+    reduces (a tied parameter goes with the last stage holding it)."""
+    holders: dict[int, list[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for st in exe.program.stages:
+        if st.kind == "fwd":
+            continue
+        for fqn in exe.stages[st.index].params:
+            p = lg.params.get(fqn)
+            if p is None or not p.requires_grad:
+                continue
+            tensors[id(p)] = p
+            if st.index not in holders.setdefault(id(p), []):
+                holders[id(p)].append(st.index)
+    owned: dict[int, list[torch.Tensor]] = {}
+    for key, stages in holders.items():
+        owned.setdefault(max(stages), []).append(tensors[key])
+    return owned
+
+
 class GradAccumulator:
     """Sums host gradients over one call, then adds them to ``.grad`` all at once.
 
@@ -469,6 +492,10 @@ class GradAccumulator:
     into an existing one, as autograd does; ``discard`` drops everything (a failed call:
     no ``.grad`` changes). Thread-safe. Give it gradients only once their copies have
     landed (after the event of the work that downloaded them).
+
+    Data parallel: ``replace`` puts in a parameter's final ``.grad`` (its gradients
+    averaged across ranks, the ``.grad`` it had included), which ``commit`` writes in place
+    of the old one instead of adding to it.
 
     >>> p = torch.nn.Parameter(torch.zeros(2))
     >>> store = ParamStore(HostParams.of(torch.nn.ParameterList([p]), pin=False),
@@ -484,6 +511,7 @@ class GradAccumulator:
         self._lock = threading.Lock()
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, sum)
         self._claimed: dict[int, torch.Tensor] = {}  # id(master) -> its flat gradient view
+        self._replace: set[int] = set()   # id(master): the sum is the final .grad
 
     def claim(self, slot: _Slot) -> torch.Tensor | None:
         """Where this call's download of ``slot``'s gradient goes directly (once per
@@ -524,6 +552,33 @@ class GradAccumulator:
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
 
+    def sums(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """This call's gradient sum of each of ``params`` so far (None: none came)."""
+        with self._lock:
+            return [self._sums[id(p)][1] if id(p) in self._sums else None for p in params]
+
+    def replace(self, master: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` is ``master``'s final ``.grad`` (what the commit writes instead of adding
+        this call's sum). Copied into its flat gradient view when it can have one, else
+        kept as it is."""
+        with self._lock, torch.no_grad():
+            slot = self._store.host.slots.get(id(master))
+            claimed = self._claimed.get(id(master))
+            if claimed is None and slot is not None and master.grad is None:
+                claimed = self._store.host.claim_grad(slot)
+                if claimed is not None:
+                    self._claimed[id(master)] = claimed
+            if claimed is not None:
+                value = claimed.copy_(value)
+            self._sums[id(master)] = (master, value)
+            self._replace.add(id(master))
+
+    def drop(self, params: Sequence[torch.Tensor]) -> None:
+        """Forget ``params``' sums (consumed by a sharded optimizer step)."""
+        with self._lock:
+            for p in params:
+                self._sums.pop(id(p), None)
+
     def commit(self, params: Collection[torch.Tensor] | None = None) -> None:
         """Add the sums into the parameters' ``.grad`` (of ``params`` only, when given: a
         streamed optimizer step commits a stage's as soon as they are final); checks
@@ -545,25 +600,33 @@ class GradAccumulator:
                     claimed = self._claimed.get(key)
                     if claimed is not None and total.data_ptr() == claimed.data_ptr():
                         self._store.host.exposed(master, master.grad)
+                elif key in self._replace:
+                    master.grad.copy_(total)
                 else:
                     master.grad.add_(total)
 
     def totals(self) -> dict[int, torch.Tensor]:
         """The sums so far, by ``id`` of the parameter, handed to autograd instead of
         committed (flat-buffer views among them count as handed out: a later call writes
-        there again only once nobody holds them)."""
-        with self._lock:
+        there again only once nobody holds them). Autograd adds them to ``.grad``: for a
+        ``replace``d one that has a ``.grad``, the difference is handed out."""
+        with self._lock, torch.no_grad():
+            out = {}
             for key, (master, total) in self._sums.items():
                 claimed = self._claimed.get(key)
                 if claimed is not None and total.data_ptr() == claimed.data_ptr():
                     self._store.host.exposed(master, total)
-            return {key: total for key, (_, total) in self._sums.items()}
+                if key in self._replace and master.grad is not None:
+                    total = total - master.grad
+                out[key] = total
+            return out
 
     def discard(self) -> None:
         """Drop the sums; no ``.grad`` changes."""
         with self._lock:
             self._sums.clear()
             self._claimed.clear()
+            self._replace.clear()
 
     def __len__(self) -> int:
         return len(self._sums)

@@ -43,13 +43,17 @@ class Runner:
     ``differentiable(inputs)``: the values that may carry a gradient when ``inputs``
     require grad (``passes.grad_flow``, evaluated by the compiler);
     ``log``: while a ``pipe.trace()`` block records, executed actions go to it.
+    ``dp``: data parallel (``runtime.distributed.DataParallel``): a training call that
+    synchronizes (``sync``) runs the collectives of :meth:`collectives`.
     """
 
     def __init__(self, lg: LayerGraph, devices: list[Device], executable: BuildExecutable,
                  differentiable: Callable[[Collection[str]], frozenset[str]],
                  host: Callable[[], HostParams], timer: LayerTimer | None = None,
-                 param_dtype: torch.dtype | None = None, log: ActionLog | None = None):
+                 param_dtype: torch.dtype | None = None, log: ActionLog | None = None,
+                 dp: Any = None):
         self.lg, self.devices = lg, devices
+        self.dp = dp   # runtime.distributed.DataParallel, or None
         self.executable = executable
         self.differentiable = differentiable
         self.host = host
@@ -88,15 +92,42 @@ class Runner:
             rows.append(first.shape[0] if first is not None else 1)
         return envs, rows
 
+    def collectives(self, run_type: str, sync: bool, optimizer: Any = None
+                    ) -> tuple[str | None, bool]:
+        """``(data_parallel, broadcast_buffers)`` of a call's Program: a training call of a
+        data-parallel pipe that synchronizes gradients all-reduces them (``"allreduce"``),
+        or reduce-scatters them when it steps a sharded optimizer (``"shard"``), and first
+        broadcasts the buffers from rank 0 (when the model has any and the pipe was
+        compiled with ``broadcast_buffers=True``). Anything else: ``(None, False)``."""
+        dp = self.dp
+        if dp is None or run_type == "infer" or not sync:
+            return None, False
+        bc = dp.broadcast and bool(self.lg.buffers)
+        if dp.shard and optimizer is not None and optimizer.steps:
+            if optimizer.program_mode != "exact" or optimizer.ov.max_grad_norm is not None:
+                raise NotImplementedError(
+                    f"shard_optimizer=True steps each rank's shard inside the call with the "
+                    f"streamed exact step; {optimizer.ov!r} is not supported there (GradScaler, "
+                    "mode='async' and max_grad_norm are not implemented with sharding): compile "
+                    "with shard_optimizer=False")
+            return "shard", bc
+        return "allreduce", bc
+
     def call(self, run_type: str, envs: list[dict], cfg: RunConfig, *, optimizer: Any = None,
-             outputs: bool = True, **kw: Any) -> Call:
-        """A Call of the Executable for this kind of call (built once, then cached)."""
+             outputs: bool = True, sync: bool = True, **kw: Any) -> Call:
+        """A Call of the Executable for this kind of call (built once, then cached).
+        ``sync``: data parallel, whether it synchronizes gradients (:meth:`collectives`)."""
         inputs = tuple(n for n in self.lg.input_names
                        if any(isinstance(env.get(n), torch.Tensor) and env[n].requires_grad
                               for env in envs))
+        data_parallel, broadcast = self.collectives(run_type, sync, optimizer)
         exe = self.executable(run_type, len(envs), grain=cfg.recompute_grain,
                               optimizer=getattr(optimizer, "program_mode", None),
-                              outputs=outputs, input_grads=inputs)
+                              outputs=outputs, input_grads=inputs, data_parallel=data_parallel,
+                              broadcast_buffers=broadcast)
+        dp = self.dp if run_type != "infer" else None
+        if dp is not None:
+            dp.check_alive()
         if optimizer is not None:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)
@@ -108,7 +139,7 @@ class Runner:
                     inputs=envs, call_seed=seed, autocast=amp.captured(),
                     timer=self.timer if self.timer is not None and self.timer.sample() else None,
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
-                    record=self.log.actions, **kw)
+                    record=self.log.actions, dp=dp, **kw)
 
     def execute(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
@@ -165,8 +196,9 @@ class Runner:
 
     def fused(self, args: tuple, kwargs: dict, label: Any, loss_fn: Callable,
               reduction: str, cfg: RunConfig, return_outputs: bool,
-              optimizer: Any = None) -> tuple[torch.Tensor, Any]:
-        """``optimizer``: an ``fxpipe.optim.Overlapped`` whose step this call runs."""
+              optimizer: Any = None, sync: bool = True) -> tuple[torch.Tensor, Any]:
+        """``optimizer``: an ``fxpipe.optim.Overlapped`` whose step this call runs;
+        ``sync``: data parallel, whether it synchronizes gradients."""
         envs, rows = self.split(args, kwargs, cfg)
         labels = mb.split_label(label, len(envs), cfg.split_label)
         weights = mb.microbatch_weights(rows) if reduction == "mean" else [1.0] * len(envs)
@@ -175,7 +207,7 @@ class Runner:
         opt = optimizer.call() if optimizer is not None else None
         if opt is not None:
             loss_fn = opt.scale_loss(loss_fn)
-        call = self.call("fused", envs, cfg, optimizer=opt, outputs=return_outputs,
+        call = self.call("fused", envs, cfg, optimizer=opt, outputs=return_outputs, sync=sync,
                          labels=labels, loss_fn=loss_fn, loss_weights=weights)
         try:
             outputs = self.execute(call, results=(lambda: self.outputs(call, cfg))
@@ -197,8 +229,9 @@ class TrainCall:
     """An eager-style training call: ``forward()`` now, ``backward(grads)`` later; the two
     halves (``Program.phase``) of one ``"train"`` Executable."""
 
-    def __init__(self, runner: Runner, args: tuple, kwargs: dict, cfg: RunConfig):
-        self.runner, self.cfg = runner, cfg
+    def __init__(self, runner: Runner, args: tuple, kwargs: dict, cfg: RunConfig,
+                 sync: bool = True):
+        self.runner, self.cfg, self.sync = runner, cfg, sync
         self.envs, self.rows = runner.split(args, kwargs, cfg)
         self.forward_call: Call | None = None
         self.out_leaves: list[list] = []
@@ -207,7 +240,7 @@ class TrainCall:
 
     def forward(self) -> Any:
         r = self.runner
-        call = r.call("train", self.envs, self.cfg, phase="forward")
+        call = r.call("train", self.envs, self.cfg, phase="forward", sync=self.sync)
         r.execute(call)
         self.forward_call = call
         self.out_leaves = [r.lg.flat_outputs(env) for env in call.host]
@@ -232,7 +265,9 @@ class TrainCall:
         call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
                     phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
                     timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,
-                    record=r.log.actions)
+                    record=r.log.actions, dp=fc.dp)
+        if fc.dp is not None:
+            fc.dp.check_alive()
         r.execute(call)
         params = call.accumulator.totals()
         call.accumulator.discard()

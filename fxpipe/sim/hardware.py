@@ -31,6 +31,10 @@ class Hardware:
       (an ``Upload`` whose producer ran on another device).
     - ``transfers``: False makes every transfer (and the host optimizer) take no time,
       as RoundPipe's schedule simulator assumes; hand-off hops still apply.
+    - Data parallel: ``ranks`` (one per node), each node's ``network_bytes_per_s``
+      (e.g. 25 GbE: ``3.125e9``; 200 Gb/s InfiniBand: ``25e9``) and per-message
+      ``network_latency_ms``: the host lane's collectives take a ring algorithm's time
+      (:meth:`collective_ms`).
     """
 
     flops: float = INF
@@ -41,6 +45,9 @@ class Hardware:
     cpu_optimizer_bytes_per_s: float = INF
     comm_ms_per_hop: float = 0.0
     transfers: bool = True
+    ranks: int = 1
+    network_bytes_per_s: float = INF
+    network_latency_ms: float = 0.0
 
     @classmethod
     def rtx4090_pcie4(cls, **overrides) -> "Hardware":
@@ -64,6 +71,24 @@ class Hardware:
         if not self.transfers or nbytes <= 0:
             return 0.0
         return nbytes / self.cpu_optimizer_bytes_per_s * 1e3
+
+    def collective_ms(self, kind: Literal["all_reduce", "reduce_scatter", "all_gather",
+                                          "broadcast"], nbytes: float) -> float:
+        """Time of a ring collective over ``ranks`` nodes on ``nbytes`` (the whole
+        buffer): an all-reduce sends ``2 (N-1)/N`` of it per node in ``2 (N-1)`` steps, a
+        reduce-scatter or all-gather half that; a broadcast (pipelined) about the buffer.
+
+        >>> round(Hardware(ranks=4, network_bytes_per_s=1e9).collective_ms("all_reduce", 1e9))
+        1500
+        """
+        N = self.ranks
+        if N <= 1 or nbytes <= 0:
+            return 0.0
+        share, steps = {"all_reduce": (2 * (N - 1) / N, 2 * (N - 1)),
+                        "reduce_scatter": ((N - 1) / N, N - 1),
+                        "all_gather": ((N - 1) / N, N - 1),
+                        "broadcast": (1.0, N - 1)}[kind]
+        return nbytes * share / self.network_bytes_per_s * 1e3 + steps * self.network_latency_ms
 
     def compute_ms(self, flops: float) -> float:
         """Time for ``flops`` floating-point operations on one device."""

@@ -17,6 +17,10 @@ Durations come from per-layer ``LayerCost``:
   stage's input gradient; ``DownloadGrads``: gradient bytes; ``OptimizerStep``: the
   layers' parameter bytes at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate``: every
   layer's); ``Free``, ``Release`` and ``Commit`` take no time.
+- Data parallel (the host's ``collective`` stream, one collective at a time):
+  ``AllReduce`` / ``ReduceScatter`` / ``AllGather``: the layers' gradient bytes
+  (``grad_bytes``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
+  bytes.
 
 ``semantics`` decides where the first part of a two-part compute goes:
 
@@ -42,7 +46,10 @@ from typing import Literal, Sequence
 from fxpipe.passes import gc_paused
 from fxpipe.passes.memory import KINDS, ChainMemory, device_peaks, program_peaks
 from fxpipe.passes.program import (
+    AllGather,
+    AllReduce,
     AsyncUpdate,
+    BroadcastBuffers,
     Checkpoint,
     Compute,
     Dep,
@@ -53,6 +60,7 @@ from fxpipe.passes.program import (
     Prefetch,
     Program,
     RecomputeBackward,
+    ReduceScatter,
     RunType,
     Upload,
     UploadGrad,
@@ -146,8 +154,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     done = [False] * N
     hop = hardware.comm_ms_per_hop
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
-            "free": None, "control": None}
-    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0}
+            "free": None, "control": None, "collective": "collective"}
+    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "collective": 0.0}
 
     def dep_time(j: int, x: Dep, instant: tuple[type, ...] = ()) -> float:
         """When dependency x (on node j) is met; transfers of the ``instant`` types count
@@ -172,6 +180,17 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
             case AsyncUpdate():
                 return hardware.optimizer_ms(sum(c.param_bytes for c in costs))
+            case AllReduce(layers=layers):
+                return hardware.collective_ms("all_reduce", sum(costs[i].grad_bytes
+                                                                for i in layers))
+            case ReduceScatter(layers=layers):
+                return hardware.collective_ms("reduce_scatter", sum(costs[i].grad_bytes
+                                                                    for i in layers))
+            case AllGather(layers=layers):
+                return hardware.collective_ms("all_gather", sum(costs[i].grad_bytes
+                                                                for i in layers))
+            case BroadcastBuffers():
+                return hardware.collective_ms("broadcast", sum(c.buffer_bytes for c in costs))
         return 0.0
 
     def compute_times(k: int, instant: tuple[type, ...] = ()) -> tuple[float, float, float]:
@@ -214,7 +233,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 ready_data[k] = max((dep_time(j, x, _TRANSFERS) for j, x in dep_ids[k]
                                      if x.why != "stream"), default=0.0)
             stream = link[stream_of(a)]
-            shared = stream == "host" or (hardware.shared_bus and stream is not None)
+            shared = stream in ("host", "collective") or (hardware.shared_bus
+                                                          and stream is not None)
             start[k] = max(t, bus[stream]) if shared else t
             end[k] = start[k] + duration(a)
             if shared:

@@ -1,0 +1,244 @@
+"""Data-parallel benchmark (issue 18): measured on this machine, and simulated at scale.
+
+    .venv/bin/python benchmarks/bench_distributed.py                  # all parts, ~2 min
+    .venv/bin/python benchmarks/bench_distributed.py --part sim       # the simulation only
+
+(measured) 1 process vs 2 processes (gloo, spawned on localhost), each with two virtual
+    CPU devices, training a 6-block MLP with ``forward_backward(optimizer=AdamW)`` on the
+    same global batch (strong scaling: 2 ranks take half each). Median and min wall time
+    per step over interleaved repeats after a warm-up. Informational only: on a 2-vCPU
+    machine two ranks of two virtual devices share the same two cores, so this measures
+    the overhead of the collectives, not a speedup.
+(memory) Host bytes per rank of the optimizer state (AdamW's two moments) with and
+    without ``shard_optimizer``, 2 and 3 ranks, from the optimizer's state and fxpipe's
+    shard state after a step (the sharded step updates the parameters' own elements in
+    place: no shard copy); and the parameters, the fp32 masters, which every rank keeps
+    whole (its devices upload from them).
+(sim) RoundPipe's five configurations (8 RTX 4090 per node, 16 microbatches of 8192
+    tokens, RoundPipe's measured layer times and partitions,
+    ``../shared/data/roundpipe_simulation.json``) on 1, 2, 4, 8 and 16 nodes, one rank
+    per node: the Program fxpipe runs (each backward stage's bf16 gradients all-reduced
+    by the host's collective stream as soon as they are final, the streamed optimizer
+    stepping the stage after it, host AdamW at ``--host-params-per-s``), simulated with
+    a ring all-reduce on 25 GbE (3.125 GB/s, 20 us per message) and 200 Gb/s InfiniBand
+    (25 GB/s, 5 us). Tokens/s of the whole job and the scaling efficiency against N x
+    one node; and with ``shard_optimizer`` (reduce-scatter, each rank stepping 1/N of
+    the parameters, all-gather).
+
+Writes ``benchmarks/results/bench_distributed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fxpipe  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "bench_distributed.json"
+NETWORKS = {"25GbE": (3.125e9, 0.020), "IB-200Gb": (25e9, 0.005)}
+NODES = (1, 2, 4, 8, 16)
+
+
+def model(width: int = 256, depth: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, width),
+                         *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)],
+                         nn.Linear(width, 10))
+
+
+# ------------------------------------------------------------------------------ measured
+
+def _rank(rank: int, world: int, folder: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world)
+    try:
+        rows = args.batch // world
+        g = torch.Generator().manual_seed(0)
+        X, Y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,),
+                                                                       generator=g)
+        x, y = X[rank * rows:(rank + 1) * rows], Y[rank * rows:(rank + 1) * rows]
+        m = model()
+        pipe = fxpipe.compile(m, (x,), devices=["cpu", "cpu"], data_parallel=True)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        times = []
+        for step in range(args.warmup + args.steps):
+            dist.barrier()
+            t = time.perf_counter()
+            pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy,
+                                  optimizer=opt)
+            opt.zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t)
+        t = torch.tensor(times)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends when the slowest rank's does
+        if rank == 0:
+            Path(folder, "times.json").write_text(json.dumps(t.tolist()))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def part_measured(args: argparse.Namespace) -> dict:
+    per_world: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(args.repeats):          # interleaved: 1, 2, 1, 2, ...
+        for world in (1, 2):
+            with tempfile.TemporaryDirectory() as d:
+                mp.spawn(_rank, args=(world, d, args), nprocs=world, join=True)
+                per_world[world] += json.loads(Path(d, "times.json").read_text())
+    out = {}
+    print(f"\n(measured) global batch {args.batch}, {args.steps} steps x {args.repeats} repeats "
+          f"after {args.warmup} warm-up, 2 virtual devices per rank, {os.cpu_count()} CPUs")
+    print(f"{'ranks':>5} | {'median s/step':>13} | {'min s/step':>10} | {'samples/s (median)':>18}")
+    for world, ts in per_world.items():
+        med, lo = statistics.median(ts), min(ts)
+        out[world] = {"median_s": med, "min_s": lo, "samples_per_s": args.batch / med}
+        print(f"{world:5d} | {med:13.4f} | {lo:10.4f} | {args.batch / med:18.1f}")
+    out["ratio_2_over_1_median"] = out[2]["median_s"] / out[1]["median_s"]
+    print(f"step time 2 ranks / 1 rank (median): {out['ratio_2_over_1_median']:.2f}")
+    return out
+
+
+# -------------------------------------------------------------------------------- memory
+
+def _memory_rank(rank: int, world: int, folder: str, shard: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world)
+    try:
+        m = model()
+        x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+        pipe = fxpipe.compile(m, (x,), devices=["cpu", "cpu"], data_parallel=True,
+                              shard_optimizer=shard)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy, optimizer=opt)
+        nbytes = lambda states: sum(t.numel() * t.element_size() for s in states  # noqa: E731
+                                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        state = nbytes(opt.state.values()) + \
+            nbytes(opt._fxpipe_overlapped.shard_state.values())
+        params = sum(p.numel() * p.element_size() for p in m.parameters())
+        report = {"optimizer_state_bytes": state, "param_bytes": params}
+        Path(folder, f"mem{rank}.json").write_text(json.dumps(report))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def part_memory(args: argparse.Namespace) -> dict:
+    out = {}
+    print("\n(memory) host bytes per rank after one AdamW step (model of "
+          f"{sum(p.numel() for p in model().parameters()):,} fp32 parameters)")
+    print(f"{'ranks':>5} | {'sharded':>7} | {'optimizer state B':>17} | {'vs unsharded':>12} | "
+          f"{'params B':>9}")
+    for world in (2, 3):
+        for shard in (False, True):
+            with tempfile.TemporaryDirectory() as d:
+                mp.spawn(_memory_rank, args=(world, d, shard), nprocs=world, join=True)
+                ranks = [json.loads(Path(d, f"mem{r}.json").read_text()) for r in range(world)]
+            worst = max(ranks, key=lambda r: r["optimizer_state_bytes"])
+            out[f"{world}_ranks_{'sharded' if shard else 'unsharded'}"] = ranks
+            base = out[f"{world}_ranks_unsharded"][0]["optimizer_state_bytes"]
+            ratio = worst["optimizer_state_bytes"] / base
+            print(f"{world:5d} | {str(shard):>7} | {worst['optimizer_state_bytes']:17,} | "
+                  f"{ratio:12.3f} | {worst['param_bytes']:9,}")
+            if shard:
+                out[f"{world}_ranks_state_ratio_vs_1_over_n"] = ratio * world
+    return out
+
+
+# ----------------------------------------------------------------------------------- sim
+
+def part_sim(args: argparse.Namespace) -> dict:
+    import bench_schedule as bs
+    from fxpipe.sim import Hardware, roundpipe_program, simulate
+    data_path = bs.DATA if bs.DATA.exists() else Path("/work/shared/data/roundpipe_simulation.json")
+    data = json.loads(data_path.read_text())
+    out: dict = {"host_params_per_s": args.host_params_per_s, "networks": {}}
+    tokens = bs.M * bs.TOKENS
+    for net, (bw, lat) in NETWORKS.items():
+        print(f"\n(sim) {bs.G} RTX 4090 per node, {bs.M} microbatches x {bs.TOKENS} tokens, "
+              f"RoundPipe's partitions; bf16 gradients all-reduced per backward stage over {net} "
+              f"({bw / 1e9:.3g} GB/s, {lat * 1e3:.0f} us); host AdamW "
+              f"{args.host_params_per_s / 1e9:.2g}G params/s")
+        print(f"{'model':>11} | " + " | ".join(f"{n:>2} nodes tok/s (eff)" for n in NODES))
+        rows = {}
+        for name, m in data["models"].items():
+            L = m["num_layers"]
+            costs = [replace(c, grad_bytes=c.param_bytes) for c in bs.layer_costs(m, name)]
+            cand = bs.roundpipe_candidate(m)
+            fwd, bwd = cand.plans(L)
+            row: dict = {}
+            for n in NODES:
+                for mode in ("allreduce", "shard"):
+                    hw = Hardware(comm_ms_per_hop=m["comm_ms_per_hop"],
+                                  cpu_optimizer_bytes_per_s=2 * args.host_params_per_s,
+                                  ranks=n, network_bytes_per_s=bw, network_latency_ms=lat)
+                    if mode == "shard":   # each rank steps 1/N of the parameters
+                        hw = replace(hw, cpu_optimizer_bytes_per_s=2 * n * args.host_params_per_s)
+                    prog = roundpipe_program(
+                        fwd, bwd, "fused", bs.G, bs.M, costs, hw, semantics="roundpipe",
+                        round_size=cand.round_size, forward_lead=cand.forward_lead,
+                        optimizer=True, data_parallel=mode if n > 1 else None,
+                        split_stages=(len(fwd),) if cand.split_head else ())
+                    t = simulate(prog, costs, hw, semantics="roundpipe")
+                    key = n if mode == "allreduce" else f"{n}_sharded"
+                    row[key] = {"makespan_ms": t.makespan,
+                                "tokens_per_s": n * tokens / (t.makespan / 1e3)}
+            for key in row:
+                n = int(str(key).split("_")[0])
+                row[key]["efficiency"] = row[key]["tokens_per_s"] / (n * row[1]["tokens_per_s"])
+            rows[name] = row
+            print(f"{name:>11} | " + " | ".join(
+                f"{row[n]['tokens_per_s']:>13,.0f} ({row[n]['efficiency']:.2f})" for n in NODES)
+                + f" | sharded, 16 nodes: {row['16_sharded']['efficiency']:.2f}")
+        out["networks"][net] = {"bytes_per_s": bw, "latency_ms": lat, "models": rows}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["all", "measured", "memory", "sim"], default="all")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--host-params-per-s", type=float, default=1e9,
+                   help="host AdamW parameters per second (the simulation's optimizer)")
+    args = p.parse_args(argv)
+    results: dict = {"torch": torch.__version__, "cpus": os.cpu_count(),
+                     "command": "python benchmarks/bench_distributed.py "
+                                + " ".join(argv if argv is not None else sys.argv[1:])}
+    if OUT.exists():
+        results.update({k: v for k, v in json.loads(OUT.read_text()).items()
+                        if k in ("measured", "memory", "sim")})
+    if args.part in ("all", "measured"):
+        results["measured"] = part_measured(args)
+    if args.part in ("all", "memory"):
+        results["memory"] = part_memory(args)
+    if args.part in ("all", "sim"):
+        results["sim"] = part_sim(args)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,530 @@
+"""Data parallel across processes (issue 18): 2 and 3 ranks on localhost (gloo, spawned
+with ``torch.multiprocessing``, two virtual devices per rank) against one process
+training the concatenated batch with eager PyTorch.
+
+Spawning is slow (each rank imports torch): each group of ranks runs every check in
+one spawn (``_checks``), the failure check last (it leaves fxpipe's process group dead).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import fxpipe
+from fxpipe.optim import overlapped
+
+ROWS = 6          # rows per rank and microstep
+TIMEOUT = 20.0    # collective_timeout of the pipes (seconds)
+ce = nn.functional.cross_entropy
+
+
+class Scale(nn.Module):
+    """A buffer the forward reads (broadcast from rank 0: ``BC``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.ones(()))
+
+    def forward(self, x):
+        return x * self.s
+
+
+def make_model(hidden: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 7), nn.Tanh(),
+                         nn.Linear(7, 5), Scale(), nn.Linear(5, 3))
+
+
+def data(world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The concatenated batch of every rank for ``step`` (rank r has rows r*ROWS...)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS * world, 4, generator=g), torch.randint(0, 3, (ROWS * world,),
+                                                                    generator=g)
+
+
+def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * ROWS:(rank + 1) * ROWS]
+
+
+def compile_dp(model: nn.Module, rank: int, **kw) -> fxpipe.PipelineModule:
+    x, _ = data(1, 0)
+    return fxpipe.compile(model, (x,), devices=["cpu", "cpu"], data_parallel=True,
+                          collective_timeout=TIMEOUT, **kw)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a is not None and b is not None, what
+    err = (a - b).abs().max().item()
+    assert err <= 1e-6, f"{what}: max error {err:.3g}"
+
+
+def assert_grads(model: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, f"{what}: {name}.grad")
+
+
+def assert_params(model: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), f"{what}: {name}")
+
+
+def mean_across(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def check_gradients(rank: int, world: int) -> None:
+    """One fused step and one eager-style step: loss and every .grad equal eager on the
+    concatenated batch; the buffer is rank 0's on every rank (BC)."""
+    X, Y = data(world, 0)
+    ref = make_model()
+    ce(ref(X), Y).backward()
+    model = make_model()
+    model[5].s.fill_(1.0 + rank)        # rank 0's value wins
+    pipe = compile_dp(model, rank)
+    with pipe.trace() as rec:
+        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
+    host = [str(a) for a in pipe.program("fused").host]
+    assert host[0] == "BC" and "AR0:1" in host, host
+    assert sorted(a for d, a in rec.actions if d == -1) == sorted(host)  # what ran is printed
+    assert model[5].s.item() == 1.0
+    assert_close(mean_across(loss), ce(ref(X), Y).detach(), "fused loss")
+    assert_grads(model, ref, "fused")
+    # eager style: pipe(x) ... .backward()
+    model.zero_grad()
+    ref.zero_grad()
+    out = pipe(mine(X, rank))
+    ce(out, mine(Y, rank)).backward()
+    ce(ref(X), Y).backward()
+    assert_grads(model, ref, "pipe(x).backward()")
+    # a second synchronized call before zero_grad accumulates, as DDP does
+    pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
+    ce(ref(X), Y).backward()
+    assert_grads(model, ref, "accumulated without zero_grad")
+    pipe.close()
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output projection: one parameter, two stages."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def check_tied(rank: int, world: int) -> None:
+    """A weight shared by the first and the last stage is reduced once, with the last."""
+    g = torch.Generator().manual_seed(7)
+    ids, y = torch.randint(0, 11, (ROWS * world,), generator=g), \
+        torch.randint(0, 11, (ROWS * world,), generator=g)
+    ref, model = Tied(), Tied()
+    ce(ref(ids), y).backward()
+    pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
+                          data_parallel=True, collective_timeout=TIMEOUT)
+    pipe.forward_backward((mine(ids, rank),), label=mine(y, rank), loss_fn=ce)
+    assert_grads(model, ref, "tied")
+    pipe.close()
+
+
+def check_streamed_optimizer(rank: int, world: int) -> None:
+    """The streamed exact optimizer over 3 steps equals eager on the whole batch."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pipe = compile_dp(model, rank)
+    for step in range(3):
+        X, Y = data(world, step)
+        loss_ref = ce(ref(X), Y)
+        loss_ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                     optimizer=opt)
+        opt.zero_grad()
+        assert_close(mean_across(loss), loss_ref.detach(), f"step {step} loss")
+        assert_params(model, ref, f"after step {step}")
+    pipe.close()
+
+
+def check_no_sync(rank: int, world: int) -> None:
+    """Two microsteps, the first without the all-reduce, equal one big batch; in both
+    training styles, and with ``sync_gradients=False``."""
+    (X0, Y0), (X1, Y1) = data(world, 0), data(world, 1)
+    ref = make_model()
+    ce(ref(torch.cat([X0, X1])), torch.cat([Y0, Y1])).backward()
+    half = lambda out, y: ce(out, y) / 2  # noqa: E731 — the mean over both microsteps
+    model = make_model()
+    pipe = compile_dp(model, rank)
+    assert not any(str(a).startswith("AR") for a in pipe.program(sync_gradients=False).host)
+    with pipe.no_sync():
+        pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half)
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half)
+    assert_grads(model, ref, "fused, no_sync()")
+    model.zero_grad()
+    pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half,
+                          sync_gradients=False)
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half)
+    assert_grads(model, ref, "fused, sync_gradients=False")
+    model.zero_grad()
+    with pipe.no_sync():
+        half(pipe(mine(X0, rank)), mine(Y0, rank)).backward()
+    half(pipe(mine(X1, rank)), mine(Y1, rank)).backward()
+    assert_grads(model, ref, "pipe(x).backward(), no_sync()")
+    # accumulate=2: the call that does not step does not synchronize either
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.step()
+    model.zero_grad()
+    step = overlapped(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half, optimizer=step)
+    assert not step.stepped
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half, optimizer=step)
+    assert step.stepped
+    assert_params(model, ref, "accumulate=2")
+    with pipe.no_sync(), pytest.raises(ValueError, match="parameters would differ"):
+        pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    pipe.close()
+
+
+def check_shard_optimizer(rank: int, world: int) -> None:
+    """``shard_optimizer=True`` equals unsharded data parallel (= eager on the whole
+    batch) over 3 AdamW steps; this rank keeps about 1/N of the optimizer state."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dp(model, rank, shard_optimizer=True)
+    host = [str(a) for a in pipe.program(optimizer=True).host]
+    assert any(a.startswith("RS") for a in host) and any(a.startswith("AG") for a in host)
+    for step in range(3):
+        X, Y = data(world, step)
+        loss_ref = ce(ref(X), Y)
+        loss_ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                     optimizer=opt)
+        opt.zero_grad()
+        assert_close(mean_across(loss), loss_ref.detach(), f"sharded step {step} loss")
+        assert_params(model, ref, f"sharded, after step {step}")
+    full = sum(t.numel() * t.element_size() for s in ref_opt.state.values()
+               for t in s.values() if t.dim() > 0)
+    state = opt._fxpipe_overlapped.shard_state
+    shard = sum(t.numel() * t.element_size() for s in state.values() for t in s.values()
+                if t.dim() > 0)
+    assert not opt.state   # the state lives in the shards
+    assert abs(shard - full / world) <= 0.05 * full / world + 64 * world, (shard, full)
+    with pytest.raises(NotImplementedError, match="sharded"):
+        opt.state_dict()
+    pipe.close()
+
+
+def check_checkpoint(rank: int, world: int, folder: str, shard: bool) -> None:
+    """Save after 2 steps (DCP, every rank), run 2 more; a fresh model, pipe and optimizer
+    loading the checkpoint give bit-identical later losses and parameters."""
+    def train(steps, model, pipe, opt):
+        losses = []
+        for step in steps:
+            X, Y = data(world, step)
+            losses.append(pipe.forward_backward((mine(X, rank),), label=mine(Y, rank),
+                                                loss_fn=ce, optimizer=opt))
+            opt.zero_grad()
+        return losses
+
+    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}"
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dp(model, rank, shard_optimizer=shard)
+    train(range(2), model, pipe, opt)
+    pipe.save_checkpoint(path, opt)
+    later = train(range(2, 4), model, pipe, opt)
+    pipe.close()
+    torch.manual_seed(123)
+    fresh = make_model()
+    for p in fresh.parameters():          # other weights: the checkpoint must set them
+        p.data.add_(1.0)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard)
+    pipe2.load_checkpoint(path, opt2)
+    again = train(range(2, 4), fresh, pipe2, opt2)
+    assert [x.item() for x in again] == [x.item() for x in later], (again, later)
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    pipe2.close()
+
+
+def check_checkpoints(rank: int, world: int) -> None:
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    check_checkpoint(rank, world, folder, shard=True)
+    check_checkpoint(rank, world, folder, shard=False)
+
+
+def check_mismatch(rank: int, world: int) -> None:
+    """Ranks compiling different parameter shapes fail at compile time, on every rank."""
+    model = make_model(hidden=8 if rank == 0 else 9)
+    with pytest.raises(ValueError, match=r"ranks differ in the parameters .*rank 1 has"):
+        compile_dp(model, rank)
+
+
+def check_failure(rank: int, world: int, shard: bool = False) -> None:
+    """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
+    and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
+    rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
+    process group dead: a later call says so."""
+    from fxpipe.runtime.params import ParamStore
+
+    model = make_model()
+    opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
+    pipe = compile_dp(model, rank, shard_optimizer=shard)
+    X, Y = data(world, 0)
+    x, y = mine(X, rank), mine(Y, rank)
+    pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)   # grads + momentum exist
+    before = [(p.detach().clone(), None if p.grad is None else p.grad.clone())
+              for p in model.parameters()]
+    state_before = {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
+                    for k, s in opt.shard_state.items()}
+    download = ParamStore.download_grads
+    shallowest = len(pipe.program().stages) - 1
+
+    def failing(self, stage, *args, **kwargs):
+        if stage == shallowest:
+            raise RuntimeError("injected failure")
+        return download(self, stage, *args, **kwargs)
+
+    if rank == 1:
+        ParamStore.download_grads = failing
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    finally:
+        ParamStore.download_grads = download
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT / 2, f"rank {rank} took {elapsed:.1f} s to fail: {info.value!r}"
+    if rank == 1:
+        assert "injected failure" in str(info.value)
+    else:
+        assert isinstance(info.value, fxpipe.DistributedError), repr(info.value)
+        assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
+    for (p0, g0), p in zip(before, model.parameters()):
+        assert torch.equal(p0, p.detach()), "half-written parameters"
+        assert (g0 is None and p.grad is None) or torch.equal(g0, p.grad), "half-written .grad"
+    if shard:
+        assert {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
+                for k, s in opt.shard_state.items()}.keys() == state_before.keys()
+        for k, s in opt.shard_state.items():
+            for v, v0 in zip([v for v in s.values() if torch.is_tensor(v)], state_before[k]):
+                assert torch.equal(v, v0), f"half-written shard state {k}"
+    with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
+        pipe.forward_backward((x,), label=y, loss_fn=ce)
+    pipe.close()
+
+
+def check_failure_sharded(rank: int, world: int) -> None:
+    """The same with shard_optimizer=True: stepped shards and their state put back."""
+    check_failure(rank, world, shard=True)
+
+
+CHECKS = {
+    2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
+        check_shard_optimizer, check_checkpoints, check_mismatch, check_failure,
+        check_failure_sharded],
+    3: [check_gradients, check_no_sync, check_shard_optimizer],
+}
+
+
+def _rank_main(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["FXPIPE_TEST_FOLDER"] = folder
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world)
+    try:
+        for check in CHECKS[world]:
+            try:
+                check(rank, world)
+            except BaseException as e:
+                import traceback
+                with open(f"{folder}/rank{rank}.err", "w") as f:
+                    f.write(f"rank {rank}/{world}: {check.__name__}: {type(e).__name__}: {e}\n")
+                    traceback.print_exc(file=f)
+                raise
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel(world, tmp_path):
+    try:
+        mp.spawn(_rank_main, args=(world, str(tmp_path)), nprocs=world, join=True)
+    except mp.ProcessRaisedException as e:
+        errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
+        raise AssertionError("\n".join(errors) or str(e)) from None
+
+
+# ----------------------------------------------------------------- in this process (rank 0 of 1)
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class TestProgram(expecttest.TestCase):
+    def test_printed_data_parallel_program(self):
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
+                                    world_size=1)
+            try:
+                model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 2))
+                pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                      data_parallel=True, plan=fxpipe.ExecutePlan(
+                                          [range(0, 2)], [range(2, 3), range(0, 2)]))
+                text = str(pipe.program("fused", num_microbatch=2, optimizer=True))
+                self.assertExpectedInline(text, """\
+program devices=2 microbatches=2
+inputs input_1
+stage 0 fwd 0:2 reads=input_1 makes=mul
+stage 1 fused 2:3 reads=mul makes=linear_1
+stage 2 bwd 0:2 reads=input_1 makes=mul
+step d0  d1   host
+0    0P  1P   BC
+1    0U0 1U0  AR2:3
+2    0F0 1FB0 S2:3
+3    0O0 1O0  AR0:2
+4    0X0 1X0  S0:2
+5    2P  1U1  C
+6    0U1 1FB1 .
+7    0F1 1O1  .
+8    0O1 1X1  .
+9    0X1 1D   .
+10   2U0 1R   .
+11   2G0 .    .
+12   0R  .    .
+13   2B0 .    .
+14   2X0 .    .
+15   2U1 .    .
+16   2G1 .    .
+17   2B1 .    .
+18   2X1 .    .
+19   2D  .    .
+20   2R  .    .""")
+                shard = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                       data_parallel=True, shard_optimizer=True,
+                                       plan=pipe.plan)
+                host = [str(a) for a in shard.program("fused", 2, optimizer=True).host]
+                self.assertExpectedInline(str(host), """['BC', 'RS2:3', 'S2:3', 'RS0:2', 'AG2:3', 'S0:2', 'AG0:2', 'C']""")
+                train = [str(a) for a in pipe.program("train", 2).host]
+                self.assertExpectedInline(str(train), """['BC', 'AR2:3', 'AR0:2', 'C']""")
+                pipe.close()
+                shard.close()
+            finally:
+                dist.destroy_process_group()
+
+
+def test_needs_initialized_process_group():
+    assert not dist.is_initialized()
+    model = make_model()
+    with pytest.raises(RuntimeError, match="init_process_group.*torchrun"):
+        fxpipe.compile(model, (torch.randn(2, 4),), devices=["cpu"], data_parallel=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"shard_optimizer": True}, "shard_optimizer only apply with data_parallel=True"),
+    ({"process_group": object()}, "process_group only apply with data_parallel=True"),
+    ({"data_parallel": 1}, "data_parallel must be True or False"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        fxpipe.compile(make_model(), (torch.randn(2, 4),), devices=["cpu"], **kw)
+
+
+def test_no_sync_needs_data_parallel():
+    pipe = fxpipe.compile(make_model(), (torch.randn(2, 4),), devices=["cpu"])
+    with pytest.raises(ValueError, match="data-parallel pipes only"):
+        with pipe.no_sync():
+            pass
+    pipe.close()
+
+
+def test_bad_timeout(one_rank):
+    with pytest.raises(ValueError, match="collective_timeout must be > 0"):
+        fxpipe.compile(make_model(), (torch.randn(2, 4),), devices=["cpu"], data_parallel=True,
+                       collective_timeout=0)
+
+
+def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
+    model = make_model()
+    pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                          data_parallel=True, shard_optimizer=True)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    for opt in (overlapped(torch.optim.SGD(model.parameters(), lr=0.1), mode="async"),
+                overlapped(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0)):
+        with pytest.raises(NotImplementedError, match="shard_optimizer=True"):
+            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    with pytest.raises(NotImplementedError, match="streamed exact step only"):
+        pipe.program(optimizer="async")
+    # one rank: the sharded step is the whole step, and equals eager
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        ce(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    assert_params(model, ref, "one rank, sharded")
+    pipe.close()
+
+
+def test_simulated_collectives_overlap_the_backward():
+    """The simulator times AR on the host's collective stream: on a slow network the step
+    grows by less than the sum of the all-reduces (they overlap the shallower stages'
+    backward), and not at all with one rank."""
+    from fxpipe.passes.schedule import build_program
+    from fxpipe.sim import Hardware, LayerCost
+
+    costs = [LayerCost(1.0, 2.0, param_bytes=10**6, grad_bytes=10**6)] * 6
+    prog = build_program([range(0, 3), range(3, 5)], [range(5, 6), range(4, 5), range(3, 4),
+                                                      range(0, 3)], "fused", 2, 4,
+                         optimizer=True, data_parallel="allreduce")
+    assert [str(a) for a in prog.host][:2] == ["AR5:6", "S5:6"]
+    base = fxpipe.simulate(prog, costs=costs, hardware=Hardware()).makespan
+    one = fxpipe.simulate(prog, costs=costs, hardware=Hardware(ranks=1, network_bytes_per_s=1e9))
+    assert one.makespan == base
+    hw = Hardware(ranks=4, network_bytes_per_s=1e9)   # AR of 1 MB: 1.5 ms
+    slow = fxpipe.simulate(prog, costs=costs, hardware=hw)
+    total_ar = sum(hw.collective_ms("all_reduce", 10**6 * len(r)) for r in
+                   (range(5, 6), range(4, 5), range(3, 4), range(0, 3)))
+    assert base < slow.makespan < base + total_ar
+    assert any(iv.stream == "collective" and iv.label == "AR0:3" for iv in slow.intervals)
+
+
+if __name__ == "__main__":   # python tests/test_distributed.py: one spawn, verbose
+    os.environ.setdefault("PYTHONPATH", os.getcwd())
+    pytest.main([__file__, "-q"])
