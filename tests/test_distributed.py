@@ -153,6 +153,13 @@ def check_streamed_optimizer(rank: int, world: int) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     pipe = compile_dp(model, rank)
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "streamed")
+    pipe.close()
+
+
+def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str) -> None:
+    """3 steps of ``pipe`` with ``opt`` on this rank's share of the batch, each equal to
+    eager ``ref`` stepping ``ref_opt`` on the whole batch (loss averaged across ranks)."""
     for step in range(3):
         X, Y = data(world, step)
         loss_ref = ce(ref(X), Y)
@@ -162,9 +169,8 @@ def check_streamed_optimizer(rank: int, world: int) -> None:
         loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
                                      optimizer=opt)
         opt.zero_grad()
-        assert_close(mean_across(loss), loss_ref.detach(), f"step {step} loss")
-        assert_params(model, ref, f"after step {step}")
-    pipe.close()
+        assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
+        assert_params(model, ref, f"{what}, after step {step}")
 
 
 def check_no_sync(rank: int, world: int) -> None:
@@ -216,17 +222,7 @@ def check_shard_optimizer(rank: int, world: int) -> None:
     pipe = compile_dp(model, rank, shard_optimizer=True)
     host = [str(a) for a in pipe.program(optimizer=True).host]
     assert any(a.startswith("RS") for a in host) and any(a.startswith("AG") for a in host)
-    for step in range(3):
-        X, Y = data(world, step)
-        loss_ref = ce(ref(X), Y)
-        loss_ref.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
-                                     optimizer=opt)
-        opt.zero_grad()
-        assert_close(mean_across(loss), loss_ref.detach(), f"sharded step {step} loss")
-        assert_params(model, ref, f"sharded, after step {step}")
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "sharded")
     full = sum(t.numel() * t.element_size() for s in ref_opt.state.values()
                for t in s.values() if t.dim() > 0)
     state = opt._fxpipe_overlapped.shard_state
