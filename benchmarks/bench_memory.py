@@ -76,6 +76,7 @@ from fxpipe.runtime.microbatch import split_input, split_label  # noqa: E402
 sys.path.insert(0, str(ROOT / "examples"))
 from encoder_decoder import Decoder, Encoder  # noqa: E402
 from tests.memory_harness import chain_values, measure_stage  # noqa: E402
+from tests.models import MLPBlock  # noqa: E402
 
 GiB = 2**30
 ROUNDPIPE = {("Llama-3.1-8B", 24): 49, ("Qwen3-32B", 24): 28,     # K tokens, 8 x RTX 4090
@@ -99,16 +100,8 @@ def rss_row(name: str) -> dict:
     torch.set_num_threads(1)
     base = _rss_kib("VmRSS")
 
-    class Block(nn.Module):
-        def __init__(self, d: int = 1024):
-            super().__init__()
-            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            return x + self.down(F.gelu(self.up(x)))
-
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(24)])
+    model = nn.Sequential(*[MLPBlock(1024) for _ in range(24)])
     P = sum(p.numel() * p.element_size() for p in model.parameters())
     x, y = torch.randn(16, 1024), torch.randn(16, 1024)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -168,15 +161,6 @@ def part_a(default_malloc: bool = False) -> list[dict]:
 
 
 # --- part (b): predicted vs measured ---------------------------------------------------------
-
-class MLPBlock(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
-
 
 def ce(out, label):
     return F.cross_entropy(out.flatten(0, 1), label.flatten())

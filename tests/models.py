@@ -11,6 +11,18 @@ import torch.nn.functional as F
 from fxpipe.demo import RMSNorm, rotary_tables, _rotate as apply_rotary
 
 
+class MLPBlock(nn.Module):
+    """``x + W2·gelu(W1·x)`` with a 4d intermediate: the activation-heavy block of the
+    memory tests and benchmarks."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
 def mlp(width: int = 16, depth: int = 4) -> nn.Sequential:
     mods: list[nn.Module] = []
     for _ in range(depth):

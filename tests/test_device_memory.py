@@ -8,27 +8,18 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxpipe
+from tests.models import MLPBlock
 
 MiB = 2**20
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 64):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
 
 
 def activation_heavy(limit: int | None):
     """4 blocks of x + W2 gelu(W1 x), d = 64, input 8 x 4096 x 64: one microbatch's 4d
     intermediate alone is 16 MiB."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(4)])
+    model = nn.Sequential(*[MLPBlock(64) for _ in range(4)])
     x = torch.randn(8, 4096, 64)
     devs = [fxpipe.VirtualDevice(memory_limit=limit) for _ in range(2)]
     plan = fxpipe.ExecutePlan([range(0, 2), range(2, 3)], [range(3, 4), range(2, 3), range(0, 2)])

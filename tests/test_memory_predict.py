@@ -34,6 +34,7 @@ from fxpipe.plan import (
 from fxpipe.runtime.microbatch import split_input, split_label
 from tests import test_fuzz
 from tests.memory_harness import chain_values, measure_stage
+from tests.models import MLPBlock
 
 R = range
 
@@ -59,15 +60,6 @@ def test_live_bytes_counts_new_storages_until_freed():
 
 
 # --- predicted vs measured ----------------------------------------------------------------
-
-class MLPBlock(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
-
 
 def ce(out, label):
     return F.cross_entropy(out.flatten(0, 1), label.flatten())
