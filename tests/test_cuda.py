@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from tests import models
+from tests.test_runtime import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -59,11 +60,7 @@ def assert_grads_close(model, ref, atol=1e-5, rtol=1e-4):
 def test_training_equals_eager_on_gpus(n, style, grain):
     model, ref, pipe = pair(n, grain)
     ids, y = batch()
-    if style == "fused":
-        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
-    else:
-        loss = ce(pipe(ids), y)
-        loss.backward()
+    loss = train_step(pipe, style, ids, y, ce)
     ref_loss = ce(ref(ids.cuda()), y.cuda())
     ref_loss.backward()
     torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)

@@ -17,14 +17,11 @@ import fxpipe
 from fxpipe.runtime import executor
 from fxpipe.runtime.devices import VirtualDevice
 from tests import models
+from tests.test_runtime import ce, train_step
 
 
 def cuda_devices(n: int, **kw) -> list[VirtualDevice]:
     return [VirtualDevice(semantics="cuda", **kw) for _ in range(n)]
-
-
-def ce(out, label):
-    return F.cross_entropy(out.flatten(0, 1), label.flatten())
 
 
 # -- the device ---------------------------------------------------------------------------
@@ -126,11 +123,7 @@ def assert_grads_close(model, ref):
 def test_training_on_cuda_semantics_equals_eager(num_devices, style, grain):
     model, ref, pipe = gpt_pair(num_devices, grain=grain)
     ids, y = batch()
-    if style == "fused":
-        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
-    else:
-        loss = ce(pipe(ids), y)
-        loss.backward()
+    loss = train_step(pipe, style, ids, y)
     ref_loss = ce(ref(ids), y)
     ref_loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach())

@@ -14,7 +14,7 @@ from fxpipe.passes.grad_flow import grad_values, layer_sources
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.runtime import executor
 from tests import models
-from tests.test_runtime import assert_grads_equal, ce, devices
+from tests.test_runtime import assert_grads_equal, ce, devices, train_step
 
 
 class Mixed(nn.Module):
@@ -126,11 +126,7 @@ def test_rotary_tables_get_no_gradient_and_grads_match_eager(monkeypatch, style,
                                                   bwd_plan=[range(4, 5), range(2, 4), range(0, 2)]),
                           config=fxpipe.RunConfig(num_microbatch=2, recompute_grain=grain))
     taken = _input_grads_taken(monkeypatch)
-    if style == "fused":
-        loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
-    else:
-        loss = ce(pipe(ids), y)
-        loss.backward()
+    loss = train_step(pipe, style, ids, y)
     ref_loss = ce(ref(ids), y)
     ref_loss.backward()
     assert torch.allclose(loss, ref_loss.detach(), atol=1e-6)

@@ -24,6 +24,16 @@ def ce(out, label):
     return F.cross_entropy(logits.flatten(0, 1), label.flatten())
 
 
+def train_step(pipe, style, ids, target, loss_fn=ce):
+    """One training step, ``"fused"`` (``forward_backward``) or eager-style
+    (``loss_fn(pipe(ids), target).backward()``); returns the loss."""
+    if style == "fused":
+        return pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+    loss = loss_fn(pipe(ids), target)
+    loss.backward()
+    return loss
+
+
 def grads_of(model):
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
