@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 
 import fxpipe  # noqa: E402
 from fxpipe.demo import TinyLlama  # noqa: E402
-from fxpipe.passes.costs import compute_costs  # noqa: E402
+from fxpipe.passes.costs import _attr_tensors, compute_costs  # noqa: E402
 from fxpipe.passes.memory import ChainMemory, Residency, human_bytes, stage_peak  # noqa: E402
 from fxpipe.passes.partition import build_layer_graph  # noqa: E402
 from fxpipe.plan import ExecutePlan, predict_memory  # noqa: E402
@@ -200,7 +200,7 @@ def measured_peaks(lg, prediction, inputs, num_microbatch: int, loss) -> list[di
         loss = loss[0], split_label(loss[1], num_microbatch)[0]
     out = []
     for p in prediction.stages:
-        nxt = [t for i in (p.prefetch or ()) for t in {id(t): t for t in _attrs(lg, i)}.values()]
+        nxt = [t for i in (p.prefetch or ()) for t in {id(t): t for t in _attr_tensors(lg.layers[i].gm).values()}.values()]
         out.append(measure_stage(lg, p.kind, p.layers, flat, grain=p.grain, residency=p.residency,
                                  prefetched=nxt, loss=loss, env=env))
     return out
@@ -219,12 +219,6 @@ def virtual_device_peaks(model, inputs, plan, run_type, num_microbatch, grain, l
             pipe(*inputs).float().sum().backward()
     return [{**{k: d.peak_bytes(k) for k in ("params", "activations", "gradients", "saved", "workspace")},
              "total": d.peak_bytes()} for d in devices]
-
-
-def _attrs(lg, i: int) -> list[torch.Tensor]:
-    gm = lg.layers[i].gm
-    return [*dict(gm.named_parameters(remove_duplicate=False)).values(),
-            *dict(gm.named_buffers(remove_duplicate=False)).values()]
 
 
 def part_b(measure: str) -> list[dict]:

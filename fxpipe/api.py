@@ -480,14 +480,8 @@ class PipelineModule(nn.Module):
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
         plan = cfg.execute_plan or self._current.plan
         mode = "exact" if optimizer is True else (optimizer or None)
-        data_parallel, broadcast = None, False
-        dp = self._dp
-        if dp is not None and run_type != "infer" and sync_gradients:
-            if dp.shard and mode is not None and mode != "exact":
-                raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
-                                          f"step only, not optimizer={optimizer!r}")
-            data_parallel = "shard" if dp.shard and mode == "exact" else "allreduce"
-            broadcast = dp.broadcast and bool(self._current.layers.buffers)
+        data_parallel, broadcast = (None, False) if self._dp is None else self._dp.collectives(
+            run_type, sync_gradients, mode, bool(self._current.layers.buffers))
         return self._current.executable(plan, run_type, cfg.num_microbatch,
                                         grain=cfg.recompute_grain, optimizer=mode,
                                         outputs=return_outputs, data_parallel=data_parallel,

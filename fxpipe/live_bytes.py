@@ -56,16 +56,14 @@ class LiveBytes(TorchDispatchMode):
         self._sweep()
         return self._bytes
 
-    def track(self, t: torch.Tensor, kind: str | None = None) -> None:
-        """Count ``t``'s storage (once) as allocated now, of ``kind`` (default ``self.kind``)."""
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage (once, after a ``_sweep``) as allocated now, of ``self.kind``."""
         key = _key(t)
         if key in self._live:
-            if not self._live[key][0].expired():
-                return
-            self._bytes -= self._live.pop(key)[1]   # freed, and its address reused
+            return
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        self._live[key] = (StorageWeakRef(storage), nbytes, kind or self.kind)
+        self._live[key] = (StorageWeakRef(storage), nbytes, self.kind)
         self._bytes += nbytes
         if self._bytes > self.peak:
             self.peak = self._bytes

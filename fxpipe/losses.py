@@ -172,13 +172,7 @@ def _op_setup(ctx, inputs, output):
     ctx.options = tuple(options)
 
 
-def _op_backward(ctx, grad):
-    hidden, weight, labels = ctx.saved_tensors
-    dh, dw = _grads(grad, hidden, weight, labels, *ctx.options, want=ctx.needs_input_grad[:2])
-    return dh, dw, None, None, None, None
-
-
-_op.register_autograd(_op_backward, setup_context=_op_setup)
+_op.register_autograd(_LinearCrossEntropy.backward, setup_context=_op_setup)
 
 
 @torch.library.custom_op("fxpipe::matmul_flops", mutates_args=())

@@ -35,6 +35,7 @@ from fxpipe.passes.memory import (
     program_peaks,
 )
 from fxpipe.passes.partition import build_layer_graph
+from fxpipe.passes.program import RunType
 from fxpipe.passes.schedule import build_program
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 MEMORY_FRACTION = 0.9
 """The share of the smallest device's ``memory_limit`` a plan may use at its predicted
 peak by default; the rest covers the prediction's error and allocator fragmentation."""
-RunType = Literal["infer", "train", "fused"]
 
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,

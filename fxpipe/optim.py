@@ -270,7 +270,7 @@ class _Call:
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
         self.owned: dict[int, list[torch.Tensor]] = {}
-        self.stage_of: dict[tuple[int, int], int] = {}
+        self.stage_of: dict[tuple[int, int], int] = {}   # the Program's backward_stage_of
 
     def assign(self, exe, lg) -> None:
         """Each parameter is stepped with the last backward stage (execution order) that
@@ -281,8 +281,7 @@ class _Call:
         if self.program_mode != "exact":
             return
         self.owned = owned_params(exe, lg)
-        self.stage_of = {(st.layers.start, st.layers.stop): st.index
-                         for st in exe.program.stages if st.kind != "fwd"}
+        self.stage_of = exe.program.backward_stage_of
 
     # -- the executor's host actions ---------------------------------------------------
     def apply_pending(self) -> None:

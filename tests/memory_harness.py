@@ -28,6 +28,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.live_bytes import LiveBytes
+from fxpipe.passes.costs import _attr_tensors as _attrs
 from fxpipe.passes.memory import KINDS, Residency
 
 
@@ -172,11 +173,6 @@ def _copies(env: dict[str, Any], names: Sequence[str], carried: set[str], plain:
             carried_count: int, make: Callable[[Any], Any]) -> list[Any]:
     """``plain`` copies of each value among ``names``, ``carried_count`` of the carried."""
     return [make(env[n]) for n in names for _ in range(carried_count if n in carried else plain)]
-
-
-def _attrs(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(gm.named_parameters(remove_duplicate=False)),
-            **dict(gm.named_buffers(remove_duplicate=False))}
 
 
 def _clone(x: Any) -> Any:

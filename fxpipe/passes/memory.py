@@ -47,10 +47,10 @@ from typing import Any, Literal, Sequence
 
 from fxpipe.passes.costs import _human
 from fxpipe.passes.program import Checkpoint, Prefetch, Program
+from fxpipe.passes.program import StageKind as Kind
 
 KINDS = ("params", "gradients", "activations", "saved", "workspace")
 LOSS_FACTOR = 3
-Kind = Literal["fwd", "bwd", "fused"]
 Grain = Literal["stage", "layer"]
 
 
@@ -285,7 +285,7 @@ class Growth:
         """The peak by kind, with ``prefetched`` bytes of the next stage's parameters."""
         saved, work, _ = self.peak
         return {"params": self.params + prefetched,
-                "gradients": self.grads if self.kind != "fwd" else 0,
+                "gradients": self.grads,
                 "activations": self.activations(), "saved": saved, "workspace": work}
 
     def own(self) -> int:

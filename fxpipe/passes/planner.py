@@ -253,7 +253,7 @@ class _Additive:
             jm += 1
         return jm
 
-    def refusal(self, position: int, layer: int, kind: str) -> str:
+    def refusal(self, position: int, kind: str) -> str:
         m = self.mem[position]
         return (f"needs {m:.0f} bytes ({m / 2**30:.2f} GB) in a {kind} stage, over the "
                 f"per-stage limit of {self.cap:.0f} bytes ({self.cap / 2**30:.2f} GB)")
@@ -283,7 +283,7 @@ class _Peak:
             j += 1
         return j
 
-    def refusal(self, position: int, layer: int, kind: str) -> str:
+    def refusal(self, position: int, kind: str) -> str:
         g = self._growth(position)
         g.add()
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in g.bytes().items())
@@ -439,7 +439,7 @@ def _check_memory(chains: list[_Chain]) -> None:
             checks += [(ch.bfit, "backward", p, n - 1 - p) for p in range(1, n)]
         for fit, kind, position, layer in checks:
             if fit is not None and fit.reach(position, position + 1) == position:
-                raise PlanError(f"{which.format(layer)} {fit.refusal(position, layer, kind)}; "
+                raise PlanError(f"{which.format(layer)} {fit.refusal(position, kind)}; "
                                 f"{_ADVICE}")
 
 

@@ -608,6 +608,12 @@ class Program:
         return [*enumerate(self.actions), (HOST, self.host)]
 
     @cached_property
+    def backward_stage_of(self) -> dict[tuple[int, int], int]:
+        """The backward (or fused) stage of each ``(start, stop)`` of layers."""
+        return {(st.layers.start, st.layers.stop): st.index for st in self.stages
+                if st.kind != "fwd"}
+
+    @cached_property
     def num_forward_stages(self) -> int:
         return sum(st.kind == "fwd" for st in self.stages)
 
@@ -928,9 +934,7 @@ class Program:
         every stage sharing a parameter with it when it is the last of them (rule 7). The
         parameters it steps (or reduces) are those of the stage that it is the last
         backward stage to use."""
-        by_layers = {(st.layers.start, st.layers.stop): st.index for st in self.stages
-                     if st.kind != "fwd"}
-        s = by_layers.get((step.layers.start, step.layers.stop))
+        s = self.backward_stage_of.get((step.layers.start, step.layers.stop))
         if s is None:
             raise ValueError(f"{step} names no backward stage's layers")
         waits = {s}

@@ -126,6 +126,22 @@ class DataParallel:
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
 
+    def collectives(self, run_type: str, sync: bool, mode: str | None,
+                    has_buffers: bool) -> tuple[str | None, bool]:
+        """``(data_parallel, broadcast_buffers)`` of a call's Program (what ``pipe.program()``
+        prints and the call runs): a training call that synchronizes gradients all-reduces
+        them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
+        (``mode="exact"``: the streamed step; None: no step), and first broadcasts the
+        buffers from rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``).
+        Anything else: ``(None, False)``."""
+        if run_type == "infer" or not sync:
+            return None, False
+        if self.shard and mode not in (None, "exact"):
+            raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
+                                      f"step only, not optimizer={mode!r}")
+        return ("shard" if self.shard and mode == "exact" else "allreduce",
+                self.broadcast and has_buffers)
+
     # -- compile time ----------------------------------------------------------------------
     def check_same(self, what: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` on every rank unless every rank passes equal ``what`` (the
@@ -202,26 +218,21 @@ class DataParallel:
                                f"{kind}, the Program said {self._ops[self._posted][0]}")
         work = _issue(kind, tensor, out, self.group)
         self._posted += 1
+        cause: Exception | None = None
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001
-            rank, why = self._origin()
-            if rank is None:
-                raise DistributedError(
-                    f"rank {self.rank}: the {what} failed ({type(e).__name__}: {e}); no rank "
-                    f"reported a failure: one may have stopped answering (timeout "
-                    f"{self.timeout:g} s) or died") from e
-            raise DistributedError(
-                f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
-                rank=rank) from e
-        self._raise_if_failed(what)
-
-    def _raise_if_failed(self, what: str) -> None:
-        rank, why = self._origin(patience=0)
+            cause = e
+        rank, why = self._origin() if cause is not None else self._origin(patience=0)
         if rank is not None:
             raise DistributedError(
                 f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
-                rank=rank)
+                rank=rank) from cause
+        if cause is not None:
+            raise DistributedError(
+                f"rank {self.rank}: the {what} failed ({type(cause).__name__}: {cause}); no "
+                f"rank reported a failure: one may have stopped answering (timeout "
+                f"{self.timeout:g} s) or died") from cause
 
     def drain(self) -> None:
         """The call failed on this rank (its own failure or another's): complete every
@@ -229,8 +240,7 @@ class DataParallel:
         it (gloo cannot cancel a posted collective). Bounded by the timeout."""
         while self._posted < len(self._ops):
             kind, numel, dtype = self._ops[self._posted]
-            world = self.world if kind == "all_gather" else 1
-            out = torch.zeros(numel * world if kind == "all_gather" else
+            out = torch.zeros(numel * self.world if kind == "all_gather" else
                               numel // self.world, dtype=dtype) \
                 if kind in ("all_gather", "reduce_scatter") else None
             self._posted += 1
@@ -243,7 +253,8 @@ class DataParallel:
                  ) -> list[tuple[str, int, torch.dtype]]:
         """The collectives (kind, numel, dtype) the host ``actions`` post, in order."""
         from fxpipe.passes.program import AllGather, AllReduce, BroadcastBuffers, ReduceScatter
-        buckets = self.buckets(exe, lg, store)
+        reduces = any(isinstance(a, (AllReduce, ReduceScatter, AllGather)) for a in actions)
+        buckets = self.buckets(exe, lg, store) if reduces else {}
         ops: list[tuple[str, int, torch.dtype]] = []
         for a in actions:
             match a:
@@ -283,16 +294,16 @@ class DataParallel:
         key = id(exe)
         if key not in self._buckets:
             host = store.host
+
+            def order(p: torch.Tensor) -> tuple:   # host buffer order, then by name
+                slot = host.slots.get(id(p))
+                if slot is None or slot.region is None:
+                    return (1, 0, 0, slot.names[0] if slot else "")
+                return (0, slot.region, slot.offset, "")
+
             out: dict[tuple[int, int], list[Bucket]] = {}
             for s, params in owned_params(exe, lg).items():
                 layers = exe.program.stages[s].layers
-
-                def order(p: torch.Tensor) -> tuple:
-                    slot = host.slots.get(id(p))
-                    if slot is None or slot.region is None:
-                        return (1, 0, 0, slot.names[0] if slot else "")
-                    return (0, slot.region, slot.offset, "")
-
                 by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):
                     by_dtype.setdefault(_grad_dtype(p), []).append(p)

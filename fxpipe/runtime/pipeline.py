@@ -94,24 +94,21 @@ class Runner:
 
     def collectives(self, run_type: str, sync: bool, optimizer: Any = None
                     ) -> tuple[str | None, bool]:
-        """``(data_parallel, broadcast_buffers)`` of a call's Program: a training call of a
-        data-parallel pipe that synchronizes gradients all-reduces them (``"allreduce"``),
-        or reduce-scatters them when it steps a sharded optimizer (``"shard"``), and first
-        broadcasts the buffers from rank 0 (when the model has any and the pipe was
-        compiled with ``broadcast_buffers=True``). Anything else: ``(None, False)``."""
+        """``(data_parallel, broadcast_buffers)`` of a call's Program
+        (``DataParallel.collectives``, as ``pipe.program()`` gets them)."""
         dp = self.dp
-        if dp is None or run_type == "infer" or not sync:
+        if dp is None:
             return None, False
-        bc = dp.broadcast and bool(self.lg.buffers)
-        if dp.shard and optimizer is not None and optimizer.steps:
-            if optimizer.program_mode != "exact" or optimizer.ov.max_grad_norm is not None:
-                raise NotImplementedError(
-                    f"shard_optimizer=True steps each rank's shard inside the call with the "
-                    f"streamed exact step; {optimizer.ov!r} is not supported there (GradScaler, "
-                    "mode='async' and max_grad_norm are not implemented with sharding): compile "
-                    "with shard_optimizer=False")
-            return "shard", bc
-        return "allreduce", bc
+        steps = optimizer is not None and optimizer.steps
+        if dp.shard and steps and run_type != "infer" and sync and (
+                optimizer.program_mode != "exact" or optimizer.ov.max_grad_norm is not None):
+            raise NotImplementedError(
+                f"shard_optimizer=True steps each rank's shard inside the call with the "
+                f"streamed exact step; {optimizer.ov!r} is not supported there (GradScaler, "
+                "mode='async' and max_grad_norm are not implemented with sharding): compile "
+                "with shard_optimizer=False")
+        return dp.collectives(run_type, sync, optimizer.program_mode if steps else None,
+                              bool(self.lg.buffers))
 
     def call(self, run_type: str, envs: list[dict], cfg: RunConfig, *, optimizer: Any = None,
              outputs: bool = True, sync: bool = True, **kw: Any) -> Call:

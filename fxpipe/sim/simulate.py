@@ -72,6 +72,7 @@ from fxpipe.sim.timeline import Interval, Timeline
 
 Semantics = Literal["fxpipe", "roundpipe"]
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
+_COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather"}
 
 
 class _StageCosts:
@@ -180,15 +181,9 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
             case AsyncUpdate():
                 return hardware.optimizer_ms(sum(c.param_bytes for c in costs))
-            case AllReduce(layers=layers):
-                return hardware.collective_ms("all_reduce", sum(costs[i].grad_bytes
-                                                                for i in layers))
-            case ReduceScatter(layers=layers):
-                return hardware.collective_ms("reduce_scatter", sum(costs[i].grad_bytes
-                                                                    for i in layers))
-            case AllGather(layers=layers):
-                return hardware.collective_ms("all_gather", sum(costs[i].grad_bytes
-                                                                for i in layers))
+            case AllReduce(layers=layers) | ReduceScatter(layers=layers) | AllGather(layers=layers):
+                return hardware.collective_ms(_COLLECTIVE[type(a)],
+                                              sum(costs[i].grad_bytes for i in layers))
             case BroadcastBuffers():
                 return hardware.collective_ms("broadcast", sum(c.buffer_bytes for c in costs))
         return 0.0
