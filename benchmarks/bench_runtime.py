@@ -68,10 +68,6 @@ class ZeroCopyDevice(fxpipe.VirtualDevice):
     def to_host(self, dev_tensor, pin=True):
         return dev_tensor.detach()
 
-    def to_host_each(self, dev_tensors, plus=None):
-        return [t.detach() if p is None else t.detach() + p
-                for t, p in zip(dev_tensors, plus or [None] * len(dev_tensors))]
-
 
 def eager_step(model, ids, target):
     loss = loss_fn(model(ids), target)

@@ -1007,7 +1007,57 @@ class Program:
         return [(lane, str(a)) for lane, acts in self.lanes() for a in acts
                 if phase is None or self.phase(a) == phase]
 
+    def issued(self, phase: str) -> dict[int, tuple[bool, ...]]:
+        """Per lane, which of its actions a call of ``phase`` issues (``"all"``: every
+        one), checked once per phase: each lane can be issued in list order (no action
+        depends on one listed after it in its lane, no dependency cycle; else an issue
+        thread would wait forever)."""
+        if phase not in self._issued:
+            keep = {lane: tuple(phase == "all" or self.phase(a) == phase for a in acts)
+                    for lane, acts in self.lanes()}
+            _check_issue_order(self, self.dependencies(), keep)
+            self._issued[phase] = keep
+        return self._issued[phase]
+
+    @cached_property
+    def _issued(self) -> dict[str, dict[int, tuple[bool, ...]]]:
+        return {}
+
     def phase(self, a: Action) -> str:
         """The call that runs ``a``: ``"all"``, or in a ``"train"`` program
         ``"forward"`` (``pipe(x)``) or ``"backward"`` (``.backward()``)."""
         return self._phase_of(a)
+
+
+def _check_issue_order(p, deps, keep) -> None:
+    """Raise unless the lanes can be issued each in list order: no action depends on one
+    listed after it in its own lane, and the dependencies have no cycle (else an issue
+    thread would wait forever)."""
+    indeg: dict[tuple[int, int], int] = {}
+    users: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for lane, acts in p.lanes():
+        prev = None
+        for i in range(len(acts)):
+            if not keep[lane][i]:
+                continue
+            preds = {(dep.device, dep.step) for dep in deps[lane][i] if keep[dep.device][dep.step]}
+            if prev is not None:
+                preds.add((lane, prev))
+            prev = i
+            for dep in preds:
+                if dep[0] == lane and dep[1] > i:
+                    raise ValueError(f"lane {lane} step {i} ({acts[i]}) depends on step {dep[1]} "
+                                     "listed after it: the Program cannot run in list order")
+                users.setdefault(dep, []).append((lane, i))
+            indeg[(lane, i)] = len(preds)
+    ready = [k for k, n in indeg.items() if n == 0]
+    seen = 0
+    while ready:
+        k = ready.pop()
+        seen += 1
+        for u in users.get(k, ()):
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                ready.append(u)
+    if seen != len(indeg):
+        raise ValueError("the Program's dependencies have a cycle")

@@ -176,13 +176,6 @@ class Device(ABC):
         dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
         return out.copy_(dev_tensor.detach(), non_blocking=out.is_pinned())
 
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """New contiguous host copies of the device tensors, in one transfer (e.g. a
-        stage's parameter gradients; they share a dtype): views into one flat host tensor."""
-        flat = self.to_host(torch.cat([t.detach().reshape(-1) for t in dev_tensors]))
-        return [part.view(t.shape) for part, t in
-                zip(flat.split([t.numel() for t in dev_tensors]), dev_tensors)]
-
     @abstractmethod
     def synchronize(self) -> None:
         """Block until all submitted work is complete (errors stay in their events)."""
@@ -749,12 +742,6 @@ class VirtualDevice(Device):
         With ``semantics="cuda"`` inside this device's work: filled when the stream
         reaches the copy (NaN until then)."""
         return self._copy_to_host(dev_tensor)
-
-    def to_host_each(self, dev_tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One copy each, in its own memory: there is no transfer to batch, and a copy
-        that becomes a parameter's ``.grad`` then holds only itself (no shared flat buffer
-        that would keep every other copy alive)."""
-        return [self._copy_to_host(t) for t in dev_tensors]
 
     def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy into existing host memory ``out``; with ``semantics="cuda"`` inside this

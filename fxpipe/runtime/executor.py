@@ -227,9 +227,7 @@ class Execution:
         p = self.program
         deps = p.dependencies()
         phase = self.call.phase
-        keep = {lane: [phase == "all" or p.phase(a) == phase for a in acts]
-                for lane, acts in p.lanes()}
-        _check_issue_order(p, deps, keep)
+        keep = p.issued(phase)
         if self.call.dp is not None:
             self.call.dp.begin(self.call.dp.plan_ops(
                 [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
@@ -782,40 +780,6 @@ def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | Non
 
 def _torch_device(device: Device) -> torch.device:
     return getattr(device, "device", torch.device("cpu"))
-
-
-def _check_issue_order(p, deps, keep) -> None:
-    """Raise unless the lanes can be issued each in list order: no action depends on one
-    listed after it in its own lane, and the dependencies have no cycle (else an issue
-    thread would wait forever)."""
-    indeg: dict[tuple[int, int], int] = {}
-    users: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for lane, acts in p.lanes():
-        prev = None
-        for i in range(len(acts)):
-            if not keep[lane][i]:
-                continue
-            preds = {(dep.device, dep.step) for dep in deps[lane][i] if keep[dep.device][dep.step]}
-            if prev is not None:
-                preds.add((lane, prev))
-            prev = i
-            for dep in preds:
-                if dep[0] == lane and dep[1] > i:
-                    raise ValueError(f"lane {lane} step {i} ({acts[i]}) depends on step {dep[1]} "
-                                     "listed after it: the Program cannot run in list order")
-                users.setdefault(dep, []).append((lane, i))
-            indeg[(lane, i)] = len(preds)
-    ready = [k for k, n in indeg.items() if n == 0]
-    seen = 0
-    while ready:
-        k = ready.pop()
-        seen += 1
-        for u in users.get(k, ()):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                ready.append(u)
-    if seen != len(indeg):
-        raise ValueError("the Program's dependencies have a cycle")
 
 
 def refresh_and_snapshot(store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> dict:

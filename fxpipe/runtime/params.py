@@ -245,11 +245,6 @@ class HostParams:
         """``grad`` (a view of the flat gradient buffer) became ``t.grad``."""
         self._exposed[id(t)] = weakref.ref(grad)
 
-    def nbytes(self) -> int:
-        """Host bytes of the flat buffers and their copies (parameters, buffers, grads)."""
-        return sum(t.numel() * t.element_size()
-                   for t in (*self.flats, *self.grad_flats, *self._copies.values()))
-
 
 def _upload_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
     return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
@@ -517,13 +512,16 @@ class GradAccumulator:
         """Where this call's download of ``slot``'s gradient goes directly (once per
         parameter per call), or None (``HostParams.claim_grad``)."""
         with self._lock:
-            key = id(slot.tensor)
-            if key in self._claimed:
+            if id(slot.tensor) in self._claimed:
                 return None
-            view = self._store.host.claim_grad(slot)
-            if view is not None:
-                self._claimed[key] = view
-            return view
+            return self._claim(slot)
+
+    def _claim(self, slot: _Slot) -> torch.Tensor | None:
+        """``HostParams.claim_grad(slot)``, remembered (hold ``_lock``)."""
+        view = self._store.host.claim_grad(slot)
+        if view is not None:
+            self._claimed[id(slot.tensor)] = view
+        return view
 
     def add(self, stage: int, host_grads: Mapping[str, torch.Tensor], *, own: bool = False) -> None:
         """Add ``{fqn: host gradient}`` of ``stage`` (e.g. from ``download_grads``).
@@ -564,10 +562,8 @@ class GradAccumulator:
         with self._lock, torch.no_grad():
             slot = self._store.host.slots.get(id(master))
             claimed = self._claimed.get(id(master))
-            if claimed is None and slot is not None and master.grad is None:
-                claimed = self._store.host.claim_grad(slot)
-                if claimed is not None:
-                    self._claimed[id(master)] = claimed
+            if claimed is None and slot is not None:
+                claimed = self._claim(slot)
             if claimed is not None:
                 value = claimed.copy_(value)
             self._sums[id(master)] = (master, value)
