@@ -43,11 +43,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         self._sweep()
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
-                self.track(t)
+        for t in new_storages(args, kwargs, out):
+            self.track(t)
         return out
 
     @property
@@ -58,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage (once, after a ``_sweep``) as allocated now, of ``self.kind``."""
-        key = _key(t)
+        key = storage_key(t)
         if key in self._live:
             return
         storage = t.untyped_storage()
@@ -72,18 +70,18 @@ class LiveBytes(TorchDispatchMode):
     def retag(self, t: torch.Tensor, kind: str, only: str | None = None) -> None:
         """Count ``t``'s storage as ``kind`` from now on, if the mode counts it (and it is
         of kind ``only``, when given)."""
-        entry = self._live.get(_key(t))
+        entry = self._live.get(storage_key(t))
         if entry is not None and not entry[0].expired() and only in (None, entry[2]):
-            self._live[_key(t)] = (entry[0], entry[1], kind)
+            self._live[storage_key(t)] = (entry[0], entry[1], kind)
 
     def counts(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage was allocated under the mode and is alive."""
-        entry = self._live.get(_key(t))
+        entry = self._live.get(storage_key(t))
         return entry is not None and not entry[0].expired()
 
     def new_bytes(self, tensors: Iterable[Any]) -> int:
         """Bytes of the distinct storages among ``tensors`` that the mode counts."""
-        keys = {_key(t) for t in tensors if isinstance(t, torch.Tensor) and self.counts(t)}
+        keys = {storage_key(t) for t in tensors if isinstance(t, torch.Tensor) and self.counts(t)}
         return sum(self._live[k][1] for k in keys)
 
     def by_kind(self) -> dict[str, int]:
@@ -104,5 +102,17 @@ class LiveBytes(TorchDispatchMode):
             self._bytes -= self._live.pop(k)[1]
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` is a view of (the same for every view of it)."""
     return t.untyped_storage()._cdata
+
+
+def new_storages(args: Any, kwargs: Any, out: Any) -> list[torch.Tensor]:
+    """The tensors among an op's outputs ``out`` whose storage is none of its inputs'
+    (``args``, ``kwargs``): what it allocated (not a view, not an in-place result)."""
+    made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not made:
+        return made
+    inputs = {storage_key(t) for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor)}
+    return [t for t in made if storage_key(t) not in inputs]

@@ -67,6 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
 from fxpipe.live_bytes import LiveBytes
+from fxpipe.live_bytes import storage_key as _storage_key
 from fxpipe.verbose import is_verbose
 
 
@@ -644,10 +645,6 @@ def _unique(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
         if id(t) not in seen:
             seen.add(id(t))
             yield t
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 def _boundary_bytes(values: list) -> int:

@@ -46,6 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import DeviceMemoryError
+from fxpipe.live_bytes import new_storages
 from fxpipe.passes.program import parse_action
 
 # compute; activations in and out; parameters in; gradients out; dropping a microbatch's
@@ -485,13 +486,9 @@ class _Counting(TorchDispatchMode):
         device = self._device()
         if _work.paused or device is None:
             return out
-        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        made = new_storages(args, kwargs, out)
         if made:
-            inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            made = [t for t in made if t.untyped_storage()._cdata not in inputs]
-            if made:
-                device._count_made(made, _work.kind, _work.owner)
+            device._count_made(made, _work.kind, _work.owner)
         return out
 
 
@@ -594,13 +591,9 @@ class _StorageCache:
             self._made.clear()  # still-live copies are then left to Python when freed
 
 
-def _unwritten(like: torch.Tensor) -> torch.Tensor:
-    """Memory a copy has not written yet, filled so a read shows it: NaN (floating),
-    the lowest value (integers), True (bool)."""
-    return torch.empty(like.shape, dtype=like.dtype).fill_(_unwritten_fill(like.dtype))
-
-
 def _unwritten_fill(dtype: torch.dtype) -> Any:
+    """What memory a copy has not written yet holds, so a read shows it: NaN (floating),
+    the lowest value (integers), True (bool)."""
     if dtype.is_floating_point or dtype.is_complex:
         return float("nan")
     if dtype == torch.bool:
@@ -700,19 +693,9 @@ class VirtualDevice(Device):
             raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
                              f"got one on {host_tensor.device}")
         nbytes = host_tensor.numel() * host_tensor.element_size()
-        queued = self._queued()
-
         source = host_tensor.detach()
-
-        def copy() -> torch.Tensor:
-            out = self._cache.alloc(source)
-            if queued is None:
-                return out.copy_(source)
-            out.fill_(_unwritten_fill(out.dtype))  # the source is read when the stream gets here
-            queued.append(lambda: out.copy_(source))
-            return out
-
-        return self._allocate(nbytes, kind, owner, copy)
+        return self._allocate(nbytes, kind, owner,
+                              lambda: self._copy_into(source, self._cache.alloc(source)))
 
     def free(self, tensor: torch.Tensor) -> None:
         """Stop counting ``tensor``'s allocation; memory ``to_device`` made is kept for reuse
@@ -741,25 +724,24 @@ class VirtualDevice(Device):
         """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU).
         With ``semantics="cuda"`` inside this device's work: filled when the stream
         reaches the copy (NaN until then)."""
-        return self._copy_to_host(dev_tensor)
+        with host_allocations():   # host memory, not the device's
+            out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype)
+        return self._copy_into(dev_tensor.detach(), out)
 
     def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy into existing host memory ``out``; with ``semantics="cuda"`` inside this
         device's work it lands when the stream reaches it (NaN until then)."""
+        return self._copy_into(dev_tensor.detach(), out)
+
+    def _copy_into(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out.copy_(src)`` now, or with ``semantics="cuda"`` inside this device's work
+        when the stream reaches it: ``out`` reads as unwritten until then, and ``src`` is
+        read then (a copy in either direction)."""
         queued = self._queued()
         if queued is None:
-            return out.copy_(dev_tensor.detach())
+            return out.copy_(src)
         out.fill_(_unwritten_fill(out.dtype))
-        queued.append(lambda: out.copy_(dev_tensor.detach()))
-        return out
-
-    def _copy_to_host(self, dev_tensor: torch.Tensor) -> torch.Tensor:
-        queued = self._queued()
-        with host_allocations():   # host memory, not the device's
-            if queued is None:
-                return dev_tensor.detach().clone(memory_format=torch.contiguous_format)
-            out = _unwritten(dev_tensor)
-        queued.append(lambda: out.copy_(dev_tensor.detach()))
+        queued.append(lambda: out.copy_(src))
         return out
 
     def synchronize(self) -> None:
