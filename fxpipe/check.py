@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,18 +107,31 @@ def run_cuda_tests(dry_run: bool) -> dict[str, Any]:
             "gpu": torch.cuda.is_available() and not dry_run}
 
 
+def _model(shape: dict) -> TinyLlama:
+    return TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
+                     depth=shape["depth"])
+
+
+def _model_and_batch(shape: dict) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
+    """The kit's model (seeded) and its batch, for ``shape``."""
+    torch.manual_seed(0)
+    ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
+                                    torch.Generator().manual_seed(0))
+    return _model(shape), ids, target
+
+
+def _sync(dry_run: bool) -> Callable[[], None]:
+    """What waits for the GPU's queued work (nothing to wait for in a dry run)."""
+    return (lambda: None) if dry_run else torch.cuda.synchronize
+
+
 def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
     """The fused step on one device against eager with ``torch.utils.checkpoint`` per
     block (the whole model resident on that one GPU)."""
-    torch.manual_seed(0)
-    model = TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
-                      depth=shape["depth"])
-    ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
-                                    torch.Generator().manual_seed(0))
+    model, ids, target = _model_and_batch(shape)
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(1, dry_run))
     where = "cpu" if dry_run else "cuda:0"
-    eager = TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
-                      depth=shape["depth"]).to(where)
+    eager = _model(shape).to(where)
     eager.load_state_dict(model.state_dict())
     e_ids, e_target = ids.to(where), target.to(where)
 
@@ -133,7 +147,7 @@ def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
         pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
         model.zero_grad(set_to_none=True)
 
-    sync = (lambda: None) if dry_run else torch.cuda.synchronize
+    sync = _sync(dry_run)
     ratios, times = [], {"fxpipe": [], "eager_checkpoint": []}
     for _ in range(repeats):      # interleaved: drift hits both alike
         f = _time(fxpipe_step, 1, 1, sync)[0]
@@ -149,12 +163,8 @@ def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
 
 def scaling(shape: dict, num_devices: int, dry_run: bool, repeats: int) -> dict[str, Any]:
     """The fused step on 1 .. N devices; speed-up over one."""
-    torch.manual_seed(0)
-    model = TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
-                      depth=shape["depth"])
-    ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
-                                    torch.Generator().manual_seed(0))
-    sync = (lambda: None) if dry_run else torch.cuda.synchronize
+    model, ids, target = _model_and_batch(shape)
+    sync = _sync(dry_run)
     rows = {}
     for n in range(1, num_devices + 1):
         pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(n, dry_run),
@@ -198,11 +208,7 @@ def link_bandwidth(dry_run: bool) -> tuple[float, float]:
 
 def traced_step(shape: dict, num_devices: int, dry_run: bool) -> dict[str, Any]:
     """A traced step: hidden prefetch fraction, predicted vs measured, stats."""
-    torch.manual_seed(0)
-    model = TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
-                      depth=shape["depth"])
-    ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
-                                    torch.Generator().manual_seed(0))
+    model, ids, target = _model_and_batch(shape)
     M = max(2, num_devices + 1)
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(num_devices, dry_run),
                           config=fxpipe.RunConfig(num_microbatch=M))

@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.live_bytes import new_storages
+from fxpipe.live_bytes import new_storages, storage_key
 from fxpipe.passes.program import parse_action
 
 # compute; activations in and out; parameters in; gradients out; dropping a microbatch's
@@ -282,15 +282,15 @@ class Device(ABC):
                     "Give the stage fewer layers (a smaller ExecutePlan range), use smaller "
                     "microbatches or recompute_grain='layer', or raise memory_limit.")
 
-    def _recount(self, t: torch.Tensor, kind: str, only: str) -> None:
-        """Count ``t``'s storage as ``kind`` from now on, if work made it as ``only``."""
-        with self._mem_lock:
-            entry = self._made.get(t.untyped_storage()._cdata)
-            if entry is not None and entry[2] == only and not entry[0].expired():
-                self._made[t.untyped_storage()._cdata] = (entry[0], entry[1], kind)
-                self._resident[only] -= entry[1]
-                self._resident[kind] += entry[1]
-                self._peak[kind] = max(self._peak[kind], self._resident[kind])
+    def _recount(self, key: int, kind: str, only: str) -> None:
+        """Count storage ``key`` as ``kind`` from now on, if work made it as ``only``
+        (hold ``_mem_lock``)."""
+        entry = self._made.get(key)
+        if entry is not None and entry[2] == only and not entry[0].expired():
+            self._made[key] = (entry[0], entry[1], kind)
+            self._resident[only] -= entry[1]
+            self._resident[kind] += entry[1]
+            self._peak[kind] = max(self._peak[kind], self._resident[kind])
 
     def _sweep(self) -> None:
         """Stop counting what work made and Python has freed (hold ``_mem_lock``)."""
@@ -309,19 +309,13 @@ class Device(ABC):
         (a forward with grad), what else it made and is still alive is held by the
         autograd graph for backward: ``saved``. (A saved-tensors hook would tell the same,
         but holding a tensor from its own graph makes a cycle no collector sees.)"""
-        for t in pytree.tree_leaves(values):
-            if isinstance(t, torch.Tensor):
-                self._recount(t, "activations", only="workspace")
         made, _work.made = _work.made, []
-        if saved:
-            with self._mem_lock:
-                for key in made:
-                    entry = self._made.get(key)
-                    if entry is not None and entry[2] == "workspace" and not entry[0].expired():
-                        self._made[key] = (entry[0], entry[1], "saved")
-                        self._resident["workspace"] -= entry[1]
-                        self._resident["saved"] += entry[1]
-                        self._peak["saved"] = max(self._peak["saved"], self._resident["saved"])
+        with self._mem_lock:
+            for t in pytree.tree_leaves(values):
+                if isinstance(t, torch.Tensor):
+                    self._recount(storage_key(t), "activations", only="workspace")
+            for key in made if saved else ():
+                self._recount(key, "saved", only="workspace")
 
     def _allocate(self, nbytes: int, kind: str, owner: str,
                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
