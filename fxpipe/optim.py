@@ -82,7 +82,6 @@ from fxpipe.errors import StageError
 from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, step_shards,
                                step_view)
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import owned_params
 
 Mode = Literal["exact", "async"]
 
@@ -272,7 +271,7 @@ class _Call:
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}   # the Program's backward_stage_of
 
-    def assign(self, exe, lg) -> None:
+    def assign(self, exe, owned: dict[int, list[torch.Tensor]]) -> None:
         """Each parameter is stepped with the last backward stage (execution order) that
         uses it: a tied parameter's gradient is final only then (the Program's
         ``OptimizerStep`` of that stage waits for every stage sharing it). By that time
@@ -280,7 +279,7 @@ class _Call:
         holding it have run), so it may change in place."""
         if self.program_mode != "exact":
             return
-        self.owned = owned_params(exe, lg)
+        self.owned = owned   # ParamStore.owned: the parameters each stage's step steps
         self.stage_of = exe.program.backward_stage_of
 
     # -- the executor's host actions ---------------------------------------------------

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import DistributedError
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype, owned_params
+from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 
@@ -122,7 +122,7 @@ class DataParallel:
         self.dead: DistributedError | None = None
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
-        self._buckets: dict[int, dict[tuple[int, int], list[Bucket]]] = {}
+        self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
 
@@ -290,8 +290,9 @@ class DataParallel:
     # -- buckets -------------------------------------------------------------------------
     def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
         """Per backward stage's layers, its buckets (one per gradient dtype), in the same
-        order on every rank: its ``owned_params`` in the order of the host buffers."""
-        key = id(exe)
+        order on every rank: its ``owned_params`` in the order of the host buffers (one
+        set per ``store``: per run type)."""
+        key = id(store)
         if key not in self._buckets:
             host = store.host
 
@@ -302,15 +303,15 @@ class DataParallel:
                 return (0, slot.region, slot.offset, "")
 
             out: dict[tuple[int, int], list[Bucket]] = {}
-            for s, params in owned_params(exe, lg).items():
+            for s, params in store.owned(exe, lg).items():
                 layers = exe.program.stages[s].layers
                 by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):
                     by_dtype.setdefault(_grad_dtype(p), []).append(p)
                 out[(layers.start, layers.stop)] = [
                     self._bucket(layers, dtype, ps) for dtype, ps in by_dtype.items()]
-            self._buckets[key] = out
-        return self._buckets[key]
+            self._buckets[key] = (store, out)   # the store kept: its id stays its own
+        return self._buckets[key][1]
 
     def _bucket(self, layers: range, dtype: torch.dtype, params: list[torch.Tensor]) -> Bucket:
         offsets, sizes, n = [], [], 0

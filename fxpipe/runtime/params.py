@@ -309,6 +309,7 @@ class ParamStore:
         self.host = host
         self.param_dtype = param_dtype
         self.snapshot = False   # uploads read a copy (an asynchronous optimizer is stepping)
+        self._owned: dict[int, list[torch.Tensor]] | None = None
         stages = sorted(set(params) | set(buffers))
         host.adopt([[(f, t, False) for f, t in params.get(s, {}).items()]
                     + [(f, t, True) for f, t in buffers.get(s, {}).items()] for s in stages])
@@ -329,6 +330,13 @@ class ParamStore:
     def stages(self) -> list[int]:
         """The stage indices, ascending."""
         return list(self._names)
+
+    def owned(self, exe, lg) -> dict[int, list[torch.Tensor]]:
+        """``owned_params(exe, lg)``, computed once: every Executable of this store's run
+        type has the same stages."""
+        if self._owned is None:
+            self._owned = owned_params(exe, lg)
+        return self._owned
 
     def nbytes(self, stage: int) -> int:
         """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""

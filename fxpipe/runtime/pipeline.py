@@ -129,7 +129,7 @@ class Runner:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)
             self.store(exe).snapshot |= optimizer.program_mode == "async"
-            optimizer.assign(exe, self.lg)
+            optimizer.assign(exe, self.store(exe).owned(exe, self.lg))
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         return Call(exe=exe, layers=self.lg, store=self.store(exe), devices=self.devices,
