@@ -467,7 +467,8 @@ class Execution:
         for name in self.flow.upload.get((s, m), ()):
             value = self.on_host.value(m, name)
             if isinstance(value, torch.Tensor):
-                value = dev.to_device(value, "activations", f"microbatch {m}")
+                value = dev.to_device(value, "activations",
+                                      f"{name!r} for stage {s}, microbatch {m}")
                 self.stats.add("h2d_bytes_activations", _nbytes(value))
             with on.lock:
                 on.uploaded[(s, m, name)] = value
@@ -476,7 +477,8 @@ class Execution:
         """Each host gradient part of ``(s, m)``'s values, as it came (the device adds them)."""
         dev, on = self.call.devices[d], self.on[d]
         for name in self.flow.upload_grads.get((s, m), ()):
-            parts = [dev.to_device(g, "activations", f"microbatch {m}")
+            parts = [dev.to_device(g, "activations",
+                                   f"the gradient of {name!r} for stage {s}, microbatch {m}")
                      for g in self.on_host.take_grads(m, name)]
             self.stats.add("h2d_bytes_activations", sum(_nbytes(g) for g in parts))
             if parts:   # none: a value with no gradient (nothing trainable behind it)
