@@ -9,11 +9,12 @@
     per step over interleaved repeats after a warm-up. Informational only: on a 2-vCPU
     machine two ranks of two virtual devices share the same two cores, so this measures
     the overhead of the collectives, not a speedup.
-(memory) Host bytes per rank of the optimizer state (AdamW's two moments) with and
-    without ``shard_optimizer``, 2 and 3 ranks, from the optimizer's state and fxpipe's
-    shard state after a step (the sharded step updates the parameters' own elements in
-    place: no shard copy); and the parameters, the fp32 masters, which every rank keeps
-    whole (its devices upload from them).
+(memory) Host bytes per rank with and without ``shard_optimizer``, 2 and 3 ranks, fp32
+    and ``param_dtype=bf16``, after one AdamW step: the optimizer state (AdamW's two
+    moments, from the optimizer's state and fxpipe's shard state), the fp32 masters this
+    rank keeps (in fp32 the parameters themselves, which every rank keeps whole: its
+    devices upload them; in bf16 sharded, its 1/N pieces, the parameters being bf16), and
+    every host byte of parameters, upload copies, gradients, masters and state.
 (sim) RoundPipe's five configurations (8 RTX 4090 per node, 16 microbatches of 8192
     tokens, RoundPipe's measured layer times and partitions,
     ``../shared/data/roundpipe_simulation.json``) on 1, 2, 4, 8 and 16 nodes, one rank
@@ -118,7 +119,8 @@ def part_measured(args: argparse.Namespace) -> dict:
 
 # -------------------------------------------------------------------------------- memory
 
-def _memory_rank(rank: int, world: int, folder: str, shard: bool) -> None:
+def _memory_rank(rank: int, world: int, folder: str, shard: bool, bf16: bool) -> None:
+    from fxpipe.runtime.params import HostParams
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world)
@@ -126,15 +128,25 @@ def _memory_rank(rank: int, world: int, folder: str, shard: bool) -> None:
         m = model()
         x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
         pipe = fxpipe.compile(m, (x,), devices=["cpu", "cpu"], data_parallel=True,
-                              shard_optimizer=shard)
+                              shard_optimizer=shard,
+                              param_dtype=torch.bfloat16 if bf16 else None)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy, optimizer=opt)
-        nbytes = lambda states: sum(t.numel() * t.element_size() for s in states  # noqa: E731
-                                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        state = nbytes(opt.state.values()) + \
-            nbytes(opt._fxpipe_overlapped.shard_state.values())
-        params = sum(p.numel() * p.element_size() for p in m.parameters())
-        report = {"optimizer_state_bytes": state, "param_bytes": params}
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        tensors = lambda states: [t for s in states for t in s.values()  # noqa: E731
+                                  if torch.is_tensor(t) and t.dim() > 0]
+        state = size(tensors(opt.state.values())) + \
+            size(tensors(opt._fxpipe_overlapped.shard_state.values()))
+        # the fp32 values of the parameters this rank keeps: the parameters themselves
+        # where they are fp32 (their own masters), else this rank's pieces of the masters
+        masters = size(p for p in m.parameters() if p.dtype == torch.float32) + \
+            size(pipe._dp.masters.values())
+        host = HostParams.of(m)
+        buffers = size(host.flats) + size(host._copies.values())   # parameters + upload copies
+        grads = size(host.grad_flats)
+        report = {"optimizer_state_bytes": state, "master_bytes": masters,
+                  "param_buffer_bytes": buffers, "grad_buffer_bytes": grads,
+                  "host_total_bytes": state + buffers + grads + size(pipe._dp.masters.values())}
         Path(folder, f"mem{rank}.json").write_text(json.dumps(report))
         pipe.close()
     finally:
@@ -144,22 +156,30 @@ def _memory_rank(rank: int, world: int, folder: str, shard: bool) -> None:
 def part_memory(args: argparse.Namespace) -> dict:
     out = {}
     print("\n(memory) host bytes per rank after one AdamW step (model of "
-          f"{sum(p.numel() for p in model().parameters()):,} fp32 parameters)")
-    print(f"{'ranks':>5} | {'sharded':>7} | {'optimizer state B':>17} | {'vs unsharded':>12} | "
-          f"{'params B':>9}")
+          f"{sum(p.numel() for p in model().parameters()):,} fp32 parameters); the worst rank")
+    print(f"{'ranks':>5} | {'param_dtype':>11} | {'sharded':>7} | {'optimizer state B':>17} | "
+          f"{'fp32 masters B':>14} | {'state+masters x N / unsharded':>29} | {'host total B':>12}")
     for world in (2, 3):
-        for shard in (False, True):
-            with tempfile.TemporaryDirectory() as d:
-                mp.spawn(_memory_rank, args=(world, d, shard), nprocs=world, join=True)
-                ranks = [json.loads(Path(d, f"mem{r}.json").read_text()) for r in range(world)]
-            worst = max(ranks, key=lambda r: r["optimizer_state_bytes"])
-            out[f"{world}_ranks_{'sharded' if shard else 'unsharded'}"] = ranks
-            base = out[f"{world}_ranks_unsharded"][0]["optimizer_state_bytes"]
-            ratio = worst["optimizer_state_bytes"] / base
-            print(f"{world:5d} | {str(shard):>7} | {worst['optimizer_state_bytes']:17,} | "
-                  f"{ratio:12.3f} | {worst['param_bytes']:9,}")
-            if shard:
-                out[f"{world}_ranks_state_ratio_vs_1_over_n"] = ratio * world
+        for bf16 in (False, True):
+            for shard in (False, True):
+                with tempfile.TemporaryDirectory() as d:
+                    mp.spawn(_memory_rank, args=(world, d, shard, bf16), nprocs=world, join=True)
+                    ranks = [json.loads(Path(d, f"mem{r}.json").read_text())
+                             for r in range(world)]
+                dtype = "bf16" if bf16 else "fp32"
+                key = f"{world}_ranks_{dtype}_{'sharded' if shard else 'unsharded'}"
+                out[key] = ranks
+                both = lambda r: r["optimizer_state_bytes"] + r["master_bytes"]  # noqa: E731
+                worst = max(ranks, key=both)
+                base = both(out[f"{world}_ranks_{dtype}_unsharded"][0])
+                ratio = both(worst) / base * (world if shard else 1)
+                if shard:
+                    out[f"{key}_state_and_masters_x_n_over_unsharded"] = ratio
+                print(f"{world:5d} | {dtype:>11} | {str(shard):>7} | "
+                      f"{worst['optimizer_state_bytes']:17,} | {worst['master_bytes']:14,} | "
+                      f"{ratio if shard else 1:29.3f} | {worst['host_total_bytes']:12,}")
+    print("target: with bf16 and sharding, optimizer state and masters x N / unsharded = 1 "
+          "within 5 %; fp32: the masters are the parameters the devices upload, not divided")
     return out
 
 

@@ -117,7 +117,11 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     synchronized training call (``BC``), DDP's default. ``shard_optimizer=True``: a call
     stepping ``optimizer=`` reduce-scatters each bucket instead, steps only this rank's
     1/N (the optimizer state of the rest lives on the other ranks), then all-gathers the
-    updated parameters. ``collective_timeout`` (seconds): how long a collective waits
+    updated parameters. With ``param_dtype`` too, the fp32 masters are sharded as well:
+    each rank keeps the fp32 values of its 1/N only, and the model's trainable floating
+    parameters become their ``param_dtype`` copies (what the devices upload; gradients
+    stay fp32 through ``grad_dtype``): ``pipe.full_state_dict()`` gathers the fp32
+    values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how long a collective waits
     for the other ranks; a training call that fails on one rank fails on every rank
     with ``fxpipe.DistributedError`` naming the rank (``fxpipe.runtime.distributed``).
     Ranks that compiled different plans or parameter shapes fail here with a
@@ -234,6 +238,9 @@ class PipelineModule(nn.Module):
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
             dp.check_same(_digest(self._current, param_dtype, dp))
+            if dp.shard and param_dtype is not None:
+                dp.shard_masters(self._current.layers.params, param_dtype,
+                                 HostParams.of(model, pin=pin_memory))
 
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
@@ -577,13 +584,16 @@ class PipelineModule(nn.Module):
         """Save the model's state and ``optimizer``'s with ``torch.distributed.checkpoint``
         into the folder ``path``, replacing a checkpoint there (every rank calls it;
         parameters are written once, each rank writes its own optimizer shards under
-        ``shard_optimizer=True``). Also without data parallel. :meth:`load_checkpoint`
-        resumes exactly."""
+        ``shard_optimizer=True``, and its fp32 masters with ``param_dtype``). Also without
+        data parallel. :meth:`load_checkpoint` resumes exactly."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         from fxpipe.optim import shard_items
         items: dict[str, Any] = {"model": self.module.state_dict()}
+        if self._dp is not None:
+            items.update({f"master.rank{self._dp.rank}.{n}": m
+                          for n, m in self._dp.masters.items() if m.numel()})
         if optimizer is not None:
             ov = as_overlapped(optimizer)
             if self._dp is not None and self._dp.shard:
@@ -597,23 +607,35 @@ class PipelineModule(nn.Module):
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
         """Load what :meth:`save_checkpoint` saved into the model (in place: the
-        parameters stay views of the host buffers) and ``optimizer``; the same number of
-        ranks and the same ``shard_optimizer`` (resharding is not implemented)."""
+        parameters stay views of the host buffers), its fp32 masters and ``optimizer``;
+        the same number of ranks, ``shard_optimizer`` and ``param_dtype`` (resharding is
+        not implemented)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
 
         from fxpipe.optim import load_shard_items, shard_items
+        dp = self._dp
         items: dict[str, Any] = {"model": self.module.state_dict()}
-        sharded = self._dp is not None and self._dp.shard
+        sharded = dp is not None and dp.shard
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        masters = dp is not None and bool(dp.masters)
+        if masters != any(k.startswith("master.") for k in saved):
+            raise ValueError(f"{path} was saved {'without' if masters else 'with'} sharded fp32 "
+                             "masters (shard_optimizer=True with param_dtype); load it into a "
+                             "pipe compiled the same way")
+        if masters:
+            mine = f"master.rank{dp.rank}."
+            for n, m in dp.masters.items():
+                if m.numel():
+                    items[mine + n] = m   # loaded in place
         if optimizer is not None:
             ov = as_overlapped(optimizer)
             if sharded != ("optim.world" in saved):
                 raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
                                  "shard_optimizer; load it into a pipe compiled the same way")
             if sharded:
-                prefix = f"optim.rank{self._dp.rank}."
+                prefix = f"optim.rank{dp.rank}."
                 # the structure to fill (DCP flattens the list of settings per key)
                 items.update({k: v for k, v in shard_items(ov, 0, 0).items()
                               if not k.startswith("optim.rank")})
@@ -622,14 +644,19 @@ class PipelineModule(nn.Module):
                         items[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
             else:
                 items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
+        ranks = {int(k.split(".")[1].removeprefix("rank")) for k in saved
+                 if k.startswith(("optim.rank", "master.rank"))}
+        world = dp.world if dp is not None else 1
+        if ranks and max(ranks) + 1 != world:
+            raise ValueError(f"{path} holds the shards of {max(ranks) + 1} ranks, this job has "
+                             f"{world}: resharding is not implemented")
         dcp.load(items, checkpoint_id=path, process_group=self._group())
+        if masters:
+            dp.stamp(dp.masters)   # the parameters as loaded agree with the masters loaded
         if optimizer is None:
             return
         if sharded:
-            if items["optim.world"] != self._dp.world:
-                raise ValueError(f"{path} holds optimizer shards of {items['optim.world']} ranks, "
-                                 f"this job has {self._dp.world}: resharding is not implemented")
-            load_shard_items(ov, self._dp.rank, items)
+            load_shard_items(ov, dp.rank, items)
         else:
             set_optimizer_state_dict(self.module, ov.optimizer, items["optim"])
 
@@ -641,7 +668,36 @@ class PipelineModule(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """``module.load_state_dict``; under sharded fp32 masters (``shard_optimizer=True``
+        with ``param_dtype``) this rank's masters are set from ``state_dict``'s values
+        at their full precision too."""
+        dp = self._dp
+        if dp is None or not dp.masters:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True) would replace the parameters "
+                                      "whose fp32 masters fxpipe shards (shard_optimizer=True with "
+                                      "param_dtype): load with assign=False")
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        key_of = {id(t): k for k, t in reversed(list(self.module.state_dict(keep_vars=True).items()))
+                  if k in state_dict}
+        dp.set_masters({n: state_dict[key_of[id(p)]] for n, p in dp._mastered.items()
+                        if id(p) in key_of})
+        return result
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict at full precision: under sharded fp32 masters
+        (``shard_optimizer=True`` with ``param_dtype``), the parameters hold their
+        ``param_dtype`` copies and each rank 1/N of the masters, which this gathers (a
+        collective: call it on every rank); otherwise ``state_dict()``."""
+        state = self.module.state_dict()
+        dp = self._dp
+        if dp is None or not dp.masters:
+            return state
+        full = dp.full_masters()
+        by_id = {id(p): full[n] for n, p in dp._mastered.items()}
+        return {k: by_id.get(id(t), state[k]) for k, t in
+                self.module.state_dict(keep_vars=True).items()}
 
 
 @dataclass

@@ -137,8 +137,8 @@ class Overlapped:
         self.stepped = False      # whether the last call stepped (async: queued its update)
         self._pending: _Update | None = None
         self._host: VirtualDevice | None = None
-        # shard_optimizer: the state of this rank's shards, by (bucket key, segment)
-        self.shard_state: dict[tuple, dict] = {}
+        # shard_optimizer: the state of this rank's pieces of the parameters, by name
+        self.shard_state: dict[str, dict] = {}
         self._shard_hooks: list = []
         self._lock = threading.Lock()
         if mode == "async":
@@ -415,15 +415,17 @@ class _Saved:
 
 class _SavedShards:
     """``shard_optimizer``: a copy of a stage's parameters (the all-gather rewrites them
-    whole), ``.grad`` and this rank's shard state of its buckets, to put back."""
+    whole), ``.grad``, this rank's fp32 masters of them and its shard state, to put
+    back."""
 
     def __init__(self, ov: Overlapped, params: Sequence[torch.Tensor], shards: Sequence[Any]):
         self.ov = ov
         self.entries = [(p, p.detach().clone(), None if p.grad is None else p.grad.clone())
                         for p in params]
-        buckets = {sh.bucket.key for sh in shards}
-        self.state = {k: _copy_state(v) for k, v in ov.shard_state.items() if k[:3] in buckets}
-        self.buckets = buckets
+        self.masters = [(m, m.clone()) for sh in shards for m in sh.bucket.masters
+                        if m is not None]
+        self.names = {n for sh in shards for n in sh.bucket.names}
+        self.state = {k: _copy_state(v) for k, v in ov.shard_state.items() if k in self.names}
 
     def restore(self, grads: bool = False) -> None:
         with torch.no_grad():
@@ -431,7 +433,9 @@ class _SavedShards:
                 p.copy_(value)
                 if grads:
                     p.grad = grad
-        for k in [k for k in self.ov.shard_state if k[:3] in self.buckets]:
+            for m, value in self.masters:
+                m.copy_(value)
+        for k in [k for k in self.ov.shard_state if k in self.names]:
             del self.ov.shard_state[k]
         self.ov.shard_state.update({k: v for k, v in self.state.items() if v is not None})
 
@@ -439,17 +443,17 @@ class _SavedShards:
 def shard_items(ov: Overlapped, rank: int, world: int) -> dict[str, Any]:
     """``shard_optimizer``: this rank's part of a ``torch.distributed.checkpoint`` state
     dict: the param groups' settings (the same on every rank) and this rank's shard
-    state, one flat key per tensor (``optim.rank{r}.{start}:{stop}:{dtype}:{piece}.{name}``)."""
+    state, one flat key per tensor (``optim.rank{r}.{parameter name}.{state name}``)."""
     out: dict[str, Any] = {
         "optim.world": world,
         "optim.param_groups": [{k: v for k, v in g.items() if k != "params"}
                                for g in ov.optimizer.param_groups]}
-    for (start, stop, dtype, piece), state in ov.shard_state.items():
+    for param, state in ov.shard_state.items():
         for name, v in state.items():
             if not isinstance(v, torch.Tensor):
                 raise NotImplementedError(f"shard_optimizer checkpoint: optimizer state {name!r} "
                                           f"is a {type(v).__name__}, not a tensor")
-            out[f"optim.rank{rank}.{start}:{stop}:{dtype}:{piece}.{name}"] = v
+            out[f"optim.rank{rank}.{param}.{name}"] = v
     return out
 
 
@@ -458,12 +462,11 @@ def load_shard_items(ov: Overlapped, rank: int, items: dict[str, Any]) -> None:
     for g, saved in zip(ov.optimizer.param_groups, items["optim.param_groups"]):
         g.update(saved)
     prefix = f"optim.rank{rank}."
-    state: dict[tuple, dict] = {}
+    state: dict[str, dict] = {}
     for fqn, v in items.items():
         if fqn.startswith(prefix):
-            key, _, name = fqn[len(prefix):].rpartition(".")
-            start, stop, dtype, piece = key.split(":")
-            state.setdefault((int(start), int(stop), dtype, int(piece)), {})[name] = v
+            param, _, name = fqn[len(prefix):].rpartition(".")
+            state.setdefault(param, {})[name] = v
     ov.shard_state.clear()
     ov.shard_state.update(state)
     ov.sharded()

@@ -142,27 +142,36 @@ def step_groups(opt: torch.optim.Optimizer, groups: list[dict],
 
 
 def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[Any],
-                state: dict[tuple, dict]) -> None:
+                state: dict[str, dict]) -> None:
     """``shard_optimizer``: step this rank's shard of some buckets
     (``fxpipe.runtime.distributed.Shard``: the averaged gradient of its 1/N, one flat
-    tensor) with ``opt``'s class and each param group's settings ``hyper``, in place on
-    the parameters: each piece of a parameter inside the shard is stepped as a view of
-    it (parameters ``opt`` does not hold are left as they are). Their state lives in
-    ``state`` by ``(bucket key, piece)``, not in ``opt.state``: this rank's 1/N."""
+    tensor) with ``opt``'s class and each param group's settings ``hyper``: each
+    parameter's piece in the shard is stepped in place, as its fp32 master where this
+    rank keeps one (``Bucket.masters``), else as a view of the parameter (parameters
+    ``opt`` does not hold are left as they are). Their state lives in ``state`` by
+    parameter name, not in ``opt.state``: this rank's 1/N."""
     group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
     groups: dict[int, list[torch.Tensor]] = {}
     view_state: dict = collections.defaultdict(dict)
+    masters = []
     for sh in shards:
-        for k, (p, lo, hi, at) in enumerate(sh.bucket.pieces()):
-            g = group_of.get(id(p))
+        b = sh.bucket
+        for i, lo, hi, at in b.pieces():
+            g = group_of.get(id(b.params[i]))
             if g is None:
                 continue
-            t = p.detach().view(-1)[lo:hi]
+            t = b.masters[i] if b.masters[i] is not None else b.params[i].detach().view(-1)[lo:hi]
             t.grad = sh.grad[at:at + hi - lo]
             groups.setdefault(g, []).append(t)
-            view_state[t] = state.setdefault((*sh.bucket.key, k), {})
-    step_groups(opt, [{**hyper[g], "params": ts} for g, ts in sorted(groups.items())],
-                view_state)
+            view_state[t] = state.setdefault(b.names[i], {})
+            if b.masters[i] is not None:
+                masters.append(t)
+    try:
+        step_groups(opt, [{**hyper[g], "params": ts} for g, ts in sorted(groups.items())],
+                    view_state)
+    finally:
+        for t in masters:   # the masters outlive the step: not the shard's gradient
+            t.grad = None
 
 
 _watching = False

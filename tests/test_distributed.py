@@ -235,9 +235,79 @@ def check_shard_optimizer(rank: int, world: int) -> None:
     pipe.close()
 
 
-def check_checkpoint(rank: int, world: int, folder: str, shard: bool) -> None:
+def check_shard_across_plans(rank: int, world: int) -> None:
+    """Each rank owns the same pieces of each parameter whatever the plan: a call under
+    another plan (other backward stages, so other buckets) steps with the same optimizer
+    state and masters, equal to eager AdamW on the whole batch."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dp(model, rank, shard_optimizer=True)
+    n = len(pipe.layers)
+    other = fxpipe.ExecutePlan([range(0, n - 2)],
+                               [range(n - 2, n), range(2, n - 2), range(0, 2)])
+    assert other.bwd_plan != pipe.plan.bwd_plan
+    for step, plan in enumerate([None, other, None, other]):
+        X, Y = data(world, step)
+        ce(ref(X), Y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt,
+                              run_config=fxpipe.RunConfig(execute_plan=plan))
+        opt.zero_grad()
+        assert_params(model, ref, f"step {step} under {plan or pipe.plan}")
+    pipe.close()
+
+
+def check_sharded_masters(rank: int, world: int) -> None:
+    """``shard_optimizer=True`` with ``param_dtype=bf16``: each rank keeps 1/N of the fp32
+    masters, the parameters are their bf16 copies; 3 AdamW steps equal unsharded data
+    parallel in bf16 (losses; masters gathered vs the unsharded fp32 parameters; the
+    parameters are the masters cast). ``pipe.load_state_dict`` sets the masters at full
+    precision; a parameter written outside fxpipe warns and re-reads its master."""
+    bf16 = torch.bfloat16
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_pipe = compile_dp(ref, rank, param_dtype=bf16)
+    pipe = compile_dp(model, rank, param_dtype=bf16, shard_optimizer=True)
+    assert all(p.dtype == bf16 and p.grad_dtype == torch.float32 for p in model.parameters())
+    assert all(p.dtype == torch.float32 for p in ref.parameters())
+    full = sum(p.numel() * 4 for p in ref.parameters())
+    mine_bytes = sum(m.numel() * m.element_size() for m in pipe._dp.masters.values())
+    assert abs(mine_bytes - full / world) <= 4 * world * len(list(ref.parameters())), \
+        (mine_bytes, full)
+    for step in range(3):
+        X, Y = data(world, step)
+        losses = [p.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                     optimizer=o) for p, o in ((ref_pipe, ref_opt), (pipe, opt))]
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        assert_close(losses[1], losses[0], f"step {step} loss")
+        masters = pipe.full_state_dict()
+        for name, q in ref.named_parameters():
+            assert masters[name].dtype == torch.float32
+            assert_close(masters[name], q.detach(), f"step {step}: master {name}")
+            assert torch.equal(model.get_parameter(name).detach(), masters[name].to(bf16)), name
+    assert torch.equal(masters["5.s"], model[5].s)    # buffers: the model's own
+    # fp32 weights in: the masters take them exactly
+    pipe.load_state_dict(ref.state_dict())
+    for name, q in ref.named_parameters():
+        assert torch.equal(pipe.full_state_dict()[name], q.detach()), name
+    with torch.no_grad():
+        model[0].weight.mul_(2)    # outside fxpipe: its master is re-read, with a warning
+    X, Y = data(world, 3)
+    with pytest.warns(UserWarning, match=r"\(0\.weight\) changed outside fxpipe"):
+        pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt)
+    ref_pipe.close()
+    pipe.close()
+
+
+def check_checkpoint(rank: int, world: int, folder: str, shard: bool,
+                     param_dtype: torch.dtype | None = None) -> None:
     """Save after 2 steps (DCP, every rank), run 2 more; a fresh model, pipe and optimizer
-    loading the checkpoint give bit-identical later losses and parameters."""
+    loading the checkpoint give bit-identical later losses and parameters (and fp32
+    masters, sharded with ``param_dtype``)."""
     def train(steps, model, pipe, opt):
         losses = []
         for step in steps:
@@ -247,25 +317,28 @@ def check_checkpoint(rank: int, world: int, folder: str, shard: bool) -> None:
             opt.zero_grad()
         return losses
 
-    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}"
+    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}-{param_dtype}"
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    pipe = compile_dp(model, rank, shard_optimizer=shard)
+    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype)
     train(range(2), model, pipe, opt)
     pipe.save_checkpoint(path, opt)
     later = train(range(2, 4), model, pipe, opt)
+    masters = pipe.full_state_dict()
     pipe.close()
     torch.manual_seed(123)
     fresh = make_model()
     for p in fresh.parameters():          # other weights: the checkpoint must set them
         p.data.add_(1.0)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard)
+    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard, param_dtype=param_dtype)
     pipe2.load_checkpoint(path, opt2)
     again = train(range(2, 4), fresh, pipe2, opt2)
     assert [x.item() for x in again] == [x.item() for x in later], (again, later)
     for p, q in zip(fresh.parameters(), model.parameters()):
         assert torch.equal(p, q)
+    for name, value in pipe2.full_state_dict().items():
+        assert torch.equal(value, masters[name]), name
     pipe2.close()
 
 
@@ -273,6 +346,7 @@ def check_checkpoints(rank: int, world: int) -> None:
     folder = os.environ["FXPIPE_TEST_FOLDER"]
     check_checkpoint(rank, world, folder, shard=True)
     check_checkpoint(rank, world, folder, shard=False)
+    check_checkpoint(rank, world, folder, shard=True, param_dtype=torch.bfloat16)
 
 
 def check_mismatch(rank: int, world: int) -> None:
@@ -282,7 +356,8 @@ def check_mismatch(rank: int, world: int) -> None:
         compile_dp(model, rank)
 
 
-def check_failure(rank: int, world: int, shard: bool = False) -> None:
+def check_failure(rank: int, world: int, shard: bool = False,
+                  param_dtype: torch.dtype | None = None) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
@@ -291,7 +366,7 @@ def check_failure(rank: int, world: int, shard: bool = False) -> None:
 
     model = make_model()
     opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
-    pipe = compile_dp(model, rank, shard_optimizer=shard)
+    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype)
     X, Y = data(world, 0)
     x, y = mine(X, rank), mine(Y, rank)
     pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)   # grads + momentum exist
@@ -299,6 +374,8 @@ def check_failure(rank: int, world: int, shard: bool = False) -> None:
               for p in model.parameters()]
     state_before = {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
                     for k, s in opt.shard_state.items()}
+    masters_before = {n: m.clone() for n, m in pipe._dp.masters.items()}
+    assert bool(masters_before) == (param_dtype is not None)
     download = ParamStore.download_grads
     shallowest = len(pipe.program().stages) - 1
 
@@ -331,21 +408,25 @@ def check_failure(rank: int, world: int, shard: bool = False) -> None:
         for k, s in opt.shard_state.items():
             for v, v0 in zip([v for v in s.values() if torch.is_tensor(v)], state_before[k]):
                 assert torch.equal(v, v0), f"half-written shard state {k}"
+    for n, m in pipe._dp.masters.items():
+        assert torch.equal(m, masters_before[n]), f"half-written master {n}"
     with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
         pipe.forward_backward((x,), label=y, loss_fn=ce)
     pipe.close()
 
 
 def check_failure_sharded(rank: int, world: int) -> None:
-    """The same with shard_optimizer=True: stepped shards and their state put back."""
+    """The same with shard_optimizer=True: stepped shards and their state put back, the
+    fp32 masters too when they are sharded (param_dtype)."""
     check_failure(rank, world, shard=True)
+    check_failure(rank, world, shard=True, param_dtype=torch.bfloat16)
 
 
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
-        check_shard_optimizer, check_checkpoints, check_mismatch, check_failure,
-        check_failure_sharded],
-    3: [check_gradients, check_no_sync, check_shard_optimizer],
+        check_shard_optimizer, check_shard_across_plans, check_sharded_masters, check_checkpoints, check_mismatch,
+        check_failure, check_failure_sharded],
+    3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters],
 }
 
 

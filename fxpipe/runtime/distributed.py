@@ -10,6 +10,14 @@ with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket an
 gather the stepped shards back. :class:`DataParallel` runs them on host tensors, with
 ``torch.distributed`` (gloo).
 
+What is sharded: each parameter is cut in N equal pieces whatever the plan (rank ``r``
+owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``; a bucket lays them out as N chunks,
+one per rank), so the optimizer state of a piece, kept by parameter name, serves every
+plan. With ``param_dtype`` the fp32 masters are sharded the same way
+(:meth:`DataParallel.shard_masters`): the parameters become their ``param_dtype``
+copies, the sharded step updates this rank's fp32 pieces and the all-gather writes
+them, cast, into every rank's parameters.
+
 What is averaged, exactly as ``DistributedDataParallel`` does: the bucket holds each
 parameter's ``.grad`` plus this call's gradient (DDP reduces the accumulated ``.grad``),
 divided by the number of ranks, then summed across ranks; the result becomes the new
@@ -37,6 +45,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,40 +55,79 @@ import torch.distributed as dist
 
 from fxpipe.errors import DistributedError
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype
+from fxpipe.runtime.params import GradAccumulator, HostParams, ParamStore, _grad_dtype
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 
 
 @dataclass
 class Bucket:
-    """One backward stage's parameters of one gradient dtype, as one flat tensor: each
-    parameter at ``offsets[i]`` (numel ``sizes[i]``), ``numel`` in all, padded to
-    ``padded`` (a multiple of the number of ranks) for a reduce-scatter; this rank's
-    shard is ``[shard_start, shard_start + shard_len)``, ``shard_len = padded // world``.
-    ``key`` names it the same way on every rank."""
+    """One backward stage's parameters of one gradient dtype as one flat tensor of
+    ``parts`` equal chunks (``parts``: the number of ranks when sharding, else 1), a
+    reduce-scatter giving each rank one chunk. Each parameter is cut the same way
+    whatever the plan: rank ``r`` owns its elements ``[r * c, (r + 1) * c)``, ``c =
+    chunks[i] = ceil(numel / parts)``, which sit at ``offsets[i]`` of chunk ``r`` (zero
+    padded). ``names`` are the parameters' names (the same on every rank: they key the
+    optimizer state and the fp32 masters of this rank's pieces, ``masters[i]``, None where
+    the parameters are their own masters). ``key`` names the bucket the same way on every
+    rank."""
 
     key: tuple[int, int, str]                # (layers.start, layers.stop, dtype)
     layers: range
     dtype: torch.dtype
     params: list[torch.Tensor]
-    offsets: list[int]
+    names: list[str]
     sizes: list[int]
-    numel: int
-    padded: int
-    shard_start: int
-    shard_len: int
+    chunks: list[int]
+    offsets: list[int]
+    parts: int
+    rank: int
+    masters: list[torch.Tensor | None]
 
-    def pieces(self) -> list[tuple[torch.Tensor, int, int, int]]:
-        """``(param, start in param, stop in param, start in shard)`` of each parameter
-        that overlaps this rank's shard."""
-        a, b = self.shard_start, self.shard_start + self.shard_len
+    @property
+    def shard_len(self) -> int:
+        """The length of one rank's chunk."""
+        return sum(self.chunks)
+
+    @property
+    def padded(self) -> int:
+        return self.parts * self.shard_len
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """``(index, start in param, stop in param, start in shard)`` of each parameter
+        that has elements in this rank's chunk."""
         out = []
-        for p, o, n in zip(self.params, self.offsets, self.sizes):
-            lo, hi = max(a, o), min(b, o + n)
+        for i, (n, o) in enumerate(zip(self.sizes, self.offsets)):
+            lo, hi = _piece(n, self.parts, self.rank)
             if lo < hi:
-                out.append((p, lo - o, hi - o, lo - a))
+                out.append((i, lo, hi, o))
         return out
+
+    def columns(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s ``[parts, chunk]`` elements in a flat bucket tensor."""
+        return flat.view(self.parts, self.shard_len)[:, self.offsets[i]:self.offsets[i] + self.chunks[i]]
+
+    def pack(self, flat: torch.Tensor, i: int, *values: torch.Tensor | None) -> None:
+        """Parameter ``i``'s place in ``flat`` := the sum of ``values`` (None: skipped;
+        none at all: zeros), its padding zeros."""
+        cols, n = self.columns(flat, i), self.sizes[i]
+        values = [v.reshape(-1) for v in values if v is not None]
+        if not values:
+            cols.zero_()
+            return
+        c = cols.shape[1]
+        k = n // c if c else 0          # full rows
+        cols[k:].zero_()
+        for j, v in enumerate(values):
+            body = v[:k * c].view(k, c)
+            cols[:k].copy_(body) if j == 0 else cols[:k].add_(body)
+            if k * c < n:
+                row = cols[k, :n - k * c]
+                row.copy_(v[k * c:]) if j == 0 else row.add_(v[k * c:])
+
+    def unpack(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s value from ``flat`` (a view when ``parts == 1``)."""
+        return self.columns(flat, i).reshape(-1)[:self.sizes[i]].view(self.params[i].shape)
 
 
 @dataclass
@@ -125,6 +173,11 @@ class DataParallel:
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
+        # shard_optimizer with param_dtype (shard_masters): this rank's pieces of the fp32
+        # masters, their parameters, and each parameter's version when they last agreed
+        self.masters: dict[str, torch.Tensor] = {}
+        self._mastered: dict[str, torch.Tensor] = {}
+        self._stamps: dict[str, int] = {}
 
     def collectives(self, run_type: str, sync: bool, mode: str | None,
                     has_buffers: bool) -> tuple[str | None, bool]:
@@ -289,57 +342,53 @@ class DataParallel:
 
     # -- buckets -------------------------------------------------------------------------
     def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
-        """Per backward stage's layers, its buckets (one per gradient dtype), in the same
-        order on every rank: its ``owned_params`` in the order of the host buffers (one
-        set per ``store``: per run type)."""
+        """Per backward stage's layers, its buckets (one per gradient and parameter
+        dtype), in the same order on every rank: its ``owned_params`` in the order of the
+        host buffers (one set per ``store``: per run type)."""
         key = id(store)
         if key not in self._buckets:
             host = store.host
+            names = first_names(lg.params)
 
             def order(p: torch.Tensor) -> tuple:   # host buffer order, then by name
                 slot = host.slots.get(id(p))
                 if slot is None or slot.region is None:
-                    return (1, 0, 0, slot.names[0] if slot else "")
+                    return (1, 0, 0, names[id(p)])
                 return (0, slot.region, slot.offset, "")
 
             out: dict[tuple[int, int], list[Bucket]] = {}
             for s, params in store.owned(exe, lg).items():
                 layers = exe.program.stages[s].layers
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):
-                    by_dtype.setdefault(_grad_dtype(p), []).append(p)
+                    by_dtype.setdefault((_grad_dtype(p), p.dtype), []).append(p)
                 out[(layers.start, layers.stop)] = [
-                    self._bucket(layers, dtype, ps) for dtype, ps in by_dtype.items()]
+                    self._bucket(layers, dtype, [(names[id(p)], p) for p in ps])
+                    for dtype, ps in by_dtype.items()]
             self._buckets[key] = (store, out)   # the store kept: its id stays its own
         return self._buckets[key][1]
 
-    def _bucket(self, layers: range, dtype: torch.dtype, params: list[torch.Tensor]) -> Bucket:
-        offsets, sizes, n = [], [], 0
-        for p in params:
-            offsets.append(n)
-            sizes.append(p.numel())
-            n += p.numel()
-        padded = -(-n // self.world) * self.world
-        length = padded // self.world
-        return Bucket((layers.start, layers.stop, str(dtype).removeprefix("torch.")), layers,
-                      dtype, params, offsets, sizes, n, padded, self.rank * length, length)
+    def _bucket(self, layers: range | None, dtypes: tuple[torch.dtype, torch.dtype],
+                named: Sequence[tuple[str, torch.Tensor]], parts: int | None = None) -> Bucket:
+        """A bucket of ``named`` parameters; ``parts``: the number of ranks when sharding
+        (the default under ``shard_optimizer``), else 1."""
+        parts = parts or (self.world if self.shard else 1)
+        sizes = [p.numel() for _, p in named]
+        chunks = [-(-n // parts) for n in sizes]
+        offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+        grad, param = (str(d).removeprefix("torch.") for d in dtypes)
+        span = (layers.start, layers.stop) if layers is not None else (0, 0)
+        return Bucket((*span, grad, param), layers, dtypes[0], [p for _, p in named],
+                      [n for n, _ in named], sizes, chunks, offsets, parts, self.rank,
+                      [self.masters.get(n) if parts == self.world else None for n, _ in named])
 
     def _pack(self, bucket: Bucket, acc: GradAccumulator) -> torch.Tensor:
         """The bucket's flat gradient: per parameter its ``.grad`` plus this call's sum,
         divided by the number of ranks (DDP's order: divide, then sum across ranks)."""
         flat = torch.empty(bucket.padded, dtype=bucket.dtype)
-        flat[bucket.numel:].zero_()
         with torch.no_grad():
-            for p, o, n, new in zip(bucket.params, bucket.offsets, bucket.sizes,
-                                    acc.sums(bucket.params)):
-                seg = flat[o:o + n]
-                old = p.grad
-                if new is None and old is None:
-                    seg.zero_()
-                    continue
-                seg.copy_((new if new is not None else old).reshape(-1))
-                if new is not None and old is not None:
-                    seg.add_(old.reshape(-1))
+            for i, (p, new) in enumerate(zip(bucket.params, acc.sums(bucket.params))):
+                bucket.pack(flat, i, new, p.grad)
             flat.div_(self.world)
         return flat
 
@@ -366,8 +415,8 @@ class DataParallel:
             flat = self._pack(b, acc)
             self._post("all_reduce", flat,
                        f"all-reduce of layers {b.layers.start}-{b.layers.stop - 1}")
-            for p, o, n in zip(b.params, b.offsets, b.sizes):
-                acc.replace(p, flat[o:o + n].view(p.shape))
+            for i, p in enumerate(b.params):
+                acc.replace(p, b.unpack(flat, i))
 
     def reduce_scatter(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> list[Shard]:
         """``ReduceScatter``: each bucket's average, this rank's shard of it only."""
@@ -382,20 +431,106 @@ class DataParallel:
         return shards
 
     def all_gather(self, shards: Sequence[Shard]) -> None:
-        """``AllGather``: every rank's stepped shard into every rank's parameters."""
+        """``AllGather``: every rank's stepped shard into every rank's parameters (from
+        the fp32 masters, cast, where this rank keeps them)."""
         for sh in shards:
             b = sh.bucket
-            dtype = b.params[0].dtype
-            mine = torch.zeros(b.shard_len, dtype=dtype)
+            full = self._gather(b, b.params[0].dtype,
+                                f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}")
             with torch.no_grad():
-                for p, lo, hi, at in b.pieces():
-                    mine[at:at + hi - lo].copy_(p.detach().view(-1)[lo:hi])
-            full = torch.empty(b.padded, dtype=dtype)
-            self._post("all_gather", mine,
-                       f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}", full)
-            with torch.no_grad():
-                for p, o, n in zip(b.params, b.offsets, b.sizes):
-                    p.view(-1).copy_(full[o:o + n])
+                for i, p in enumerate(b.params):
+                    p.view(-1).copy_(b.unpack(full, i).reshape(-1))
+            self.stamp(b.names)
+
+    def _gather(self, b: Bucket, dtype: torch.dtype, what: str, post: bool = True) -> torch.Tensor:
+        """All-gather ``b`` in ``dtype``: every rank's chunk, from its masters where it
+        keeps them (cast), else from the parameters."""
+        mine = torch.zeros(b.shard_len, dtype=dtype)
+        with torch.no_grad():
+            for i, lo, hi, at in b.pieces():
+                m = b.masters[i]
+                mine[at:at + hi - lo].copy_(m if m is not None else b.params[i].detach().view(-1)[lo:hi])
+        full = torch.empty(b.padded, dtype=dtype)
+        if post:
+            self._post("all_gather", mine, what, full)
+        else:   # outside a call: no failure protocol to follow
+            _issue("all_gather", mine, full, self.group).wait()
+        return full
+
+    # -- fp32 masters (shard_optimizer with param_dtype) -------------------------------------
+    def shard_masters(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                      host: HostParams) -> None:
+        """``shard_optimizer`` with ``param_dtype``: keep the master (fp32) values of only
+        this rank's piece of each trainable floating parameter (``masters``, by name);
+        the parameter itself becomes its ``dtype`` copy, the one the devices upload (its
+        ``grad_dtype`` stays the master's: gradients come back in fp32). The sharded step
+        updates the masters; the all-gather writes them, cast, into every rank's
+        parameters."""
+        with torch.no_grad():
+            for name, p in _unique(params).items():
+                if not (p.requires_grad and p.is_floating_point()) or p.dtype == dtype:
+                    continue
+                if id(p) in host.slots:
+                    raise ValueError(
+                        f"shard_optimizer=True with param_dtype={dtype} shards the fp32 "
+                        f"masters of {name!r}, but this model's parameters already live in "
+                        "another pipe's host buffers (the model was compiled before): compile "
+                        "a freshly built model, or close and drop the other pipe first")
+                lo, hi = _piece(p.numel(), self.world, self.rank)
+                self.masters[name] = p.detach().reshape(-1)[lo:hi].clone()
+                self._mastered[name] = p
+                p.grad_dtype = p.dtype
+                p.data = p.detach().to(dtype)
+        self.stamp(self.masters)
+
+    def stamp(self, names: Sequence[str] | Mapping[str, Any]) -> None:
+        """The masters of ``names`` and their parameters agree now."""
+        for n in names:
+            if n in self._mastered:
+                self._stamps[n] = self._mastered[n]._version
+
+    def check_masters(self) -> None:
+        """Before a training call: a parameter changed outside fxpipe (an in-place write,
+        ``model.load_state_dict``) since its master was last written gets its master
+        re-read from the parameter, with a warning (below ``param_dtype``'s precision
+        it is lost: load fp32 weights with ``pipe.load_state_dict`` instead)."""
+        changed = [n for n, p in self._mastered.items() if p._version != self._stamps.get(n)]
+        if not changed:
+            return
+        warnings.warn(
+            f"rank {self.rank}: {len(changed)} parameter(s) ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}) changed outside fxpipe since the last "
+            "step; under shard_optimizer=True with param_dtype their fp32 masters are "
+            "sharded, so they are re-read from the parameters' own dtype (the precision "
+            "below it is lost). Load fp32 weights with pipe.load_state_dict(...) or "
+            "pipe.load_checkpoint(...), which set the masters too", stacklevel=4)
+        self.set_masters({n: self._mastered[n] for n in changed})
+
+    def set_masters(self, values: Mapping[str, torch.Tensor]) -> None:
+        """This rank's pieces of the masters := ``values`` (by name, whole tensors), the
+        parameters too (cast)."""
+        with torch.no_grad():
+            for n, v in values.items():
+                p = self._mastered[n]
+                lo, hi = _piece(p.numel(), self.world, self.rank)
+                self.masters[n].copy_(v.detach().reshape(-1)[lo:hi])
+                if v is not p:
+                    p.copy_(v)
+        self.stamp(list(values))
+
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        """Every sharded master whole, gathered from every rank (a collective: every rank
+        calls it), by name."""
+        out: dict[str, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for n, p in self._mastered.items():
+            by_dtype.setdefault(self.masters[n].dtype, []).append((n, p))
+        for dtype, named in by_dtype.items():
+            b = self._bucket(None, (dtype, dtype), named, parts=self.world)
+            full = self._gather(b, dtype, "all-gather of the masters", post=False)
+            for i, (n, p) in enumerate(named):
+                out[n] = b.unpack(full, i).clone()
+        return out
 
     def close(self) -> None:
         if self._worker is not None:
@@ -423,6 +558,26 @@ def _by_dtype(buffers: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[tor
     for name in sorted(buffers):
         out.setdefault(buffers[name].dtype, []).append(buffers[name])
     return out
+
+
+def _piece(numel: int, parts: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s elements ``[lo, hi)`` of a parameter of ``numel`` elements cut in
+    ``parts`` (possibly empty)."""
+    c = -(-numel // parts)
+    return min(numel, rank * c), min(numel, (rank + 1) * c)
+
+
+def first_names(params: Mapping[str, torch.Tensor]) -> dict[int, str]:
+    """``id(tensor) -> its first name`` (a tied parameter has several)."""
+    out: dict[int, str] = {}
+    for n, t in params.items():
+        out.setdefault(id(t), n)
+    return out
+
+
+def _unique(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with each tensor once, under its first name."""
+    return {n: params[n] for n in first_names(params).values()}
 
 
 def _span(layers: range) -> tuple[int, int]:

@@ -125,6 +125,7 @@ class Runner:
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
+            dp.check_masters()
         if optimizer is not None:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)
