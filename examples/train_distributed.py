@@ -13,7 +13,9 @@ shallower stages still back-propagate, and the streamed optimizer steps each sta
 after its all-reduce. Every ``--accum`` steps the first microsteps run under
 ``pipe.no_sync()`` (no all-reduce); the last one averages the accumulated ``.grad``.
 
-Options: ``--shard-optimizer`` (each rank keeps 1/N of the optimizer state),
+Options: ``--shard-optimizer`` (each rank keeps 1/N of the optimizer state; with
+``--bf16`` too, 1/N of the fp32 masters: the devices compute in bf16 and the model's
+parameters become the bf16 copies they upload), ``--bf16`` (``param_dtype=bfloat16``),
 ``--checkpoint DIR`` (resume from DIR if it holds a checkpoint, save there at the end:
 ``torch.distributed.checkpoint``, every rank writing its part),
 ``--fail-rank R --fail-step S`` (rank R raises inside step S: every rank stops with an
@@ -76,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
     x0, _ = batch(0, rows)
     pipe = fxpipe.compile(model, (x0[:args.rows_per_rank],), devices=["cpu", "cpu"],
                           data_parallel=True, shard_optimizer=args.shard_optimizer,
+                          param_dtype=torch.bfloat16 if args.bf16 else None,
                           collective_timeout=60)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step_opt = fxpipe.optim.overlapped(opt, atomic=True)   # a failed step changes nothing
@@ -152,6 +155,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--rows-per-rank", type=int, default=8)
     p.add_argument("--shard-optimizer", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16")
     p.add_argument("--checkpoint", default="", help="folder to resume from and save to")
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=1)

@@ -29,7 +29,7 @@ from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import Device, resolve_devices
-from fxpipe.runtime.distributed import DataParallel
+from fxpipe.runtime.distributed import DataParallel, reshard
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
@@ -591,7 +591,8 @@ class PipelineModule(nn.Module):
 
         from fxpipe.optim import shard_items
         items: dict[str, Any] = {"model": self.module.state_dict()}
-        if self._dp is not None:
+        if self._dp is not None and self._dp.masters:
+            items["master.world"] = self._dp.world
             items.update({f"master.rank{self._dp.rank}.{n}": m
                           for n, m in self._dp.masters.items() if m.numel()})
         if optimizer is not None:
@@ -607,9 +608,10 @@ class PipelineModule(nn.Module):
 
     def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
         """Load what :meth:`save_checkpoint` saved into the model (in place: the
-        parameters stay views of the host buffers), its fp32 masters and ``optimizer``;
-        the same number of ranks, ``shard_optimizer`` and ``param_dtype`` (resharding is
-        not implemented)."""
+        parameters stay views of the host buffers), its fp32 masters and ``optimizer``,
+        with the same ``shard_optimizer`` and ``param_dtype``. Sharded optimizer state and
+        masters saved by another number of ranks are resharded: each rank reads the
+        pieces of the old ranks that overlap its own (``runtime.distributed.reshard``)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
@@ -620,43 +622,46 @@ class PipelineModule(nn.Module):
         sharded = dp is not None and dp.shard
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         masters = dp is not None and bool(dp.masters)
-        if masters != any(k.startswith("master.") for k in saved):
+        if masters != ("master.world" in saved):
             raise ValueError(f"{path} was saved {'without' if masters else 'with'} sharded fp32 "
                              "masters (shard_optimizer=True with param_dtype); load it into a "
                              "pipe compiled the same way")
-        if masters:
-            mine = f"master.rank{dp.rank}."
-            for n, m in dp.masters.items():
-                if m.numel():
-                    items[mine + n] = m   # loaded in place
-        if optimizer is not None:
-            ov = as_overlapped(optimizer)
-            if sharded != ("optim.world" in saved):
-                raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
-                                 "shard_optimizer; load it into a pipe compiled the same way")
-            if sharded:
-                prefix = f"optim.rank{dp.rank}."
-                # the structure to fill (DCP flattens the list of settings per key)
+        ov = as_overlapped(optimizer) if optimizer is not None else None
+        if ov is not None and sharded != ("optim.world" in saved):
+            raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
+                             "shard_optimizer; load it into a pipe compiled the same way")
+        pieces = [kind for kind, used in (("master", masters), ("optim", sharded and ov))
+                  if used]
+        stitches = []
+        if pieces:   # the number of ranks that saved them first
+            worlds = {f"{kind}.world": 0 for kind in pieces}
+            dcp.load(worlds, checkpoint_id=path, process_group=self._group())
+            numel = {n: t.numel() for n, t in self._current.layers.params.items()}
+            for kind in pieces:
+                want, stitch = reshard(saved, kind, worlds[f"{kind}.world"], numel, dp.world,
+                                       dp.rank, states=kind == "optim")
+                items.update(want)
+                stitches.append(stitch)
+        if ov is not None:
+            if sharded:   # the param groups' settings (DCP flattens the list per key)
                 items.update({k: v for k, v in shard_items(ov, 0, 0).items()
                               if not k.startswith("optim.rank")})
-                for fqn, md in saved.items():
-                    if fqn.startswith(prefix):
-                        items[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
             else:
                 items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
-        ranks = {int(k.split(".")[1].removeprefix("rank")) for k in saved
-                 if k.startswith(("optim.rank", "master.rank"))}
-        world = dp.world if dp is not None else 1
-        if ranks and max(ranks) + 1 != world:
-            raise ValueError(f"{path} holds the shards of {max(ranks) + 1} ranks, this job has "
-                             f"{world}: resharding is not implemented")
         dcp.load(items, checkpoint_id=path, process_group=self._group())
+        loaded = {k: v for stitch in stitches for k, v in stitch().items()}
         if masters:
+            mine = f"master.rank{dp.rank}."
+            with torch.no_grad():
+                for n, m in dp.masters.items():
+                    if m.numel():
+                        m.copy_(loaded[mine + n])
             dp.stamp(dp.masters)   # the parameters as loaded agree with the masters loaded
-        if optimizer is None:
+        if ov is None:
             return
         if sharded:
-            load_shard_items(ov, dp.rank, items)
+            load_shard_items(ov, dp.rank, {"optim.param_groups": items["optim.param_groups"],
+                                           **loaded})
         else:
             set_optimizer_state_dict(self.module, ov.optimizer, items["optim"])
 

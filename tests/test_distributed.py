@@ -430,13 +430,15 @@ CHECKS = {
 }
 
 
-def _rank_main(rank: int, world: int, folder: str) -> None:
+def _rank_main(rank: int, world: int, folder: str, checks: str = "") -> None:
+    """Run ``CHECKS[world]``, or the checks named in ``checks`` (comma-separated)."""
     torch.set_num_threads(1)
     os.environ["FXPIPE_TEST_FOLDER"] = folder
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/store{'-' + checks if checks else ''}", rank=rank,
+        world_size=world)
     try:
-        for check in CHECKS[world]:
+        for check in [globals()[c] for c in checks.split(",")] if checks else CHECKS[world]:
             try:
                 check(rank, world)
             except BaseException as e:
@@ -452,11 +454,75 @@ def _rank_main(rank: int, world: int, folder: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel(world, tmp_path):
+    spawn(world, tmp_path)
+
+
+def spawn(world: int, folder, checks: str = "") -> None:
     try:
-        mp.spawn(_rank_main, args=(world, str(tmp_path)), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, str(folder), checks), nprocs=world, join=True)
     except mp.ProcessRaisedException as e:
-        errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
+        errors = [f.read_text() for f in sorted(folder.glob("rank*.err"))]
         raise AssertionError("\n".join(errors) or str(e)) from None
+
+
+RESHARD = [(torch.optim.AdamW, None), (torch.optim.AdamW, torch.bfloat16),
+           (torch.optim.SGD, torch.bfloat16)]
+
+
+def reshard_save(rank: int, world: int) -> None:
+    """2 sharded steps on ``world`` ranks, then a checkpoint (and the gathered masters)."""
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    for k, (cls, dtype) in enumerate(RESHARD):
+        model = make_model()
+        opt = cls(model.parameters(), lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype)
+        for step in range(2):
+            X, Y = data(world, step)
+            pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt)
+            opt.zero_grad()
+        pipe.save_checkpoint(f"{folder}/reshard{k}", opt)
+        full = pipe.full_state_dict()
+        if rank == 0:
+            torch.save(full, f"{folder}/reshard{k}.pt")
+        pipe.close()
+
+
+def reshard_load(rank: int, world: int) -> None:
+    """Load the checkpoint of 2 ranks on ``world`` ranks: the masters gathered equal the
+    saved ones; 2 more steps equal eager training through all 4 steps (fp32), so every
+    piece of the optimizer state (moments and step counts) landed on its new owner."""
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    for k, (cls, dtype) in enumerate(RESHARD):
+        kw = {"momentum": 0.9} if cls is torch.optim.SGD else {}
+        model = make_model()
+        opt = cls(model.parameters(), lr=0.5, **kw)       # the checkpoint sets lr back
+        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype)
+        pipe.load_checkpoint(f"{folder}/reshard{k}", opt)
+        saved = torch.load(f"{folder}/reshard{k}.pt")
+        for name, value in pipe.full_state_dict().items():
+            assert torch.equal(value, saved[name]), f"{cls.__name__} {dtype}: {name}"
+        if dtype is not None:
+            pipe.close()
+            continue
+        ref = make_model()
+        ref_opt = cls(ref.parameters(), lr=0.01, **kw)
+        for step in range(4):
+            X, Y = data(2 if step < 2 else world, step)
+            ce(ref(X), Y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if step >= 2:
+                pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                      optimizer=opt)
+                opt.zero_grad()
+        assert_params(model, ref, f"{cls.__name__}: 2 steps on 2 ranks, 2 on {world}")
+        pipe.close()
+
+
+def test_checkpoint_onto_another_number_of_ranks(tmp_path):
+    """Sharded optimizer state and masters saved by 2 ranks, loaded by 3."""
+    spawn(2, tmp_path, "reshard_save")
+    spawn(3, tmp_path, "reshard_load")
 
 
 # ----------------------------------------------------------------- in this process (rank 0 of 1)
@@ -576,6 +642,37 @@ def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
         ref_opt.zero_grad()
         pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
     assert_params(model, ref, "one rank, sharded")
+    pipe.close()
+
+
+def test_sharded_masters_errors(one_rank, tmp_path):
+    """Sharding the masters of a model another pipe already holds, ``assign=True``, and a
+    checkpoint saved with masters loaded without (and back) fail with what to do."""
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    model = make_model()
+    plain = fxpipe.compile(model, (x,), devices=["cpu"])
+    plain.forward_backward((x,), label=y, loss_fn=ce)       # its parameters move to the host
+    with pytest.raises(ValueError, match="already live in another pipe's host buffers"):
+        fxpipe.compile(model, (x,), devices=["cpu"], data_parallel=True, shard_optimizer=True,
+                       param_dtype=torch.bfloat16)
+    plain.close()
+    model = make_model()
+    pipe = fxpipe.compile(model, (x,), devices=["cpu"], data_parallel=True, shard_optimizer=True,
+                          param_dtype=torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16 and pipe._dp.masters["0.weight"].dtype == \
+        torch.float32
+    with pytest.raises(NotImplementedError, match="assign=False"):
+        pipe.load_state_dict(make_model().state_dict(), assign=True)
+    pipe.save_checkpoint(str(tmp_path / "masters"))
+    other = fxpipe.compile(make_model(), (x,), devices=["cpu"], data_parallel=True,
+                           shard_optimizer=True)
+    with pytest.raises(ValueError, match="saved with sharded fp32 masters"):
+        other.load_checkpoint(str(tmp_path / "masters"))
+    other.save_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="saved without sharded fp32 masters"):
+        pipe.load_checkpoint(str(tmp_path / "plain"))
+    assert set(other.full_state_dict()) == set(other.state_dict())   # nothing to gather
+    other.close()
     pipe.close()
 
 

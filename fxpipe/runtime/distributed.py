@@ -560,6 +560,73 @@ def _by_dtype(buffers: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[tor
     return out
 
 
+def reshard(saved: Mapping[str, Any], kind: str, old_world: int, numel: Mapping[str, int],
+            world: int, rank: int, states: bool) -> tuple[dict[str, torch.Tensor], Any]:
+    """Load a checkpoint's per-rank pieces onto another number of ranks. ``saved``: its
+    metadata by key; the pieces are ``{kind}.rank{q}.{name}`` (``states``:
+    ``{kind}.rank{q}.{name}.{state}``) of ``old_world`` ranks, each 1-D (rank ``q``'s
+    elements of parameter ``name``) or a scalar (a step count, the same on every rank).
+    Returns the saved keys this ``rank`` of ``world`` reads (into new tensors, for
+    ``dcp.load``) and a function to call after the load that gives this rank's pieces
+    by their keys ``{kind}.rank{rank}...``."""
+    prefix = f"{kind}.rank"
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for key in saved:
+        if key.startswith(prefix):
+            q, _, rest = key[len(prefix):].partition(".")
+            name, _, state = rest.rpartition(".") if states else (rest, "", "")
+            groups.setdefault((name, state), {})[int(q)] = key
+    want: dict[str, torch.Tensor] = {}
+    plans: dict[str, tuple[int, torch.dtype, list[tuple[str, int, int, int]]]] = {}
+    for (name, state), by_rank in groups.items():
+        if name not in numel:
+            raise ValueError(f"the checkpoint has {kind} pieces of {name!r}, which is not a "
+                             "parameter of this model")
+        new_key = f"{prefix}{rank}.{name}" + (f".{state}" if states else "")
+        md = saved[next(iter(by_rank.values()))]
+        dtype = md.properties.dtype
+        n = numel[name]
+        lo, hi = _piece(n, world, rank)
+        if lo == hi:
+            continue   # this rank owns none of it
+        if len(md.size) == 0:   # a scalar, the same on every rank
+            key = by_rank[min(by_rank)]
+            want[key] = torch.empty((), dtype=dtype)
+            plans[new_key] = (-1, dtype, [(key, 0, 0, 0)])
+            continue
+        parts = []
+        for q, key in sorted(by_rank.items()):
+            olo, ohi = _piece(n, old_world, q)
+            if tuple(saved[key].size) != (ohi - olo,):
+                raise NotImplementedError(
+                    f"resharding {key!r}: it holds {tuple(saved[key].size)}, not the "
+                    f"{ohi - olo} elements rank {q} of {old_world} owns of {name!r}; only "
+                    "elementwise optimizer state (one value per parameter element, or a "
+                    "scalar) can be loaded onto another number of ranks")
+            a, b = max(lo, olo), min(hi, ohi)
+            if a < b:
+                want[key] = torch.empty(ohi - olo, dtype=dtype)
+                parts.append((key, a - olo, a - lo, b - a))
+        if sum(k for *_, k in parts) != hi - lo:
+            raise ValueError(f"the checkpoint lacks some of the {kind} pieces of {name!r} "
+                             f"(elements {lo}-{hi - 1} for rank {rank} of {world})")
+        plans[new_key] = (hi - lo, dtype, parts)
+
+    def stitch() -> dict[str, torch.Tensor]:
+        out = {}
+        for new_key, (length, dtype, parts) in plans.items():
+            if length < 0:
+                out[new_key] = want[parts[0][0]]
+                continue
+            t = torch.empty(length, dtype=dtype)
+            for key, src, dst, k in parts:
+                t[dst:dst + k].copy_(want[key][src:src + k])
+            out[new_key] = t
+        return out
+
+    return want, stitch
+
+
 def _piece(numel: int, parts: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s elements ``[lo, hi)`` of a parameter of ``numel`` elements cut in
     ``parts`` (possibly empty)."""
