@@ -121,9 +121,10 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     each rank keeps the fp32 values of its 1/N only, and the model's trainable floating
     parameters become their ``param_dtype`` copies (what the devices upload; gradients
     stay fp32 through ``grad_dtype``): ``pipe.full_state_dict()`` gathers the fp32
-    values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how long a collective waits
-    for the other ranks; a training call that fails on one rank fails on every rank
-    with ``fxpipe.DistributedError`` naming the rank (``fxpipe.runtime.distributed``).
+    values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how
+    long a collective waits for the other ranks; a training call that fails on one rank
+    fails on every rank with ``fxpipe.DistributedError`` naming the rank
+    (``fxpipe.runtime.distributed``).
     Ranks that compiled different plans or parameter shapes fail here with a
     ``ValueError`` saying where they differ.
     """
@@ -684,8 +685,8 @@ class PipelineModule(nn.Module):
                                       "whose fp32 masters fxpipe shards (shard_optimizer=True with "
                                       "param_dtype): load with assign=False")
         result = self.module.load_state_dict(state_dict, strict=strict)
-        key_of = {id(t): k for k, t in reversed(list(self.module.state_dict(keep_vars=True).items()))
-                  if k in state_dict}
+        own = self.module.state_dict(keep_vars=True)
+        key_of = {id(t): k for k, t in reversed(own.items()) if k in state_dict}
         dp.set_masters({n: state_dict[key_of[id(p)]] for n, p in dp._mastered.items()
                         if id(p) in key_of})
         return result

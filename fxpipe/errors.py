@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import torch
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside fxpipe and torch (the
+    user's line that made the call), whichever path led here."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class CaptureError(RuntimeError):

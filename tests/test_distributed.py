@@ -424,8 +424,8 @@ def check_failure_sharded(rank: int, world: int) -> None:
 
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
-        check_shard_optimizer, check_shard_across_plans, check_sharded_masters, check_checkpoints, check_mismatch,
-        check_failure, check_failure_sharded],
+        check_shard_optimizer, check_shard_across_plans, check_sharded_masters,
+        check_checkpoints, check_mismatch, check_failure, check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters],
 }
 
@@ -474,7 +474,8 @@ def reshard_save(rank: int, world: int) -> None:
     folder = os.environ["FXPIPE_TEST_FOLDER"]
     for k, (cls, dtype) in enumerate(RESHARD):
         model = make_model()
-        opt = cls(model.parameters(), lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+        kw = {"momentum": 0.9} if cls is torch.optim.SGD else {}
+        opt = cls(model.parameters(), lr=0.01, **kw)
         pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype)
         for step in range(2):
             X, Y = data(world, step)
@@ -652,7 +653,7 @@ def test_sharded_masters_errors(one_rank, tmp_path):
     model = make_model()
     plain = fxpipe.compile(model, (x,), devices=["cpu"])
     plain.forward_backward((x,), label=y, loss_fn=ce)       # its parameters move to the host
-    with pytest.raises(ValueError, match="already live in another pipe's host buffers"):
+    with pytest.raises(ValueError, match="an earlier pipe of this model already laid them out"):
         fxpipe.compile(model, (x,), devices=["cpu"], data_parallel=True, shard_optimizer=True,
                        param_dtype=torch.bfloat16)
     plain.close()

@@ -45,7 +45,6 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import DistributedError
+from fxpipe.errors import DistributedError, warn_user
 from fxpipe.runtime.devices import VirtualDevice
 from fxpipe.runtime.params import GradAccumulator, HostParams, ParamStore, _grad_dtype
 
@@ -72,8 +71,8 @@ class Bucket:
     the parameters are their own masters). ``key`` names the bucket the same way on every
     rank."""
 
-    key: tuple[int, int, str]                # (layers.start, layers.stop, dtype)
-    layers: range
+    key: tuple[int, int, str, str]   # (layers.start, layers.stop, grad dtype, param dtype)
+    layers: range | None             # None: not a stage's (DataParallel.full_masters)
     dtype: torch.dtype
     params: list[torch.Tensor]
     names: list[str]
@@ -105,7 +104,8 @@ class Bucket:
 
     def columns(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s ``[parts, chunk]`` elements in a flat bucket tensor."""
-        return flat.view(self.parts, self.shard_len)[:, self.offsets[i]:self.offsets[i] + self.chunks[i]]
+        o = self.offsets[i]
+        return flat.view(self.parts, self.shard_len)[:, o:o + self.chunks[i]]
 
     def pack(self, flat: torch.Tensor, i: int, *values: torch.Tensor | None) -> None:
         """Parameter ``i``'s place in ``flat`` := the sum of ``values`` (None: skipped;
@@ -449,7 +449,9 @@ class DataParallel:
         with torch.no_grad():
             for i, lo, hi, at in b.pieces():
                 m = b.masters[i]
-                mine[at:at + hi - lo].copy_(m if m is not None else b.params[i].detach().view(-1)[lo:hi])
+                if m is None:
+                    m = b.params[i].detach().view(-1)[lo:hi]
+                mine[at:at + hi - lo].copy_(m)
         full = torch.empty(b.padded, dtype=dtype)
         if post:
             self._post("all_gather", mine, what, full)
@@ -473,9 +475,10 @@ class DataParallel:
                 if id(p) in host.slots:
                     raise ValueError(
                         f"shard_optimizer=True with param_dtype={dtype} shards the fp32 "
-                        f"masters of {name!r}, but this model's parameters already live in "
-                        "another pipe's host buffers (the model was compiled before): compile "
-                        "a freshly built model, or close and drop the other pipe first")
+                        f"masters of {name!r} and turns the parameters into {dtype} copies, "
+                        "but an earlier pipe of this model already laid them out in its host "
+                        "buffers as they were: compile a freshly built model (or one loaded "
+                        "again) with these options")
                 lo, hi = _piece(p.numel(), self.world, self.rank)
                 self.masters[name] = p.detach().reshape(-1)[lo:hi].clone()
                 self._mastered[name] = p
@@ -497,13 +500,13 @@ class DataParallel:
         changed = [n for n, p in self._mastered.items() if p._version != self._stamps.get(n)]
         if not changed:
             return
-        warnings.warn(
+        warn_user(
             f"rank {self.rank}: {len(changed)} parameter(s) ({', '.join(changed[:3])}"
             f"{', ...' if len(changed) > 3 else ''}) changed outside fxpipe since the last "
             "step; under shard_optimizer=True with param_dtype their fp32 masters are "
             "sharded, so they are re-read from the parameters' own dtype (the precision "
             "below it is lost). Load fp32 weights with pipe.load_state_dict(...) or "
-            "pipe.load_checkpoint(...), which set the masters too", stacklevel=4)
+            "pipe.load_checkpoint(...), which set the masters too")
         self.set_masters({n: self._mastered[n] for n in changed})
 
     def set_masters(self, values: Mapping[str, torch.Tensor]) -> None:
