@@ -591,6 +591,9 @@ class PipelineModule(nn.Module):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         from fxpipe.optim import shard_items
+        if self._dp is not None:
+            self._dp.check_alive()     # after a failure: resume from the last checkpoint
+            self._dp.check_masters()   # parameters edited since the last step
         items: dict[str, Any] = {"model": self.module.state_dict()}
         if self._dp is not None and self._dp.masters:
             items["master.world"] = self._dp.world
@@ -651,13 +654,9 @@ class PipelineModule(nn.Module):
                 items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
         dcp.load(items, checkpoint_id=path, process_group=self._group())
         loaded = {k: v for stitch in stitches for k, v in stitch().items()}
-        if masters:
+        if masters:   # the parameters as loaded hold them already
             mine = f"master.rank{dp.rank}."
-            with torch.no_grad():
-                for n, m in dp.masters.items():
-                    if m.numel():
-                        m.copy_(loaded[mine + n])
-            dp.stamp(dp.masters)   # the parameters as loaded agree with the masters loaded
+            dp.set_pieces({k[len(mine):]: v for k, v in loaded.items() if k.startswith(mine)})
         if ov is None:
             return
         if sharded:
@@ -671,6 +670,9 @@ class PipelineModule(nn.Module):
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):
+        """``module.state_dict()``: under sharded fp32 masters (``shard_optimizer=True``
+        with ``param_dtype``) the parameters are their ``param_dtype`` copies; the full
+        precision values: :meth:`full_state_dict`."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -684,18 +686,21 @@ class PipelineModule(nn.Module):
             raise NotImplementedError("load_state_dict(assign=True) would replace the parameters "
                                       "whose fp32 masters fxpipe shards (shard_optimizer=True with "
                                       "param_dtype): load with assign=False")
+        dp.check_masters()   # parameters edited since the last step (and not loaded here)
         result = self.module.load_state_dict(state_dict, strict=strict)
         own = self.module.state_dict(keep_vars=True)
         key_of = {id(t): k for k, t in reversed(own.items()) if k in state_dict}
         dp.set_masters({n: state_dict[key_of[id(p)]] for n, p in dp._mastered.items()
-                        if id(p) in key_of})
+                        if id(p) in key_of}, params=False)
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict at full precision: under sharded fp32 masters
         (``shard_optimizer=True`` with ``param_dtype``), the parameters hold their
         ``param_dtype`` copies and each rank 1/N of the masters, which this gathers (a
-        collective: call it on every rank); otherwise ``state_dict()``."""
+        collective: call it on every rank, between training calls); otherwise
+        ``state_dict()``. A sharded checkpoint loads only into a pipe compiled the same
+        way: to evaluate elsewhere, save this (``torch.save`` on rank 0)."""
         state = self.module.state_dict()
         dp = self._dp
         if dp is None or not dp.masters:

@@ -268,6 +268,7 @@ class _Call:
         self.backup = streamed and (ov.atomic or ov.max_grad_norm is not None)
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
+        self.shards = False                      # whether they were stepped by shards
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}   # the Program's backward_stage_of
 
@@ -303,6 +304,7 @@ class _Call:
                     step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
                     for p in params:   # their gradients were consumed by the sharded step
                         p.grad = None
+                    self.shards = True
                     self.stepped.append(layers)
                     return
                 saved = _Saved(self.ov.optimizer, in_opt) if self.backup and in_opt else None
@@ -375,9 +377,13 @@ class _Call:
         elif self.stepped:
             spans = ", ".join(f"{r.start}-{r.stop - 1}"
                               for r in sorted(self.stepped, key=lambda r: r.start))
+            what = ("parameters, optimizer state and .grad; each stage whole" if not self.shards
+                    else "this rank's shard: its pieces of the parameters or of their fp32 "
+                    "masters, and their optimizer state; the other ranks' pieces may not have "
+                    "been gathered")
             exc.add_note(f"fxpipe: the streamed optimizer step had already updated layers {spans} "
-                         "(parameters, optimizer state and .grad; each stage whole) when the call "
-                         "failed; fxpipe.optim.overlapped(opt, atomic=True) puts them back")
+                         f"({what}) when the call failed; fxpipe.optim.overlapped(opt, "
+                         "atomic=True) puts them back")
 
 
 # ----------------------------------------------------------------------------- mechanics

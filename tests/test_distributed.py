@@ -37,10 +37,21 @@ class Scale(nn.Module):
         return x * self.s
 
 
+class Gain(nn.Module):
+    """A trainable scalar: fewer elements than ranks, so some ranks own none of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return x * self.g
+
+
 def make_model(hidden: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 7), nn.Tanh(),
-                         nn.Linear(7, 5), Scale(), nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 7), Gain(),
+                         nn.Tanh(), nn.Linear(7, 5), Scale(), nn.Linear(5, 3))
 
 
 def data(world: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,14 +102,14 @@ def check_gradients(rank: int, world: int) -> None:
     ref = make_model()
     ce(ref(X), Y).backward()
     model = make_model()
-    model[5].s.fill_(1.0 + rank)        # rank 0's value wins
+    model[6].s.fill_(1.0 + rank)        # rank 0's value wins
     pipe = compile_dp(model, rank)
     with pipe.trace() as rec:
         loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce)
     host = [str(a) for a in pipe.program("fused").host]
     assert host[0] == "BC" and "AR0:1" in host, host
     assert sorted(a for d, a in rec.actions if d == -1) == sorted(host)  # what ran is printed
-    assert model[5].s.item() == 1.0
+    assert model[6].s.item() == 1.0
     assert_close(mean_across(loss), ce(ref(X), Y).detach(), "fused loss")
     assert_grads(model, ref, "fused")
     # eager style: pipe(x) ... .backward()
@@ -289,16 +300,22 @@ def check_sharded_masters(rank: int, world: int) -> None:
             assert masters[name].dtype == torch.float32
             assert_close(masters[name], q.detach(), f"step {step}: master {name}")
             assert torch.equal(model.get_parameter(name).detach(), masters[name].to(bf16)), name
-    assert torch.equal(masters["5.s"], model[5].s)    # buffers: the model's own
+    assert torch.equal(masters["6.s"], model[6].s)    # buffers: the model's own
     # fp32 weights in: the masters take them exactly
     pipe.load_state_dict(ref.state_dict())
     for name, q in ref.named_parameters():
         assert torch.equal(pipe.full_state_dict()[name], q.detach()), name
+    # outside fxpipe, in place or by replacing .data: the masters are re-read (a warning)
+    # before a step, and before gathering them (a checkpoint would save the edit too)
     with torch.no_grad():
-        model[0].weight.mul_(2)    # outside fxpipe: its master is re-read, with a warning
+        model[0].weight.mul_(2)
     X, Y = data(world, 3)
     with pytest.warns(UserWarning, match=r"\(0\.weight\) changed outside fxpipe"):
         pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt)
+    model[2].bias.data = torch.full_like(model[2].bias, 0.25)
+    with pytest.warns(UserWarning, match=r"\(2\.bias\) changed outside fxpipe"):
+        edited = pipe.full_state_dict()
+    assert torch.equal(edited["2.bias"], torch.full((7,), 0.25))
     ref_pipe.close()
     pipe.close()
 
@@ -675,6 +692,53 @@ def test_sharded_masters_errors(one_rank, tmp_path):
     assert set(other.full_state_dict()) == set(other.state_dict())   # nothing to gather
     other.close()
     pipe.close()
+
+
+def test_reshard_stitches_the_pieces_of_any_number_of_ranks():
+    """``reshard`` against checkpoint metadata: every new rank of every world size gets
+    exactly its elements from the pieces of every old world size (parameters with fewer
+    elements than ranks included), scalars once; a checkpoint that does not fit raises
+    the same error on every rank."""
+    from types import SimpleNamespace
+
+    from fxpipe.runtime.distributed import _piece, reshard
+
+    def md(t):
+        return SimpleNamespace(size=t.shape, properties=SimpleNamespace(dtype=t.dtype))
+
+    full = {"a.w": torch.arange(12.0), "b": torch.arange(100.0, 105.0), "c.g": torch.tensor([7.0])}
+    numel = {n: t.numel() for n, t in full.items()}
+    for old in range(1, 5):
+        tensors = {}
+        for q in range(old):
+            for n, t in full.items():
+                lo, hi = _piece(t.numel(), old, q)
+                if lo < hi:
+                    tensors[f"optim.rank{q}.{n}.exp_avg"] = t[lo:hi].clone()
+                    tensors[f"optim.rank{q}.{n}.step"] = torch.tensor(3.0)
+        saved = {k: md(t) for k, t in tensors.items()}
+        for world in range(1, 6):
+            for rank in range(world):
+                want, stitch = reshard(saved, "optim", old, numel, world, rank, states=True)
+                for k, t in want.items():      # what dcp.load does
+                    t.copy_(tensors[k])
+                got = stitch()
+                for n, t in full.items():
+                    lo, hi = _piece(t.numel(), world, rank)
+                    key = f"optim.rank{rank}.{n}"
+                    if lo == hi:
+                        assert key + ".exp_avg" not in got
+                        continue
+                    assert torch.equal(got[key + ".exp_avg"], t[lo:hi]), (old, world, rank, n)
+                    assert got[key + ".step"].item() == 3.0
+    del saved["optim.rank1.a.w.exp_avg"]
+    for rank in range(3):
+        with pytest.raises(ValueError, match="lacks rank 1's optim piece of 'a.w' exp_avg"):
+            reshard(saved, "optim", 4, numel, 3, rank, states=True)
+    saved["optim.rank1.a.w.exp_avg"] = md(torch.zeros(2, 3))
+    for rank in range(3):
+        with pytest.raises(NotImplementedError, match="only elementwise state"):
+            reshard(saved, "optim", 4, numel, 3, rank, states=True)
 
 
 def test_simulated_collectives_overlap_the_backward():

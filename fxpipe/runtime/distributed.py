@@ -68,10 +68,8 @@ class Bucket:
     chunks[i] = ceil(numel / parts)``, which sit at ``offsets[i]`` of chunk ``r`` (zero
     padded). ``names`` are the parameters' names (the same on every rank: they key the
     optimizer state and the fp32 masters of this rank's pieces, ``masters[i]``, None where
-    the parameters are their own masters). ``key`` names the bucket the same way on every
-    rank."""
+    the parameters are their own masters)."""
 
-    key: tuple[int, int, str, str]   # (layers.start, layers.stop, grad dtype, param dtype)
     layers: range | None             # None: not a stage's (DataParallel.full_masters)
     dtype: torch.dtype
     params: list[torch.Tensor]
@@ -177,7 +175,12 @@ class DataParallel:
         # masters, their parameters, and each parameter's version when they last agreed
         self.masters: dict[str, torch.Tensor] = {}
         self._mastered: dict[str, torch.Tensor] = {}
-        self._stamps: dict[str, int] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}
+        self._host: HostParams | None = None
+        # id(parameter) -> its name for the shard state and masters: the first name it had
+        # in the first layer graph that named it (another capture may order tied names
+        # differently)
+        self._names: dict[int, str] = {}
 
     def collectives(self, run_type: str, sync: bool, mode: str | None,
                     has_buffers: bool) -> tuple[str | None, bool]:
@@ -348,7 +351,7 @@ class DataParallel:
         key = id(store)
         if key not in self._buckets:
             host = store.host
-            names = first_names(lg.params)
+            names = {i: self._names.setdefault(i, n) for i, n in first_names(lg.params).items()}
 
             def order(p: torch.Tensor) -> tuple:   # host buffer order, then by name
                 slot = host.slots.get(id(p))
@@ -374,12 +377,10 @@ class DataParallel:
         (the default under ``shard_optimizer``), else 1."""
         parts = parts or (self.world if self.shard else 1)
         sizes = [p.numel() for _, p in named]
-        chunks = [-(-n // parts) for n in sizes]
+        chunks = [_chunk(n, parts) for n in sizes]
         offsets = [sum(chunks[:i]) for i in range(len(chunks))]
-        grad, param = (str(d).removeprefix("torch.") for d in dtypes)
-        span = (layers.start, layers.stop) if layers is not None else (0, 0)
-        return Bucket((*span, grad, param), layers, dtypes[0], [p for _, p in named],
-                      [n for n, _ in named], sizes, chunks, offsets, parts, self.rank,
+        return Bucket(layers, dtypes[0], [p for _, p in named], [n for n, _ in named], sizes,
+                      chunks, offsets, parts, self.rank,
                       [self.masters.get(n) if parts == self.world else None for n, _ in named])
 
     def _pack(self, bucket: Bucket, acc: GradAccumulator) -> torch.Tensor:
@@ -462,23 +463,26 @@ class DataParallel:
     # -- fp32 masters (shard_optimizer with param_dtype) -------------------------------------
     def shard_masters(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype,
                       host: HostParams) -> None:
-        """``shard_optimizer`` with ``param_dtype``: keep the master (fp32) values of only
-        this rank's piece of each trainable floating parameter (``masters``, by name);
-        the parameter itself becomes its ``dtype`` copy, the one the devices upload (its
-        ``grad_dtype`` stays the master's: gradients come back in fp32). The sharded step
-        updates the masters; the all-gather writes them, cast, into every rank's
-        parameters."""
+        """``shard_optimizer`` with ``param_dtype``: keep the master values (the
+        parameters' own dtype, fp32) of only this rank's piece of each trainable floating
+        parameter (``masters``, by name); the parameter itself becomes its ``dtype`` copy,
+        the one the devices upload (its ``grad_dtype`` stays the master's: gradients come
+        back in fp32). The sharded step updates the masters; the all-gather writes them,
+        cast, into every rank's parameters. Nothing is converted unless all can be."""
+        todo = {n: p for n, p in _unique(params).items()
+                if p.requires_grad and p.is_floating_point() and p.dtype != dtype}
+        for name, p in todo.items():
+            if id(p) in host.slots:
+                raise ValueError(
+                    f"shard_optimizer=True with param_dtype={dtype} shards the fp32 masters of "
+                    f"{name!r} and turns the parameters into {dtype} copies, but an earlier "
+                    "pipe of this model already laid them out in its host buffers as they "
+                    "were: compile a freshly built model (or one loaded again) with these "
+                    "options")
+        self._host = host
         with torch.no_grad():
-            for name, p in _unique(params).items():
-                if not (p.requires_grad and p.is_floating_point()) or p.dtype == dtype:
-                    continue
-                if id(p) in host.slots:
-                    raise ValueError(
-                        f"shard_optimizer=True with param_dtype={dtype} shards the fp32 "
-                        f"masters of {name!r} and turns the parameters into {dtype} copies, "
-                        "but an earlier pipe of this model already laid them out in its host "
-                        "buffers as they were: compile a freshly built model (or one loaded "
-                        "again) with these options")
+            for name, p in todo.items():
+                self._names.setdefault(id(p), name)
                 lo, hi = _piece(p.numel(), self.world, self.rank)
                 self.masters[name] = p.detach().reshape(-1)[lo:hi].clone()
                 self._mastered[name] = p
@@ -490,14 +494,25 @@ class DataParallel:
         """The masters of ``names`` and their parameters agree now."""
         for n in names:
             if n in self._mastered:
-                self._stamps[n] = self._mastered[n]._version
+                p = self._mastered[n]
+                self._stamps[n] = (p._version, p.data_ptr())
+
+    def _changed(self, n: str, p: torch.Tensor) -> bool:
+        """Whether ``p`` was written (in place: its version) or replaced (``p.data = t``:
+        its memory, other than where the host buffers put it) since its stamp."""
+        version, ptr = self._stamps[n]
+        slot = self._host.slots.get(id(p)) if self._host is not None else None
+        if slot is not None and slot.region is not None:
+            ptr = self._host.view(slot).data_ptr()
+        return p._version != version or p.data_ptr() != ptr
 
     def check_masters(self) -> None:
-        """Before a training call: a parameter changed outside fxpipe (an in-place write,
+        """Before a training call, a checkpoint or gathering the masters: a parameter
+        changed outside fxpipe (an in-place write, ``p.data = t``,
         ``model.load_state_dict``) since its master was last written gets its master
-        re-read from the parameter, with a warning (below ``param_dtype``'s precision
-        it is lost: load fp32 weights with ``pipe.load_state_dict`` instead)."""
-        changed = [n for n, p in self._mastered.items() if p._version != self._stamps.get(n)]
+        re-read from the parameter, with a warning (below ``param_dtype``'s precision it
+        is lost: load fp32 weights with ``pipe.load_state_dict`` instead)."""
+        changed = [n for n, p in self._mastered.items() if self._changed(n, p)]
         if not changed:
             return
         warn_user(
@@ -506,24 +521,41 @@ class DataParallel:
             "step; under shard_optimizer=True with param_dtype their fp32 masters are "
             "sharded, so they are re-read from the parameters' own dtype (the precision "
             "below it is lost). Load fp32 weights with pipe.load_state_dict(...) or "
-            "pipe.load_checkpoint(...), which set the masters too")
-        self.set_masters({n: self._mastered[n] for n in changed})
+            "pipe.load_checkpoint(...), which set the masters too; change the parameters "
+            "the same way on every rank")
+        self.set_masters({n: self._mastered[n] for n in changed}, params=False)
 
-    def set_masters(self, values: Mapping[str, torch.Tensor]) -> None:
-        """This rank's pieces of the masters := ``values`` (by name, whole tensors), the
-        parameters too (cast)."""
+    def set_masters(self, values: Mapping[str, torch.Tensor], params: bool = True) -> None:
+        """This rank's pieces of the masters := ``values`` (by name, whole tensors), and
+        (``params``) the parameters too, cast."""
         with torch.no_grad():
             for n, v in values.items():
                 p = self._mastered[n]
                 lo, hi = _piece(p.numel(), self.world, self.rank)
                 self.masters[n].copy_(v.detach().reshape(-1)[lo:hi])
-                if v is not p:
+                if params:
                     p.copy_(v)
         self.stamp(list(values))
 
+    def set_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
+        """This rank's pieces of the masters := ``pieces`` (by name, as a checkpoint holds
+        them), every non-empty one; the parameters hold them already."""
+        missing = [n for n, m in self.masters.items() if m.numel() and n not in pieces]
+        if missing:
+            raise ValueError(f"the checkpoint has no fp32 master of {', '.join(missing[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''} for rank {self.rank}: it "
+                             "was saved from another model")
+        with torch.no_grad():
+            for n, m in self.masters.items():
+                if m.numel():
+                    m.copy_(pieces[n])
+        self.stamp(self.masters)
+
     def full_masters(self) -> dict[str, torch.Tensor]:
         """Every sharded master whole, gathered from every rank (a collective: every rank
-        calls it), by name."""
+        calls it, between training calls), by name."""
+        self.check_alive()
+        self.check_masters()
         out: dict[str, torch.Tensor] = {}
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for n, p in self._mastered.items():
@@ -565,13 +597,14 @@ def _by_dtype(buffers: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[tor
 
 def reshard(saved: Mapping[str, Any], kind: str, old_world: int, numel: Mapping[str, int],
             world: int, rank: int, states: bool) -> tuple[dict[str, torch.Tensor], Any]:
-    """Load a checkpoint's per-rank pieces onto another number of ranks. ``saved``: its
-    metadata by key; the pieces are ``{kind}.rank{q}.{name}`` (``states``:
-    ``{kind}.rank{q}.{name}.{state}``) of ``old_world`` ranks, each 1-D (rank ``q``'s
-    elements of parameter ``name``) or a scalar (a step count, the same on every rank).
-    Returns the saved keys this ``rank`` of ``world`` reads (into new tensors, for
+    """Load a checkpoint's per-rank pieces, saved by ``old_world`` ranks, on ``world``
+    ranks (the same number or not). ``saved``: its metadata by key; the pieces are
+    ``{kind}.rank{q}.{name}`` (``states``: ``{kind}.rank{q}.{name}.{state}``), each 1-D
+    (rank ``q``'s elements of parameter ``name``) or a scalar (a step count, the same on
+    every rank). Returns the saved keys this ``rank`` reads (into new tensors, for
     ``dcp.load``) and a function to call after the load that gives this rank's pieces
-    by their keys ``{kind}.rank{rank}...``."""
+    by their keys ``{kind}.rank{rank}...``. A checkpoint that does not fit raises the same
+    error on every rank, before anything is read."""
     prefix = f"{kind}.rank"
     groups: dict[tuple[str, str], dict[int, str]] = {}
     for key in saved:
@@ -579,40 +612,43 @@ def reshard(saved: Mapping[str, Any], kind: str, old_world: int, numel: Mapping[
             q, _, rest = key[len(prefix):].partition(".")
             name, _, state = rest.rpartition(".") if states else (rest, "", "")
             groups.setdefault((name, state), {})[int(q)] = key
-    want: dict[str, torch.Tensor] = {}
-    plans: dict[str, tuple[int, torch.dtype, list[tuple[str, int, int, int]]]] = {}
-    for (name, state), by_rank in groups.items():
+    for (name, state), by_rank in groups.items():   # the same checks on every rank
         if name not in numel:
             raise ValueError(f"the checkpoint has {kind} pieces of {name!r}, which is not a "
                              "parameter of this model")
-        new_key = f"{prefix}{rank}.{name}" + (f".{state}" if states else "")
-        md = saved[next(iter(by_rank.values()))]
-        dtype = md.properties.dtype
-        n = numel[name]
-        lo, hi = _piece(n, world, rank)
+        if all(len(saved[k].size) == 0 for k in by_rank.values()):
+            continue
+        for q in range(old_world):
+            olo, ohi = _piece(numel[name], old_world, q)
+            size = tuple(saved[by_rank[q]].size) if q in by_rank else None
+            if size is None and olo < ohi:
+                raise ValueError(f"the checkpoint lacks rank {q}'s {kind} piece of {name!r} "
+                                 f"{state}".rstrip())
+            if size is not None and size != (ohi - olo,):
+                raise NotImplementedError(
+                    f"loading {by_rank[q]!r}: it holds {size}, not the {ohi - olo} elements "
+                    f"rank {q} of {old_world} owns of {name!r}; only elementwise state (one "
+                    "value per parameter element, or a scalar) can be loaded by rank pieces")
+    want: dict[str, torch.Tensor] = {}
+    plans: dict[str, tuple[int, torch.dtype, list[tuple[str, int, int, int]]]] = {}
+    for (name, state), by_rank in groups.items():
+        lo, hi = _piece(numel[name], world, rank)
         if lo == hi:
             continue   # this rank owns none of it
-        if len(md.size) == 0:   # a scalar, the same on every rank
-            key = by_rank[min(by_rank)]
-            want[key] = torch.empty((), dtype=dtype)
-            plans[new_key] = (-1, dtype, [(key, 0, 0, 0)])
+        new_key = f"{prefix}{rank}.{name}" + (f".{state}" if states else "")
+        first = by_rank[min(by_rank)]
+        dtype = saved[first].properties.dtype
+        if len(saved[first].size) == 0:   # a scalar, the same on every rank
+            want[first] = torch.empty((), dtype=dtype)
+            plans[new_key] = (-1, dtype, [(first, 0, 0, 0)])
             continue
         parts = []
         for q, key in sorted(by_rank.items()):
-            olo, ohi = _piece(n, old_world, q)
-            if tuple(saved[key].size) != (ohi - olo,):
-                raise NotImplementedError(
-                    f"resharding {key!r}: it holds {tuple(saved[key].size)}, not the "
-                    f"{ohi - olo} elements rank {q} of {old_world} owns of {name!r}; only "
-                    "elementwise optimizer state (one value per parameter element, or a "
-                    "scalar) can be loaded onto another number of ranks")
+            olo, ohi = _piece(numel[name], old_world, q)
             a, b = max(lo, olo), min(hi, ohi)
             if a < b:
                 want[key] = torch.empty(ohi - olo, dtype=dtype)
                 parts.append((key, a - olo, a - lo, b - a))
-        if sum(k for *_, k in parts) != hi - lo:
-            raise ValueError(f"the checkpoint lacks some of the {kind} pieces of {name!r} "
-                             f"(elements {lo}-{hi - 1} for rank {rank} of {world})")
         plans[new_key] = (hi - lo, dtype, parts)
 
     def stitch() -> dict[str, torch.Tensor]:
@@ -630,10 +666,16 @@ def reshard(saved: Mapping[str, Any], kind: str, old_world: int, numel: Mapping[
     return want, stitch
 
 
+def _chunk(numel: int, parts: int) -> int:
+    """The length of each of the ``parts`` pieces a parameter of ``numel`` elements is cut
+    into (the last ones shorter or empty)."""
+    return -(-numel // parts)
+
+
 def _piece(numel: int, parts: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s elements ``[lo, hi)`` of a parameter of ``numel`` elements cut in
     ``parts`` (possibly empty)."""
-    c = -(-numel // parts)
+    c = _chunk(numel, parts)
     return min(numel, rank * c), min(numel, (rank + 1) * c)
 
 
