@@ -622,6 +622,8 @@ class PipelineModule(nn.Module):
 
         from fxpipe.optim import load_shard_items, shard_items
         dp = self._dp
+        if dp is not None:
+            dp.check_alive()   # after a failure: restart every rank, then load
         items: dict[str, Any] = {"model": self.module.state_dict()}
         sharded = dp is not None and dp.shard
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
