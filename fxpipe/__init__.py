@@ -61,6 +61,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 __all__ = [
     "CaptureError", "Device", "DeviceMemoryError", "DistributedError", "ExecutePlan",
-    "PackedData", "PipelineModule", "PlanError", "RunConfig", "StageError", "VirtualDevice", "backend", "compile", "linear_cross_entropy",
+    "PackedData", "PipelineModule", "PlanError", "RunConfig", "StageError", "VirtualDevice",
+    "backend", "compile", "linear_cross_entropy",
     "optim", "set_verbose", "sim", "simulate",
 ]

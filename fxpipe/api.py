@@ -690,10 +690,9 @@ class PipelineModule(nn.Module):
                                       "param_dtype): load with assign=False")
         dp.check_masters()   # parameters edited since the last step (and not loaded here)
         result = self.module.load_state_dict(state_dict, strict=strict)
-        own = self.module.state_dict(keep_vars=True)
-        key_of = {id(t): k for k, t in reversed(own.items()) if k in state_dict}
-        dp.set_masters({n: state_dict[key_of[id(p)]] for n, p in dp._mastered.items()
-                        if id(p) in key_of}, params=False)
+        keys = dp.master_keys(self.module.state_dict(keep_vars=True))
+        dp.set_masters({n: state_dict[k] for k, n in keys.items() if k in state_dict},
+                       params=False)
         return result
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -703,14 +702,13 @@ class PipelineModule(nn.Module):
         collective: call it on every rank, between training calls); otherwise
         ``state_dict()``. A sharded checkpoint loads only into a pipe compiled the same
         way: to evaluate elsewhere, save this (``torch.save`` on rank 0)."""
-        state = self.module.state_dict()
         dp = self._dp
         if dp is None or not dp.masters:
-            return state
+            return self.module.state_dict()
         full = dp.full_masters()
-        by_id = {id(p): full[n] for n, p in dp._mastered.items()}
-        return {k: by_id.get(id(t), state[k]) for k, t in
-                self.module.state_dict(keep_vars=True).items()}
+        own = self.module.state_dict(keep_vars=True)
+        keys = dp.master_keys(own)
+        return {k: full[keys[k]] if k in keys else t.detach() for k, t in own.items()}
 
 
 @dataclass

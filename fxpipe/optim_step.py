@@ -160,7 +160,9 @@ def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[
             g = group_of.get(id(b.params[i]))
             if g is None:
                 continue
-            t = b.masters[i] if b.masters[i] is not None else b.params[i].detach().view(-1)[lo:hi]
+            t = b.masters[i]
+            if t is None:
+                t = b.params[i].detach().view(-1)[lo:hi]
             t.grad = sh.grad[at:at + hi - lo]
             groups.setdefault(g, []).append(t)
             view_state[t] = state.setdefault(b.names[i], {})

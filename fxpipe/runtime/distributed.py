@@ -131,8 +131,9 @@ class Bucket:
 @dataclass
 class Shard:
     """This rank's part of a bucket in a sharded step: the averaged gradient of its 1/N
-    (``grad``); the step updates those parameter elements in place, the all-gather
-    sends them to every rank."""
+    (``grad``); the step updates those elements in place (the fp32 masters of them where
+    this rank keeps them, else the parameters'), the all-gather sends them to every
+    rank."""
 
     bucket: Bucket
     grad: torch.Tensor
@@ -503,7 +504,7 @@ class DataParallel:
         version, ptr = self._stamps[n]
         slot = self._host.slots.get(id(p)) if self._host is not None else None
         if slot is not None and slot.region is not None:
-            ptr = self._host.view(slot).data_ptr()
+            ptr = self._host.address(slot)
         return p._version != version or p.data_ptr() != ptr
 
     def check_masters(self) -> None:
@@ -550,6 +551,13 @@ class DataParallel:
                 if m.numel():
                     m.copy_(pieces[n])
         self.stamp(self.masters)
+
+    def master_keys(self, state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        """``key -> master name`` of the entries of ``state`` (a module's
+        ``state_dict(keep_vars=True)``: its own tensors) that are sharded-master parameters
+        (a tied one under each of its keys)."""
+        name_of = {id(p): n for n, p in self._mastered.items()}
+        return {k: name_of[id(t)] for k, t in state.items() if id(t) in name_of}
 
     def full_masters(self) -> dict[str, torch.Tensor]:
         """Every sharded master whole, gathered from every rank (a collective: every rank

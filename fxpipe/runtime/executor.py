@@ -460,7 +460,8 @@ class Execution:
     def _buckets(self, layers: range) -> list:
         """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""
         call = self.call
-        return call.dp.buckets(call.exe, call.layers, call.store).get((layers.start, layers.stop), [])
+        buckets = call.dp.buckets(call.exe, call.layers, call.store)
+        return buckets.get((layers.start, layers.stop), [])
 
     def _upload(self, d: int, s: int, m: int) -> None:
         dev, on = self.call.devices[d], self.on[d]

@@ -148,6 +148,12 @@ class HostParams:
     def slot(self, t: torch.Tensor) -> _Slot:
         return self.slots[id(t)]
 
+    def address(self, slot: _Slot) -> int:
+        """Where ``slot``'s memory starts in its flat buffer (``view(slot).data_ptr()``
+        without making the view)."""
+        flat = self.flats[slot.region]
+        return flat.data_ptr() + slot.offset * flat.element_size()
+
     def view(self, slot: _Slot) -> torch.Tensor:
         """The flat-buffer memory of ``slot`` (its own tensor when not moved)."""
         if slot.region is None:
