@@ -28,12 +28,13 @@ from fxpipe.passes.program import Program
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
-from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
 from fxpipe.runtime.distributed import DataParallel, reshard
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
 from fxpipe.runtime.params import HostParams
+from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
@@ -100,9 +101,19 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     pipeline uses move into one flat buffer per dtype, laid out in layer order, and the
     model's tensors become views of it (``fxpipe.runtime.params.HostParams``; the
     parameter objects, ``state_dict()`` and optimizers are unchanged). ``pin_memory``:
-    whether that buffer is pinned (page-locked), which lets GPUs copy from it
-    asynchronously; default: when CUDA is available. Pass ``False`` on a host that cannot
-    pin the whole model.
+    whether the pipe's host memory is pinned (page-locked), which lets GPUs copy to and
+    from it without blocking the thread issuing the copy: the flat parameter buffers,
+    their upload copies (``param_dtype``, an asynchronous optimizer's snapshot), the flat
+    gradient buffers (made at the first training call), a copy of each parameter that
+    could not move into them, and a per-call staging copy of the inputs, labels and
+    output gradients the call uploads. Each is pinned at its exact size rounded up to a
+    page (``fxpipe.runtime.pinned``), not through torch's caching host allocator, which
+    rounds up to a power of two. Default (``None``): pinned when every device is a GPU
+    (``CudaDevice``: registered with CUDA) or a ``VirtualDevice(semantics="cuda")``
+    (emulated: recorded as page-locked, no CUDA call), else not. ``True`` with no GPU
+    among the devices (any virtual devices) pins emulated too. Pass ``False`` on a host
+    that cannot pin the whole model. ``pipe.stats()`` reports ``host_pinned_bytes`` and
+    ``host_stalls`` (copies that blocked on pageable memory).
 
     ``data_parallel=True`` (every rank of an initialized ``torch.distributed`` job calls
     ``compile`` with the same model and plan): each rank runs its own pipeline on its
@@ -147,8 +158,8 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
         raise TypeError(f"param_dtype must be a floating torch.dtype (torch.bfloat16, "
                         f"torch.float16) or None, got {param_dtype!r}")
     if pin_memory not in (None, True, False):
-        raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is "
-                        f"available), got {pin_memory!r}")
+        raise TypeError(f"pin_memory must be True, False or None (pin when every device is "
+                        f"a GPU or a cuda-semantics virtual device), got {pin_memory!r}")
     if not isinstance(data_parallel, bool):
         raise TypeError(f"data_parallel must be True or False, got {data_parallel!r}")
     if not data_parallel:
@@ -168,6 +179,18 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
                           plan=plan, param_dtype=param_dtype, pin_memory=pin_memory, dp=dp)
+
+
+def _pinning(pin_memory: bool | None, devices: Sequence[Device]) -> tuple[bool, bool]:
+    """``(pin, emulated)`` for ``compile``'s ``pin_memory`` on ``devices``: by default
+    pinned when every device is a GPU or a cuda-semantics virtual device; emulated (no
+    CUDA call) when none is a GPU."""
+    if pin_memory is None:
+        pin = all(isinstance(d, CudaDevice) or (isinstance(d, VirtualDevice)
+                                                and d.semantics == "cuda") for d in devices)
+    else:
+        pin = pin_memory
+    return pin, pin and not any(isinstance(d, CudaDevice) for d in devices)
 
 
 def _bad_example(x: Any):
@@ -228,6 +251,9 @@ class PipelineModule(nn.Module):
         self.param_dtype = param_dtype
         self.pin_memory = pin_memory
         self.devices = devices
+        self._pin, self._pin_emulated = _pinning(pin_memory, devices)
+        # the page-locked staging of what calls upload from the caller (when pinning)
+        self._staging = Staging(emulate=self._pin_emulated) if self._pin else None
         self.config = config
         self._capture = capture
         self._layers_path = layers
@@ -240,8 +266,7 @@ class PipelineModule(nn.Module):
         if dp is not None:
             dp.check_same(_digest(self._current, param_dtype, dp))
             if dp.shard and param_dtype is not None:
-                dp.shard_masters(self._current.layers.params, param_dtype,
-                                 HostParams.of(model, pin=pin_memory))
+                dp.shard_masters(self._current.layers.params, param_dtype, self._host_params())
 
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
@@ -447,10 +472,14 @@ class PipelineModule(nn.Module):
         if key not in compiled.runners:
             compiled.runners[key] = Runner(
                 compiled.layers, self.devices, functools.partial(compiled.executable, plan),
-                compiled.differentiable, functools.partial(HostParams.of, self.module,
-                                                           pin=self.pin_memory),
-                compiled.timer, param_dtype=self.param_dtype, log=self._log, dp=self._dp)
+                compiled.differentiable, self._host_params, compiled.timer,
+                param_dtype=self.param_dtype, log=self._log, dp=self._dp, staging=self._staging)
         return compiled.runners[key]
+
+    def _host_params(self) -> HostParams:
+        """The model's host buffers (``HostParams``; the first pipe to make them decides
+        how they are pinned)."""
+        return HostParams.of(self.module, pin=self._pin, emulate=self._pin_emulated)
 
     # -- inspecting --------------------------------------------------------------------
     @property
@@ -558,8 +587,13 @@ class PipelineModule(nn.Module):
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
         ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``interpreted_nodes`` (graph
         nodes run one by one: layer timing, a recompute skipping its tail) and
-        ``generated_runs`` (stage runs as generated code). An eager-style step is two
-        calls: ``pipe(x)`` and ``.backward()``.
+        ``generated_runs`` (stage runs as generated code); ``host_stalls``, the copies
+        between a device and pageable (not page-locked) host memory, each of which blocks
+        the issuing thread on a GPU (counted on GPUs and ``VirtualDevice(semantics="cuda")``;
+        0 when the pipe pins, see ``compile``'s ``pin_memory``); ``host_pinned_bytes``,
+        the page-locked host bytes fxpipe reserved for this pipe at the end of the call
+        (its host parameter, copy and gradient buffers and its staging, each rounded up to
+        a page). An eager-style step is two calls: ``pipe(x)`` and ``.backward()``.
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

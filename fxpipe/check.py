@@ -1,36 +1,68 @@
-"""The GPU acceptance kit: ``python -m fxpipe.check [--dry-run] [--out FILE]``.
+"""The GPU acceptance kit: ``python -m fxpipe.check [--dry-run] [--out FILE] [--budget-s S]``.
 
-On whatever GPUs are visible it runs the CUDA tests, then measures and prints, and writes
-as JSON:
+On whatever GPUs are visible it runs these sections, printing each with the elapsed time,
+and writes the JSON file again after every one (atomically), so a crash or a kill keeps
+what came before (``in_progress`` names the section that was running):
 
-1. ``vs_checkpoint``: the fused training step against eager PyTorch with
+1. ``cuda_tests``: ``pytest`` over the CUDA tests, in a subprocess;
+2. ``vs_checkpoint``: the fused training step against eager PyTorch with
    ``torch.utils.checkpoint`` per block, both on one GPU (min and median ratio over
    interleaved repeats);
-2. ``scaling``: the fused step on 1, 2, ... N GPUs (speed-up over one);
-3. ``hidden_prefetch``: the fraction of parameter-transfer time hidden behind compute,
-   from the CUDA-event timeline of a traced step (``pipe.trace()``), per device;
-4. ``predicted_vs_measured``: ``fxpipe.simulate`` with the layer times measured in that
-   step and the host links' measured bandwidth, against the traced step's makespan;
-5. ``stats``: ``pipe.stats()`` of a step (host waits, bytes moved by kind).
+3. ``scaling``: the fused step on 1, 2, ... N GPUs (speed-up over one);
+4. ``hidden_prefetch``: per device, the share of parameter-prefetch time that overlapped
+   compute and ``exposed_ms``, the time the compute stream waited for parameters, from
+   the CUDA-event timeline (``pipe.trace()``) of a step the layer timer does not sample;
+5. ``predicted_vs_measured``: ``fxpipe.simulate`` with the layer times measured in a
+   traced, sampled step and the host links' measured bandwidth, against its makespan;
+6. ``stats``: ``pipe.stats()`` of the unsampled step (host waits, bytes moved by kind);
+7. ``bigger_than_device``: cuda:0 capped (``torch.cuda.set_per_process_memory_fraction``)
+   below half of the model's bf16 weights; three steps of bf16 training with AdamW streamed
+   in the call (``forward_backward(optimizer=...)``): weights and peak reserved memory
+   over the cap, tokens/s, losses.
+
+Each section runs in ``try``/``except``: a failure is recorded as that section's
+``error`` (type, message, last traceback lines) with ``"ok": false`` and the kit goes on;
+the exit code is 1 when any section failed. Every section has ``ok`` and ``seconds``.
+
+Time: the kit fits ``--budget-s`` (default 540 s, inside a 10-minute slot). Each section
+may use what is left of it less a reserve for the sections after it; the CUDA tests'
+subprocess gets that as its timeout, other sections get an alarm; a section past it is
+recorded as a timeout error (the tests' with the tail of their output), a section with no
+time left as ``BudgetSpent``.
+
+Measuring: ``gc.collect()`` and, on GPUs, ``torch.cuda.synchronize()`` and
+``torch.cuda.empty_cache()`` run between sections and before each variant's (warm-up,
+timed) pair of calls, so eager and fxpipe never time inside each other's allocator state.
+The pipe's layer timer (``pipe.timings``) times some calls layer by layer, on a slower
+interpreted path; it is switched off for the calls ``vs_checkpoint``, ``scaling`` and
+``bigger_than_device`` time, and ``timed_calls_sampled`` says whether any was timed anyway
+(always, in verbose mode).
 
 The model is a Llama-style decoder (``fxpipe.demo.TinyLlama``) sized to the GPU: its fp32
-parameters about a quarter of one GPU's memory (at most 8% of host RAM), so the run stays
-under 10 minutes on one GPU. ``--dry-run`` runs the same code path on two CPU virtual
-devices with a GPU's semantics (``VirtualDevice(semantics="cuda")``) and a tiny model: what
-CI runs, so the kit cannot rot without a GPU.
+parameters about a quarter of one GPU's memory (at most 8% of host RAM). ``--dry-run``
+runs the same code on two CPU virtual devices with a GPU's semantics
+(``VirtualDevice(semantics="cuda")``, ``memory_limit`` as the cap of
+``bigger_than_device``) and tiny models: what CI runs, so the kit cannot rot without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import json
+import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +72,18 @@ from torch.utils.checkpoint import checkpoint
 
 import fxpipe
 from fxpipe.demo import TinyLlama, progression_batch, rotary_tables
+from fxpipe.passes.program import Prefetch, parse_action
+from fxpipe.runtime.timer import KINDS
 from fxpipe.sim import Hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_devices.py", "tests/test_params.py"]
+SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
+            "predicted_vs_measured", "stats", "bigger_than_device")
+# the share of the budget kept for each section while the ones before it run
+RESERVE = {"cuda_tests": 0.0, "vs_checkpoint": 0.12, "scaling": 0.12, "hidden_prefetch": 0.10,
+           "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15}
+TAIL_LINES = 40
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -54,6 +94,14 @@ def _say(msg: str) -> None:
     print(f"[fxpipe.check] {msg}", flush=True)
 
 
+class SectionTimeout(Exception):
+    """A section ran past its share of the time budget."""
+
+
+class BudgetSpent(Exception):
+    """No time was left for a section."""
+
+
 # ---------------------------------------------------------------------------- setup
 
 def _model_shape(dry_run: bool) -> dict[str, int]:
@@ -62,18 +110,41 @@ def _model_shape(dry_run: bool) -> dict[str, int]:
     if dry_run:
         return dict(vocab=256, dim=64, heads=4, depth=4, batch=4, seq=32)
     gpu = torch.cuda.get_device_properties(0).total_memory
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    budget = min(0.25 * gpu, 0.08 * host)
+    budget = min(0.25 * gpu, 0.08 * _host_memory())
     dim = 2048
-    per_block = 12 * dim * dim * 4          # attention 4d^2 + MLP 8d^2, fp32
+    per_block = 12 * dim * dim * 4          # attention 4d^2 + MLP 6d^2 (+ margin), fp32
     depth = max(2, min(64, int(budget // per_block)))
     return dict(vocab=32000, dim=dim, heads=16, depth=depth, batch=4, seq=1024)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _devices(n: int, dry_run: bool) -> list[Any]:
     if dry_run:
         return [fxpipe.VirtualDevice(semantics="cuda") for _ in range(n)]
     return [f"cuda:{i}" for i in range(n)]
+
+
+def _sync(dry_run: bool) -> Callable[[], None]:
+    """What waits for every GPU's queued work (nothing to wait for in a dry run)."""
+    if dry_run:
+        return lambda: None
+
+    def sync() -> None:
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+    return sync
+
+
+def _settle(dry_run: bool) -> None:
+    """Between sections and between variants: drop garbage and (GPUs) give the caching
+    allocator's free blocks back, so the next phase starts from a clean allocator."""
+    gc.collect()
+    if not dry_run and torch.cuda.is_available():
+        _sync(False)()
+        torch.cuda.empty_cache()
 
 
 def _time(fn, warmup: int, repeats: int, sync) -> list[float]:
@@ -89,45 +160,141 @@ def _time(fn, warmup: int, repeats: int, sync) -> list[float]:
     return out
 
 
-# ---------------------------------------------------------------------------- parts
+def _samples(pipe) -> int:
+    """How many layer-time samples the pipe's timer has recorded (warm-ups included)."""
+    timer = pipe.timings
+    return sum(timer.count(i, k) for i in range(len(pipe.layers)) for k in KINDS)
 
-def run_cuda_tests(dry_run: bool) -> dict[str, Any]:
-    """``pytest`` over the CUDA tests (skipped, and said so, without a GPU or a checkout)."""
+
+@contextmanager
+def _unsampled(pipe) -> Iterator[dict[str, Any]]:
+    """Calls in the block are not timed layer by layer (``LayerTimer.sample`` is false:
+    no first calls, no every-n-th); yields a dict whose ``sampled`` says, after the
+    block, whether any call was timed anyway (verbose mode times every call)."""
+    timer = pipe.timings
+    saved = timer.first, timer.every
+    timer.first, timer.every = 0, sys.maxsize
+    before = _samples(pipe)
+    out: dict[str, Any] = {"sampled": None}
+    try:
+        yield out
+    finally:
+        timer.first, timer.every = saved
+        if pipe.timings is timer:    # the same graph ran throughout (else: unknown)
+            out["sampled"] = _samples(pipe) != before
+
+
+def _call_path(pipe) -> dict[str, int]:
+    """How the last call ran its stages: interpreted nodes and generated-code runs."""
+    s = pipe.stats()
+    return {k: s[k] for k in ("interpreted_nodes", "generated_runs") if k in s}
+
+
+class Kit:
+    """What the sections share: the arguments, the model's shape, the traced step."""
+
+    def __init__(self, dry_run: bool, num_devices: int, repeats: int, skip_tests: bool,
+                 shape: dict[str, int]):
+        self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
+        self.skip_tests, self.shape = skip_tests, shape
+        self.deadline_s: float | None = None   # the running section's time allowance
+        self._traced: dict[str, Any] | None = None
+        self._traced_error: BaseException | None = None
+
+    def traced(self) -> dict[str, Any]:
+        """The traced steps (run once, by the first section that needs them)."""
+        if self._traced_error is not None:
+            e = self._traced_error
+            raise RuntimeError(f"the traced step failed (see hidden_prefetch): "
+                               f"{type(e).__name__}: {e}") from e
+        if self._traced is None:
+            try:
+                self._traced = traced_step(self.shape, self.num, self.dry_run)
+            except Exception as e:
+                self._traced_error = e
+                raise
+        return self._traced
+
+    def close(self) -> None:
+        if self._traced is not None:
+            self._traced["pipe"].close()
+            self._traced = None
+
+
+# ---------------------------------------------------------------------------- sections
+
+def _run_subprocess(cmd: list[str], timeout: float, cwd: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in its own process group; past ``timeout`` s the group is killed and the
+    result says so, with the tail of what it printed."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+    def kill() -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # the group this Popen started
+        except ProcessLookupError:
+            pass
+
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        kill()
+        out, _ = proc.communicate()
+        timed_out = True
+    except BaseException:   # Ctrl-C: its own session would not get it
+        kill()
+        proc.wait()
+        raise
+    lines = (out or "").strip().splitlines()
+    return {"returncode": proc.returncode, "timed_out": timed_out, "timeout_s": round(timeout, 1),
+            "seconds": round(time.perf_counter() - t0, 1), "tail": lines[-TAIL_LINES:]}
+
+
+def cuda_tests(kit: Kit) -> dict[str, Any]:
+    """``pytest`` over the CUDA tests (skipped, and said so, without a checkout)."""
+    if kit.skip_tests:
+        return {"ran": False, "why": "--skip-tests"}
     if not (ROOT / "tests").is_dir():
         return {"ran": False, "why": "no tests/ beside the package (not a source checkout)"}
     cmd = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-p", "no:logging", "-k",
            "cuda or gpu or Cuda"]
-    _say("running the CUDA tests: " + " ".join(cmd[3:]))
-    t0 = time.perf_counter()
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or [""]
-    _say(f"  {tail[0]}")
-    return {"ran": True, "returncode": run.returncode, "summary": tail[0],
-            "seconds": round(time.perf_counter() - t0, 1),
-            "gpu": torch.cuda.is_available() and not dry_run}
+    timeout = kit.deadline_s if kit.deadline_s is not None else 900.0
+    _say(f"  pytest {' '.join(cmd[3:])} (timeout {timeout:.0f} s)")
+    run = _run_subprocess(cmd, timeout, cwd=ROOT)
+    summary = run["tail"][-1] if run["tail"] else ""
+    out = {"ok": run["returncode"] == 0 and not run["timed_out"], "ran": True,
+           "returncode": run["returncode"], "summary": summary,
+           "gpu": torch.cuda.is_available() and not kit.dry_run}
+    if run["timed_out"]:
+        out["error"] = {"type": "TimeoutExpired",
+                        "message": f"the CUDA tests ran past their {timeout:.0f} s share of the "
+                                   "time budget (--budget-s) and were killed",
+                        "output_tail": run["tail"]}
+    elif run["returncode"] != 0:
+        out["output_tail"] = run["tail"]
+    return out
 
 
-def _model(shape: dict) -> TinyLlama:
-    return TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"],
-                     depth=shape["depth"])
+def _model(shape: dict, cls: type[TinyLlama] = TinyLlama) -> TinyLlama:
+    return cls(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"], depth=shape["depth"])
 
 
-def _model_and_batch(shape: dict) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
+def _model_and_batch(shape: dict, cls: type[TinyLlama] = TinyLlama
+                     ) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
     """The kit's model (seeded) and its batch, for ``shape``."""
     torch.manual_seed(0)
     ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
                                     torch.Generator().manual_seed(0))
-    return _model(shape), ids, target
+    return _model(shape, cls), ids, target
 
 
-def _sync(dry_run: bool) -> Callable[[], None]:
-    """What waits for the GPU's queued work (nothing to wait for in a dry run)."""
-    return (lambda: None) if dry_run else torch.cuda.synchronize
-
-
-def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
+def vs_checkpoint(kit: Kit) -> dict[str, Any]:
     """The fused step on one device against eager with ``torch.utils.checkpoint`` per
-    block (the whole model resident on that one GPU)."""
+    block (the whole model resident on that one GPU). Repeats interleave the two; before
+    each variant's warm-up + timed call the allocator is cleaned up (``_settle``)."""
+    shape, dry_run = kit.shape, kit.dry_run
     model, ids, target = _model_and_batch(shape)
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(1, dry_run))
     where = "cpu" if dry_run else "cuda:0"
@@ -149,35 +316,50 @@ def vs_checkpoint(shape: dict, dry_run: bool, repeats: int) -> dict[str, Any]:
 
     sync = _sync(dry_run)
     ratios, times = [], {"fxpipe": [], "eager_checkpoint": []}
-    for _ in range(repeats):      # interleaved: drift hits both alike
-        f = _time(fxpipe_step, 1, 1, sync)[0]
-        e = _time(eager_step, 1, 1, sync)[0]
-        times["fxpipe"].append(f)
-        times["eager_checkpoint"].append(e)
-        ratios.append(f / e)
-    pipe.close()
+    try:
+        with _unsampled(pipe) as sampling:
+            for _ in range(kit.repeats):      # interleaved: drift hits both alike
+                _settle(dry_run)
+                f = _time(fxpipe_step, 1, 1, sync)[0]
+                _settle(dry_run)
+                e = _time(eager_step, 1, 1, sync)[0]
+                times["fxpipe"].append(f)
+                times["eager_checkpoint"].append(e)
+                ratios.append(f / e)
+        path = _call_path(pipe)
+    finally:
+        pipe.close()
     return {"fxpipe_s": min(times["fxpipe"]), "eager_checkpoint_s": min(times["eager_checkpoint"]),
             "ratio_min": min(ratios), "ratio_median": statistics.median(ratios),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()),
+            "timed_calls_sampled": sampling["sampled"], "last_call": path}
 
 
-def scaling(shape: dict, num_devices: int, dry_run: bool, repeats: int) -> dict[str, Any]:
+def scaling(kit: Kit) -> dict[str, Any]:
     """The fused step on 1 .. N devices; speed-up over one."""
-    model, ids, target = _model_and_batch(shape)
-    sync = _sync(dry_run)
-    rows = {}
-    for n in range(1, num_devices + 1):
-        pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(n, dry_run),
+    model, ids, target = _model_and_batch(kit.shape)
+    sync = _sync(kit.dry_run)
+    rows: dict[int, dict[str, Any]] = {}
+    sampled = []
+    for n in range(1, kit.num + 1):
+        _settle(kit.dry_run)
+        pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(n, kit.dry_run),
                               config=fxpipe.RunConfig(num_microbatch=max(2, n + 1)))
-        t = _time(lambda: (pipe.forward_backward((ids,), label=target, loss_fn=loss_fn),
-                           model.zero_grad(set_to_none=True)), 2, repeats, sync)
+        try:
+            with _unsampled(pipe) as sampling:
+                t = _time(lambda: (pipe.forward_backward((ids,), label=target, loss_fn=loss_fn),
+                                   model.zero_grad(set_to_none=True)), 2, kit.repeats, sync)
+        finally:
+            pipe.close()
+        sampled.append(sampling["sampled"])
         rows[n] = {"step_s_min": min(t), "step_s_median": statistics.median(t)}
-        pipe.close()
+        _say(f"  {n} device(s): {rows[n]['step_s_median']:.3f} s/step")
     base = rows[1]["step_s_median"]
     for n, r in rows.items():
         r["speedup_median"] = base / r["step_s_median"]
-    return {"devices": rows, "note": None if num_devices > 1 else
-            "one device visible: no scaling to measure"}
+    return {"devices": rows,
+            "timed_calls_sampled": None if None in sampled else any(sampled),
+            "note": None if kit.num > 1 else "one device visible: no scaling to measure"}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -194,6 +376,61 @@ def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in spans)
 
 
+def _stage_of(label: str) -> tuple[Any, int | None]:
+    """The Program action a timeline label names, and its stage (None: no stage)."""
+    try:
+        action = parse_action(label)
+    except ValueError:
+        return None, None
+    return action, getattr(action, "stage", None)
+
+
+def prefetch_figures(intervals: list[Any], device: int) -> dict[str, Any]:
+    """One device's prefetch figures from a timeline's intervals (ms).
+
+    ``hidden_fraction``: the share of prefetch time that overlapped the device's compute.
+    ``exposed_ms``: for each stage's first compute on the device after the device's first
+    compute, ``max(0, min(compute_start, prefetch_end) - previous_compute_end)`` (the time
+    the compute stream idled while that stage's ``Prefetch`` was still arriving), summed.
+    ``first_prefetch_ms``: the duration of the prefetch of the device's first computing
+    stage (the pipeline's fill: no earlier compute on the device can hide it).
+
+    >>> from fxpipe.sim.timeline import Interval
+    >>> ivs = [Interval(0, "prefetch", "0P", "transfer", 0, 2),
+    ...        Interval(0, "compute", "0F0", "forward", 2, 5),
+    ...        Interval(0, "prefetch", "2P", "transfer", 3, 7),
+    ...        Interval(0, "compute", "2F0", "forward", 7, 9)]
+    >>> f = prefetch_figures(ivs, 0)
+    >>> f["exposed_ms"], f["first_prefetch_ms"], round(f["hidden_fraction"], 3)
+    (2.0, 2.0, 0.333)
+    """
+    ivs = [iv for iv in intervals if iv.device == device]
+    compute = sorted((iv for iv in ivs if iv.kind != "transfer"), key=lambda iv: iv.start)
+    prefetch = {}
+    for iv in ivs:
+        action, stage = _stage_of(iv.label)
+        if isinstance(action, Prefetch):
+            prefetch[stage] = iv
+    spans = [(iv.start, iv.end) for iv in prefetch.values()]
+    total = sum(b - a for a, b in spans)
+    union = _union([(iv.start, iv.end) for iv in compute])
+    hidden = sum(_overlap(p, union) for p in spans) / total if total else None
+    exposed, first, seen, prev_end = 0.0, None, set(), None
+    for iv in compute:
+        _, stage = _stage_of(iv.label)
+        if stage is not None and stage not in seen:
+            seen.add(stage)
+            pf = prefetch.get(stage)
+            if pf is not None:
+                if prev_end is None:
+                    first = float(pf.end - pf.start)
+                else:
+                    exposed += max(0.0, float(min(iv.start, pf.end) - prev_end))
+        prev_end = iv.end if prev_end is None else max(prev_end, iv.end)
+    return {"hidden_fraction": hidden, "exposed_ms": exposed, "first_prefetch_ms": first,
+            "prefetches": len(prefetch)}
+
+
 def link_bandwidth(dry_run: bool) -> tuple[float, float]:
     """Measured host→device and device→host bytes/s of GPU 0 (pinned, 256 MiB)."""
     if dry_run:
@@ -207,52 +444,329 @@ def link_bandwidth(dry_run: bool) -> tuple[float, float]:
 
 
 def traced_step(shape: dict, num_devices: int, dry_run: bool) -> dict[str, Any]:
-    """A traced step: hidden prefetch fraction, predicted vs measured, stats."""
+    """Two traced steps on all devices: one timed layer by layer (its layer times feed
+    the simulator, its makespan is what it predicts), then one that is not (what a
+    training call runs: its timeline gives the prefetch figures, its ``pipe.stats()``
+    the stats). Returns the pipe (open), both recordings and the stats."""
     model, ids, target = _model_and_batch(shape)
     M = max(2, num_devices + 1)
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(num_devices, dry_run),
                           config=fxpipe.RunConfig(num_microbatch=M))
-    for _ in range(2):
-        pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
-    pipe.timings.reset()
-    pipe.timings.warmup = 0
-    with pipe.trace() as rec:
-        pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
-    stats = pipe.stats()
-    hidden = {}
-    for d in range(num_devices):
-        ivs = [iv for iv in rec.timeline.intervals if iv.device == d]
-        compute = _union([(iv.start, iv.end) for iv in ivs if iv.kind != "transfer"])
-        prefetch = [(iv.start, iv.end) for iv in ivs if iv.stream == "prefetch"]
-        total = sum(b - a for a, b in prefetch)
-        hidden[d] = (sum(_overlap(p, compute) for p in prefetch) / total) if total else None
-    h2d, d2h = link_bandwidth(dry_run)
+    try:
+        for _ in range(2):
+            pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+        pipe.timings.reset()          # the next call is timed layer by layer
+        pipe.timings.warmup = 0
+        with pipe.trace() as sampled_rec:
+            pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+        with _unsampled(pipe) as sampling:
+            pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)   # warm generated code
+            _settle(dry_run)
+            with pipe.trace() as rec:
+                pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+            stats = pipe.stats()
+    except BaseException:
+        pipe.close()
+        raise
+    return {"pipe": pipe, "M": M, "sampled_rec": sampled_rec, "rec": rec, "stats": stats,
+            "unsampled": sampling}
+
+
+def hidden_prefetch(kit: Kit) -> dict[str, Any]:
+    tr = kit.traced()
+    timeline = tr["rec"].timeline
+    devices = {d: prefetch_figures(timeline.intervals, d) for d in range(kit.num)}
+    return {"devices": devices,
+            "exposed_ms_total": sum(f["exposed_ms"] for f in devices.values()),
+            "makespan_ms": timeline.makespan, "call_sampled": tr["unsampled"]["sampled"]}
+
+
+def predicted_vs_measured(kit: Kit) -> dict[str, Any]:
+    tr = kit.traced()
+    pipe, rec = tr["pipe"], tr["sampled_rec"]
+    h2d, d2h = link_bandwidth(kit.dry_run)
     hw = Hardware(h2d_bandwidth=h2d, d2h_bandwidth=d2h)
-    predicted = fxpipe.simulate(pipe, hw, num_microbatch=M).makespan
+    predicted = fxpipe.simulate(pipe, hw, num_microbatch=tr["M"]).makespan
     measured = rec.timeline.makespan
-    pipe.close()
-    return {"hidden_prefetch": hidden, "predicted_ms": predicted, "measured_ms": measured,
+    return {"predicted_ms": predicted, "measured_ms": measured,
             "predicted_over_measured": predicted / measured if measured else None,
-            "h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h, "stats": stats,
+            "call_sampled": True, "measured_unsampled_ms": tr["rec"].timeline.makespan,
+            "h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h,
             "bubble_ratio_measured": rec.timeline.bubble_ratio, "plan": repr(pipe.plan)}
 
 
-# ---------------------------------------------------------------------------- main
+def stats(kit: Kit) -> dict[str, Any]:
+    tr = kit.traced()
+    try:
+        return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"]}
+    finally:
+        kit.close()
+
+
+class _LowPrecisionLlama(TinyLlama):
+    """TinyLlama with its rotary tables in the activations' dtype: it computes in bf16
+    (the demo's fp32 tables would promote q and k to fp32 next to a bf16 v)."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        cos, sin = (t.to(x.dtype) for t in rotary_tables(ids.shape[1], self.head_dim, ids.device))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def _bigger_setup(dry_run: bool) -> tuple[int, dict[str, int], int, float]:
+    """(cap in bytes, model shape, microbatches, learning rate) of bigger_than_device: a
+    deep model of small blocks whose bf16 weights are about 2.1x the cap."""
+    if dry_run:
+        cap, shape, M, lr = 320_000, dict(vocab=64, dim=32, heads=4, batch=8, seq=16), 4, 1e-2
+    else:
+        # 20 host bytes per parameter (fp32 master, gradient, two AdamW moments, bf16
+        # copy) within a third of host RAM
+        cap = int(min(2**30, _host_memory() / 3 / 20 * 2 / 2.1))
+        shape, M, lr = dict(vocab=8192, dim=2048, heads=16, batch=4, seq=512), 4, 3e-4
+    dim = shape["dim"]
+    per_block = (10 * dim * dim + 2 * dim) * 2          # bf16: qkv, o, gate, up, down; 2 norms
+    rest = (shape["vocab"] * dim + dim) * 2              # tied embedding/head, final norm
+    shape["depth"] = max(2, math.ceil((2.1 * cap - rest) / per_block))
+    return cap, shape, M, lr
+
+
+def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
+    """Train a model whose bf16 weights are over twice what the device may hold."""
+    cap, shape, M, lr = _bigger_setup(kit.dry_run)
+    model, ids, target = _model_and_batch(shape, _LowPrecisionLlama)
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    if weights < 2 * cap:
+        raise AssertionError(f"bf16 weights {weights} B are not 2x the cap {cap} B")
+    out: dict[str, Any] = {"cap_bytes": cap, "weights_bf16_bytes": weights,
+                           "weights_over_limit": weights / cap, "model": shape,
+                           "num_microbatch": M, "param_dtype": "bfloat16",
+                           "optimizer": "torch.optim.AdamW, streamed: forward_backward(optimizer=)"}
+    if kit.dry_run:
+        devices = [fxpipe.VirtualDevice(semantics="cuda", memory_limit=cap) for _ in range(2)]
+    else:
+        from fxpipe.runtime.devices import CudaDevice
+        fraction = cap / torch.cuda.get_device_properties(0).total_memory
+        out["memory_fraction"] = fraction
+        _settle(False)
+        out["reserved_before_bytes"] = torch.cuda.memory_reserved(0)
+        torch.cuda.set_per_process_memory_fraction(fraction, 0)
+        torch.cuda.reset_peak_memory_stats(0)
+        devices = [CudaDevice(0, memory_limit=cap)]   # the planner sizes stages to the cap
+    pipe = None
+    try:
+        pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices,
+                              param_dtype=torch.bfloat16,
+                              config=fxpipe.RunConfig(num_microbatch=M))
+        out["plan_stages"] = {"fwd": len(pipe.plan.fwd_plan), "bwd": len(pipe.plan.bwd_plan)}
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        sync = _sync(kit.dry_run)
+        losses, seconds = [], []
+        with _unsampled(pipe) as sampling:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                loss = pipe.forward_backward((ids,), label=target, loss_fn=loss_fn, optimizer=opt)
+                sync()
+                seconds.append(time.perf_counter() - t0)
+                opt.zero_grad(set_to_none=True)
+                losses.append(float(loss))
+        if kit.dry_run:
+            reserved = max(d.peak_reserved_bytes() for d in pipe.devices)
+            allocated = max(d.peak_bytes() for d in pipe.devices)
+        else:
+            reserved = torch.cuda.max_memory_reserved(0)
+            allocated = torch.cuda.max_memory_allocated(0)
+    finally:
+        if pipe is not None:
+            pipe.close()
+        if not kit.dry_run:
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    if kit.dry_run and reserved > cap:
+        out["note"] = ("a VirtualDevice keeps freed copies for reuse past its memory_limit (a "
+                       "GPU's allocator frees its cache and retries first): reserved may exceed "
+                       "the cap in a dry run; peak_allocated_over_limit is what was resident")
+    timed = seconds[1:] or seconds          # the first step compiles: left out when others ran
+    tokens = ids.numel()
+    out.update({
+        "peak_reserved_over_limit": reserved / cap, "peak_allocated_over_limit": allocated / cap,
+        "tokens_per_s": tokens * len(timed) / sum(timed), "step_s": seconds, "losses": losses,
+        "timed_calls_sampled": sampling["sampled"],
+        "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]})
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+
+def _jsonable(x: Any) -> Any:
+    """Strict JSON: non-finite floats as strings ("inf", "nan"), keys as strings."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def _write(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(report), f, indent=1, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).splitlines()
+    return {"type": type(e).__name__, "message": str(e), "traceback": lines[-TAIL_LINES:]}
+
+
+@contextmanager
+def _alarm(seconds: float | None) -> Iterator[None]:
+    """Raise SectionTimeout in the main thread after ``seconds`` (and every 20 s after,
+    should cleanup hang too); nothing where there is no SIGALRM or off the main thread."""
+    if seconds is None or not hasattr(signal, "setitimer") or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ring(signum, frame):
+        raise SectionTimeout(f"past its {seconds:.0f} s share of the time budget (--budget-s)")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01), 20.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _summary(name: str, r: dict[str, Any]) -> str:
+    """One line about a section's result (never raises: printing must not stop the kit)."""
+    try:
+        return _summary_line(name, r)
+    except Exception:   # noqa: BLE001
+        return "ok" if r.get("ok") else "FAILED"
+
+
+def _summary_line(name: str, r: dict[str, Any]) -> str:
+    if not r.get("ok"):
+        err = r.get("error")
+        return "FAILED: " + (f"{err['type']}: {err['message'][:300]}" if err else
+                             str(r.get("summary") or r.get("losses") or ""))
+    if name == "cuda_tests":
+        return r.get("summary") or r.get("why", "")
+    if name == "vs_checkpoint":
+        return (f"fxpipe / eager+checkpoint: min {r['ratio_min']:.3f}, "
+                f"median {r['ratio_median']:.3f}")
+    if name == "scaling":
+        return ", ".join(f"{n}: {v['speedup_median']:.2f}x" for n, v in r["devices"].items())
+    if name == "hidden_prefetch":
+        return ", ".join(f"dev {d}: hidden {_fmt(f['hidden_fraction'])}, exposed "
+                         f"{f['exposed_ms']:.1f} ms" for d, f in r["devices"].items())
+    if name == "predicted_vs_measured":
+        return f"predicted/measured {_fmt(r['predicted_over_measured'])}"
+    if name == "stats":
+        return f"host waits {r.get('host_waits')}"
+    if name == "bigger_than_device":
+        return (f"weights {r['weights_over_limit']:.2f}x the cap, peak reserved "
+                f"{r['peak_reserved_over_limit']:.2f}x, {r['tokens_per_s']:.0f} tokens/s, "
+                f"losses {[round(x, 3) for x in r['losses']]}")
+    return ""
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def _fail_injected(name: str, fail: list[str], report: dict[str, Any], out: Path) -> None:
+    """``--fail-section NAME`` (tests): the section raises; ``NAME:exit``: the process
+    dies there, as a crash or a kill would."""
+    if f"{name}:exit" in fail:
+        _write(out, report)
+        sys.stdout.flush()
+        os._exit(3)
+    if name in fail:
+        raise RuntimeError(f"{name}: failure injected by --fail-section")
+
+
+def run_sections(kit: Kit, report: dict[str, Any], out: Path, budget_s: float,
+                 fail: list[str] = ()) -> list[str]:
+    """Run every section into ``report``, writing ``out`` after each; returns the names
+    of the sections that failed."""
+    t0 = time.perf_counter()
+    failed = []
+    for i, name in enumerate(SECTIONS):
+        elapsed = time.perf_counter() - t0
+        remaining = budget_s - elapsed
+        later = sum(RESERVE[n] for n in SECTIONS[i + 1:]) * budget_s
+        allowed = max(remaining - later, min(remaining, RESERVE[name] * budget_s))
+        report["in_progress"] = name
+        _write(out, report)
+        _say(f"[{elapsed:6.1f} s] {name} (up to {max(allowed, 0):.0f} s) ...")
+        start = time.perf_counter()
+        result: dict[str, Any]
+        try:
+            if allowed <= 0:
+                raise BudgetSpent(f"no time left of the {budget_s:.0f} s budget (--budget-s)")
+            kit.deadline_s = allowed
+            _fail_injected(name, list(fail), report, out)
+            fn = globals()[name]
+            # the subprocess keeps its own timeout; an alarm would cut its tail off
+            with _alarm(None if name == "cuda_tests" else allowed):
+                result = dict(fn(kit))
+        except Exception as e:   # noqa: BLE001 - a section's failure is its report
+            result = {"ok": False, "error": _error(e)}
+        finally:
+            kit.deadline_s = None
+        try:
+            _settle(kit.dry_run)
+        except Exception as e:   # noqa: BLE001
+            result.setdefault("cleanup_error", _error(e))
+        result = {"ok": bool(result.pop("ok", True)), **result,
+                  "seconds": round(time.perf_counter() - start, 2)}
+        report[name] = result
+        del report["in_progress"]
+        _write(out, report)
+        if not result["ok"]:
+            failed.append(name)
+        _say(f"[{time.perf_counter() - t0:6.1f} s] {name}: {_summary(name, result)}")
+    return failed
+
 
 def main(argv: list[str] | None = None) -> int:
+    global _interrupted
     ap = argparse.ArgumentParser(prog="python -m fxpipe.check", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU needed: virtual devices with GPU semantics, a tiny model")
+                    help="no GPU needed: virtual devices with GPU semantics, tiny models")
     ap.add_argument("--out", default=None, help="JSON file (default: fxpipe_check.json, or "
                     "benchmarks/results/gpu_check[_dry_run].json in a source checkout)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-tests", action="store_true", help="measure only")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="time for the whole kit, in seconds (default 540)")
+    ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("fxpipe.check: no CUDA GPU visible (torch.cuda.is_available() is False); run on a "
               "GPU machine, or use --dry-run to exercise the kit on CPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    if args.out:
+        out = Path(args.out)
+    elif (ROOT / "benchmarks").is_dir():
+        out = ROOT / "benchmarks" / "results" / ("gpu_check_dry_run.json" if args.dry_run
+                                                 else "gpu_check.json")
+    else:
+        out = Path("fxpipe_check.json")
     if args.dry_run:
         torch.set_num_threads(1)   # as each virtual device's workers: a like-for-like eager
     num = 2 if args.dry_run else torch.cuda.device_count()
@@ -261,37 +775,37 @@ def main(argv: list[str] | None = None) -> int:
         "dry_run": args.dry_run, "torch": torch.__version__, "python": platform.python_version(),
         "devices": (["virtual (semantics=cuda)"] * num if args.dry_run else
                     [torch.cuda.get_device_name(i) for i in range(num)]),
-        "model": shape}
-    _say(f"{num} device(s): {report['devices']}; model {shape}")
-    if not args.skip_tests:
-        report["cuda_tests"] = run_cuda_tests(args.dry_run)
-    _say("fused step vs eager + checkpoint on one device ...")
-    report["vs_checkpoint"] = vs_checkpoint(shape, args.dry_run, args.repeats)
-    _say(f"  ratio min {report['vs_checkpoint']['ratio_min']:.3f}, "
-         f"median {report['vs_checkpoint']['ratio_median']:.3f}")
-    _say(f"scaling over 1..{num} device(s) ...")
-    report["scaling"] = scaling(shape, num, args.dry_run, args.repeats)
-    for n, r in report["scaling"]["devices"].items():
-        _say(f"  {n}: {r['step_s_median']:.3f} s/step, speed-up {r['speedup_median']:.2f}x")
-    _say("traced step: hidden prefetch, predicted vs measured, stats ...")
-    report["traced"] = traced_step(shape, num, args.dry_run)
-    tr = report["traced"]
-    _say(f"  hidden prefetch {tr['hidden_prefetch']}, predicted/measured "
-         f"{tr['predicted_over_measured']:.3f}, host waits {tr['stats']['host_waits']}")
+        "model": shape, "budget_s": args.budget_s}
+    _say(f"{num} device(s): {report['devices']}; model {shape}; budget {args.budget_s:.0f} s; "
+         f"writing {out}")
+    # a hang past the budget (in C code, where the alarm cannot reach) still says where
+    try:
+        faulthandler.dump_traceback_later(args.budget_s + 30, exit=False)
+    except (OSError, ValueError):   # a stderr without a file descriptor
+        pass
+    kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape)
+    try:
+        failed = run_sections(kit, report, out, args.budget_s, args.fail_section)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        kit.close()
+    report["failed"] = failed
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    if args.out:
-        out = Path(args.out)
-    elif (ROOT / "benchmarks").is_dir():
-        out = ROOT / "benchmarks" / "results" / ("gpu_check_dry_run.json" if args.dry_run
-                                                 else "gpu_check.json")
-    else:
-        out = Path("fxpipe_check.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    _say(f"done in {report['seconds']} s; wrote {out}")
-    failed = report.get("cuda_tests", {}).get("returncode", 0) != 0
+    _write(out, report)
+    _say(f"done in {report['seconds']} s; wrote {out}"
+         + (f"; FAILED: {', '.join(failed)}" if failed else "; every section ok"))
+    _interrupted = any((report[n].get("error") or {}).get("type") == SectionTimeout.__name__
+                       for n in SECTIONS)
     return 1 if failed else 0
 
 
+_interrupted = False   # a section was cut off by its alarm (main): device threads may linger
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _interrupted:   # do not wait for threads an interrupted section may have left running
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

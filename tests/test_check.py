@@ -1,15 +1,20 @@
 """The GPU acceptance kit runs end to end without a GPU (``--dry-run``): CI keeps it
-working for the day a GPU runs it."""
+working for the day a GPU runs it. It survives its own failures: a section that raises,
+runs out of time or kills the process leaves the sections before it in the JSON."""
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+
+from fxpipe import check
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,13 +27,112 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and len(report["devices"]) == 2
-    assert report["vs_checkpoint"]["ratio_median"] > 0
+    assert set(check.SECTIONS) <= set(report) and "in_progress" not in report
+    assert report["failed"] == []
+    for name in check.SECTIONS:
+        assert report[name]["ok"] is True, (name, report[name])
+        assert "error" not in report[name] and report[name]["seconds"] >= 0
+    assert report["cuda_tests"]["ran"] is False
+    vs = report["vs_checkpoint"]
+    assert vs["ratio_median"] > 0 and vs["timed_calls_sampled"] is False
     assert set(report["scaling"]["devices"]) == {"1", "2"}
-    traced = report["traced"]
-    assert set(traced["hidden_prefetch"]) == {"0", "1"}
-    assert all(0.0 <= f <= 1.0 for f in traced["hidden_prefetch"].values() if f is not None)
-    assert traced["predicted_ms"] > 0 and traced["measured_ms"] > 0
-    assert traced["stats"]["host_waits"] == 1
+    assert report["scaling"]["timed_calls_sampled"] is False
+    hidden = report["hidden_prefetch"]["devices"]
+    assert set(hidden) == {"0", "1"}
+    for figures in hidden.values():
+        assert figures["hidden_fraction"] is None or 0.0 <= figures["hidden_fraction"] <= 1.0
+        assert figures["exposed_ms"] >= 0.0 and figures["prefetches"] >= 1
+    assert report["hidden_prefetch"]["call_sampled"] is False
+    pvm = report["predicted_vs_measured"]
+    assert pvm["predicted_ms"] > 0 and pvm["measured_ms"] > 0
+    assert report["stats"]["host_waits"] == 1
+    big = report["bigger_than_device"]
+    assert big["weights_over_limit"] >= 2.0
+    assert big["peak_reserved_over_limit"] > 0 and big["tokens_per_s"] > 0
+    assert len(big["losses"]) == 3 and all(math.isfinite(x) for x in big["losses"])
+    assert big["losses"][-1] < big["losses"][0]
+    assert big["timed_calls_sampled"] is False
+
+
+def _stub_sections(monkeypatch, out, **special):
+    """Replace every section with a stub that returns at once (or ``special[name]``),
+    and records what the JSON on disk held when it ran."""
+    seen = {}
+
+    def stub(name):
+        def run(kit):
+            seen[name] = json.loads(out.read_text())
+            if name in special:
+                return special[name]()
+            return {"figure": 1.0}
+        return run
+    for name in check.SECTIONS:
+        monkeypatch.setattr(check, name, stub(name))
+    return seen
+
+
+@pytest.fixture
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_failing_section_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch, _threads):
+    out = tmp_path / "check.json"
+
+    def fail():
+        raise ValueError("the scaling section broke")
+    seen = _stub_sections(monkeypatch, out, scaling=fail)
+    code = check.main(["--dry-run", "--out", str(out)])
+    assert code == 1
+    report = json.loads(out.read_text())
+    assert report["failed"] == ["scaling"]
+    err = report["scaling"]["error"]
+    assert report["scaling"]["ok"] is False and err["type"] == "ValueError"
+    assert "the scaling section broke" in err["message"]
+    assert any("the scaling section broke" in line for line in err["traceback"])
+    for name in set(check.SECTIONS) - {"scaling"}:
+        assert report[name] == {"ok": True, "figure": 1.0, "seconds": report[name]["seconds"]}
+    # written after every section: the next section found the failure already on disk
+    assert seen["hidden_prefetch"]["in_progress"] == "hidden_prefetch"
+    assert seen["hidden_prefetch"]["scaling"]["error"]["type"] == "ValueError"
+    assert seen["hidden_prefetch"]["vs_checkpoint"]["ok"] is True
+    assert "scaling" not in seen["scaling"] and "cuda_tests" in seen["scaling"]
+
+
+def test_a_section_past_its_share_of_the_budget_is_cut_off(tmp_path, monkeypatch, _threads):
+    out = tmp_path / "check.json"
+
+    def hang():
+        time.sleep(60)
+        return {}
+    _stub_sections(monkeypatch, out, vs_checkpoint=hang)
+    code = check.main(["--dry-run", "--out", str(out), "--budget-s", "2"])
+    assert code == 1
+    report = json.loads(out.read_text())
+    assert report["vs_checkpoint"]["error"]["type"] == "SectionTimeout"
+    assert report["cuda_tests"]["ok"] is True
+    assert set(check.SECTIONS) <= set(report)
+    assert check._interrupted
+
+
+def test_a_crash_keeps_the_sections_before_it(tmp_path):
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, "-m", "fxpipe.check", "--dry-run", "--skip-tests",
+                          "--out", str(out), "--fail-section", "vs_checkpoint:exit"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cuda_tests"]["ok"] is True
+    assert report["in_progress"] == "vs_checkpoint" and "vs_checkpoint" not in report
+
+
+def test_a_subprocess_past_its_timeout_is_killed_with_its_output_tail():
+    script = "import time; print('started', flush=True); time.sleep(60)"
+    result = check._run_subprocess([sys.executable, "-c", script], timeout=2)
+    assert result["timed_out"] is True and result["returncode"] != 0
+    assert result["tail"] == ["started"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the kit would run")

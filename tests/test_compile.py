@@ -226,7 +226,9 @@ def test_train_eval_switch_recaptures():
     ids = torch.randint(0, 64, (3, 8))
     pipe = fxpipe.compile(model, example_inputs=(ids,))
     model.eval()
-    assert torch.equal(pipe(ids), model(ids))  # no dropout once in eval mode
+    # no dropout once in eval mode (close, not bitwise: 3 microbatches of 1 row run other
+    # GEMM shapes than the whole batch, and some BLAS paths block them differently)
+    torch.testing.assert_close(pipe(ids), model(ids))
     pipe.train()
     assert model.training
 

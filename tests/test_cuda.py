@@ -122,3 +122,38 @@ def test_the_streamed_optimizer_on_gpus():
         ref_opt.zero_grad()
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), r.detach().cpu(), atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_pinned_memory_is_registered_at_its_exact_size():
+    from fxpipe.runtime import pinned
+
+    account = pinned.Account()
+    n = (3 * pinned.PAGE + 8) // 4                      # 3 pages and 8 bytes of fp32
+    t = pinned.empty(n, torch.float32, emulate=False, account=account)
+    assert t.is_pinned() and pinned.is_pinned(t) and pinned.is_pinned(t[5:])  # CUDA sees it
+    assert t.data_ptr() % pinned.PAGE == 0 and account.nbytes == 4 * pinned.PAGE  # not 8
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    dev = torch.empty(n, device="cuda")
+    dev.copy_(t, non_blocking=True)
+    back = pinned.empty(n, torch.float32, emulate=False)
+    back.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, t)
+    del t
+    assert account.nbytes == 0                          # unregistered and freed
+
+
+@pytest.mark.parametrize("inputs_on", ["cpu", "cuda"])
+def test_pinned_fused_step_has_no_host_stalls(inputs_on):
+    model, ref, pipe = pair(1)    # every device a GPU: pinned by default
+    ids, y = batch()
+    loss = pipe.forward_backward((ids.to(inputs_on),), label=y.to(inputs_on), loss_fn=ce)
+    stats = pipe.stats()
+    assert stats["host_stalls"] == 0 and stats["host_pinned_bytes"] > 0, stats
+    ref_loss = ce(ref(ids.cuda()), y.cuda())
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
+    assert_grads_close(model, ref)
+    unpinned = pair(1, pin_memory=False)[2]
+    unpinned.forward_backward((ids,), label=y, loss_fn=ce)
+    assert unpinned.stats()["host_stalls"] > 0 and unpinned.stats()["host_pinned_bytes"] == 0

@@ -569,9 +569,9 @@ class TestProgram(expecttest.TestCase):
                 text = str(pipe.program("fused", num_microbatch=2, optimizer=True))
                 self.assertExpectedInline(text, """\
 program devices=2 microbatches=2
-inputs input_1
+inputs input_1 <label>
 stage 0 fwd 0:2 reads=input_1 makes=mul
-stage 1 fused 2:3 reads=mul makes=linear_1
+stage 1 fused 2:3 reads=mul,<label> makes=linear_1
 stage 2 bwd 0:2 reads=input_1 makes=mul
 step d0  d1   host
 0    0P  1P   BC

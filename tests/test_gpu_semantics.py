@@ -46,11 +46,11 @@ def test_host_to_device_copy_reads_its_source_when_performed():
     d = VirtualDevice(semantics="cuda")
     src = torch.zeros(3)
     gate = threading.Event()
-    blocker = d.submit("h2d", gate.wait)                  # the stream is busy until gate
+    blocker = d.submit("h2d", lambda: d.kernel(gate.wait))   # the stream is busy until gate
     up = d.submit("h2d", lambda: d.to_device(src, kind="activations", owner="test"))
     src.fill_(7.0)                                       # a host write before the copy ran
     gate.set()
-    assert torch.equal(up.result(), torch.full((3,), 7.0)) and blocker.result()
+    assert torch.equal(up.result(), torch.full((3,), 7.0)) and blocker.exception() is None
     d.close()
 
 
@@ -230,3 +230,220 @@ def test_issue_threads_one_per_device(monkeypatch):
     assert {d: len(names) for d, names in issuers.items()} == {0: 1, 1: 1, 2: 1}
     names = set().union(*issuers.values())
     assert len(names) == 3 and threading.current_thread().name not in names
+
+
+# -- device identity: what CUDA refuses, the emulator refuses -------------------------------
+
+SAME_DEVICE = "Expected all tensors to be on the same device"
+
+
+def test_an_op_mixing_device_and_host_tensors_raises_as_cuda_does():
+    d, other = VirtualDevice(semantics="cuda"), VirtualDevice(semantics="cuda")
+    x = d.to_device(torch.ones(4), kind="activations", owner="test")
+    y = other.to_device(torch.ones(4), kind="activations", owner="test")
+    with pytest.raises(RuntimeError, match=SAME_DEVICE + ".* and cpu!"):
+        d.submit("compute", torch.add, x, torch.ones(4)).result()
+    with pytest.raises(RuntimeError, match=SAME_DEVICE + f".* and {other.name}!"):
+        d.submit("compute", torch.add, x, y).result()
+    # what CUDA takes: a 0-dim host scalar, host index tensors, copies either way
+    assert d.submit("compute", torch.mul, x, torch.tensor(2.0)).result().sum() == 8
+    assert d.submit("compute", lambda: x[torch.tensor([0, 2])]).result().tolist() == [1, 1]
+    assert d.submit("compute", lambda: torch.zeros(4).copy_(x)).result().sum() == 4
+    d.close(), other.close()
+
+
+def test_an_op_on_host_tensors_runs_on_the_host_and_its_result_stays_there():
+    """A host op inside device work is legal on CUDA (it runs on the CPU), but what it
+    makes is host memory: the device's next op on it fails, not silently passes."""
+    d = VirtualDevice(semantics="cuda")
+    x = d.to_device(torch.ones(4), kind="activations", owner="test")
+    base = torch.arange(4.0)              # e.g. a global of the model's module
+
+    def work():
+        host = base * 2                   # reads host tensors only: a host op
+        assert not d.holds(host)
+        return x + host
+
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        d.submit("compute", work).result()
+    # on a plain virtual device (or strict=False) it passes, as it always did
+    lax = VirtualDevice(semantics="cuda", strict=False)
+    x = lax.to_device(torch.ones(4), kind="activations", owner="test")
+    assert lax.submit("compute", lambda: x + torch.ones(4)).result().sum() == 8
+    d.close(), lax.close()
+
+
+def test_a_tensor_label_reaches_the_device_and_the_step_equals_eager():
+    """The label is uploaded with the fused stage's inputs (``LABEL``, an Upload the
+    Program prints): before, the loss read it on the host next to the device's logits,
+    which a GPU refuses (this test failed on strict cuda-sim devices)."""
+    model, ref, pipe = gpt_pair(1)
+    ids, y = batch()
+    program = pipe.program("fused", 3)
+    assert "<label>" in program.inputs and any(str(a) == "2U0" for a in program.actions[0])
+    loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    ref_loss = ce(ref(ids), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    assert_grads_close(model, ref)
+    # a label structure: each tensor in it goes up
+    loss = pipe.forward_backward((ids,), label={"y": y, "w": 0.5},
+                                 loss_fn=lambda out, lab: ce(out, lab["y"]) * lab["w"])
+    torch.testing.assert_close(loss, ref_loss.detach() * 0.5)
+
+
+def test_a_loss_reading_a_host_tensor_fails_the_call_and_changes_nothing():
+    model, ref, pipe = gpt_pair(2)
+    ids, y = batch()
+    weight = torch.ones(64)        # a closure's host tensor, not on any device
+
+    def weighted(out, label):
+        return F.cross_entropy(out.flatten(0, 1), label.flatten(), weight=weight)
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(fxpipe.StageError, match=SAME_DEVICE) as err:
+        pipe.forward_backward((ids,), label=y, loss_fn=weighted)
+    assert "FusedBackward of stage 2" in str(err.value) and "microbatch 0" in str(err.value)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)      # still usable
+    ref_loss = ce(ref(ids), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    assert_grads_close(model, ref)
+
+
+# -- the allocator: stream-ordered reuse, record_stream, the limit --------------------------
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_freed_memory_another_stream_reads_waits_only_if_recorded(recorded):
+    """As torch's CUDA caching allocator: a freed block goes back to the stream that
+    allocated it and is reused by that stream's next allocation at once, unless a stream
+    recorded as using it (``record_stream``, ``use=``) has not passed the free yet. The
+    planted bug (``recorded=False``: no ``record_stream`` for the reader on d2h) lets
+    the next upload overwrite memory a queued read has not read yet."""
+    d = VirtualDevice(semantics="cuda")
+    gate, seen = threading.Event(), []
+    use = ("d2h",) if recorded else ()
+    ones, zeros = torch.ones(8), torch.zeros(8)
+    x = d.submit("h2d", lambda: d.to_device(ones, "activations", "x", use=use)).value()
+    d.submit("d2h", lambda: d.kernel(gate.wait))          # d2h is busy until gate
+    d.submit("d2h", lambda: d.kernel(lambda t: seen.append(t.sum().item()), x))
+    d.free(x)
+    del x                                                # the host's last handle, at issue
+    y = d.submit("h2d", lambda: d.to_device(zeros, "activations", "y", use=use))
+    y.result()                                           # the upload has landed
+    gate.set()
+    d.synchronize()
+    assert seen == ([8.0] if recorded else [0.0])        # 0.0: it read the next upload
+    d.close()
+
+
+def test_reserved_memory_stays_under_the_limit_with_a_flush():
+    """``memory_limit`` bounds what the allocator reserves: when new memory would pass
+    it, the kept blocks go back (after their streams passed them), counted as a flush."""
+    d = VirtualDevice(semantics="cuda", memory_limit=4 * 4096)
+    for i in range(6):   # growing sizes no kept block fits: each needs new memory
+        host = torch.ones(1024 + 64 * i)
+        t = d.submit("h2d", lambda: d.to_device(host, "activations", "x")).value()
+        d.submit("free", lambda t=t: d.free(t)).value()
+        del t
+    d.synchronize()
+    assert d.peak_reserved_bytes() <= 4 * 4096 and d.allocator_flushes >= 1
+    d.close()
+
+
+def test_wait_released_holds_the_host_until_parameter_memory_is_reusable():
+    """The bound on issuing ahead: before a ``Prefetch`` allocates, the issue thread waits
+    until the parameters released so far are past every stream that read them (on a GPU
+    the host would otherwise allocate a fresh stage while the old one is still in use)."""
+    d = VirtualDevice(semantics="cuda")
+    host = torch.ones(256)
+    w = d.submit("prefetch", lambda: d.to_device(host, "params", "stage 0")).value()
+    gate = threading.Event()
+    d.submit("compute", gate.wait)            # compute still reads stage 0's parameters
+    d.free(w)
+    del w
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (d.wait_released(), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.2)               # the memory is not reusable yet
+    gate.set()
+    assert waited.wait(5)
+    waiter.join()
+    assert d.wait_released() is False         # nothing pending any more
+    again = d.submit("prefetch", lambda: d.to_device(host, "params", "stage 2")).result()
+    assert d.cached_bytes() == 0 and again.sum() == 256   # the released block, reused
+    d.close()
+
+
+def test_a_model_three_times_a_devices_limit_trains_under_it():
+    """The product's promise on GPU-strict devices: parameters 3x one device's
+    ``memory_limit``, 2 devices, 4 microbatches, AdamW: equal to eager, and what each
+    device's allocator reserves (not only what is allocated) stays under the limit
+    with no flush of its cache after the first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[models.MLPBlock(32) for _ in range(24)])
+    ref = copy.deepcopy(model)
+    limit = sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+    x, y = torch.randn(8, 8, 32), torch.randn(8, 8, 32)
+    devs = cuda_devices(2, memory_limit=limit)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devs,
+                          config=fxpipe.RunConfig(num_microbatch=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        loss = pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        if step == 0:
+            assert_grads_close(model, ref)
+        else:
+            assert pipe.stats()["allocator_flushes"] == 0, step
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert all(d.peak_reserved_bytes() <= limit for d in devs), \
+        [d.peak_reserved_bytes() / limit for d in devs]
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_anything_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[models.MLPBlock(32) for _ in range(4)])
+    stage_bytes = sum(p.numel() * 4 for p in model[:2].parameters())
+    devs = cuda_devices(2, memory_limit=stage_bytes)   # a 2-block stage's params alone
+    plan = fxpipe.ExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
+    x = torch.randn(4, 8, 32)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devs, plan=plan)
+    with pytest.raises(fxpipe.DeviceMemoryError, match=r"stage 0 \(fwd, layers 0-1\) cannot "
+                       r"fit under memory_limit \d+ B before any activation: params \d+ B, "
+                       r"stage 2's params, prefetched meanwhile \d+ B = \d+ B. Nothing ran"):
+        pipe.forward_backward((x,), label=x, loss_fn=F.mse_loss)
+    assert all(d.peak_bytes() == 0 for d in devs)       # nothing ran
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_each_prefetch_is_issued_after_waiting_for_released_memory(monkeypatch):
+    """The issue-ahead bound in the runtime: each device's issue thread calls
+    ``wait_released`` right before it submits each ``Prefetch`` (without it, a GPU's
+    host would allocate every prefetch fresh while the device is still behind)."""
+    model, ref, pipe = gpt_pair(2)
+    ids, y = batch()
+    seen: dict[int, list[str]] = {}
+    for d, dev in enumerate(pipe.devices):
+        submit, wait_released = dev.submit, dev.wait_released
+
+        def spy_wait(_d=d, _wait=wait_released):
+            seen.setdefault(_d, []).append("wait")
+            return _wait()
+
+        def spy_submit(stream, fn, *args, _d=d, _submit=submit, **kw):
+            seen.setdefault(_d, []).append(kw.get("label", ""))
+            return _submit(stream, fn, *args, **kw)
+
+        monkeypatch.setattr(dev, "wait_released", spy_wait)
+        monkeypatch.setattr(dev, "submit", spy_submit)
+    pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    for d, log in seen.items():
+        prefetches = [i for i, label in enumerate(log) if label.endswith("P")]
+        assert prefetches and all(log[i - 1] == "wait" for i in prefetches), (d, log)

@@ -340,9 +340,11 @@ def test_stage_job_on_streams_with_gpu_semantics():
     x = torch.randn(3, 6)
     with VirtualDevice(semantics="cuda") as d:
         acc = GradAccumulator(store)
-        up = d.submit("h2d", lambda: store.upload(0, d, requires_grad=True))
-        grads = d.submit("compute", lambda: dict(zip(up.value(), torch.autograd.grad(
-            functional_call(lin, up.value(), (x,)).sum(), list(up.value().values())))), wait=[up])
+        up = d.submit("h2d", lambda: (store.upload(0, d, requires_grad=True),
+                                      d.to_device(x, "activations", "x")))   # x too: a GPU
+        grads = d.submit("compute", lambda: dict(zip(up.value()[0], torch.autograd.grad(
+            functional_call(lin, up.value()[0], (up.value()[1],)).sum(),
+            list(up.value()[0].values())))), wait=[up])
         host = d.submit("grads", lambda: store.download_grads(0, d, grads.value(), acc),
                         wait=[grads])
         acc.add(0, host.result(TIMEOUT), own=True)         # after its event: landed

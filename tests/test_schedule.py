@@ -48,10 +48,10 @@ class TestGolden(expecttest.TestCase):
         p = build_program(*FUSED_6, "fused", 2, 2, "stage")
         self.assertExpectedInline(str(p), """\
 program devices=2 microbatches=2
-inputs input
+inputs input <label>
 stage 0 fwd 0:2 reads=input makes=l1
 stage 1 fwd 2:4 reads=l1 makes=l3
-stage 2 fused 4:6 reads=l3 makes=l5
+stage 2 fused 4:6 reads=l3,<label> makes=l5
 stage 3 bwd 2:4 reads=l1 makes=l3
 stage 4 bwd 0:2 reads=input makes=l1
 step d0   d1  host
@@ -129,10 +129,10 @@ step d0  d1  d2  host
         p = build_program(*FUSED_6, "fused", 3, 4, "roundpipe")
         self.assertExpectedInline(str(p), """\
 program devices=3 microbatches=4
-inputs input
+inputs input <label>
 stage 0 fwd 0:2 reads=input makes=l1
 stage 1 fwd 2:4 reads=l1 makes=l3
-stage 2 fused 4:6 reads=l3 makes=l5
+stage 2 fused 4:6 reads=l3,<label> makes=l5
 stage 3 bwd 2:4 reads=l1 makes=l3
 stage 4 bwd 0:2 reads=input makes=l1
 step d0  d1   d2   host

@@ -32,7 +32,7 @@ from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import lower, lower_stage
-from fxpipe.passes.schedule import DataParallel, OptimizerMode, Values, build_program
+from fxpipe.passes.schedule import LABEL, DataParallel, OptimizerMode, Values, build_program
 from fxpipe.passes.stage import Executable, Stage
 
 if TYPE_CHECKING:
@@ -98,7 +98,8 @@ def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
         st = stages[i]
         loss_reads = [o for o in lg.output_names if o not in st.outputs and o not in st.inputs] \
             if st.kind == "fused" else []
-        reads.append(tuple(st.inputs) + tuple(loss_reads))
+        label = (LABEL,) if st.kind == "fused" else ()
+        reads.append(tuple(st.inputs) + tuple(loss_reads) + label)
         makes.append(tuple(st.outputs))
     holders: dict[int, list[int]] = {}
     for i, st in stages.items():
@@ -108,7 +109,8 @@ def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
                 if p is not None and p.requires_grad:
                     holders.setdefault(id(p), []).append(i)
     shared = tuple(sorted({tuple(sorted(set(h))) for h in holders.values() if len(set(h)) > 1}))
-    values = Values(tuple(reads), tuple(makes), tuple(lg.input_names),
+    values = Values(tuple(reads), tuple(makes),
+                    tuple(lg.input_names) + ((LABEL,) if run_type == "fused" else ()),
                     tuple(lg.output_names) if run_type != "fused" or outputs else (),
                     tuple(n for n in lg.input_names if n in set(input_grads)), shared)
     program = build_program(fwd, bwd, run_type, G, num_microbatch, "stage", optimizer=optimizer,

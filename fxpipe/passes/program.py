@@ -10,9 +10,9 @@ per step and one column per lane, and parses back::
     >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 1, "stage")
     >>> print(p)
     program devices=2 microbatches=1
-    inputs input
+    inputs input <label>
     stage 0 fwd 0:2 reads=input makes=l1
-    stage 1 fused 2:3 reads=l1 makes=l2
+    stage 1 fused 2:3 reads=l1,<label> makes=l2
     stage 2 bwd 0:2 reads=input makes=l1
     step  d0   d1   host
     0     0P   1P   C
@@ -36,7 +36,8 @@ Stages are indexed in execution order: forward stages ``0 .. F-1``, then backwar
 ``fused``: it runs the tail layers forward, the loss and the backward with no recompute.
 Every other backward stage (``bwd``) recomputes its layers from their saved inputs, then
 back-propagates. A stage's ``reads`` are the values its compute reads (for the fused
-stage: also the model outputs made earlier, which the loss reads); its ``makes`` are the
+stage: also the model outputs made earlier, which the loss reads, and the loss's label,
+``LABEL``); its ``makes`` are the
 values it makes for later stages or the output (for a ``bwd`` stage: the recomputed
 values whose gradients it takes in).
 
@@ -129,6 +130,10 @@ from typing import Literal, Sequence, Union
 StageKind = Literal["fwd", "bwd", "fused"]
 RunType = Literal["infer", "train", "fused"]
 HOST = -1
+LABEL = "<label>"
+"""The value a ``"fused"`` Program's fused stage reads as its loss's label: a model input
+of the Program (on the host when the call starts), uploaded to the device with the
+stage's other inputs, like them (a GPU's loss cannot read a label left on the host)."""
 """Lane and producer index meaning "the host" (model inputs, the user's loss gradient,
 the optimizer and commit actions)."""
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Literal, Sequence
 
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
-    HOST, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective,
-    Commit, Compute, Dataflow, Dep, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key,
-    Offload, OptimizerStep, Prefetch, Program, RecomputeBackward, ReduceScatter, Release, RunType,
-    StageKind, StageSpec, Upload, UploadGrad, dataflow, parse_action, stream_of,
+    HOST, LABEL, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
+    Collective, Commit, Compute, Dataflow, Dep, DownloadGrads, Forward, Free, FusedBackward,
+    HostAction, Key, Offload, OptimizerStep, Prefetch, Program, RecomputeBackward, ReduceScatter,
+    Release, RunType, StageKind, StageSpec, Upload, UploadGrad, dataflow, parse_action, stream_of,
 )
 
 Dispatch = Literal["roundpipe", "stage"]
@@ -48,12 +48,12 @@ def chain_values(stages: Sequence[StageSpec], run_type: RunType) -> Values:
     """Values of a plain layer chain: layer ``i`` makes ``l{i}`` from ``l{i-1}`` (layer 0
     from ``input``); a forward stage also makes the values where backward stages inside
     it start (their saved inputs); the last layer's value is the output (the host gets
-    it unless the program is ``"fused"``).
+    it unless the program is ``"fused"``, whose fused stage reads the label, ``LABEL``).
 
     >>> st = make_stages([range(0, 3)], [range(3, 4), range(1, 3), range(0, 1)], "fused")
     >>> v = chain_values(st, "fused")
     >>> v.reads, v.makes
-    ((('input',), ('l2',), ('l0',), ('input',)), (('l2', 'l0'), ('l3',), ('l2',), ('l0',)))
+    ((('input',), ('l2', '<label>'), ('l0',), ('input',)), (('l2', 'l0'), ('l3',), ('l2',), ('l0',)))
     """
     def name(i: int) -> str:
         return "input" if i < 0 else f"l{i}"
@@ -62,11 +62,12 @@ def chain_values(stages: Sequence[StageSpec], run_type: RunType) -> Values:
     reads, makes = [], []
     for st in stages:
         r = st.layers
-        reads.append((name(r.start - 1),))
+        reads.append((name(r.start - 1),) + ((LABEL,) if st.kind == "fused" else ()))
         extra = [name(c - 1) for c in starts if st.kind == "fwd" and r.start < c < r.stop]
         makes.append((name(r.stop - 1), *sorted(set(extra), key=extra.index)))
     last = max(st.layers.stop for st in stages) - 1
-    return Values(tuple(reads), tuple(makes), ("input",),
+    return Values(tuple(reads), tuple(makes),
+                  ("input",) + ((LABEL,) if run_type == "fused" else ()),
                   () if run_type == "fused" else (name(last),))
 
 

@@ -6,15 +6,20 @@ it, the host can ``event.result()``. Device memory made by ``to_device`` / ``tra
 counted by kind (params, activations, gradients), with peaks and an optional limit
 (:class:`fxpipe.errors.DeviceMemoryError`).
 
-How copies behave toward the host (``semantics``):
+How work behaves toward the host (``semantics``):
 
 - ``"cuda"`` (every :class:`CudaDevice`, and ``VirtualDevice(semantics="cuda")``): work
   *queues* copies. ``to_host`` returns its destination at once; the data lands when the
   stream reaches the copy (a virtual device fills it with NaN until then), so the host
   may read it only after waiting for the work's event. ``to_device`` reads its source
   when the stream performs the copy, not when it is queued. An event completes when its
-  stream has performed everything queued before it. Memory freed while other streams
-  may still use it is reused only after they passed that point (``record_stream``).
+  stream has performed everything queued before it. Memory is allocated and freed when
+  the host issues the work (a virtual device runs a copy stream's Python at once, on the
+  issuing thread); freed memory goes back to the stream that allocated it and is reused
+  by another stream's work only after each stream recorded as using it passed the free
+  (``record_stream``); ``memory_limit`` bounds what the allocator reserves. A virtual
+  device is also ``strict``: an op mixing its tensors with host memory or another
+  device's raises as CUDA does (``Expected all tensors to be on the same device``).
 - ``"sync"`` (a plain ``VirtualDevice``): a copy is done when it returns.
 
 The runtime issues the same work, the same way, on both; ``semantics="cuda"`` makes a
@@ -37,7 +42,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxpipe.errors import DeviceMemoryError
 from fxpipe.live_bytes import new_storages, storage_key
 from fxpipe.passes.program import parse_action
+from fxpipe.runtime import pinned
 
 # compute; activations in and out; parameters in; gradients out; dropping a microbatch's
 # values (Free); bookkeeping (Release).
@@ -72,7 +78,7 @@ class Event:
     fails with that same exception. Later work on the same stream still runs.
     """
 
-    __slots__ = ("label", "_done", "_result", "_exc", "_cuda_event")
+    __slots__ = ("label", "_done", "_result", "_exc", "_cuda_event", "_stream")
 
     def __init__(self, label: str, cuda_event: Any = None):
         self.label = label
@@ -80,6 +86,9 @@ class Event:
         self._result: Any = None
         self._exc: BaseException | None = None
         self._cuda_event = cuda_event  # torch.cuda.Event recorded after the work (CUDA only)
+        # work issued on the host at once (``VirtualDevice``, ``semantics="cuda"``): the
+        # event of what it queued, done when its stream has run it
+        self._stream: Event | None = None
 
     def done(self) -> bool:
         """True once the work ran on the host (CUDA kernels it queued may still run)."""
@@ -112,6 +121,15 @@ class Event:
         self._host_wait(timeout)
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
+        if self._stream is not None:
+            exc = self._stream.exception(timeout)
+            return self._exc if self._exc is not None else exc
+        return self._exc
+
+    def value_exception(self) -> BaseException | None:
+        """The exception the work's Python raised, once it ran (without waiting for what
+        it queued on the GPU)."""
+        self._host_wait(None)
         return self._exc
 
     def _host_wait(self, timeout: float | None) -> None:
@@ -137,6 +155,11 @@ class Device(ABC):
     and ``track`` until ``free``; and on a VirtualDevice every storage its work allocates
     (``_count_made``: intermediates, saved tensors, gradients, workspace) until Python
     frees it. ``memory_limit`` holds for the total.
+
+    ``host_stalls`` counts the copies between the device and host memory that is not
+    page-locked (``pinned.is_pinned``) on a device with a GPU's semantics (a
+    :class:`CudaDevice`, ``VirtualDevice(semantics="cuda")``): on a GPU each blocks the
+    thread issuing it until the data has moved (``pipe.stats()["host_stalls"]``).
     """
 
     def __init__(self, name: str, memory_limit: int | float | None):
@@ -156,6 +179,10 @@ class Device(ABC):
         self._peak = dict.fromkeys(KINDS, 0)
         self._peak_total = 0
         self._peak_reserved = 0
+        self._releases: list[Event] = []   # what freed parameter memory waits for
+        self.host_stalls = 0   # copies from or to pageable host memory (``_host_stall``)
+        self.allocator_flushes = 0   # times the allocator gave its cache back at the limit
+        self._stall_lock = threading.Lock()
 
     @abstractmethod
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
@@ -163,8 +190,17 @@ class Device(ABC):
         """Run ``fn(*args)`` on ``stream`` after earlier work on it and after ``wait``."""
 
     @abstractmethod
-    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
-        """Copy a host tensor into counted device memory; ``owner`` (a stage) names it in errors."""
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
+                  use: Sequence[str] = ("compute",)) -> torch.Tensor:
+        """Copy a host tensor into counted device memory, on the stream of the work
+        calling it; ``owner`` (a stage) names it in errors; ``use``: the other streams
+        that read it (``record_stream``: its memory is reused only after they passed its
+        ``free``)."""
+
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        """``tensor``, made on another of this device's streams, is read by the work being
+        issued now (its stream): its memory must not be reused before this stream is past
+        this point (``Tensor.record_stream``)."""
 
     @abstractmethod
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
@@ -175,7 +211,18 @@ class Device(ABC):
         place in the flat gradient buffer); returns ``out``. Like ``to_host``, the data
         is there once the work that queued the copy has completed."""
         dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
-        return out.copy_(dev_tensor.detach(), non_blocking=out.is_pinned())
+        return out.copy_(dev_tensor.detach(), non_blocking=not self._host_stall(out))
+
+    def _host_stall(self, host: torch.Tensor) -> bool:
+        """Whether a copy between this device and ``host`` blocks the issuing thread (host
+        memory that is not page-locked, on a device with a GPU's semantics); such a copy
+        is counted in ``host_stalls``."""
+        if getattr(self, "semantics", "sync") != "cuda" or host.device.type != "cpu" \
+                or not host.numel() or pinned.is_pinned(host):
+            return False
+        with self._stall_lock:
+            self.host_stalls += 1
+        return True
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -210,16 +257,36 @@ class Device(ABC):
                              "track each allocation once")
         return self._allocate(storage.nbytes(), kind, owner, lambda: tensor)
 
-    def free(self, tensor: torch.Tensor) -> None:
-        """Stop counting the allocation ``tensor`` belongs to (its whole storage)."""
+    def free(self, tensor: torch.Tensor) -> str | None:
+        """Stop counting the allocation ``tensor`` belongs to (its whole storage); returns
+        its kind (None for an empty tensor)."""
         if not tensor.untyped_storage().nbytes():
-            return
+            return None
         with self._mem_lock:
             entry = self._live.pop(tensor.untyped_storage().data_ptr(), None)
             if entry is None:
                 raise ValueError(f"{self.name}: free() got a tensor whose memory is not counted here: "
                                  "it was already freed, or not made by to_device()/track() on this device")
             self._resident[entry[1]] -= entry[2]
+        return entry[1]
+
+    def _released(self, events: Sequence[Event]) -> None:
+        """Parameter memory was freed: reusable once ``events`` complete."""
+        with self._mem_lock:
+            self._releases.extend(events)
+
+    def wait_released(self) -> bool:
+        """Block the host until the parameter memory freed so far (``Release``) may be
+        reused: each stream that read it has passed its free. The issue thread calls it
+        before a ``Prefetch`` allocates, so the host is never more than the two resident
+        stages ahead of the device's memory (FSDP's ``limit_all_gathers``); returns
+        whether anything was still pending."""
+        with self._mem_lock:
+            events, self._releases = self._releases, []
+        pending = [e for e in events if not e.done() or not _complete(e)]
+        for e in pending:
+            e.exception()
+        return bool(pending)
 
     def resident_bytes(self, kind: str | None = None) -> int:
         """Counted bytes resident now (of one kind, or all)."""
@@ -361,6 +428,13 @@ class Device(ABC):
         return f"{type(self).__name__}({self.name!r}, memory_limit={self.memory_limit})"
 
 
+def _complete(event: Event) -> bool:
+    """Whether ``event``'s work has completed, GPU part included (without waiting)."""
+    if event._cuda_event is not None and not event._cuda_event.query():
+        return False
+    return event._stream is None or _complete(event._stream)
+
+
 def _describe(label: str) -> str:
     """``"2B1 (stage 2, microbatch 1)"`` for a Program action's label, else the label."""
     try:
@@ -433,6 +507,7 @@ class _Work(threading.local):
     and ``paused`` steer the counting of what it allocates (``_Counting``)."""
 
     token: object | None = None
+    stream: str | None = None
     copies: list[Callable[[], Any]] | None = None
     owner: str = "work"
     kind: str = "workspace"
@@ -466,24 +541,73 @@ def host_allocations():
         _work.paused = was
 
 
+_aten = torch.ops.aten
+# ops that move data between memories (any two devices, as on CUDA)
+_TRANSFERS = frozenset({_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default,
+                        _aten._copy_from_and_resize.default, _aten.lift_fresh.default,
+                        _aten.lift_fresh_copy.default})
+# CUDA indexing takes host index tensors: the argument position that may be on the host
+_HOST_INDICES = {_aten.index.Tensor: 1, _aten.index_put.default: 1,
+                 _aten.index_put_.default: 1, _aten._index_put_impl_.default: 1}
+_virtual_devices: weakref.WeakSet = weakref.WeakSet()   # every VirtualDevice, for messages
+
+
 class _Counting(TorchDispatchMode):
     """Active in a VirtualDevice's stream threads while they run its work: every storage an
     op makes (not an input's: views and in-place results are not new) is counted on the
-    device (``Device._count_made``) until Python frees it."""
+    device (``Device._count_made``) until Python frees it.
+
+    On a ``strict`` device it also holds the work to CUDA's device rule
+    (``VirtualDevice._placed``): an op mixing tensors resident on the device with others
+    raises as CUDA does, and an op reading host tensors only runs on the host, as it would
+    on a GPU: what it makes is host memory, not counted."""
 
     def __init__(self, device: weakref.ref):
         super().__init__()
         self._device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         device = self._device()
         if _work.paused or device is None:
-            return out
+            return func(*args, **(kwargs or {}))
+        if device.strict and not func.is_view and func not in _TRANSFERS \
+                and not device._placed(func, args, kwargs):
+            return func(*args, **(kwargs or {}))   # a host op: it makes host memory
+        out = func(*args, **(kwargs or {}))
         made = new_storages(args, kwargs, out)
         if made:
             device._count_made(made, _work.kind, _work.owner)
         return out
+
+
+def _host_part(stream: str, fn: Callable[..., Any], args: tuple, label: str, token: object,
+               counting: weakref.ref | None) -> tuple[Any, BaseException | None, list]:
+    """Run a work item's Python on this thread: ``(result, exception, queued copies)``."""
+    saved = _work.token, _work.stream, _work.copies, _work.owner, _work.made
+    _work.token, _work.stream, _work.copies, _work.owner, _work.made = token, stream, [], label, []
+    result, exc = None, None
+    try:
+        # a mode per item: a mode object is not entered by two threads at once
+        with _Counting(counting) if counting is not None else contextlib.nullcontext():
+            result = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the event
+        exc = e
+    finally:
+        copies = _work.copies
+        _work.token, _work.stream, _work.copies, _work.owner, _work.made = saved
+    return result, exc, copies
+
+
+def _run_copies(copies: list[Callable[[], Any]]) -> BaseException | None:
+    """Perform queued copies (kernels) in order, as a GPU stream does; the first failure."""
+    exc = None
+    copies.reverse()
+    while copies:
+        try:
+            copies.pop()()   # (no variable keeps a copy's tensors once it has run)
+        except BaseException as e:  # noqa: BLE001
+            exc = exc if exc is not None else e
+    return exc
 
 
 def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event, ...],
@@ -494,26 +618,19 @@ def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event
         if exc is not None:  # do not compute on the output of failed work
             event._finish(exc=exc)
             return
-    result, exc, start = None, None, time.perf_counter()
-    _work.token, _work.copies, _work.owner, _work.made = token, [], event.label, []
-    try:
-        # a mode per item: a mode object is not entered by two threads at once
-        with _Counting(counting) if counting is not None else contextlib.nullcontext():
-            result = fn(*args)
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the event
-        exc = e
-    finally:
-        copies, _work.token, _work.copies = _work.copies, None, None
-    copies.reverse()
-    while copies:  # what the work queued runs in order, as on a GPU stream
-        try:
-            copies.pop()()   # (no variable keeps a copy's tensors once it has run)
-        except BaseException as e:  # noqa: BLE001
-            exc = exc if exc is not None else e
-    copies = None
+    start = time.perf_counter()
+    result, exc, copies = _host_part(stream, fn, args, event.label, token, counting)
+    failed = _run_copies(copies)   # what the work queued runs before its event completes
     if records is not None:
         records.append((stream, event.label, start, time.perf_counter()))
-    event._finish(result, exc)
+    event._finish(result, exc if exc is not None else failed)
+
+
+def _run_copies_of(copies: list[Callable[[], Any]]) -> None:
+    """The stream part of work issued at once (``VirtualDevice._issue_now``)."""
+    exc = _run_copies(copies)
+    if exc is not None:
+        raise exc
 
 
 def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
@@ -526,63 +643,119 @@ def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 class _StorageCache:
-    """A VirtualDevice's freed ``to_device`` memory, by size, for the next transfer of that
-    size, as a GPU's caching allocator keeps it. That makes reuse bugs visible: memory
-    still read after its ``free`` is overwritten by the next copy.
+    """A VirtualDevice's freed ``to_device`` memory, kept for reuse as torch's CUDA caching
+    allocator keeps it. That makes reuse bugs visible: memory still read after its
+    ``free`` is overwritten by the next copy.
 
-    A freed storage is reused only once nothing else holds it (a view, an autograd
-    graph, a value handed on: its use count is then the cache's own reference alone) and,
-    with ``semantics="cuda"``, once every stream of the device has passed the point where
-    it was freed (the events given to ``put``), as ``record_stream`` makes a GPU wait.
+    As on CUDA, a block belongs to the stream that allocated it (``pool``): only later
+    allocations on that stream reuse it, which that stream's own order makes safe. Its use
+    by other streams (``use``, ``record``: what ``record_stream`` tells the allocator)
+    holds it back: it is reused only once each of them has passed the point where it was
+    freed (the events ``put`` gets). A block is also reused only once nothing else holds
+    it (a view, an autograd graph, a value handed on: its use count is then the cache's
+    own reference alone).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._made: set[int] = set()  # data_ptr of storages alloc made and not yet put back
-        # by nbytes: (storage, events that must complete before it is reused)
-        self._free: dict[int, list[tuple[torch.UntypedStorage, tuple[Event, ...]]]] = {}
+        # data_ptr of storages alloc made and not yet put back -> (pool, streams using it,
+        # bytes asked for: a reused block may be larger)
+        self._made: dict[int, tuple[str | None, set[str], int]] = {}
+        # (pool, nbytes) -> [(storage, events that must complete before it is reused)]
+        self._free: dict[tuple[str | None, int], list[tuple[torch.UntypedStorage,
+                                                            tuple[Event, ...]]]] = {}
         self._bytes = 0
+        self._held: dict[int, int] = {}   # data_ptr -> handles queued kernels hold
+        self._slack = 0   # bytes of blocks in use beyond what was asked for
 
-    def alloc(self, host: torch.Tensor) -> torch.Tensor:
-        """New contiguous memory shaped like ``host`` (uninitialized), reused when some is
-        free."""
+    def alloc(self, host: torch.Tensor, pool: str | None = None, use: Sequence[str] = (),
+              room: Callable[[int], None] | None = None) -> torch.Tensor:
+        """New contiguous memory shaped like ``host`` (uninitialized) for stream ``pool``,
+        reused when a block is free; ``room(nbytes)`` is called before new memory is
+        taken (the device's limit)."""
         nbytes = host.numel() * host.element_size()
-        storage = self._take(nbytes) if nbytes and storage_use_count is not None else None
+        tracked = bool(nbytes) and storage_use_count is not None
+        storage = self._take(pool, nbytes) if tracked else None
         if storage is None:
+            if room is not None:
+                room(nbytes)
             out = torch.empty(host.shape, dtype=host.dtype)
         else:
             out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape)
-        if nbytes and storage_use_count is not None:
+        if tracked:
             with self._lock:
-                self._made.add(out.untyped_storage().data_ptr())
+                self._made[out.untyped_storage().data_ptr()] = (pool, set(use) - {pool}, nbytes)
+                self._slack += out.untyped_storage().nbytes() - nbytes
         return out
 
-    def put(self, tensor: torch.Tensor, after: tuple[Event, ...] = ()) -> None:
+    def record(self, tensor: torch.Tensor, stream: str) -> None:
+        """``stream`` uses ``tensor``'s block too (``record_stream``)."""
+        with self._lock:
+            entry = self._made.get(tensor.untyped_storage().data_ptr())
+            if entry is not None and stream != entry[0]:
+                entry[1].add(stream)
+
+    def put(self, tensor: torch.Tensor, after: Callable[[Collection[str]], tuple[Event, ...]]
+            = lambda streams: ()) -> tuple[Event, ...]:
+        """Keep ``tensor``'s block for reuse once ``after(streams using it)`` complete;
+        returns those events."""
         storage = tensor.untyped_storage()
         with self._lock:
-            if storage.data_ptr() not in self._made:
-                return  # not ours (made by compute and tracked): left to Python
-            self._made.discard(storage.data_ptr())
-            self._free.setdefault(storage.nbytes(), []).append((storage, after))
+            entry = self._made.pop(storage.data_ptr(), None)
+            if entry is None:
+                return ()  # not ours (made by compute and tracked): left to Python
+            events = after(entry[1])
+            self._free.setdefault((entry[0], storage.nbytes()), []).append((storage, events))
             self._bytes += storage.nbytes()
+            self._slack -= storage.nbytes() - entry[2]
+        return events
 
-    def _take(self, nbytes: int) -> torch.UntypedStorage | None:
+    def _take(self, pool: str | None, nbytes: int) -> torch.UntypedStorage | None:
+        """The smallest reusable block of ``pool`` of at least ``nbytes`` (best fit;
+        torch's allocator would split a larger one and keep the rest, which this does not
+        model: the rest stays reserved, unused), or None."""
         with self._lock:
-            free = self._free.get(nbytes, [])
-            for i, (storage, after) in enumerate(free):
-                if storage_use_count(storage._cdata) == 1 and all(e.done() for e in after):
-                    self._bytes -= nbytes
-                    return free.pop(i)[0]
+            sizes = sorted(size for p, size in self._free if p == pool and nbytes <= size)
+            for size in sizes:
+                free = self._free[(pool, size)]
+                for i, (storage, after) in enumerate(free):
+                    holders = 1 + self._held.get(storage.data_ptr(), 0)   # the cache, kernels
+                    if storage_use_count(storage._cdata) <= holders and \
+                            all(e.done() for e in after):
+                        self._bytes -= size
+                        return free.pop(i)[0]
         return None
 
+    def hold(self, keys: Sequence[int], n: int) -> None:
+        """Queued kernels take (``n=1``) or drop (``-1``) a handle on these blocks: not a
+        holder that keeps a freed block from reuse (a GPU's kernel is not)."""
+        with self._lock:
+            for k in keys:
+                self._held[k] = self._held.get(k, 0) + n
+                if not self._held[k]:
+                    del self._held[k]
+
     def nbytes(self) -> int:
-        return self._bytes
+        """Bytes kept for reuse, and the unasked-for part of blocks in use."""
+        return self._bytes + self._slack
+
+    def pending(self) -> list[Event]:
+        """The events the kept blocks wait for."""
+        with self._lock:
+            return [e for blocks in self._free.values() for _, after in blocks for e in after]
+
+    def release(self) -> int:
+        """Give every kept block back (``empty_cache``); returns the bytes."""
+        with self._lock:
+            freed, self._bytes = self._bytes, 0
+            self._free.clear()
+        return freed
 
     def clear(self) -> None:
+        self.release()
         with self._lock:
-            self._free.clear()
-            self._bytes = 0
             self._made.clear()  # still-live copies are then left to Python when freed
+            self._slack = 0
 
 
 def _unwritten_fill(dtype: torch.dtype) -> Any:
@@ -600,8 +773,11 @@ class VirtualDevice(Device):
 
     Threads start on the first submit (daemon, one intra-op thread each). ``records``
     collects ``(stream, label, t_start, t_end)`` per work item when ``record=True``.
-    ``semantics="cuda"`` makes copies behave as a GPU's do toward the host (module
-    docstring); the default is ``fxpipe.runtime.devices.default_semantics`` (``"sync"``).
+    ``semantics="cuda"`` makes work behave as a GPU's does toward the host (module
+    docstring): the Python of copy-stream work runs when it is submitted, what it queues
+    when its stream gets there; compute runs when its stream gets there. The default is
+    ``fxpipe.runtime.devices.default_semantics`` (``"sync"``). ``strict`` (default: on
+    with ``semantics="cuda"``) holds its work to CUDA's device rule (``_placed``).
 
     >>> with VirtualDevice(memory_limit=1024, record=True) as d:
     ...     w = d.to_device(torch.zeros(8), kind="params", owner="stage 0")
@@ -620,12 +796,15 @@ class VirtualDevice(Device):
     """
 
     def __init__(self, memory_limit: int | None = None, name: str | None = None, *,
-                 record: bool = False, semantics: str | None = None, count_work: bool = True):
+                 record: bool = False, semantics: str | None = None, count_work: bool = True,
+                 strict: bool | None = None):
         super().__init__(name if name is not None else f"vcpu:{next(_virtual_ids)}", memory_limit)
         semantics = default_semantics if semantics is None else semantics
         if semantics not in SEMANTICS:
             raise ValueError(f"{self.name}: semantics must be one of {SEMANTICS}, got {semantics!r}")
         self.semantics = semantics
+        self.strict = semantics == "cuda" if strict is None else bool(strict)
+        _virtual_devices.add(self)
         self._sink: list = [self.records if record else None]  # shared with the workers
         self._lock = threading.Lock()
         self._closed = False
@@ -650,6 +829,34 @@ class VirtualDevice(Device):
         6
         """
         event = Event(label if label is not None else getattr(fn, "__name__", "work"))
+        if self.semantics == "cuda" and stream != "compute":
+            return self._issue_now(stream, fn, args, wait, event)
+        return self._enqueue(stream, fn, args, wait, event)
+
+    def _issue_now(self, stream: str, fn: Callable[..., Any], args: tuple,
+                   wait: Sequence[Event], event: Event) -> Event:
+        """A copy stream's work with a GPU's semantics: its Python runs now, on the
+        issuing thread (what it allocates or frees, it does at issue), and the copies it
+        queues run when the stream gets there, after ``wait``. Like ``CudaDevice``, the
+        host waits for the Python of waited-on work that has not run yet (compute, which
+        this emulator runs when its stream gets there)."""
+        wait = _check_submit(self, stream, wait)
+        failed = None
+        for e in wait:   # a worker's event: wait for all of it; else its Python ran at issue
+            exc = e.exception() if e._stream is None else e.value_exception()
+            failed = exc if failed is None else failed
+        if failed is not None:
+            result, exc, copies = None, failed, []
+        else:
+            result, exc, copies = _host_part(stream, fn, args, event.label, self._token,
+                                             self._counting)
+        event._stream = self._enqueue(stream, _run_copies_of, (copies,), wait,
+                                      Event(event.label))
+        event._finish(result, exc)
+        return event
+
+    def _enqueue(self, stream: str, fn: Callable[..., Any], args: tuple,
+                 wait: Sequence[Event], event: Event) -> Event:
         with self._lock:
             wait = _check_submit(self, stream, wait)
             if stream not in self._queues:
@@ -676,32 +883,142 @@ class VirtualDevice(Device):
         _check_kind(kind)
         return _counted_as(kind)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is in this device's memory: made by ``to_device``/``track``, or
+        by its work (and alive)."""
+        storage = t.untyped_storage()
+        return storage.data_ptr() in self._live or storage._cdata in self._made
+
+    def _placed(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
+        """CUDA's device rule for one op of this device's work (``strict``): True if it
+        runs on the device (it reads a tensor resident here, or none: a factory);
+        False if it reads host tensors only (it runs on the host). Reading a tensor
+        resident here with one that is not (another device's, or host memory other
+        than a 0-dim scalar) raises ``RuntimeError`` worded as CUDA's."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [(k, t) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)
+                   and t.untyped_storage().nbytes()]
+        if not tensors:
+            return True
+        indices = _HOST_INDICES.get(func)
+        skip = ({id(t) for t in pytree.tree_leaves(args[indices]) if isinstance(t, torch.Tensor)}
+                if indices is not None and len(args) > indices else set())
+        here = [t for _, t in tensors if self.holds(t)]
+        if not here:
+            return False
+        for k, t in tensors:
+            if id(t) in skip or self.holds(t):
+                continue
+            other = next((d for d in list(_virtual_devices) if d is not self and d.holds(t)), None)
+            if other is None and t.dim() == 0:
+                continue   # a host scalar, as CUDA takes
+            where = other.name if other is not None else "cpu"
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two "
+                f"devices, {self.name} and {where}! {_describe(_work.owner)} ran {func} on a "
+                f"{tuple(here[0].shape)} tensor of {self.name} and argument {k}, a "
+                f"{tuple(t.shape)} {t.dtype} tensor in {where} memory. What device work reads "
+                "must be on the device: fxpipe uploads the parameters, the model's inputs and "
+                "the label; a tensor the model or loss_fn takes from elsewhere (a global, a "
+                "closure, a tensor made without device=) stays where it is.")
+        return True
+
+    def kernel(self, fn: Callable[..., Any], *tensors: torch.Tensor) -> None:
+        """Inside this device's work: run ``fn(*tensors)`` when the work's stream gets
+        there, as a GPU runs a kernel the host queued (``semantics="cuda"``); at once
+        otherwise. As on a GPU, the queued kernel does not keep ``tensors``' memory from
+        being reused once freed: only ``record_stream`` (``use``) does.
+
+        >>> d = VirtualDevice(semantics="cuda")
+        >>> order = []
+        >>> ev = d.submit("h2d", lambda: (d.kernel(lambda: order.append("kernel")),
+        ...                               order.append("issued")))
+        >>> ev.result() and None; order
+        ['issued', 'kernel']
+        >>> d.close()
+        """
+        queued = self._queued()
+        if queued is None:
+            fn(*tensors)
+            return
+        box = [fn, [t.detach() for t in tensors]]   # the kernel's own handles
+        keys = [t.untyped_storage().data_ptr() for t in box[1]]
+        self._cache.hold(keys, 1)
+
+        def run() -> None:
+            try:
+                f, args = box
+                box.clear()
+                f(*args)
+            finally:
+                f = args = None
+                self._cache.hold(keys, -1)
+
+        queued.append(run)
+
     def _queued(self) -> list[Callable[[], Any]] | None:
         """Where a copy made now is queued (``semantics="cuda"``, inside this device's
         work), or None: done at once."""
         return _work.copies if self.semantics == "cuda" and _work.token is self._token else None
 
-    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
-        """A separate contiguous copy, counted as ``kind`` (raises DeviceMemoryError)."""
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
+                  use: Sequence[str] = ("compute",)) -> torch.Tensor:
+        """A separate contiguous copy, counted as ``kind`` (raises DeviceMemoryError).
+        With ``semantics="cuda"`` its memory comes from the calling work's stream's pool
+        and is held back for the streams in ``use`` (``_StorageCache``)."""
         if host_tensor.device.type != "cpu":
             raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
                              f"got one on {host_tensor.device}")
         nbytes = host_tensor.numel() * host_tensor.element_size()
         source = host_tensor.detach()
-        return self._allocate(nbytes, kind, owner,
-                              lambda: self._copy_into(source, self._cache.alloc(source)))
+        self._host_stall(source)
+        pool = _work.stream if _work.token is self._token else None
+        return self._allocate(nbytes, kind, owner, lambda: self._copy_into(
+            source, self._cache.alloc(source, pool, use, lambda _: self._room())))
 
-    def free(self, tensor: torch.Tensor) -> None:
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        if _work.token is self._token and _work.stream is not None:
+            self._cache.record(tensor, _work.stream)
+
+    def free(self, tensor: torch.Tensor) -> str | None:
         """Stop counting ``tensor``'s allocation; memory ``to_device`` made is kept for reuse
         (as a GPU's caching allocator does; ``empty_cache()`` gives it back), with
-        ``semantics="cuda"`` once the streams have passed this point."""
-        super().free(tensor)
-        if self.semantics == "cuda":
-            with self._lock:
-                after = tuple(self._last.values())
-        else:
-            after = ()
-        self._cache.put(tensor, after)
+        ``semantics="cuda"`` once the streams using it have passed this point."""
+        kind = super().free(tensor)
+        after = self._cache.put(tensor, self._tails if self.semantics == "cuda"
+                                else (lambda _: ()))
+        if kind == "params":
+            self._released(after)
+        return kind
+
+    def _tails(self, streams: Collection[str]) -> tuple[Event, ...]:
+        """The last work issued on each of ``streams``."""
+        with self._lock:
+            return tuple(self._last[s] for s in streams if s in self._last)
+
+    def _room(self, extra: int = 0) -> None:
+        """Before the allocator takes new memory (counted as resident, plus ``extra``
+        bytes not yet counted): if what it reserves would be over ``memory_limit``, it
+        gives its kept blocks back, as torch's caching allocator does (on the issuing
+        thread: after waiting for the streams they wait for; counted in
+        ``allocator_flushes``)."""
+        if self.memory_limit is None or not self._cache.nbytes():
+            return
+        with self._mem_lock:
+            over = self._reserved() + extra > self.memory_limit
+        if not over:
+            return
+        if _work.token is not self._token or _work.stream != "compute":
+            for event in self._cache.pending():   # issued work: it completes
+                event.exception()
+        self._cache.release()
+        with self._stall_lock:
+            self.allocator_flushes += 1
+
+    def _count_made(self, tensors: Sequence[torch.Tensor], kind: str, owner: str) -> None:
+        # memory its work makes: the allocator's cache gives way at the limit
+        self._room(sum(t.untyped_storage().nbytes() for t in tensors))
+        super()._count_made(tensors, kind, owner)
 
     def cached_bytes(self) -> int:
         """Freed device memory kept for reuse (not counted as resident)."""
@@ -712,30 +1029,37 @@ class VirtualDevice(Device):
 
     def empty_cache(self) -> None:
         """Give the freed memory kept for reuse back (``stop_workers``/``close`` do too)."""
-        self._cache.clear()
+        self._cache.release()
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
-        """A separate contiguous host copy (``pin`` is ignored: no pinned memory on CPU).
-        With ``semantics="cuda"`` inside this device's work: filled when the stream
-        reaches the copy (NaN until then)."""
+        """A separate contiguous host copy. With ``semantics="cuda"``: page-locked
+        (emulated, ``pinned.empty``) if ``pin``, as a GPU's is (else a host stall), and
+        inside this device's work filled when the stream reaches the copy (NaN until
+        then)."""
         with host_allocations():   # host memory, not the device's
-            out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype)
+            if pin and self.semantics == "cuda":
+                out = pinned.empty(dev_tensor.numel(), dev_tensor.dtype,
+                                   emulate=True).view(dev_tensor.shape)
+            else:
+                out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype)
+        self._host_stall(out)
         return self._copy_into(dev_tensor.detach(), out)
 
     def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy into existing host memory ``out``; with ``semantics="cuda"`` inside this
-        device's work it lands when the stream reaches it (NaN until then)."""
+        device's work it lands when the stream reaches it (NaN until then); a host stall
+        unless ``out`` is page-locked."""
+        self._host_stall(out)
         return self._copy_into(dev_tensor.detach(), out)
 
     def _copy_into(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out.copy_(src)`` now, or with ``semantics="cuda"`` inside this device's work
         when the stream reaches it: ``out`` reads as unwritten until then, and ``src`` is
         read then (a copy in either direction)."""
-        queued = self._queued()
-        if queued is None:
+        if self._queued() is None:
             return out.copy_(src)
         out.fill_(_unwritten_fill(out.dtype))
-        queued.append(lambda: out.copy_(src))
+        self.kernel(lambda src: out.copy_(src), src)
         return out
 
     def synchronize(self) -> None:
@@ -786,9 +1110,12 @@ class CudaDevice(Device):
     issue thread) inside ``torch.cuda.stream(s)``, after ``s.wait_event(...)`` for each
     CUDA event waited on (a VirtualDevice event is waited on by the host). The host only
     *queues* kernels; the returned event completes on the GPU when they finish.
-    ``to_device`` copies from pinned memory without blocking, ``to_host`` copies into
-    pinned memory without blocking (read it after the event completes). Tensors are
-    ``record_stream``-ed on every stream that may use them. ``peak_bytes()`` is
+    ``to_device`` copies from pinned memory (``pinned.is_pinned``: fxpipe's registered
+    memory or torch's) without blocking, ``to_host`` copies into pinned memory without
+    blocking (read it after the event completes); a copy from or to pageable memory
+    blocks the issuing thread and is counted in ``host_stalls``. A tensor is
+    ``record_stream``-ed on each other stream that reads it, and only those (``use``,
+    :meth:`record_stream`). ``peak_bytes()`` is
     ``torch.cuda.max_memory_allocated`` (everything, not only tracked tensors). While
     recording (``pipe.trace()``), each work item is bracketed by timing events, read when
     ``records`` is (never inside a call). Needs a CUDA build and a visible GPU.
@@ -810,6 +1137,7 @@ class CudaDevice(Device):
         super().__init__(f"cuda:{index}", memory_limit)
         self.semantics = "cuda"
         self.streams = {name: torch.cuda.Stream(self.device) for name in STREAMS}
+        self._uses: dict[int, tuple[str, ...]] = {}   # block -> the streams to_device said use it
         self._closed = False
         self._recording = False
         self._timed: list[tuple[str, str, Any, Any]] = []  # (stream, label, start, end) events
@@ -876,12 +1204,21 @@ class CudaDevice(Device):
     def records(self, value: list[Record]) -> None:
         self._records = value
 
-    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
-        """Copy on the current stream (non-blocking from pinned memory), counted as ``kind``."""
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
+                  use: Sequence[str] = ("compute",)) -> torch.Tensor:
+        """Copy on the current stream (non-blocking from pinned memory), counted as
+        ``kind``; ``record_stream``-ed on the streams in ``use`` (only those)."""
+        stalls = self._host_stall(host_tensor)
+
         def copy() -> torch.Tensor:
             out = torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=self.device)
-            out.copy_(host_tensor.detach(), non_blocking=host_tensor.is_pinned())
-            self._record_streams(out)
+            out.copy_(host_tensor.detach(),
+                      non_blocking=host_tensor.device.type == "cpu" and not stalls)
+            current = torch.cuda.current_stream(self.device)
+            for name in use:
+                if self.streams[name] != current:
+                    out.record_stream(self.streams[name])
+            self._uses[out.untyped_storage().data_ptr()] = tuple(use)
             return out
 
         nbytes = host_tensor.numel() * host_tensor.element_size()
@@ -897,16 +1234,26 @@ class CudaDevice(Device):
         """Copy on the current stream into a new (pinned: non-blocking) host tensor."""
         out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype, pin_memory=pin)
         dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
-        out.copy_(dev_tensor.detach(), non_blocking=pin)
+        out.copy_(dev_tensor.detach(), non_blocking=not self._host_stall(out))
         return out
 
-    def track(self, tensor: torch.Tensor, kind: str, owner: str) -> torch.Tensor:
-        self._record_streams(tensor)
-        return super().track(tensor, kind, owner)
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))
 
-    def _record_streams(self, tensor: torch.Tensor) -> None:
-        for s in self.streams.values():  # freed memory is reused only after every stream's use
-            tensor.record_stream(s)
+    def free(self, tensor: torch.Tensor) -> str | None:
+        """Stop counting ``tensor``; for parameters, an event on each stream that read it
+        marks where its memory becomes reusable (:meth:`wait_released`)."""
+        uses = self._uses.pop(tensor.untyped_storage().data_ptr(), ())
+        kind = super().free(tensor)
+        if kind == "params":
+            events = []
+            for name in uses:
+                event = Event(f"free on {name}", torch.cuda.Event())
+                event._cuda_event.record(self.streams[name])
+                event._finish()
+                events.append(event)
+            self._released(events)
+        return kind
 
     def peak_bytes(self, kind: str | None = None) -> int:
         if kind is None:

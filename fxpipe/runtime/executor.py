@@ -3,14 +3,17 @@
 It is deliberately dumb. Each device's actions are issued, in Program order, by that
 device's own host thread (the host lane's by one more): an action is submitted to the
 stream of its device the Program names, with the events of its dependencies
-(``Program.dependencies()``) as waits, once those were issued. Issuing never waits for
-device work: on a GPU it queues kernels and copies after ``wait_event``s. The only host
-waits are the host lane's actions, each for exactly the events it reads (an optimizer
-step reading downloaded gradients), and the end of the call; ``Commit`` runs on the
-caller's thread after that. Each action kind has one handler (``Execution._act``, a
-``match`` on the action class), and what a handler moves or drops is what
-``Program.flow`` says: the executor decides nothing the Program does not show. Stages run
-through ``runtime.interpret``: the printed stage code, the Executable's own GraphModules.
+(``Program.dependencies()``) as waits, once those were issued. Issuing waits for device
+work in one place only: before a ``Prefetch`` allocates, until the parameters released
+so far are past every stream that read them (``Device.wait_released``: the host stays
+at most the two resident stages ahead of a device's memory; ``issue_waits``). Otherwise
+it queues kernels and copies after ``wait_event``s. The host lane's actions wait for
+exactly the events they read (an optimizer step reading downloaded gradients), and the
+caller for the end of the call; ``Commit`` runs on the caller's thread after that. Each
+action kind has one handler (``Execution._act``, a ``match`` on the action class), and
+what a handler moves or drops is what ``Program.flow`` says: the executor decides
+nothing the Program does not show. Stages run through ``runtime.interpret``: the printed
+stage code, the Executable's own GraphModules.
 
 The host never reads data a copy may still be writing: values and gradient parts that
 come through the host go back to a device as they are (the device sums gradient parts),
@@ -46,8 +49,8 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import (
-    HOST, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective, Commit,
-    DownloadGrads, Forward, Free, FusedBackward, Offload, OptimizerStep, Prefetch,
+    HOST, LABEL, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective,
+    Commit, DownloadGrads, Forward, Free, FusedBackward, Offload, OptimizerStep, Prefetch,
     RecomputeBackward, ReduceScatter, Release, Upload, UploadGrad, stream_of,
 )
 from fxpipe.passes.stage import Executable, Stage
@@ -145,7 +148,7 @@ class _OnDevice:
     def tensors(self) -> Iterator[Any]:
         """Everything still held (for cleanup after a failure)."""
         for table in (self.uploaded, self.made, self.parts):
-            yield from table.values()
+            yield from pytree.tree_leaves(list(table.values()))
         for parts in self.host_grads.values():
             yield from parts
         for taken in self.consumed.values():
@@ -164,7 +167,8 @@ class _Checkpoint:
 
 
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
-         "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes", "generated_runs")
+         "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes", "generated_runs",
+         "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes")
 
 
 class Stats:
@@ -207,6 +211,9 @@ class Execution:
         self.flow = self.program.flow
         M = self.program.num_microbatches
         call.host = [dict(x) for x in call.inputs]
+        if LABEL in self.program.inputs:   # the fused loss's label: uploaded like an input
+            for m, values in enumerate(call.host):
+                values[LABEL] = call.labels[m]
         call.grads = [{n: [g] for n, g in gs.items()}
                       for gs in (call.out_grads or [{} for _ in range(M)])]
         call.accumulator = GradAccumulator(call.store)
@@ -297,6 +304,8 @@ class Execution:
                     src.ready.wait()
                     waits.extend([src.event] if dep.on == "end" else src.gate)
                 waits = list({id(e): e for e in waits}.values())
+                if isinstance(a, Prefetch) and self.call.devices[lane].wait_released():
+                    self.stats.add("issue_waits")   # the memory it needs is not free yet
                 slot = slots[(lane, i)]
                 slot.gate = waits
                 if lane == HOST and waits:
@@ -464,13 +473,18 @@ class Execution:
         return buckets.get((layers.start, layers.stop), [])
 
     def _upload(self, d: int, s: int, m: int) -> None:
+        """Copy the host values ``(s, m)`` reads to the device: each tensor of them (a
+        label may be a structure of tensors); other values are read as they are."""
         dev, on = self.call.devices[d], self.on[d]
         for name in self.flow.upload.get((s, m), ()):
-            value = self.on_host.value(m, name)
-            if isinstance(value, torch.Tensor):
-                value = dev.to_device(value, "activations",
-                                      f"{name!r} for stage {s}, microbatch {m}")
-                self.stats.add("h2d_bytes_activations", _nbytes(value))
+            what = "the label" if name == LABEL else repr(name)
+
+            def up(t: torch.Tensor) -> torch.Tensor:
+                t = dev.to_device(t, "activations", f"{what} for stage {s}, microbatch {m}")
+                self.stats.add("h2d_bytes_activations", _nbytes(t))
+                return t
+
+            value = pytree.tree_map_only(torch.Tensor, up, self.on_host.value(m, name))
             with on.lock:
                 on.uploaded[(s, m, name)] = value
 
@@ -554,7 +568,9 @@ class Execution:
     def _fused(self, d: int, s: int, m: int) -> None:
         """The tail forward, the loss and the backward, no recompute."""
         call, st, lg = self.call, self.call.exe.stages[s], self.call.layers
-        leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
+        values = self._inputs(d, s, m)
+        label = values.pop(LABEL, None)   # on the device, as the loss's other inputs
+        leaves = {n: self._leaf(n, x) for n, x in values.items()}
         dev = call.devices[d]
         device = _torch_device(dev)
         with torch.enable_grad():
@@ -563,7 +579,7 @@ class Execution:
                                              keep_writebacks=True)
                 made = dict(zip(st.outputs, outs))
                 out = pytree.tree_unflatten(lg.flat_outputs({**leaves, **made}), lg.out_spec)
-                loss = call.loss_fn(out, call.labels[m])
+                loss = call.loss_fn(out, label)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("loss_fn must return a scalar tensor, got "
                                  f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
@@ -697,7 +713,7 @@ class Execution:
             dropped += [on.made.pop((flow.maker[n], m, n)) for n in flow.free.get(key, ())]
             dropped += [on.parts.pop((s, m, n), None) for n in flow.offload_grads.get(key, ())]
             dropped += on.consumed.pop(key, [])
-        for t in dropped:
+        for t in pytree.tree_leaves(dropped):
             _free_quietly(self.call.devices[d], t)
 
     def _download_grads(self, d: int, s: int) -> None:

@@ -6,11 +6,20 @@ tensors several layers use first), and makes the model's tensors views of it, as
 flat parameter does: ``model.parameters()``, ``state_dict()``, ``load_state_dict()`` and
 any ``torch.optim`` optimizer see the same tensors as before, and every stage of every
 plan is one or a few contiguous slices of that buffer, uploaded without a copy on the
-host. Pinned when CUDA is available (``pin=`` decides otherwise). ``p.data = t`` by the
-user breaks the alias; ``refresh`` (before each call) copies the new values in and
-re-aliases. Gradients have one flat buffer too (per dtype, the trainable parameters
-only): a gradient download writes into it directly, and the parameters' ``.grad`` become
-views of it at the commit.
+host. ``p.data = t`` by the user breaks the alias; ``refresh`` (before each call) copies
+the new values in and re-aliases. Gradients have one flat buffer too (per dtype, the
+trainable parameters only), made with the store of a training call
+(:meth:`HostParams.make_grads`, on the caller's thread): a gradient download writes into
+it directly, and the parameters' ``.grad`` become views of it at the commit.
+
+Pinning (``pin=True``; ``HostParams.of`` defaults to it when CUDA is available): every
+buffer here is page-locked at its exact size, rounded up to a page
+(``fxpipe.runtime.pinned``; not torch's caching host allocator, which rounds each
+request up to a power of two): the flat buffers, their upload copies, the flat gradient
+buffers, and a staged copy of each tensor that could not move into a flat buffer, so
+every upload and gradient download is asynchronous on a GPU. ``emulate=True`` records
+the memory as page-locked without CUDA (virtual devices with ``semantics="cuda"``).
+``pinned_bytes``: what that reserves.
 
 Two things keep one more copy, in the same layout: ``param_dtype`` (mixed precision,
 devices compute in bf16: the bf16 copy they upload) and an asynchronous optimizer
@@ -46,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxpipe.runtime import pinned
 from fxpipe.runtime.devices import Device, host_allocations
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
@@ -79,8 +89,10 @@ class HostParams:
     """One model's parameters and buffers in flat host buffers (module docstring). Get
     it with :meth:`of`: one per model, shared by every pipe compiled from it."""
 
-    def __init__(self, *, pin: bool):
+    def __init__(self, *, pin: bool, emulate: bool = False):
         self.pin = pin
+        self.emulate = emulate             # pinned without CUDA (``pinned.empty``)
+        self.account = pinned.Account()    # the page-locked bytes of the buffers below
         self.lock = threading.RLock()
         self.slots: dict[int, _Slot] = {}              # id(tensor) -> slot
         self.flats: list[torch.Tensor] = []            # regions (each one dtype)
@@ -88,16 +100,30 @@ class HostParams:
         self._copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (region, dtype)
         self._copied: dict[tuple[int, torch.dtype], tuple[int, int]] = {}  # (slot, dtype) -> stamp
         self._exposed: dict[int, weakref.ref] = {}      # id(param) -> its .grad view handed out
+        # (id(slot), upload dtype) -> (stamp, page-locked copy) of a tensor not moved
+        self._staged: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
 
     @classmethod
-    def of(cls, model: torch.nn.Module, *, pin: bool | None = None) -> HostParams:
-        """The model's HostParams (made on first use; ``pin`` defaults to
-        ``torch.cuda.is_available()``)."""
+    def of(cls, model: torch.nn.Module, *, pin: bool | None = None,
+           emulate: bool = False) -> HostParams:
+        """The model's HostParams (made on first use, which decides ``pin`` and
+        ``emulate``; ``pin`` defaults to ``torch.cuda.is_available()``)."""
         host = _BY_MODEL.get(model)
         if host is None:
-            host = cls(pin=torch.cuda.is_available() if pin is None else pin)
+            host = cls(pin=torch.cuda.is_available() if pin is None else pin, emulate=emulate)
             _BY_MODEL[model] = host
         return host
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes reserved for these buffers (each rounded up to a page)."""
+        return self.account.nbytes
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new host buffer: page-locked at its exact size if pinning."""
+        if self.pin:
+            return pinned.empty(numel, dtype, emulate=self.emulate, account=self.account)
+        return torch.empty(numel, dtype=dtype)
 
     # -- adopting tensors -----------------------------------------------------------------
     def adopt(self, groups: Sequence[Sequence[tuple[str, torch.Tensor, bool]]]) -> None:
@@ -136,7 +162,7 @@ class HostParams:
                 for slot in slots:
                     slot.offset = _align(size, dtype)
                     size = slot.offset + slot.numel
-                flat = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+                flat = self._empty(size, dtype)
                 region = len(self.flats)
                 self.flats.append(flat)
                 for slot in slots:
@@ -183,6 +209,8 @@ class HostParams:
                     t.data = view
             for slot in self.slots.values():
                 if slot.region is None:
+                    if self.pin:
+                        self._stage(slot, _upload_dtype(slot.tensor.dtype, upload_dtype))
                     continue
                 flat = self.flats[slot.region]
                 dtype = _upload_dtype(flat.dtype, upload_dtype)
@@ -190,7 +218,7 @@ class HostParams:
                     continue
                 key = (slot.region, dtype)
                 if key not in self._copies:
-                    self._copies[key] = torch.empty(flat.shape, dtype=dtype, pin_memory=self.pin)
+                    self._copies[key] = self._empty(flat.numel(), dtype)
                 # an in-place update (optimizer step, load_state_dict, a buffer written
                 # back) bumps the tensor's version; an unchanged one needs no copy
                 stamp = (slot.tensor._version, slot.tensor.data_ptr())
@@ -198,6 +226,40 @@ class HostParams:
                     copy = self._copies[key][slot.offset:slot.offset + slot.numel]
                     copy.copy_(self.view(slot).reshape(-1))
                     self._copied[(id(slot), dtype)] = stamp
+
+    def _stage(self, slot: _Slot, dtype: torch.dtype) -> None:
+        """Bring the page-locked copy of ``slot`` (a tensor not moved into a flat buffer),
+        in ``dtype``, up to date: made once, copied again when the tensor changed."""
+        t = slot.tensor
+        if t.numel() == 0:
+            return
+        key = (id(slot), dtype)
+        stamp = _stamp(t)
+        old = self._staged.get(key)
+        if old is not None and old[0] == stamp:
+            return
+        copy = old[1] if old is not None and old[1].numel() == t.numel() else \
+            self._empty(t.numel(), dtype)
+        copy.copy_(t.detach().reshape(-1))
+        self._staged[key] = (stamp, copy)
+
+    def staged(self, slot: _Slot, dtype: torch.dtype, snapshot: bool) -> torch.Tensor | None:
+        """The page-locked copy of ``slot`` (not moved into a flat buffer) an upload reads:
+        made by the last :meth:`refresh`, and still the tensor's values unless
+        ``snapshot`` (then it is the call's snapshot); else None."""
+        old = self._staged.get((id(slot), dtype))
+        if old is None or (not snapshot and old[0] != _stamp(slot.tensor)):
+            return None
+        return old[1]
+
+    def make_grads(self) -> None:
+        """Give every trainable parameter its place in a flat gradient buffer now (a
+        training call's store, on the caller's thread), not when a download first needs
+        one (inside a device's work)."""
+        with self.lock:
+            while (want := next((s for s in self.slots.values() if s.grad is None
+                                 and not s.is_buffer and s.tensor.requires_grad), None)):
+                self._grad_slots(want)
 
     def source(self, slot: _Slot, upload_dtype: torch.dtype | None, snapshot: bool) -> torch.Tensor:
         """What an upload of ``slot``'s region reads: the flat buffer or its copy."""
@@ -231,7 +293,7 @@ class HostParams:
             size = offsets[-1] + s.numel
         region = len(self.grad_flats)
         with host_allocations():   # possibly from a device's download work: host memory
-            self.grad_flats.append(torch.empty(size, dtype=dtype, pin_memory=self.pin))
+            self.grad_flats.append(self._empty(size, dtype))
         for s, off in zip(todo, offsets):
             s.grad = (region, off)
 
@@ -250,6 +312,12 @@ class HostParams:
     def exposed(self, t: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad`` (a view of the flat gradient buffer) became ``t.grad``."""
         self._exposed[id(t)] = weakref.ref(grad)
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """Changes when ``t``'s values may have: an in-place update bumps its version,
+    ``p.data = x`` changes its memory."""
+    return t._version, t.data_ptr(), t.shape
 
 
 def _upload_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
@@ -353,6 +421,14 @@ class ParamStore:
             total += (run.stop - run.start) * dtype.itemsize
         return total
 
+    def grad_nbytes(self, stage: int) -> int:
+        """Bytes of the gradients ``stage``'s trainable parameters make on a device (in
+        the upload dtype; a tied parameter once)."""
+        slots = {id(slot): slot for slot in self._names[stage].values()
+                 if not slot.is_buffer and slot.tensor.requires_grad}
+        return sum(slot.numel * _upload_dtype(slot.tensor.dtype, self.param_dtype).itemsize
+                   for slot in slots.values())
+
     def refresh(self) -> None:
         """Before a call (see :meth:`HostParams.refresh`)."""
         self.host.refresh(self.param_dtype, self.snapshot)
@@ -383,9 +459,11 @@ class ParamStore:
         return {fqn: views[id(slot)] for fqn, slot in self._names[stage].items()}
 
     def _source(self, run: _Run) -> torch.Tensor:
-        if run.region is None:
+        if run.region is None:   # its page-locked copy, when pinning
             t = run.slots[0].tensor.detach().reshape(-1)
-            return t.to(_upload_dtype(t.dtype, self.param_dtype))
+            dtype = _upload_dtype(t.dtype, self.param_dtype)
+            staged = self.host.staged(run.slots[0], dtype, self.snapshot)
+            return staged if staged is not None else t.to(dtype)
         src = self.host.source(run.slots[0], self.param_dtype, self.snapshot)
         return src[run.start:run.stop]
 
@@ -431,7 +509,10 @@ class ParamStore:
         for fqn, slot, g in items:
             dtype = _grad_dtype(slot.tensor)
             if g.dtype != dtype:
-                g = g.to(dtype)  # on the device: the download moves the gradient's own dtype
+                # on the device: the download moves the gradient's own dtype. The cast reads
+                # g, made on the compute stream, on this one: its memory must wait for it
+                device.record_stream(g)
+                g = g.to(dtype)
             dest = accumulator.claim(slot) if accumulator is not None else None
             out[fqn] = device.to_host(g) if dest is None else device.copy_to_host(g, dest)
         return out

@@ -5,6 +5,12 @@
 (``fxpipe.api``), and the Runner only keeps one host parameter store per run type.
 ``infer``, ``fused`` and ``TrainCall`` (the eager-style forward/backward, through
 ``runtime.autograd``) run calls on it.
+
+When the pipe pins host memory (``staging``, a ``pinned.Staging``), each call copies the
+tensors it uploads from the caller (inputs, labels, output gradients) once into a
+page-locked block, so the devices' uploads of them are asynchronous; a CUDA tensor of
+the caller's is copied there synchronously, on its device's current stream (after the
+caller's kernels writing it).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from fxpipe.config import RunConfig
+from fxpipe.errors import DeviceMemoryError
+from fxpipe.passes.program import Prefetch
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.stage import Executable
 from fxpipe.runtime import amp
@@ -29,6 +37,7 @@ from fxpipe.runtime.executor import (
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import HostParams, ParamStore
+from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
@@ -45,14 +54,17 @@ class Runner:
     ``log``: while a ``pipe.trace()`` block records, executed actions go to it.
     ``dp``: data parallel (``runtime.distributed.DataParallel``): a training call that
     synchronizes (``sync``) runs the collectives of :meth:`collectives`.
+    ``staging``: the pipe's page-locked staging for what calls upload from the caller
+    (None: the pipe does not pin; see the module docstring).
     """
 
     def __init__(self, lg: LayerGraph, devices: list[Device], executable: BuildExecutable,
                  differentiable: Callable[[Collection[str]], frozenset[str]],
                  host: Callable[[], HostParams], timer: LayerTimer | None = None,
                  param_dtype: torch.dtype | None = None, log: ActionLog | None = None,
-                 dp: Any = None):
+                 dp: Any = None, staging: Staging | None = None):
         self.lg, self.devices = lg, devices
+        self.staging = staging
         self.dp = dp   # runtime.distributed.DataParallel, or None
         self.executable = executable
         self.differentiable = differentiable
@@ -61,20 +73,50 @@ class Runner:
         self.param_dtype = param_dtype  # mixed precision: devices compute in it
         self.log = log or ActionLog()
         self._stores: dict[str, ParamStore] = {}
+        self._fits: set[int] = set()   # Executables checked by check_fits
 
     def store(self, exe: Executable) -> ParamStore:
         """``exe``'s stages as slices of the model's flat host buffers (one view per run
         type: every microbatch count, grain and optimizer mode has the same stages). The
-        first one moves the model's tensors into those buffers (``HostParams``)."""
+        first one moves the model's tensors into those buffers (``HostParams``); a
+        training one gives the trainable parameters their gradient buffers."""
         if exe.run_type not in self._stores:
             lg = self.lg
-            self._stores[exe.run_type] = ParamStore(
+            store = ParamStore(
                 self.host(),
                 {i: {f: lg.params[f] for f in st.params if f in lg.params}
                  for i, st in exe.stages.items()},
                 {i: {f: lg.buffers[f] for f in st.params if f in lg.buffers}
                  for i, st in exe.stages.items()}, param_dtype=self.param_dtype)
+            if exe.run_type != "infer":
+                store.host.make_grads()
+            self._stores[exe.run_type] = store
         return self._stores[exe.run_type]
+
+    def stage(self, per_mb: list[list[torch.Tensor]],
+              dtype: torch.dtype | None = None) -> list[list[torch.Tensor]]:
+        """``per_mb``'s tensors (per microbatch, a list), as the call uploads them: each
+        copied once into the pipe's page-locked staging (in ``dtype`` when given, for its
+        floating tensors), a tensor appearing several times staged once. Unchanged
+        (``dtype`` aside) when the pipe does not pin."""
+        def cast(t: torch.Tensor) -> torch.dtype | None:
+            return dtype if dtype is not None and t.is_floating_point() else None
+
+        if self.staging is None:
+            return [[t.to(cast(t)) if cast(t) is not None else t for t in ts] for ts in per_mb]
+        unique: dict[int, torch.Tensor] = {}
+        for ts in per_mb:
+            for t in ts:
+                if t.layout == torch.strided and t.device.type in ("cpu", "cuda"):
+                    unique.setdefault(id(t), t)
+        staged = dict(zip(unique, self.staging.stage(list(unique.values()),
+                                                     [cast(t) for t in unique.values()])))
+        return [[staged.get(id(t), t) for t in ts] for ts in per_mb]
+
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes reserved for this pipe: its host buffers and staging."""
+        staged = self.staging.account.nbytes if self.staging is not None else 0
+        return self.host().pinned_bytes + staged
 
     # -- calls ---------------------------------------------------------------------------
     def split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
@@ -82,11 +124,10 @@ class Runner:
         if not any(isinstance(x, mb.PackedData) for x in (*args, *kwargs.values())):
             check_inputs(self.lg, args, kwargs)  # structure errors before splitting errors
         args_mb, kwargs_mb = mb.split_input(args, kwargs, cfg.num_microbatch, cfg.split_input)
+        per_mb = [check_inputs(self.lg, a, k) for a, k in zip(args_mb, kwargs_mb)]
         envs, rows = [], []
-        for a, k in zip(args_mb, kwargs_mb):
-            tensors = check_inputs(self.lg, a, k)
-            if self.param_dtype is not None:  # floating inputs enter in the compute dtype
-                tensors = [t.to(self.param_dtype) if t.is_floating_point() else t for t in tensors]
+        # floating inputs enter in the compute dtype; staged (page-locked) when pinning
+        for tensors in self.stage(per_mb, self.param_dtype):
             envs.append(dict(zip(self.lg.input_names, tensors)))
             first = next((t for t in tensors if t.dim() > 0), None)
             rows.append(first.shape[0] if first is not None else 1)
@@ -122,6 +163,9 @@ class Runner:
                               optimizer=getattr(optimizer, "program_mode", None),
                               outputs=outputs, input_grads=inputs, data_parallel=data_parallel,
                               broadcast_buffers=broadcast)
+        if id(exe) not in self._fits:
+            check_fits(exe, self.store(exe), self.devices)
+            self._fits.add(id(exe))   # (the compiler caches Executables: ids are stable)
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
@@ -148,6 +192,8 @@ class Runner:
         and raise (nothing reaches ``.grad``)."""
         snapshot = refresh_and_snapshot(call.store, self.lg.buffers)
         value = None
+        stalls = sum(d.host_stalls for d in self.devices)
+        flushes = sum(d.allocator_flushes for d in self.devices)
 
         def commit() -> None:
             nonlocal value
@@ -172,6 +218,11 @@ class Runner:
                 call.timer.settle(drop=True)
             raise
         finally:
+            if call.stats is not None:   # the devices' blocking copies during the call
+                call.stats.add("host_stalls", sum(d.host_stalls for d in self.devices) - stalls)
+                call.stats.add("host_pinned_bytes", self.pinned_bytes())
+                call.stats.add("allocator_flushes",
+                               sum(d.allocator_flushes for d in self.devices) - flushes)
             self.log.stats = call.stats.as_dict() if call.stats is not None else {}
             call.commit = None   # the closure refers to the call: no cycle keeps its tensors
         if call.timer is not None:
@@ -199,6 +250,13 @@ class Runner:
         ``sync``: data parallel, whether it synchronizes gradients."""
         envs, rows = self.split(args, kwargs, cfg)
         labels = mb.split_label(label, len(envs), cfg.split_label)
+        if self.staging is not None:   # the labels' tensors, page-locked
+            leaves = [pytree.tree_flatten(x) for x in labels]
+            tensors = [[t for t in flat if isinstance(t, torch.Tensor)] for flat, _ in leaves]
+            staged = [iter(ts) for ts in self.stage(tensors)]
+            labels = [pytree.tree_unflatten([next(it) if isinstance(t, torch.Tensor) else t
+                                             for t in flat], spec)
+                      for (flat, spec), it in zip(leaves, staged)]
         weights = mb.microbatch_weights(rows) if reduction == "mean" else [1.0] * len(envs)
         if len(envs) == 1:
             weights = [1.0]
@@ -221,6 +279,34 @@ class Runner:
             opt.finish()
             loss = opt.unscale_loss(loss)
         return loss.detach().to("cpu", copy=True), outputs   # the host's own copy
+
+
+def check_fits(exe: Executable, store: ParamStore, devices: list[Device]) -> None:
+    """Before anything of ``exe`` runs: raise ``DeviceMemoryError`` if a stage cannot fit
+    on its device's ``memory_limit`` whatever its activations: its parameters, their
+    gradients (backward) and the parameters of the stage its device prefetches meanwhile
+    (bytes the Program moves exactly: ``ParamStore.nbytes``)."""
+    for d, acts in enumerate(exe.program.actions):
+        limit = devices[d].memory_limit
+        if limit is None:
+            continue
+        order = [a.stage for a in acts if isinstance(a, Prefetch)]
+        for k, s in enumerate(order):
+            st = exe.program.stages[s]
+            parts = {"params": store.nbytes(s),
+                     "gradients": store.grad_nbytes(s) if st.kind != "fwd" else 0}
+            nxt = order[k + 1] if k + 1 < len(order) else None
+            if nxt is not None:
+                parts[f"stage {nxt}'s params, prefetched meanwhile"] = store.nbytes(nxt)
+            if sum(parts.values()) > limit:
+                what = ", ".join(f"{kind} {n} B" for kind, n in parts.items() if n)
+                raise DeviceMemoryError(
+                    f"{devices[d].name}: stage {s} ({st.kind}, layers {st.layers.start}-"
+                    f"{st.layers.stop - 1}) cannot fit under memory_limit {limit} B before "
+                    f"any activation: {what} = {sum(parts.values())} B. Nothing ran. Give the "
+                    "plan smaller stages (fxpipe.ExecutePlan.auto(..., model_memory_limit=...) "
+                    "or shorter ranges), compute in param_dtype=torch.bfloat16, or raise "
+                    "memory_limit.")
 
 
 class TrainCall:
@@ -260,6 +346,9 @@ class TrainCall:
             for m, part in enumerate(parts):
                 prev = out_grads[m].get(names[k])
                 out_grads[m][names[k]] = part if prev is None else prev + part
+        if r.staging is not None:   # page-locked, as the call uploads them
+            out_grads = [dict(zip(g, ts)) for g, ts in
+                         zip(out_grads, r.stage([list(g.values()) for g in out_grads]))]
         call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
                     phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
                     timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,

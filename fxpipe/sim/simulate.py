@@ -52,6 +52,7 @@ from fxpipe.passes.program import (
     BroadcastBuffers,
     Checkpoint,
     Compute,
+    LABEL,
     Dep,
     DownloadGrads,
     Forward,
@@ -169,8 +170,9 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
         match a:
             case Prefetch(stage=s):
                 return hardware.transfer_ms(sc.params[s], "h2d")
-            case Upload(stage=s):
-                return hardware.transfer_ms(sc.inp[s], "h2d")
+            case Upload(stage=s, mb=m):   # the label alone: a transfer's latency
+                only_label = program.flow.upload.get((s, m)) == (LABEL,)
+                return hardware.transfer_ms(0 if only_label else sc.inp[s], "h2d")
             case UploadGrad(stage=s):
                 return hardware.transfer_ms(sc.grad_in[s], "h2d")
             case Offload(stage=s):

@@ -1,0 +1,252 @@
+"""Page-locked (pinned) host memory at its exact size.
+
+A GPU copies to and from page-locked host memory without the issuing thread waiting
+(``copy_(..., non_blocking=True)`` queues a DMA); from pageable memory the driver stages
+the data through a buffer of its own first, so the issuing thread blocks until the copy
+is done. torch's caching host allocator (``torch.empty(..., pin_memory=True)``) rounds
+each request up to a power of two and keeps its blocks: an 8B-parameter fp32 flat buffer
+(32.1 GB) would pin 64 GiB. fxpipe pins its own long-lived host memory here instead, at
+its size rounded up to a page only:
+
+- on CUDA (``emulate=False``): page-aligned memory registered with
+  ``cudaHostRegister`` (portable: every GPU copies from it asynchronously), unregistered
+  when its storage is freed;
+- emulated (``emulate=True``: no CUDA call, for ``VirtualDevice(semantics="cuda")`` on a
+  CPU-only host): the same allocation, recorded as page-locked, so the emulator can tell
+  which copies a GPU would have made without blocking (``Device.host_stalls``).
+
+:func:`is_pinned` is True for memory from :func:`empty` (real or emulated) and for
+memory torch pinned. An :class:`Account` sums the bytes pinned for one owner (a model's
+host parameters, a pipe's staging), as reserved: each allocation rounded up to a page.
+:class:`Staging` is a pipe's reusable page-locked block for each call's inputs, labels
+and output gradients.
+
+>>> import torch
+>>> from fxpipe.runtime import pinned
+>>> account = pinned.Account()
+>>> t = pinned.empty(1000, torch.float32, emulate=True, account=account)  # 4000 B
+>>> t.shape, t.dtype, pinned.is_pinned(t), pinned.is_pinned(torch.empty(1000))
+(torch.Size([1000]), torch.float32, True, False)
+>>> account.nbytes == pinned.PAGE    # rounded up to one page, not to a power of two
+True
+>>> pinned.is_pinned(t[10:20])       # a view of it too
+True
+>>> del t                            # freed with its storage (and unregistered on CUDA)
+>>> account.nbytes
+0
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PAGE = mmap.PAGESIZE
+"""The host's page size: what every allocation is rounded up to (and aligned at)."""
+_ALIGN = 64          # each tensor of a staging block starts on a 64-byte boundary
+_HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every CUDA context
+
+# storage data_ptr of an allocation -> (aligned start, nbytes): the page-locked memory
+# fxpipe made and has not freed (dict operations are atomic: a finalizer may run at
+# any allocation, on any thread)
+_registry: dict[int, tuple[int, int]] = {}
+
+# How many holders a storage has (private torch API, as in ``devices``): without it a
+# staging block is never reused.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class Account:
+    """The page-locked bytes fxpipe reserved for one owner (live allocations of
+    :func:`empty` given this account, each rounded up to a page). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def _add(self, n: int) -> None:
+        with self._lock:
+            self._nbytes += n
+
+    def __repr__(self) -> str:
+        return f"Account({self._nbytes} B pinned)"
+
+
+def reserved(nbytes: int) -> int:
+    """What :func:`empty` pins for ``nbytes``: rounded up to a whole page."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
+          account: Account | None = None) -> torch.Tensor:
+    """A new 1-D host tensor of ``numel`` elements in page-locked memory of exactly its
+    size rounded up to a page (uninitialized). ``emulate``: record it as page-locked
+    without any CUDA call; else register it with CUDA (needs a CUDA build and a GPU;
+    raises ``RuntimeError`` when registration fails, e.g. over the locked-memory limit).
+    ``account``: counts the reserved bytes until the memory is freed."""
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(numel, dtype=dtype)
+    if not emulate and not torch.cuda.is_available():
+        raise RuntimeError(
+            "pinned.empty(emulate=False) registers host memory with CUDA, which is not "
+            f"available (torch {torch.__version__}); pass emulate=True (no GPU copies it) or "
+            "compile with pin_memory=False")
+    size = reserved(nbytes)
+    raw = torch.empty(size + PAGE, dtype=torch.uint8)   # room to start on a page boundary
+    skip = -raw.data_ptr() % PAGE
+    block = raw[skip:skip + size]
+    start = block.data_ptr()
+    if not emulate:
+        _cuda_register(start, size)
+    storage = raw.untyped_storage()
+    key = storage.data_ptr()
+    _registry[key] = (start, size)
+    if account is not None:
+        account._add(size)
+    # runs when the storage is freed (its last tensor gone), before the memory is
+    # given back; not at interpreter exit (the process's memory goes with it)
+    weakref.finalize(storage, _release, key, start, size, not emulate, account).atexit = False
+    del storage, raw
+    return block[:nbytes].view(dtype)
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether a GPU copies to or from ``t``'s memory without blocking the issuing thread:
+    memory from :func:`empty` (registered or emulated), or memory torch pinned."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0:
+        return False
+    entry = _registry.get(t.untyped_storage().data_ptr())
+    if entry is not None:
+        start, size = entry
+        return start <= t.data_ptr() < start + size
+    return _cuda_available() and t.is_pinned()
+
+
+def reserved_bytes() -> int:
+    """Page-locked bytes :func:`empty` holds now, every owner together."""
+    return sum(size for _, size in list(_registry.values()))
+
+
+def _release(key: int, start: int, size: int, registered: bool, account: Account | None) -> None:
+    _registry.pop(key, None)
+    if account is not None:
+        account._add(-size)
+    if registered:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(start)
+        except Exception:  # noqa: BLE001 — freeing must not raise (CUDA may be shutting down)
+            pass
+
+
+def _cuda_register(start: int, size: int) -> None:
+    torch.cuda.init()
+    rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
+    if _error_code(rc):
+        raise RuntimeError(
+            f"cudaHostRegister of {size} B of host memory failed (cudaError {_error_code(rc)}): "
+            "the host may be out of memory or over its locked-memory limit (ulimit -l); "
+            "compile with pin_memory=False to keep the host buffers pageable")
+
+
+def _error_code(rc: Any) -> int:
+    try:
+        return int(rc)
+    except (TypeError, ValueError):
+        return 0 if str(rc).endswith("success") else -1
+
+
+_cuda: list[bool] = []
+
+
+def _cuda_available() -> bool:
+    if not _cuda:
+        _cuda.append(torch.cuda.is_available())
+    return _cuda[0]
+
+
+class Staging:
+    """A pipe's page-locked staging: each call copies its tensors (user inputs, labels,
+    output gradients) into one block (:meth:`stage`), so their uploads are asynchronous.
+
+    A block is reused by a later call once nothing holds its tensors any more (the call
+    that used them has ended and dropped them; a block still held, e.g. by an
+    eager-style forward awaiting its backward, is left alone); at most ``keep`` blocks are
+    kept. ``account`` counts the blocks alive (a block in use counts until freed).
+
+    >>> staging = Staging(emulate=True)
+    >>> x, y = staging.stage([torch.arange(6).view(2, 3), torch.ones(2)], [None, torch.float16])
+    >>> x, y, is_pinned(x) and is_pinned(y)
+    (tensor([[0, 1, 2],
+            [3, 4, 5]]), tensor([1., 1.], dtype=torch.float16), True)
+    """
+
+    def __init__(self, *, emulate: bool, account: Account | None = None, keep: int = 2):
+        self.emulate = emulate
+        self.account = account if account is not None else Account()
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._blocks: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, start, nbytes)
+
+    def stage(self, tensors: Sequence[torch.Tensor],
+              dtypes: Sequence[torch.dtype | None] | None = None) -> list[torch.Tensor]:
+        """Page-locked contiguous copies of ``tensors`` (in ``dtypes[i]`` where given),
+        all in one block; a copy requires grad where its tensor does. A tensor on a GPU is
+        copied synchronously: on its device's current stream, after the caller's kernels
+        that write it, and complete when this returns."""
+        dtypes = list(dtypes) if dtypes is not None else [None] * len(tensors)
+        plan, total = [], 0
+        for t, dtype in zip(tensors, dtypes):
+            dtype = dtype or t.dtype
+            total = -(-total // _ALIGN) * _ALIGN
+            plan.append((t, dtype, total))
+            total += t.numel() * dtype.itemsize
+        if total == 0:
+            return [t.detach().to(dtype, copy=True) for t, dtype, _ in plan]
+        storage, start = self._take(total)
+        out = []
+        with torch.no_grad():
+            for t, dtype, offset in plan:
+                view = torch.empty(0, dtype=dtype).set_(
+                    storage, (start + offset) // dtype.itemsize, t.shape)
+                view.copy_(t)
+                out.append(view.requires_grad_() if t.requires_grad else view)
+        return out
+
+    def _take(self, nbytes: int) -> tuple[torch.UntypedStorage, int]:
+        with self._lock:
+            free = [b for b in self._blocks if _unused(b[0])]
+            fits = [b for b in free if b[2] >= nbytes]
+            if fits:
+                storage, start, _ = min(fits, key=lambda b: b[2])
+                return storage, start
+            gone = {id(b) for b in free}
+            self._blocks = [b for b in self._blocks if id(b) not in gone]  # too small: let go
+        t = empty(reserved(nbytes), torch.uint8, emulate=self.emulate, account=self.account)
+        storage = t.untyped_storage()
+        block = (storage, t.data_ptr() - storage.data_ptr(), t.numel())
+        del t
+        with self._lock:
+            self._blocks.append(block)
+            del self._blocks[:-self.keep]
+        return block[0], block[1]
+
+    def clear(self) -> None:
+        """Let the blocks go (each is freed once nothing holds it)."""
+        with self._lock:
+            self._blocks.clear()
+
+
+def _unused(storage: torch.UntypedStorage) -> bool:
+    return _storage_use_count is not None and _storage_use_count(storage._cdata) == 1
