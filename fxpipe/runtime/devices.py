@@ -570,7 +570,7 @@ class _Counting(TorchDispatchMode):
         device = self._device()
         if _work.paused or device is None:
             return func(*args, **(kwargs or {}))
-        if device.strict and not func.is_view and func not in _TRANSFERS \
+        if device.strict and not getattr(func, "is_view", False) and func not in _TRANSFERS \
                 and not device._placed(func, args, kwargs):
             return func(*args, **(kwargs or {}))   # a host op: it makes host memory
         out = func(*args, **(kwargs or {}))
