@@ -506,7 +506,8 @@ class PipelineModule(nn.Module):
 
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: bool | str = False, grain: str | None = None,
-                    return_outputs: bool = False, sync_gradients: bool = True) -> Executable:
+                    return_outputs: bool = False, sync_gradients: bool = True,
+                    input_grads: Sequence[str] = ()) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
@@ -522,7 +523,7 @@ class PipelineModule(nn.Module):
         return self._current.executable(plan, run_type, cfg.num_microbatch,
                                         grain=cfg.recompute_grain, optimizer=mode,
                                         outputs=return_outputs, data_parallel=data_parallel,
-                                        broadcast_buffers=broadcast)
+                                        broadcast_buffers=broadcast, input_grads=input_grads)
 
     def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
              grain: Literal["stage", "layer"] | None = None) -> str:
@@ -554,7 +555,8 @@ class PipelineModule(nn.Module):
     def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
                 num_microbatch: int | None = None, optimizer: bool | str = False,
                 grain: Literal["stage", "layer"] | None = None, *,
-                return_outputs: bool = False, sync_gradients: bool = True) -> Program:
+                input_grads: bool | Sequence[str] = False, return_outputs: bool = False,
+                sync_gradients: bool = True) -> Program:
         """The Program a call of ``run_type`` runs, every action included: per device its
         ordered actions, and the host lane (``optimizer=True``: the streamed
         ``OptimizerStep``s a call with ``optimizer=`` runs; ``"async"``: its
@@ -563,6 +565,9 @@ class PipelineModule(nn.Module):
         the model's outputs to the host (``forward_backward(..., return_outputs=True)``).
         A data-parallel pipe's training Programs hold their collectives (``BC``, ``AR``;
         ``RS`` and ``AG`` with ``shard_optimizer``) unless ``sync_gradients=False``.
+        ``input_grads``: a training call whose inputs require grad (``True``: every
+        floating model input; or their names), whose gradients the Program offloads to
+        the host (its ``input-grads`` line).
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -576,8 +581,28 @@ class PipelineModule(nn.Module):
         ...
         """
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
-                                return_outputs=return_outputs,
-                                sync_gradients=sync_gradients).program
+                                return_outputs=return_outputs, sync_gradients=sync_gradients,
+                                input_grads=self._input_grads(input_grads)).program
+
+    def _input_grads(self, input_grads: bool | Sequence[str]) -> tuple[str, ...]:
+        """The model inputs ``program(input_grads=...)`` names (``True``: every floating
+        one)."""
+        lg = self._current.layers
+        tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
+        floating = [n for n, x in zip(lg.input_names, tensors)
+                    if x.is_floating_point() or x.is_complex()]
+        if input_grads is True:
+            return tuple(floating)
+        if input_grads is False:
+            return ()
+        if isinstance(input_grads, str) or not all(isinstance(n, str) for n in input_grads):
+            raise TypeError(f"input_grads must be True, False or a list of input names, got "
+                            f"{input_grads!r}")
+        unknown = [n for n in input_grads if n not in floating]
+        if unknown:
+            raise ValueError(f"input_grads names {unknown}, which are not floating inputs of the "
+                             f"model; its floating inputs are {floating}")
+        return tuple(n for n in lg.input_names if n in set(input_grads))
 
     def stats(self) -> dict[str, int]:
         """Counters of the last call (empty before the first), a flat dict: ``actions``

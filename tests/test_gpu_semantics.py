@@ -447,3 +447,25 @@ def test_each_prefetch_is_issued_after_waiting_for_released_memory(monkeypatch):
     for d, log in seen.items():
         prefetches = [i for i, label in enumerate(log) if label.endswith("P")]
         assert prefetches and all(log[i - 1] == "wait" for i in prefetches), (d, log)
+
+
+def test_program_prints_what_a_call_with_inputs_requiring_grad_runs():
+    """``pipe.program(..., input_grads=True)``: the Program a call whose floating inputs
+    require grad runs (their gradients offloaded to the host), the one the call records."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[models.MLPBlock(16) for _ in range(4)])
+    x = torch.randn(4, 8, 16)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=cuda_devices(2),
+                          plan=fxpipe.ExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)]),
+                          config=fxpipe.RunConfig(num_microbatch=2))
+    plain, with_grads = pipe.program("fused"), pipe.program("fused", input_grads=True)
+    assert not plain.input_grads and with_grads.input_grads == tuple(pipe.layers.input_names)
+    assert "input-grads" in str(with_grads) and str(with_grads) != str(plain)
+    assert pipe.program("fused", input_grads=list(pipe.layers.input_names)) == with_grads
+    with pipe.trace() as rec:
+        pipe.forward_backward((x.clone().requires_grad_(),), label=x, loss_fn=F.mse_loss)
+    executed = sorted(a for _, a in rec.actions)
+    printed = sorted(str(a) for _, acts in with_grads.lanes() for a in acts)
+    assert executed == printed
+    with pytest.raises(ValueError, match="not floating inputs"):
+        pipe.program("fused", input_grads=["nope"])
