@@ -618,7 +618,12 @@ class PipelineModule(nn.Module):
         0 when the pipe pins, see ``compile``'s ``pin_memory``); ``host_pinned_bytes``,
         the page-locked host bytes fxpipe reserved for this pipe at the end of the call
         (its host parameter, copy and gradient buffers and its staging, each rounded up to
-        a page). An eager-style step is two calls: ``pipe(x)`` and ``.backward()``.
+        a page); ``issue_waits``, prefetches whose issue waited for released parameter
+        memory, and ``allocator_flushes``, the times a device's allocator gave its cache
+        back at its limit; ``host_issue_us``, the host time the issue threads spent
+        submitting actions (on a GPU: the Python that queues their kernels and copies),
+        and per action kind ``host_issue_us.<Kind>`` (e.g. ``host_issue_us.Prefetch``). An
+        eager-style step is two calls: ``pipe(x)`` and ``.backward()``.
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

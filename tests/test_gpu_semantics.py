@@ -469,3 +469,16 @@ def test_program_prints_what_a_call_with_inputs_requiring_grad_runs():
     assert executed == printed
     with pytest.raises(ValueError, match="not floating inputs"):
         pipe.program("fused", input_grads=["nope"])
+
+
+def test_stats_count_the_host_time_spent_issuing_by_action_kind():
+    model, ref, pipe = gpt_pair(2)
+    ids, y = batch()
+    pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    stats = pipe.stats()
+    kinds = {k.split(".", 1)[1]: v for k, v in stats.items() if k.startswith("host_issue_us.")}
+    program = pipe.program("fused", 3)
+    assert set(kinds) == {type(a).__name__ for _, acts in program.lanes() for a in acts
+                          if type(a).__name__ != "Commit"}
+    assert stats["host_issue_us"] == sum(kinds.values()) > 0
+    assert all(isinstance(v, int) and v >= 0 for v in kinds.values())

@@ -521,6 +521,21 @@ class _Work(threading.local):
 _work = _Work()
 
 
+class _Emulated(threading.local):
+    waited = 0.0   # seconds this thread waited in ``_issue_now`` for a compute's Python
+
+
+_emulated = _Emulated()
+
+
+def emulated_wait() -> float:
+    """Seconds this thread spent, since the last call, waiting for work whose Python a
+    GPU would have run at issue (``VirtualDevice._issue_now`` waiting for a compute):
+    not host issue cost on a GPU, so ``host_issue_us`` leaves it out."""
+    waited, _emulated.waited = _emulated.waited, 0.0
+    return waited
+
+
 @contextlib.contextmanager
 def _counted_as(kind: str):
     was, _work.kind = _work.kind, kind
@@ -841,10 +856,11 @@ class VirtualDevice(Device):
         host waits for the Python of waited-on work that has not run yet (compute, which
         this emulator runs when its stream gets there)."""
         wait = _check_submit(self, stream, wait)
-        failed = None
+        failed, start = None, time.perf_counter()
         for e in wait:   # a worker's event: wait for all of it; else its Python ran at issue
             exc = e.exception() if e._stream is None else e.value_exception()
             failed = exc if failed is None else failed
+        _emulated.waited += time.perf_counter() - start
         if failed is not None:
             result, exc, copies = None, failed, []
         else:

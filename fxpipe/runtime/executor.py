@@ -56,7 +56,7 @@ from fxpipe.passes.program import (
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime import tail
 from fxpipe.runtime.amp import AutocastState, reentered
-from fxpipe.runtime.devices import Device, Event
+from fxpipe.runtime.devices import Device, Event, emulated_wait
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import GradAccumulator, ParamStore
@@ -168,14 +168,16 @@ class _Checkpoint:
 
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes", "generated_runs",
-         "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes")
+         "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
+         "host_issue_us")
 
 
 class Stats:
     """Counters of one call (``pipe.stats()``): actions executed; host waits for device
     work (a host action waiting for the events it reads, the end of the call); bytes
     moved by kind and direction; stage runs through the interpreter (nodes interpreted)
-    and as generated code (``generated_runs``). Thread-safe."""
+    and as generated code (``generated_runs``); host time spent issuing, in microseconds
+    (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -184,6 +186,14 @@ class Stats:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
+
+    def issued(self, kind: str, seconds: float) -> None:
+        """``seconds`` of host time issuing one action of ``kind``."""
+        us = round(seconds * 1e6)
+        with self._lock:
+            self._counts["host_issue_us"] += us
+            key = f"host_issue_us.{kind}"
+            self._counts[key] = self._counts.get(key, 0) + us
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:
@@ -316,7 +326,10 @@ class Execution:
                     worker = (self.call.dp if isinstance(a, Collective) else
                               self.call.optimizer).worker
                     stream = "compute"
+                start, _ = time.perf_counter(), emulated_wait()
                 slot.event = worker.submit(stream, self._work(lane, a), wait=waits, label=str(a))
+                self.stats.issued(type(a).__name__,
+                                  time.perf_counter() - start - emulated_wait())
                 slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
