@@ -1075,7 +1075,7 @@ class VirtualDevice(Device):
         if self._queued() is None:
             return out.copy_(src)
         out.fill_(_unwritten_fill(out.dtype))
-        self.kernel(lambda src: out.copy_(src), src)
+        self.kernel(torch.Tensor.copy_, out, src)   # its handles count as a kernel's
         return out
 
     def synchronize(self) -> None:
