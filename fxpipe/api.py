@@ -30,6 +30,7 @@ from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
 from fxpipe.runtime.distributed import DataParallel, reshard
+from fxpipe.runtime.interpret import runnable_code
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
@@ -526,13 +527,17 @@ class PipelineModule(nn.Module):
                                         broadcast_buffers=broadcast, input_grads=input_grads)
 
     def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
-             grain: Literal["stage", "layer"] | None = None) -> str:
+             grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False) -> str:
         """The code of every GraphModule a call of ``run_type`` executes (forward,
         backward and fused-tail stages; at ``grain="layer"`` the layer pieces of split
-        backward stages), each starting with its ``# stage ...`` header line. The
-        runtime runs exactly these GraphModule objects. ``grain=None``: the pipe's
-        ``recompute_grain`` (``"stage"`` unless its config says otherwise)."""
-        return self._executable(run_type, grain=grain).code()
+        backward stages), each starting with its ``# stage ...`` header line.
+        ``grain=None``: the pipe's ``recompute_grain`` (``"stage"`` unless its config
+        says otherwise). ``runnable=True``: the code the runtime executes for each
+        (``fxpipe.runtime.interpret.runnable``): the same graph with each transfer node
+        a plain call serving what the Program's actions moved, layer marks, and for a
+        stage with a tail its recompute too, the tail's nodes unfilled."""
+        exe = self._executable(run_type, grain=grain)
+        return runnable_code(exe) if runnable else exe.code()
 
     def __str__(self) -> str:
         exe, plan = self._executable("infer"), self.plan
@@ -610,9 +615,8 @@ class PipelineModule(nn.Module):
         action waiting for the events it reads, and the end of the call: one per fused
         call without an optimizer); bytes moved: ``h2d_bytes_params``,
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
-        ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``interpreted_nodes`` (graph
-        nodes run one by one: layer timing, a recompute skipping its tail) and
-        ``generated_runs`` (stage runs as generated code); ``host_stalls``, the copies
+        ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``generated_runs`` (stage runs,
+        each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``, the copies
         between a device and pageable (not page-locked) host memory, each of which blocks
         the issuing thread on a GPU (counted on GPUs and ``VirtualDevice(semantics="cuda")``;
         0 when the pipe pins, see ``compile``'s ``pin_memory``); ``host_pinned_bytes``,

@@ -33,8 +33,8 @@ time left as ``BudgetSpent``.
 Measuring: ``gc.collect()`` and, on GPUs, ``torch.cuda.synchronize()`` and
 ``torch.cuda.empty_cache()`` run between sections and before each variant's (warm-up,
 timed) pair of calls, so eager and fxpipe never time inside each other's allocator state.
-The pipe's layer timer (``pipe.timings``) times some calls layer by layer, on a slower
-interpreted path; it is switched off for the calls ``vs_checkpoint``, ``scaling`` and
+The pipe's layer timer (``pipe.timings``) times some calls layer by layer (an event
+at each layer boundary of the stage code); it is switched off for the calls ``vs_checkpoint``, ``scaling`` and
 ``bigger_than_device`` time, and ``timed_calls_sampled`` says whether any was timed anyway
 (always, in verbose mode).
 
@@ -185,9 +185,9 @@ def _unsampled(pipe) -> Iterator[dict[str, Any]]:
 
 
 def _call_path(pipe) -> dict[str, int]:
-    """How the last call ran its stages: interpreted nodes and generated-code runs."""
+    """How many stage runs the last call made (each as its generated code)."""
     s = pipe.stats()
-    return {k: s[k] for k in ("interpreted_nodes", "generated_runs") if k in s}
+    return {k: s[k] for k in ("generated_runs",) if k in s}
 
 
 class Kit:
@@ -496,9 +496,17 @@ def predicted_vs_measured(kit: Kit) -> dict[str, Any]:
 
 
 def stats(kit: Kit) -> dict[str, Any]:
+    """The unsampled step's ``pipe.stats()``, and the host's issue time beside each
+    device's compute busy time in it (``issue_vs_busy``: above 1, the host could not
+    keep that device fed)."""
     tr = kit.traced()
     try:
-        return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"]}
+        issue_ms = tr["stats"]["host_issue_us"] / 1e3
+        busy = {d: sum(iv.end - iv.start for iv in tr["rec"].timeline.intervals
+                       if iv.device == d and iv.stream == "compute") for d in range(kit.num)}
+        return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"],
+                "host_issue_ms": issue_ms, "compute_busy_ms": busy,
+                "issue_vs_busy": {d: issue_ms / b if b else None for d, b in busy.items()}}
     finally:
         kit.close()
 

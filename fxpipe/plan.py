@@ -132,7 +132,8 @@ class ExecutePlan:
     def auto(cls, run_type: RunType, *pipes: Any, min_stages: int | None = None,
              upper_threshold: float = 1.1, model_memory_limit: float | None = None,
              num_devices: int | None = None, num_microbatch: int | None = None,
-             recompute_grain: Literal["stage", "layer"] = "stage") -> ExecutePlan | list[ExecutePlan]:
+             recompute_grain: Literal["stage", "layer"] = "stage",
+             host_ms_per_action: float | None = None) -> ExecutePlan | list[ExecutePlan]:
         """Plan stages from per-layer costs (see ``fxpipe.passes.planner.plan_chains``).
 
         A pipe has ``.layers`` (a ``LayerGraph``, or items with ``.cost``), ``.devices``
@@ -155,6 +156,12 @@ class ExecutePlan:
         (about the slowest layer); the bottleneck itself is always the exact optimum for
         the chosen stage count. Several pipes share one bottleneck. Returns one plan for
         one pipe, a list for several.
+
+        ``host_ms_per_action``: the host time one action costs to issue (default
+        ``planner.HOST_MS_PER_ACTION``, ``benchmarks/bench_issue.py``'s figure): each stage
+        costs it per microbatch and action, and one host issues every device's actions,
+        so layers too small to pay for their issuing share a stage. ``0`` plans as if
+        issuing were free.
         """
         _check_run_type(run_type)
         if not pipes:
@@ -183,7 +190,9 @@ class ExecutePlan:
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory=memory, memory_limit=limit,
-                                      recompute_grain=recompute_grain)
+                                      recompute_grain=recompute_grain,
+                                      host_ms_per_action=planner.HOST_MS_PER_ACTION
+                                      if host_ms_per_action is None else host_ms_per_action)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]
         for plan, costs in zip(plans, cost_lists):
             plan.validate(len(costs), run_type)

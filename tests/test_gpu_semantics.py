@@ -163,7 +163,7 @@ def test_stats_one_host_wait_per_fused_call_and_no_reuploads():
     pipe.forward_backward((ids,), label=y, loss_fn=ce)
     stats = pipe.stats()
     for key in ("host_waits", "actions", "h2d_bytes_params", "h2d_bytes_activations",
-                "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes",
+                "d2h_bytes_activations", "d2h_bytes_grads",
                 "generated_runs"):
         assert isinstance(stats[key], int), key
     assert stats["host_waits"] == 1           # the end of the call, nothing inside
@@ -188,10 +188,13 @@ def test_stats_count_host_waits_of_host_actions():
     assert pipe.stats()["host_waits"] == steps + 1   # each step waits for its downloads
 
 
-def test_stages_run_as_generated_code_unless_timed_or_skipping_a_tail():
+def test_stages_run_as_generated_code_timed_or_skipping_a_tail_too():
+    """Every stage run is generated code (no interpreter, no dispatch mode over the
+    stage's ops): a recompute skipping its tail, and the timer's sampled calls too."""
     from tests.test_recompute import Block   # x + down(gelu(up(x))): a linear tail to skip
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(16) for _ in range(4)])
+    ref = copy.deepcopy(model)
     x, y = torch.randn(4, 6, 16), torch.randn(4, 6, 16)
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=cuda_devices(2),
                           plan=fxpipe.ExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)]),
@@ -199,18 +202,21 @@ def test_stages_run_as_generated_code_unless_timed_or_skipping_a_tail():
     pipe.timings.first, pipe.timings.every = 0, 10**9   # never sample: no per-layer timing
     with torch.no_grad():
         pipe(x)
-    stats = pipe.stats()
-    assert stats["interpreted_nodes"] == 0 and stats["generated_runs"] == 2 * 2  # stages x mbs
-    pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
-    stats = pipe.stats()
-    # the forward and the fused stage as code; the backward stage, recomputed without
-    # its tail, node by node
-    assert stats["generated_runs"] == 2 * 2
+    assert pipe.stats()["generated_runs"] == 2 * 2                   # stages x mbs
+    pipe.timings.every = 1                               # every call timed
+    before = [pipe.timings.count(i, "recompute") for i in range(4)]
+    loss = pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
+    assert pipe.stats()["generated_runs"] == 2 * 2 + 2   # forward, recompute, fused
+    F.mse_loss(ref(x), y).backward()
+    torch.testing.assert_close(loss, F.mse_loss(ref(x), y).detach())
+    assert_grads_close(model, ref)
+    code = pipe.code("fused", runnable=True)
     bwd = pipe._executable("fused", 2).stages[2]
-    assert bwd.tail and stats["interpreted_nodes"] == 2 * len(bwd.gm.graph.nodes)
-    pipe.timings.every = 1                               # every call timed: node by node
-    pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
-    assert pipe.stats()["generated_runs"] == 0
+    assert bwd.tail and "torch.ops.fxpipe" not in code and "interpret_layer(3)" in code
+    assert all(f"{name} = fxpipe_runtime_interpret_unfilled_" in code for name in bwd.tail
+               if not name.endswith("_host"))
+    # the sampled call timed each layer of the recomputed stage at its layer marks
+    assert [pipe.timings.count(i, "recompute") - b for i, b in enumerate(before)] == [2, 2, 0, 0]
 
 
 def test_issue_threads_one_per_device(monkeypatch):

@@ -33,7 +33,7 @@ from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
 from fxpipe.passes.costs import Cost
 from fxpipe.passes.layer_graph import LayerGraph, graph_module
 from fxpipe.passes.recompute import skippable_tail
-from fxpipe.passes.stage import Stage
+from fxpipe.passes.stage import Stage, comment_at_top
 
 _op = torch.ops.fxpipe
 
@@ -153,7 +153,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     root = {f: (lg.params.get(f) if f in lg.params else lg.buffers[f]) for f in fqns}
     root.update(submodules)
     header = stage_header(lg, r, index, device_names[device], kind, piece)
-    _comment_at_top(g, header)
+    comment_at_top(g, header)
     tail = skippable_tail(g) if kind == "bwd" else ()
     if tail:
         next(n for n in g.nodes if n.name == tail[0]).meta["comment"] = (
@@ -233,16 +233,6 @@ def _check_ranges(ranges: list[range], num_layers: int, full: bool = True) -> No
     if expect > num_layers or (full and expect != num_layers):
         raise ValueError(f"stage ranges cover layers 0-{expect - 1} but the model has "
                          f"{num_layers} layers")
-
-
-def _comment_at_top(g: fx.Graph, comment: str) -> None:
-    """Put ``# comment`` as the first line of ``g``'s generated code (it is what runs)."""
-    def make(prev):
-        def transform(lines):
-            lines = prev(lines) if prev else lines
-            return [f"# {comment}\n"] + lines
-        return transform
-    g.on_generate_code(make)
 
 
 def _comment_before_nodes(g: fx.Graph) -> None:

@@ -60,6 +60,7 @@ import bisect
 import dataclasses
 import heapq
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,18 @@ class NominalDevice:
 
 
 NOMINAL_DEVICE = NominalDevice()
+
+HOST_MS_PER_ACTION = float(os.environ.get("FXPIPE_HOST_MS_PER_ACTION", 0.05))
+"""The host time one action costs to issue, by default (``ExecutePlan.auto``): 0.05 ms,
+``benchmarks/bench_issue.py``'s figure around an empty stage on a 2-vCPU VM (40-45 us,
+``action_us``); the environment variable ``FXPIPE_HOST_MS_PER_ACTION`` sets it (``0``:
+plan as if issuing were free)."""
+HOST_BOUND = 0.25
+"""A plan is host-bound when issuing its stages costs the host more than this share of
+the time its devices compute: the planner then also tries coarser cuts."""
+ACTIONS_PER_MICROBATCH = 4
+"""The actions a stage issues per microbatch (upload, compute, offload, free; prefetch
+and release once per stage job)."""
 
 
 @dataclass(frozen=True)
@@ -174,13 +187,17 @@ def chain_costs(cost_lists: Sequence[Sequence[Any]], device: NominalDevice = NOM
     return out
 
 
-def estimate_makespan(stage_ms: Sequence[float], num_devices: int, num_microbatch: int) -> float:
+def estimate_makespan(stage_ms: Sequence[float], num_devices: int, num_microbatch: int,
+                      host_ms: float = 0.0) -> float:
     """Round-robin makespan estimate for stage jobs run in order (stage s on device s mod G).
 
     Each device runs its stages back to back, so its busy time is the sum of its stage
     times; the pipeline wave adds (G-1) microbatch slots of the slowest stage for fill
     and drain; with fewer microbatches than devices a round cannot beat the wave, so busy
     time is stretched by G/M. ``max_d busy_d * max(1, G/M) + (G-1) * max_s T_s / M``.
+    ``host_ms``: the host time each stage costs to issue (per microbatch, as ``stage_ms``):
+    it adds to each stage's time, and one host issues every stage, so the estimate is at
+    least their sum.
 
     >>> estimate_makespan([4, 4, 4, 4], num_devices=2, num_microbatch=4)
     9.0
@@ -188,10 +205,12 @@ def estimate_makespan(stage_ms: Sequence[float], num_devices: int, num_microbatc
     G, M = num_devices, num_microbatch
     if not stage_ms:
         return 0.0
+    stage_ms = [t + host_ms for t in stage_ms]
     busy = [0.0] * G
     for s, t in enumerate(stage_ms):
         busy[s % G] += t
-    return max(busy) * max(1.0, G / M) + (G - 1) * max(stage_ms) / M
+    devices = max(busy) * max(1.0, G / M) + (G - 1) * max(stage_ms) / M
+    return max(devices, len(stage_ms) * host_ms)
 
 
 # --- exact packing -------------------------------------------------------------------
@@ -556,7 +575,8 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
                 num_microbatch: int | None = None, min_stages: int | None = None,
                 upper_threshold: float = 1.1, memory_cap: float | None = None,
                 memory: Sequence[ChainMemory] | None = None, memory_limit: float | None = None,
-                recompute_grain: str = "stage") -> list[tuple[list[range], list[range]]]:
+                recompute_grain: str = "stage", host_ms_per_action: float = 0.0
+                ) -> list[tuple[list[range], list[range]]]:
     """Plan every chain with one common bottleneck; returns ``(fwd_plan, bwd_plan)`` per
     chain (layer ranges; ``bwd_plan`` deep to shallow, empty for ``"infer"``).
     ``run_type`` applies to every chain, or give one per chain (e.g. an encoder run with
@@ -572,6 +592,12 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     between the largest layer's parameters and half the limit are tried, and the plan
     with the best ``estimate_makespan`` (then the fewest stages) is kept.
 
+    ``host_ms_per_action``: what issuing one action costs the host, which issues every
+    device's work in turn. A stage then costs ``ACTIONS_PER_MICROBATCH`` actions per
+    microbatch on top of its layers (the granularity bound counts it), and a plan takes
+    at least its stages' host time (``estimate_makespan`` with ``host_ms``): layers too
+    small to pay for their issuing are not cut into stages of their own.
+
     >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
     [range(0, 3), range(3, 6)]
     """
@@ -582,13 +608,17 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if upper_threshold < 1.0:
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
+    if not 0.0 <= host_ms_per_action < INF:
+        raise ValueError(f"host_ms_per_action must be a finite number of ms >= 0, "
+                         f"got {host_ms_per_action}")
+    host = ACTIONS_PER_MICROBATCH * host_ms_per_action
     G = num_devices
     M = num_microbatch or G + 1
     want = G if min_stages is None else min_stages
     if memory is None:
         cs = _chains(run_type, chains, memory_cap)
         _check_memory(cs)
-        return _ranges(cs, _plan(cs, G, M, want, upper_threshold)[1])
+        return _ranges(cs, _plan(cs, G, M, want, upper_threshold, host)[1])
     if memory_limit is None or len(memory) != len(chains):
         raise ValueError("plan_chains(memory=...) needs one ChainMemory per chain and memory_limit")
     largest = max(p for m in memory for p in m.params)
@@ -603,7 +633,7 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
             if best is None:
                 raise
             continue
-        est, stages = _plan(cs, G, M, want, upper_threshold)
+        est, stages = _plan(cs, G, M, want, upper_threshold, host)
         if best is None or est < best[0] * (1 - 1e-12) or \
                 (est <= best[0] * (1 + 1e-12) and len(stages) < len(best[2])):  # ties: fewer stages
             best = est, cs, stages
@@ -641,30 +671,46 @@ def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
                                             for m in memory])
 
 
-def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float
-          ) -> tuple[float, list[list]]:
+def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
+          host: float = 0.0) -> tuple[float, list[list]]:
     """The stage count and plan of ``plan_chains`` for these chains (memory checked):
-    (estimated makespan, stages)."""
+    (estimated makespan, stages). ``host``: the host ms each stage costs per microbatch."""
     max_count = sum(ch.max_stages for ch in cs)
     lower = max(ch.lower for ch in cs)
     finest = _solve(cs, max_count, lower)
     assert finest is not None  # every layer fits alone (checked before)
-    coarse = _probe(cs, upper_threshold * finest.worst, max_count)
+    # within upper_threshold x the best bottleneck, each stage's host cost counted
+    coarse = _probe(cs, upper_threshold * (finest.worst + host) - host, max_count)
     top = min(max(coarse.count, want), max_count)
     bottom = max(min(want, top), top - G + 1)
     best, best_est = None, INF
     work, lo = sum(ch.work for ch in cs), finest.worst
-    counts = list(range(top, bottom - 1, -1))
-    if top >= 4 * G:   # many rounds: only whole rounds matter (top, or the last full round)
-        counts = sorted({top, max(bottom, top - top % G)}, reverse=True)
-    for S in counts:   # B*(S) >= B*(S + 1): each solve starts from the previous one
+
+    def counts():
+        """The stage counts tried, from top down: one round of G; when the best plan's
+        issuing costs the host more than ``HOST_BOUND`` of the devices' time, on down to
+        ``want`` (a coarser cut issues less)."""
+        floor = max(min(want, top), 1)
+        step = G if top >= 4 * G else 1   # many rounds: only whole rounds matter
+        tried = sorted({top, max(bottom, top - top % G)}, reverse=True) if step > 1 else \
+            list(range(top, bottom - 1, -1))
+        yield from tried
+        if host and len(best) * host > HOST_BOUND * estimate_makespan([s[0] for s in best], G, M):
+            start = tried[-1] - 1 if step == 1 else tried[-1] - G
+            yield from (max(floor, S) for S in range(start, floor - step, -step))
+
+    least = 0   # fewer stages than want only where the finest plan has fewer
+    for S in counts():   # B*(S) >= B*(S + 1): each solve starts from the previous one
         p = _solve(cs, S, lo := max(lo, work / S), coarse)
         if p is None:
             break
         lo = p.worst
         for parts in (p.parts, _rebalance(cs, p.parts, p.worst)):
             stages = _split_to(cs, _stages(cs, parts), S)
-            est = estimate_makespan([s[0] for s in stages], G, M)
+            least = least or min(want, len(stages))
+            if len(stages) < least:
+                continue
+            est = estimate_makespan([s[0] for s in stages], G, M, host_ms=host)
             if est <= best_est * (1 + 1e-12):   # ties: the later (fewer stages) wins
                 best, best_est = stages, est
     assert best is not None

@@ -70,3 +70,13 @@ class Executable:
         """The code of every GraphModule it runs, each starting with its ``# stage ...``
         header line."""
         return "\n\n".join(st.gm.code.strip("\n") for st in self.graph_modules()) + "\n"
+
+
+def comment_at_top(g: fx.Graph, comment: str) -> None:
+    """Put ``# comment`` as the first line of ``g``'s generated code (it is what runs)."""
+    def make(prev):
+        def transform(lines):
+            lines = prev(lines) if prev else lines
+            return [f"# {comment}\n"] + lines
+        return transform
+    g.on_generate_code(make)

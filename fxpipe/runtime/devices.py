@@ -184,6 +184,10 @@ class Device(ABC):
         self.allocator_flushes = 0   # times the allocator gave its cache back at the limit
         self._stall_lock = threading.Lock()
 
+    runs_at_issue = False
+    """Whether ``submit`` runs the work's Python on the submitting thread (a GPU's host
+    part; the executor lets one issue thread at a time do so)."""
+
     @abstractmethod
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
@@ -1119,6 +1123,62 @@ class VirtualDevice(Device):
                 f"semantics={self.semantics!r})")
 
 
+class InlineDevice(Device):
+    """A device whose work runs when it is submitted, on the submitting thread, every
+    stream alike: what a :class:`CudaDevice`'s host does (it runs a work item's Python
+    at issue and queues its kernels), with the kernels run at once on the host. With a
+    model of tiny widths its kernels cost next to nothing, and a call's time is the host's
+    own issue work: threads, actions, stage code and op dispatch, events
+    (``benchmarks/bench_issue.py``). Memory is counted as on any device (``to_device``,
+    ``track``); what its work allocates is not (no dispatch mode on its ops).
+
+    >>> d = InlineDevice()
+    >>> x = d.to_device(torch.ones(2), kind="activations", owner="stage 0")
+    >>> d.submit("compute", torch.mul, x, 3).result()
+    tensor([3., 3.])
+    """
+
+    runs_at_issue = True
+
+    def __init__(self, memory_limit: int | None = None, name: str | None = None):
+        super().__init__(name if name is not None else f"inline:{next(_virtual_ids)}",
+                         memory_limit)
+        self.semantics = "sync"
+        self._closed = False
+
+    def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
+               wait: Sequence[Event] = (), label: str | None = None) -> Event:
+        wait = _check_submit(self, stream, wait)
+        event = Event(label if label is not None else getattr(fn, "__name__", "work"))
+        exc = next((e for e in map(Event.exception, wait) if e is not None), None)
+        result = None
+        if exc is None:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the event
+                exc = e
+        event._finish(result, exc)
+        return event
+
+    def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
+                  use: Sequence[str] = ("compute",)) -> torch.Tensor:
+        nbytes = host_tensor.numel() * host_tensor.element_size()
+        return self._allocate(nbytes, kind, owner,
+                              lambda: host_tensor.detach().clone(memory_format=torch.contiguous_format))
+
+    def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
+        return dev_tensor.detach().clone()
+
+    def copy_to_host(self, dev_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(dev_tensor.detach())
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class CudaDevice(Device):
     """One GPU: ``torch.cuda.Stream`` per stream, ``torch.cuda.Event`` between them.
 
@@ -1136,6 +1196,8 @@ class CudaDevice(Device):
     recording (``pipe.trace()``), each work item is bracketed by timing events, read when
     ``records`` is (never inside a call). Needs a CUDA build and a visible GPU.
     """
+
+    runs_at_issue = True
 
     def __init__(self, index: int | None = None, memory_limit: int | None = None):
         if not torch.cuda.is_available():

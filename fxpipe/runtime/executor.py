@@ -36,6 +36,8 @@ and microbatch, after every submitted action has finished and device memory is f
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
 import time
 import traceback
@@ -61,6 +63,64 @@ from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import GradAccumulator, ParamStore
 from fxpipe.runtime.timer import LayerTimer
+
+
+# One issue thread at a time runs an action's Python (on a device that runs it when it is
+# submitted: a GPU's host part). Every torch op lets go of the GIL; with several threads
+# wanting it, each op would hand it to another thread and wait to get it back. Waiting
+# for dependencies and for released memory happens outside.
+_ISSUING = threading.Lock()
+_NO_LOCK = contextlib.nullcontext()
+
+
+class _IssueThread:
+    """A thread that issues one lane's actions per call, kept between calls (starting a
+    thread costs the caller about a millisecond)."""
+
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="fxpipe-issue-idle").start()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            name, fn, done, threads = self.work.get()
+            me.name = name
+            if torch.get_num_threads() != threads:   # as a thread started now would
+                torch.set_num_threads(threads)
+            try:
+                fn()   # catches what stops issuing itself (``Execution._issue``)
+            finally:
+                fn = None
+                me.name = "fxpipe-issue-idle"
+                with _idle_lock:
+                    _idle.append(self)
+                done.set()
+
+
+_idle: list[_IssueThread] = []
+_idle_lock = threading.Lock()
+
+
+def _issue_thread(name: str, fn: Callable[[], None]) -> threading.Event:
+    """Run ``fn`` on an idle issue thread (a new one if none is idle), named ``name``
+    while it runs, with the caller's intra-op thread count (what a thread started now
+    would take); the event is set once it returned."""
+    with _idle_lock:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
+        worker = _IssueThread()
+    done = threading.Event()
+    worker.work.put((name, fn, done, torch.get_num_threads()))
+    return done
+
+
+def _forget_issue_threads() -> None:
+    """In a forked child the issue threads are gone: start afresh."""
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_issue_threads)
 
 
 class Cancelled(RuntimeError):
@@ -167,7 +227,7 @@ class _Checkpoint:
 
 
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
-         "d2h_bytes_activations", "d2h_bytes_grads", "interpreted_nodes", "generated_runs",
+         "d2h_bytes_activations", "d2h_bytes_grads", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
          "host_issue_us")
 
@@ -175,8 +235,8 @@ STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
 class Stats:
     """Counters of one call (``pipe.stats()``): actions executed; host waits for device
     work (a host action waiting for the events it reads, the end of the call); bytes
-    moved by kind and direction; stage runs through the interpreter (nodes interpreted)
-    and as generated code (``generated_runs``); host time spent issuing, in microseconds
+    moved by kind and direction; stage runs (``generated_runs``: each stage's runnable
+    code, ``runtime.interpret``); host time spent issuing, in microseconds
     (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``). Thread-safe."""
 
     def __init__(self) -> None:
@@ -257,25 +317,25 @@ class Execution:
             if idxs:
                 lanes.append((lane, idxs))
         commit = [i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)]
-        threads = [threading.Thread(target=self._issue, args=(lane, idxs, deps, keep, slots),
-                                    name=f"fxpipe-issue-{'host' if lane == HOST else lane}",
-                                    daemon=True) for lane, idxs in lanes]
+        issuing: list[threading.Event] = []
         interrupt: BaseException | None = None
         try:
-            # every issue thread starts (others may wait on its lane); a Ctrl-C held until
-            # then is raised here, and stops them as one arriving later does
+            # every lane gets its issue thread (others may wait on its lane); a Ctrl-C held
+            # until then is raised here, and stops them as one arriving later does
             with deferred_interrupt():
-                for t in threads:
-                    t.start()
-            for t in threads:
-                t.join()   # until everything is issued: no device work is waited for here
+                for lane, idxs in lanes:
+                    issuing.append(_issue_thread(
+                        f"fxpipe-issue-{'host' if lane == HOST else lane}",
+                        lambda lane=lane, idxs=idxs: self._issue(lane, idxs, deps, keep, slots)))
+            for done in issuing:
+                done.wait()   # until everything is issued: no device work is waited for here
         except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
             self._cancel(e)
             interrupt = e
-        for t in threads:
-            while t.is_alive():
+        for done in issuing:
+            while not done.is_set():
                 try:
-                    t.join()
+                    done.wait()
                 except BaseException as e:  # noqa: BLE001 — a second Ctrl-C: still clean up
                     self._cancel(e)
                     interrupt = interrupt or e
@@ -327,7 +387,9 @@ class Execution:
                               self.call.optimizer).worker
                     stream = "compute"
                 start, _ = time.perf_counter(), emulated_wait()
-                slot.event = worker.submit(stream, self._work(lane, a), wait=waits, label=str(a))
+                with _ISSUING if getattr(worker, "runs_at_issue", False) else _NO_LOCK:
+                    slot.event = worker.submit(stream, self._work(lane, a), wait=waits,
+                                               label=str(a))
                 self.stats.issued(type(a).__name__,
                                   time.perf_counter() - start - emulated_wait())
                 slot.ready.set()

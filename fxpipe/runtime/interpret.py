@@ -1,52 +1,53 @@
-"""Run a lowered stage on a device: the printed program.
+"""Run a lowered stage on a device: the printed program, as generated code.
 
 The stage's ``torch.ops.fxpipe.*`` nodes mark where data moves; the executor's Program
-actions move it (on the device's copy streams), and a stage run serves the nodes from
-what those actions left on the device:
+actions move it (on the device's copy streams). A stage runs as its *runnable* code
+(:func:`runnable`, printed by ``pipe.code(..., runnable=True)``): the stage graph with
+each transfer node calling a plain function that serves it from what those actions left
+on the device, so no dispatch mode sits under the stage's other ops:
 
 =================  ===========================================================
-``prefetch``        the parameters the ``Prefetch`` action made resident
-``upload``          the input the ``Upload`` action copied (already on device)
-``offload``         the value itself; the ``Offload`` action copies it out
+``prefetch``        ``resident``: the parameters the ``Prefetch`` action made resident
+``upload``          ``uploaded``: the input the ``Upload`` action copied (on device)
+``offload``         ``offloaded``: the value itself; the ``Offload`` action copies it
 ``writeback``       buffer updates, kept for the host in forward, dropped in recompute
 ``release``         nothing: the ``Release`` action frees the parameters
 ``rng``             seeds the layer from (call seed, layer, microbatch)
 =================  ===========================================================
 
-A stage runs as its generated code (``GraphModule.forward``) under :class:`Transfers`, a
-``TorchFunctionMode`` that serves those nodes. Two things need the graph node by node,
-and use ``StageRun`` (an ``fx.Interpreter``) instead: timing each layer (the timer's
-sampled calls), and a recompute for backward that skips the stage's ``tail`` (values
-backward does not read: those nodes run under ``tail.Unfilled``: autograd records them,
-their matmuls and adds do not run).
+Two more things are in the runnable code: ``layer(i)`` where layer ``i``'s nodes start
+(the timer's sampled calls charge each layer its time there: wall time on a CPU,
+events on a GPU), and, in the recompute for backward, each node of the stage's
+``tail`` (values backward does not read) called through ``unfilled``: under
+``tail.Unfilled`` autograd records it, its matmuls and adds do not run.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Collection, Mapping
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.overrides import TorchFunctionMode
 
-from fxpipe.passes.stage import Stage
+from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which the stage code calls
+from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime import rng
 from fxpipe.runtime.tail import Unfilled
 from fxpipe.runtime.timer import LayerTimer
 
 _op = torch.ops.fxpipe
-_TRANSFER_OPS = frozenset({_op.prefetch.default, _op.upload.default, _op.offload.default,
-                           _op.release.default, _op.writeback.default, _op.rng.default})
 
 
 class _Serve:
-    """What the fxpipe nodes of one stage run return (shared by both ways of running)."""
+    """What the transfer nodes of one stage run return, and its layer times."""
 
     def __init__(self, stage: Stage, resident: Mapping[str, torch.Tensor], *,
                  call_seed: int | None, microbatch: int, device: torch.device,
-                 keep_writebacks: bool):
+                 keep_writebacks: bool, timed: bool):
         self.stage = stage
         self.resident = resident
         self.call_seed = call_seed
@@ -54,71 +55,20 @@ class _Serve:
         self.torch_device = device
         self.keep_writebacks = keep_writebacks
         self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def transfer(self, target: Any, args: tuple) -> Any:
-        if target is _op.prefetch.default:
-            return [self.resident[fqn] for fqn in self.stage.params]
-        if target is _op.upload.default or target is _op.offload.default:
-            return args[0]
-        if target is _op.release.default:
-            return None
-        if target is _op.writeback.default:
-            if self.keep_writebacks:
-                self.writebacks.append((args[0], args[1].detach().clone()))
-            return None
-        assert target is _op.rng.default, target
-        if self.call_seed is not None:
-            rng.seed_layer(self.torch_device, rng.layer_seed(self.call_seed, args[0],
-                                                             self.microbatch))
-        return None
-
-
-class Transfers(TorchFunctionMode):
-    """Serves a stage's fxpipe nodes while its generated code runs (module docstring)."""
-
-    def __init__(self, serve: _Serve):
-        super().__init__()
-        self.serve = serve
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _TRANSFER_OPS:
-            return self.serve.transfer(func, args)
-        return func(*args, **(kwargs or {}))
-
-
-class StageRun(fx.Interpreter):
-    """One microbatch through one stage, node by node: per-layer timing (``timed``) and
-    a skipped tail (``defer``). ``serve.writebacks`` collects buffer updates."""
-
-    def __init__(self, stage: Stage, serve: _Serve, *, timed: bool = False,
-                 defer: Collection[str] = ()):
-        super().__init__(stage.gm, garbage_collect_values=True)
-        self.serve = serve
-        self.defer = defer
-        self.unfilled = Unfilled() if defer else None
         self.timed = timed
-        self.nodes = 0
+        self.unfilled = Unfilled()
         self.layer_seconds: dict[int, float] = {}  # per layer, when ``timed``
         self._layer: int | None = None
         self._since = 0.0
         self._events: list[tuple[int | None, Any]] = []  # CUDA: (layer ending here, event)
 
-    def run_node(self, n: fx.Node) -> Any:
-        self.nodes += 1
-        if self.timed:
-            self._enter(n.meta.get("layer"))
-        if n.name in self.defer:
-            with self.unfilled:
-                return super().run_node(n)
-        return super().run_node(n)
-
-    def _enter(self, layer: int | None) -> None:
-        """Charge the time since the last layer change to that layer; transfer nodes
-        belong to none. On CPU, work is synchronous and wall time is the layer's time; on
-        CUDA, events recorded on the stream at each change are read after the call."""
+    def enter(self, layer: int | None) -> None:
+        """Charge the time since the last layer change to that layer. On CPU, work is
+        synchronous and wall time is the layer's time; on CUDA, events recorded on the
+        stream at each change are read after the call."""
         if layer == self._layer:
             return
-        if self.serve.torch_device.type == "cuda":
+        if self.torch_device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self._events.append((self._layer, event))
@@ -132,7 +82,7 @@ class StageRun(fx.Interpreter):
 
     def record_times(self, timer: LayerTimer, kind: str) -> None:
         """Record each layer's time as ``kind`` (CUDA: once the call has ended)."""
-        self._enter(None)
+        self.enter(None)
         for layer, s in self.layer_seconds.items():
             timer.record(layer, kind, s * 1e3)
         if self._events:
@@ -147,47 +97,175 @@ class StageRun(fx.Interpreter):
                     timer.record(layer, kind, t)
             timer.later(read)
 
-    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if target in _TRANSFER_OPS:
-            return self.serve.transfer(target, args)
-        return super().call_function(target, args, kwargs)
+
+class _Serving(threading.local):
+    serve: _Serve | None = None
+
+
+_serving = _Serving()
+
+
+# -- what the runnable code calls ------------------------------------------------------
+
+def resident(stage: int) -> list[torch.Tensor]:
+    """``prefetch``: the stage's parameters and buffers as the ``Prefetch`` action made
+    them resident on the device."""
+    serve = _serving.serve
+    return [serve.resident[fqn] for fqn in serve.stage.params]
+
+
+def uploaded(x: Any, device: int) -> Any:
+    """``upload``: the value, already on the device (the ``Upload`` action copied it)."""
+    return x
+
+
+def offloaded(x: Any) -> Any:
+    """``offload``: the value itself; the ``Offload`` action copies it to the host."""
+    return x
+
+
+def released(stage: int) -> None:
+    """``release``: nothing; the ``Release`` action frees the parameters."""
+
+
+def written_back(host: torch.Tensor, value: torch.Tensor) -> None:
+    """``writeback``: a buffer update, kept for the host in forward (dropped in recompute)."""
+    serve = _serving.serve
+    if serve.keep_writebacks:
+        serve.writebacks.append((host, value.detach().clone()))
+
+
+def seeded(layer: int) -> None:
+    """``rng``: seed the device's generator from (call seed, layer, microbatch)."""
+    serve = _serving.serve
+    if serve.call_seed is not None:
+        rng.seed_layer(serve.torch_device, rng.layer_seed(serve.call_seed, layer,
+                                                          serve.microbatch))
+
+
+def layer(index: int) -> None:
+    """Layer ``index``'s nodes start here (timed calls charge each layer its time)."""
+    serve = _serving.serve
+    if serve.timed:
+        serve.enter(index)
+
+
+def unfilled(fn: Any) -> Any:
+    """``fn`` recorded for autograd with its matmuls and adds not run
+    (``tail.Unfilled``): what a recompute calls for a tail node."""
+    wrapped = _unfilled.get(fn)
+    if wrapped is None:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with _serving.serve.unfilled:
+                return fn(*args, **kwargs)
+        name = getattr(fn, "__name__", str(fn))
+        wrapped.__name__ = wrapped.__qualname__ = f"unfilled_{name}"
+        _unfilled[fn] = wrapped
+    return wrapped
+
+
+_unfilled: dict[Any, Any] = {}
+
+
+_SERVED = {_op.prefetch.default: resident, _op.upload.default: uploaded,
+           _op.offload.default: offloaded, _op.release.default: released,
+           _op.writeback.default: written_back, _op.rng.default: seeded}
+_runnables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_build_lock = threading.Lock()
+
+
+def runnable(stage: Stage, recompute: bool = False) -> fx.GraphModule:
+    """The code a stage run executes (``recompute``: the recompute for backward, its tail
+    unfilled): ``stage.gm``'s graph with each transfer node calling its server (module
+    docstring; ``prefetch`` drops its host-parameter arguments, which then are not read),
+    and a ``layer(i)`` call where layer ``i``'s nodes start. Built once per stage."""
+    key = recompute and bool(stage.tail)
+    with _build_lock:
+        built = _runnables.setdefault(stage.gm, {})
+        if key not in built:
+            built[key] = _build(stage, key)
+        return built[key]
+
+
+def runnable_code(exe: Executable) -> str:
+    """The runnable code of every GraphModule ``exe`` runs (``pipe.code(...,
+    runnable=True)``), and the recompute of each with a tail."""
+    codes = [runnable(st, recompute).code.strip("\n") for st in exe.graph_modules()
+             for recompute in ((False, True) if st.tail else (False,))]
+    return "\n\n".join(codes) + "\n"
+
+
+def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    tail = set(stage.tail) if recompute else set()
+    arg = env.__getitem__
+    current: int | None = None
+    for n in stage.gm.graph.nodes:
+        at = n.meta.get("layer")
+        if n.op in ("call_function", "call_method", "call_module") and n.target not in _SERVED \
+                and at is not None and at != current:
+            graph.create_node("call_function", layer, (at,), name=f"layer_{at}_starts")
+            current = at
+        if n.target in _SERVED:
+            args = {_op.prefetch.default: n.args[1:2],
+                    _op.release.default: n.args[1:]}.get(n.target, n.args)
+            new = graph.create_node("call_function", _SERVED[n.target], fx.map_arg(args, arg),
+                                    name=n.name)
+        elif n.name in tail and n.op in ("call_function", "call_method"):
+            target = n.target if n.op == "call_function" else _method(n.target)
+            new = graph.create_node("call_function", unfilled(target), fx.map_arg(n.args, arg),
+                                    fx.map_arg(n.kwargs, arg), name=n.name)
+        else:
+            new = graph.node_copy(n, arg)
+        new.meta = dict(n.meta)
+        env[n] = new
+    for n in reversed(list(graph.nodes)):   # host parameters no transfer reads any more
+        if n.op == "get_attr" and not n.users:
+            graph.erase_node(n)
+    comment_at_top(graph, f"runnable{' recompute, tail unfilled' if recompute else ''}: "
+                          f"{stage.header}")
+    gm = fx.GraphModule(stage.gm, graph, class_name=type(stage.gm).__name__)
+    gm.meta.update(stage.gm.meta)
+    return gm
+
+
+def _method(name: str) -> Any:
+    """A function calling method ``name`` of its first argument (a call_method node)."""
+    fn = _methods.get(name)
+    if fn is None:
+        def fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self, name)(*args, **kwargs)
+        fn.__name__ = fn.__qualname__ = name
+        _methods[name] = fn
+    return fn
+
+
+_methods: dict[str, Any] = {}
 
 
 def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], *,
               call_seed: int | None, microbatch: int, device: torch.device,
               keep_writebacks: bool, timer: LayerTimer | None = None, kind: str = "fwd",
               stats: Any = None) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Run ``stage`` on one microbatch; returns (outputs, buffer writebacks). With a
-    ``timer``, each layer's time is recorded as ``kind``. A ``"recompute"`` records the
-    stage's ``tail`` for autograd without computing it (``runtime.tail``). ``stats``
-    (``executor.Stats``) counts interpreted nodes and generated-code runs."""
+    """Run ``stage``'s runnable code on one microbatch; returns (outputs, buffer
+    writebacks). With a ``timer``, each layer's time is recorded as ``kind``. A
+    ``"recompute"`` records the stage's ``tail`` for autograd without computing it
+    (``runtime.tail``). ``stats`` (``executor.Stats``) counts the runs."""
+    code = runnable(stage, recompute=kind == "recompute")
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
-                   keep_writebacks=keep_writebacks)
-    defer = stage.tail if kind == "recompute" else ()
-    runner = (StageRun(stage, serve, timed=timer is not None, defer=defer)
-              if timer is not None or defer else None)
-
-    def go():
-        if runner is not None:
-            return runner.run(*inputs)
-        with Transfers(serve):
-            return stage.gm(*inputs)
-
+                   keep_writebacks=keep_writebacks, timed=timer is not None)
+    saved, _serving.serve = _serving.serve, serve
     try:
         if stage.random and call_seed is not None:
             with rng.isolated(device):
-                out = go()
+                out = code(*inputs)
         else:
-            out = go()
-    except BaseException:
-        if runner is not None:   # an exception the caller keeps must not keep the values
-            runner.env.clear()
-        raise
-    if runner is not None:
-        if timer is not None:
-            runner.record_times(timer, kind)
-        if stats is not None:
-            stats.add("interpreted_nodes", runner.nodes)
-    elif stats is not None:
+            out = code(*inputs)
+    finally:
+        _serving.serve = saved
+    if timer is not None:
+        serve.record_times(timer, kind)
+    if stats is not None:
         stats.add("generated_runs")
     return tuple(out), serve.writebacks

@@ -50,6 +50,9 @@ class Unfilled(TorchDispatchMode):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         reads_unwritten = any(_is_unwritten(t) for t in tensors)
         if func in SKIPPED:
+            shape = _contiguous_result(func, args, kwargs)
+            if shape is not None:
+                return _mark(torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device))
             meta = func(*pytree.tree_map_only(torch.Tensor, _meta, args),
                         **pytree.tree_map_only(torch.Tensor, _meta, kwargs))
             out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype,
@@ -65,6 +68,26 @@ class Unfilled(TorchDispatchMode):
                     "skipped (Stage.tail must hold only values backward never reads)")
             pytree.tree_map_only(torch.Tensor, _mark, out)
         return out
+
+
+def _contiguous_result(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The shape of ``func``'s result where it is a new contiguous tensor of its
+    inputs' dtype without running anything: the matmuls, and an add of two contiguous
+    tensors of one shape and dtype. None: ask the op's meta function (slower on the
+    host: many are Python)."""
+    if kwargs and func is not aten.add.Tensor:
+        return None
+    if func is aten.mm.default or func is aten.bmm.default:
+        a, b = args
+        return (*a.shape[:-1], b.shape[-1])
+    if func is aten.addmm.default or func is aten.baddbmm.default:
+        _, a, b = args[:3]
+        return (*a.shape[:-1], b.shape[-1])
+    a, b = args[0], args[1]
+    if isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+            and a.is_contiguous() and b.is_contiguous():
+        return tuple(a.shape)
+    return None
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:
