@@ -101,8 +101,9 @@ def tiny_pipe(name: str, gpus: int, plan: fxpipe.ExecutePlan):
     torch.manual_seed(0)
     model = CausalLM(c, qk_norm, chunked=True)
     ids = torch.randint(0, c.vocab_size, (MICROBATCHES, TINY_TOKENS))
-    pipe = fxpipe.compile(model, example_inputs=(ids, ids), devices=[InlineDevice() for _ in range(gpus)],
-                          plan=plan, config=fxpipe.RunConfig(num_microbatch=MICROBATCHES))
+    pipe = fxpipe.compile(model, example_inputs=(ids, ids),
+                          devices=[InlineDevice() for _ in range(gpus)], plan=plan,
+                          config=fxpipe.RunConfig(num_microbatch=MICROBATCHES))
     return model, pipe, ids
 
 
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = pipe.stats()
         predicted = {k: flops / (gpus * peak * args.mfu) * 1e3 for k, peak in PEAK.items()}
         row = {"model": name, "gpus": gpus, "seq_len": seq_len, "microbatches": MICROBATCHES,
-               "plan": repr(plan), "fwd_stages": len(plan.fwd_plan), "bwd_stages": len(plan.bwd_plan),
+               "plan": repr(plan), "fwd_stages": len(plan.fwd_plan),
+               "bwd_stages": len(plan.bwd_plan),
                "actions": stats["actions"], "host_issue_ms": min(host),
                "host_issue_ms_median": statistics.median(host), "eager_ms": min(base),
                "eager_ms_median": statistics.median(base),
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                "predicted_gpu_ms_rtx4090": predicted["rtx4090"],
                "ratio_rtx4090": min(host) / predicted["rtx4090"]}
         rows.append(row)
-        print(f"{name:<14} {gpus:>4} {seq_len // 1024:>5}K {len(plan.fwd_plan):>5}/{len(plan.bwd_plan):<4} "
+        stages = f"{len(plan.fwd_plan):>5}/{len(plan.bwd_plan):<4}"
+        print(f"{name:<14} {gpus:>4} {seq_len // 1024:>5}K {stages} "
               f"{row['actions']:>7} {row['host_issue_ms']:>8.1f} {row['eager_ms']:>8.1f} "
               f"{row['overhead_ms']:>8.1f} {row['predicted_gpu_ms']:>8.1f} {row['ratio']:>6.3f} "
               f"{row['predicted_gpu_ms_rtx4090']:>8.1f} {row['ratio_rtx4090']:>6.3f}", flush=True)

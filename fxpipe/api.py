@@ -616,8 +616,8 @@ class PipelineModule(nn.Module):
         call without an optimizer); bytes moved: ``h2d_bytes_params``,
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
         ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``generated_runs`` (stage runs,
-        each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``, the copies
-        between a device and pageable (not page-locked) host memory, each of which blocks
+        each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``,
+        the copies between a device and pageable (not page-locked) host memory, each of which blocks
         the issuing thread on a GPU (counted on GPUs and ``VirtualDevice(semantics="cuda")``;
         0 when the pipe pins, see ``compile``'s ``pin_memory``); ``host_pinned_bytes``,
         the page-locked host bytes fxpipe reserved for this pipe at the end of the call

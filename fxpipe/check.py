@@ -33,10 +33,10 @@ time left as ``BudgetSpent``.
 Measuring: ``gc.collect()`` and, on GPUs, ``torch.cuda.synchronize()`` and
 ``torch.cuda.empty_cache()`` run between sections and before each variant's (warm-up,
 timed) pair of calls, so eager and fxpipe never time inside each other's allocator state.
-The pipe's layer timer (``pipe.timings``) times some calls layer by layer (an event
-at each layer boundary of the stage code); it is switched off for the calls ``vs_checkpoint``, ``scaling`` and
-``bigger_than_device`` time, and ``timed_calls_sampled`` says whether any was timed anyway
-(always, in verbose mode).
+The pipe's layer timer (``pipe.timings``) times some calls layer by layer (an event at
+each layer boundary of the stage code); it is switched off for the calls
+``vs_checkpoint``, ``scaling`` and ``bigger_than_device`` time, and
+``timed_calls_sampled`` says whether any was timed anyway (always, in verbose mode).
 
 The model is a Llama-style decoder (``fxpipe.demo.TinyLlama``) sized to the GPU: its fp32
 parameters about a quarter of one GPU's memory (at most 8% of host RAM). ``--dry-run``

@@ -45,6 +45,11 @@ Algorithm (``plan_chains``):
    B*(S) plan (as packed, or re-cut per segment) with the lowest ``estimate_makespan``.
    When ``top >= 4G`` only ``top`` and the last whole round below it are tried: every
    device then runs four or more stages, and a partial round adds at most one to some.
+4. Host cost — one host issues every device's actions (``host_ms_per_action``, about
+   ``ACTIONS_PER_MICROBATCH`` per stage and microbatch). It adds to each stage's time in
+   the granularity bound and the estimate, and the estimate is at least the host's total;
+   when that total passes ``HOST_BOUND`` of the devices' time, fewer stages are tried,
+   down to ``min_stages``: layers too small to pay for their issuing share stages.
 
 Example: an embedding, 24 equal blocks and a 3x LM head; backward = 2x forward.
 

@@ -1,4 +1,5 @@
-"""Devices: one interface, two backends (:class:`CudaDevice`, and :class:`VirtualDevice` on CPU).
+"""Devices: one interface, two backends (:class:`CudaDevice`, and :class:`VirtualDevice` on CPU),
+and :class:`InlineDevice`, which measures what issuing costs the host.
 
 A device has ordered work queues, *streams* (``STREAMS``). ``submit`` puts a callable on
 one and returns an :class:`Event`; other work (any stream, any device) can ``wait`` on
@@ -1163,8 +1164,8 @@ class InlineDevice(Device):
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
                   use: Sequence[str] = ("compute",)) -> torch.Tensor:
         nbytes = host_tensor.numel() * host_tensor.element_size()
-        return self._allocate(nbytes, kind, owner,
-                              lambda: host_tensor.detach().clone(memory_format=torch.contiguous_format))
+        copy = lambda: host_tensor.detach().clone(memory_format=torch.contiguous_format)  # noqa: E731
+        return self._allocate(nbytes, kind, owner, copy)
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         return dev_tensor.detach().clone()

@@ -68,7 +68,8 @@ from fxpipe.runtime.timer import LayerTimer
 # One issue thread at a time runs an action's Python (on a device that runs it when it is
 # submitted: a GPU's host part). Every torch op lets go of the GIL; with several threads
 # wanting it, each op would hand it to another thread and wait to get it back. Waiting
-# for dependencies and for released memory happens outside.
+# for dependencies and for released memory happens outside; inside, a CudaDevice waits
+# only for host-lane work, which never takes this lock.
 _ISSUING = threading.Lock()
 _NO_LOCK = contextlib.nullcontext()
 
@@ -90,6 +91,8 @@ class _IssueThread:
                 torch.set_num_threads(threads)
             try:
                 fn()   # catches what stops issuing itself (``Execution._issue``)
+            except BaseException:  # noqa: BLE001 — never lose the thread: it is reused
+                traceback.print_exc()
             finally:
                 fn = None
                 me.name = "fxpipe-issue-idle"
@@ -386,12 +389,12 @@ class Execution:
                     worker = (self.call.dp if isinstance(a, Collective) else
                               self.call.optimizer).worker
                     stream = "compute"
-                start, _ = time.perf_counter(), emulated_wait()
                 with _ISSUING if getattr(worker, "runs_at_issue", False) else _NO_LOCK:
+                    start, _ = time.perf_counter(), emulated_wait()
                     slot.event = worker.submit(stream, self._work(lane, a), wait=waits,
                                                label=str(a))
-                self.stats.issued(type(a).__name__,
-                                  time.perf_counter() - start - emulated_wait())
+                    self.stats.issued(type(a).__name__,
+                                      time.perf_counter() - start - emulated_wait())
                 slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
@@ -559,7 +562,9 @@ class Execution:
                 self.stats.add("h2d_bytes_activations", _nbytes(t))
                 return t
 
-            value = pytree.tree_map_only(torch.Tensor, up, self.on_host.value(m, name))
+            value = self.on_host.value(m, name)
+            value = up(value) if isinstance(value, torch.Tensor) else \
+                pytree.tree_map_only(torch.Tensor, up, value)
             with on.lock:
                 on.uploaded[(s, m, name)] = value
 

@@ -47,7 +47,7 @@ class Unfilled(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         reads_unwritten = any(_is_unwritten(t) for t in tensors)
         if func in SKIPPED:
             shape = _contiguous_result(func, args, kwargs)
@@ -68,6 +68,18 @@ class Unfilled(TorchDispatchMode):
                     "skipped (Stage.tail must hold only values backward never reads)")
             pytree.tree_map_only(torch.Tensor, _mark, out)
         return out
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op takes: its arguments, and those in list arguments (an op's
+    schema nests no deeper); the pytree walk costs more on the host than most ops."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _contiguous_result(func: Any, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
