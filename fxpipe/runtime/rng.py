@@ -6,8 +6,9 @@ global generator, so ``torch.manual_seed`` controls it. The recompute re-derives
 same seed, so backward sees exactly the forward's masks, and results do not depend on
 the plan or the number of devices.
 
-Virtual devices share the process's CPU generator, so random stages run under
-``LOCK`` and restore the generator state afterwards.
+Virtual devices share the process's CPU generator, so their random stages run under one
+lock and restore the generator state afterwards; each GPU has its own generator, and
+its own lock (``lock_of``).
 
 >>> layer_seed(1234, layer=3, microbatch=0) == layer_seed(1234, 3, 0)
 True
@@ -21,7 +22,17 @@ from collections.abc import Iterator
 
 import torch
 
-LOCK = threading.RLock()
+LOCK = threading.RLock()   # the CPU generator's
+_GPU_LOCKS: dict[int, threading.RLock] = {}
+_GPU_LOCKS_LOCK = threading.Lock()
+
+
+def lock_of(device: torch.device) -> threading.RLock:
+    """The lock of the generator random ops on ``device`` use."""
+    if device.type != "cuda":
+        return LOCK
+    with _GPU_LOCKS_LOCK:
+        return _GPU_LOCKS.setdefault(device.index or 0, threading.RLock())
 _MASK = (1 << 64) - 1
 
 
@@ -53,8 +64,8 @@ def seed_layer(device: torch.device, seed: int) -> None:
 
 @contextlib.contextmanager
 def isolated(device: torch.device) -> Iterator[None]:
-    """Hold the RNG lock and restore ``device``'s generator state afterwards."""
-    with LOCK:
+    """Hold ``device``'s generator lock and restore its state afterwards."""
+    with lock_of(device):
         gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
             else torch.default_generator
         state = gen.get_state()
