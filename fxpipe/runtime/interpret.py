@@ -212,9 +212,8 @@ def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
                     _op.release.default: n.args[1:]}.get(n.target, n.args)
             new = graph.create_node("call_function", _SERVED[n.target], fx.map_arg(args, arg),
                                     name=n.name)
-        elif n.name in tail and n.op in ("call_function", "call_method"):
-            target = n.target if n.op == "call_function" else _method(n.target)
-            new = graph.create_node("call_function", unfilled(target), fx.map_arg(n.args, arg),
+        elif n.name in tail:   # call_function nodes (``passes.recompute.skippable_tail``)
+            new = graph.create_node("call_function", unfilled(n.target), fx.map_arg(n.args, arg),
                                     fx.map_arg(n.kwargs, arg), name=n.name)
         else:
             new = graph.node_copy(n, arg)
@@ -228,20 +227,6 @@ def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
     gm = fx.GraphModule(stage.gm, graph, class_name=type(stage.gm).__name__)
     gm.meta.update(stage.gm.meta)
     return gm
-
-
-def _method(name: str) -> Any:
-    """A function calling method ``name`` of its first argument (a call_method node)."""
-    fn = _methods.get(name)
-    if fn is None:
-        def fn(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(self, name)(*args, **kwargs)
-        fn.__name__ = fn.__qualname__ = name
-        _methods[name] = fn
-    return fn
-
-
-_methods: dict[str, Any] = {}
 
 
 def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], *,
