@@ -163,6 +163,10 @@ class Device(ABC):
     thread issuing it until the data has moved (``pipe.stats()["host_stalls"]``).
     """
 
+    runs_at_issue = False
+    """Whether ``submit`` runs the work's Python on the submitting thread (a GPU's host
+    part; the executor lets one issue thread at a time do so)."""
+
     def __init__(self, name: str, memory_limit: int | float | None):
         if memory_limit is not None:
             if not isinstance(memory_limit, (int, float)) or memory_limit < 0:
@@ -184,10 +188,6 @@ class Device(ABC):
         self.host_stalls = 0   # copies from or to pageable host memory (``_host_stall``)
         self.allocator_flushes = 0   # times the allocator gave its cache back at the limit
         self._stall_lock = threading.Lock()
-
-    runs_at_issue = False
-    """Whether ``submit`` runs the work's Python on the submitting thread (a GPU's host
-    part; the executor lets one issue thread at a time do so)."""
 
     @abstractmethod
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,

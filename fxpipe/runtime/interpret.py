@@ -180,6 +180,9 @@ def runnable(stage: Stage, recompute: bool = False) -> fx.GraphModule:
     docstring; ``prefetch`` drops its host-parameter arguments, which then are not read),
     and a ``layer(i)`` call where layer ``i``'s nodes start. Built once per stage."""
     key = recompute and bool(stage.tail)
+    code = _runnables.get(stage.gm, {}).get(key)   # built: no lock on the hot path
+    if code is not None:
+        return code
     with _build_lock:
         built = _runnables.setdefault(stage.gm, {})
         if key not in built:
