@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
-from fxpipe.optim import as_overlapped
+from fxpipe.optim import Overlapped, as_overlapped
 from fxpipe.optim_step import watch_fused_steps
 from fxpipe.passes import gc_paused
 from fxpipe.passes.costs import compute_costs
@@ -24,7 +24,8 @@ from fxpipe.passes.executable import build_executable
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.partition import build_layer_graph, find_block_lists
-from fxpipe.passes.program import Program
+from fxpipe.passes.program import CallSpec, Program
+from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
@@ -67,16 +68,21 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> x = torch.randn(6, 4)
     >>> pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
-    >>> print(pipe)                 # a summary and the top-level graph  # doctest: +ELLIPSIS
+    >>> print(pipe)                 # a summary and what pipe(x) runs  # doctest: +ELLIPSIS
     # PipelineModule: 3 layers on vcpu:0, vcpu:1; plan fwd [0:2] bwd [2:3, 1:2, 0:1]
     ...
     def forward(self, input_1):
+        input_1_0, input_1_1, input_1_2 = split(input_1, 3)       # the caller's inputs, 3 microbatches
+        refresh()                                                 # RF host
         # stage 0 fwd | layers 0-1 (0, 1) | vcpu:0 | params 160 B | saved 288 B | out 192 B | ...
-        stage_0 = self.stage_0(input_1);  input_1 = None
-        relu = stage_0[0];  stage_0 = None
-        # stage 1 fwd | layer 2 (2) | vcpu:1 | params 72 B | saved 192 B | out 48 B | ...
-        stage_1 = self.stage_1(relu);  relu = None
+        params_0 = prefetch(self.stage_0, 'vcpu:0')               # 0P vcpu:0
     ...
+        input_1_0_d0 = upload(input_1_0, 'vcpu:0')                # 0U0 vcpu:0
+        relu_0_d0 = self.stage_0(params_0, input_1_0_d0)          # 0F0 vcpu:0
+        relu_0 = offload(relu_0_d0)                               # 0O0 vcpu:0
+    ...
+        return commit(linear_1_0, linear_1_1, linear_1_2)         # C host
+    <BLANKLINE>
     >>> print(pipe.code("fused"))   # every stage a training step runs  # doctest: +ELLIPSIS
     def forward(self, input_1):
         # stage 0 fwd | layers 0-1 (0, 1) | vcpu:0 | ...
@@ -212,21 +218,13 @@ class _Compiled:
     executables: dict[tuple, Executable] = field(default_factory=dict)
     timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
 
-    def executable(self, plan: ExecutePlan, run_type: str, num_microbatch: int, *,
-                   grain: str = "stage", optimizer: str | None = None, outputs: bool = True,
-                   input_grads: Sequence[str] = (), data_parallel: str | None = None,
-                   broadcast_buffers: bool = False) -> Executable:
-        """The Executable one kind of call runs under ``plan``: lowered and scheduled once
-        per (plan, run type, microbatch count, grain, optimizer mode, outputs, inputs
-        that require grad, collectives), then cached."""
-        key = (plan_key(plan), run_type, num_microbatch, grain, optimizer,
-               outputs or run_type != "fused", tuple(input_grads), data_parallel,
-               broadcast_buffers)
+    def executable(self, plan: ExecutePlan, spec: CallSpec) -> Executable:
+        """The Executable a call of ``spec`` runs under ``plan``: lowered and scheduled
+        once per (plan, ``CallSpec``), then cached. The call and ``pipe.program()`` both
+        come here."""
+        key = (plan_key(plan), spec)
         if key not in self.executables:
-            self.executables[key] = build_executable(
-                self.layers, plan, run_type, self.device_names, num_microbatch, grain=grain,
-                optimizer=optimizer, outputs=outputs, input_grads=input_grads,
-                data_parallel=data_parallel, broadcast_buffers=broadcast_buffers)
+            self.executables[key] = build_executable(self.layers, plan, spec, self.device_names)
         return self.executables[key]
 
     def differentiable(self, inputs: Collection[str]) -> frozenset[str]:
@@ -506,25 +504,24 @@ class PipelineModule(nn.Module):
         return self._current.timer
 
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
-                    optimizer: bool | str = False, grain: str | None = None,
+                    optimizer: Any = False, grain: str | None = None,
                     return_outputs: bool = False, sync_gradients: bool = True,
                     input_grads: Sequence[str] = ()) -> Executable:
-        """The (cached) Executable a call of this kind runs with the pipe's config."""
+        """The (cached) Executable a call of this kind runs with the pipe's config: the
+        call's own ``CallSpec`` (``Runner.spec``) built from these arguments."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if grain not in (None, "stage", "layer"):
             raise ValueError(f"grain must be 'stage' or 'layer', got {grain!r}")
-        if optimizer not in (False, True, "exact", "async"):
-            raise ValueError(f"optimizer must be False, True, 'exact' or 'async', got {optimizer!r}")
+        if isinstance(optimizer, (torch.optim.Optimizer, Overlapped)):
+            spec = as_overlapped(optimizer).spec()
+        else:
+            spec = optimizer_spec(optimizer)
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
-        plan = cfg.execute_plan or self._current.plan
-        mode = "exact" if optimizer is True else (optimizer or None)
-        data_parallel, broadcast = (None, False) if self._dp is None else self._dp.collectives(
-            run_type, sync_gradients, mode, bool(self._current.layers.buffers))
-        return self._current.executable(plan, run_type, cfg.num_microbatch,
-                                        grain=cfg.recompute_grain, optimizer=mode,
-                                        outputs=return_outputs, data_parallel=data_parallel,
-                                        broadcast_buffers=broadcast, input_grads=input_grads)
+        runner = self._runner(self._current, cfg)
+        return runner.executable(runner.spec(
+            run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,
+            sync=sync_gradients, input_grads=input_grads))
 
     def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
              grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False) -> str:
@@ -545,9 +542,10 @@ class PipelineModule(nn.Module):
         head = (f"# PipelineModule: {len(self.layers)} layers on "
                 f"{', '.join(d.name for d in self.devices)}; plan fwd [{spans(plan.fwd_plan)}] "
                 f"bwd [{spans(plan.bwd_plan)}]\n"
-                "# pipe.code(run_type) prints every stage a call runs, pipe.program(run_type) "
-                "its actions\n")
-        return head + exe.top.code.lstrip("\n")
+                "# what pipe(x) runs: its Program's actions in an order they allow; "
+                "pipe.program(run_type) prints\n# a call's lanes, pipe.code(run_type) its "
+                "stages' code\n")
+        return head + exe.listing([d.name for d in self.devices], self.layers.input_names)
 
     def extra_repr(self) -> str:
         return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
@@ -558,32 +556,36 @@ class PipelineModule(nn.Module):
         return _microbatch_example(self.layers, self.config, num_microbatch, label)
 
     def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
-                num_microbatch: int | None = None, optimizer: bool | str = False,
+                num_microbatch: int | None = None, optimizer: Any = False,
                 grain: Literal["stage", "layer"] | None = None, *,
                 input_grads: bool | Sequence[str] = False, return_outputs: bool = False,
                 sync_gradients: bool = True) -> Program:
         """The Program a call of ``run_type`` runs, every action included: per device its
-        ordered actions, and the host lane (``optimizer=True``: the streamed
-        ``OptimizerStep``s a call with ``optimizer=`` runs; ``"async"``: its
-        ``AsyncUpdate``; the ``Commit``). ``num_microbatch`` and ``grain`` (``None``)
-        default to the pipe's config; ``return_outputs``: a fused call that also brings
-        the model's outputs to the host (``forward_backward(..., return_outputs=True)``).
-        A data-parallel pipe's training Programs hold their collectives (``BC``, ``AR``;
-        ``RS`` and ``AG`` with ``shard_optimizer``) unless ``sync_gradients=False``.
-        ``input_grads``: a training call whose inputs require grad (``True``: every
-        floating model input; or their names), whose gradients the Program offloads to
-        the host (its ``input-grads`` line).
+        ordered actions, and the host lane: the ``Refresh`` of the parameters' upload
+        copies, what takes each stage's downloaded gradients (``Accumulate``, or with
+        ``optimizer=`` the streamed ``OptimizerStep``s), the ``Commit``, and after it
+        what needs every ``.grad`` (clipping, a ``GradScaler`` step, the asynchronous
+        update's queueing). ``optimizer``: what the call's ``optimizer=`` is: a torch
+        optimizer or ``fxpipe.optim.overlapped(...)`` (its mode, ``max_grad_norm``,
+        ``speculate``, ``scaler``), or ``True``/``"exact"``/``"async"``. The call and
+        this method build the same ``CallSpec``, hence the same Executable.
+        ``num_microbatch`` and ``grain`` (``None``) default to the pipe's config;
+        ``return_outputs``: a fused call that also brings the model's outputs to the host
+        (``forward_backward(..., return_outputs=True)``). A data-parallel pipe's training
+        Programs hold their collectives (``BC``, ``AR``; ``RS`` and ``AG`` with
+        ``shard_optimizer``) unless ``sync_gradients=False``. ``input_grads``: a training
+        call whose inputs require grad (``True``: every floating model input; or their
+        names), whose gradients the Program offloads to the host (its ``input-grads``
+        line).
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
-        >>> print(pipe.program("fused", num_microbatch=2, optimizer=True))   # doctest: +ELLIPSIS
-        program devices=2 microbatches=2
-        inputs input_1
-        ...
-        step ... host
-        0    0P  1P   S2:3
-        ...
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> p = pipe.program("fused", num_microbatch=2, optimizer=fxpipe.optim.overlapped(
+        ...     opt, max_grad_norm=1.0, speculate=False))
+        >>> [str(a) for a in p.host]
+        ['RF', 'M2:3', 'M1:2', 'M0:1', 'C', 'N', 'S2:3', 'S1:2', 'S0:1']
         """
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs, sync_gradients=sync_gradients,
@@ -612,8 +614,9 @@ class PipelineModule(nn.Module):
     def stats(self) -> dict[str, int]:
         """Counters of the last call (empty before the first), a flat dict: ``actions``
         executed; ``host_waits``, the times a host thread waited for device work (a host
-        action waiting for the events it reads, and the end of the call: one per fused
-        call without an optimizer); bytes moved: ``h2d_bytes_params``,
+        action waiting for the events it reads, e.g. each backward stage's ``Accumulate``
+        or ``OptimizerStep`` reading its downloaded gradients, and the end of the call);
+        bytes moved: ``h2d_bytes_params``,
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
         ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``generated_runs`` (stage runs,
         each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``,
@@ -633,8 +636,8 @@ class PipelineModule(nn.Module):
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
         >>> loss = pipe.forward_backward((torch.randn(6, 4),), loss_fn=lambda out, _: out.sum())
-        >>> pipe.stats()["host_waits"], pipe.stats()["h2d_bytes_params"]
-        (1, 392)
+        >>> pipe.stats()["host_waits"], pipe.stats()["h2d_bytes_params"]   # 3 stages' M, the end
+        (4, 392)
         """
         return dict(self._log.stats)
 

@@ -16,10 +16,12 @@ and any optimizer works on them.
 # PipelineModule: 2 layers on vcpu:0, vcpu:1; plan fwd [0:1] bwd [1:2, 0:1]
 ...
 def forward(self, args_0):
+    args_0_0, args_0_1, args_0_2 = split(args_0, 3)           # the caller's inputs, 3 microbatches
+    refresh()                                                 # RF host
     # stage 0 fwd | layer 0 (prefix) | vcpu:0 | params 0 B | saved 0 B | out 96 B | ...
-    stage_0 = self.stage_0(args_0);  stage_0 = None
+    params_0 = prefetch(self.stage_0, 'vcpu:0')               # 0P vcpu:0
     # stage 1 fwd | layer 1 (fn) | vcpu:1 | params 232 B | saved 288 B | out 48 B | ...
-    stage_1 = self.stage_1(args_0);  args_0 = None
+    params_1 = prefetch(self.stage_1, 'vcpu:1')               # 1P vcpu:1
 ...
 
 fxpipe needs the whole forward as one graph: a graph break raises

@@ -35,7 +35,7 @@ from fxpipe.passes.memory import (
     program_peaks,
 )
 from fxpipe.passes.partition import build_layer_graph
-from fxpipe.passes.program import RunType
+from fxpipe.passes.program import CallSpec, RunType
 from fxpipe.passes.schedule import build_program
 
 if TYPE_CHECKING:
@@ -173,9 +173,9 @@ def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunT
     memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
     if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
         tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
-        program = build_executable(
-            lg, plan, run_type, [f"device {d}" for d in range(G)], M, grain=grain, outputs=False,
-            input_grads=[n for n, x in zip(lg.input_names, tensors) if x.requires_grad]).program
+        spec = CallSpec(run_type, M, grain, outputs=False, input_grads=tuple(
+            n for n, x in zip(lg.input_names, tensors) if x.requires_grad))
+        program = build_executable(lg, plan, spec, [f"device {d}" for d in range(G)]).program
     else:
         program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
     peaks = program_peaks(program, memory)

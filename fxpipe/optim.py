@@ -3,8 +3,10 @@
 Parameters live in host memory, so the optimizer runs on the host. Run after the call
 (``opt.step()``), it stalls every device. Passed to the call, it runs *during* the
 backward: backward stages finish deepest first, and as soon as a stage's gradients are
-final a host worker steps that stage's parameters while the devices back-propagate the
-shallower stages. Only the first layers' step is left when the backward ends::
+final the host steps that stage's parameters (an ``OptimizerStep`` in the call's
+Program, ``pipe.program("fused", optimizer=opt)`` prints them) while the devices
+back-propagate the shallower stages. Only the first layers' step is left when the
+backward ends::
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 100)
@@ -81,7 +83,7 @@ import torch
 from fxpipe.errors import StageError
 from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, step_shards,
                                step_view)
-from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.passes.program import OptimizerSpec
 
 Mode = Literal["exact", "async"]
 
@@ -136,7 +138,6 @@ class Overlapped:
         self.calls = 0            # calls made with this object
         self.stepped = False      # whether the last call stepped (async: queued its update)
         self._pending: _Update | None = None
-        self._host: VirtualDevice | None = None
         # shard_optimizer: the state of this rank's pieces of the parameters, by name
         self.shard_state: dict[str, dict] = {}
         self._shard_hooks: list = []
@@ -147,6 +148,20 @@ class Overlapped:
             optimizer.register_load_state_dict_pre_hook(lambda opt, sd: _call(me, "_drop"))
             optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: _call(me, "synchronize") if opt is optimizer else None)
+
+    def spec(self, steps: bool = True) -> OptimizerSpec | None:
+        """What a call's Program holds for this optimizer (``steps``: whether the call
+        steps; an accumulating call of ``mode="exact"`` holds nothing).
+
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> str(overlapped(sgd, max_grad_norm=1.0, speculate=False).spec())
+        'exact+clip'
+        """
+        if not steps and self.mode == "exact":
+            return None
+        return OptimizerSpec(self.mode, steps, clip=self.max_grad_norm is not None,
+                             speculate=self.speculate,
+                             scaler=self.scaler is not None and self.scaler.is_enabled())
 
     def will_step(self) -> bool:
         """Whether the next call steps (its number is a multiple of ``accumulate``)."""
@@ -187,17 +202,8 @@ class Overlapped:
         return self._pending is not None
 
     def close(self) -> None:
-        """Apply any pending update and stop the host worker thread."""
+        """Apply any pending update."""
         self.synchronize()
-        if self._host is not None:
-            self._host.close()
-            self._host = None
-
-    def host(self) -> VirtualDevice:
-        """The host worker the steps run on (one thread, started on first use)."""
-        if self._host is None:
-            self._host = VirtualDevice(name="host-optimizer", count_work=False)
-        return self._host
 
     def call(self) -> _Call:
         """The optimizer's part of one ``forward_backward`` call."""
@@ -220,8 +226,8 @@ def overlapped(optimizer: torch.optim.Optimizer, **options: Any) -> Overlapped:
 
 def as_overlapped(optimizer: Any) -> Overlapped:
     """``optimizer=`` of a call: an ``Overlapped``, or a torch optimizer (exact, one step
-    per call; one ``Overlapped`` per optimizer, kept on it, so its host worker is reused;
-    ``Optimizer.__getstate__`` leaves it out of pickles)."""
+    per call; one ``Overlapped`` per optimizer, kept on it, so its calls are counted
+    across calls; ``Optimizer.__getstate__`` leaves it out of pickles)."""
     if isinstance(optimizer, Overlapped):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -243,28 +249,26 @@ def _call(ref: weakref.ref, name: str) -> None:
 class _Call:
     """The optimizer's part of one call: the executor's ``call.optimizer``.
 
-    ``program_mode``: what the call's Program holds for it (``passes.schedule``):
-    ``"exact"``, an ``OptimizerStep`` per backward stage, streamed; ``"async"``, an
-    ``AsyncUpdate`` applying the previous call's pending update; ``None``, nothing (the
-    step, if any, runs in ``finish()``: ``GradScaler``, or clipping without
-    speculation). The executor runs those host actions on ``worker`` in Program order:
-    ``apply_pending()`` and ``step(layers, accumulator)``. ``finish()`` runs after the
-    call committed; ``failed(exc)`` instead, when it raised.
+    ``spec``: what the call's Program holds for it (``OptimizerSpec``, printed by
+    ``pipe.program(..., optimizer=...)``; ``passes.schedule.host_lane``), None when this
+    call neither steps nor applies an update. The executor runs its host actions in
+    Program order: ``apply_pending()`` (``A``), ``step(layers, accumulator)`` (``S``),
+    ``clip()`` (``N``), ``scaler_step()`` (``SS``) and ``queue_update()`` (``Q``).
+    ``finish()`` counts the call once it succeeded; ``failed(exc)`` instead, when it
+    raised.
     """
 
     def __init__(self, ov: Overlapped):
         self.ov = ov
         opt = ov.optimizer
         self.steps = ov.will_step()
-        streamed = self.steps and ov.mode == "exact" and ov.scaler is None and \
-            (ov.max_grad_norm is None or ov.speculate)
-        self.program_mode = "exact" if streamed else ("async" if ov.mode == "async" else None)
+        self.spec = ov.spec(self.steps)
         self.hyper = _hyperparameters(opt)       # read now: a scheduler may change them later
-        if self.steps and ov.scaler is None:     # stepped by step_view: fused kernels if it can
-            self.hyper = fused_groups(opt, self.hyper)
+        if self.steps and not (self.spec is not None and self.spec.scaler):
+            self.hyper = fused_groups(opt, self.hyper)   # stepped by step_view: fused kernels
         self.threads = ov.threads or default_threads()
-        self.caller_threads = torch.get_num_threads()   # put back after a worker's step
-        self.worker = ov.host() if self.program_mode is not None else None
+        self.caller_threads = torch.get_num_threads()   # put back after a step
+        streamed = self.spec is not None and self.spec.streamed
         self.backup = streamed and (ov.atomic or ov.max_grad_norm is not None)
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
@@ -277,11 +281,16 @@ class _Call:
         uses it: a tied parameter's gradient is final only then (the Program's
         ``OptimizerStep`` of that stage waits for every stage sharing it). By that time
         no stage of the call reads it again (forward stages and every backward stage
-        holding it have run), so it may change in place."""
-        if self.program_mode != "exact":
-            return
-        self.owned = owned   # ParamStore.owned: the parameters each stage's step steps
+        holding it have run), so it may change in place. The optimizer's parameters no
+        stage uses are stepped with the last backward stage."""
         self.stage_of = exe.program.backward_stage_of
+        self.owned = {s: list(ps) for s, ps in owned.items()}   # ParamStore.owned: shared
+        stages = [st.index for st in exe.program.stages if st.kind != "fwd"]
+        if stages:
+            seen = {id(p) for ps in owned.values() for p in ps}
+            rest = [p for g in self.ov.optimizer.param_groups for p in g["params"]
+                    if id(p) not in seen]
+            self.owned.setdefault(stages[-1], []).extend(rest)
 
     # -- the executor's host actions ---------------------------------------------------
     def apply_pending(self) -> None:
@@ -291,7 +300,8 @@ class _Call:
 
     def step(self, layers: range, accumulator, shards: list | None = None) -> None:
         """``OptimizerStep(layers)``: their gradients to ``.grad``, then step them; with
-        ``shards`` (``shard_optimizer``), step this rank's shard of them instead."""
+        ``shards`` (``shard_optimizer``), step this rank's shard of them instead. After
+        the ``Commit`` (a step that could not be streamed) ``.grad`` is final already."""
         stage = self.stage_of[(layers.start, layers.stop)]
         params = self.owned.get(stage, [])
         in_opt = _in_optimizer(self.ov.optimizer, params)
@@ -319,6 +329,43 @@ class _Call:
                 device="host", action=f"S{layers.start}:{layers.stop}") from e
         self.stepped.append(layers)
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.ov.optimizer.param_groups for p in g["params"]]
+
+    def clip(self) -> None:
+        """``ClipGradNorm``, after the ``Commit``: eager's ``clip_grad_norm_`` over the
+        optimizer's parameters (a ``GradScaler``'s ``unscale_`` first). After speculative
+        steps: when clipping changes the gradients (coefficient < 1), put the stepped
+        parameters and state back, clip, and step them all again."""
+        ov, opt = self.ov, self.ov.optimizer
+        params = self._params()
+        if self.spec.scaler:
+            ov.scaler.unscale_(opt)
+        if not self.spec.streamed:
+            torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
+        coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
+        if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
+            for saved in reversed(self.saved):
+                saved.restore()
+            torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
+            with intra_op_threads(self.threads, self.caller_threads):
+                step_view(opt, self.hyper, params)
+        self.saved.clear()
+
+    def scaler_step(self) -> None:
+        """``ScalerStep``: eager's ``scaler.step(optimizer)`` (its inf check, then the
+        step unless a gradient is not finite)."""
+        with intra_op_threads(self.threads, self.caller_threads):
+            self.ov.scaler.step(self.ov.optimizer)
+
+    def queue_update(self) -> None:
+        """``QueueUpdate`` (``mode="async"``): this call's update, applied by the next
+        call's ``AsyncUpdate`` (it keeps its own copy of the gradients)."""
+        self.ov._pending = _Update(self.ov.optimizer, self.hyper)
+
     # -- end of call -------------------------------------------------------------------
     def scale_loss(self, loss_fn: Callable) -> Callable:
         scaler = self.ov.scaler
@@ -333,40 +380,12 @@ class _Call:
         return loss / scaler.get_scale()   # a power of two: exact
 
     def finish(self) -> None:
-        ov, opt = self.ov, self.ov.optimizer
-        ov.calls += 1
-        ov.stepped = self.steps
-        if not self.steps:
-            return
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if ov.scaler is not None and ov.scaler.is_enabled():
-            if ov.max_grad_norm is not None:
-                ov.scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
-            ov.scaler.step(opt)
-        elif ov.mode == "async":
-            if ov.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
-            ov._pending = _Update(opt, self.hyper)
-        else:
-            self._finish_exact(params)
-        opt._opt_called = True  # for LR schedulers: the optimizer did step
-
-    def _finish_exact(self, params: list[torch.Tensor]) -> None:
-        ov, opt = self.ov, self.ov.optimizer
-        done = {id(p) for ps in self.owned.values() for p in ps}
-        if ov.max_grad_norm is not None:
-            grads = [p.grad for p in params if p.grad is not None]
-            total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
-            coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
-            if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
-                for saved in reversed(self.saved):
-                    saved.restore()
-                torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
-                done = set()
-        self.saved.clear()
-        with intra_op_threads(self.threads, self.caller_threads):
-            step_view(opt, self.hyper, [p for p in params if id(p) not in done])
+        """The call succeeded: count it (``Overlapped.calls``, ``stepped``; for LR
+        schedulers, the optimizer did step)."""
+        self.ov.calls += 1
+        self.ov.stepped = self.steps
+        if self.steps:
+            self.ov.optimizer._opt_called = True
 
     def failed(self, exc: BaseException) -> None:
         """The call failed: put back what was stepped, if backed up; else say what was."""

@@ -1,12 +1,12 @@
 """Build an ``Executable``: every GraphModule one kind of call runs, and its Program.
 
-``build_executable(lg, plan, run_type, ...)`` lowers the plan's stages for that run type
+``build_executable(lg, plan, spec, names)`` lowers the plan's stages for that run type
 (forward stages with the values backward stages restart from, backward stages, the
 fused tail, and at ``grain="layer"`` the single-layer pieces a backward stage of several
 layers runs), reads off what each stage reads and makes, and builds the Program over
-them (``passes.schedule``). ``fxpipe.compile`` caches one per (plan, run type,
-microbatch count, grain, optimizer mode, outputs); the runtime interprets it and
-lowers nothing.
+them (``passes.schedule``). ``fxpipe.compile`` caches one per plan and ``CallSpec``
+(run type, microbatch count, grain, optimizer, outputs, input gradients, collectives);
+the runtime interprets it and lowers nothing.
 
 >>> import torch, torch.nn as nn
 >>> from fxpipe.passes.partition import build_layer_graph
@@ -14,7 +14,7 @@ lowers nothing.
 >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
 ...                        (torch.randn(3, 4),))
 >>> plan = ExecutePlan([range(0, 2)], [range(2, 3), range(0, 2)])
->>> exe = build_executable(lg, plan, "fused", ["vcpu:0", "vcpu:1"], 1)
+>>> exe = build_executable(lg, plan, CallSpec("fused", 1), ["vcpu:0", "vcpu:1"])
 >>> for line in exe.code().splitlines():
 ...     if line.strip().startswith("# stage"):
 ...         print(line.strip())
@@ -32,7 +32,7 @@ from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import lower, lower_stage
-from fxpipe.passes.schedule import LABEL, DataParallel, OptimizerMode, Values, build_program
+from fxpipe.passes.schedule import LABEL, CallSpec, Values, build_program
 from fxpipe.passes.stage import Executable, Stage
 
 if TYPE_CHECKING:
@@ -57,32 +57,17 @@ def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[lis
     return fwd, (bwd if run_type == "train" else [])
 
 
-def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
-                     device_names: Sequence[str], num_microbatch: int, *, grain: str = "stage",
-                     optimizer: OptimizerMode | None = None, outputs: bool = True,
-                     input_grads: Sequence[str] = (), data_parallel: DataParallel | None = None,
-                     broadcast_buffers: bool = False) -> Executable:
-    """Lower ``plan`` for ``run_type`` and build its Program (module docstring).
-
-    ``optimizer``: ``"exact"`` (streamed ``OptimizerStep``s) or ``"async"`` (an
-    ``AsyncUpdate``), fused only. ``outputs``: whether a fused call brings the model's
-    outputs to the host (``return_outputs``); other run types always do.
-    ``input_grads``: model inputs that require grad (their gradients go to the host).
-    ``data_parallel`` (``"allreduce"`` or ``"shard"``) and ``broadcast_buffers``: the
-    collectives of the host lane (``passes.schedule.host_lane``), training calls only.
-    """
-    if run_type not in ("infer", "train", "fused"):
-        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
-    if optimizer is not None and run_type != "fused":
-        raise ValueError(f"optimizer steps run in fused calls only, not {run_type!r}")
-    if (data_parallel is not None or broadcast_buffers) and run_type == "infer":
-        raise ValueError("collectives (data_parallel, broadcast_buffers) run in training calls "
-                         "only, not 'infer'")
+def build_executable(lg: LayerGraph, plan: ExecutePlan, spec: CallSpec,
+                     device_names: Sequence[str]) -> Executable:
+    """Lower ``plan`` for the call ``spec`` describes and build its Program (module
+    docstring; ``CallSpec`` has the fields: run type, microbatches, grain, the
+    optimizer's host actions, outputs, input gradients, collectives)."""
+    run_type, grain = spec.run_type, spec.grain
     names = list(device_names)
     G = len(names)
     fwd, bwd = stage_ranges(plan, run_type, len(lg))
     with gc_paused():
-        top, fstages = lower(lg, fwd, names, save_cuts=[r.start for r in bwd]) if fwd else (None, [])
+        fstages = lower(lg, fwd, names, save_cuts=[r.start for r in bwd]) if fwd else []
         stages: dict[int, Stage] = {st.index: st for st in fstages}
         pieces: dict[tuple[int, int], Stage] = {}
         for k, r in enumerate(bwd):
@@ -111,9 +96,10 @@ def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
     shared = tuple(sorted({tuple(sorted(set(h))) for h in holders.values() if len(set(h)) > 1}))
     values = Values(tuple(reads), tuple(makes),
                     tuple(lg.input_names) + ((LABEL,) if run_type == "fused" else ()),
-                    tuple(lg.output_names) if run_type != "fused" or outputs else (),
-                    tuple(n for n in lg.input_names if n in set(input_grads)), shared)
-    program = build_program(fwd, bwd, run_type, G, num_microbatch, "stage", optimizer=optimizer,
-                            grain=grain, values=values, data_parallel=data_parallel,
-                            broadcast_buffers=broadcast_buffers)
-    return Executable(run_type, grain, program, stages, pieces, top)
+                    tuple(lg.output_names) if spec.outputs else (),
+                    tuple(n for n in lg.input_names if n in set(spec.input_grads)), shared)
+    program = build_program(fwd, bwd, run_type, G, spec.num_microbatch, "stage",
+                            optimizer=spec.optimizer, grain=grain, values=values,
+                            data_parallel=spec.data_parallel,
+                            broadcast_buffers=spec.broadcast_buffers)
+    return Executable(run_type, grain, program, stages, pieces)

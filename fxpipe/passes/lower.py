@@ -14,9 +14,9 @@ transfers as ``torch.ops.fxpipe.*`` nodes (``fxpipe.ops``)::
         release = torch.ops.fxpipe.release.default(prefetch, 1)
         return (offload,)
 
-``lower`` also returns the top-level GraphModule calling the stages in order, carrying
-every value between them on the host; with the stages' code it is what ``print(pipe)``
-shows. (The schedule of a call, per device, is a different value: ``passes.schedule``.)
+How the stages run (their transfers once per stage job, in which order on which
+device) is the Program, a different value (``passes.schedule``); ``print(pipe)`` lists
+it as code (``Executable.listing``).
 """
 
 from __future__ import annotations
@@ -39,38 +39,18 @@ _op = torch.ops.fxpipe
 
 
 def lower(lg: LayerGraph, ranges: list[range], device_names: list[str],
-          *, first_index: int = 0, save_cuts: Sequence[int] = ()) -> tuple[fx.GraphModule, list[Stage]]:
+          *, first_index: int = 0, save_cuts: Sequence[int] = ()) -> list[Stage]:
     """Lower ``lg`` for forward stages ``ranges`` (in forward order, covering every layer
     once).
 
     Stage *i* (numbered from ``first_index``) runs on device ``i mod len(device_names)``.
     ``save_cuts``: layer indices where a backward stage starts; a forward stage spanning
     one also offloads the values live at that cut, so the backward stage can recompute
-    from them. Returns the top-level GraphModule calling the stages, and the stages.
+    from them.
     """
     _check_ranges(ranges, len(lg), full=not save_cuts or ranges[-1].stop == len(lg))
-    stages = []
-    for k, r in enumerate(ranges):
-        index = first_index + k
-        stages.append(lower_stage(lg, r, index, index % len(device_names), device_names,
-                                  save_cuts=save_cuts))
-    top = fx.Graph()
-    env: dict[str, fx.Node] = {n: top.placeholder(n) for n in lg.input_names}
-    root = {}
-    for st in stages:
-        name = f"stage_{st.index}"
-        root[name] = st.gm
-        call = top.call_module(name, tuple(env[i] for i in st.inputs))
-        call.meta["comment"] = st.header
-        for j, o in enumerate(st.outputs):
-            env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o)
-    if ranges[-1].stop == len(lg):
-        out = lg.gm.graph.output_node().args[0]
-        top.output(fx.node.map_arg(out, lambda a: env[a.name]))
-    else:  # forward stages of a fused step: what is live where the tail stage starts
-        top.output(tuple(env[n] for n in lg.boundary(ranges[-1].stop - 1)))
-    _comment_before_nodes(top)
-    return graph_module(root, top, class_name="PipelineProgram"), stages
+    return [lower_stage(lg, r, first_index + k, (first_index + k) % len(device_names),
+                        device_names, save_cuts=save_cuts) for k, r in enumerate(ranges)]
 
 
 def lower_stage(lg: LayerGraph, r: range, index: int, device: int,

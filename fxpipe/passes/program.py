@@ -14,20 +14,20 @@ per step and one column per lane, and parses back::
     stage 0 fwd 0:2 reads=input makes=l1
     stage 1 fused 2:3 reads=l1,<label> makes=l2
     stage 2 bwd 0:2 reads=input makes=l1
-    step  d0   d1   host
-    0     0P   1P   C
-    1     0U0  1U0  .
-    2     0F0  1FB0 .
-    3     0O0  1O0  .
-    4     0X0  1X0  .
-    5     2P   1D   .
-    6     2U0  1R   .
-    7     2G0  .    .
-    8     0R   .    .
-    9     2B0  .    .
-    10    2X0  .    .
-    11    2D   .    .
-    12    2R   .    .
+    step d0  d1   host
+    0    0P  1P   RF
+    1    0U0 1U0  M2:3
+    2    0F0 1FB0 M0:2
+    3    0O0 1O0  C
+    4    0X0 1X0  .
+    5    2P  1D   .
+    6    2U0 1R   .
+    7    2G0 .    .
+    8    0R  .    .
+    9    2B0 .    .
+    10   2X0 .    .
+    11   2D  .    .
+    12   2R  .    .
     >>> Program.parse(str(p)) == p
     True
 
@@ -57,10 +57,18 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     DownloadGrads(s)        [sD]    parameter gradients → host, then their        grads
                                     device buffers are freed
     Release(s)              [sR]    free the stage's parameters                   control
+    Refresh()               [RF]    the copies uploads read made current (casts,  host
+                                    snapshot); the buffers saved for a failure
     AsyncUpdate()           [A]     apply the previous call's optimizer update    host
     OptimizerStep(layers)   [Sa:b]  step the parameters of ``layers``             host
-    Commit()                [C]     gradients to ``.grad`` and buffer updates to  host
-                                    the model, all or nothing
+    Accumulate(layers)      [Ma:b]  add their downloaded gradients to the call's  host
+                                    sums (no step takes them)
+    Commit()                [C]     outputs merged; gradients to ``.grad`` and     host
+                                    buffer updates to the model, all or nothing
+    ClipGradNorm()          [N]     after C: ``clip_grad_norm_`` (or, after       host
+                                    speculative steps, the check and the redo)
+    ScalerStep()            [SS]    after C: ``scaler.step(optimizer)``           host
+    QueueUpdate()           [Q]     after C: keep this call's update for the next host
     BroadcastBuffers()      [BC]    data parallel: the buffers from rank 0 to     collective
                                     every rank (``broadcast_buffers``)
     AllReduce(layers)       [ARa:b] data parallel: average the gradients of the   collective
@@ -71,8 +79,10 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     AllGather(layers)       [AGa:b] ``shard_optimizer``: the stepped shards into  collective
                                     every rank's parameters
 
-The host lane has two streams: ``host`` (the optimizer and the commit) and
+The host lane has two streams: ``host`` (refresh, optimizer, accumulation, commit) and
 ``collective`` (the collectives, in the same order on every rank, so that they match).
+The ``Commit`` and what follows it run once every other action of the call has ended,
+on the caller's thread, in lane order.
 
 What each transfer moves and each ``Free`` drops is a function of the Program alone
 (``Program.flow``, see :func:`dataflow`): a value a stage reads comes from the device
@@ -92,8 +102,8 @@ simulator both follow them, nothing else orders actions):
    stage after the first compute of its current stage (so it overlaps that stage,
    DESIGN rule 2) and the inputs of the next compute after the current compute (one
    microbatch of look-ahead).
-3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it (and after
-   the host's ``BroadcastBuffers``, when there is one); a compute needs the latest
+3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it, and after
+   the host's ``Refresh`` (and ``BroadcastBuffers``, when there is one); a compute needs the latest
    ``Prefetch`` of its stage listed before it (not released).
 4. Inputs: the first compute of ``(s, m)`` needs ``Upload(s, m)`` listed before it when
    it reads anything from the host, and the compute that made each value it takes over
@@ -110,7 +120,9 @@ simulator both follow them, nothing else orders actions):
    ``Prefetch`` (``Release`` also for the ``DownloadGrads``); ``OptimizerStep(layers)``
    for every ``DownloadGrads`` of its stage and of the stages sharing a parameter it
    steps (``Program.shared``: a parameter shared by several backward stages is stepped
-   with the last of them); ``Commit`` for the last action of every stream of its phase.
+   with the last of them); ``Accumulate(layers)`` for those of its stage; ``Commit``
+   for the last action of every stream of its phase, and what follows it in the host
+   lane for the ``Commit`` (stream order).
 8. Data parallel: ``AllReduce(layers)`` and ``ReduceScatter(layers)`` wait for the
    downloads ``OptimizerStep(layers)`` would (rule 7), the ``OptimizerStep`` of the same
    layers for them, ``AllGather(layers)`` for that ``OptimizerStep``.
@@ -122,6 +134,7 @@ its backward part; everything else gates its start.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -136,6 +149,108 @@ of the Program (on the host when the call starts), uploaded to the device with t
 stage's other inputs, like them (a GPU's loss cannot read a label left on the host)."""
 """Lane and producer index meaning "the host" (model inputs, the user's loss gradient,
 the optimizer and commit actions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """What a call's optimizer puts in its Program's host lane (``passes.schedule.host_lane``).
+
+    ``mode="exact"``: the optimizer's own step, stepped in the call (``"async"``: the
+    previous call's update applied at its start, ``A``, and this call's queued, ``Q``).
+    ``steps``: whether this call steps (an accumulating call does not; with
+    ``"async"`` it still applies the pending update). ``clip``: ``max_grad_norm``
+    (``N``); ``speculate``: with ``clip``, step each stage as its gradients are final
+    and check the norm after the ``Commit``. ``scaler``: a ``GradScaler`` step after the
+    ``Commit`` (``SS``: its inf check needs every gradient).
+
+    >>> str(OptimizerSpec()), str(OptimizerSpec(clip=True, speculate=False))
+    ('exact', 'exact+clip')
+    """
+
+    mode: Literal["exact", "async"] = "exact"
+    steps: bool = True
+    clip: bool = False
+    speculate: bool = True
+    scaler: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exact", "async"):
+            raise ValueError(f"optimizer mode must be 'exact' or 'async', got {self.mode!r}")
+        if self.scaler and self.mode == "async":
+            raise ValueError("a GradScaler step with mode='async' is not supported")
+
+    @property
+    def streamed(self) -> bool:
+        """Whether each backward stage is stepped as soon as its gradients are final,
+        during the backward (an ``OptimizerStep`` before the ``Commit``)."""
+        return (self.mode == "exact" and self.steps and not self.scaler
+                and (not self.clip or self.speculate))
+
+    def __str__(self) -> str:
+        text = self.mode + ("" if self.steps else "+accumulate")
+        if self.clip:
+            text += "+clip" + ("(speculate)" if self.streamed else "")
+        return text + ("+scaler" if self.scaler else "")
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """Everything that decides which Executable (stages and Program) a call runs: the
+    compiler builds one per CallSpec and plan (``fxpipe.api``), and ``pipe.program()``
+    prints the one a call with the same spec runs.
+
+    ``outputs``: whether the host gets the model's outputs (always, but for a
+    ``"fused"`` call without ``return_outputs``); ``input_grads``: the model inputs whose
+    gradients go to the host (they require grad); ``data_parallel``: ``"allreduce"`` or
+    ``"shard"`` collectives, ``broadcast_buffers`` the buffers' broadcast (training
+    calls of a data-parallel pipe).
+
+    >>> str(CallSpec("fused", 4, optimizer=OptimizerSpec(clip=True)))
+    'fused x4 grain=stage optimizer=exact+clip(speculate)'
+    >>> str(CallSpec("fused", 2, outputs=True)), CallSpec("infer", 2).outputs
+    ('fused x2 grain=stage outputs', True)
+    """
+
+    run_type: RunType
+    num_microbatch: int
+    grain: Literal["stage", "layer"] = "stage"
+    optimizer: OptimizerSpec | None = None
+    outputs: bool = False
+    input_grads: tuple[str, ...] = ()
+    data_parallel: Literal["allreduce", "shard"] | None = None
+    broadcast_buffers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.run_type not in ("infer", "train", "fused"):
+            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got "
+                             f"{self.run_type!r}")
+        if not isinstance(self.num_microbatch, int) or self.num_microbatch < 1:
+            raise ValueError(f"num_microbatch must be an int >= 1, got {self.num_microbatch!r}")
+        if self.grain not in ("stage", "layer"):
+            raise ValueError(f"grain must be 'stage' or 'layer', got {self.grain!r}")
+        if self.optimizer is not None and self.run_type != "fused":
+            raise ValueError(f"optimizer steps run in fused calls only, not {self.run_type!r}")
+        if (self.data_parallel is not None or self.broadcast_buffers) and \
+                self.run_type == "infer":
+            raise ValueError("collectives (data_parallel, broadcast_buffers) run in training "
+                             "calls only, not 'infer'")
+        # only a fused call can leave its outputs on the devices
+        object.__setattr__(self, "outputs", self.outputs or self.run_type != "fused")
+        object.__setattr__(self, "input_grads", tuple(self.input_grads))
+
+    def __str__(self) -> str:
+        parts = [f"{self.run_type} x{self.num_microbatch}", f"grain={self.grain}"]
+        if self.optimizer is not None:
+            parts.append(f"optimizer={self.optimizer}")
+        if self.run_type == "fused" and self.outputs:
+            parts.append("outputs")
+        if self.input_grads:
+            parts.append(f"input_grads={','.join(self.input_grads)}")
+        if self.data_parallel:
+            parts.append(f"data_parallel={self.data_parallel}")
+        if self.broadcast_buffers:
+            parts.append("broadcast_buffers")
+        return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,19 +460,80 @@ class AllGather:
         return f"AG{self.layers.start}:{self.layers.stop}"
 
 
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """Host, first: the copies devices read the parameters from made current (the
+    ``param_dtype`` casts of the masters; with an asynchronous optimizer, the snapshot
+    the call's uploads read while the update steps the masters), and a copy of the
+    model's buffers that a failed call puts back. Every ``Prefetch`` waits for it
+    (``RF``)."""
+
+    def __str__(self) -> str:
+        return "RF"
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulate:
+    """Host: add the downloaded parameter gradients of the backward stage of ``layers`` to
+    the call's sums, once its downloads landed; the ``Commit`` writes the sums to
+    ``.grad`` (``M4:6``; a stage whose gradients an ``OptimizerStep`` or a collective
+    takes has none)."""
+    layers: range
+
+    def __str__(self) -> str:
+        return f"M{self.layers.start}:{self.layers.stop}"
+
+
+@dataclass(frozen=True, slots=True)
+class ClipGradNorm:
+    """Host, after the ``Commit``: ``clip_grad_norm_`` over every ``.grad`` the optimizer
+    steps (``max_grad_norm``; first ``scaler.unscale_``, with a ``GradScaler``). After
+    speculative ``OptimizerStep``s it checks the norm instead: when clipping changes
+    anything it puts the stepped parameters and state back, clips, and steps them all
+    again (``N``)."""
+
+    def __str__(self) -> str:
+        return "N"
+
+
+@dataclass(frozen=True, slots=True)
+class ScalerStep:
+    """Host, after the ``Commit``: ``scaler.step(optimizer)`` (its inf check needs every
+    gradient; ``SS``)."""
+
+    def __str__(self) -> str:
+        return "SS"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueUpdate:
+    """Host, after the ``Commit``: keep this call's update (a copy of the gradients) for
+    the next call's ``AsyncUpdate`` (``Q``; ``mode="async"``)."""
+
+    def __str__(self) -> str:
+        return "Q"
+
+
 Action = Union[Prefetch, Upload, UploadGrad, Forward, FusedBackward, Checkpoint,
                RecomputeBackward, Offload, Free, DownloadGrads, Release, OptimizerStep,
-               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather]
+               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather,
+               Refresh, Accumulate, ClipGradNorm, ScalerStep, QueueUpdate]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
 Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather)
-HostAction = (OptimizerStep, AsyncUpdate, Commit, *Collective)
+HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradNorm,
+              ScalerStep, QueueUpdate, *Collective)
+AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
+"""Host actions that only follow a ``Commit`` (they read ``.grad``)."""
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
 _ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?$")
-_HOST_RE = re.compile(r"^(S|AR|RS|AG)(\d+):(\d+)$")
-_HOST_CODES: dict[str, type] = {"S": OptimizerStep, "AR": AllReduce, "RS": ReduceScatter,
-                                "AG": AllGather}
+_HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
+_HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
+                                "RS": ReduceScatter, "AG": AllGather}
+_HOST_WORDS: dict[str, type] = {"A": AsyncUpdate, "C": Commit, "BC": BroadcastBuffers,
+                                "RF": Refresh, "N": ClipGradNorm, "SS": ScalerStep,
+                                "Q": QueueUpdate}
 
 
 def parse_action(text: str) -> Action:
@@ -368,12 +544,8 @@ def parse_action(text: str) -> Action:
     >>> parse_action("AR4:6"), parse_action("BC")
     (AllReduce(layers=range(4, 6)), BroadcastBuffers())
     """
-    if text == "A":
-        return AsyncUpdate()
-    if text == "C":
-        return Commit()
-    if text == "BC":
-        return BroadcastBuffers()
+    if text in _HOST_WORDS:
+        return _HOST_WORDS[text]()
     if m := _HOST_RE.match(text):
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
@@ -391,7 +563,8 @@ def parse_action(text: str) -> Action:
 STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
-          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host",
+          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
+          Accumulate: "host", ClipGradNorm: "host", ScalerStep: "host", QueueUpdate: "host",
           BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
           AllGather: "collective"}
 
@@ -599,9 +772,16 @@ class Program:
                 if isinstance(a, HostAction):
                     raise ValueError(f"device {d} step {i}: {a} is a host action; list it in "
                                      "the host lane")
+        committed = False
         for i, a in enumerate(self.host):
             if not isinstance(a, HostAction):
                 raise ValueError(f"host step {i}: {a} runs on a device, not on the host")
+            if isinstance(a, AfterCommit) and not committed:
+                raise ValueError(f"host step {i}: {a} reads every .grad: list it after the "
+                                 "Commit")
+            if isinstance(a, (Refresh, AsyncUpdate)) and committed:
+                raise ValueError(f"host step {i}: {a} must come before the Commit")
+            committed = committed or isinstance(a, Commit)
 
     # -- lanes and stage relations ----------------------------------------------------
     def lane(self, lane: int) -> tuple[Action, ...]:
@@ -822,7 +1002,8 @@ class Program:
                     offload_at[(a.stage, a.mb)] = (d, i)
                 elif isinstance(a, DownloadGrads):
                     downloads.setdefault(a.stage, []).append((d, i))
-        broadcast = [i for i, a in enumerate(self.host) if isinstance(a, BroadcastBuffers)]
+        broadcast = [i for i, a in enumerate(self.host) if isinstance(a, (Refresh,
+                                                                          BroadcastBuffers))]
         out = {d: self._device_deps(d, computes, offload_at, broadcast)
                for d in range(self.num_devices)}
         out[HOST] = self._host_deps(downloads)
@@ -958,6 +1139,11 @@ class Program:
             deps = [Dep(HOST, last[stream], "end", "stream")] if stream in last else []
             span = (a.layers.start, a.layers.stop) if hasattr(a, "layers") else None
             match a:
+                case Accumulate():
+                    s = self.backward_stage_of.get(span)
+                    if s is None:
+                        raise ValueError(f"host step {i}: {a} names no backward stage's layers")
+                    deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(s, [])]
                 case OptimizerStep() | AllReduce() | ReduceScatter():
                     try:
                         stages = self.step_stages(a)
@@ -1000,11 +1186,53 @@ class Program:
         backward's gradients go to autograd."""
         if self.run_type != "train":
             return "all"
-        if isinstance(a, (Commit, BroadcastBuffers)):
+        if isinstance(a, (Commit, BroadcastBuffers, Refresh)):
             return "forward"
         if isinstance(a, HostAction):
             return "backward"
         return "forward" if self.stages[a.stage].kind == "fwd" else "backward"
+
+    def order(self, phase: str = "all") -> list[tuple[int, int]]:
+        """Every ``(lane, step)`` of ``phase`` in one order its dependencies allow (each
+        after what it waits for and after its lane's earlier actions), as one thread
+        could run them: what ``print(pipe)`` lists. Ties go to the action with the
+        shortest chain of dependencies before it, then to the lower lane (the host
+        last).
+
+        >>> from fxpipe.passes.schedule import build_program
+        >>> p = build_program([range(0, 1), range(1, 2)], [], "infer", 2, 1, "stage")
+        >>> " ".join(str(p.lane(lane)[i]) for lane, i in p.order())
+        'RF 0P 1P 0U0 0F0 0O0 0X0 1U0 0R 1F0 1O0 1X0 1R C'
+        """
+        deps, keep = self.dependencies(), self.issued(phase)
+        preds: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        for lane, acts in self.lanes():
+            prev = None
+            for i in range(len(acts)):
+                if not keep[lane][i]:
+                    continue
+                got = {(d.device, d.step) for d in deps[lane][i] if keep[d.device][d.step]}
+                preds[(lane, i)] = got | ({(lane, prev)} if prev is not None else set())
+                prev = i
+        users: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for k, ps in preds.items():
+            for q in ps:
+                users.setdefault(q, []).append(k)
+        depth = {k: 0 for k in preds}
+        left = {k: len(ps) for k, ps in preds.items()}
+        rank = lambda k: (depth[k], k[0] if k[0] != HOST else self.num_devices, k[1])  # noqa: E731
+        ready = [(rank(k), k) for k, n in left.items() if n == 0]
+        heapq.heapify(ready)
+        out: list[tuple[int, int]] = []
+        while ready:
+            _, k = heapq.heappop(ready)
+            out.append(k)
+            for u in users.get(k, ()):
+                depth[u] = max(depth[u], depth[k] + 1)
+                left[u] -= 1
+                if left[u] == 0:
+                    heapq.heappush(ready, (rank(u), u))
+        return out
 
     def action_strings(self, phase: str | None = None) -> list[tuple[int, str]]:
         """``(lane, str(action))`` of every action (of one ``phase``, if given): what a

@@ -9,7 +9,7 @@ host's lane (the asynchronous update, optimizer steps, the commit)::
     >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 2, "stage",
     ...                   optimizer=True)
     >>> [str(a) for a in p.host]
-    ['S2:3', 'S0:2', 'C']
+    ['RF', 'S2:3', 'S0:2', 'C']
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Literal, Sequence
 
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
-    HOST, LABEL, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
-    Collective, Commit, Compute, Dataflow, Dep, DownloadGrads, Forward, Free, FusedBackward,
-    HostAction, Key, Offload, OptimizerStep, Prefetch, Program, RecomputeBackward, ReduceScatter,
-    Release, RunType, StageKind, StageSpec, Upload, UploadGrad, dataflow, parse_action, stream_of,
+    HOST, LABEL, Accumulate, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers,
+    CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dataflow, Dep,
+    DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
+    OptimizerStep, Prefetch, Program, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
+    Release, RunType, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, dataflow,
+    parse_action, stream_of,
 )
 
 Dispatch = Literal["roundpipe", "stage"]
@@ -97,7 +99,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   *, round_size: int | None = None, forward_lead: int = 0,
                   split_stages: Collection[int] = (),
                   device_free: Callable[[Program], Sequence[float]] | None = None,
-                  optimizer: bool | OptimizerMode | None = False, grain: str = "stage",
+                  optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
+                  grain: str = "stage",
                   values: Values | None = None, data_parallel: DataParallel | None = None,
                   broadcast_buffers: bool = False) -> Program:
     """Build the Program for a plan.
@@ -121,8 +124,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     even and odd microbatches of the round, so a slow stage (the loss head) runs on two
     devices at once.
 
-    ``optimizer``: ``True``/``"exact"`` puts an ``OptimizerStep`` for each backward
-    stage in the host lane, deepest first; ``"async"`` an ``AsyncUpdate`` at its start.
+    ``optimizer`` (an ``OptimizerSpec``, or ``True``/``"exact"``/``"async"``): the
+    optimizer's actions in the host lane (:func:`host_lane`).
     ``grain="layer"``: a backward stage of several layers recomputes one layer at a time
     (``Checkpoint``, then each layer's ``RecomputeBackward``, deepest first).
     ``values``: the stages' values (:class:`Values`; default :func:`chain_values`).
@@ -182,36 +185,75 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     return emit(jobs)
 
 
-def host_lane(stages: Sequence[StageSpec], optimizer: bool | OptimizerMode | None = False,
+def optimizer_spec(optimizer: bool | OptimizerMode | OptimizerSpec | None) -> OptimizerSpec | None:
+    """``optimizer`` as an ``OptimizerSpec``: ``True``/``"exact"`` the streamed exact step,
+    ``"async"`` the asynchronous one, ``False``/``None`` none."""
+    if optimizer is None or optimizer is False:
+        return None
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    if optimizer is True or optimizer == "exact":
+        return OptimizerSpec("exact")
+    if optimizer == "async":
+        return OptimizerSpec("async")
+    raise ValueError(f"optimizer must be False, True, 'exact', 'async' or an OptimizerSpec, got "
+                     f"{optimizer!r}")
+
+
+def host_lane(stages: Sequence[StageSpec],
+              optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
               data_parallel: DataParallel | None = None,
               broadcast_buffers: bool = False) -> tuple[Action, ...]:
-    """The host's actions, in issue order: ``BroadcastBuffers`` first (data parallel, with
-    buffers), the asynchronous update, then per backward stage, deepest first, its
-    gradients' ``AllReduce`` and its ``OptimizerStep``; the ``Commit`` last.
+    """The host's actions, in issue order: the ``Refresh`` first (then ``BroadcastBuffers``,
+    data parallel with buffers), the asynchronous update, then per backward stage,
+    deepest first, what takes its downloaded gradients: its ``AllReduce`` (data
+    parallel), its ``OptimizerStep`` when the step is streamed, else an ``Accumulate``;
+    the ``Commit``; after it, what needs every ``.grad``: the norm (``ClipGradNorm``),
+    then the step that could not be streamed (``OptimizerStep``s, a ``ScalerStep``), or
+    the asynchronous update's queueing::
+
+        >>> st = make_stages([range(0, 1)], [range(1, 3), range(0, 1)], "fused")
+        >>> [str(a) for a in host_lane(st, True, "allreduce", True)]
+        ['RF', 'BC', 'AR1:3', 'S1:3', 'AR0:1', 'S0:1', 'C']
+        >>> [str(a) for a in host_lane(st)]
+        ['RF', 'M1:3', 'M0:1', 'C']
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True))]
+        ['RF', 'S1:3', 'S0:1', 'C', 'N']
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True, speculate=False))]
+        ['RF', 'M1:3', 'M0:1', 'C', 'N', 'S1:3', 'S0:1']
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(scaler=True))]
+        ['RF', 'M1:3', 'M0:1', 'C', 'SS']
+        >>> [str(a) for a in host_lane(st, "async")]
+        ['RF', 'A', 'M1:3', 'M0:1', 'C', 'Q']
+        >>> [str(a) for a in host_lane(make_stages([range(0, 1)], [range(0, 1)], "train"))]
+        ['RF', 'C', 'M0:1']
 
     With ``data_parallel="shard"`` a stage's bucket is reduce-scattered, its shard stepped,
     then gathered; each ``AllGather`` is listed after the next stage's ``ReduceScatter``,
     so that the collective stream does not hold that reduction behind a step::
 
-        >>> st = make_stages([range(0, 1)], [range(1, 3), range(0, 1)], "fused")
-        >>> [str(a) for a in host_lane(st, True, "allreduce", True)]
-        ['BC', 'AR1:3', 'S1:3', 'AR0:1', 'S0:1', 'C']
         >>> [str(a) for a in host_lane(st, True, "shard")]
-        ['RS1:3', 'S1:3', 'RS0:1', 'AG1:3', 'S0:1', 'AG0:1', 'C']
+        ['RF', 'RS1:3', 'S1:3', 'RS0:1', 'AG1:3', 'S0:1', 'AG0:1', 'C']
     """
-    if optimizer not in (False, None, True, "exact", "async"):
-        raise ValueError(f"optimizer must be False, True, 'exact' or 'async', got {optimizer!r}")
+    spec = optimizer_spec(optimizer)
     if data_parallel not in (None, "allreduce", "shard"):
         raise ValueError(f"data_parallel must be None, 'allreduce' or 'shard', got "
                          f"{data_parallel!r}")
-    if data_parallel == "shard" and optimizer not in (True, "exact"):
+    if data_parallel == "shard" and (spec is None or not spec.streamed or spec.clip):
         raise ValueError("data_parallel='shard' steps each rank's shard in the call: it needs "
-                         "optimizer=True (the streamed exact step)")
-    exact = optimizer in (True, "exact")
-    host: list[Action] = [BroadcastBuffers()] if broadcast_buffers else []
-    if optimizer == "async":
+                         "optimizer=True (the streamed exact step, without clipping)")
+    streamed = spec is not None and spec.streamed
+    host: list[Action] = [Refresh()]
+    if broadcast_buffers:
+        host.append(BroadcastBuffers())
+    if spec is not None and spec.mode == "async":
         host.append(AsyncUpdate())
     backward = [st.layers for st in stages if st.kind != "fwd"]
+    # a "train" Program is two calls: its Commit ends the forward one (pipe(x)); the
+    # backward one (.backward()) takes the gradients after it
+    train = bool(backward) and not any(st.kind == "fused" for st in stages)
+    if train:
+        host.append(Commit())
     for j, layers in enumerate(backward):
         if data_parallel == "shard":
             host.append(ReduceScatter(layers))
@@ -219,11 +261,23 @@ def host_lane(stages: Sequence[StageSpec], optimizer: bool | OptimizerMode | Non
                 host.append(AllGather(backward[j - 1]))
         elif data_parallel == "allreduce":
             host.append(AllReduce(layers))
-        if exact:
+        if streamed:
             host.append(OptimizerStep(layers))
+        elif data_parallel is None:
+            host.append(Accumulate(layers))
     if data_parallel == "shard" and backward:
         host.append(AllGather(backward[-1]))
-    host.append(Commit())
+    if not train:
+        host.append(Commit())
+    if spec is not None and spec.steps:
+        if spec.clip:
+            host.append(ClipGradNorm())
+        if spec.scaler:
+            host.append(ScalerStep())
+        elif spec.mode == "async":
+            host.append(QueueUpdate())
+        elif not streamed:
+            host += [OptimizerStep(layers) for layers in backward]
     return tuple(host)
 
 

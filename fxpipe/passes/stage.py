@@ -4,11 +4,14 @@ computes execute). The runtime interprets an ``Executable`` and nothing else."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from fxpipe.passes.program import Program
+from fxpipe.passes.program import (
+    HOST, Commit, Forward, Free, Offload, Prefetch, Program, Refresh, Release, Upload,
+)
 
 
 @dataclass
@@ -42,9 +45,7 @@ class Executable:
     """What one kind of call runs (``passes.executable.build_executable``).
 
     ``stages``: the Program's stages by index; ``pieces``: at ``grain="layer"``, the
-    single-layer pieces a split backward stage runs instead, by ``(stage, layer)``;
-    ``top``: the top-level graph calling the forward stages (what ``print(pipe)`` shows
-    for the inference Executable).
+    single-layer pieces a split backward stage runs instead, by ``(stage, layer)``.
     """
 
     run_type: str
@@ -52,7 +53,6 @@ class Executable:
     program: Program
     stages: dict[int, Stage]
     pieces: dict[tuple[int, int], Stage] = field(default_factory=dict)
-    top: fx.GraphModule | None = None
 
     def split(self, stage: int) -> bool:
         """Whether ``stage`` runs as layer pieces (``Checkpoint`` + per-layer backward)."""
@@ -70,6 +70,65 @@ class Executable:
         """The code of every GraphModule it runs, each starting with its ``# stage ...``
         header line."""
         return "\n\n".join(st.gm.code.strip("\n") for st in self.graph_modules()) + "\n"
+
+    def listing(self, device_names: Sequence[str], inputs: Sequence[str]) -> str:
+        """The Program as code: every action of a call, one line each, in an order its
+        dependencies allow (``Program.order``): the transfers (``prefetch``, ``upload``,
+        ``offload``, ``free``, ``release``), each stage's call on its device, the host's
+        actions; the action's ``str`` and where it runs as a comment. ``inputs``: the
+        model's input names (the ``def`` line). Written for forward Programs (what
+        ``print(pipe)`` shows: ``pipe(x)`` under ``no_grad``); other run types list
+        their actions by name."""
+        p = self.program
+        flow, M = p.flow, p.num_microbatches
+
+        def name(v: str, m: int, d: int | None = None) -> str:
+            base = v.strip("<>") + (f"_{m}" if M > 1 else "")
+            return base if d is None else f"{base}_d{d}"
+
+        lines, shown = [f"def forward(self, {', '.join(inputs)}):"], set()
+        if M > 1:
+            parts = ", ".join(name(v, m) for v in p.inputs for m in range(M))
+            lines.append(f"    {parts} = split({', '.join(p.inputs)}, {M})".ljust(60)
+                         + f"  # the caller's inputs, {M} microbatches")
+        for lane, i in p.order():
+            a = p.lane(lane)[i]
+            where = "host" if lane == HOST else device_names[lane]
+            s = getattr(a, "stage", None)
+            m = getattr(a, "mb", 0)
+            st = self.stages.get(s) if s is not None else None
+            if isinstance(a, Prefetch) and s not in shown and st is not None:
+                shown.add(s)
+                lines.append(f"    # {st.header}")
+            if isinstance(a, Refresh):
+                code = "refresh()"
+            elif isinstance(a, Prefetch):
+                code = f"params_{s} = prefetch(self.stage_{s}, {where!r})"
+            elif isinstance(a, Upload):
+                vals = flow.upload.get((s, m), ())
+                code = (f"{', '.join(name(v, m, lane) for v in vals)} = "
+                        f"upload({', '.join(name(v, m) for v in vals)}, {where!r})")
+            elif isinstance(a, Forward):
+                ins = [name(v, m, lane) for v in flow.upload.get((s, m), ())]
+                ins += [name(v, m, lane) for v, _ in flow.handoff.get((s, m), ())]
+                outs = ", ".join(name(v, m, lane) for v in p.stages[s].makes) or "_"
+                code = f"{outs} = self.stage_{s}(params_{s}, {', '.join(ins)})"
+            elif isinstance(a, Offload):
+                vals = flow.offload.get((s, m), ())
+                code = (f"{', '.join(name(v, m) for v in vals)} = "
+                        f"offload({', '.join(name(v, m, lane) for v in vals)})")
+            elif isinstance(a, Free):
+                vals = list(flow.upload.get((s, m), ())) + list(flow.free.get((s, m), ()))
+                code = f"free({', '.join(name(v, m, lane) for v in vals)})"
+            elif isinstance(a, Release):
+                code = f"release(params_{s})"
+            elif isinstance(a, Commit):
+                outs = [name(v, k) for k in range(M) for v in p.outputs]
+                code = f"return commit({', '.join(outs)})"
+            else:
+                code = f"{type(a).__name__.lower()}()"
+            lines.append(f"    {code}".ljust(60) + f"  # {a} {where}")
+        return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def comment_at_top(g: fx.Graph, comment: str) -> None:

@@ -51,14 +51,15 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import (
-    HOST, LABEL, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint, Collective,
-    Commit, DownloadGrads, Forward, Free, FusedBackward, Offload, OptimizerStep, Prefetch,
-    RecomputeBackward, ReduceScatter, Release, Upload, UploadGrad, stream_of,
+    HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
+    ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, Offload,
+    OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh, Release,
+    ScalerStep, Upload, UploadGrad, stream_of,
 )
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime import tail
 from fxpipe.runtime.amp import AutocastState, reentered
-from fxpipe.runtime.devices import Device, Event, emulated_wait
+from fxpipe.runtime.devices import Device, Event, InlineDevice, emulated_wait
 from fxpipe.runtime.interpret import run_stage
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import GradAccumulator, ParamStore
@@ -126,6 +127,45 @@ def _forget_issue_threads() -> None:
 os.register_at_fork(after_in_child=_forget_issue_threads)
 
 
+# The host lane's ``host`` stream: its actions run when they are issued, on the host
+# lane's issue thread (a host action is host work: there is nothing to queue).
+_ON_HOST = InlineDevice(name="host")
+
+
+class _Where(threading.local):
+    """What this thread is doing for a call: the action whose work it runs, or the
+    documented work a call does outside its Program (``outside_program``)."""
+
+    action: str | None = None
+    outside: str | None = None
+
+
+WHERE = _Where()
+
+
+@contextlib.contextmanager
+def _acting(label: str) -> Iterator[None]:
+    was, WHERE.action = WHERE.action, label
+    try:
+        yield
+    finally:
+        WHERE.action = was
+
+
+@contextlib.contextmanager
+def outside_program(why: str) -> Iterator[None]:
+    """Mark tensor work a call does outside its Program's actions, and why. Only two
+    kinds exist: splitting the caller's inputs (and labels, output gradients) into
+    microbatches before the Program runs, and summing the microbatches' losses (or
+    input gradients) for the caller after it ended. Everything else a call does to
+    tensors is an action's work (``tests/test_program_only.py`` checks it)."""
+    was, WHERE.outside = WHERE.outside, why
+    try:
+        yield
+    finally:
+        WHERE.outside = was
+
+
 class Cancelled(RuntimeError):
     """Raised inside actions once a call has been interrupted."""
 
@@ -165,6 +205,8 @@ class Call:
     writebacks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     accumulator: GradAccumulator | None = None
     stats: Stats | None = None
+    snapshot: dict[str, torch.Tensor] | None = None   # the buffers, as the Refresh saved them
+    committed: bool = False                           # the Commit has written its results
 
 
 class _OnHost:
@@ -314,12 +356,15 @@ class Execution:
                 self.call.exe, self.call.layers, self.call.store))
         slots: dict[tuple[int, int], _Issued] = {}
         lanes: list[tuple[int, list[int]]] = []
+        # the Commit and what follows it in the host lane run once the call has ended
+        at = next((i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)),
+                  len(p.host))
         for lane, acts in p.lanes():
-            idxs = [i for i, a in enumerate(acts) if keep[lane][i] and not isinstance(a, Commit)]
+            idxs = [i for i, a in enumerate(acts) if keep[lane][i]
+                    and not (lane == HOST and i >= at)]
             slots.update({(lane, i): _Issued() for i in idxs})
             if idxs:
                 lanes.append((lane, idxs))
-        commit = [i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)]
         issuing: list[threading.Event] = []
         interrupt: BaseException | None = None
         try:
@@ -352,13 +397,9 @@ class Execution:
             raise failure
         self._check_empty()
         # the call has ended: what came to the host has landed, the host may read it
-        for grads in self.call.grads:
-            for name, parts in list(grads.items()):
-                grads[name] = _sum(parts)
-        self._take_downloads(list(self.downloads))
-        for i in commit:
-            self._act(HOST, p.host[i])
-            self._recorded(HOST, p.host[i])
+        for i in range(at, len(p.host)):
+            if keep[HOST][i]:
+                self._work(HOST, p.host[i])()
 
     def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
         """Issue ``lane``'s actions in Program order: each once its dependencies were
@@ -383,18 +424,18 @@ class Execution:
                 slot.gate = waits
                 if lane == HOST and waits:
                     self.stats.add("host_waits")  # a host action reads what those events made
-                if lane != HOST:
-                    worker, stream = self.call.devices[lane], stream_of(a)
-                else:   # the host's streams: the optimizer's worker, the collectives' worker
-                    worker = (self.call.dp if isinstance(a, Collective) else
-                              self.call.optimizer).worker
-                    stream = "compute"
-                with _ISSUING if getattr(worker, "runs_at_issue", False) else _NO_LOCK:
-                    start, _ = time.perf_counter(), emulated_wait()
-                    slot.event = worker.submit(stream, self._work(lane, a), wait=waits,
+                if lane == HOST:   # host work: run now; collectives on their own thread
+                    worker = self.call.dp.worker if isinstance(a, Collective) else _ON_HOST
+                    slot.event = worker.submit("compute", self._work(lane, a), wait=waits,
                                                label=str(a))
-                    self.stats.issued(type(a).__name__,
-                                      time.perf_counter() - start - emulated_wait())
+                else:
+                    worker = self.call.devices[lane]
+                    with _ISSUING if worker.runs_at_issue else _NO_LOCK:
+                        start, _ = time.perf_counter(), emulated_wait()
+                        slot.event = worker.submit(stream_of(a), self._work(lane, a),
+                                                   wait=waits, label=str(a))
+                        self.stats.issued(type(a).__name__,
+                                          time.perf_counter() - start - emulated_wait())
                 slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
@@ -432,7 +473,8 @@ class Execution:
             if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
-                self._act(lane, a)
+                with _acting(str(a)):
+                    self._act(lane, a)
             except DistributedError as e:
                 if self.cancelled.is_set():  # this rank's own failure aborted the collective
                     raise Cancelled(f"{a}: the call was interrupted") from e
@@ -468,10 +510,11 @@ class Execution:
 
     def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
         s = getattr(a, "stage", None)
-        if isinstance(a, Collective):   # a host collective: name its layers (or buffers)
+        if lane == HOST:   # a host action: name its layers (or what it covers)
             layers = getattr(a, "layers", None)
-            what = f"layers {layers.start}-{layers.stop - 1}" if layers else "the buffers"
-            return StageError(f"{type(a).__name__} of {what} on the host, failed: "
+            what = (f" of layers {layers.start}-{layers.stop - 1}" if layers else
+                    " of the buffers" if isinstance(a, Collective) else "")
+            return StageError(f"{type(a).__name__} ({a}){what} on the host, failed: "
                               f"{type(e).__name__}: {e}", layers=layers, device="host",
                               action=str(a))
         st = self.call.exe.stages.get(s) if s is not None else None
@@ -521,6 +564,11 @@ class Execution:
                 with on.lock:
                     params = on.params.pop(s)
                 self.call.store.release(self.call.devices[lane], params)
+            case Refresh():
+                self._refresh()
+            case Accumulate(layers=layers):
+                self._take_downloads([self.program.backward_stage_of[(layers.start,
+                                                                      layers.stop)]])
             case AsyncUpdate():
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
@@ -541,8 +589,20 @@ class Execution:
             case Commit():
                 if self.call.commit is not None:
                     self.call.commit()
+            case ClipGradNorm():
+                self.call.optimizer.clip()
+            case ScalerStep():
+                self.call.optimizer.scaler_step()
+            case QueueUpdate():
+                self.call.optimizer.queue_update()
             case _:
                 raise TypeError(f"the executor has no handler for {type(a).__name__} ({a})")
+
+    def _refresh(self) -> None:
+        """``Refresh``: the copies uploads read made current (``ParamStore.refresh``), and
+        the buffers saved, which a call failing before its ``Commit`` puts back."""
+        self.call.store.refresh()
+        self.call.snapshot = {k: v.detach().clone() for k, v in self.call.layers.buffers.items()}
 
     def _buckets(self, layers: range) -> list:
         """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""
@@ -822,6 +882,10 @@ class Execution:
     # -- end of call -----------------------------------------------------------------------
     def _check_empty(self) -> None:
         """A complete Program leaves nothing on a device: say so loudly if one did."""
+        if self.downloads:
+            raise RuntimeError(f"fxpipe internal error: the Program took no downloaded "
+                               f"gradients of stages {sorted(self.downloads)} (no Accumulate, "
+                               "OptimizerStep or collective)")
         for d, on in enumerate(self.on):
             left = [k for table in (on.uploaded, on.made, on.parts, on.host_grads)
                     for k in table] + list(on.params) + list(on.checkpoints)
@@ -849,13 +913,6 @@ def _grads_of(leaves: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
             for n, x in leaves.items()}
 
 
-def _sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
-    return total
-
-
 def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
@@ -879,13 +936,6 @@ def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | Non
 
 def _torch_device(device: Device) -> torch.device:
     return getattr(device, "device", torch.device("cpu"))
-
-
-def refresh_and_snapshot(store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> dict:
-    """Refresh the flat parameter copies from the master weights, and snapshot buffers so
-    a failed call can put them back."""
-    store.refresh()
-    return {k: v.detach().clone() for k, v in buffers.items()}
 
 
 def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:

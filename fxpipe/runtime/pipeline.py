@@ -24,16 +24,14 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.passes.program import Prefetch
+from fxpipe.passes.program import CallSpec, OptimizerSpec, Prefetch
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.stage import Executable
 from fxpipe.runtime import amp
 from fxpipe.runtime import microbatch as mb
 from fxpipe.runtime import rng
 from fxpipe.runtime.devices import Device
-from fxpipe.runtime.executor import (
-    Call, Execution, apply_writebacks, refresh_and_snapshot, restore,
-)
+from fxpipe.runtime.executor import Call, Execution, apply_writebacks, outside_program, restore
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import HostParams, ParamStore
@@ -41,19 +39,21 @@ from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
-# (run_type, num_microbatch, *, grain, optimizer, outputs, input_grads) -> Executable
-BuildExecutable = Callable[..., Executable]
+# what a call does outside its Program (``executor.outside_program``): the caller's input
+SPLITTING = "splitting the inputs into microbatches"
+# the compiler's (cached) Executable of a CallSpec
+BuildExecutable = Callable[[CallSpec], Executable]
 
 
 class Runner:
     """Runs one compiled LayerGraph under one plan on ``devices``.
 
-    ``executable``: returns the (cached) Executable for a kind of call;
+    ``executable``: returns the (cached) Executable of a ``CallSpec`` (:meth:`spec`);
     ``differentiable(inputs)``: the values that may carry a gradient when ``inputs``
     require grad (``passes.grad_flow``, evaluated by the compiler);
     ``log``: while a ``pipe.trace()`` block records, executed actions go to it.
     ``dp``: data parallel (``runtime.distributed.DataParallel``): a training call that
-    synchronizes (``sync``) runs the collectives of :meth:`collectives`.
+    synchronizes (``sync``) runs the collectives :meth:`spec` gives it.
     ``staging``: the pipe's page-locked staging for what calls upload from the caller
     (None: the pipe does not pin; see the module docstring).
     """
@@ -121,6 +121,10 @@ class Runner:
     # -- calls ---------------------------------------------------------------------------
     def split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
         """Per-microbatch input environments, and each microbatch's rows."""
+        with outside_program(SPLITTING):
+            return self._split(args, kwargs, cfg)
+
+    def _split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
         if not any(isinstance(x, mb.PackedData) for x in (*args, *kwargs.values())):
             check_inputs(self.lg, args, kwargs)  # structure errors before splitting errors
         args_mb, kwargs_mb = mb.split_input(args, kwargs, cfg.num_microbatch, cfg.split_input)
@@ -133,36 +137,44 @@ class Runner:
             rows.append(first.shape[0] if first is not None else 1)
         return envs, rows
 
-    def collectives(self, run_type: str, sync: bool, optimizer: Any = None
-                    ) -> tuple[str | None, bool]:
-        """``(data_parallel, broadcast_buffers)`` of a call's Program
-        (``DataParallel.collectives``, as ``pipe.program()`` gets them)."""
+    def spec(self, run_type: str, num_microbatch: int, cfg: RunConfig, *,
+             optimizer: OptimizerSpec | None = None, outputs: bool = True, sync: bool = True,
+             input_grads: Collection[str] = ()) -> CallSpec:
+        """The ``CallSpec`` of a call (what ``pipe.program()`` prints it runs is the
+        Executable of the same spec): its run type, microbatches and grain, the
+        optimizer's host actions, outputs, input gradients, and with data parallel the
+        collectives of a training call that synchronizes (``sync``,
+        ``DataParallel.collectives``)."""
+        data_parallel, broadcast = None, False
         dp = self.dp
-        if dp is None:
-            return None, False
-        steps = optimizer is not None and optimizer.steps
-        if dp.shard and steps and run_type != "infer" and sync and (
-                optimizer.program_mode != "exact" or optimizer.ov.max_grad_norm is not None):
-            raise NotImplementedError(
-                f"shard_optimizer=True steps each rank's shard inside the call with the "
-                f"streamed exact step; {optimizer.ov!r} is not supported there (GradScaler, "
-                "mode='async' and max_grad_norm are not implemented with sharding): compile "
-                "with shard_optimizer=False")
-        return dp.collectives(run_type, sync, optimizer.program_mode if steps else None,
-                              bool(self.lg.buffers))
+        if dp is not None:
+            steps = optimizer is not None and optimizer.steps
+            if dp.shard and steps and run_type != "infer" and sync and (
+                    not optimizer.streamed or optimizer.clip):
+                raise NotImplementedError(
+                    f"shard_optimizer=True steps each rank's shard inside the call with the "
+                    f"streamed exact step; optimizer {optimizer} is not supported there "
+                    "(GradScaler, mode='async' and max_grad_norm are not implemented with "
+                    "sharding): compile with shard_optimizer=False")
+            data_parallel, broadcast = dp.collectives(
+                run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
+                else None, bool(self.lg.buffers))
+        return CallSpec(run_type, num_microbatch, cfg.recompute_grain, optimizer, outputs,
+                        tuple(n for n in self.lg.input_names if n in set(input_grads)),
+                        data_parallel, broadcast)
 
     def call(self, run_type: str, envs: list[dict], cfg: RunConfig, *, optimizer: Any = None,
              outputs: bool = True, sync: bool = True, **kw: Any) -> Call:
-        """A Call of the Executable for this kind of call (built once, then cached).
-        ``sync``: data parallel, whether it synchronizes gradients (:meth:`collectives`)."""
+        """A Call of the Executable of its ``CallSpec`` (built once, then cached).
+        ``optimizer``: the optimizer's part of the call (``fxpipe.optim``); ``sync``:
+        data parallel, whether it synchronizes gradients (:meth:`spec`)."""
         inputs = tuple(n for n in self.lg.input_names
                        if any(isinstance(env.get(n), torch.Tensor) and env[n].requires_grad
                               for env in envs))
-        data_parallel, broadcast = self.collectives(run_type, sync, optimizer)
-        exe = self.executable(run_type, len(envs), grain=cfg.recompute_grain,
-                              optimizer=getattr(optimizer, "program_mode", None),
-                              outputs=outputs, input_grads=inputs, data_parallel=data_parallel,
-                              broadcast_buffers=broadcast)
+        spec = self.spec(run_type, len(envs), cfg, outputs=outputs, sync=sync,
+                         optimizer=optimizer.spec if optimizer is not None else None,
+                         input_grads=inputs)
+        exe = self.executable(spec)
         if id(exe) not in self._fits:
             check_fits(exe, self.store(exe), self.devices)
             self._fits.add(id(exe))   # (the compiler caches Executables: ids are stable)
@@ -170,10 +182,10 @@ class Runner:
         if dp is not None:
             dp.check_alive()
             dp.check_masters()
-        if optimizer is not None:
+        if optimizer is not None and optimizer.spec is not None:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)
-            self.store(exe).snapshot |= optimizer.program_mode == "async"
+            self.store(exe).snapshot |= optimizer.spec.mode == "async"
             optimizer.assign(exe, self.store(exe).owned(exe, self.lg))
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
@@ -185,12 +197,14 @@ class Runner:
 
     def execute(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
-        """Run ``call``. Its ``Commit`` runs ``results()`` (e.g. merging outputs, which may
-        raise) first, then writes its buffer updates (and with ``commit_grads`` its
-        parameter gradients into ``.grad``) as one step that a ``KeyboardInterrupt``
-        cannot split; the value of ``results()`` is returned. On failure put buffers back
-        and raise (nothing reaches ``.grad``)."""
-        snapshot = refresh_and_snapshot(call.store, self.lg.buffers)
+        """Run ``call``: every action of its Program (the ``Refresh`` of the parameters'
+        upload copies among them). Its ``Commit`` runs ``results()`` (e.g. merging
+        outputs, which may raise) first, then writes its buffer updates (and with
+        ``commit_grads`` its parameter gradients into ``.grad``) as one step that a
+        ``KeyboardInterrupt`` cannot split; the value of ``results()`` is returned. On a
+        failure before the ``Commit``, put the buffers back and raise (nothing reaches
+        ``.grad``); a host action after it (an optimizer step) raises with the commit
+        done."""
         value = None
         stalls = sum(d.host_stalls for d in self.devices)
         flushes = sum(d.allocator_flushes for d in self.devices)
@@ -203,14 +217,17 @@ class Runner:
                     call.accumulator.commit()  # checks everything before writing anything
                 apply_writebacks(call.writebacks)
                 call.writebacks.clear()   # device copies: nothing keeps them past the call
+                call.committed = True
 
         call.commit = commit
         try:
             Execution(call).run()
         except BaseException:
-            restore(self.lg.buffers, snapshot)
-            if call.accumulator is not None:
-                call.accumulator.discard()
+            if not call.committed:
+                if call.snapshot is not None:
+                    restore(self.lg.buffers, call.snapshot)
+                if call.accumulator is not None:
+                    call.accumulator.discard()
             # the exception's frames keep the call: it must not keep device memory
             call.losses.clear()
             call.writebacks.clear()
@@ -218,6 +235,7 @@ class Runner:
                 call.timer.settle(drop=True)
             raise
         finally:
+            call.snapshot = None
             if call.stats is not None:   # the devices' blocking copies during the call
                 call.stats.add("host_stalls", sum(d.host_stalls for d in self.devices) - stalls)
                 call.stats.add("host_pinned_bytes", self.pinned_bytes())
@@ -228,6 +246,17 @@ class Runner:
         if call.timer is not None:
             call.timer.settle()  # device-event timings, read now that the call has ended
         return value
+
+    def _split_label(self, label: Any, n: int, cfg: RunConfig) -> list[Any]:
+        labels = mb.split_label(label, n, cfg.split_label)
+        if self.staging is not None:   # the labels' tensors, page-locked
+            leaves = [pytree.tree_flatten(x) for x in labels]
+            tensors = [[t for t in flat if isinstance(t, torch.Tensor)] for flat, _ in leaves]
+            staged = [iter(ts) for ts in self.stage(tensors)]
+            labels = [pytree.tree_unflatten([next(it) if isinstance(t, torch.Tensor) else t
+                                             for t in flat], spec)
+                      for (flat, spec), it in zip(leaves, staged)]
+        return labels
 
     def outputs(self, call: Call, cfg: RunConfig) -> Any:
         per_mb = [pytree.tree_unflatten(self.lg.flat_outputs(env), self.lg.out_spec)
@@ -240,8 +269,7 @@ class Runner:
     def infer(self, args: tuple, kwargs: dict, cfg: RunConfig) -> Any:
         envs, _ = self.split(args, kwargs, cfg)
         call = self.call("infer", envs, cfg)
-        self.execute(call)
-        return self.outputs(call, cfg)
+        return self.execute(call, results=lambda: self.outputs(call, cfg))
 
     def fused(self, args: tuple, kwargs: dict, label: Any, loss_fn: Callable,
               reduction: str, cfg: RunConfig, return_outputs: bool,
@@ -249,14 +277,8 @@ class Runner:
         """``optimizer``: an ``fxpipe.optim.Overlapped`` whose step this call runs;
         ``sync``: data parallel, whether it synchronizes gradients."""
         envs, rows = self.split(args, kwargs, cfg)
-        labels = mb.split_label(label, len(envs), cfg.split_label)
-        if self.staging is not None:   # the labels' tensors, page-locked
-            leaves = [pytree.tree_flatten(x) for x in labels]
-            tensors = [[t for t in flat if isinstance(t, torch.Tensor)] for flat, _ in leaves]
-            staged = [iter(ts) for ts in self.stage(tensors)]
-            labels = [pytree.tree_unflatten([next(it) if isinstance(t, torch.Tensor) else t
-                                             for t in flat], spec)
-                      for (flat, spec), it in zip(leaves, staged)]
+        with outside_program(SPLITTING):
+            labels = self._split_label(label, len(envs), cfg)
         weights = mb.microbatch_weights(rows) if reduction == "mean" else [1.0] * len(envs)
         if len(envs) == 1:
             weights = [1.0]
@@ -269,16 +291,18 @@ class Runner:
             outputs = self.execute(call, results=(lambda: self.outputs(call, cfg))
                                    if return_outputs else None, commit_grads=True)
         except BaseException as e:
-            if opt is not None:
+            if opt is not None and not call.committed:
                 opt.failed(e)
             raise
-        loss = call.losses[0]
-        for m in range(1, len(envs)):
-            loss = loss + call.losses[m]
         if opt is not None:
             opt.finish()
-            loss = opt.unscale_loss(loss)
-        return loss.detach().to("cpu", copy=True), outputs   # the host's own copy
+        with outside_program("the loss: the sum of the microbatches' losses"):
+            loss = call.losses[0]
+            for m in range(1, len(envs)):
+                loss = loss + call.losses[m]
+            if opt is not None:
+                loss = opt.unscale_loss(loss)
+            return loss.detach().to("cpu", copy=True), outputs   # the host's own copy
 
 
 def check_fits(exe: Executable, store: ParamStore, devices: list[Device]) -> None:
@@ -325,20 +349,39 @@ class TrainCall:
     def forward(self) -> Any:
         r = self.runner
         call = r.call("train", self.envs, self.cfg, phase="forward", sync=self.sync)
-        r.execute(call)
+        outputs = r.execute(call, results=lambda: r.outputs(call, self.cfg))
         self.forward_call = call
         self.out_leaves = [r.lg.flat_outputs(env) for env in call.host]
-        return r.outputs(call, self.cfg)
+        return outputs
 
     def backward(self, merged_grads: list) -> tuple[list[dict], dict[int, torch.Tensor]]:
         """Gradients of the merged output leaves → (per-microbatch input grads,
         parameter grads by ``id``)."""
         r, fc = self.runner, self.forward_call
+        M = len(self.envs)
+        with outside_program(SPLITTING):
+            out_grads = self._split_grads(merged_grads)
+        call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
+                    phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
+                    timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,
+                    record=r.log.actions, dp=fc.dp)
+        if fc.dp is not None:
+            fc.dp.check_alive()
+        r.execute(call)
+        params = call.accumulator.totals()
+        call.accumulator.discard()
+        with outside_program("the input gradients for autograd: each one's parts summed"):
+            grads = [{n: _sum(parts) for n, parts in g.items()} for g in call.grads]
+        return [{n: grads[m].get(n) for n in r.lg.input_names} for m in range(M)], params
+
+    def _split_grads(self, merged_grads: list) -> list[dict[str, torch.Tensor]]:
+        """The output gradients per microbatch, page-locked when pinning (as uploaded)."""
+        r = self.runner
         names = [a.name if hasattr(a, "name") else None
                  for a in r.lg.gm.graph.output_node().args[0]]
         M = len(self.envs)
         out_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(M)]
-        leaf_specs = _leaf_specs(self.cfg.merge_output, r.lg, fc.host)
+        leaf_specs = _leaf_specs(self.cfg.merge_output, r.lg, self.forward_call.host)
         for k, g in enumerate(merged_grads):
             if g is None or names[k] is None:
                 continue
@@ -349,16 +392,14 @@ class TrainCall:
         if r.staging is not None:   # page-locked, as the call uploads them
             out_grads = [dict(zip(g, ts)) for g, ts in
                          zip(out_grads, r.stage([list(g.values()) for g in out_grads]))]
-        call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
-                    phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
-                    timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,
-                    record=r.log.actions, dp=fc.dp)
-        if fc.dp is not None:
-            fc.dp.check_alive()
-        r.execute(call)
-        params = call.accumulator.totals()
-        call.accumulator.discard()
-        return [{n: call.grads[m].get(n) for n in r.lg.input_names} for m in range(M)], params
+        return out_grads
+
+
+def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
 
 
 def _leaf_specs(spec: Any, lg: LayerGraph, host: list[dict]) -> list[Any]:

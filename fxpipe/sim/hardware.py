@@ -27,6 +27,8 @@ class Hardware:
     - ``shared_bus``: all devices share one host link per direction (transfers of
       different devices are serialized, first ready first served) instead of one each.
     - ``cpu_optimizer_bytes_per_s``: parameter bytes the host optimizer updates per s.
+    - ``host_copy_bytes_per_s``: bytes per s a host action copies or reads (casts,
+      snapshots, a gradient norm).
     - ``comm_ms_per_hop``: added to every activation hand-off between two devices
       (an ``Upload`` whose producer ran on another device).
     - ``transfers``: False makes every transfer (and the host optimizer) take no time,
@@ -43,6 +45,7 @@ class Hardware:
     d2h_bandwidth: float = INF
     shared_bus: bool = False
     cpu_optimizer_bytes_per_s: float = INF
+    host_copy_bytes_per_s: float = INF
     comm_ms_per_hop: float = 0.0
     transfers: bool = True
     ranks: int = 1
@@ -71,6 +74,12 @@ class Hardware:
         if not self.transfers or nbytes <= 0:
             return 0.0
         return nbytes / self.cpu_optimizer_bytes_per_s * 1e3
+
+    def host_copy_ms(self, nbytes: float) -> float:
+        """Host time to copy (or read once) ``nbytes``."""
+        if not self.transfers or nbytes <= 0:
+            return 0.0
+        return nbytes / self.host_copy_bytes_per_s * 1e3
 
     def collective_ms(self, kind: Literal["all_reduce", "reduce_scatter", "all_gather",
                                           "broadcast"], nbytes: float) -> float:

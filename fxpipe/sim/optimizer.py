@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from fxpipe.passes.program import Commit, OptimizerStep, Program
+from fxpipe.passes.program import Accumulate, Commit, OptimizerStep, Program
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.simulate import Semantics, simulate
 
@@ -56,28 +56,34 @@ class OptimizerModes:
 
 
 def with_optimizer_steps(program: Program) -> Program:
-    """``program`` with an ``OptimizerStep`` for each backward stage's layers in its host
-    lane, in backward execution order, before its ``Commit`` (each waits for every
-    ``DownloadGrads`` of its stage, wherever they run). A Program that has them already
-    is returned as is.
+    """``program`` with each backward stage's ``Accumulate`` in its host lane an
+    ``OptimizerStep`` of its layers instead, streamed (each waits for every
+    ``DownloadGrads`` of its stage, wherever they run). A Program that steps already is
+    returned as is.
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 2, 2, "stage")
     >>> [str(a) for a in with_optimizer_steps(p).host]
-    ['S1:2', 'S0:1', 'C']
+    ['RF', 'S1:2', 'S0:1', 'C']
     """
     if any(isinstance(a, OptimizerStep) for a in program.host):
         return program
-    steps = [OptimizerStep(st.layers) for st in program.stages if st.kind != "fwd"]
-    commit = [a for a in program.host if isinstance(a, Commit)]
-    rest = [a for a in program.host if not isinstance(a, Commit)]
-    return dataclasses.replace(program, host=tuple(rest + steps + commit))
+    return dataclasses.replace(program, host=tuple(
+        OptimizerStep(a.layers) if isinstance(a, Accumulate) else a for a in program.host))
 
 
 def without_optimizer_steps(program: Program) -> Program:
-    """``program`` with no ``OptimizerStep`` in its host lane."""
-    return dataclasses.replace(program, host=tuple(a for a in program.host
-                                                   if not isinstance(a, OptimizerStep)))
+    """``program`` with no ``OptimizerStep`` in its host lane: a streamed one becomes
+    its stage's ``Accumulate``, one after the ``Commit`` goes."""
+    host, committed = [], False
+    for a in program.host:
+        committed = committed or isinstance(a, Commit)
+        if isinstance(a, OptimizerStep):
+            if not committed:
+                host.append(Accumulate(a.layers))
+        else:
+            host.append(a)
+    return dataclasses.replace(program, host=tuple(host))
 
 
 def optimizer_modes(program: Program, costs: Sequence[LayerCost], hardware: Hardware, *,

@@ -15,8 +15,12 @@ Durations come from per-layer ``LayerCost``:
   ``Upload``: the boundary entering the stage; ``UploadGrad``: the boundary leaving it;
   ``Offload``: a fwd stage's output plus any saved inputs of bwd stages inside it, a bwd
   stage's input gradient; ``DownloadGrads``: gradient bytes; ``OptimizerStep``: the
-  layers' parameter bytes at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate``: every
-  layer's); ``Free``, ``Release`` and ``Commit`` take no time.
+  layers' parameter bytes at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and
+  ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
+  ``host_copy_bytes_per_s``; ``ClipGradNorm`` and ``QueueUpdate``: every layer's
+  gradient bytes at ``host_copy_bytes_per_s`` (the norm reads each once, the queued
+  update copies each); ``Accumulate`` (a download lands in its place in the flat
+  gradient buffer), ``Free``, ``Release`` and ``Commit`` take no time.
 - Data parallel (the host's ``collective`` stream, one collective at a time):
   ``AllReduce`` / ``ReduceScatter`` / ``AllGather``: the layers' gradient bytes
   (``grad_bytes``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
@@ -46,26 +50,32 @@ from typing import Literal, Sequence
 from fxpipe.passes import gc_paused
 from fxpipe.passes.memory import KINDS, ChainMemory, device_peaks, program_peaks
 from fxpipe.passes.program import (
+    Accumulate,
     AllGather,
     AllReduce,
     AsyncUpdate,
     BroadcastBuffers,
     Checkpoint,
+    ClipGradNorm,
+    Commit,
     Compute,
-    LABEL,
     Dep,
     DownloadGrads,
     Forward,
+    LABEL,
     Offload,
     OptimizerStep,
     Prefetch,
     Program,
+    QueueUpdate,
     RecomputeBackward,
     ReduceScatter,
+    Refresh,
     RunType,
+    ScalerStep,
+    stream_of,
     Upload,
     UploadGrad,
-    stream_of,
 )
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.hardware import Hardware, LayerCost
@@ -119,13 +129,17 @@ class _StageCosts:
 
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
              *, semantics: Semantics = "fxpipe", tokens_per_step: int | None = None,
-             input_bytes: int = 0, memory: ChainMemory | None = None) -> Timeline:
+             input_bytes: int = 0, memory: ChainMemory | None = None,
+             refresh_bytes: int = 0) -> Timeline:
     """Time ``program`` with per-layer ``costs`` on ``hardware``.
 
     ``hardware=None`` is ``Hardware()``: every transfer free, no memory limit.
     ``tokens_per_step`` (tokens in one call of the program) gives ``tokens_per_s``;
     ``input_bytes`` is the model input per microbatch; ``memory``: the layers' memory
     for one microbatch (``fxpipe.passes.memory.ChainMemory``; default from ``costs``).
+    ``refresh_bytes``: what the call's ``Refresh`` copies on the host (the
+    ``param_dtype`` casts of the parameters a step changed, an asynchronous optimizer's
+    snapshot; default none).
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 2)], [range(2, 4), range(0, 2)], "fused", 2, 4, "stage")
@@ -137,10 +151,11 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
         raise ValueError(f"semantics must be 'fxpipe' or 'roundpipe', got {semantics!r}")
     with gc_paused():  # many small acyclic objects: collector passes cost ~half the run
         return _simulate(program, costs, Hardware() if hardware is None else hardware,
-                         semantics, tokens_per_step, input_bytes, memory)
+                         semantics, tokens_per_step, input_bytes, memory, refresh_bytes)
 
 
-def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory) -> Timeline:
+def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory,
+              refresh_bytes=0) -> Timeline:
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
@@ -181,8 +196,12 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return hardware.transfer_ms(sc.grads[s], "d2h")
             case OptimizerStep(layers=layers):
                 return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
-            case AsyncUpdate():
+            case AsyncUpdate() | ScalerStep():
                 return hardware.optimizer_ms(sum(c.param_bytes for c in costs))
+            case Refresh():
+                return hardware.host_copy_ms(refresh_bytes)
+            case ClipGradNorm() | QueueUpdate():   # read (copy) every gradient once
+                return hardware.host_copy_ms(sum(c.grad_bytes for c in costs))
             case AllReduce(layers=layers) | ReduceScatter(layers=layers) | AllGather(layers=layers):
                 return hardware.collective_ms(_COLLECTIVE[type(a)],
                                               sum(costs[i].grad_bytes for i in layers))
@@ -273,7 +292,9 @@ def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
                 busy[d] += e - s
             device_free[d] = max(device_free[d], end[k])
         else:
-            kind = "optimizer" if isinstance(a, (OptimizerStep, AsyncUpdate)) else "transfer"
+            kind = "optimizer" if isinstance(a, (OptimizerStep, AsyncUpdate, ScalerStep)) \
+                else "host" if isinstance(a, (Refresh, Accumulate, ClipGradNorm, QueueUpdate,
+                                              Commit)) else "transfer"
             intervals.append(Interval(d, stream, label, kind, start[k], end[k]))
     peaks = device_peaks(program_peaks(program, memory), G)
     makespan = max((iv.end for iv in intervals), default=0.0)
