@@ -10,10 +10,10 @@ lowers nothing.
 
 >>> import torch, torch.nn as nn
 >>> from fxpipe.passes.partition import build_layer_graph
->>> from fxpipe.plan import ExecutePlan
+>>> from fxpipe.stage_plan import StagePlan
 >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
 ...                        (torch.randn(3, 4),))
->>> plan = ExecutePlan([range(0, 2)], [range(2, 3), range(0, 2)])
+>>> plan = StagePlan([range(0, 2)], [range(2, 3), range(0, 2)])
 >>> exe = build_executable(lg, plan, "fused", ["vcpu:0", "vcpu:1"], 1)
 >>> for line in exe.code().splitlines():
 ...     if line.strip().startswith("# stage"):
@@ -26,20 +26,17 @@ lowers nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import lower, lower_stage
-from fxpipe.passes.schedule import LABEL, DataParallel, OptimizerMode, Values, build_program
+from fxpipe.passes.schedule import LABEL, DataParallelMode, OptimizerMode, Values, build_program
 from fxpipe.passes.stage import Executable, Stage
-
-if TYPE_CHECKING:
-    from fxpipe.plan import ExecutePlan
+from fxpipe.stage_plan import RunType, StagePlan, check_run_type
 
 
-def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[list[range], list[range]]:
+def stage_ranges(plan: StagePlan, run_type: RunType, num_layers: int) -> tuple[list[range], list[range]]:
     """(forward ranges, backward ranges) a ``run_type`` call runs under ``plan``: a
     ``"fused"`` call's forward stops where its tail stage starts; ``"infer"`` and
     ``"train"`` run a fused plan's tail forward too."""
@@ -57,10 +54,10 @@ def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[lis
     return fwd, (bwd if run_type == "train" else [])
 
 
-def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
+def build_executable(lg: LayerGraph, plan: StagePlan, run_type: RunType,
                      device_names: Sequence[str], num_microbatch: int, *, grain: str = "stage",
                      optimizer: OptimizerMode | None = None, outputs: bool = True,
-                     input_grads: Sequence[str] = (), data_parallel: DataParallel | None = None,
+                     input_grads: Sequence[str] = (), data_parallel: DataParallelMode | None = None,
                      broadcast_buffers: bool = False) -> Executable:
     """Lower ``plan`` for ``run_type`` and build its Program (module docstring).
 
@@ -71,8 +68,7 @@ def build_executable(lg: LayerGraph, plan: ExecutePlan, run_type: str,
     ``data_parallel`` (``"allreduce"`` or ``"shard"``) and ``broadcast_buffers``: the
     collectives of the host lane (``passes.schedule.host_lane``), training calls only.
     """
-    if run_type not in ("infer", "train", "fused"):
-        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    check_run_type(run_type)
     if optimizer is not None and run_type != "fused":
         raise ValueError(f"optimizer steps run in fused calls only, not {run_type!r}")
     if (data_parallel is not None or broadcast_buffers) and run_type == "infer":

@@ -62,7 +62,6 @@ from fxpipe.passes.program import (
     Program,
     RecomputeBackward,
     ReduceScatter,
-    RunType,
     Upload,
     UploadGrad,
     stream_of,
@@ -70,6 +69,7 @@ from fxpipe.passes.program import (
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
+from fxpipe.stage_plan import RunType
 
 Semantics = Literal["fxpipe", "roundpipe"]
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
