@@ -102,6 +102,9 @@ def _imports(path: pathlib.Path) -> Iterator[tuple[int, str, str]]:
                 # `from fxpipe.runtime import tail` imports the module fxpipe.runtime.tail
                 sub = f"{node.module}.{a.name}"
                 yield node.lineno, sub if _is_module(sub) else node.module, how
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            yield node.lineno, str(node.args[0].value), how   # importlib.import_module("...")
         for child in ast.iter_child_nodes(node):
             yield from visit(child, how)
     for line, module, how in visit(ast.parse(path.read_text()), ""):
