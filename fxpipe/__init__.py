@@ -4,21 +4,53 @@
 chain of layers with costs, plans stages, and lowers them into stage graphs whose code
 shows the transfers. See README.md and docs/.
 
-Importing fxpipe starts no threads and queries no device.
+Importing fxpipe starts no threads and queries no device. It loads the compiler (capture,
+partition, costs, lowering, the planner) only when a name that needs it is first used:
+``compile``, ``PipelineModule`` and ``ExecutePlan`` are looked up on first use (PEP 562),
+and so is a submodule such as ``fxpipe.plan`` or ``fxpipe.sim``. The runtime
+(``fxpipe.runtime``) imports without the compiler.
 """
 
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from fxpipe import optim
-from fxpipe import sim
-from fxpipe.api import PipelineModule, compile
 from fxpipe.backend import backend
 from fxpipe.config import RunConfig
 from fxpipe.errors import (CaptureError, DeviceMemoryError, DistributedError, PlanError,
                            StageError)
 from fxpipe.losses import linear_cross_entropy
-from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.devices import Device, VirtualDevice
 from fxpipe.runtime.microbatch import PackedData
 from fxpipe.verbose import set_verbose
+
+if TYPE_CHECKING:
+    from fxpipe import plan, sim
+    from fxpipe.api import PipelineModule, compile
+    from fxpipe.plan import ExecutePlan
+
+# public names whose modules load the compiler: imported on first use
+_ON_FIRST_USE = {"compile": "fxpipe.api", "PipelineModule": "fxpipe.api",
+                 "ExecutePlan": "fxpipe.plan"}
+
+
+def __getattr__(name: str) -> Any:
+    """``fxpipe.compile``, ``fxpipe.PipelineModule``, ``fxpipe.ExecutePlan`` and the
+    submodules (``fxpipe.plan``, ``fxpipe.sim``, ...), imported when first asked for."""
+    if name in _ON_FIRST_USE:
+        value = getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | {"plan"})
 
 
 def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fused",
@@ -42,6 +74,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
     >>> t.peak_memory_by_kind[0]["params"]   # the stage's and the prefetched one's
     8396800
     """
+    from fxpipe.api import PipelineModule
     from fxpipe.plan import chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost
     from fxpipe.sim import simulate as _simulate

@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import CaptureError
-from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.stage_plan import StagePlan
 
 
 class Backend:
@@ -52,10 +52,10 @@ class Backend:
     """
 
     def __init__(self, devices: Sequence[str | torch.device | Device] | None, layers: str | None,
-                 config: RunConfig | None, plan: ExecutePlan | None):
+                 config: RunConfig | None, plan: StagePlan | None):
         if config is not None and not isinstance(config, RunConfig):
             raise TypeError(f"config must be an fxpipe.RunConfig, got {type(config).__name__}")
-        if plan is not None and not isinstance(plan, ExecutePlan):
+        if plan is not None and not isinstance(plan, StagePlan):
             raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
         self.devices = resolve_devices(devices)  # shared by every graph's pipe
         self.layers, self.config, self.plan = layers, config or RunConfig(), plan
@@ -97,7 +97,7 @@ class Backend:
 
 def backend(*, devices: Sequence[str | torch.device | Device] | None = None,
             layers: str | None = None, config: RunConfig | None = None,
-            plan: ExecutePlan | None = None) -> Backend:
+            plan: StagePlan | None = None) -> Backend:
     """A ``torch.compile`` backend running the model as an fxpipe pipeline.
 
     ``devices``, ``layers``, ``config`` and ``plan`` mean what they mean for

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from fxpipe.plan import ExecutePlan
+from fxpipe.stage_plan import StagePlan
 
 _GRAINS = ("stage", "layer")
 
@@ -47,7 +47,7 @@ class RunConfig:
     split_input: Any = None
     split_label: Any = None
     merge_output: Any = None
-    execute_plan: ExecutePlan | None = None
+    execute_plan: StagePlan | None = None
 
     def __post_init__(self) -> None:
         for name in ("requires_grad", "preserve_rng_state"):
@@ -77,7 +77,7 @@ class RunConfig:
         if si is not None and not callable(si) and not (isinstance(si, (tuple, list)) and len(si) == 2):
             raise TypeError("RunConfig.split_input must be None, (args_spec, kwargs_spec) or a "
                             f"callable (args, kwargs, n) -> (list[tuple], list[dict]); got {si!r}")
-        if self.execute_plan is not None and not isinstance(self.execute_plan, ExecutePlan):
+        if self.execute_plan is not None and not isinstance(self.execute_plan, StagePlan):
             raise TypeError("RunConfig.execute_plan must be an fxpipe.ExecutePlan or None, got "
                             f"{type(self.execute_plan).__name__}")
 

@@ -1,10 +1,9 @@
-"""ExecutePlan: which layers form each forward stage and each backward stage.
+"""Planning: ``ExecutePlan`` (stage ranges that can plan themselves) and memory planning.
 
-``fwd_plan`` lists forward stages shallow to deep, ``bwd_plan`` backward stages deep to
-shallow; each stage is a ``range`` of layer indices. Forward and backward are planned
-independently (backward is about 2-3x forward, so backward stages hold fewer layers).
-For ``"fused"`` (``forward_backward``) the first backward stage also runs the forward of
-its layers and the loss, so those tail layers are not in ``fwd_plan``.
+``fxpipe.ExecutePlan`` is a ``fxpipe.stage_plan.StagePlan`` (the ranges, their
+validation, ``default``) plus ``ExecutePlan.auto``, which plans stages from the layers'
+costs with ``fxpipe.passes.planner`` (the pure algorithm over cost vectors) and keeps
+every stage's predicted peak within the device limit.
 
 >>> plan = ExecutePlan([range(0, 3)], [range(3, 4), range(2, 3), range(0, 2)])
 >>> plan
@@ -13,120 +12,41 @@ ExecutePlan(fwd=[0:3], bwd=[3:4, 2:3, 0:2])
 >>> ExecutePlan.default(3, "train")
 ExecutePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
 
-Memory (``fxpipe.memory``, also importable from here): ``predict_memory`` gives each
-stage's predicted peak bytes on its device, by kind; ``ExecutePlan.auto`` keeps every
-stage within the device limit; ``max_sequence_length`` finds the longest sequence for
-which a plan fits.
+Memory: ``predict_memory`` (each stage's predicted peak bytes on its device, by kind),
+``MemoryPrediction`` and ``chain_memory`` are ``fxpipe.memory_prediction``'s, importable
+from here; ``max_sequence_length`` (here) finds the longest sequence for which a plan
+fits. Layers, low to high: ``stage_plan`` (data) < ``memory_prediction`` (estimates) <
+``passes.planner`` (the algorithm) < this module (what users call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
 from fxpipe.errors import PlanError
-from fxpipe.memory import (MEMORY_FRACTION, MemoryPrediction, chain_memory,  # noqa: F401
-                           max_sequence_length, predict_memory)
+from fxpipe.memory_prediction import (MemoryPrediction, chain_memory,  # noqa: F401 (public here)
+                                      predict_memory, tensor_bytes)
 from fxpipe.passes import planner
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.passes.memory import ChainMemory, human_bytes
+from fxpipe.passes.partition import build_layer_graph
+from fxpipe.stage_plan import RunType, StagePlan, check_run_type
 
-RunType = Literal["infer", "train", "fused"]
-_RUN_TYPES = ("infer", "train", "fused")
-
-
-def _fmt(r: range) -> str:
-    return f"{r.start}:{r.stop}" if r.step == 1 else f"{r.start}:{r.stop}:{r.step}"
-
-
-def _check_run_type(run_type: str) -> None:
-    if run_type not in _RUN_TYPES:
-        raise ValueError(f"run_type must be one of {_RUN_TYPES}, got {run_type!r}")
+MEMORY_FRACTION = 0.9
+"""The share of the smallest device's ``memory_limit`` a plan may use at its predicted
+peak by default; the rest covers the prediction's error and allocator fragmentation."""
 
 
-def _layers(a: int, b: int) -> str:
-    """Human text for layers a..b-1."""
-    return f"layer {a}" if b - a == 1 else f"layers {a}..{b - 1}"
-
-
-@dataclass
-class ExecutePlan:
-    """Forward and backward stage ranges (see the module docstring)."""
-
-    fwd_plan: list[range] = field(default_factory=list)
-    bwd_plan: list[range] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("fwd_plan", "bwd_plan"):
-            value = getattr(self, name)
-            if isinstance(value, range) or not isinstance(value, Iterable):
-                raise PlanError(f"{name} must be a list of range objects, got {value!r}")
-            setattr(self, name, list(value))
-
-    def __repr__(self) -> str:
-        fwd = ", ".join(_fmt(r) if isinstance(r, range) else repr(r) for r in self.fwd_plan)
-        bwd = ", ".join(_fmt(r) if isinstance(r, range) else repr(r) for r in self.bwd_plan)
-        return f"ExecutePlan(fwd=[{fwd}], bwd=[{bwd}])"
-
-    # --- validation --------------------------------------------------------------------
-
-    def validate(self, num_layers: int, run_type: RunType) -> None:
-        """Raise ``PlanError`` naming the offending range and the rule it breaks.
-
-        Rules: every range is a non-empty, step-1 range inside ``0 .. num_layers-1``;
-        forward ranges cover ``0 .. L-1`` exactly once in ascending order (``"fused"``:
-        ``0 .. bwd_plan[0].start-1``, so ``fwd_plan[-1].stop == bwd_plan[0].start``);
-        backward ranges (``"train"``, ``"fused"``) cover ``0 .. L-1`` exactly once in
-        descending order. ``"infer"`` ignores ``bwd_plan``.
-
-        >>> ExecutePlan([range(0, 2)], []).validate(3, "infer")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        fxpipe.errors.PlanError: fwd_plan: forward ranges must cover layers 0..2 ...
-        """
-        _check_run_type(run_type)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-        L = num_layers
-        _check_ranges("fwd_plan", self.fwd_plan, L)
-        if run_type == "infer":
-            _check_chain("fwd_plan", self.fwd_plan, 0, L, ascending=True,
-                         rule=f"forward ranges must cover layers 0..{L - 1} exactly once "
-                              f"in ascending order")
-            return
-        _check_ranges("bwd_plan", self.bwd_plan, L)
-        _check_chain("bwd_plan", self.bwd_plan, 0, L, ascending=False,
-                     rule=f"backward ranges must cover layers 0..{L - 1} exactly once in "
-                          f"descending order (deep to shallow)")
-        if run_type == "train":
-            _check_chain("fwd_plan", self.fwd_plan, 0, L, ascending=True,
-                         rule=f"forward ranges must cover layers 0..{L - 1} exactly once "
-                              f"in ascending order")
-            return
-        tail = self.bwd_plan[0]
-        _check_chain("fwd_plan", self.fwd_plan, 0, tail.start, ascending=True,
-                     rule=f"for \"fused\", forward ranges must cover layers "
-                          f"0..{tail.start - 1} exactly once in ascending order and "
-                          f"fwd_plan[-1].stop must equal bwd_plan[0].start = {tail.start} "
-                          f"(the tail {_layers(tail.start, tail.stop)} runs only in the fused "
-                          f"first backward stage bwd_plan[0] = {_fmt(tail)})")
-
-    # --- constructors ------------------------------------------------------------------
-
-    @classmethod
-    def default(cls, num_layers: int, run_type: RunType) -> ExecutePlan:
-        """One layer per stage; for ``"fused"`` the tail (first backward stage) is the last
-        layer. ``"infer"`` gets no ``bwd_plan``.
-
-        >>> ExecutePlan.default(3, "fused")
-        ExecutePlan(fwd=[0:1, 1:2], bwd=[2:3, 1:2, 0:1])
-        """
-        _check_run_type(run_type)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-        fwd_stop = num_layers - 1 if run_type == "fused" else num_layers
-        fwd = [range(i, i + 1) for i in range(fwd_stop)]
-        bwd = [] if run_type == "infer" else [range(i, i + 1) for i in reversed(range(num_layers))]
-        return cls(fwd, bwd)
+class ExecutePlan(StagePlan):
+    """Forward and backward stage ranges (``StagePlan``), and ``auto``, which plans them
+    (see the module docstring)."""
 
     @classmethod
     def auto(cls, run_type: RunType, *pipes: Any, min_stages: int | None = None,
@@ -163,7 +83,7 @@ class ExecutePlan:
         so layers too small to pay for their issuing share a stage. ``0`` plans as if
         issuing were free.
         """
-        _check_run_type(run_type)
+        check_run_type(run_type)
         if not pipes:
             raise ValueError("ExecutePlan.auto needs at least one pipe")
         devices = [d for p in pipes for d in getattr(p, "devices", None) or []]
@@ -209,54 +129,93 @@ def layer_costs(pipe: Any) -> list[Any]:
     return [getattr(layer, "cost", None) for layer in layers]
 
 
-def _check_ranges(name: str, ranges: Sequence[Any], num_layers: int) -> None:
-    for i, r in enumerate(ranges):
-        where = f"{name}[{i}]"
-        if not isinstance(r, range):
-            raise PlanError(f"{where} = {r!r}: every stage must be a range of layer indices")
-        if r.step != 1:
-            raise PlanError(f"{where} = {r!r}: a stage must be a contiguous range (step 1)")
-        if r.start >= r.stop:
-            raise PlanError(f"{where} = {r!r}: a stage must be non-empty (start < stop)")
-        if r.start < 0 or r.stop > num_layers:
-            raise PlanError(f"{where} = {r!r}: layers must be in 0..{num_layers - 1} "
-                            f"(the model has {num_layers} layers)")
+def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple] | None = None, *,
+                        device_memory: int, num_devices: int, microbatch_size: int = 1,
+                        num_microbatch: int | None = None,
+                        dtype: torch.dtype | None = torch.bfloat16,
+                        recompute_grain: Literal["stage", "layer"] = "stage",
+                        loss_fn: Callable[[Any, Any], Any] | None = None,
+                        label: Callable[[int], Any] | None = None,
+                        memory_fraction: float = MEMORY_FRACTION, step: int = 1024,
+                        max_length: int = 1 << 22, layers: str | None = None,
+                        capture: Literal["auto", "fx", "dynamo", "export"] = "auto") -> int:
+    """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
+    ``num_devices`` devices of ``device_memory`` bytes each: the largest for which
+    ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
+    ``memory_fraction`` of ``device_memory`` (:func:`predict_memory`).
 
+    ``model``: best built on the ``meta`` device (no weights are read; a copy is cast to
+    ``dtype``, the device copies' dtype, e.g. ``param_dtype=torch.bfloat16``; ``None``
+    keeps the model's). ``example_inputs(seq_len)``: the model's positional inputs for
+    one microbatch of ``microbatch_size`` sequences (default: token ids
+    ``(microbatch_size, seq_len)`` on ``meta``). A step runs ``num_microbatch``
+    microbatches (default devices + 1). ``loss_fn`` and ``label(seq_len)`` (default:
+    ids-shaped labels): the loss the fused tail runs, costed; without it the tail counts
+    a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes); a model that
+    returns its loss (``fxpipe.linear_cross_entropy``) needs neither.
 
-def _check_chain(name: str, ranges: Sequence[range], lo: int, hi: int, *, ascending: bool,
-                 rule: str) -> None:
-    """``ranges`` must tile ``lo .. hi-1`` exactly once, listed ascending or descending."""
-    if not ranges:
-        if hi > lo:
-            raise PlanError(f"{name}: {rule}; the plan is empty, so {_layers(lo, hi)} "
-                            f"not covered")
-        return
-    tagged = sorted(enumerate(ranges), key=lambda ir: (ir[1].start, ir[1].stop))
-    where = [f"{name}[{i}] = {_fmt(r)}" for i, r in tagged]
-    (_, first), (_, last) = tagged[0], tagged[-1]
-    if first.start < lo:
-        raise PlanError(f"{name}: {rule}; {where[0]} includes {_layers(first.start, lo)}, "
-                        f"which must not be in {name}")
-    if first.start > lo:
-        raise PlanError(f"{name}: {rule}; {_layers(lo, first.start)} not covered by "
-                        f"any range")
-    for k in range(1, len(tagged)):
-        prev, cur = tagged[k - 1][1], tagged[k][1]
-        if cur.start < prev.stop:
-            raise PlanError(f"{name}: {rule}; {where[k - 1]} and {where[k]} overlap: "
-                            f"{_layers(cur.start, min(prev.stop, cur.stop))} covered twice")
-        if cur.start > prev.stop:
-            raise PlanError(f"{name}: {rule}; {_layers(prev.stop, cur.start)} not "
-                            f"covered (gap between {where[k - 1]} and {where[k]})")
-    if last.stop > hi:
-        raise PlanError(f"{name}: {rule}; {where[-1]} includes {_layers(hi, last.stop)}, "
-                        f"which must not be in {name}")
-    if last.stop < hi:
-        raise PlanError(f"{name}: {rule}; {_layers(last.stop, hi)} not covered by "
-                        f"any range")
-    for i in range(1, len(ranges)):
-        a, b = ranges[i - 1], ranges[i]
-        if (a.start > b.start) if ascending else (a.start < b.start):
-            word = "ascending (shallow to deep)" if ascending else "descending (deep to shallow)"
-            raise PlanError(f"{name}: {rule}; {name}[{i - 1}] = {_fmt(a)} comes before "
-                            f"{name}[{i}] = {_fmt(b)}: ranges must be listed in {word} order")
+    The model is captured once at ``step`` tokens and costed on fake tensors at each
+    length tried (a graph specialized on the sequence length is captured again); the
+    search doubles, then bisects. Raises ``PlanError`` (what does not fit, by kind)
+    when not even ``step`` tokens fit.
+
+    >>> import torch, fxpipe
+    >>> from fxpipe.demo import TinyLlama
+    >>> with torch.device("meta"):
+    ...     model = TinyLlama(vocab=256, dim=64, depth=2)
+    >>> fxpipe.plan.max_sequence_length(model, device_memory=64 * 2**20, num_devices=2, step=256,
+    ...                                 dtype=None)
+    7168
+    """
+    if step < 1 or max_length < step:
+        raise ValueError(f"max_sequence_length: need 1 <= step <= max_length, got step={step}, "
+                         f"max_length={max_length}")
+    if device_memory <= 0 or not 0 < memory_fraction <= 1:
+        raise ValueError(f"max_sequence_length: device_memory must be > 0 bytes and "
+                         f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+    make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
+                                                     device="meta"),))
+    make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
+    M = num_microbatch or num_devices + 1
+    limit = memory_fraction * device_memory
+    graph: list[LayerGraph] = []
+
+    def check(n: int) -> None:
+        args = make(n)
+        if not isinstance(args, tuple):
+            raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
+                            f"arguments, got {type(args).__name__}")
+        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
+                            for d, size in graph[0].static_dims.get(name, {}).items()):
+            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers)]
+        loss = None if loss_fn is None else (loss_fn, make_label(n))
+        costs = compute_costs(graph[0], flat, store=False, loss=loss)
+        memory = ChainMemory.of(costs, tensor_bytes(flat))
+        planner.check_memory("fused", [memory], limit, num_devices=num_devices, num_microbatch=M,
+                             recompute_grain=recompute_grain)
+
+    def fits(n: int) -> bool:
+        try:
+            check(n)
+        except PlanError:
+            return False
+        return True
+
+    try:
+        check(step)
+    except PlanError as e:
+        raise PlanError(f"max_sequence_length: not even {step} tokens fit "
+                        f"{memory_fraction:.0%} of {human_bytes(device_memory)}: {e}") from None
+    lo, hi = step, None
+    while hi is None:
+        n = min(2 * lo, max_length) // step * step
+        if n <= lo:   # max_length reached
+            break
+        lo, hi = (n, None) if fits(n) else (lo, n)
+    while hi is not None and hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

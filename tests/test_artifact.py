@@ -5,18 +5,13 @@ runtime runs, and the runtime imports no pass.
   for that kind of call, and every action of it runs (as a multiset), for each run type,
   optimizer mode, grain and device count;
 - every GraphModule the interpreter runs is one of those ``pipe.code()`` prints (by
-  identity), and ``pipe.code()`` has one ``# stage`` header per stage of the plan;
-- the package is layered one way (a module imports only from its own or lower layers).
+  identity), and ``pipe.code()`` has one ``# stage`` header per stage of the plan.
 """
 
 from __future__ import annotations
 
-import ast
 import collections
 import copy
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +22,6 @@ from fxpipe.demo import TinyLlama
 from fxpipe.runtime import executor
 from tests import models
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 6 layers (prefix, 4 blocks, suffix); an asymmetric plan with a fused tail
 PLAN = fxpipe.ExecutePlan(fwd_plan=[range(0, 3), range(3, 5)],
                           bwd_plan=[range(5, 6), range(3, 5), range(1, 3), range(0, 1)])
@@ -252,85 +246,3 @@ def test_compiled_artifacts_are_built_once_and_cached():
     # the layer chain an earlier pass made is not written by running
     before = [copy.copy(layer.cost) for layer in pipe.layers]
     assert [layer.cost for layer in pipe.layers] == before
-
-
-# -- layering ---------------------------------------------------------------------------
-
-LAYERS = [
-    ("fxpipe.errors", "fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.live_bytes"),
-    ("fxpipe.passes", "fxpipe.plan", "fxpipe.memory", "fxpipe.config"),
-    ("fxpipe.sim",),
-    ("fxpipe.runtime",),
-    ("fxpipe.optim", "fxpipe.optim_step"),
-    ("fxpipe.api",),
-    ("fxpipe.backend",),
-    ("fxpipe",),
-    ("fxpipe.demo", "fxpipe.check"),   # programs built on the package
-]
-# what a runtime module may take from the passes: the values they make, not the passes
-VALUE_TYPES = {"fxpipe.passes.layer_graph", "fxpipe.passes.program", "fxpipe.passes.stage"}
-
-
-def _layer(module: str) -> int:
-    best = (-1, -1)
-    for i, names in enumerate(LAYERS):
-        for n in names:
-            if (module == n or module.startswith(n + ".")) and len(n) > best[1]:
-                best = (i, len(n))
-    assert best[0] >= 0, f"{module} is in no layer: add it to LAYERS"
-    return best[0]
-
-
-def _modules():
-    for f in sorted((ROOT / "fxpipe").rglob("*.py")):
-        parts = f.relative_to(ROOT).with_suffix("").parts
-        yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), f
-
-
-def _imports(path: pathlib.Path):
-    """``(line, module)`` of every fxpipe import, module level or in a function, outside
-    ``if TYPE_CHECKING:`` blocks."""
-    def visit(node):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                yield node.lineno, a.name
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for a in node.names:
-                # `from fxpipe.runtime import tail` imports the module fxpipe.runtime.tail
-                sub = f"{node.module}.{a.name}"
-                yield node.lineno, sub if _is_package(node.module) else node.module
-        for child in ast.iter_child_nodes(node):
-            yield from visit(child)
-    yield from ((ln, m) for ln, m in visit(ast.parse(path.read_text()))
-                if m == "fxpipe" or m.startswith("fxpipe."))
-
-
-def _is_package(module: str) -> bool:
-    return (ROOT / pathlib.Path(*module.split(".")) / "__init__.py").exists()
-
-
-def test_imports_go_one_way():
-    bad = []
-    for module, path in _modules():
-        for line, imported in _imports(path):
-            if _layer(imported) > _layer(module):
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {imported}")
-            if (module.startswith("fxpipe.runtime.") and imported.startswith("fxpipe.passes")
-                    and imported not in VALUE_TYPES):
-                bad.append(f"{path.relative_to(ROOT)}:{line}: the runtime imports the pass "
-                           f"{imported}")
-    assert not bad, "\n".join(bad)
-
-
-def test_every_module_imports_in_layer_order_in_a_fresh_interpreter():
-    """No import cycle: a fresh interpreter imports every module, lowest layer first.
-    (Importing any ``fxpipe.x`` runs the package's ``__init__`` first, so one fresh
-    interpreter sees the order every user gets.)"""
-    modules = sorted((m for m, _ in _modules() if m not in ("fxpipe.demo", "fxpipe.check")),
-                     key=_layer)
-    script = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    run = subprocess.run([sys.executable, "-c", script, *modules], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]

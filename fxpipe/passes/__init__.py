@@ -1,4 +1,8 @@
-"""The compiler passes: capture → partition → costs → lower → schedule (see DESIGN.md)."""
+"""The compiler passes: capture → partition → costs → lower → schedule (see DESIGN.md).
+
+The runtime reads only the values they make (``layer_graph``, ``program``, ``stage``),
+never a pass; ``tests/test_layers.py`` lists the layers.
+"""
 
 from __future__ import annotations
 

@@ -68,6 +68,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.passes.layer_graph import Layer, LayerGraph
 from fxpipe.live_bytes import LiveBytes
 from fxpipe.live_bytes import storage_key as _storage_key
+from fxpipe.units import human as _human
 from fxpipe.verbose import is_verbose
 
 
@@ -655,18 +656,6 @@ def _boundary_bytes(values: list) -> int:
         cap, views = storages.setdefault(_storage_key(t), (t.untyped_storage().nbytes(), {}))
         views[(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)] = _nbytes(t)
     return sum(min(cap, sum(views.values())) for cap, views in storages.values())
-
-
-def _human(n: int, unit: str) -> str:
-    """``1.05 MB``, ``32.8 kB``, ``512 B``: three significant digits, SI prefixes."""
-    if abs(n) < 1000:
-        return f"{n} {unit}"
-    v = float(n)
-    for prefix in "kMGTPE":
-        v /= 1000
-        if abs(v) < 999.5:
-            break
-    return f"{v:#.3g}".rstrip(".") + f" {prefix}{unit}"
 
 
 def _human_ms(ms: float) -> str:

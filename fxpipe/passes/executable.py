@@ -10,10 +10,10 @@ the runtime interprets it and lowers nothing.
 
 >>> import torch, torch.nn as nn
 >>> from fxpipe.passes.partition import build_layer_graph
->>> from fxpipe.plan import ExecutePlan
+>>> from fxpipe.stage_plan import StagePlan
 >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
 ...                        (torch.randn(3, 4),))
->>> plan = ExecutePlan([range(0, 2)], [range(2, 3), range(0, 2)])
+>>> plan = StagePlan([range(0, 2)], [range(2, 3), range(0, 2)])
 >>> exe = build_executable(lg, plan, CallSpec("fused", 1), ["vcpu:0", "vcpu:1"])
 >>> for line in exe.code().splitlines():
 ...     if line.strip().startswith("# stage"):
@@ -26,7 +26,6 @@ the runtime interprets it and lowers nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from fxpipe.errors import PlanError
 from fxpipe.passes import gc_paused
@@ -34,12 +33,10 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.lower import lower, lower_stage
 from fxpipe.passes.schedule import LABEL, CallSpec, Values, build_program
 from fxpipe.passes.stage import Executable, Stage
-
-if TYPE_CHECKING:
-    from fxpipe.plan import ExecutePlan
+from fxpipe.stage_plan import RunType, StagePlan
 
 
-def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[list[range], list[range]]:
+def stage_ranges(plan: StagePlan, run_type: RunType, num_layers: int) -> tuple[list[range], list[range]]:
     """(forward ranges, backward ranges) a ``run_type`` call runs under ``plan``: a
     ``"fused"`` call's forward stops where its tail stage starts; ``"infer"`` and
     ``"train"`` run a fused plan's tail forward too."""
@@ -57,7 +54,7 @@ def stage_ranges(plan: ExecutePlan, run_type: str, num_layers: int) -> tuple[lis
     return fwd, (bwd if run_type == "train" else [])
 
 
-def build_executable(lg: LayerGraph, plan: ExecutePlan, spec: CallSpec,
+def build_executable(lg: LayerGraph, plan: StagePlan, spec: CallSpec,
                      device_names: Sequence[str]) -> Executable:
     """Lower ``plan`` for the call ``spec`` describes and build its Program (module
     docstring; ``CallSpec`` has the fields: run type, microbatches, grain, the

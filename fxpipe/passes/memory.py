@@ -1,4 +1,9 @@
-"""Memory: the bytes a stage holds on its device at its peak, predicted from layer costs.
+"""The stage memory model: the bytes a stage holds on its device at its peak, from layer costs.
+
+Pure arithmetic over per-layer byte vectors (no tensors, no planning): the planner
+(``fxpipe.passes.planner``), the simulator and the prediction for a pipe
+(``fxpipe.memory_prediction``, public as ``fxpipe.plan.predict_memory``) use it;
+``fxpipe.live_bytes`` is the dispatch mode that counts the bytes the costs hold.
 
 ``compute_costs`` measures each layer's own allocations on fake tensors (its memory
 profile, ``fxpipe.passes.costs``). ``ChainMemory`` holds them as per-layer vectors, and
@@ -45,9 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
-from fxpipe.passes.costs import _human
 from fxpipe.passes.program import Checkpoint, Prefetch, Program
 from fxpipe.passes.program import StageKind as Kind
+from fxpipe.units import human
 
 KINDS = ("params", "gradients", "activations", "saved", "workspace")
 LOSS_FACTOR = 3
@@ -353,4 +358,4 @@ def device_peaks(peaks: Sequence[StagePeak], num_devices: int) -> list[StagePeak
 
 def human_bytes(n: float) -> str:
     """``1.05 GB``, ``32.8 kB``, ``512 B``: three significant digits, SI prefixes."""
-    return _human(int(n), "B")
+    return human(int(n), "B")

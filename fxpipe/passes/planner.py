@@ -1,5 +1,9 @@
 """Stage planning over per-layer cost vectors (pure functions: no modules, no tensors).
 
+The algorithm; ``fxpipe.plan`` (``ExecutePlan.auto``, ``max_sequence_length``) is what
+users call. It sits above the memory model it checks stages with
+(``fxpipe.passes.memory``) and imports nothing that estimates memory from a model.
+
 A pipe is a chain of L layers. A plan cuts its forward pass and its backward pass into
 contiguous stages; stages run round-robin on G devices (stage s on device s mod G, the
 forward stages first, then the backward stages), each stage job running all M

@@ -140,8 +140,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, Sequence, Union
 
+from fxpipe.stage_plan import RunType
+
 StageKind = Literal["fwd", "bwd", "fused"]
-RunType = Literal["infer", "train", "fused"]
 HOST = -1
 LABEL = "<label>"
 """The value a ``"fused"`` Program's fused stage reads as its loss's label: a model input

@@ -28,7 +28,9 @@ from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, 
 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
-DataParallel = Literal["allreduce", "shard"]
+DataParallelMode = Literal["allreduce", "shard"]
+"""Which collectives a data-parallel training call runs on the host lane: gradient
+all-reduce, or (``shard_optimizer``) reduce-scatter and all-gather."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   device_free: Callable[[Program], Sequence[float]] | None = None,
                   optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
                   grain: str = "stage",
-                  values: Values | None = None, data_parallel: DataParallel | None = None,
+                  values: Values | None = None, data_parallel: DataParallelMode | None = None,
                   broadcast_buffers: bool = False) -> Program:
     """Build the Program for a plan.
 
@@ -202,7 +204,7 @@ def optimizer_spec(optimizer: bool | OptimizerMode | OptimizerSpec | None) -> Op
 
 def host_lane(stages: Sequence[StageSpec],
               optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
-              data_parallel: DataParallel | None = None,
+              data_parallel: DataParallelMode | None = None,
               broadcast_buffers: bool = False) -> tuple[Action, ...]:
     """The host's actions, in issue order: the ``Refresh`` first (then ``BroadcastBuffers``,
     data parallel with buffers), the asynchronous update, then per backward stage,

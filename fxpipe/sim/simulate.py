@@ -71,15 +71,15 @@ from fxpipe.passes.program import (
     RecomputeBackward,
     ReduceScatter,
     Refresh,
-    RunType,
     ScalerStep,
-    stream_of,
     Upload,
     UploadGrad,
+    stream_of,
 )
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
+from fxpipe.stage_plan import RunType
 
 Semantics = Literal["fxpipe", "roundpipe"]
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)

@@ -1,28 +1,28 @@
-"""Memory before running: each stage's predicted peak on its device, and the longest
-sequence that trains.
+"""Predicting a pipe's device memory before running it: every stage's peak, by kind.
 
-``predict_memory`` composes the layers' costed memory (``fxpipe.passes.memory``, costed
-on fake tensors shaped like one microbatch) into every stage's peak for a plan, by kind
-(parameters of the stage and of the one its device prefetches meanwhile, gradients,
-activations, saved tensors, workspace). ``ExecutePlan.auto`` keeps every stage's peak
-within the device limit (``MEMORY_FRACTION`` of it by default), and
-``max_sequence_length`` searches the longest sequence for which that plan exists, for a
-model built on the ``meta`` device (no weights). All are importable from ``fxpipe.plan``.
+``predict_memory`` composes the layers' costed memory (costed again on fake tensors
+shaped like one microbatch, ``fxpipe.passes.costs``) into every stage's peak for a plan,
+by kind (parameters of the stage and of the one its device prefetches meanwhile,
+gradients, activations, saved tensors, workspace), over the Program the call runs.
+``chain_memory`` is the per-layer memory the planner (``ExecutePlan.auto``) and the
+simulator read. All are importable from ``fxpipe.plan``, the public place.
+
+Not to be confused with: ``fxpipe.passes.memory`` (the model this uses: how a stage's
+peak follows from per-layer vectors, ``ChainMemory``/``stage_peak``, pure arithmetic) and
+``fxpipe.live_bytes`` (the dispatch mode that counts the bytes costing measures). This
+module predicts and plans nothing: the planner (``fxpipe.passes.planner``, and
+``fxpipe.plan.max_sequence_length``) is above it and uses it.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxpipe.errors import PlanError
-from fxpipe.passes import planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable
 from fxpipe.passes.layer_graph import LayerGraph
@@ -34,17 +34,9 @@ from fxpipe.passes.memory import (
     human_bytes,
     program_peaks,
 )
-from fxpipe.passes.partition import build_layer_graph
-from fxpipe.passes.program import CallSpec, RunType
+from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
-
-if TYPE_CHECKING:
-    from fxpipe.plan import ExecutePlan
-
-MEMORY_FRACTION = 0.9
-"""The share of the smallest device's ``memory_limit`` a plan may use at its predicted
-peak by default; the rest covers the prediction's error and allocator fragmentation."""
-
+from fxpipe.stage_plan import RunType, StagePlan
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
                  loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
@@ -66,7 +58,7 @@ def chain_memory(pipe: Any, num_microbatch: int = 1, *,
         (lambda m, y: _first_rows(lg.example_leaves, y, m))
     flat, label = split(num_microbatch, label)
     loss = None if loss is None else (loss[0], label)
-    return ChainMemory.of(compute_costs(lg, flat, store=False, loss=loss), _nbytes(flat))
+    return ChainMemory.of(compute_costs(lg, flat, store=False, loss=loss), tensor_bytes(flat))
 
 
 def _first_rows(leaves: list, label: Any, num_microbatch: int) -> tuple[list, Any]:
@@ -84,10 +76,11 @@ def _first_rows(leaves: list, label: Any, num_microbatch: int) -> tuple[list, An
 
 def _input_bytes(lg: Any) -> int:
     leaves = getattr(lg, "example_leaves", None) or []
-    return _nbytes([x for x in leaves if isinstance(x, torch.Tensor)])
+    return tensor_bytes([x for x in leaves if isinstance(x, torch.Tensor)])
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of ``tensors``' elements (their storages may be larger)."""
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
@@ -125,7 +118,7 @@ class MemoryPrediction:
         return "\n".join(rows)
 
 
-def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunType | None = None,
+def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunType | None = None,
                    num_microbatch: int | None = None,
                    grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
                    loss_fn: Callable[[Any, Any], Any] | None = None,
@@ -181,95 +174,3 @@ def predict_memory(pipe: Any, plan: ExecutePlan | None = None, *, run_type: RunT
     peaks = program_peaks(program, memory)
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)
-
-
-def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple] | None = None, *,
-                        device_memory: int, num_devices: int, microbatch_size: int = 1,
-                        num_microbatch: int | None = None,
-                        dtype: torch.dtype | None = torch.bfloat16,
-                        recompute_grain: Literal["stage", "layer"] = "stage",
-                        loss_fn: Callable[[Any, Any], Any] | None = None,
-                        label: Callable[[int], Any] | None = None,
-                        memory_fraction: float = MEMORY_FRACTION, step: int = 1024,
-                        max_length: int = 1 << 22, layers: str | None = None,
-                        capture: Literal["auto", "fx", "dynamo", "export"] = "auto") -> int:
-    """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
-    ``num_devices`` devices of ``device_memory`` bytes each: the largest for which
-    ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
-    ``memory_fraction`` of ``device_memory`` (:func:`predict_memory`).
-
-    ``model``: best built on the ``meta`` device (no weights are read; a copy is cast to
-    ``dtype``, the device copies' dtype, e.g. ``param_dtype=torch.bfloat16``; ``None``
-    keeps the model's). ``example_inputs(seq_len)``: the model's positional inputs for
-    one microbatch of ``microbatch_size`` sequences (default: token ids
-    ``(microbatch_size, seq_len)`` on ``meta``). A step runs ``num_microbatch``
-    microbatches (default devices + 1). ``loss_fn`` and ``label(seq_len)`` (default:
-    ids-shaped labels): the loss the fused tail runs, costed; without it the tail counts
-    a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes); a model that
-    returns its loss (``fxpipe.linear_cross_entropy``) needs neither.
-
-    The model is captured once at ``step`` tokens and costed on fake tensors at each
-    length tried (a graph specialized on the sequence length is captured again); the
-    search doubles, then bisects. Raises ``PlanError`` (what does not fit, by kind)
-    when not even ``step`` tokens fit.
-
-    >>> import torch, fxpipe
-    >>> from fxpipe.demo import TinyLlama
-    >>> with torch.device("meta"):
-    ...     model = TinyLlama(vocab=256, dim=64, depth=2)
-    >>> fxpipe.plan.max_sequence_length(model, device_memory=64 * 2**20, num_devices=2, step=256,
-    ...                                 dtype=None)
-    7168
-    """
-    if step < 1 or max_length < step:
-        raise ValueError(f"max_sequence_length: need 1 <= step <= max_length, got step={step}, "
-                         f"max_length={max_length}")
-    if device_memory <= 0 or not 0 < memory_fraction <= 1:
-        raise ValueError(f"max_sequence_length: device_memory must be > 0 bytes and "
-                         f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
-    if dtype is not None:
-        model = copy.deepcopy(model).to(dtype)
-    make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
-                                                     device="meta"),))
-    make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
-    M = num_microbatch or num_devices + 1
-    limit = memory_fraction * device_memory
-    graph: list[LayerGraph] = []
-
-    def check(n: int) -> None:
-        args = make(n)
-        if not isinstance(args, tuple):
-            raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
-                            f"arguments, got {type(args).__name__}")
-        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
-                            for d, size in graph[0].static_dims.get(name, {}).items()):
-            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers)]
-        loss = None if loss_fn is None else (loss_fn, make_label(n))
-        costs = compute_costs(graph[0], flat, store=False, loss=loss)
-        memory = ChainMemory.of(costs, _nbytes(flat))
-        planner.check_memory("fused", [memory], limit, num_devices=num_devices, num_microbatch=M,
-                             recompute_grain=recompute_grain)
-
-    def fits(n: int) -> bool:
-        try:
-            check(n)
-        except PlanError:
-            return False
-        return True
-
-    try:
-        check(step)
-    except PlanError as e:
-        raise PlanError(f"max_sequence_length: not even {step} tokens fit "
-                        f"{memory_fraction:.0%} of {human_bytes(device_memory)}: {e}") from None
-    lo, hi = step, None
-    while hi is None:
-        n = min(2 * lo, max_length) // step * step
-        if n <= lo:   # max_length reached
-            break
-        lo, hi = (n, None) if fits(n) else (lo, n)
-    while hi is not None and hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
