@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiled in {compile_s:.1f} s: {len(pipe.layers)} layers, {len(pipe.stages)} "
           f"stages on {', '.join(d.name for d in pipe.devices)}\n")
 
-    # print(pipe) shows the top-level graph calling the stages; pipe.code("infer") every
-    # stage GraphModule an inference call runs. Here: the top level, and stage 1's transfers.
+    # print(pipe) lists what pipe(x) runs: its Program's actions (transfers, stage calls,
+    # host actions); pipe.code("infer") every stage GraphModule an inference call runs.
+    # Here: the listing, and stage 1's transfer nodes.
     print(str(pipe).rstrip())
     stage_1 = pipe.stages[1].code
     transfers = [line.split(";")[0] for line in stage_1.splitlines()

@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(d.name for d in pipe.devices)} in {time.perf_counter() - t0:.1f} s")
     print(f"plan: {pipe.plan}\n")
     if not args.quiet:
-        print("The rewritten program (pipe.code() prints every stage a training step runs, "
-              "pipe.program() its actions):\n")
+        print("The rewritten program: what pipe(x) runs, every action of its Program "
+              "(pipe.code() prints every stage a training step runs, pipe.program() its "
+              "lanes):\n")
         print(str(pipe).rstrip())
         print(f"\n{pipe.stages[1].code.strip()}\n")
 

@@ -51,6 +51,14 @@ within ``max_grad_norm`` (clip coefficient 1: eager's clipping changes nothing) 
 result is exact as is; otherwise the copies are put back, the gradients clipped and the
 whole step runs then (not overlapped). ``speculate=False`` always waits for the end.
 
+Every part of a step is an action of the call's Program, in its host lane, and
+``pipe.program("fused", optimizer=step)`` prints them (``passes.program``):
+``S4:6`` steps a stage (streamed, before the ``C``ommit, or after it when it cannot
+be), ``N`` clips (or checks the speculated norm and redoes the step), ``SS`` is the
+``GradScaler`` step, ``A`` applies the previous call's asynchronous update and ``Q``
+queues this call's. For example ``overlapped(opt, max_grad_norm=1.0)`` prints
+``RF S5:6 S3:5 S1:3 S0:1 C N`` and ``speculate=False`` ``RF M5:6 ... C N S5:6 ...``.
+
 ``mode="async"``: RoundPipe's one-step-stale optimizer. A call's update is applied
 during the *next* call, which therefore computes its gradients on weights that lack the
 latest update: this changes the training math (the update equals the exact one, but
@@ -61,13 +69,15 @@ evaluating or saving the model; ``opt.state_dict()`` and ``opt.step()`` do it fi
 was carrying; its own gradients are dropped, as always.
 
 ``scaler=torch.amp.GradScaler(...)``: the loss is scaled inside the pipeline and the
-step is eager's ``scaler.step(opt)`` at the end of the call (the inf check needs every
+step is eager's ``scaler.step(opt)`` after the commit (the inf check needs every
 gradient: nothing is overlapped). Call ``scaler.update()`` after the call, as in eager.
 
-Failures: with ``atomic=True`` (or while speculating on clipping) a failed call puts
-back the stepped parameters, their state and ``.grad``: nothing changed. Otherwise the
-stages already stepped stay stepped, each whole (never half a tensor): the
-``StageError`` carries a note naming them.
+Failures: with ``atomic=True`` (or while speculating on clipping) a call failing before
+its commit puts back the stepped parameters, their state and ``.grad``: nothing
+changed. Otherwise the stages already stepped stay stepped, each whole (never half a
+tensor): the ``StageError`` carries a note naming them. A step after the commit
+(``N``, ``SS``, ``S`` after ``C``) that fails raises with the call's gradients in
+``.grad``.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def test_steps_overlap_the_backward():
 def test_program_has_one_optimizer_step_per_backward_stage():
     _, _, pipe = gpt_pair(2)
     program = pipe.program("fused", 2, optimizer=True)
-    assert [str(a) for a in program.host] == ["S5:6", "S3:5", "S1:3", "S0:1", "C"]
+    assert [str(a) for a in program.host] == ["RF", "S5:6", "S3:5", "S1:3", "S0:1", "C"]
     assert not any(str(a).startswith("S") for acts in program.actions for a in acts)
 
 
@@ -376,7 +376,8 @@ def test_simulated_optimizer_modes():
     assert modes.async_ms < modes.exact_ms < modes.sync_ms
     rel = modes.relative_throughput()
     assert rel["sync"] == 1.0 and rel["async"] > rel["exact"] > 1.0
-    assert [str(a) for a in with_optimizer_steps(p).host] == ["S6:8", "S4:6", "S2:4", "S0:2", "C"]
+    assert [str(a) for a in with_optimizer_steps(p).host] == \
+        ["RF", "S6:8", "S4:6", "S2:4", "S0:2", "C"]
 
 
 # -- kernels and threads (fxpipe.optim_step) ---------------------------------------------

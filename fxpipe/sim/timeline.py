@@ -26,7 +26,8 @@ COLORS = {"forward": "#4F81BD", "recompute": "#F79646", "backward": "#C0504D",
 @dataclass(frozen=True, slots=True)
 class Interval:
     """One scheduled piece of work: ``kind`` is forward / recompute / backward /
-    transfer / optimizer, ``label`` the action's ``str`` (``3B1``, ``2P``)."""
+    transfer / optimizer / host (the host lane's other actions), ``label`` the action's
+    ``str`` (``3B1``, ``2P``)."""
 
     device: int
     stream: str
