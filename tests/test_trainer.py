@@ -201,7 +201,6 @@ def test_bf16_computes_in_param_dtype(tmp_path):
 @pytest.mark.parametrize("option,message", [
     ({"fsdp": "full_shard"}, "fsdp=...) cannot be honoured"),
     ({"fp16": True}, "fp16=True): fp16 needs loss scaling"),
-    ({"gradient_checkpointing": True}, "fxpipe already recomputes"),
 ])
 def test_options_fxpipe_cannot_honour(tmp_path, option, message):
     try:
@@ -235,3 +234,41 @@ def test_import_fxpipe_imports_no_hf():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
+
+
+def test_trl_sft_trainer(tmp_path):
+    """TRL's SFTTrainer through fxpipe (``fxpipe_trainer(SFTTrainer)``) equals SFTTrainer:
+    its defaults (gradient checkpointing, ``loss_type="chunked_nll"``) map onto fxpipe's
+    recompute and the same "nll" math; its metrics are computed per microbatch."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(V)},
+                                                           unk_token="t1"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    ptok = T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2",
+                                     unk_token="t1")
+    g = torch.Generator().manual_seed(0)
+    ds = datasets.Dataset.from_dict({"input_ids": torch.randint(3, V, (16, SEQ - 1),
+                                                                generator=g).tolist()})
+
+    def config(name):
+        return trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+                             max_steps=4, learning_rate=1e-3, logging_steps=1, report_to=[],
+                             save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True,
+                             bf16=False)
+
+    ref = trl.SFTTrainer(model=tiny_llama(), args=config("ref"), train_dataset=ds,
+                         processing_class=ptok)
+    ref.train()
+    ours = fxpipe_trainer(trl.SFTTrainer)(model=tiny_llama(), args=config("fx"), train_dataset=ds,
+                                          processing_class=ptok, devices=["cpu", "cpu"])
+    ours.train()
+    assert ours.args.loss_type == "nll"
+    a, b = losses(ref), losses(ours)
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b)) <= TOL, (a, b)
+    assert max_weight_diff(ref.model, ours.model) <= TOL
+    entropy = [h["entropy"] for h in ours.state.log_history if "entropy" in h]
+    assert len(entropy) == 4 and all(e > 0 for e in entropy)
+    ours.close_pipes()

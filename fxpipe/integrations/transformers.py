@@ -36,7 +36,10 @@ How a step maps onto the pipe:
   Trainer's non-final accumulation steps run under ``pipe.no_sync()``.
 
 Options fxpipe cannot honour raise at construction: DeepSpeed, FSDP, ``fp16`` (loss
-scaling), ``gradient_checkpointing`` (fxpipe recomputes already), LOMO optimizers.
+scaling), LOMO optimizers. ``gradient_checkpointing=True`` (TRL's default) is turned off:
+fxpipe recomputes each stage's forward for its backward already; TRL's default
+``loss_type="chunked_nll"`` becomes ``"nll"`` (the same math; its chunk loop cannot be
+captured). TRL: ``fxpipe_trainer(trl.SFTTrainer)(model=..., args=SFTConfig(...), ...)``.
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ class FxpipeMixin:
             dtype = self._fxpipe_param_dtype
             if dtype is None and self.args.bf16:
                 dtype = torch.bfloat16
+            _checkpointing_off(self.model)   # fxpipe recomputes each stage itself
             dp = training and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1
             pipe = fxpipe.compile(self.model, example_inputs=tuple(args), example_kwargs=kwargs,
@@ -303,15 +307,35 @@ def _check_args(args: Any) -> None:
         raise NotImplementedError(f"{where}(fp16=True): fp16 needs loss scaling, which the "
                                   "fused step does not route yet; use bf16=True "
                                   "(param_dtype=torch.bfloat16) or fp32")
-    if getattr(args, "gradient_checkpointing", False):
-        raise ValueError(f"{where}(gradient_checkpointing=True): fxpipe already recomputes "
-                         "each stage's forward for its backward (RunConfig.recompute_grain); "
-                         "set gradient_checkpointing=False")
+    for name in ("activation_checkpointing", "gradient_checkpointing"):   # new name, old
+        if name in getattr(args, "__dict__", {}) and args.__dict__[name]:
+            # what it asks for (activations recomputed in backward, not kept) fxpipe does
+            # already, per stage (RunConfig.recompute_grain); HF's own checkpointing inside
+            # the captured model would only recompute twice
+            args.__dict__[name] = False
+    if getattr(args, "loss_type", None) == "chunked_nll":
+        # TRL's default: "nll"'s math, its loss computed in a data-dependent loop over token
+        # chunks that no capture can trace; the pipe's tail holds one microbatch's logits
+        args.loss_type = "nll"
+    if getattr(args, "activation_offloading", False):
+        raise ValueError(f"{where}(activation_offloading=True) cannot be honoured: fxpipe "
+                         "already keeps activations on the host between stages; set it False")
     optim = str(getattr(args, "optim", ""))
     if "lomo" in optim.lower():
         raise NotImplementedError(f"{where}(optim={optim!r}): LOMO steps inside backward "
                                   "hooks, which the pipeline's backward does not run; use "
                                   "another optimizer")
+
+
+def _checkpointing_off(model: nn.Module) -> None:
+    """Turn off HF activation (gradient) checkpointing in ``model``: fxpipe cannot capture
+    it and recomputes each stage itself."""
+    for is_on, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
+                       ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
+        if hasattr(type(model), is_on) or hasattr(model, off):
+            if getattr(model, is_on, False):
+                getattr(model, off)()
+            return
 
 
 def _check_trainer(trainer: Any) -> None:
