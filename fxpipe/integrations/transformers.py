@@ -20,6 +20,14 @@ How a step maps onto the pipe:
   Trainer does for models that accept loss kwargs), microbatch losses add
   (``loss_reduction="sum"``), so loss and gradients equal one eager pass over the batch,
   padding included; otherwise each microbatch's mean is weighted by its rows.
+- the optimizer (``stream_optimizer=None``: when it allows, i.e. a ``torch.optim``
+  optimizer with a per-parameter update: SGD, Adam, AdamW, ...): the accumulation step
+  that ends an optimizer step passes it to ``forward_backward`` as
+  ``fxpipe.optim.overlapped(opt, max_grad_norm=args.max_grad_norm)``, so each stage is
+  stepped as soon as its gradients are final (clipping speculated, redone when the norm
+  exceeds the limit); the Trainer's own ``optimizer.step()`` then does nothing, its
+  scheduler steps as usual. The logged ``grad_norm`` is then measured after clipping.
+  ``stream_optimizer=False``: the Trainer steps after the call.
 - gradient accumulation: each accumulation step is one ``forward_backward`` call adding
   into ``.grad``; the pipe also splits each batch into ``fxpipe_config.num_microbatch``
   microbatches (default: devices + 1).
@@ -110,7 +118,7 @@ class _PipedModel(nn.Module):
                 kwargs = {**kwargs, "num_items_in_batch": n.detach().cpu()}
                 run_config = fxpipe.RunConfig(merge_output=_sum_loss)
         pipe = trainer._fxpipe_pipe(args, kwargs, training=False)
-        return pipe(*args, run_config=run_config, **kwargs)
+        return pipe(*args, run_config=_fit_rows(pipe, args, kwargs, run_config), **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -132,6 +140,19 @@ def _sum_loss(outputs: list) -> Any:
     if isinstance(loss, torch.Tensor):
         merged["loss"] = sum(out["loss"] for out in outputs)
     return merged
+
+
+def _fit_rows(pipe: fxpipe.PipelineModule, args: tuple, kwargs: dict,
+              run_config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
+    """A batch with fewer rows than microbatches (a small per-rank batch, an epoch's last
+    batch) runs as one microbatch per row."""
+    rows = next((t.shape[0] for t in (*args, *kwargs.values())
+                 if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    cfg = fxpipe.RunConfig.merge(pipe.config, run_config)
+    n = cfg.num_microbatch or len(pipe.devices) + 1
+    if rows is None or rows >= n or cfg.split_input is not None:
+        return run_config
+    return fxpipe.RunConfig.merge(run_config, fxpipe.RunConfig(num_microbatch=max(rows, 1)))
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -157,7 +178,8 @@ class FxpipeMixin:
 
     def __init__(self, *args: Any, fxpipe_config: fxpipe.RunConfig | None = None,
                  devices: Sequence[Any] | None = None, plan: fxpipe.ExecutePlan | None = None,
-                 param_dtype: torch.dtype | None = None, **kwargs: Any):
+                 param_dtype: torch.dtype | None = None, stream_optimizer: bool | None = None,
+                 **kwargs: Any):
         if fxpipe_config is not None and not isinstance(fxpipe_config, fxpipe.RunConfig):
             raise TypeError(f"fxpipe_config must be an fxpipe.RunConfig, got "
                             f"{type(fxpipe_config).__name__}")
@@ -168,6 +190,11 @@ class FxpipeMixin:
         self._fxpipe_devices = list(devices) if devices is not None else None
         self._fxpipe_plan = plan
         self._fxpipe_param_dtype = param_dtype
+        if stream_optimizer not in (None, True, False):
+            raise TypeError(f"stream_optimizer must be True, False or None (stream when the "
+                            f"optimizer allows), got {stream_optimizer!r}")
+        self._fxpipe_stream = stream_optimizer
+        self._fxpipe_stepped = False
         self._fxpipe_pipes: dict[tuple, fxpipe.PipelineModule] = {}
         self._fxpipe_train_pipe: fxpipe.PipelineModule | None = None
         self._fxpipe_wrapped: _PipedModel | None = None
@@ -261,9 +288,58 @@ class FxpipeMixin:
             return loss if scaled else loss / ga
 
         pipe = self._fxpipe_pipe((), model_inputs, training=True)
+        step = self._fxpipe_streamed_step()
         loss = pipe.forward_backward((), model_inputs, label=dict(inputs), loss_fn=loss_fn,
-                                     loss_reduction="sum" if scaled else "mean")
+                                     loss_reduction="sum" if scaled else "mean", optimizer=step,
+                                     run_config=_fit_rows(pipe, (), model_inputs, None))
+        if step is not None:
+            self._fxpipe_skip_next_step()
         return loss.to(self.args.device)
+
+    # -- the streamed optimizer --------------------------------------------------------------
+    def _fxpipe_streamed_step(self) -> Any:
+        """On the accumulation step that ends an optimizer step: the Trainer's optimizer as
+        an ``fxpipe.optim.overlapped`` step streamed into the pipeline's backward (each
+        stage stepped as soon as its gradients are final; clipping speculated), when the
+        optimizer allows it; else None (the Trainer steps after the call)."""
+        if self._fxpipe_stream is False or not self.accelerator.gradient_state.sync_gradients:
+            return None
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        reason = _why_not_streamed(self, inner)
+        if reason is not None:
+            if self._fxpipe_stream:
+                raise NotImplementedError(f"FxpipeTrainer(stream_optimizer=True): {reason}")
+            return None
+        clip = self.args.max_grad_norm if self.args.max_grad_norm and \
+            self.args.max_grad_norm > 0 else None
+        step = inner.__dict__.get("_fxpipe_trainer_step")
+        if step is None or step.max_grad_norm != clip:
+            step = fxpipe.optim.overlapped(inner, max_grad_norm=clip)
+            inner.__dict__["_fxpipe_trainer_step"] = step
+        return step
+
+    def _fxpipe_skip_next_step(self) -> None:
+        """The pipe stepped the optimizer: the Trainer's ``optimizer.step()`` that follows
+        this accumulation step does nothing (once); its clipping measures the gradients."""
+        opt = self.optimizer
+        self._fxpipe_stepped = True
+        before = opt.__dict__.get("step")   # an LR scheduler's step-counting wrapper
+
+        def stepped_already(*args: Any, **kwargs: Any) -> None:
+            if before is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = before
+            opt._opt_called = True   # what the scheduler's wrapper records: it did step
+            self._fxpipe_stepped = False
+
+        stepped_already._wrapped_by_lr_sched = True
+        opt.step = stepped_already
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self._fxpipe_stepped:   # clipped (if needed) and stepped in the pipe: measure only
+            return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        return super()._clip_grad_norm(model)
 
 
 class FxpipeTrainer(FxpipeMixin, transformers.Trainer):
@@ -325,6 +401,21 @@ def _check_args(args: Any) -> None:
         raise NotImplementedError(f"{where}(optim={optim!r}): LOMO steps inside backward "
                                   "hooks, which the pipeline's backward does not run; use "
                                   "another optimizer")
+
+
+_STREAMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+def _why_not_streamed(trainer: Any, inner: Any) -> str | None:
+    """Why the Trainer's optimizer cannot be stepped inside the pipeline (None: it can)."""
+    if not isinstance(inner, _STREAMABLE):
+        return (f"{type(inner).__name__} is not a torch.optim optimizer with a per-parameter "
+                f"update ({', '.join(c.__name__ for c in _STREAMABLE)})")
+    if trainer.optimizer is not inner and type(trainer.optimizer).__name__ != \
+            "AcceleratedOptimizer":
+        return f"the optimizer is wrapped in {type(trainer.optimizer).__name__}"
+    return None
 
 
 def _checkpointing_off(model: nn.Module) -> None:
