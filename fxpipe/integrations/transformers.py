@@ -59,7 +59,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import transformers
+
+try:
+    import transformers
+except ImportError as e:   # the core depends on torch alone
+    raise ImportError("fxpipe.integrations.transformers needs transformers (and accelerate): "
+                      "pip install 'fxpipe[hf]'") from e
 
 import fxpipe
 from fxpipe.runtime.microbatch import merge_output
