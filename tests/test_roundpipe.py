@@ -469,7 +469,8 @@ def test_optim_dtype_masters():
     before = [m.detach().clone() for m in masters]
     opt = torch.optim.SGD(masters, lr=0.1)
     x, y = torch.randn(6, D, dtype=torch.bfloat16), torch.randn(6, D, dtype=torch.bfloat16)
-    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, l: mse_sum(o.float(), l.float()))
+    rp.forward_backward(input_args=(x,), label=y,
+                        loss_fn=lambda o, lab: mse_sum(o.float(), lab.float()))
     grads = [p.grad.float().clone() for p in model.parameters()]
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
     rp.synchronize()
@@ -514,3 +515,17 @@ def test_unsupported_raise_naming_the_option():
             fn()
     with pytest.raises(ValueError, match="pin_model"):
         RoundPipe(seq(2), pin_model="pinned")
+
+
+def test_auto_plan_at_model_level():
+    model = seq(4)
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, devices=DEV)
+    rp.model_run_config = RoundPipeRunConfig(execute_plan=ModelExecutePlan.auto("fused", rp))
+    x, y = torch.randn(6, D), torch.randn(6, D)
+    loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=mse_sum)
+    rp.pipe.config.execute_plan.validate(4, "fused")
+    ref_loss = mse_sum(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert_grads(model, ref)

@@ -20,7 +20,7 @@ T = pytest.importorskip("transformers")
 from fxpipe.integrations.transformers import FxpipeTrainer, fxpipe_trainer  # noqa: E402
 
 V, SEQ = 64, 8
-TOL = 2e-5   # fp32: the pipe sums microbatch losses in another order than one eager pass
+TOL = 2e-6   # fp32: microbatch losses summed in another order than one eager pass (seen 5e-7)
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -159,8 +159,10 @@ def test_peft_lora(tmp_path):
     ours = FxpipeTrainer(model=model, args=args(tmp_path / "fx"), train_dataset=ds,
                          devices=["cpu", "cpu"])
     ours.train()
-    assert max(abs(x - y) for x, y in zip(losses(ref), losses(ours))) <= TOL
-    assert max_weight_diff(ref.model, ours.model) <= TOL
+    loss_err = max(abs(x - y) for x, y in zip(losses(ref), losses(ours)))
+    w_err = max_weight_diff(ref.model, ours.model)
+    print(f"peft: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
+    assert loss_err <= TOL and w_err <= TOL
     frozen = dict(tiny_llama().named_parameters())
     base = {n.replace("base_model.model.", "").replace(".base_layer", ""): p
             for n, p in ours.model.named_parameters() if "lora_" not in n}
@@ -277,8 +279,9 @@ def test_trl_sft_trainer(tmp_path):
     assert ours.args.loss_type == "nll"
     a, b = losses(ref), losses(ours)
     assert len(a) == len(b) == 4
-    assert max(abs(x - y) for x, y in zip(a, b)) <= TOL, (a, b)
-    assert max_weight_diff(ref.model, ours.model) <= TOL
+    loss_err, w_err = max(abs(x - y) for x, y in zip(a, b)), max_weight_diff(ref.model, ours.model)
+    print(f"trl: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
+    assert loss_err <= TOL and w_err <= TOL, (a, b)
     entropy = [h["entropy"] for h in ours.state.log_history if "entropy" in h]
     assert len(entropy) == 4 and all(e > 0 for e in entropy)
     ours.close_pipes()
@@ -298,14 +301,15 @@ def test_two_ranks_torchrun(tmp_path):
                           cwd=str(pathlib.Path(__file__).resolve().parents[1]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     got = torch.load(out)
-    one = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path / "one", per_device_train_batch_size=4,
-                                                      gradient_accumulation_steps=2,
-                                                      train_sampling_strategy="sequential"),
-                        train_dataset=Rows(), devices=["cpu", "cpu"])
+    whole = args(tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                 train_sampling_strategy="sequential")
+    one = FxpipeTrainer(model=tiny_llama(), args=whole, train_dataset=Rows(),
+                        devices=["cpu", "cpu"])
     one.train()
     assert len(got["losses"]) == len(losses(one)) == 4
-    assert max(abs(x - y) for x, y in zip(got["losses"], losses(one))) <= TOL, \
-        (got["losses"], losses(one))
+    loss_err = max(abs(x - y) for x, y in zip(got["losses"], losses(one)))
     state = one.model.state_dict()
-    assert max((state[k] - got["state"][k]).abs().max().item() for k in state) <= TOL
+    w_err = max((state[k] - got["state"][k]).abs().max().item() for k in state)
+    print(f"2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
+    assert loss_err <= TOL and w_err <= TOL, (got["losses"], losses(one))
     one.close_pipes()

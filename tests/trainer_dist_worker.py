@@ -11,10 +11,10 @@ from tests.test_trainer import Rows, args, losses, tiny_llama
 
 
 def main(out: str) -> None:
-    trainer = FxpipeTrainer(model=tiny_llama(), args=args(out + ".run", per_device_train_batch_size=2,
-                                                          gradient_accumulation_steps=2,
-                                                          train_sampling_strategy="sequential"),
-                            train_dataset=Rows(), devices=["cpu", "cpu"])
+    half = args(out + ".run", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                train_sampling_strategy="sequential")
+    trainer = FxpipeTrainer(model=tiny_llama(), args=half, train_dataset=Rows(),
+                            devices=["cpu", "cpu"])
     trainer.train()
     pipe = trainer._fxpipe_train_pipe
     assert pipe is not None and pipe._dp is not None, "the training pipe is not data parallel"

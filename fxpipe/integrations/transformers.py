@@ -203,6 +203,7 @@ class FxpipeMixin:
         self._fxpipe_pipes: dict[tuple, fxpipe.PipelineModule] = {}
         self._fxpipe_train_pipe: fxpipe.PipelineModule | None = None
         self._fxpipe_wrapped: _PipedModel | None = None
+        self._fxpipe_group: Any = None
         super().__init__(*args, **kwargs)
         _check_trainer(self)
 
@@ -218,9 +219,17 @@ class FxpipeMixin:
             _checkpointing_off(self.model)   # fxpipe recomputes each stage itself
             dp = training and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1
+            extra = {}
+            if dp:
+                # a group of its own: the pipe's all-reduces run on its host lane while the
+                # Trainer's code in the tail (TRL's gather_for_metrics) may use the default
+                if self._fxpipe_group is None:
+                    self._fxpipe_group = dist.new_group()
+                extra["process_group"] = self._fxpipe_group
             pipe = fxpipe.compile(self.model, example_inputs=tuple(args), example_kwargs=kwargs,
                                   devices=self._fxpipe_devices, config=self._fxpipe_config,
-                                  plan=self._fxpipe_plan, param_dtype=dtype, data_parallel=dp)
+                                  plan=self._fxpipe_plan, param_dtype=dtype, data_parallel=dp,
+                                  **extra)
             self._fxpipe_pipes[key] = pipe
         if training:
             self._fxpipe_train_pipe = pipe

@@ -181,11 +181,17 @@ class RoundPipe(nn.Module):
     # -- the pipe ----------------------------------------------------------------------------
     def _compiled(self, args: tuple, kwargs: dict) -> PipelineModule:
         if self._pipe is None:
+            config = self.model_run_config
+            auto = config.execute_plan if isinstance(config.execute_plan, _AutoPlan) else None
+            if auto is not None:   # planned once the model has layers (below)
+                config = dataclasses.replace(config, execute_plan=None)
             self._pipe = compile(
                 self.module, example_inputs=tuple(args), example_kwargs=kwargs,
-                devices=self._devices, config=self.model_run_config,
+                devices=self._devices, config=config,
                 layers="" if isinstance(self.module, nn.Sequential) else None,
                 pin_memory=self._pin)
+            if auto is not None:
+                self._pipe.config = dataclasses.replace(config, execute_plan=auto.resolve())
         return self._pipe
 
     @property
@@ -370,7 +376,8 @@ class RoundPipe(nn.Module):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         self.wait()
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="roundpipe-step")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="roundpipe-step")
         future = self._pool.submit(self._step, step_fn, args, kwargs)
         if is_async:
             self._pending = future
@@ -471,7 +478,8 @@ def wrap_model_to_roundpipe(model: nn.Module, use_sequential_preset: bool | None
     ``override_config`` (per-module run configs) are not supported."""
     if list(skip_modules):
         raise NotImplementedError("wrap_model_to_roundpipe(skip_modules=...): fxpipe pipelines "
-                                  "the whole model as one chain of layers; leave skip_modules empty")
+                                  "the whole model as one chain of layers; leave skip_modules "
+                                  "empty")
     if override_config:
         raise NotImplementedError("wrap_model_to_roundpipe(override_config=...): per-module run "
                                   "configs are not supported; pass run_config= per call")
