@@ -313,3 +313,23 @@ def test_two_ranks_torchrun(tmp_path):
     print(f"2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
     assert loss_err <= TOL and w_err <= TOL, (got["losses"], losses(one))
     one.close_pipes()
+
+
+def test_eval_during_training_and_a_short_last_batch(tmp_path):
+    """Evaluation every 2 steps interleaved with training (a train and an eval pipe on
+    one model); 18 rows in batches of 4: the epoch's last batch has 2 rows, fewer than
+    the default 3 microbatches."""
+    kw = dict(eval_strategy="steps", eval_steps=2, max_steps=5)
+    ref = T.Trainer(model=tiny_llama(), args=args(tmp_path / "ref", **kw),
+                    train_dataset=Rows(18), eval_dataset=Rows(8, seed=3))
+    ref.train()
+    ours = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path / "fx", **kw),
+                         train_dataset=Rows(18), eval_dataset=Rows(8, seed=3),
+                         devices=["cpu", "cpu"])
+    ours.train()
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours)]
+    assert len(evals[0]) == len(evals[1]) == 3
+    assert max(abs(x - y) for x, y in zip(*evals)) <= 1e-5, evals
+    assert max(abs(x - y) for x, y in zip(losses(ref), losses(ours))) <= TOL
+    assert max_weight_diff(ref.model, ours.model) <= TOL
+    ours.close_pipes()
