@@ -1,0 +1,454 @@
+"""``FxpipeTrainer``: a ``transformers.Trainer`` that trains through an fxpipe pipeline.
+
+Constructed like ``Trainer`` (plus ``fxpipe_config=``, ``devices=``, ``plan=``,
+``param_dtype=``), it compiles the model on the first batch and runs each training step
+as one fused ``pipe.forward_backward``; the Trainer's own loop does the rest (gradient
+accumulation, ``max_grad_norm`` clipping, the optimizer and scheduler it builds,
+logging, evaluation, checkpoints and resume, callbacks)::
+
+    from fxpipe.integrations.transformers import FxpipeTrainer
+    trainer = FxpipeTrainer(model=model, args=TrainingArguments(...),
+                            train_dataset=ds, devices=["cuda:0", "cuda:1"])
+    trainer.train()
+
+How a step maps onto the pipe:
+
+- the loss is the Trainer's: ``compute_loss`` runs once per microbatch inside the pipe's
+  fused tail on that microbatch's outputs (the model's own ``labels=`` loss,
+  ``compute_loss_func``, label smoothing, a subclass's ``compute_loss`` such as TRL's).
+  When the loss is normalized by the step's token count (``num_items_in_batch``, what
+  Trainer does for models that accept loss kwargs), microbatch losses add
+  (``loss_reduction="sum"``), so loss and gradients equal one eager pass over the batch,
+  padding included; otherwise each microbatch's mean is weighted by its rows.
+- the optimizer (``stream_optimizer=None``: when it allows, i.e. a ``torch.optim``
+  optimizer with a per-parameter update: SGD, Adam, AdamW, ...): the accumulation step
+  that ends an optimizer step passes it to ``forward_backward`` as
+  ``fxpipe.optim.overlapped(opt, max_grad_norm=args.max_grad_norm)``, so each stage is
+  stepped as soon as its gradients are final (clipping speculated, redone when the norm
+  exceeds the limit); the Trainer's own ``optimizer.step()`` then does nothing, its
+  scheduler steps as usual. The logged ``grad_norm`` is then measured after clipping.
+  ``stream_optimizer=False``: the Trainer steps after the call.
+- gradient accumulation: each accumulation step is one ``forward_backward`` call adding
+  into ``.grad``; the pipe also splits each batch into ``fxpipe_config.num_microbatch``
+  microbatches (default: devices + 1).
+- the parameters stay the model's, on the host: the Trainer's optimizer, clipping,
+  ``save_model`` and checkpoints see them unchanged. The model is never moved to
+  ``args.device`` nor wrapped in ``DataParallel``/``DistributedDataParallel``.
+- ``args.bf16``: devices compute in bfloat16 copies of the fp32 masters
+  (``param_dtype=torch.bfloat16``).
+- ``evaluate()`` / ``predict()`` run the model through the pipe (a second pipe for the
+  evaluation batches' keys, compiled on their first batch).
+- under ``torchrun`` / ``accelerate launch`` (``torch.distributed`` initialized, world
+  size > 1) the training pipe is compiled with ``data_parallel=True``: each rank trains
+  its share of the batch and gradients are averaged in the pipeline's backward; the
+  Trainer's non-final accumulation steps run under ``pipe.no_sync()``.
+
+Options fxpipe cannot honour raise at construction: DeepSpeed, FSDP, ``fp16`` (loss
+scaling), LOMO optimizers. ``gradient_checkpointing=True`` (TRL's default) is turned off:
+fxpipe recomputes each stage's forward for its backward already; TRL's default
+``loss_type="chunked_nll"`` becomes ``"nll"`` (the same math; its chunk loop cannot be
+captured). TRL: ``fxpipe_trainer(trl.SFTTrainer)(model=..., args=SFTConfig(...), ...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+try:
+    import transformers
+except ImportError as e:   # the core depends on torch alone
+    raise ImportError("fxpipe.integrations.transformers needs transformers (and accelerate): "
+                      "pip install 'fxpipe[hf]'") from e
+
+import fxpipe
+from fxpipe.runtime.microbatch import merge_output
+
+__all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]
+
+
+class _Replay(nn.Module):
+    """Stands in for the model inside ``compute_loss``, which runs per microbatch in the
+    pipe's tail: calling it returns the outputs the pipe computed for that microbatch."""
+
+    def __init__(self, model: nn.Module, outputs: Any):
+        super().__init__()
+        object.__setattr__(self, "_model", model)   # not a submodule: no parameters
+        object.__setattr__(self, "_outputs", outputs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._outputs
+
+    def _get_name(self) -> str:   # compute_loss picks label smoothing's shift by it
+        model = self._model
+        if _is_peft(model):
+            return model.base_model.model._get_name()
+        return model._get_name()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._model, name)
+
+
+class _PipedModel(nn.Module):
+    """What the Trainer's loop holds as its (wrapped) model: the user's model (its
+    parameters, ``train()``/``eval()``, ``zero_grad()``) whose calls run through the
+    trainer's pipes. Returned by ``_wrap_model`` so that neither accelerate nor the
+    Trainer wraps the model in DataParallel / DistributedDataParallel or moves it."""
+
+    def __init__(self, trainer: FxpipeMixin, model: nn.Module):
+        super().__init__()
+        self.module = model
+        object.__setattr__(self, "_trainer", trainer)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer
+        run_config = None
+        if trainer.model_accepts_loss_kwargs and "labels" in kwargs:
+            # the batch's loss exactly, padding included: each microbatch's loss normalized
+            # by the batch's label count (as Trainer passes it), the microbatch losses added
+            n = kwargs.get("num_items_in_batch")
+            if n is None:
+                n = trainer._get_num_items_in_batch([kwargs], torch.device("cpu"))
+            if isinstance(n, int):
+                n = torch.tensor(n)
+            if isinstance(n, torch.Tensor):
+                kwargs = {**kwargs, "num_items_in_batch": n.detach().cpu()}
+                run_config = fxpipe.RunConfig(merge_output=_sum_loss)
+        pipe = trainer._fxpipe_pipe(args, kwargs, training=False)
+        return pipe(*args, run_config=_fit_rows(pipe, args, kwargs, run_config), **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation steps before the last: no gradient averaging across ranks."""
+        pipe = self._trainer._fxpipe_train_pipe
+        if pipe is None or pipe._dp is None:
+            yield
+            return
+        with pipe.no_sync():
+            yield
+
+
+def _sum_loss(outputs: list) -> Any:
+    """Merge microbatch outputs as usual, their ``loss`` (each already divided by the
+    batch's label count) added."""
+    merged = merge_output(outputs)
+    first = outputs[0]
+    loss = first.get("loss") if isinstance(first, dict) else None
+    if isinstance(loss, torch.Tensor):
+        merged["loss"] = sum(out["loss"] for out in outputs)
+    return merged
+
+
+def _fit_rows(pipe: fxpipe.PipelineModule, args: tuple, kwargs: dict,
+              run_config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
+    """A batch with fewer rows than microbatches (a small per-rank batch, an epoch's last
+    batch) runs as one microbatch per row."""
+    rows = next((t.shape[0] for t in (*args, *kwargs.values())
+                 if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    cfg = fxpipe.RunConfig.merge(pipe.config, run_config)
+    n = cfg.num_microbatch or len(pipe.devices) + 1
+    if rows is None or rows >= n or cfg.split_input is not None:
+        return run_config
+    return fxpipe.RunConfig.merge(run_config, fxpipe.RunConfig(num_microbatch=max(rows, 1)))
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """The structure of a call's inputs: one pipe serves calls of one structure."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", x.dim(), x.dtype)
+        return ("value", type(x).__name__)
+    return (tuple(leaf(a) for a in args), tuple(sorted((k, leaf(v)) for k, v in kwargs.items())))
+
+
+class FxpipeMixin:
+    """The fxpipe part of ``FxpipeTrainer``; mix it in front of any ``Trainer`` subclass
+    (``fxpipe_trainer(trl.SFTTrainer)``)."""
+
+    def __init__(self, *args: Any, fxpipe_config: fxpipe.RunConfig | None = None,
+                 devices: Sequence[Any] | None = None, plan: fxpipe.ExecutePlan | None = None,
+                 param_dtype: torch.dtype | None = None, stream_optimizer: bool | None = None,
+                 **kwargs: Any):
+        if fxpipe_config is not None and not isinstance(fxpipe_config, fxpipe.RunConfig):
+            raise TypeError(f"fxpipe_config must be an fxpipe.RunConfig, got "
+                            f"{type(fxpipe_config).__name__}")
+        if plan is not None and not isinstance(plan, fxpipe.ExecutePlan):
+            raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
+        _check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
+        self._fxpipe_config = fxpipe_config
+        self._fxpipe_devices = list(devices) if devices is not None else None
+        self._fxpipe_plan = plan
+        self._fxpipe_param_dtype = param_dtype
+        if stream_optimizer not in (None, True, False):
+            raise TypeError(f"stream_optimizer must be True, False or None (stream when the "
+                            f"optimizer allows), got {stream_optimizer!r}")
+        self._fxpipe_stream = stream_optimizer
+        self._fxpipe_stepped = False
+        self._fxpipe_pipes: dict[tuple, fxpipe.PipelineModule] = {}
+        self._fxpipe_train_pipe: fxpipe.PipelineModule | None = None
+        self._fxpipe_wrapped: _PipedModel | None = None
+        self._fxpipe_group: Any = None
+        super().__init__(*args, **kwargs)
+        _check_trainer(self)
+
+    # -- the pipes -------------------------------------------------------------------------
+    def _fxpipe_pipe(self, args: tuple, kwargs: dict, *, training: bool) -> fxpipe.PipelineModule:
+        """The pipe for calls shaped like ``(args, kwargs)``, compiled on the first one."""
+        key = (training, _signature(args, kwargs))
+        pipe = self._fxpipe_pipes.get(key)
+        if pipe is None:
+            dtype = self._fxpipe_param_dtype
+            if dtype is None and self.args.bf16:
+                dtype = torch.bfloat16
+            _checkpointing_off(self.model)   # fxpipe recomputes each stage itself
+            dp = training and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() > 1
+            extra = {}
+            if dp:
+                # a group of its own: the pipe's all-reduces run on its host lane while the
+                # Trainer's code in the tail (TRL's gather_for_metrics) may use the default
+                if self._fxpipe_group is None:
+                    self._fxpipe_group = dist.new_group()
+                extra["process_group"] = self._fxpipe_group
+            pipe = fxpipe.compile(self.model, example_inputs=tuple(args), example_kwargs=kwargs,
+                                  devices=self._fxpipe_devices, config=self._fxpipe_config,
+                                  plan=self._fxpipe_plan, param_dtype=dtype, data_parallel=dp,
+                                  **extra)
+            self._fxpipe_pipes[key] = pipe
+        if training:
+            self._fxpipe_train_pipe = pipe
+        return pipe
+
+    def close_pipes(self) -> None:
+        """Stop the pipes' device workers (the model and its parameters stay)."""
+        for pipe in self._fxpipe_pipes.values():
+            pipe.close()
+        self._fxpipe_pipes.clear()
+        self._fxpipe_train_pipe = None
+
+    # -- Trainer hooks -----------------------------------------------------------------------
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None):
+        if isinstance(model, _PipedModel):
+            return model
+        if self._fxpipe_wrapped is None or self._fxpipe_wrapped.module is not self.model:
+            self._fxpipe_wrapped = _PipedModel(self, self.model)
+        return self._fxpipe_wrapped
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The parameters stay in host memory: the pipe uploads what each stage needs."""
+
+    def _prepare_input(self, data: Any) -> Any:
+        """Batches stay on the host: the pipe uploads each microbatch to its device."""
+        if isinstance(data, dict):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(v) for v in data)
+        return data
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        # single-process multi-GPU is fxpipe's pipeline, not DataParallel: no n_gpu split
+        n_gpu = self.args._n_gpu
+        self.args._n_gpu = 1
+        try:
+            return super()._get_num_items_in_batch(batch_samples, torch.device("cpu"))
+        finally:
+            self.args._n_gpu = n_gpu
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """One accumulation step: ``compute_loss`` per microbatch in the pipe's fused tail,
+        backward into the model's ``.grad`` (the Trainer's loop then clips and steps)."""
+        self.model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        model_inputs = dict(inputs)
+        if (self.label_smoother is not None or self.compute_loss_func is not None) \
+                and "labels" in model_inputs:
+            model_inputs.pop("labels")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.detach().cpu()
+        elif isinstance(num_items_in_batch, int):
+            num_items_in_batch = torch.tensor(num_items_in_batch)
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            model_inputs["num_items_in_batch"] = num_items_in_batch
+        if self.loss_is_scaled_for_ga is not None:
+            scaled = self.loss_is_scaled_for_ga
+        else:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        ga = self.current_gradient_accumulation_steps
+        trainer, module = self, self.model
+
+        def loss_fn(outputs: Any, mb_inputs: dict) -> torch.Tensor:
+            loss = trainer.compute_loss(_Replay(module, outputs), dict(mb_inputs),
+                                        num_items_in_batch=num_items_in_batch)
+            return loss if scaled else loss / ga
+
+        pipe = self._fxpipe_pipe((), model_inputs, training=True)
+        step = self._fxpipe_streamed_step()
+        loss = pipe.forward_backward((), model_inputs, label=dict(inputs), loss_fn=loss_fn,
+                                     loss_reduction="sum" if scaled else "mean", optimizer=step,
+                                     run_config=_fit_rows(pipe, (), model_inputs, None))
+        if step is not None:
+            self._fxpipe_skip_next_step()
+        return loss.to(self.args.device)
+
+    # -- the streamed optimizer --------------------------------------------------------------
+    def _fxpipe_streamed_step(self) -> Any:
+        """On the accumulation step that ends an optimizer step: the Trainer's optimizer as
+        an ``fxpipe.optim.overlapped`` step streamed into the pipeline's backward (each
+        stage stepped as soon as its gradients are final; clipping speculated), when the
+        optimizer allows it; else None (the Trainer steps after the call)."""
+        if self._fxpipe_stream is False or not self.accelerator.gradient_state.sync_gradients:
+            return None
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        reason = _why_not_streamed(self, inner)
+        if reason is not None:
+            if self._fxpipe_stream:
+                raise NotImplementedError(f"FxpipeTrainer(stream_optimizer=True): {reason}")
+            return None
+        clip = self.args.max_grad_norm if self.args.max_grad_norm and \
+            self.args.max_grad_norm > 0 else None
+        step = inner.__dict__.get("_fxpipe_trainer_step")
+        if step is None or step.max_grad_norm != clip:
+            step = fxpipe.optim.overlapped(inner, max_grad_norm=clip)
+            inner.__dict__["_fxpipe_trainer_step"] = step
+        return step
+
+    def _fxpipe_skip_next_step(self) -> None:
+        """The pipe stepped the optimizer: the Trainer's ``optimizer.step()`` that follows
+        this accumulation step does nothing (once); its clipping measures the gradients."""
+        opt = self.optimizer
+        self._fxpipe_stepped = True
+        before = opt.__dict__.get("step")   # an LR scheduler's step-counting wrapper
+
+        def stepped_already(*args: Any, **kwargs: Any) -> None:
+            if before is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = before
+            opt._opt_called = True   # what the scheduler's wrapper records: it did step
+            self._fxpipe_stepped = False
+
+        stepped_already._wrapped_by_lr_sched = True
+        opt.step = stepped_already
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self._fxpipe_stepped:   # clipped (if needed) and stepped in the pipe: measure only
+            return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        return super()._clip_grad_norm(model)
+
+
+class FxpipeTrainer(FxpipeMixin, transformers.Trainer):
+    """A ``transformers.Trainer`` training through an fxpipe pipeline (see the module
+    docstring). Extra keyword arguments: ``fxpipe_config`` (an ``fxpipe.RunConfig``:
+    microbatches, recompute grain, ...), ``devices`` (as ``fxpipe.compile``'s: None =
+    every GPU, else two virtual CPU devices), ``plan`` (an ``fxpipe.ExecutePlan``),
+    ``param_dtype`` (default ``torch.bfloat16`` under ``args.bf16``)."""
+
+
+def fxpipe_trainer(trainer_cls: type) -> type:
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. ``trl.SFTTrainer``)
+    training through fxpipe: ``FxpipeMixin`` in front of it.
+
+    >>> import transformers
+    >>> fxpipe_trainer(transformers.Trainer).__mro__[1].__name__
+    'FxpipeMixin'
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"fxpipe_trainer expects a transformers.Trainer subclass, got "
+                        f"{trainer_cls!r}")
+    return type(f"Fxpipe{trainer_cls.__name__}", (FxpipeMixin, trainer_cls),
+                {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} training through "
+                 "fxpipe (fxpipe.integrations.transformers.FxpipeMixin)."})
+
+
+def _check_args(args: Any) -> None:
+    """Options of ``TrainingArguments`` fxpipe cannot honour: raise before anything runs."""
+    if args is None:
+        return
+    where = "FxpipeTrainer: TrainingArguments"
+    if getattr(args, "deepspeed", None):
+        raise ValueError(f"{where}(deepspeed=...) cannot be honoured: fxpipe partitions the "
+                         "model itself (parameters in host memory, stages streamed to the "
+                         "GPUs); drop the DeepSpeed config, or use transformers.Trainer")
+    if getattr(args, "fsdp", None):
+        raise ValueError(f"{where}(fsdp=...) cannot be honoured: fxpipe pipelines the model "
+                         "over the GPUs instead of sharding it; drop fsdp=, or use "
+                         "transformers.Trainer")
+    if getattr(args, "fp16", False):
+        raise NotImplementedError(f"{where}(fp16=True): fp16 needs loss scaling, which the "
+                                  "fused step does not route yet; use bf16=True "
+                                  "(param_dtype=torch.bfloat16) or fp32")
+    for name in ("activation_checkpointing", "gradient_checkpointing"):   # new name, old
+        if name in getattr(args, "__dict__", {}) and args.__dict__[name]:
+            # what it asks for (activations recomputed in backward, not kept) fxpipe does
+            # already, per stage (RunConfig.recompute_grain); HF's own checkpointing inside
+            # the captured model would only recompute twice
+            args.__dict__[name] = False
+    if getattr(args, "loss_type", None) == "chunked_nll":
+        # TRL's default: "nll"'s math, its loss computed in a data-dependent loop over token
+        # chunks that no capture can trace; the pipe's tail holds one microbatch's logits
+        args.loss_type = "nll"
+    if getattr(args, "activation_offloading", False):
+        raise ValueError(f"{where}(activation_offloading=True) cannot be honoured: fxpipe "
+                         "already keeps activations on the host between stages; set it False")
+    optim = str(getattr(args, "optim", ""))
+    if "lomo" in optim.lower():
+        raise NotImplementedError(f"{where}(optim={optim!r}): LOMO steps inside backward "
+                                  "hooks, which the pipeline's backward does not run; use "
+                                  "another optimizer")
+
+
+_STREAMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+def _why_not_streamed(trainer: Any, inner: Any) -> str | None:
+    """Why the Trainer's optimizer cannot be stepped inside the pipeline (None: it can)."""
+    if not isinstance(inner, _STREAMABLE):
+        return (f"{type(inner).__name__} is not a torch.optim optimizer with a per-parameter "
+                f"update ({', '.join(c.__name__ for c in _STREAMABLE)})")
+    if trainer.optimizer is not inner and type(trainer.optimizer).__name__ != \
+            "AcceleratedOptimizer":
+        return f"the optimizer is wrapped in {type(trainer.optimizer).__name__}"
+    return None
+
+
+def _checkpointing_off(model: nn.Module) -> None:
+    """Turn off HF activation (gradient) checkpointing in ``model``: fxpipe cannot capture
+    it and recomputes each stage itself."""
+    for is_on, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
+                       ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
+        if hasattr(type(model), is_on) or hasattr(model, off):
+            if getattr(model, is_on, False):
+                getattr(model, off)()
+            return
+
+
+def _check_trainer(trainer: Any) -> None:
+    """What the accelerator decided (an ``accelerate launch`` config may ask for it)."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("FxpipeTrainer: the accelerate config enables DeepSpeed, which fxpipe "
+                         "cannot honour (it partitions the model itself); launch without it")
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        raise ValueError("FxpipeTrainer: the accelerate config enables FSDP, which fxpipe cannot "
+                         "honour (it pipelines the model instead of sharding it); launch "
+                         "without it")
