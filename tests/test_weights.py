@@ -352,3 +352,29 @@ def test_a_frozen_base_stays_out_of_anonymous_memory(tmp_path):
     growth = int(out.stdout.split()[-1])
     assert growth < 0.35 * frozen, f"RssAnon grew {growth / 2**20:.0f} MiB for a " \
                                    f"{frozen / 2**20:.0f} MiB frozen base"
+
+
+# -- a LoRA base ----------------------------------------------------------------------
+
+def test_peft_lora_on_a_meta_base_trains_equal_to_eager(checkpoints):
+    """PEFT's names map to the base checkpoint's (``base_model.model.``, ``.base_layer``);
+    the adapters made on the meta device are initialized as PEFT does; the whole base
+    stays file-backed; a step equals eager PEFT over ``from_pretrained`` (same adapter
+    values)."""
+    peft = pytest.importorskip("peft")
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                init_lora_weights="gaussian")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(meta("llama"), peft.LoraConfig(**lora)).eval()
+    kw = text()
+    pipe = fxpipe.compile(model, example_kwargs=kw, weights=checkpoints["llama"],
+                          devices=[fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)])
+    ref = peft.get_peft_model(eager("llama", checkpoints["llama"]), peft.LoraConfig(**lora)).eval()
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert all(file_backed(p) for n, p in model.named_parameters() if n not in adapters)
+    assert not any(file_backed(p) for p in adapters.values())
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
+    ref.load_state_dict({n: p.detach() for n, p in adapters.items()}, strict=False)
+    assert_step_equals(pipe, model, ref, kw)
+    pipe.close()

@@ -253,6 +253,7 @@ def load(model: nn.Module, path: str | os.PathLike) -> Loaded:
     for name, t in state.items():
         tensors.setdefault(id(t), (t, []))[1].append(name)
     loose = _init_loose_buffers(model, {id(t) for t in state.values()})
+    _init_peft_adapters(model)
     prefix = _hf_prefix(model)
     renames, converters = _hf_conversions(model)
     base_from_head = bool(prefix) and not any(n.startswith(prefix + ".") for n in state) \
@@ -401,6 +402,37 @@ def _convert(parts: tuple[list, list[list[Entry]]], read) -> torch.Tensor:
     if len(values) != 1 or not isinstance(values[0], torch.Tensor):
         raise NotImplementedError("a checkpoint conversion that does not make one tensor")
     return values[0]
+
+
+def _init_peft_adapters(model: nn.Module) -> None:
+    """Initialize PEFT LoRA adapters that were made on a meta-device base (no checkpoint
+    of the base holds them) as ``get_peft_model`` does on a real one: ``nn.Linear``'s
+    init, then ``reset_lora_parameters`` for ``init_lora_weights`` True or
+    ``"gaussian"``."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    for module in model.modules():
+        if not (hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A")):
+            continue
+        for adapter, a in module.lora_A.items():
+            b = module.lora_B[adapter]
+            if not any(p.is_meta for p in (*a.parameters(), *b.parameters())):
+                continue
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if init not in (True, False, "gaussian"):
+                raise NotImplementedError(
+                    f"LoRA adapter {adapter!r} with init_lora_weights={init!r} is initialized "
+                    "from the base weights, which are on the meta device here: load the base "
+                    "first (compile the base with weights= and then add the adapter), or use "
+                    "init_lora_weights=True, False or 'gaussian'")
+            with torch.no_grad():
+                for sub in (a, b):
+                    for p in list(sub.parameters(recurse=False)):
+                        torch.utils.swap_tensors(p, nn.Parameter(
+                            torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+                    sub.reset_parameters()
+                module.reset_lora_parameters(adapter, init)
 
 
 def _init_loose_buffers(model: nn.Module, persistent: set[int]) -> list[str]:
