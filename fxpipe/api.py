@@ -42,7 +42,7 @@ from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.trace import trace as _trace
 from fxpipe.runtime.weights import load as load_weights
-from fxpipe.runtime.weights import save_pretrained as _save_pretrained
+from fxpipe.runtime.shards import save_pretrained as _save_pretrained
 from fxpipe.verbose import is_verbose
 
 

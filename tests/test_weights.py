@@ -378,3 +378,16 @@ def test_peft_lora_on_a_meta_base_trains_equal_to_eager(checkpoints):
     ref.load_state_dict({n: p.detach() for n, p in adapters.items()}, strict=False)
     assert_step_equals(pipe, model, ref, kw)
     pipe.close()
+
+
+def test_saving_again_replaces_the_shards_of_an_earlier_save(tmp_path):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    save_pretrained(model, tmp_path, max_shard_size=10_000)
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) == 4
+    save_pretrained(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    with torch.device("meta"):
+        again = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    load(again, tmp_path)
+    for a, b in zip(again.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
