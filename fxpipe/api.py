@@ -38,11 +38,11 @@ from fxpipe.runtime.microbatch import PackedData, split_input, split_label
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
+from fxpipe.runtime.shards import save_pretrained as _save_pretrained
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.trace import trace as _trace
 from fxpipe.runtime.weights import load as load_weights
-from fxpipe.runtime.shards import save_pretrained as _save_pretrained
 from fxpipe.verbose import is_verbose
 
 
