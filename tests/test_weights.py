@@ -391,3 +391,30 @@ def test_saving_again_replaces_the_shards_of_an_earlier_save(tmp_path):
     load(again, tmp_path)
     for a, b in zip(again.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_the_ring_is_bounded_and_reuses_a_block_once_its_copy_is_done():
+    ring = pinned.Ring(capacity=4 * pinned.PAGE, emulate=True)
+    a = ring.stage(torch.arange(1000.0), torch.float32)          # one page
+    b = ring.stage(torch.arange(2000.0), torch.bfloat16)         # one page (converted)
+    assert pinned.is_pinned(a) and torch.equal(b, torch.arange(2000.0).bfloat16())
+    assert ring.stage(torch.ones(3 * pinned.PAGE // 4), torch.float32) is None   # full: no wait
+    ptr = a.data_ptr()
+    del a                                                        # its copy took it: free again
+    c = ring.stage(torch.ones(10), torch.float32)
+    assert c.data_ptr() == ptr and ring.nbytes == 2 * pinned.PAGE
+
+    class Pending:                                               # a CUDA event not yet reached
+        done = False
+
+        def query(self):
+            return self.done
+    event = Pending()
+    ring.hold(c, event)
+    del c
+    d = ring.stage(torch.ones(10), torch.float32)
+    assert d.data_ptr() != ptr                                   # held back by the event
+    event.done = True
+    del d
+    assert ring.stage(torch.ones(10), torch.float32).data_ptr() == ptr   # its copy is done
+    assert ring.nbytes <= ring.capacity
