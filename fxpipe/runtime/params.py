@@ -221,7 +221,7 @@ class HostParams:
             for slot in self.slots.values():
                 if slot.region is None:
                     if file_backed(slot.tensor) is not None:
-                        _check_frozen(slot)
+                        _check_frozen_tensor(slot.tensor, slot.names[0])
                     elif self.pin:
                         self._stage(slot, _upload_dtype(slot.tensor.dtype, upload_dtype))
                     continue
@@ -268,7 +268,8 @@ class HostParams:
     def file_source(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
         """What an upload of the file-backed ``slot`` reads, in ``dtype`` (flat): the map
         itself (pageable when not pinning; registered for DMA where allowed), else a
-        block of the ring (see :meth:`hold`), else, the ring being full, the map."""
+        block of the ring (held until the copy out of it completes: ``ParamStore.upload``),
+        else, the ring being full, the map (a pageable copy)."""
         t = slot.tensor.detach().reshape(-1)
         if not self.pin:
             return t.to(dtype)
@@ -375,10 +376,6 @@ def _adoptable(t: torch.Tensor, slots: Collection[_Slot]) -> bool:
     ptr = t.untyped_storage().data_ptr()
     return not any(s.tensor is not t and s.tensor.untyped_storage().data_ptr() == ptr
                    for s in slots)
-
-
-def _check_frozen(slot: _Slot) -> None:
-    _check_frozen_tensor(slot.tensor, slot.names[0])
 
 
 def _check_frozen_tensor(t: torch.Tensor, fqn: str) -> None:
