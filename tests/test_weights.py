@@ -418,3 +418,17 @@ def test_the_ring_is_bounded_and_reuses_a_block_once_its_copy_is_done():
     del d
     assert ring.stage(torch.ones(10), torch.float32).data_ptr() == ptr   # its copy is done
     assert ring.nbytes <= ring.capacity
+
+
+def test_a_model_dtype_other_than_the_files_is_converted_when_binding(tmp_path):
+    torch.manual_seed(0)
+    src = mlp()
+    save_pretrained(src, tmp_path)
+    with torch.device("meta"):
+        model = mlp().to(torch.bfloat16)
+    model.requires_grad_(False)
+    loaded = load(model, tmp_path)
+    assert len(loaded.converted) == len(src.state_dict()) and not loaded.file_backed
+    for a, b in zip(model.state_dict().values(), src.state_dict().values()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.bfloat16())
+    assert not any(file_backed(p) for p in model.parameters())
