@@ -1,6 +1,6 @@
 """A frozen base loaded with ``weights=`` (memory-mapped) against the usual way (issue 29).
 
-    python benchmarks/bench_big_weights.py                 # ~540 MB fp32 Llama-style base
+    python benchmarks/bench_big_weights.py                 # a 469 MiB fp32 Llama-style base
     python benchmarks/bench_big_weights.py --layers 4 --repeat 1   # quicker
 
 The checkpoint: a Llama-style ``LlamaForCausalLM`` (hidden 1024, intermediate 2816,
