@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -38,9 +39,11 @@ from fxpipe.runtime.microbatch import PackedData, split_input, split_label
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
+from fxpipe.runtime.shards import save_pretrained as _save_pretrained
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.trace import trace as _trace
+from fxpipe.runtime.weights import load as load_weights
 from fxpipe.verbose import is_verbose
 
 
@@ -61,6 +64,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     shard_optimizer: bool = False,
     broadcast_buffers: bool = True,
     collective_timeout: float = 300.0,
+    weights: str | os.PathLike | None = None,
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
@@ -145,6 +149,18 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     (``fxpipe.runtime.distributed``).
     Ranks that compiled different plans or parameter shapes fail here with a
     ``ValueError`` saying where they differ.
+
+    ``weights``: a safetensors checkpoint (a ``.safetensors`` file, a directory of shards
+    with ``model.safetensors.index.json``, or a Hugging Face model directory) the model's
+    parameters and buffers are bound to before capture; the model may be on the ``meta``
+    device (``with torch.device("meta"): model = ...``). Keys map with Hugging Face's names
+    (the ``base_model_prefix``, a PEFT wrapper's names; tied weights stay one tensor);
+    missing, unexpected or mis-shaped keys raise one ``ValueError`` listing them, before
+    anything is loaded. Frozen parameters (``requires_grad=False``, e.g. a LoRA base)
+    stay read-only memory maps of the file: the page cache holds them, never anonymous
+    memory, and uploads read them from there (in ``param_dtype``). Trainable ones and
+    buffers move into the host buffers at the first call. ``pipe.save_pretrained(dir)``
+    writes sharded safetensors back. See docs/weights.md (``fxpipe.runtime.weights``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -179,6 +195,8 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
                              "fxpipe.compile(model, ..., data_parallel=True, "
                              f"{given[0]}=...) on every rank of a torch.distributed job")
     find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
+    if weights is not None:
+        load_weights(model, weights)   # before capture: the model is real from here on
     dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
                       broadcast=bool(broadcast_buffers)) if data_parallel else None
     resolved = resolve_devices(devices)
@@ -740,6 +758,21 @@ class PipelineModule(nn.Module):
 
     def _group(self) -> Any:
         return self._dp.group if self._dp is not None else None
+
+    def save_pretrained(self, directory: str | os.PathLike,
+                        max_shard_size: int = 5 * 10**9) -> list[str]:
+        """Write the model's state dict into ``directory`` as Hugging Face safetensors:
+        shards of at most ``max_shard_size`` bytes and ``model.safetensors.index.json``
+        (one shard: ``model.safetensors``), and the model's config when it has one. Each
+        tensor is written straight from the host buffers (or its file map), one at a time;
+        tied weights once. Loads back with ``compile(..., weights=directory)`` or
+        ``from_pretrained``. Returns the files written."""
+        if self._dp is not None and self._dp.masters:
+            raise NotImplementedError(
+                "save_pretrained with sharded fp32 masters (shard_optimizer=True with "
+                "param_dtype) would gather the whole model on each rank: use "
+                "save_checkpoint, or full_state_dict() on rank 0")
+        return _save_pretrained(self.module, directory, max_shard_size)
 
     # -- the model's own state ---------------------------------------------------------
     def state_dict(self, *args, **kwargs):

@@ -21,6 +21,13 @@ every upload and gradient download is asynchronous on a GPU. ``emulate=True`` re
 the memory as page-locked without CUDA (virtual devices with ``semantics="cuda"``).
 ``pinned_bytes``: what that reserves.
 
+File-backed tensors (frozen parameters ``compile(..., weights=PATH)`` bound to read-only
+memory maps of a checkpoint, ``fxpipe.runtime.weights``) stay where they are: no flat
+buffer, no page-locked copy. An upload reads the map (the page cache), converting to
+``param_dtype`` on the way; when pinning, from the map itself where its pages could be
+registered for DMA (``pinned.register_file``), else through a bounded page-locked
+``pinned.Ring`` (at most twice the largest stage's file-backed upload bytes).
+
 Two things keep one more copy, in the same layout: ``param_dtype`` (mixed precision,
 devices compute in bf16: the bf16 copy they upload) and an asynchronous optimizer
 (``fxpipe.optim`` ``mode="async"``: its update changes the parameters while the devices
@@ -56,7 +63,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fxpipe.runtime import pinned
-from fxpipe.runtime.devices import Device, host_allocations
+from fxpipe.runtime.devices import CudaDevice, Device, host_allocations
+from fxpipe.runtime.weights import file_backed
 
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -102,6 +110,7 @@ class HostParams:
         self._exposed: dict[int, weakref.ref] = {}      # id(param) -> its .grad view handed out
         # (id(slot), upload dtype) -> (stamp, page-locked copy) of a tensor not moved
         self._staged: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
+        self.ring: pinned.Ring | None = None   # file-backed uploads when pinning (``file_source``)
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pin: bool | None = None,
@@ -153,6 +162,8 @@ class HostParams:
                 if id(t) in self.slots:
                     continue
                 _check_master(fqn, t)
+                if file_backed(t) is not None:
+                    _check_frozen_tensor(t, fqn)
                 slot = _Slot(t, [fqn], is_buffer, t.shape)
                 self.slots[id(t)] = slot
                 if _adoptable(t, self.slots.values()):
@@ -209,7 +220,9 @@ class HostParams:
                     t.data = view
             for slot in self.slots.values():
                 if slot.region is None:
-                    if self.pin:
+                    if file_backed(slot.tensor) is not None:
+                        _check_frozen_tensor(slot.tensor, slot.names[0])
+                    elif self.pin:
                         self._stage(slot, _upload_dtype(slot.tensor.dtype, upload_dtype))
                     continue
                 flat = self.flats[slot.region]
@@ -251,6 +264,28 @@ class HostParams:
         if old is None or (not snapshot and old[0] != _stamp(slot.tensor)):
             return None
         return old[1]
+
+    def file_source(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+        """What an upload of the file-backed ``slot`` reads, in ``dtype`` (flat): the map
+        itself (pageable when not pinning; registered for DMA where allowed), else a
+        block of the ring (held until the copy out of it completes: ``ParamStore.upload``),
+        else, the ring being full, the map (a pageable copy)."""
+        t = slot.tensor.detach().reshape(-1)
+        if not self.pin:
+            return t.to(dtype)
+        fmap = file_backed(slot.tensor)
+        if dtype == t.dtype and pinned.register_file(fmap.base, fmap.size, emulate=self.emulate):
+            return t
+        staged = self.ring.stage(t, dtype) if self.ring is not None else None
+        return staged if staged is not None else t.to(dtype)
+
+    def size_ring(self, nbytes: int) -> None:
+        """The ring holds at least ``nbytes`` (twice a stage's file-backed upload bytes)."""
+        with self.lock:
+            if self.ring is None:
+                self.ring = pinned.Ring(capacity=nbytes, emulate=self.emulate,
+                                        account=self.account)
+            self.ring.capacity = max(self.ring.capacity, nbytes)
 
     def make_grads(self) -> None:
         """Give every trainable parameter its place in a flat gradient buffer now (a
@@ -330,14 +365,25 @@ def _grad_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _adoptable(t: torch.Tensor, slots: Collection[_Slot]) -> bool:
     """Whether ``t`` may move into a flat buffer: a dense contiguous tensor that owns its
-    whole storage (not a view, not sharing memory with another of the model's tensors)."""
+    whole storage (not a view, not sharing memory with another of the model's tensors),
+    and not a read-only file map (``weights.file_backed``)."""
     if not t.is_contiguous() or t.storage_offset() != 0 or t.numel() == 0:
+        return False
+    if file_backed(t) is not None:
         return False
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return False
     ptr = t.untyped_storage().data_ptr()
     return not any(s.tensor is not t and s.tensor.untyped_storage().data_ptr() == ptr
                    for s in slots)
+
+
+def _check_frozen_tensor(t: torch.Tensor, fqn: str) -> None:
+    if t.requires_grad:
+        raise ValueError(
+            f"{fqn!r} is a read-only memory map of {file_backed(t).path} (it "
+            "was frozen when compiled with weights=) and now requires grad: an optimizer "
+            "cannot update it in place. Set requires_grad before fxpipe.compile(..., weights=)")
 
 
 def _check_master(fqn: str, t: object) -> None:
@@ -399,6 +445,18 @@ class ParamStore:
                                      "parameter and as a buffer")
             self._names[s] = slots
             self._runs[s] = _runs(host, list({id(x): x for x in slots.values()}.values()))
+        if host.pin:
+            mapped = [self._file_nbytes(s) for s in stages]
+            if mapped and max(mapped):
+                host.size_ring(2 * max(mapped))
+
+    def _file_nbytes(self, stage: int) -> int:
+        """Bytes of ``stage``'s file-backed tensors in their upload dtype, each rounded
+        up to a page (as a ring block holds them)."""
+        return sum(pinned.reserved(run.slots[0].numel * _upload_dtype(
+            run.slots[0].tensor.dtype, self.param_dtype).itemsize)
+            for run in self._runs[stage]
+            if run.region is None and file_backed(run.slots[0].tensor) is not None)
 
     @property
     def stages(self) -> list[int]:
@@ -444,6 +502,10 @@ class ParamStore:
             for run in self._runs_of(stage):
                 src = self._source(run)
                 on_device.append((run, device.to_device(src, kind="params", owner=f"stage {stage}")))
+                if self.host.ring is not None and isinstance(device, CudaDevice) \
+                        and pinned.is_pinned(src) and file_backed(run.slots[0].tensor) is not None:
+                    # a ring block: reused once this copy (queued on this stream) completes
+                    self.host.ring.hold(src, torch.cuda.current_stream(device.device).record_event())
         except BaseException:  # e.g. DeviceMemoryError on the second run: undo the first
             for _, t in on_device:
                 device.free(t)
@@ -462,6 +524,8 @@ class ParamStore:
         if run.region is None:   # its page-locked copy, when pinning
             t = run.slots[0].tensor.detach().reshape(-1)
             dtype = _upload_dtype(t.dtype, self.param_dtype)
+            if file_backed(run.slots[0].tensor) is not None:
+                return self.host.file_source(run.slots[0], dtype)
             staged = self.host.staged(run.slots[0], dtype, self.snapshot)
             return staged if staged is not None else t.to(dtype)
         src = self.host.source(run.slots[0], self.param_dtype, self.snapshot)

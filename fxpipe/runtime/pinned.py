@@ -21,6 +21,12 @@ host parameters, a pipe's staging), as reserved: each allocation rounded up to a
 :class:`Staging` is a pipe's reusable page-locked block for each call's inputs, labels
 and output gradients.
 
+File-backed tensors (read-only memory maps of a checkpoint, ``fxpipe.runtime.weights``)
+are not copied into page-locked memory: :func:`register_file` registers a whole map's
+pages for DMA where the platform allows (``cudaHostRegister`` with the read-only flag),
+else their uploads go through a :class:`Ring`, a bounded set of page-locked blocks reused
+once the copies out of them have completed.
+
 >>> import torch
 >>> from fxpipe.runtime import pinned
 >>> account = pinned.Account()
@@ -131,7 +137,34 @@ def is_pinned(t: torch.Tensor) -> bool:
     if entry is not None:
         start, size = entry
         return start <= t.data_ptr() < start + size
+    ptr = t.data_ptr()
+    if any(start <= ptr < start + size for start, size in list(_files.items())):
+        return True
     return _cuda_available() and t.is_pinned()
+
+
+# file maps registered for DMA (``register_file``): start -> size
+_files: dict[int, int] = {}
+_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+def register_file(start: int, size: int, *, emulate: bool) -> bool:
+    """Register the read-only file map at ``start`` (``size`` bytes) for DMA, so uploads
+    read its pages (the page cache's) without a copy into page-locked memory. Returns
+    whether it is registered: never when ``emulate`` (a CPU-only host: the emulator
+    exercises the :class:`Ring` instead) nor where CUDA refuses (a driver without
+    read-only registration). The map must outlive the registration (the process)."""
+    if start in _files:
+        return True
+    if emulate or not _cuda_available():
+        return False
+    torch.cuda.init()
+    rc = torch.cuda.cudart().cudaHostRegister(
+        start, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+    if _error_code(rc):
+        return False
+    _files[start] = size
+    return True
 
 
 def reserved_bytes() -> int:
@@ -250,3 +283,79 @@ class Staging:
 
 def _unused(storage: torch.UntypedStorage) -> bool:
     return _storage_use_count is not None and _storage_use_count(storage._cdata) == 1
+
+
+class Ring:
+    """A bounded set of page-locked blocks that uploads of file-backed tensors go through
+    when their pages cannot be registered (:func:`register_file`): :meth:`stage` copies a
+    tensor (converting its dtype) into a free block; a block is free again once nothing
+    holds it (the copy out of it has taken its source) and the CUDA event given to
+    :meth:`hold`, if any, has completed. At most ``capacity`` bytes (each block rounded
+    up to a page); :meth:`stage` returns None when the tensor does not fit (the caller
+    uploads from the map itself: pageable, a host stall on a GPU), never waits.
+
+    >>> ring = Ring(capacity=2 * PAGE, emulate=True)
+    >>> a = ring.stage(torch.ones(10), torch.float16)
+    >>> a, is_pinned(a)
+    (tensor([1., 1., 1., 1., 1., 1., 1., 1., 1., 1.], dtype=torch.float16), True)
+    >>> ring.stage(torch.ones(3 * PAGE), torch.float32) is None   # over the capacity
+    True
+    """
+
+    def __init__(self, *, capacity: int, emulate: bool, account: Account | None = None):
+        self.capacity = capacity
+        self.emulate = emulate
+        self.account = account if account is not None else Account()
+        self._lock = threading.Lock()
+        # [storage, start offset, nbytes, event or None]
+        self._blocks: list[list] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Page-locked bytes the ring holds now."""
+        return sum(b[2] for b in self._blocks)
+
+    def stage(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """A page-locked copy of ``t`` in ``dtype`` (flat), or None (module docstring)."""
+        nbytes = reserved(t.numel() * dtype.itemsize)
+        if nbytes == 0 or nbytes > self.capacity:
+            return None
+        view = self._take(nbytes, dtype, t.numel())
+        if view is None:
+            return None
+        with torch.no_grad():
+            view.copy_(t.reshape(-1))
+        return view
+
+    def hold(self, view: torch.Tensor, event: Any) -> None:
+        """The block holding ``view`` is read by a copy that completes with ``event`` (a
+        CUDA event): it is not reused before."""
+        ptr = view.untyped_storage().data_ptr()
+        with self._lock:
+            for b in self._blocks:
+                if b[0].data_ptr() == ptr:
+                    b[3] = event
+
+    def _take(self, nbytes: int, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """A view of a free block (taken: it holds the block) of ``numel`` ``dtype``s."""
+        def view(block: list) -> torch.Tensor:
+            block[3] = None
+            return torch.empty(0, dtype=dtype).set_(block[0], block[1] // dtype.itemsize, (numel,))
+        with self._lock:
+            free = [b for b in self._blocks if _unused(b[0]) and (b[3] is None or b[3].query())]
+            fits = [b for b in free if b[2] >= nbytes]
+            if fits:
+                return view(min(fits, key=lambda b: b[2]))
+            used = sum(b[2] for b in self._blocks)
+            while free and used + nbytes > self.capacity:   # too small: let one go
+                gone = free.pop()
+                self._blocks.remove(gone)
+                used -= gone[2]
+            if used + nbytes > self.capacity:
+                return None
+            t = empty(nbytes, torch.uint8, emulate=self.emulate, account=self.account)
+            storage = t.untyped_storage()
+            block = [storage, t.data_ptr() - storage.data_ptr(), nbytes, None]
+            del t
+            self._blocks.append(block)
+            return view(block)
