@@ -51,7 +51,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),
-    ("fxpipe.demo", "fxpipe.check"),   # programs built on the package
+    ("fxpipe.demo", "fxpipe.check",   # programs built on the package
+     "fxpipe.roundpipe.*", "fxpipe.integrations.*"),   # and its front doors for other APIs
 ]
 # what the runtime may take from the passes: the values they make, not the passes
 VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.program",
