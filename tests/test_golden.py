@@ -51,18 +51,57 @@ class TestGolden(TestCase):
         pipe = fxpipe.compile(TinyChain(), example_inputs=(torch.randn(2, 4), torch.ones(2, 4)))
         self.assertExpectedInline(normalized(str(pipe)), """\
 # PipelineModule: 4 layers on vcpu:0, vcpu:1; plan fwd [0:2, 2:3] bwd [3:4, 2:3, 1:2, 0:1]
-# pipe.code(run_type) prints every stage a call runs, pipe.program(run_type) its actions
+# what pipe(x) runs: its Program's actions in an order they allow; pipe.program(run_type) prints
+# a call's lanes, pipe.code(run_type) its stages' code
 def forward(self, x, mask):
+    x_0, x_1, x_2, mask_0, mask_1, mask_2 = split(x, mask, 3)  # the caller's inputs, 3 microbatches
+    refresh()                                                 # RF host
     # stage 0 fwd | layers 0-1 (prefix, blocks.0) | vcpu:0 | params 160 B | saved 128 B | out 96 B | fwd 128 FLOP | bwd 192 FLOP
-    stage_0 = self.stage_0(x, mask)
-    mul = stage_0[0];  stage_0 = None
+    params_0 = prefetch(self.stage_0, 'vcpu:0')               # 0P vcpu:0
     # stage 1 fwd | layer 2 (blocks.1) | vcpu:1 | params 80 B | saved 32 B | out 96 B | fwd 64 FLOP | bwd 128 FLOP
-    stage_1 = self.stage_1(mul);  mul = None
-    linear_2 = stage_1[0];  stage_1 = None
+    params_1 = prefetch(self.stage_1, 'vcpu:1')               # 1P vcpu:1
+    x_0_d0, mask_0_d0 = upload(x_0, mask_0, 'vcpu:0')         # 0U0 vcpu:0
+    mul_0_d0 = self.stage_0(params_0, x_0_d0, mask_0_d0)      # 0F0 vcpu:0
+    mul_0 = offload(mul_0_d0)                                 # 0O0 vcpu:0
+    free(x_0_d0, mask_0_d0, mul_0_d0)                         # 0X0 vcpu:0
+    mul_0_d1 = upload(mul_0, 'vcpu:1')                        # 1U0 vcpu:1
     # stage 2 fwd | layer 3 (suffix) | vcpu:0 | params 0 B | saved 64 B | out 32 B | fwd 0 FLOP | bwd 0 FLOP
-    stage_2 = self.stage_2(x, mask, linear_2);  x = mask = linear_2 = None
-    add = stage_2[0];  stage_2 = None
-    return (add,)""")
+    params_2 = prefetch(self.stage_2, 'vcpu:0')               # 2P vcpu:0
+    linear_2_0_d1 = self.stage_1(params_1, mul_0_d1)          # 1F0 vcpu:1
+    x_1_d0, mask_1_d0 = upload(x_1, mask_1, 'vcpu:0')         # 0U1 vcpu:0
+    linear_2_0 = offload(linear_2_0_d1)                       # 1O0 vcpu:1
+    mul_1_d0 = self.stage_0(params_0, x_1_d0, mask_1_d0)      # 0F1 vcpu:0
+    free(mul_0_d1, linear_2_0_d1)                             # 1X0 vcpu:1
+    mul_1 = offload(mul_1_d0)                                 # 0O1 vcpu:0
+    free(x_1_d0, mask_1_d0, mul_1_d0)                         # 0X1 vcpu:0
+    mul_1_d1 = upload(mul_1, 'vcpu:1')                        # 1U1 vcpu:1
+    x_2_d0, mask_2_d0 = upload(x_2, mask_2, 'vcpu:0')         # 0U2 vcpu:0
+    linear_2_1_d1 = self.stage_1(params_1, mul_1_d1)          # 1F1 vcpu:1
+    mul_2_d0 = self.stage_0(params_0, x_2_d0, mask_2_d0)      # 0F2 vcpu:0
+    linear_2_1 = offload(linear_2_1_d1)                       # 1O1 vcpu:1
+    mul_2 = offload(mul_2_d0)                                 # 0O2 vcpu:0
+    free(mul_1_d1, linear_2_1_d1)                             # 1X1 vcpu:1
+    free(x_2_d0, mask_2_d0, mul_2_d0)                         # 0X2 vcpu:0
+    mul_2_d1 = upload(mul_2, 'vcpu:1')                        # 1U2 vcpu:1
+    x_0_d0, mask_0_d0, linear_2_0_d0 = upload(x_0, mask_0, linear_2_0, 'vcpu:0')  # 2U0 vcpu:0
+    linear_2_2_d1 = self.stage_1(params_1, mul_2_d1)          # 1F2 vcpu:1
+    release(params_0)                                         # 0R vcpu:0
+    linear_2_2 = offload(linear_2_2_d1)                       # 1O2 vcpu:1
+    add_0_d0 = self.stage_2(params_2, x_0_d0, mask_0_d0, linear_2_0_d0)  # 2F0 vcpu:0
+    free(mul_2_d1, linear_2_2_d1)                             # 1X2 vcpu:1
+    add_0 = offload(add_0_d0)                                 # 2O0 vcpu:0
+    release(params_1)                                         # 1R vcpu:1
+    free(x_0_d0, mask_0_d0, linear_2_0_d0, add_0_d0)          # 2X0 vcpu:0
+    x_1_d0, mask_1_d0, linear_2_1_d0 = upload(x_1, mask_1, linear_2_1, 'vcpu:0')  # 2U1 vcpu:0
+    add_1_d0 = self.stage_2(params_2, x_1_d0, mask_1_d0, linear_2_1_d0)  # 2F1 vcpu:0
+    add_1 = offload(add_1_d0)                                 # 2O1 vcpu:0
+    free(x_1_d0, mask_1_d0, linear_2_1_d0, add_1_d0)          # 2X1 vcpu:0
+    x_2_d0, mask_2_d0, linear_2_2_d0 = upload(x_2, mask_2, linear_2_2, 'vcpu:0')  # 2U2 vcpu:0
+    add_2_d0 = self.stage_2(params_2, x_2_d0, mask_2_d0, linear_2_2_d0)  # 2F2 vcpu:0
+    add_2 = offload(add_2_d0)                                 # 2O2 vcpu:0
+    free(x_2_d0, mask_2_d0, linear_2_2_d0, add_2_d0)          # 2X2 vcpu:0
+    release(params_2)                                         # 2R vcpu:0
+    return commit(add_0, add_1, add_2)                        # C host""")
 
     def test_backward_stage_and_layer_piece(self):
         """A backward stage (recomputed, its linear tail skipped) and, at layer grain, the
