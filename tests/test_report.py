@@ -1,0 +1,132 @@
+"""The documentation's figures come from the committed benchmark results, and the README
+keeps its shape.
+
+``benchmarks/report.py --check`` regenerates docs/benchmarks.md and the README's headline
+block from ``benchmarks/results/*.json`` and fails when either differs; these tests run
+it on the repository and on a temporary copy with one figure changed (in the JSON, in
+the page, in the README). They also run the README's example and hold the README to its
+contract (title, one paragraph, the two commands, at most 250 lines), and look for
+machine paths in the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "benchmarks" / "report.py"
+
+
+def run_report(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(root / "benchmarks" / "report.py"), *args],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    """What report.py reads and writes, copied: the script, the results, the page, the
+    README and the benchmark scripts (it lists those without a result)."""
+    (tmp_path / "docs").mkdir()
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+    shutil.copy(ROOT / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks.md")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_committed_docs_match_the_results():
+    r = run_report(ROOT, "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_check_fails_when_a_result_changes(copy: Path):
+    path = copy / "benchmarks" / "results" / "bench_gpu_memory.json"
+    data = json.loads(path.read_text())
+    data["chain"][0]["reserved_over_predicted"] = 9.87
+    path.write_text(json.dumps(data))
+    r = run_report(copy, "--check")
+    assert r.returncode == 1
+    assert "+| 0 |" in r.stdout and "| 9.87 |" in r.stdout   # the diff shows the new figure
+    assert "differ from benchmarks/results" in r.stderr
+
+
+def test_check_fails_when_a_documented_figure_is_edited(copy: Path):
+    page = copy / "docs" / "benchmarks.md"
+    text = page.read_text()
+    figure = re.search(r"\| (\d+\.\d\d) \|", text)
+    assert figure, "docs/benchmarks.md has no two-decimal figure to alter"
+    page.write_text(text.replace(figure.group(0), "| 0.01 |", 1))
+    r = run_report(copy, "--check")
+    assert r.returncode == 1 and "-| " in r.stdout
+
+
+def test_check_fails_when_a_readme_headline_is_edited(copy: Path):
+    readme = copy / "README.md"
+    text = readme.read_text()
+    begin, end = text.index("<!-- report:headline -->"), text.index("<!-- /report:headline -->")
+    block = text[begin:end]
+    changed = re.sub(r"\d\.\d\d", "7.77", block, count=1)
+    assert changed != block, "the README's headline block has no figure"
+    readme.write_text(text[:begin] + changed + text[end:])
+    r = run_report(copy, "--check")
+    assert r.returncode == 1 and "README.md" in r.stdout
+    assert run_report(copy).returncode == 0          # regenerating puts it back
+    assert readme.read_text() == text
+
+
+def test_readme_shape():
+    text = (ROOT / "README.md").read_text()
+    lines = text.split("\n")
+    assert len(lines) <= 251, f"README.md has {len(lines)} lines (at most 250)"
+    assert lines[0] == "# fxpipe" and lines[1] == ""
+    blocks = re.findall(r"```(\w*)\n(.*?)```", text, re.S)
+    before_first_block = text[:text.index("```")].strip().split("\n\n")
+    assert len(before_first_block) == 2, "title, then one paragraph, then the two commands"
+    lang, commands = blocks[0]
+    assert lang == "bash" and len(commands.strip().split("\n")) == 2
+    demo, suite = commands.strip().split("\n")
+    assert demo.endswith("python -m fxpipe.demo")
+    ci = (ROOT / ".ci" / "run").read_text()
+    pytest_line = next(line for line in ci.splitlines() if "-m pytest" in line)
+    assert suite.endswith(pytest_line.replace(' "$@"', "")), (suite, pytest_line)
+
+
+def test_readme_example_runs():
+    text = (ROOT / "README.md").read_text()
+    example = text.split("## Example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    ns: dict = {}
+    exec(compile(example, "README.md (Example)", "exec"), ns)  # noqa: S102 — the README's code
+    try:
+        loss = ns["loss"]
+        assert loss.ndim == 0 and loss.isfinite()
+        assert all(p.grad is not None for p in ns["model"].parameters())
+    finally:
+        ns["pipe"].close()
+
+
+MACHINE_PATH = re.compile("/" + "(?:work|home)" + r"/\w")
+SHARED = ".." + "/shared"   # the checkout beside the repository, which a clone lacks
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build"}
+
+
+def test_no_machine_paths_in_the_repository():
+    found = []
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if (set(rel.parts) & SKIP_DIRS or path.is_dir() or path.suffix in (".png", ".pyc")
+                or any(p.endswith(".egg-info") for p in rel.parts)):
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                  if MACHINE_PATH.search(line) or SHARED in line]
+    assert not found, f"machine paths (use paths relative to the repository): {found}"
