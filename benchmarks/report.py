@@ -34,7 +34,7 @@ BEGIN, END = "<!-- report:headline -->", "<!-- /report:headline -->"
 def mb(n: float) -> str:
     """Bytes as decimal MB, 3 significant digits (``148 MB``, ``80.6 MB``)."""
     v = n / 1e6
-    return f"{v:.3g} MB" if v < 1000 else f"{v:,.0f} MB"
+    return f"{v:,.0f} MB" if v >= 99.95 else f"{v:.1f} MB" if v >= 9.995 else f"{v:.2f} MB"
 
 
 def num(x: float, digits: int = 2) -> str:
@@ -97,24 +97,33 @@ def _schedule(d: dict) -> list[str]:
 
 def _optimizer_sim(d: dict) -> list[str]:
     s = d["sim"]
-    rows = []
-    for name, m in s["models"].items():
-        pub = m.get("published_async_over_sync")
-        rows.append([name, num(m["host_step_s"]), num(m["step_without_s"]), "1.00",
-                     num(m["fxpipe_exact_rel"]), num(m["roundpipe_async_rel"]),
-                     "–" if pub is None else num(pub)])
-    rate = s.get("host_params_per_s")
-    return ([f"Host AdamW rate: {rate / 1e9:.1f} G parameters/s.", ""] if rate else []) + table(
-        ["model", "host step (s)", "step without it (s)", "RoundPipe-sync", "fxpipe-exact",
-         "RoundPipe-async", "published RoundPipe async / sync"], rows)
+    out = []
+    for label, r in s["by_rate"].items():
+        why = (f"{s['params_per_s_per_core'] / 1e6:.0f}M/s per core × {s['host_cores']} cores"
+               if label == "measured" else "the median rate RoundPipe's published async / sync ratios imply")
+        out += [f"Host AdamW at {r['params_per_s'] / 1e9:.2f} G parameters/s ({why}):", ""]
+        rows = []
+        for name, m in r["models"].items():
+            rel, rp, fx = m["relative_throughput"], m["roundpipe"], m["fxpipe"]
+            pub = rel["published_roundpipe_async"]
+            rows.append([name, num(rp["optimizer_ms"] / 1e3), num(rp["compute_ms"] / 1e3), "1.00",
+                         num(rel["fxpipe_exact"]), num(rel["roundpipe_async"]),
+                         "–" if pub is None else num(pub), num(fx["exact_exposed_ms"] / 1e3)])
+        out += table(["model", "host step (s)", "step without it (s)", "RoundPipe-sync",
+                      "fxpipe-exact", "RoundPipe-async", "published RoundPipe async / sync",
+                      "exact: exposed step (s)"], rows) + [""]
+    return out[:-1]
 
 
 def _optimizer_cpu(d: dict) -> list[str]:
     c = d["cpu"]
-    rows = [[r["impl"], r["threads"], f"{r['best_mps']:,.0f} ({r['median_mps']:,.0f})",
-             num(r["over_inplace_limit"]), num(r["over_copy_limit"])] for r in c["rows"]]
-    return table(["implementation", "threads", "M params/s best (median)", "/ in-place limit",
-                  "/ copy limit"], rows)
+    lim = c["limit_params_per_s"]
+    rows = [[name, f"{r['params_per_s'] / 1e6:,.0f} ({r['params_per_s_median'] / 1e6:,.0f})",
+             num(r["over_in_place_limit"]), num(r["over_copy_limit"])] for name, r in c["adamw"].items()]
+    return [f"{c['parameters'] / 1e6:.1f}M fp32 parameters, {c['cores']} cores; limits at "
+            f"{c['bytes_per_param']} B per parameter: in place {lim['in place'] / 1e6:,.0f}M params/s, "
+            f"copy {lim['copy'] / 1e6:,.0f}M params/s.", ""] + table(
+        ["implementation, threads", "M params/s best (median)", "/ in-place limit", "/ copy limit"], rows)
 
 
 def _memory_b(measure: str) -> Callable[[dict], list[str]]:
@@ -156,10 +165,13 @@ def _gpu_memory(d: dict) -> list[str]:
 def _longest(d: dict) -> list[str]:
     rows = []
     for r in d["longest_sequence"]:
-        rows.append([r["model"], r["device"], r.get("roundpipe", "–"), r.get("logits_fp32_ce", "–"),
-                     r.get("linear_cross_entropy", "–"), r.get("hf_export", "–")])
-    return table(["model", "device", "RoundPipe (published)", "fxpipe, logits + fp32 CE",
-                  "fxpipe, `linear_cross_entropy`", "HF model via export"], rows)
+        hf = r.get("hf_export_chunked_tokens")
+        rows.append([r["model"], f"{r['devices']} x {r['device_gib']} GiB", f"{r['roundpipe_k']}K",
+                     f"{r['logits_ce_tokens'] // 1024}K", f"**{r['chunked_ce_tokens'] // 1024}K** "
+                     f"({r['chunked_ce_tokens'] / 1024 / r['roundpipe_k']:.2f}x)",
+                     "–" if hf is None else f"{hf // 1024}K"])
+    return table(["model", "devices", "RoundPipe (published)", "fxpipe, logits + fp32 CE",
+                  "fxpipe, `linear_cross_entropy`", "HF model via export (`--hf`)"], rows)
 
 
 def _dist_sim(d: dict) -> list[str]:
@@ -203,7 +215,8 @@ def _dist_memory(d: dict) -> list[str]:
 def _dist_measured(d: dict) -> list[str]:
     m = d["measured"]
     rows = [[k, num(v["median_s"], 3), num(v["min_s"], 3)] for k, v in m.items() if isinstance(v, dict)]
-    return table(["ranks", "s per step, median", "min"], rows)
+    return table(["ranks", "s per step, median", "min"], rows) + [
+        "", f"2 ranks / 1 rank step time (median): {m['ratio_2_over_1_median']:.2f}."]
 
 
 def _planner(d: dict) -> list[str]:
@@ -222,25 +235,33 @@ def _planner(d: dict) -> list[str]:
 def _peft(d: dict) -> list[str]:
     rows = []
     for name in ("full", "lora"):
-        r = d[name]
+        r = d["variants"][name]
         rows.append([name, f"{r['trainable'] / 1e6:.2f}M", f"{r['h2d_bytes_params']:,}",
                      f"{r['d2h_bytes_grads']:,}", f"{r['h2d_bytes_activations']:,}",
                      f"{r['d2h_bytes_activations']:,}", f"{r['min_s']:.3f} s ({r['median_s']:.3f} s)"])
-    return table(["", "trainable", "h2d parameters B", "d2h gradients B", "h2d activations B",
-                  "d2h activations B", "step, min (median)"], rows) + [
-        "", f"LoRA / full step time (paired median): {d['lora_over_full_paired_median']:.3f}; "
-        f"gradient bytes downloaded: {d['lora']['d2h_bytes_grads'] / d['full']['d2h_bytes_grads']:.4f}×."]
+    lo = d["lora_over_full"]
+    return [f"{d['variants']['full']['parameters'] / 1e6:.1f}M parameters, {d['devices']} virtual "
+            f"devices, {d['repeats']} interleaved rounds.", ""] + table(
+        ["", "trainable", "h2d parameters B", "d2h gradients B", "h2d activations B",
+         "d2h activations B", "step, min (median)"], rows) + [
+        "", f"LoRA / full step time: {lo['paired_median']:.3f} (paired median), {lo['from_mins']:.3f} "
+        f"(from the minima); gradient bytes downloaded: {lo['d2h_bytes_grads']:.4f}×."]
 
 
 def _sim_vs_measured(d: dict) -> list[str]:
-    return table(["devices", "microbatches", "simulated / measured makespan, per repeat", "median error"],
-                 [[d["devices"], d["num_microbatch"], ", ".join(num(x) for x in d["ratios"]),
-                   pct(d["median_error"], signed=False)]])
+    rows = [[f"{r['measured_ms']:,.1f}", f"{r['simulated_ms']:,.1f}", f"{r['ratio']:.3f}",
+             f"{r['measured_bubble']:.1f}%", f"{r['simulated_bubble']:.1f}%"] for r in d["rows"]]
+    return [f"{d['devices']} virtual devices, {d['num_microbatch']} microbatches, `{d['plan']}`; "
+            f"median |simulated / measured − 1|: {d['abs_error_median']:.3f}.", ""] + table(
+        ["measured ms", "simulated ms", "simulated / measured", "bubble, measured", "bubble, simulated"], rows)
 
 
 def _passes(d: dict) -> list[str]:
-    return table(["layers", "hidden", "s, min", "median"],
-                 [[r["layers"], r["hidden"], num(r["min_s"], 3), num(r["median_s"], 3)] for r in d["rows"]])
+    keys = ["capture", "partition", "costs", "lower", "passes_without_capture"]
+    return ["Seconds, min (median), one thread:", ""] + table(
+        ["layers", "hidden", *keys],
+        [[r["layers"], r["hidden"], *(f"{r[k]['min']:.3f} ({r[k]['median']:.3f})" for k in keys)]
+         for r in d["rows"]])
 
 
 SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
@@ -282,9 +303,15 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "whose every stage fits, 8 devices, bf16, microbatch 1: predictions on `meta`, not runs.",
      _longest),
     ("Host memory", "bench_memory.json", "host_memory",
-     "Peak RSS over the model's parameter bytes P, eager against fxpipe.", lambda d: table(
-         ["what ran", "RSS / P", "device / P"],
-         [[r["what"], num(r["rss_over_p"]), num(r["device_over_p"])] for r in d["host_memory"]])),
+     "Peak RSS above the process baseline over the model's parameter bytes P (24-block "
+     "MLP-style model, 2 virtual devices, 2 microbatches, SGD, three steps, each row in a "
+     "fresh process): eager training; fxpipe's fused step; the fused step, an eager-style "
+     "step and `no_grad` inference in one process; the fused step with bf16 parameters.",
+     lambda d: [f"glibc: {d.get('host_memory_malloc', '?')}.", ""] + table(
+         ["row", "RSS / P", "device / P", "target", "met"],
+         [[r["row"], num(r["rss_over_P"]), num(r["device_over_P"]),
+           "" if r.get("target_over_P") is None else f"≤ {r['target_over_P']:.2f}",
+           {None: "", True: "yes", False: "no"}[r.get("met")]] for r in d["host_memory"]])),
     ("Data parallel", "bench_distributed.json", "sim",
      "RoundPipe's five configurations (8 RTX 4090 per node) on 1–16 nodes, one rank per "
      "node, a ring all-reduce per backward stage on the host's collective stream.", _dist_sim),
@@ -296,10 +323,10 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("Planner", "bench_planner.json", "quality",
      "fxpipe's exact bottleneck-optimal partition against heuristics, on families of random "
      "layer costs.", _planner),
-    ("peft LoRA", "bench_peft.json", "lora",
+    ("peft LoRA", "bench_peft.json", "variants",
      "A Llama-style model from a config, LoRA r=8 on `q_proj`/`v_proj` against full "
      "training; bytes per step from `pipe.stats()`.", _peft),
-    ("Simulator against a real run", "bench_sim_vs_measured.json", "ratios",
+    ("Simulator against a real run", "bench_sim_vs_measured.json", "rows",
      "Virtual devices, layer times from the same run.", _sim_vs_measured),
     ("Passes", "bench_passes.json", "rows",
      "Partition, costs and lowering (capture excluded) of an MLP-style chain.", _passes),
@@ -389,12 +416,12 @@ def headline() -> list[str]:
         rows.append([f"a model whose parameters are {b['params_over_limit']:.0f}× one device's memory: "
                      "reserved / limit", f"{' and '.join(num(x) for x in b['reserved_over_limit'])}, "
                      f"loss within {b['max_loss_diff']:.1e} of eager", "gpu-allocator-emulation"])
-    ls = load("bench_memory.json")
-    if ls and "longest_sequence" in ls:
-        for r in ls["longest_sequence"]:
-            if r["model"] == "Llama-3.1-8B" and "linear_cross_entropy" in r:
-                rows.append([f"longest trainable sequence, Llama-3.1-8B, {r['device']} (predicted)",
-                             f"{r['linear_cross_entropy']} (RoundPipe: {r['roundpipe']})", "longest-sequence"])
+    if mem and "longest_sequence" in mem:
+        for r in mem["longest_sequence"]:
+            if r["model"] == "Llama-3.1-8B":
+                rows.append([f"longest trainable sequence, Llama-3.1-8B, 8 x {r['device_gib']} GiB (predicted)",
+                             f"{r['chunked_ce_tokens'] // 1024}K tokens (RoundPipe: {r['roundpipe_k']}K)",
+                             "longest-sequence"])
     dist = load("bench_distributed.json")
     if dist and "sim" in dist:
         nets = dist["sim"]["networks"]
@@ -402,9 +429,9 @@ def headline() -> list[str]:
             effs = [m["16"]["efficiency"] for m in nets[net]["models"].values() if "16" in m]
             rows.append([f"simulated data-parallel efficiency on 16 nodes, {net}", span(effs), "data-parallel"])
     peft = load("bench_peft.json")
-    if peft and "lora" in peft:
-        rows.append(["LoRA: gradient bytes downloaded / full training",
-                     f"{peft['lora']['d2h_bytes_grads'] / peft['full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+    if peft and "lora_over_full" in peft:
+        rows.append(["LoRA: gradient bytes downloaded per step / full training",
+                     f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
     out = table(["", "figure", "details"],
                 [[w, f, f"[benchmarks](docs/benchmarks.md#{a})"] for w, f, a in rows])
     return [BEGIN, "<!-- generated by python benchmarks/report.py from benchmarks/results/*.json -->",

@@ -1,4 +1,4 @@
-"""The compiler passes: capture → partition → costs → lower → schedule (see DESIGN.md)."""
+"""The compiler passes: capture → partition → costs → lower → schedule (see docs/design.md)."""
 
 from __future__ import annotations
 
