@@ -99,7 +99,9 @@ def _optimizer_sim(d: dict) -> list[str]:
     s = d["sim"]
     out = []
     for label, r in s["by_rate"].items():
-        why = (f"{s['params_per_s_per_core'] / 1e6:.0f}M/s per core × {s['host_cores']} cores"
+        stated = any("--params-per-core" in r["command"] for r in runs_for(d, "sim"))
+        why = (f"{s['params_per_s_per_core'] / 1e6:.0f}M/s per core × {s['host_cores']} cores, the per-core "
+               + ("rate stated by `--params-per-core`" if stated else "rate measured on this machine")
                if label == "measured" else "the median rate RoundPipe's published async / sync ratios imply")
         out += [f"Host AdamW at {r['params_per_s'] / 1e9:.2f} G parameters/s ({why}):", ""]
         rows = []
@@ -112,6 +114,22 @@ def _optimizer_sim(d: dict) -> list[str]:
         out += table(["model", "host step (s)", "step without it (s)", "RoundPipe-sync",
                       "fxpipe-exact", "RoundPipe-async", "published RoundPipe async / sync",
                       "exact: exposed step (s)"], rows) + [""]
+    return out[:-1]
+
+
+def _optimizer_runtime(d: dict) -> list[str]:
+    out = []
+    for key, r in d["runtime"].items():
+        m = r["model"]
+        out += [f"{key.replace('_', ' ')}: {m['depth']} blocks of dim {m['dim']}, "
+                f"{m['parameters'] / 1e6:.1f}M parameters, {m['microbatches']} microbatches; the optimizer "
+                f"step alone {r['optimizer_step_s']['min']:.3f} s (median {r['optimizer_step_s']['median']:.3f} s).", ""]
+        out += table(["mode", "s, min (median)", "/ sync (paired median)", "hidden in wall time",
+                      "hidden before the devices' last compute"],
+                     [[name, f"{v['min_s']:.3f} ({v['median_s']:.3f})", f"{v['ratio_vs_sync_median']:.3f}",
+                       "" if name == "none" else pct(v["hidden_paired_median"], signed=False),
+                       "" if name == "none" else pct(v["hidden_tail"], signed=False)]
+                      for name, v in r["variants"].items()]) + [""]
     return out[:-1]
 
 
@@ -264,6 +282,13 @@ def _passes(d: dict) -> list[str]:
          for r in d["rows"]])
 
 
+def _capture(d: dict) -> list[str]:
+    policies = list(next(iter(d["seconds"].values())))
+    return table(["model", *(f"{p} (s)" for p in policies)],
+                 [[name, *(num(row[p], 1) for p in policies)] for name, row in d["seconds"].items()]) + [
+        "", f"Min of {d['repeats']} interleaved repeat(s), one thread."]
+
+
 SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("Host issue cost", "bench_issue.json", "rows",
      "The host time a training step's issuing takes, with the device work elided: fxpipe's "
@@ -281,6 +306,12 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "RoundPipe's five configurations with a host AdamW step, relative throughput "
      "(RoundPipe-sync = 1): the step after the backward, fxpipe's streamed exact step, and "
      "RoundPipe's one-step-stale optimizer.", _optimizer_sim),
+    ("Optimizer modes on virtual devices", "bench_optimizer.json", "runtime",
+     "The step without the optimizer (`none`), the optimizer after the backward (`sync`), "
+     "streamed into the backward (`exact`) and one step stale (`async`), interleaved rounds. "
+     "A virtual device's compute runs on the host's CPU, so the wall-time overlap depends on "
+     "a free core; the devices' records show what ran before their last compute.",
+     _optimizer_runtime),
     ("Host optimizer step", "bench_optimizer.json", "cpu",
      "One AdamW step over 16.8M fp32 parameters against the memory-bandwidth limit "
      "(28 B per parameter).", _optimizer_cpu),
@@ -328,6 +359,9 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "training; bytes per step from `pipe.stats()`.", _peft),
     ("Simulator against a real run", "bench_sim_vs_measured.json", "rows",
      "Virtual devices, layer times from the same run.", _sim_vs_measured),
+    ("Capture", "bench_capture.json", "seconds",
+     "Capturing a tiny Swin and a tiny Qwen3-Next with every dim symbolic, with the batch dim "
+     "symbolic only (what `capture=\"auto\"` uses), and at block granularity.", _capture),
     ("Passes", "bench_passes.json", "rows",
      "Partition, costs and lowering (capture excluded) of an MLP-style chain.", _passes),
 ]
