@@ -434,6 +434,12 @@ def headline() -> list[str]:
         ratios = [m["makespan_ratio"] for m in sched["models"].values()]
         rows.append([f"simulated makespan against RoundPipe's published schedules ({len(ratios)} models, 8 GPUs)",
                      f"{span(ratios, 3)}× (exact optimizer semantics)", "schedules"])
+    opt = load("bench_optimizer.json")
+    if opt and "sim" in opt and "measured" in opt["sim"]["by_rate"]:
+        rel = [m["relative_throughput"] for m in opt["sim"]["by_rate"]["measured"]["models"].values()]
+        rows.append(["simulated step throughput with a host AdamW, exact streamed step / RoundPipe's sync step",
+                     f"{span([r['fxpipe_exact'] for r in rel])}× (RoundPipe's stale step: "
+                     f"{span([r['roundpipe_async'] for r in rel])}×)", "host-optimizer-in-the-simulator"])
     mem = load("bench_memory.json")
     if mem and "predicted_vs_measured" in mem:
         errs = [r["predicted_total"] / r["measured"]["total"] - 1 for r in mem["predicted_vs_measured"]]
