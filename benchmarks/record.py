@@ -4,8 +4,9 @@
         python benchmarks/bench_schedule.py
 
 runs the command (from the repository root), then adds to the JSON it wrote a
-``"runs"`` entry: the exact command, the top-level keys it wrote, the date, the commit
-and a description of the machine. ``benchmarks/report.py`` prints each table with the
+``"runs"`` entry: the exact command, the top-level keys it wrote, the date, the commit,
+a description of the machine and its load average before and after (other jobs on a
+shared machine slow a timing down). ``benchmarks/report.py`` prints each table with the
 command that produced it. Nothing else is changed in the file; a command that fails or
 does not write the file records nothing.
 """
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> int:
     command = argv[2:]
     before = json.loads(out.read_text()) if out.exists() else {}
     mtime = out.stat().st_mtime if out.exists() else None
+    load_before = os.getloadavg()[0]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rc = subprocess.call(command, cwd=ROOT, env=env)
     if rc != 0 or not out.exists() or out.stat().st_mtime == mtime:
@@ -52,15 +54,19 @@ def main(argv: list[str]) -> int:
         return rc or 1
     result = json.loads(out.read_text())
     runs = [r for r in before.get("runs", []) if isinstance(r, dict)]
-    written = sorted(k for k in result if k != "runs" and result[k] != before.get(k))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
     command_text = shlex.join(["python" if Path(command[0]).name.startswith("python") else command[0],
                                *command[1:]])
-    runs = [r for r in runs if r.get("command") != command_text]
+    same = {k for r in runs if r.get("command") == command_text for k in r.get("keys", [])}
+    written = sorted(k for k in result if k != "runs" and (result[k] != before.get(k) or k in same))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    for r in runs:   # an earlier run no longer made what this one rewrote
+        r["keys"] = [k for k in r.get("keys", []) if k not in written]
+    runs = [r for r in runs if r.get("command") != command_text and r["keys"]]
     runs.append({"command": command_text, "keys": written,
                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                 "commit": commit, "machine": machine()})
+                 "commit": commit, "machine": machine(),
+                 "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]})
     result["runs"] = runs
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"record: {argv[0]}: {command_text} wrote {', '.join(written)}")

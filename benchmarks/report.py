@@ -383,7 +383,8 @@ def _section(title: str, file: str, key: str, what: str, render) -> tuple[list[s
     runs = runs_for(data, key)
     src = [f"From `benchmarks/results/{file}`"]
     for r in runs:
-        src.append(f"`{r['command']}` (commit {r['commit']}, {r['date']}; {r['machine']})")
+        busy = f"; load average {r['load'][0]} → {r['load'][1]}" if "load" in r else ""
+        src.append(f"`{r['command']}` (commit {r['commit']}, {r['date']}; {r['machine']}{busy})")
     if not runs:
         src.append("(no recorded command)")
     return head + body + ["", src[0] + ": " + "; ".join(src[1:]) + "."], True

@@ -154,3 +154,29 @@ def test_documentation_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_record_stamps_the_command_and_keeps_one_run_per_result(copy: Path):
+    script = copy / "benchmarks" / "bench_fake.py"
+    script.write_text("import json, sys\nfrom pathlib import Path\n"
+                      "out = Path('benchmarks/results/bench_fake.json')\n"
+                      "old = json.loads(out.read_text()) if out.exists() else {}\n"
+                      "old[sys.argv[1]] = float(sys.argv[2])\n"
+                      "out.write_text(json.dumps(old))\n")
+    record = [sys.executable, str(copy / "benchmarks" / "record.py"), "benchmarks/results/bench_fake.json", "--"]
+
+    def runs(*args: str) -> list[dict]:
+        subprocess.run([*record, sys.executable, "benchmarks/bench_fake.py", *args], cwd=copy,
+                       check=True, capture_output=True, timeout=60)
+        return json.loads((copy / "benchmarks" / "results" / "bench_fake.json").read_text())["runs"]
+
+    (a,) = runs("a", "1")
+    assert a["command"] == "python benchmarks/bench_fake.py a 1" and a["keys"] == ["a"]
+    assert {"date", "commit", "machine", "load"} <= set(a)
+    assert [r["keys"] for r in runs("b", "2")] == [["a"], ["b"]]
+    # the same value again still comes from that command; another command replaces the first
+    assert [r["command"] for r in runs("b", "2")][-1].endswith("b 2")
+    assert [(r["command"][-3:], r["keys"]) for r in runs("a", "3")] == [("b 2", ["b"]), ("a 3", ["a"])]
+    failed = subprocess.run([*record, sys.executable, "-c", "raise SystemExit(3)"], cwd=copy,
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 3 and "nothing recorded" in failed.stderr
