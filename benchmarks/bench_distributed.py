@@ -17,7 +17,7 @@
     every host byte of parameters, upload copies, gradients, masters and state.
 (sim) RoundPipe's five configurations (8 RTX 4090 per node, 16 microbatches of 8192
     tokens, RoundPipe's measured layer times and partitions,
-    ``../shared/data/roundpipe_simulation.json``) on 1, 2, 4, 8 and 16 nodes, one rank
+    ``tests/data/roundpipe_simulation.json``) on 1, 2, 4, 8 and 16 nodes, one rank
     per node: the Program fxpipe runs (each backward stage's bf16 gradients all-reduced
     by the host's collective stream as soon as they are final, the streamed optimizer
     stepping the stage after it, host AdamW at ``--host-params-per-s``), simulated with
@@ -188,8 +188,7 @@ def part_memory(args: argparse.Namespace) -> dict:
 def part_sim(args: argparse.Namespace) -> dict:
     import bench_schedule as bs
     from fxpipe.sim import Hardware, roundpipe_program, simulate
-    data_path = bs.DATA if bs.DATA.exists() else Path("/work/shared/data/roundpipe_simulation.json")
-    data = json.loads(data_path.read_text())
+    data = json.loads(bs.DATA.read_text())
     out: dict = {"host_params_per_s": args.host_params_per_s, "networks": {}}
     tokens = bs.M * bs.TOKENS
     for net, (bw, lat) in NETWORKS.items():

@@ -30,7 +30,7 @@ would compute the same step:
   time at 1, over the actions it adds; and what a call costs besides its actions.
 
 Rows: Llama-3.1-8B, Qwen3-1.7B and Qwen3-32B shapes; 1, 2, 4 and 8 GPUs; RoundPipe's
-published step (16 microbatches, ``../shared/data/roundpipe_simulation.json``) at 4K and
+published step (16 microbatches, ``tests/data/roundpipe_simulation.json``) at 4K and
 16K tokens per microbatch. CPU wall time is noisy: calls are interleaved, repeated, and
 the minimum and median reported. Writes benchmarks/results/bench_issue.json; with
 ``--json`` the last line printed is that JSON.

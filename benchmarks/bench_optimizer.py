@@ -34,7 +34,7 @@
     optimizer runs next to it; part (sim) takes the for-loop's single-thread rate (the
     simulator's ``cpu_optimizer_bytes_per_s`` counts bf16 parameter bytes: x2).
 (sim) RoundPipe's five published configurations (8 RTX 4090, 16 microbatches, their
-    measured layer times; ``../shared/data/roundpipe_simulation.json``) with the host
+    measured layer times; ``tests/data/roundpipe_simulation.json``) with the host
     optimizer modelled (``fxpipe.sim.optimizer_modes``): relative throughput of
     RoundPipe-sync (its schedule, step after backward), fxpipe-exact (the searched
     schedule of ``bench_schedule.py``, streamed exact step) and RoundPipe-async (one-step

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_schedule.py             # all five models, ~5 min
     .venv/bin/python benchmarks/bench_schedule.py --budget 40 --models qwen3-1.7b
 
-Inputs are RoundPipe's own simulator inputs (``../shared/data/roundpipe_simulation.json``:
+Inputs are RoundPipe's own simulator inputs (``tests/data/roundpipe_simulation.json``:
 8 GPUs, 16 microbatches, measured per-layer times, a hand-off hop between GPUs). Per model:
 
 - ``roundpipe_sync``: the published bubble, and ours for the same plan and dispatch with
@@ -46,7 +46,7 @@ from fxpipe.passes.schedule import build_program  # noqa: E402
 from fxpipe.sim import Hardware, LayerCost, roundpipe_program, simulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "roundpipe_simulation.json"
+DATA = ROOT / "tests" / "data" / "roundpipe_simulation.json"
 OUT = ROOT / "benchmarks" / "results" / "bench_schedule.json"
 G, M, TOKENS = 8, 16, 8192
 

@@ -1,6 +1,6 @@
 """The simulator against RoundPipe's published simulator figures, and its own model.
 
-``../shared/data/roundpipe_simulation.json`` holds the inputs RoundPipe's schedule
+``tests/data/roundpipe_simulation.json`` (its source in ``tests/data/README.md``) holds the inputs RoundPipe's schedule
 simulator was run with (8 GPUs, 16 microbatches, five models) and the makespan and bubble
 split it printed. Building RoundPipe's plans as fxpipe Programs and simulating them with
 free transfers, a hop cost on cross-GPU edges and RoundPipe's placement of the recompute
@@ -18,13 +18,11 @@ import pytest
 from fxpipe.passes.schedule import Forward, Program, build_program
 from fxpipe.sim import Hardware, LayerCost, roundpipe_program, simulate
 
-DATA = Path(__file__).parents[2] / "shared" / "data" / "roundpipe_simulation.json"
+DATA = Path(__file__).parent / "data" / "roundpipe_simulation.json"
 MODELS = ["qwen3-1.7b", "llama3-8b", "gptoss-20b", "qwen3-32b", "qwen3-235b"]
 
 
 def load() -> dict:
-    if not DATA.exists():
-        pytest.skip(f"RoundPipe's published simulation data is not at {DATA}")
     return json.loads(DATA.read_text())
 
 

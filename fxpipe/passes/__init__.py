@@ -1,4 +1,4 @@
-"""The compiler passes: capture → partition → costs → lower → schedule (see DESIGN.md).
+"""The compiler passes: capture → partition → costs → lower → schedule (see docs/design.md).
 
 The runtime reads only the values they make (``layer_graph``, ``program``, ``stage``),
 never a pass; ``tests/test_layers.py`` lists the layers.

@@ -11,7 +11,7 @@ profile, ``fxpipe.passes.costs``). ``ChainMemory`` holds them as per-layer vecto
 kind (``KINDS``):
 
 - ``params``: the stage's parameters and buffers, and those of the stage its device
-  prefetches while it computes (DESIGN rule 2: at most two stages resident);
+  prefetches while it computes (docs/design.md, rule 2: at most two stages resident);
 - ``gradients``: a backward stage's parameter gradients, accumulated over its job;
 - ``activations``: values between computes: the stage's inputs (and the next
   microbatch's, uploaded during this compute), the gradients of its outputs (backward),

@@ -100,7 +100,7 @@ simulator both follow them, nothing else orders actions):
 2. Issue: ``Prefetch``/``Upload``/``UploadGrad`` start no earlier than the start of the
    latest compute listed before them. Builders place the prefetch of a device's next
    stage after the first compute of its current stage (so it overlaps that stage,
-   DESIGN rule 2) and the inputs of the next compute after the current compute (one
+   docs/design.md, rule 2) and the inputs of the next compute after the current compute (one
    microbatch of look-ahead).
 3. Residency: a ``Prefetch`` starts after every ``Release`` listed before it, and after
    the host's ``Refresh`` (and ``BroadcastBuffers``, when there is one); a compute needs the latest

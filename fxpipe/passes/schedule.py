@@ -107,7 +107,7 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   broadcast_buffers: bool = False) -> Program:
     """Build the Program for a plan.
 
-    ``dispatch="stage"`` (DESIGN rule 1): stage ``s`` runs on device ``s mod G`` as one
+    ``dispatch="stage"`` (docs/design.md, rule 1): stage ``s`` runs on device ``s mod G`` as one
     job over all microbatches; the prefetch of the device's next stage is issued when
     its current stage starts computing, so at most two stages are resident.
 

@@ -1,0 +1,520 @@
+"""Write docs/benchmarks.md and the README's headline figures from the committed results.
+
+    python benchmarks/report.py            # rewrite docs/benchmarks.md and README.md's block
+    python benchmarks/report.py --check    # exit 1, with a diff, if either differs
+
+Every figure the documentation quotes from a benchmark comes from a JSON file under
+``benchmarks/results/``, written by the benchmark itself and stamped by
+``benchmarks/record.py`` with the command that made it, the commit and the machine. A
+section whose JSON (or the part of it a table needs) is missing is listed as not
+recorded, with the command that would record it; no figure is typed in by hand. The
+README carries a generated block between ``<!-- report:headline -->`` and
+``<!-- /report:headline -->``. Pure Python (no torch): CI runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- report:headline -->", "<!-- /report:headline -->"
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def mb(n: float) -> str:
+    """Bytes as decimal MB, 3 significant digits (``148 MB``, ``80.6 MB``)."""
+    v = n / 1e6
+    return f"{v:,.0f} MB" if v >= 99.95 else f"{v:.1f} MB" if v >= 9.995 else f"{v:.2f} MB"
+
+
+def num(x: float, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def pct(x: float, signed: bool = True) -> str:
+    return f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def span(values: list[float], digits: int = 2) -> str:
+    lo, hi = min(values), max(values)
+    return num(lo, digits) if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{num(lo, digits)}–{num(hi, digits)}"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def runs_for(data: dict, key: str) -> list[dict]:
+    """The recorded runs of ``data`` that wrote ``key``."""
+    return [r for r in data.get("runs", []) if key in r.get("keys", [])]
+
+
+# ------------------------------------------------------------------------------ sections
+# Each section: (title, json file, key in it, what it measures, renderer(data) -> lines).
+
+def _issue(d: dict) -> list[str]:
+    rows = [[r["model"], r["gpus"], f"{r['seq_len'] // 1024}K", f"{r['actions']:,}",
+             f"{r['host_issue_ms']:,.0f} ({r['host_issue_ms_median']:,.0f})", f"{r['eager_ms']:,.0f}",
+             f"{r['predicted_gpu_ms']:,.0f}", f"{r['ratio']:.3f}"] for r in d["rows"]]
+    a = d["action_us"]
+    mfu = d["rows"][0]["mfu"]
+    return table(["model", "GPUs", "tokens per microbatch", "actions", "host ms, min (median)",
+                  "eager dispatch ms", f"H100 step ms (predicted, {mfu:.0%} of 989 TFLOP/s)",
+                  "host / predicted step"], rows) + [
+        "", f"One action around an empty stage: {a['min_us']:.1f} µs (median {a['median_us']:.1f} µs); "
+        f"a call's fixed cost: {a['call_fixed_us'] / 1000:.2f} ms."]
+
+
+def _schedule(d: dict) -> list[str]:
+    rows = []
+    for name, m in d["models"].items():
+        tr = m["transfers_fxpipe_plan"]
+        rows.append([name, num(m["roundpipe_sync_published"]), num(m["roundpipe_sync_reproduced"]),
+                     num(m["fxpipe_exact"]), f"{m['makespan_ratio']:.3f}",
+                     f"{tr['makespan_ms'] / m['fxpipe_makespan_ms']:.3f}",
+                     "yes" if tr["prefetch_hidden"] else "no"])
+    return table(["model", "RoundPipe sync bubble % (published)", "RoundPipe's plan in fxpipe.sim",
+                  "fxpipe exact bubble %", "makespan fxpipe / RoundPipe",
+                  "makespan with transfers / without", "prefetch hidden in steady state"], rows)
+
+
+def _optimizer_sim(d: dict) -> list[str]:
+    s = d["sim"]
+    out = []
+    for label, r in s["by_rate"].items():
+        stated = any("--params-per-core" in r["command"] for r in runs_for(d, "sim"))
+        why = (f"{s['params_per_s_per_core'] / 1e6:.0f}M/s per core × {s['host_cores']} cores, the per-core "
+               + ("rate stated by `--params-per-core`" if stated else "rate measured on this machine")
+               if label == "measured" else "the median rate RoundPipe's published async / sync ratios imply")
+        out += [f"Host AdamW at {r['params_per_s'] / 1e9:.2f} G parameters/s ({why}):", ""]
+        rows = []
+        for name, m in r["models"].items():
+            rel, rp, fx = m["relative_throughput"], m["roundpipe"], m["fxpipe"]
+            pub = rel["published_roundpipe_async"]
+            rows.append([name, num(rp["optimizer_ms"] / 1e3), num(rp["compute_ms"] / 1e3), "1.00",
+                         num(rel["fxpipe_exact"]), num(rel["roundpipe_async"]),
+                         "–" if pub is None else num(pub), num(fx["exact_exposed_ms"] / 1e3)])
+        out += table(["model", "host step (s)", "step without it (s)", "RoundPipe-sync",
+                      "fxpipe-exact", "RoundPipe-async", "published RoundPipe async / sync",
+                      "exact: exposed step (s)"], rows) + [""]
+    return out[:-1]
+
+
+def _optimizer_runtime(d: dict) -> list[str]:
+    out = []
+    for key, r in d["runtime"].items():
+        m = r["model"]
+        out += [f"{key.replace('_', ' ')}: {m['depth']} blocks of dim {m['dim']}, "
+                f"{m['parameters'] / 1e6:.1f}M parameters, {m['microbatches']} microbatches; the optimizer "
+                f"step alone {r['optimizer_step_s']['min']:.3f} s (median {r['optimizer_step_s']['median']:.3f} s).", ""]
+        out += table(["mode", "s, min (median)", "/ sync (paired median)", "hidden in wall time",
+                      "hidden before the devices' last compute"],
+                     [[name, f"{v['min_s']:.3f} ({v['median_s']:.3f})", f"{v['ratio_vs_sync_median']:.3f}",
+                       "" if name == "none" else pct(v["hidden_paired_median"], signed=False),
+                       "" if name == "none" else pct(v["hidden_tail"], signed=False)]
+                      for name, v in r["variants"].items()]) + [""]
+    return out[:-1]
+
+
+def _optimizer_cpu(d: dict) -> list[str]:
+    c = d["cpu"]
+    lim = c["limit_params_per_s"]
+    rows = [[name, f"{r['params_per_s'] / 1e6:,.0f} ({r['params_per_s_median'] / 1e6:,.0f})",
+             num(r["over_in_place_limit"]), num(r["over_copy_limit"])] for name, r in c["adamw"].items()]
+    return [f"{c['parameters'] / 1e6:.1f}M fp32 parameters, {c['cores']} cores; limits at "
+            f"{c['bytes_per_param']} B per parameter: in place {lim['in place'] / 1e6:,.0f}M params/s, "
+            f"copy {lim['copy'] / 1e6:,.0f}M params/s.", ""] + table(
+        ["implementation, threads", "M params/s best (median)", "/ in-place limit", "/ copy limit"], rows)
+
+
+def _memory_b(measure: str) -> Callable[[dict], list[str]]:
+    def render(d: dict) -> list[str]:
+        rows = []
+        for r in d["predicted_vs_measured"]:
+            pred, meas = r["predicted_total"], r["measured"]["total"]
+            row = [r["model"], r["grain"], r["device"], mb(pred), mb(meas), pct(pred / meas - 1)]
+            if measure == "cuda-sim":
+                row.append(num(r["measured"]["reserved"] / pred))
+            if measure == "harness":
+                row.append(pct(r["worst_stage_error"], signed=False))
+            rows.append(row)
+        head = ["model", "grain", "device", "predicted", "measured", "predicted / measured - 1"]
+        if measure == "cuda-sim":
+            head.append("reserved / predicted")
+        if measure == "harness":
+            head.append("worst stage error")
+        return table(head, rows)
+    return render
+
+
+def _gpu_memory(d: dict) -> list[str]:
+    out = ["8-block d = 128 chain, 4 microbatches, cuda-sim devices:", ""]
+    out += table(["device", "predicted", "allocated", "reserved", "reserved / predicted", "allocator flushes"],
+                 [[c["device"], mb(c["predicted"]), mb(c["allocated"]), mb(c["reserved"]),
+                   num(c["reserved_over_predicted"]), c["allocator_flushes"]] for c in d["chain"]])
+    b = d["bigger"]
+    out += ["", f"Parameters {b['params_over_limit']:.1f}× a device's limit ({mb(b['limit'])}), "
+            f"{b['stages']} stages: reserved / limit {', '.join(num(x) for x in b['reserved_over_limit'])} "
+            f"per device, allocator flushes per step {b['allocator_flushes_per_step']}, "
+            f"loss within {b['max_loss_diff']:.1e} of eager.", "", "Pinned host memory:", ""]
+    out += table(["param_dtype", "pin_memory", "host_pinned_bytes", "bytes held", "pinned / held", "host_stalls"],
+                 [[p["param_dtype"], p["pin_memory"], f"{p['host_pinned_bytes']:,}", f"{p['bytes_held']:,}",
+                   f"{p['pinned_over_held']:.3f}", p["host_stalls"]] for p in d["pinned"]])
+    return out
+
+
+def _longest(d: dict) -> list[str]:
+    rows = []
+    for r in d["longest_sequence"]:
+        hf = r.get("hf_export_chunked_tokens")
+        rows.append([r["model"], f"{r['devices']} x {r['device_gib']} GiB", f"{r['roundpipe_k']}K",
+                     f"{r['logits_ce_tokens'] // 1024}K", f"**{r['chunked_ce_tokens'] // 1024}K** "
+                     f"({r['chunked_ce_tokens'] / 1024 / r['roundpipe_k']:.2f}x)",
+                     "–" if hf is None else f"{hf // 1024}K"])
+    return table(["model", "devices", "RoundPipe (published)", "fxpipe, logits + fp32 CE",
+                  "fxpipe, `linear_cross_entropy`", "HF model via export (`--hf`)"], rows)
+
+
+def _dist_sim(d: dict) -> list[str]:
+    s = d["sim"]
+    nets = list(s["networks"])
+    first = s["networks"][nets[0]]["models"]
+    counts = sorted({int(k) for m in first.values() for k in m if k.isdigit()} - {1})
+    head = ["model (1 node tok/s)"]
+    for n in nets:
+        head += [f"{n}: {' / '.join(map(str, counts))} nodes", f"{n}: {counts[-1]}, sharded"]
+    rows = []
+    for model in first:
+        row = [f"{model} ({first[model]['1']['tokens_per_s']:,.0f})"]
+        for n in nets:
+            m = s["networks"][n]["models"][model]
+            row += [" / ".join(num(m[str(c)]["efficiency"]) for c in counts),
+                    num(m[f"{counts[-1]}_sharded"]["efficiency"])]
+        rows.append(row)
+    return [f"Host AdamW at {s['host_params_per_s'] / 1e9:g} G parameters/s; scaling efficiency = "
+            "tokens/s over N × one node.", ""] + table(head, rows)
+
+
+def _dist_memory(d: dict) -> list[str]:
+    m = d["memory"]
+    rows = []
+    for key, ranks in m.items():
+        if not isinstance(ranks, list):
+            continue
+        n, _, dtype, sharded = key.split("_")
+        worst = max(ranks, key=lambda r: r["host_total_bytes"])
+        ratio = m.get(f"{n}_ranks_{dtype}_sharded_state_and_masters_x_n_over_unsharded")
+        rows.append([n, dtype, "yes" if sharded == "sharded" else "no", f"{worst['optimizer_state_bytes']:,}",
+                     f"{worst['master_bytes']:,}",
+                     f"{ratio:.3f}" if sharded == "sharded" and ratio is not None else "—",
+                     f"{worst['host_total_bytes']:,}"])
+    return ["Host bytes per rank after one AdamW step (the worst rank):", ""] + table(
+        ["ranks", "param_dtype", "sharded", "optimizer state B", "fp32 masters B",
+         "(state + masters) × N / unsharded", "host total B"], rows)
+
+
+def _dist_measured(d: dict) -> list[str]:
+    m = d["measured"]
+    rows = [[k, num(v["median_s"], 3), num(v["min_s"], 3)] for k, v in m.items() if isinstance(v, dict)]
+    return table(["ranks", "s per step, median", "min"], rows) + [
+        "", f"2 ranks / 1 rank step time (median): {m['ratio_2_over_1_median']:.2f}."]
+
+
+def _planner(d: dict) -> list[str]:
+    rows = [[q["family"], q["k"], q["instances"], num(q["fxpipe_max"], 3), num(q["block_max"], 3),
+             num(q["uniform_max"], 3), num(q["params_max"], 3), num(q["roundpipe_max"], 3)]
+            for q in d["quality"]]
+    out = ["Bottleneck over the optimum, worst instance per family (1.000 = optimal):", ""]
+    out += table(["family", "stages", "instances", "fxpipe", "block partition", "uniform",
+                  "parameter balance", "RoundPipe-style greedy"], rows)
+    out += ["", "Solve time:", ""] + table(
+        ["case", "layers", "ms, min", "median"],
+        [[t["case"], t["layers"], num(t["min_ms"], 2), num(t["median_ms"], 2)] for t in d["timing"]])
+    return out
+
+
+def _peft(d: dict) -> list[str]:
+    rows = []
+    for name in ("full", "lora"):
+        r = d["variants"][name]
+        rows.append([name, f"{r['trainable'] / 1e6:.2f}M", f"{r['h2d_bytes_params']:,}",
+                     f"{r['d2h_bytes_grads']:,}", f"{r['h2d_bytes_activations']:,}",
+                     f"{r['d2h_bytes_activations']:,}", f"{r['min_s']:.3f} s ({r['median_s']:.3f} s)"])
+    lo = d["lora_over_full"]
+    return [f"{d['variants']['full']['parameters'] / 1e6:.1f}M parameters, {d['devices']} virtual "
+            f"devices, {d['repeats']} interleaved rounds.", ""] + table(
+        ["", "trainable", "h2d parameters B", "d2h gradients B", "h2d activations B",
+         "d2h activations B", "step, min (median)"], rows) + [
+        "", f"LoRA / full step time: {lo['paired_median']:.3f} (paired median), {lo['from_mins']:.3f} "
+        f"(from the minima); gradient bytes downloaded: {lo['d2h_bytes_grads']:.4f}×."]
+
+
+def _sim_vs_measured(d: dict) -> list[str]:
+    rows = [[f"{r['measured_ms']:,.1f}", f"{r['simulated_ms']:,.1f}", f"{r['ratio']:.3f}",
+             f"{r['measured_bubble']:.1f}%", f"{r['simulated_bubble']:.1f}%"] for r in d["rows"]]
+    return [f"{d['devices']} virtual devices, {d['num_microbatch']} microbatches, `{d['plan']}`; "
+            f"median |simulated / measured − 1|: {d['abs_error_median']:.3f}.", ""] + table(
+        ["measured ms", "simulated ms", "simulated / measured", "bubble, measured", "bubble, simulated"], rows)
+
+
+def _passes(d: dict) -> list[str]:
+    keys = ["capture", "partition", "costs", "lower", "passes_without_capture"]
+    return ["Seconds, min (median), one thread:", ""] + table(
+        ["layers", "hidden", *keys],
+        [[r["layers"], r["hidden"], *(f"{r[k]['min']:.3f} ({r[k]['median']:.3f})" for k in keys)]
+         for r in d["rows"]])
+
+
+def _capture(d: dict) -> list[str]:
+    policies = list(next(iter(d["seconds"].values())))
+    return table(["model", *(f"{p} (s)" for p in policies)],
+                 [[name, *(num(row[p], 1) for p in policies)] for name, row in d["seconds"].items()]) + [
+        "", f"Min of {d['repeats']} interleaved repeat(s), one thread."]
+
+
+SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
+    ("Host issue cost", "bench_issue.json", "rows",
+     "The host time a training step's issuing takes, with the device work elided: fxpipe's "
+     "plan for the full-size model (built on `meta`, 80 GiB devices, 16 microbatches) run on "
+     "a model of the same architecture at tiny widths on `InlineDevice`s, beside the same tiny "
+     "model run eagerly (the op dispatch any eager step pays) and the predicted GPU time of "
+     "the full-size step. A ratio below 1 means the host keeps up with the GPUs.", _issue),
+    ("Schedules", "bench_schedule.json", "models",
+     "RoundPipe's published simulator inputs (`tests/data/roundpipe_simulation.json`: 8 "
+     "GPUs, 16 microbatches, their measured layer times); fxpipe searches partitions and "
+     "dispatch orders with its simulator as objective, exact (non-stale) semantics, and "
+     "compares with RoundPipe's published synchronous schedule. The last column simulates "
+     "the same schedule with transfers on (RTX 4090, PCIe 4.0 ×16).", _schedule),
+    ("Host optimizer in the simulator", "bench_optimizer.json", "sim",
+     "RoundPipe's five configurations with a host AdamW step, relative throughput "
+     "(RoundPipe-sync = 1): the step after the backward, fxpipe's streamed exact step, and "
+     "RoundPipe's one-step-stale optimizer.", _optimizer_sim),
+    ("Optimizer modes on virtual devices", "bench_optimizer.json", "runtime",
+     "The step without the optimizer (`none`), the optimizer after the backward (`sync`), "
+     "streamed into the backward (`exact`) and one step stale (`async`), interleaved rounds. "
+     "A virtual device's compute runs on the host's CPU, so the wall-time overlap depends on "
+     "a free core; the devices' records show what ran before their last compute.",
+     _optimizer_runtime),
+    ("Host optimizer step", "bench_optimizer.json", "cpu",
+     "One AdamW step over 16.8M fp32 parameters against the memory-bandwidth limit "
+     "(28 B per parameter).", _optimizer_cpu),
+    ("Device memory", "bench_memory.json", "predicted_vs_measured",
+     "Each device's predicted peak against a CPU replay of every stage job under the "
+     "devices' byte counting (`--measure harness`), 2 devices, 2 microbatches, fixed plans.",
+     _memory_b("harness")),
+    ("Device memory, counted by the devices", "bench_memory_virtual.json", "predicted_vs_measured",
+     "The same calls run on virtual devices; measured is the devices' own count of every "
+     "byte their work allocated.", _memory_b("virtual")),
+    ("Device memory, reserved by a GPU-like allocator", "bench_memory_cuda_sim.json",
+     "predicted_vs_measured",
+     "The same calls on cuda-sim devices (memory allocated at issue, a caching allocator): "
+     "what the allocator reserves against the prediction.", _memory_b("cuda-sim")),
+    ("GPU allocator emulation", "bench_gpu_memory.json", "chain",
+     "cuda-sim devices: reserved over predicted with 4 microbatches, a model whose "
+     "parameters are 3× a device's limit, and page-locked host bytes.", _gpu_memory),
+    ("Longest sequence", "bench_memory.json", "longest_sequence",
+     "The longest sequence (multiples of 1024 tokens) for which the planner finds a plan "
+     "whose every stage fits, 8 devices, bf16, microbatch 1: predictions on `meta`, not runs.",
+     _longest),
+    ("Host memory", "bench_memory.json", "host_memory",
+     "Peak RSS above the process baseline over the model's parameter bytes P (24-block "
+     "MLP-style model, 2 virtual devices, 2 microbatches, SGD, three steps, each row in a "
+     "fresh process): eager training; fxpipe's fused step; the fused step, an eager-style "
+     "step and `no_grad` inference in one process; the fused step with bf16 parameters.",
+     lambda d: [f"glibc: {d.get('host_memory_malloc', '?')}.", ""] + table(
+         ["row", "RSS / P", "device / P", "target", "met"],
+         [[r["row"], num(r["rss_over_P"]), num(r["device_over_P"]),
+           "" if r.get("target_over_P") is None else f"≤ {r['target_over_P']:.2f}",
+           {None: "", True: "yes", False: "no"}[r.get("met")]] for r in d["host_memory"]])),
+    ("Data parallel", "bench_distributed.json", "sim",
+     "RoundPipe's five configurations (8 RTX 4090 per node) on 1–16 nodes, one rank per "
+     "node, a ring all-reduce per backward stage on the host's collective stream.", _dist_sim),
+    ("Data parallel host memory", "bench_distributed.json", "memory",
+     "A 414K-parameter MLP, AdamW, sharded (`shard_optimizer=True`) or not.", _dist_memory),
+    ("Data parallel step time", "bench_distributed.json", "measured",
+     "Global batch 64, 6-block MLP, AdamW, 2 virtual devices per rank (informational where "
+     "all ranks share a few CPU cores).", _dist_measured),
+    ("Planner", "bench_planner.json", "quality",
+     "fxpipe's exact bottleneck-optimal partition against heuristics, on families of random "
+     "layer costs.", _planner),
+    ("peft LoRA", "bench_peft.json", "variants",
+     "A Llama-style model from a config, LoRA r=8 on `q_proj`/`v_proj` against full "
+     "training; bytes per step from `pipe.stats()`.", _peft),
+    ("Simulator against a real run", "bench_sim_vs_measured.json", "rows",
+     "Virtual devices, layer times from the same run.", _sim_vs_measured),
+    ("Capture", "bench_capture.json", "seconds",
+     "Capturing a tiny Swin and a tiny Qwen3-Next with every dim symbolic, with the batch dim "
+     "symbolic only (what `capture=\"auto\"` uses), and at block granularity.", _capture),
+    ("Passes", "bench_passes.json", "rows",
+     "Partition, costs and lowering (capture excluded) of an MLP-style chain.", _passes),
+]
+
+
+def anchor(title: str) -> str:
+    return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def _section(title: str, file: str, key: str, what: str, render) -> tuple[list[str], bool]:
+    data = load(file)
+    head = [f"## {title}", "", what, ""]
+    if data is None or key not in data:
+        return head + [f"Not recorded: no `{key}` in `benchmarks/results/{file}`."], False
+    try:
+        body = render(data)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        return head + [f"Not rendered: `benchmarks/results/{file}` lacks {e!r} (record it again)."], False
+    runs = runs_for(data, key)
+    src = [f"From `benchmarks/results/{file}`"]
+    for r in runs:
+        busy = f"; load average {r['load'][0]} → {r['load'][1]}" if "load" in r else ""
+        src.append(f"`{r['command']}` (commit {r['commit']}, {r['date']}; {r['machine']}{busy})")
+    if not runs:
+        src.append("(no recorded command)")
+    return head + body + ["", src[0] + ": " + "; ".join(src[1:]) + "."], True
+
+
+def benchmarks_md() -> str:
+    out = ["# Benchmarks", "",
+           "Generated by `python benchmarks/report.py` from the JSON files in "
+           "`benchmarks/results/`; do not edit by hand (`report.py --check` runs in CI and "
+           "fails when this page differs from the JSON). Record a result with "
+           "`python benchmarks/record.py benchmarks/results/NAME.json -- python "
+           "benchmarks/bench_NAME.py ...`, then run `report.py`.", "",
+           "CPU timings come from a small shared VM (see each table's machine): they are "
+           "noisy, so ratios and min/median pairs are given; figures that carry to a GPU "
+           "(bytes moved, predicted against measured memory, simulated schedules, host "
+           "issue time against a predicted GPU step) are the ones to read first.", ""]
+    missing = []
+    for title, file, key, what, render in SECTIONS:
+        lines, ok = _section(title, file, key, what, render)
+        if not ok:
+            missing.append((title, file))
+        out += lines + [""]
+    recorded = {f for _, f, *_ in SECTIONS}
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    untracked = [s for s in scripts if not any(f.startswith(s) for f in recorded)]
+    if untracked:
+        out += ["## Without a recorded result", "",
+                "These benchmarks have no committed JSON here; run them to measure:", ""]
+        out += [f"- `python benchmarks/{s}.py`" for s in untracked] + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# -------------------------------------------------------------------------------- headline
+
+def headline() -> list[str]:
+    """The README's figures: each from a JSON file, or left out when it is missing."""
+    rows = []
+    issue = load("bench_issue.json")
+    if issue:
+        r = {(x["model"], x["gpus"], x["seq_len"]): x for x in issue["rows"]}
+        a, b = r.get(("Llama-3.1-8B", 8, 4096)), r.get(("Llama-3.1-8B", 8, 16384))
+        if a and b:
+            rows.append(["host time to issue a training step / predicted H100 step, Llama-3.1-8B on 8 GPUs",
+                         f"{a['ratio']:.2f} at 4K tokens, {b['ratio']:.2f} at 16K",
+                         "host-issue-cost"])
+    sched = load("bench_schedule.json")
+    if sched:
+        ratios = [m["makespan_ratio"] for m in sched["models"].values()]
+        rows.append([f"simulated makespan against RoundPipe's published schedules ({len(ratios)} models, 8 GPUs)",
+                     f"{span(ratios, 3)}× (exact optimizer semantics)", "schedules"])
+    opt = load("bench_optimizer.json")
+    if opt and "sim" in opt and "measured" in opt["sim"]["by_rate"]:
+        rel = [m["relative_throughput"] for m in opt["sim"]["by_rate"]["measured"]["models"].values()]
+        rows.append(["simulated step throughput with a host AdamW, exact streamed step / RoundPipe's sync step",
+                     f"{span([r['fxpipe_exact'] for r in rel])}× (RoundPipe's stale step: "
+                     f"{span([r['roundpipe_async'] for r in rel])}×)", "host-optimizer-in-the-simulator"])
+    mem = load("bench_memory.json")
+    if mem and "predicted_vs_measured" in mem:
+        errs = [r["predicted_total"] / r["measured"]["total"] - 1 for r in mem["predicted_vs_measured"]]
+        rows.append([f"predicted device memory peak against a replay of the run ({len(errs)} device peaks, 3 models)",
+                     f"{pct(min(errs))} to {pct(max(errs))}", "device-memory"])
+    cs = load("bench_memory_cuda_sim.json")
+    if cs and "predicted_vs_measured" in cs:
+        rr = [r["measured"]["reserved"] / r["predicted_total"] for r in cs["predicted_vs_measured"]]
+        rows.append(["reserved by a GPU-like caching allocator / predicted peak",
+                     f"{span(rr)}", "device-memory-reserved-by-a-gpu-like-allocator"])
+    gm = load("bench_gpu_memory.json")
+    if gm:
+        b = gm["bigger"]
+        rows.append([f"a model whose parameters are {b['params_over_limit']:.0f}× one device's memory: "
+                     "reserved / limit", f"{' and '.join(num(x) for x in b['reserved_over_limit'])}, "
+                     f"loss within {b['max_loss_diff']:.1e} of eager", "gpu-allocator-emulation"])
+    if mem and "longest_sequence" in mem:
+        for r in mem["longest_sequence"]:
+            if r["model"] == "Llama-3.1-8B":
+                rows.append([f"longest trainable sequence, Llama-3.1-8B, 8 x {r['device_gib']} GiB (predicted)",
+                             f"{r['chunked_ce_tokens'] // 1024}K tokens (RoundPipe: {r['roundpipe_k']}K)",
+                             "longest-sequence"])
+    dist = load("bench_distributed.json")
+    if dist and "sim" in dist:
+        nets = dist["sim"]["networks"]
+        for net in nets:
+            effs = [m["16"]["efficiency"] for m in nets[net]["models"].values() if "16" in m]
+            rows.append([f"simulated data-parallel efficiency on 16 nodes, {net}", span(effs), "data-parallel"])
+    peft = load("bench_peft.json")
+    if peft and "lora_over_full" in peft:
+        rows.append(["LoRA: gradient bytes downloaded per step / full training",
+                     f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+    out = table(["", "figure", "details"],
+                [[w, f, f"[benchmarks](docs/benchmarks.md#{a})"] for w, f, a in rows])
+    return [BEGIN, "<!-- generated by python benchmarks/report.py from benchmarks/results/*.json -->",
+            *out, END]
+
+
+def readme_with_headline(text: str) -> str:
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    pre, rest = text.split(BEGIN, 1)
+    _, post = rest.split(END, 1)
+    return pre + "\n".join(headline()) + post
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate in memory; exit 1 with a diff if a file differs")
+    args = ap.parse_args(argv)
+    want = {DOC: benchmarks_md(), README: readme_with_headline(README.read_text())}
+    if not args.check:
+        for path, text in want.items():
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+        return 0
+    bad = 0
+    for path, text in want.items():
+        have = path.read_text() if path.exists() else ""
+        if have != text:
+            bad += 1
+            sys.stdout.writelines(difflib.unified_diff(
+                have.splitlines(True), text.splitlines(True),
+                f"{path.relative_to(ROOT)} (committed)", f"{path.relative_to(ROOT)} (from the JSON)"))
+    if bad:
+        print(f"\nreport --check: {bad} file(s) differ from benchmarks/results/*.json; "
+              "run `python benchmarks/report.py` and commit the result", file=sys.stderr)
+        return 1
+    print("report --check: docs/benchmarks.md and README.md's figures match benchmarks/results/*.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
