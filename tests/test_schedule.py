@@ -55,11 +55,11 @@ stage 2 fused 4:6 reads=l3,<label> makes=l5
 stage 3 bwd 2:4 reads=l1 makes=l3
 stage 4 bwd 0:2 reads=input makes=l1
 step d0   d1  host
-0    0P   1P  C
-1    0U0  1U0 .
-2    0F0  1F0 .
-3    0O0  1O0 .
-4    0X0  1X0 .
+0    0P   1P  RF
+1    0U0  1U0 M4:6
+2    0F0  1F0 M2:4
+3    0O0  1O0 M0:2
+4    0X0  1X0 C
 5    2P   3P  .
 6    0U1  1U1 .
 7    0F1  1F1 .
@@ -100,10 +100,10 @@ stage 2 fwd 4:6 reads=l3 makes=l5
 stage 3 bwd 3:6 reads=l2 makes=l5
 stage 4 bwd 0:3 reads=input makes=l2
 step d0  d1  d2  host
-0    0P  1P  2P  C
-1    0U0 1U0 2U0 .
-2    0F0 1F0 2F0 .
-3    0O0 1O0 2O0 .
+0    0P  1P  2P  RF
+1    0U0 1U0 2U0 C
+2    0F0 1F0 2F0 M3:6
+3    0O0 1O0 2O0 M0:3
 4    0X0 1X0 2X0 .
 5    3P  4P  2U1 .
 6    0U1 1U1 2F1 .
@@ -136,11 +136,11 @@ stage 2 fused 4:6 reads=l3,<label> makes=l5
 stage 3 bwd 2:4 reads=l1 makes=l3
 stage 4 bwd 0:2 reads=input makes=l1
 step d0  d1   d2   host
-0    0P  1P   2P   C
-1    0U0 1U0  2U0  .
-2    0F0 1F0  2FB0 .
-3    0O0 1O0  2O0  .
-4    0X0 1X0  2X0  .
+0    0P  1P   2P   RF
+1    0U0 1U0  2U0  M4:6
+2    0F0 1F0  2FB0 M2:4
+3    0O0 1O0  2O0  M0:2
+4    0X0 1X0  2X0  C
 5    3P  4P   0P   .
 6    0U1 1U1  2U1  .
 7    0F1 1F1  2FB1 .
@@ -194,10 +194,10 @@ stage 2 fwd 4:6 reads=l3 makes=l5
 stage 3 bwd 3:6 reads=l2 makes=l5
 stage 4 bwd 0:3 reads=input makes=l2
 step d0  d1  host
-0    0P  1P  S3:6
-1    0U0 1U0 S0:3
-2    0F0 1F0 C
-3    0O0 1O0 .
+0    0P  1P  RF
+1    0U0 1U0 C
+2    0F0 1F0 S3:6
+3    0O0 1O0 S0:3
 4    0X0 1X0 .
 5    2P  3P  .
 6    0U1 1U1 .
@@ -249,8 +249,8 @@ stage 0 fwd 0:1 reads=input makes=l0
 stage 1 fwd 1:2 reads=l0 makes=l1
 stage 2 fwd 2:3 reads=l1 makes=l2
 step d0  d1  host
-0    0P  1P  C
-1    0U0 1U0 .
+0    0P  1P  RF
+1    0U0 1U0 C
 2    0F0 1F0 .
 3    0O0 1O0 .
 4    0X0 1X0 .
@@ -273,12 +273,12 @@ step d0  d1  host
     def test_dependency_rules(self):
         p = build_program(*FUSED_6, "fused", 2, 2, "stage")
         self.assertExpectedInline(deps_text(p, 0, range(len(p.actions[0]))), """\
-0P <- -
+0P <- 1P@d-1.end(buffers)
 0U0 <- -
 0F0 <- 0P@d0.end(params) 0U0@d0.end(input)
 0O0 <- 0F0@d0.end(input)
 0X0 <- 0F0@d0.end(free) 0O0@d0.end(free)
-2P <- 0P@d0.end(stream) 0F0@d0.start(issue)
+2P <- 0P@d0.end(stream) 0F0@d0.start(issue) 1P@d-1.end(buffers)
 0U1 <- 0U0@d0.end(stream) 0F0@d0.start(issue)
 0F1 <- 0F0@d0.end(stream) 0P@d0.end(params) 0U1@d0.end(input)
 0O1 <- 0O0@d0.end(stream) 0F1@d0.end(input)
@@ -288,7 +288,11 @@ step d0  d1  host
 2FB0 <- 0F1@d0.end(stream) 2P@d0.end(params) 2U0@d0.end(input)
 2O0 <- 0O1@d0.end(stream) 2FB0@d0.end(input)
 2X0 <- 0X1@d0.end(stream) 2FB0@d0.end(free) 2O0@d0.end(free)
-4P <- 2P@d0.end(stream) 2FB0@d0.start(issue) 0R@d0.end(release)
+4P <-
+    2P@d0.end(stream)
+    2FB0@d0.start(issue)
+    0R@d0.end(release)
+    1P@d-1.end(buffers)
 2U1 <- 2U0@d0.end(stream) 2FB0@d0.start(issue) 1O1@d1.end(input, hop)
 2FB1 <- 2FB0@d0.end(stream) 2P@d0.end(params) 2U1@d0.end(input)
 2O1 <- 2O0@d0.end(stream) 2FB1@d0.end(input)
