@@ -284,7 +284,7 @@ class _Call:
         holding it have run), so it may change in place. The optimizer's parameters no
         stage uses are stepped with the last backward stage."""
         self.stage_of = exe.program.backward_stage_of
-        self.owned = {s: list(ps) for s, ps in owned.items()}   # ParamStore.owned: shared
+        self.owned = {s: list(ps) for s, ps in owned.items()}   # owned_params(program): StageSpec.owns
         stages = [st.index for st in exe.program.stages if st.kind != "fwd"]
         if stages:
             seen = {id(p) for ps in owned.values() for p in ps}

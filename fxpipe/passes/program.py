@@ -256,11 +256,14 @@ class CallSpec:
 
 @dataclass(frozen=True, slots=True)
 class StageSpec:
-    """One stage of a Program: its execution-order index, kind, layer range, and the
-    values it reads and makes.
+    """One stage of a Program: its execution-order index, kind, layer range, the values
+    it reads and makes, and (a backward stage) the trainable parameters it owns: those it
+    is the last backward stage (execution order) to use, which its ``OptimizerStep``
+    steps and its ``AllReduce`` / ``ReduceScatter`` reduces (a tied parameter under its
+    first name, with the last stage holding it). Computed once, by ``build_executable``.
 
-    >>> str(StageSpec(3, "bwd", range(4, 6), ("l3", "mask"), ("l5",)))
-    '3 bwd 4:6 reads=l3,mask makes=l5'
+    >>> str(StageSpec(3, "bwd", range(4, 6), ("l3", "mask"), ("l5",), ("4.weight",)))
+    '3 bwd 4:6 reads=l3,mask makes=l5 owns=4.weight'
     """
 
     index: int
@@ -268,6 +271,7 @@ class StageSpec:
     layers: range
     reads: tuple[str, ...] = ()
     makes: tuple[str, ...] = ()
+    owns: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.index} {self.kind} {self.layers.start}:{self.layers.stop}"
@@ -275,6 +279,8 @@ class StageSpec:
             text += f" reads={','.join(self.reads)}"
         if self.makes:
             text += f" makes={','.join(self.makes)}"
+        if self.owns:
+            text += f" owns={','.join(self.owns)}"
         return text
 
 
@@ -748,7 +754,8 @@ class Program:
     docstring). ``inputs``: values on the host when the call starts; ``outputs``: values
     the host gets (a ``"train"`` program gets their gradients back from the host);
     ``input_grads``: the inputs whose gradients the host takes; ``shared``: groups of
-    backward stages that share a parameter."""
+    backward stages that share a parameter (the parameters each backward stage owns are on
+    its ``StageSpec``: :attr:`owns`)."""
 
     num_devices: int
     num_microbatches: int
@@ -798,6 +805,12 @@ class Program:
         """The backward (or fused) stage of each ``(start, stop)`` of layers."""
         return {(st.layers.start, st.layers.stop): st.index for st in self.stages
                 if st.kind != "fwd"}
+
+    @property
+    def owns(self) -> tuple[tuple[str, ...], ...]:
+        """Per stage, the parameters (names) it owns (``StageSpec.owns``): empty for a
+        forward stage and for a Program built without a model."""
+        return tuple(st.owns for st in self.stages)
 
     @cached_property
     def num_forward_stages(self) -> int:
@@ -900,7 +913,7 @@ class Program:
         input_grads: tuple[str, ...] = ()
         shared: list[tuple[int, ...]] = []
         stage_re = re.compile(r"^stage (\d+) (fwd|bwd|fused) (\d+):(\d+)"
-                              r"(?: reads=(\S+))?(?: makes=(\S+))?$")
+                              r"(?: reads=(\S+))?(?: makes=(\S+))?(?: owns=(\S+))?$")
         header = ["step"] + [f"d{d}" for d in range(num_devices)] + ["host"]
         for ln in lines[1:]:
             word = ln.split()[0]
@@ -918,7 +931,8 @@ class Program:
                     raise ValueError(f"bad stage line {ln!r}")
                 stages.append(StageSpec(int(sm[1]), sm[2], range(int(sm[3]), int(sm[4])),
                                         tuple(sm[5].split(",")) if sm[5] else (),
-                                        tuple(sm[6].split(",")) if sm[6] else ()))
+                                        tuple(sm[6].split(",")) if sm[6] else (),
+                                        tuple(sm[7].split(",")) if sm[7] else ()))
             elif word == "step":
                 if ln.split() != header:
                     raise ValueError(f"bad table header {ln!r}")

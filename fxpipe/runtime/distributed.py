@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from fxpipe.errors import DistributedError, warn_user
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import GradAccumulator, HostParams, ParamStore, _grad_dtype
+from fxpipe.runtime.params import (GradAccumulator, HostParams, ParamStore, _grad_dtype,
+                                   owned_params)
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 
@@ -347,7 +348,8 @@ class DataParallel:
     # -- buckets -------------------------------------------------------------------------
     def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
         """Per backward stage's layers, its buckets (one per gradient and parameter
-        dtype), in the same order on every rank: its ``owned_params`` in the order of the
+        dtype), in the same order on every rank: the parameters it owns (``StageSpec.owns``)
+        in the order of the
         host buffers (one set per ``store``: per run type)."""
         key = id(store)
         if key not in self._buckets:
@@ -361,7 +363,7 @@ class DataParallel:
                 return (0, slot.region, slot.offset, "")
 
             out: dict[tuple[int, int], list[Bucket]] = {}
-            for s, params in store.owned(exe, lg).items():
+            for s, params in owned_params(exe.program, lg).items():
                 layers = exe.program.stages[s].layers
                 by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):

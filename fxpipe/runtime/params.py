@@ -383,7 +383,6 @@ class ParamStore:
         self.host = host
         self.param_dtype = param_dtype
         self.snapshot = False   # uploads read a copy (an asynchronous optimizer is stepping)
-        self._owned: dict[int, list[torch.Tensor]] | None = None
         stages = sorted(set(params) | set(buffers))
         host.adopt([[(f, t, False) for f, t in params.get(s, {}).items()]
                     + [(f, t, True) for f, t in buffers.get(s, {}).items()] for s in stages])
@@ -404,13 +403,6 @@ class ParamStore:
     def stages(self) -> list[int]:
         """The stage indices, ascending."""
         return list(self._names)
-
-    def owned(self, exe, lg) -> dict[int, list[torch.Tensor]]:
-        """``owned_params(exe, lg)``, computed once: every Executable of this store's run
-        type has the same stages."""
-        if self._owned is None:
-            self._owned = owned_params(exe, lg)
-        return self._owned
 
     def nbytes(self, stage: int) -> int:
         """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
@@ -551,27 +543,12 @@ def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:
     return runs
 
 
-def owned_params(exe, lg) -> dict[int, list[torch.Tensor]]:
-    """Per backward stage of the Executable ``exe``, the trainable parameters it is the last
-    backward stage (execution order) to use: those whose gradients are final once its
-    gradients are downloaded, which its ``OptimizerStep`` steps and its ``AllReduce``
-    reduces (a tied parameter goes with the last stage holding it)."""
-    holders: dict[int, list[int]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for st in exe.program.stages:
-        if st.kind == "fwd":
-            continue
-        for fqn in exe.stages[st.index].params:
-            p = lg.params.get(fqn)
-            if p is None or not p.requires_grad:
-                continue
-            tensors[id(p)] = p
-            if st.index not in holders.setdefault(id(p), []):
-                holders[id(p)].append(st.index)
-    owned: dict[int, list[torch.Tensor]] = {}
-    for key, stages in holders.items():
-        owned.setdefault(max(stages), []).append(tensors[key])
-    return owned
+def owned_params(program, lg) -> dict[int, list[torch.Tensor]]:
+    """Per backward stage of ``program``, the trainable parameters it owns
+    (``StageSpec.owns``, computed once by ``build_executable``): those whose gradients
+    are final once its gradients are downloaded, which its ``OptimizerStep`` steps and
+    its ``AllReduce`` reduces (a tied parameter goes with the last stage holding it)."""
+    return {st.index: [lg.params[f] for f in st.owns] for st in program.stages if st.owns}
 
 
 class GradAccumulator:
