@@ -170,7 +170,13 @@ class DataParallel:
         self.dead: DistributedError | None = None
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
+        # under _lock: built by whichever thread first asks (the caller's plan_ops, the
+        # collective worker's reduces)
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
+        # under _posting: begin (the call's host thread), _post (the collective worker) and
+        # drain (the failing thread) post in the Program's order; held while a collective
+        # is issued, not while it is waited for
+        self._posting = threading.Lock()
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
         # shard_optimizer with param_dtype (shard_masters): this rank's pieces of the fp32
@@ -264,18 +270,20 @@ class DataParallel:
     def begin(self, ops: Sequence[tuple[str, int, torch.dtype]]) -> None:
         """A call starts: ``ops`` (kind, numel, dtype) are the collectives it will post,
         in order (:meth:`plan_ops`), what :meth:`drain` completes when it fails."""
-        self._ops, self._posted = list(ops), 0
+        with self._posting:
+            self._ops, self._posted = list(ops), 0
 
     def _post(self, kind: str, tensor: torch.Tensor, what: str,
               out: torch.Tensor | None = None) -> None:
         """Post the call's next collective and wait for it; then raise ``DistributedError``
         if another rank reported a failure in the store (a failed rank says so first, then
         completes the collectives it owes with zeros: :meth:`drain`)."""
-        if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
-            raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call is "
-                               f"{kind}, the Program said {self._ops[self._posted][0]}")
-        work = _issue(kind, tensor, out, self.group)
-        self._posted += 1
+        with self._posting:
+            if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
+                raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call "
+                                   f"is {kind}, the Program said {self._ops[self._posted][0]}")
+            work = _issue(kind, tensor, out, self.group)
+            self._posted += 1
         cause: Exception | None = None
         try:
             work.wait()
@@ -296,14 +304,21 @@ class DataParallel:
         """The call failed on this rank (its own failure or another's): complete every
         collective it still owes the other ranks, with zeros, so that no rank waits for
         it (gloo cannot cancel a posted collective). Bounded by the timeout."""
-        while self._posted < len(self._ops):
-            kind, numel, dtype = self._ops[self._posted]
-            out = torch.zeros(numel * self.world if kind == "all_gather" else
-                              numel // self.world, dtype=dtype) \
-                if kind in ("all_gather", "reduce_scatter") else None
-            self._posted += 1
+        while True:
+            with self._posting:
+                if self._posted >= len(self._ops):
+                    return
+                kind, numel, dtype = self._ops[self._posted]
+                out = torch.zeros(numel * self.world if kind == "all_gather" else
+                                  numel // self.world, dtype=dtype) \
+                    if kind in ("all_gather", "reduce_scatter") else None
+                self._posted += 1
+                try:
+                    work = _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group)
+                except Exception:  # noqa: BLE001
+                    return
             try:
-                _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group).wait()
+                work.wait()
             except Exception:  # noqa: BLE001
                 return
 
@@ -352,6 +367,11 @@ class DataParallel:
         in the order of the
         host buffers (one set per ``store``: per run type)."""
         key = id(store)
+        with self._lock:
+            return self._buckets_of(key, exe, lg, store)
+
+    def _buckets_of(self, key: int, exe: Any, lg: Any, store: ParamStore
+                    ) -> dict[tuple[int, int], list[Bucket]]:
         if key not in self._buckets:
             host = store.host
             names = {i: self._names.setdefault(i, n) for i, n in first_names(lg.params).items()}

@@ -99,7 +99,9 @@ class HostParams:
         self.grad_flats: list[torch.Tensor] = []
         self._copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (region, dtype)
         self._copied: dict[tuple[int, torch.dtype], tuple[int, int]] = {}  # (slot, dtype) -> stamp
-        self._exposed: dict[int, weakref.ref] = {}      # id(param) -> its .grad view handed out
+        # id(param) -> its .grad view handed out: under self.lock (the commit on the host
+        # thread writes it, downloads on the devices' threads read it)
+        self._exposed: dict[int, weakref.ref] = {}
         # (id(slot), upload dtype) -> (stamp, page-locked copy) of a tensor not moved
         self._staged: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
 
@@ -304,14 +306,16 @@ class HostParams:
         t = slot.tensor
         if slot.is_buffer or t.grad is not None or not t.requires_grad:
             return None
-        old = self._exposed.get(id(t))
+        with self.lock:
+            old = self._exposed.get(id(t))
         if old is not None and old() is not None:
             return None
         return self.grad_view(slot)
 
     def exposed(self, t: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad`` (a view of the flat gradient buffer) became ``t.grad``."""
-        self._exposed[id(t)] = weakref.ref(grad)
+        with self.lock:
+            self._exposed[id(t)] = weakref.ref(grad)
 
 
 def _stamp(t: torch.Tensor) -> tuple:
