@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.memory_prediction",),
     ("fxpipe.passes.planner",),
     ("fxpipe.plan",),
+    ("fxpipe.inspecting", "fxpipe.checkpointing"),   # PipelineModule's bases
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),
