@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 import sys
-import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +15,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpipe.checkpointing import Checkpointing
 from fxpipe.config import RunConfig
+from fxpipe.inspecting import Inspecting
 from fxpipe.optim import Overlapped, as_overlapped
 from fxpipe.optim_step import watch_fused_steps
 from fxpipe.passes import gc_paused
@@ -25,24 +26,21 @@ from fxpipe.passes.executable import build_executable
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.partition import build_layer_graph, find_block_lists
-from fxpipe.passes.program import CallSpec, Program
+from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import optimizer_spec
-from fxpipe.passes.stage import Executable, Stage
+from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
-from fxpipe.runtime.distributed import DataParallel, reshard
-from fxpipe.runtime.interpret import runnable_code
+from fxpipe.runtime.distributed import DataParallel
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
 from fxpipe.runtime.microbatch import PackedData, split_input, split_label
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
-from fxpipe.runtime.shards import save_pretrained as _save_pretrained
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
-from fxpipe.runtime.trace import trace as _trace
 from fxpipe.runtime.weights import load as load_weights
 from fxpipe.verbose import is_verbose
 
@@ -249,11 +247,15 @@ class _Compiled:
         return grad_values(self.layers, inputs)
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(Inspecting, Checkpointing, nn.Module):
     """A model compiled into stages. Call it like the model; see ``fxpipe.compile``.
 
     Parameters stay the model's own (``pipe.module``): ``pipe.parameters()``,
     ``state_dict()`` and any ``torch.optim`` optimizer work on them directly.
+
+    This class compiles and calls; what a pipe shows (``code``, ``program``, ``stats``,
+    ``trace``...) is :class:`fxpipe.inspecting.Inspecting`'s, its checkpoints and state
+    dicts :class:`fxpipe.checkpointing.Checkpointing`'s.
     """
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
@@ -498,28 +500,10 @@ class PipelineModule(nn.Module):
         how they are pinned)."""
         return HostParams.of(self.module, pin=self._pin, emulate=self._pin_emulated)
 
-    # -- inspecting --------------------------------------------------------------------
-    @property
-    def layers(self) -> LayerGraph:
-        """The layer chain, each layer with its costs (``pipe.layers[i].cost``)."""
-        return self._current.layers
-
-    @property
-    def stages(self) -> list[Stage]:
-        """The forward stages an inference call runs (``pipe.code("infer")``)."""
-        exe = self._executable("infer")
-        return [exe.stages[i] for i in sorted(exe.stages)]
-
-    @property
-    def plan(self) -> ExecutePlan:
-        return self._current.plan
-
-    @property
-    def timings(self) -> LayerTimer:
-        """Measured per-layer times (forward, recompute, backward), the table
-        ``ExecutePlan.auto`` and ``fxpipe.simulate`` read once every layer has them:
-        ``pipe.timings.costs(pipe.layers)`` gives the layers' costs with them filled in."""
-        return self._current.timer
+    # -- what a call runs -------------------------------------------------------
+    def _microbatch_example(self, num_microbatch: int, label: Any = None) -> tuple[list, Any]:
+        """The first microbatch of the example (and of ``label``): what memory is costed on."""
+        return _microbatch_example(self.layers, self.config, num_microbatch, label)
 
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: Any = False, grain: str | None = None,
@@ -540,279 +524,6 @@ class PipelineModule(nn.Module):
         return runner.executable(runner.spec(
             run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,
             sync=sync_gradients, input_grads=input_grads))
-
-    def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
-             grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False) -> str:
-        """The code of every GraphModule a call of ``run_type`` executes (forward,
-        backward and fused-tail stages; at ``grain="layer"`` the layer pieces of split
-        backward stages), each starting with its ``# stage ...`` header line.
-        ``grain=None``: the pipe's ``recompute_grain`` (``"stage"`` unless its config
-        says otherwise). ``runnable=True``: the code the runtime executes for each
-        (``fxpipe.runtime.interpret.runnable``): the same graph with each transfer node
-        a plain call serving what the Program's actions moved, layer marks, and for a
-        stage with a tail its recompute too, the tail's nodes unfilled."""
-        exe = self._executable(run_type, grain=grain)
-        return runnable_code(exe) if runnable else exe.code()
-
-    def __str__(self) -> str:
-        exe, plan = self._executable("infer"), self.plan
-        spans = lambda rs: ", ".join(f"{r.start}:{r.stop}" for r in rs)  # noqa: E731
-        head = (f"# PipelineModule: {len(self.layers)} layers on "
-                f"{', '.join(d.name for d in self.devices)}; plan fwd [{spans(plan.fwd_plan)}] "
-                f"bwd [{spans(plan.bwd_plan)}]\n"
-                "# what pipe(x) runs: its Program's actions in an order they allow; "
-                "pipe.program(run_type) prints\n# a call's lanes, pipe.code(run_type) its "
-                "stages' code\n")
-        return head + exe.listing([d.name for d in self.devices], self.layers.input_names)
-
-    def extra_repr(self) -> str:
-        return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
-                f"devices=[{', '.join(d.name for d in self.devices)}]")
-
-    def _microbatch_example(self, num_microbatch: int, label: Any = None) -> tuple[list, Any]:
-        """The first microbatch of the example (and of ``label``): what memory is costed on."""
-        return _microbatch_example(self.layers, self.config, num_microbatch, label)
-
-    def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
-                num_microbatch: int | None = None, optimizer: Any = False,
-                grain: Literal["stage", "layer"] | None = None, *,
-                input_grads: bool | Sequence[str] = False, return_outputs: bool = False,
-                sync_gradients: bool = True) -> Program:
-        """The Program a call of ``run_type`` runs, every action included: per device its
-        ordered actions, and the host lane: the ``Refresh`` of the parameters' upload
-        copies, what takes each stage's downloaded gradients (``Accumulate``, or with
-        ``optimizer=`` the streamed ``OptimizerStep``s), the ``Commit``, and after it
-        what needs every ``.grad`` (clipping, a ``GradScaler`` step, the asynchronous
-        update's queueing). ``optimizer``: what the call's ``optimizer=`` is: a torch
-        optimizer or ``fxpipe.optim.overlapped(...)`` (its mode, ``max_grad_norm``,
-        ``speculate``, ``scaler``), or ``True``/``"exact"``/``"async"``. The call and
-        this method build the same ``CallSpec``, hence the same Executable.
-        ``num_microbatch`` and ``grain`` (``None``) default to the pipe's config;
-        ``return_outputs``: a fused call that also brings the model's outputs to the host
-        (``forward_backward(..., return_outputs=True)``). A data-parallel pipe's training
-        Programs hold their collectives (``BC``, ``AR``; ``RS`` and ``AG`` with
-        ``shard_optimizer``) unless ``sync_gradients=False``. ``input_grads``: a training
-        call whose inputs require grad (``True``: every floating model input; or their
-        names), whose gradients the Program offloads to the host (its ``input-grads``
-        line).
-
-        >>> import fxpipe
-        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> p = pipe.program("fused", num_microbatch=2, optimizer=fxpipe.optim.overlapped(
-        ...     opt, max_grad_norm=1.0, speculate=False))
-        >>> [str(a) for a in p.host]
-        ['RF', 'M2:3', 'M1:2', 'M0:1', 'C', 'N', 'S2:3', 'S1:2', 'S0:1']
-        """
-        return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
-                                return_outputs=return_outputs, sync_gradients=sync_gradients,
-                                input_grads=self._input_grads(input_grads)).program
-
-    def _input_grads(self, input_grads: bool | Sequence[str]) -> tuple[str, ...]:
-        """The model inputs ``program(input_grads=...)`` names (``True``: every floating
-        one)."""
-        lg = self._current.layers
-        tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
-        floating = [n for n, x in zip(lg.input_names, tensors)
-                    if x.is_floating_point() or x.is_complex()]
-        if input_grads is True:
-            return tuple(floating)
-        if input_grads is False:
-            return ()
-        if isinstance(input_grads, str) or not all(isinstance(n, str) for n in input_grads):
-            raise TypeError(f"input_grads must be True, False or a list of input names, got "
-                            f"{input_grads!r}")
-        unknown = [n for n in input_grads if n not in floating]
-        if unknown:
-            raise ValueError(f"input_grads names {unknown}, which are not floating inputs of the "
-                             f"model; its floating inputs are {floating}")
-        return tuple(n for n in lg.input_names if n in set(input_grads))
-
-    def stats(self) -> dict[str, int]:
-        """Counters of the last call (empty before the first), a flat dict: ``actions``
-        executed; ``host_waits``, the times a host thread waited for device work (a host
-        action waiting for the events it reads, e.g. each backward stage's ``Accumulate``
-        or ``OptimizerStep`` reading its downloaded gradients, and the end of the call);
-        bytes moved: ``h2d_bytes_params``,
-        ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
-        ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``generated_runs`` (stage runs,
-        each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``,
-        the copies between a device and pageable (not page-locked) host memory, each of which blocks
-        the issuing thread on a GPU (counted on GPUs and ``VirtualDevice(semantics="cuda")``;
-        0 when the pipe pins, see ``compile``'s ``pin_memory``); ``host_pinned_bytes``,
-        the page-locked host bytes fxpipe reserved for this pipe at the end of the call
-        (its host parameter, copy and gradient buffers and its staging, each rounded up to
-        a page); ``issue_waits``, prefetches whose issue waited for released parameter
-        memory, and ``allocator_flushes``, the times a device's allocator gave its cache
-        back at its limit; ``host_issue_us``, the host time the issue threads spent
-        submitting actions (on a GPU: the Python that queues their kernels and copies),
-        and per action kind ``host_issue_us.<Kind>`` (e.g. ``host_issue_us.Prefetch``). An
-        eager-style step is two calls: ``pipe(x)`` and ``.backward()``.
-
-        >>> import fxpipe
-        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> pipe = fxpipe.compile(model, example_inputs=(torch.randn(6, 4),), devices=["cpu"] * 2)
-        >>> loss = pipe.forward_backward((torch.randn(6, 4),), loss_fn=lambda out, _: out.sum())
-        >>> pipe.stats()["host_waits"], pipe.stats()["h2d_bytes_params"]   # 3 stages' M, the end
-        (4, 392)
-        """
-        return dict(self._log.stats)
-
-    def trace(self, path: str | None = None):
-        """Record the devices' streams during a ``with`` block into a timeline (the
-        simulator's ``Timeline``: ``plot``, ``to_chrome_trace``, ``bubble_ratio``)::
-
-            with pipe.trace("run.json") as rec:
-                pipe.forward_backward((x,), label=y, loss_fn=loss_fn)
-            rec.timeline.plot("run.png")
-        """
-        return _trace(self.devices, self._log, path)
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def save_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
-        """Save the model's state and ``optimizer``'s with ``torch.distributed.checkpoint``
-        into the folder ``path``, replacing a checkpoint there (every rank calls it;
-        parameters are written once, each rank writes its own optimizer shards under
-        ``shard_optimizer=True``, and its fp32 masters with ``param_dtype``). Also without
-        data parallel. :meth:`load_checkpoint` resumes exactly."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        from fxpipe.optim import shard_items
-        if self._dp is not None:
-            self._dp.check_alive()     # after a failure: resume from the last checkpoint
-            self._dp.check_masters()   # parameters edited since the last step
-        items: dict[str, Any] = {"model": self.module.state_dict()}
-        if self._dp is not None and self._dp.masters:
-            items["master.world"] = self._dp.world
-            items.update({f"master.rank{self._dp.rank}.{n}": m
-                          for n, m in self._dp.masters.items() if m.numel()})
-        if optimizer is not None:
-            ov = as_overlapped(optimizer)
-            if self._dp is not None and self._dp.shard:
-                items.update(shard_items(ov, self._dp.rank, self._dp.world))
-            else:
-                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
-        with warnings.catch_warnings():   # replacing is what this method says it does
-            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-            dcp.save(items, storage_writer=dcp.FileSystemWriter(path, overwrite=True),
-                     process_group=self._group())
-
-    def load_checkpoint(self, path: str, optimizer: torch.optim.Optimizer | Any = None) -> None:
-        """Load what :meth:`save_checkpoint` saved into the model (in place: the
-        parameters stay views of the host buffers), its fp32 masters and ``optimizer``,
-        with the same ``shard_optimizer`` and ``param_dtype``. Sharded optimizer state and
-        masters saved by another number of ranks are resharded: each rank reads the
-        pieces of the old ranks that overlap its own (``runtime.distributed.reshard``)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                             set_optimizer_state_dict)
-
-        from fxpipe.optim import load_shard_items, shard_items
-        dp = self._dp
-        if dp is not None:
-            dp.check_alive()   # after a failure: restart every rank, then load
-        items: dict[str, Any] = {"model": self.module.state_dict()}
-        sharded = dp is not None and dp.shard
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        masters = dp is not None and bool(dp.masters)
-        if masters != ("master.world" in saved):
-            raise ValueError(f"{path} was saved {'without' if masters else 'with'} sharded fp32 "
-                             "masters (shard_optimizer=True with param_dtype); load it into a "
-                             "pipe compiled the same way")
-        ov = as_overlapped(optimizer) if optimizer is not None else None
-        if ov is not None and sharded != ("optim.world" in saved):
-            raise ValueError(f"{path} was saved with{'out' if sharded else ''} "
-                             "shard_optimizer; load it into a pipe compiled the same way")
-        pieces = [kind for kind, used in (("master", masters), ("optim", sharded and ov))
-                  if used]
-        stitches = []
-        if pieces:   # the number of ranks that saved them first
-            worlds = {f"{kind}.world": 0 for kind in pieces}
-            dcp.load(worlds, checkpoint_id=path, process_group=self._group())
-            numel = {n: t.numel() for n, t in self._current.layers.params.items()}
-            for kind in pieces:
-                want, stitch = reshard(saved, kind, worlds[f"{kind}.world"], numel, dp.world,
-                                       dp.rank, states=kind == "optim")
-                items.update(want)
-                stitches.append(stitch)
-        if ov is not None:
-            if sharded:   # the param groups' settings (DCP flattens the list per key)
-                items.update({k: v for k, v in shard_items(ov, 0, 0).items()
-                              if not k.startswith("optim.rank")})
-            else:
-                items["optim"] = get_optimizer_state_dict(self.module, ov.optimizer)
-        dcp.load(items, checkpoint_id=path, process_group=self._group())
-        loaded = {k: v for stitch in stitches for k, v in stitch().items()}
-        if masters:   # the parameters as loaded hold them already
-            mine = f"master.rank{dp.rank}."
-            dp.set_pieces({k[len(mine):]: v for k, v in loaded.items() if k.startswith(mine)})
-        if ov is None:
-            return
-        if sharded:
-            load_shard_items(ov, dp.rank, {"optim.param_groups": items["optim.param_groups"],
-                                           **loaded})
-        else:
-            set_optimizer_state_dict(self.module, ov.optimizer, items["optim"])
-
-    def _group(self) -> Any:
-        return self._dp.group if self._dp is not None else None
-
-    def save_pretrained(self, directory: str | os.PathLike,
-                        max_shard_size: int = 5 * 10**9) -> list[str]:
-        """Write the model's state dict into ``directory`` as Hugging Face safetensors:
-        shards of at most ``max_shard_size`` bytes and ``model.safetensors.index.json``
-        (one shard: ``model.safetensors``), and the model's config when it has one. Each
-        tensor is written straight from the host buffers (or its file map), one at a time;
-        tied weights once. Loads back with ``compile(..., weights=directory)`` or
-        ``from_pretrained``. Returns the files written."""
-        if self._dp is not None and self._dp.masters:
-            raise NotImplementedError(
-                "save_pretrained with sharded fp32 masters (shard_optimizer=True with "
-                "param_dtype) would gather the whole model on each rank: use "
-                "save_checkpoint, or full_state_dict() on rank 0")
-        return _save_pretrained(self.module, directory, max_shard_size)
-
-    # -- the model's own state ---------------------------------------------------------
-    def state_dict(self, *args, **kwargs):
-        """``module.state_dict()``: under sharded fp32 masters (``shard_optimizer=True``
-        with ``param_dtype``) the parameters are their ``param_dtype`` copies; the full
-        precision values: :meth:`full_state_dict`."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``module.load_state_dict``; under sharded fp32 masters (``shard_optimizer=True``
-        with ``param_dtype``) this rank's masters are set from ``state_dict``'s values
-        at their full precision too."""
-        dp = self._dp
-        if dp is None or not dp.masters:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        if assign:
-            raise NotImplementedError("load_state_dict(assign=True) would replace the parameters "
-                                      "whose fp32 masters fxpipe shards (shard_optimizer=True with "
-                                      "param_dtype): load with assign=False")
-        dp.check_masters()   # parameters edited since the last step (and not loaded here)
-        result = self.module.load_state_dict(state_dict, strict=strict)
-        keys = dp.master_keys(self.module.state_dict(keep_vars=True))
-        dp.set_masters({n: state_dict[k] for k, n in keys.items() if k in state_dict},
-                       params=False)
-        return result
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict at full precision: under sharded fp32 masters
-        (``shard_optimizer=True`` with ``param_dtype``), the parameters hold their
-        ``param_dtype`` copies and each rank 1/N of the masters, which this gathers (a
-        collective: call it on every rank, between training calls); otherwise
-        ``state_dict()``. A sharded checkpoint loads only into a pipe compiled the same
-        way: to evaluate elsewhere, save this (``torch.save`` on rank 0)."""
-        dp = self._dp
-        if dp is None or not dp.masters:
-            return self.module.state_dict()
-        full = dp.full_masters()
-        own = self.module.state_dict(keep_vars=True)
-        keys = dp.master_keys(own)
-        return {k: full[keys[k]] if k in keys else t.detach() for k, t in own.items()}
 
 
 @dataclass

@@ -147,7 +147,8 @@ class Overlapped:
         self.threads = threads    # None: optim_step.default_threads() at each call
         self.calls = 0            # calls made with this object
         self.stepped = False      # whether the last call stepped (async: queued its update)
-        self._pending: _Update | None = None
+        self._pending: _Update | None = None   # under _lock: the call's host thread queues
+        # it, the caller's thread (synchronize, hooks) or the next call applies or drops it
         # shard_optimizer: the state of this rank's pieces of the parameters, by name
         self.shard_state: dict[str, dict] = {}
         self._shard_hooks: list = []
@@ -202,6 +203,12 @@ class Overlapped:
         self._shard_hooks = [self.optimizer.register_state_dict_pre_hook(refuse),
                              self.optimizer.register_load_state_dict_pre_hook(refuse)]
 
+    def queue(self, update: _Update) -> None:
+        """``mode="async"``: ``update`` is the one the next call (or :meth:`synchronize`)
+        applies."""
+        with self._lock:
+            self._pending = update
+
     def _drop(self) -> None:
         with self._lock:
             self._pending = None
@@ -209,7 +216,8 @@ class Overlapped:
     @property
     def pending(self) -> bool:
         """``mode="async"``: an update waits to be applied (during the next call)."""
-        return self._pending is not None
+        with self._lock:
+            return self._pending is not None
 
     def close(self) -> None:
         """Apply any pending update."""
@@ -294,7 +302,7 @@ class _Call:
         holding it have run), so it may change in place. The optimizer's parameters no
         stage uses are stepped with the last backward stage."""
         self.stage_of = exe.program.backward_stage_of
-        self.owned = {s: list(ps) for s, ps in owned.items()}   # ParamStore.owned: shared
+        self.owned = {s: list(ps) for s, ps in owned.items()}   # owned_params(program): StageSpec.owns
         stages = [st.index for st in exe.program.stages if st.kind != "fwd"]
         if stages:
             seen = {id(p) for ps in owned.values() for p in ps}
@@ -374,7 +382,7 @@ class _Call:
     def queue_update(self) -> None:
         """``QueueUpdate`` (``mode="async"``): this call's update, applied by the next
         call's ``AsyncUpdate`` (it keeps its own copy of the gradients)."""
-        self.ov._pending = _Update(self.ov.optimizer, self.hyper)
+        self.ov.queue(_Update(self.ov.optimizer, self.hyper))
 
     # -- end of call -------------------------------------------------------------------
     def scale_loss(self, loss_fn: Callable) -> Callable:

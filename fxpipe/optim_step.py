@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
@@ -176,7 +177,8 @@ def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[
             t.grad = None
 
 
-_watching = False
+_watching = False                 # under _watching_lock: compiles may run on several threads
+_watching_lock = threading.Lock()
 
 
 def watch_fused_steps() -> None:
@@ -187,9 +189,10 @@ def watch_fused_steps() -> None:
     since its last upload copy: without this, ``AdamW(fused=True).step()`` between two
     calls would leave the devices training on the old weights."""
     global _watching
-    if not _watching:
-        register_optimizer_step_post_hook(_bump_fused)
-        _watching = True
+    with _watching_lock:
+        if not _watching:
+            register_optimizer_step_post_hook(_bump_fused)
+            _watching = True
 
 
 def _bump_fused(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

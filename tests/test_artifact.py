@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.demo import TinyLlama
-from fxpipe.runtime import executor
+from fxpipe.runtime import compute, executor
 from tests import models
 
 # 6 layers (prefix, 4 blocks, suffix); an asymmetric plan with a fused tail
@@ -181,13 +181,13 @@ def test_programs_list_optimizer_steps_and_the_commit():
 def test_interpreter_runs_exactly_the_printed_graph_modules(monkeypatch, kind, grain):
     model, pipe = gpt_pipe(2, grain)
     ran: set[int] = set()
-    run_stage = executor.run_stage
+    run_stage = compute.run_stage
 
     def spy(stage, *args, **kwargs):
         ran.add(id(stage.gm))
         return run_stage(stage, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "run_stage", spy)
+    monkeypatch.setattr(compute, "run_stage", spy)
     run_call(pipe, model, kind)
     run_type = RUN_TYPE.get(kind, "fused")
     exe = pipe._executable(run_type, 3, grain=grain)

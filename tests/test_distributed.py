@@ -571,8 +571,8 @@ class TestProgram(expecttest.TestCase):
 program devices=2 microbatches=2
 inputs input_1 <label>
 stage 0 fwd 0:2 reads=input_1 makes=mul
-stage 1 fused 2:3 reads=mul,<label> makes=linear_1
-stage 2 bwd 0:2 reads=input_1 makes=mul
+stage 1 fused 2:3 reads=mul,<label> makes=linear_1 owns=2.weight,2.bias
+stage 2 bwd 0:2 reads=input_1 makes=mul owns=0.weight,0.bias
 step d0  d1   host
 0    0P  1P   BC
 1    0U0 1U0  AR2:3

@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.passes.grad_flow import grad_values, layer_sources
 from fxpipe.passes.partition import build_layer_graph
-from fxpipe.runtime import executor
+from fxpipe.runtime import compute
 from tests import models
 from tests.test_runtime import assert_grads_equal, ce, devices, train_step
 
@@ -103,13 +103,13 @@ def test_mixed_model_matches_eager():
 def _input_grads_taken(monkeypatch):
     """Names of the values whose gradient a backward stage handed back, per call."""
     taken: set[str] = set()
-    give = executor.Execution._give_grads
+    give = compute.StageCompute._give_grads
 
     def spy(self, d, s, m, grads):
         taken.update(n for n, g in grads.items() if g is not None)
         return give(self, d, s, m, grads)
 
-    monkeypatch.setattr(executor.Execution, "_give_grads", spy)
+    monkeypatch.setattr(compute.StageCompute, "_give_grads", spy)
     return taken
 
 

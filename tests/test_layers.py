@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.stage_plan"),
     ("fxpipe.config",),
     # the values the passes make and the runtime reads
-    ("fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.program",
+    ("fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",
+     "fxpipe.passes.program_text", "fxpipe.passes.dependencies", "fxpipe.passes.program",
      "fxpipe.passes.stage"),
     # Programs from stage ranges, and the stage memory model (arithmetic on cost vectors)
     ("fxpipe.passes.schedule", "fxpipe.passes.memory"),
@@ -48,6 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.memory_prediction",),
     ("fxpipe.passes.planner",),
     ("fxpipe.plan",),
+    ("fxpipe.inspecting", "fxpipe.checkpointing"),   # PipelineModule's bases
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),
@@ -55,8 +57,9 @@ LAYERS: list[tuple[str, ...]] = [
      "fxpipe.roundpipe.*", "fxpipe.integrations.*"),   # and its front doors for other APIs
 ]
 # what the runtime may take from the passes: the values they make, not the passes
-VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.program",
-               "fxpipe.passes.stage"}
+VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",
+               "fxpipe.passes.program_text", "fxpipe.passes.dependencies",
+               "fxpipe.passes.program", "fxpipe.passes.stage"}
 # what importing the runtime must not load (nor importing fxpipe)
 COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.partition", "fxpipe.passes.costs",
             "fxpipe.passes.planner", "fxpipe.passes.lower", "fxpipe.passes.executable",

@@ -370,3 +370,32 @@ def test_cuda_round_trip_with_pinned_flat_buffers():
         acc.add(0, host.result(TIMEOUT), own=True)
     acc.commit()
     assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in m.parameters())
+
+
+def test_each_trainable_parameter_is_owned_by_the_last_backward_stage_using_it():
+    """Ownership is computed once (``build_executable``), printed on the stage lines of the
+    Program, parsed back, and read by ``owned_params``; a tied parameter goes with the
+    last backward stage holding it, under its first name; a frozen one has no owner."""
+    from fxpipe.passes.executable import build_executable
+    from fxpipe.passes.partition import build_layer_graph
+    from fxpipe.passes.program import Program
+    from fxpipe.passes.schedule import CallSpec
+    from fxpipe.runtime.params import owned_params
+    from fxpipe.stage_plan import StagePlan
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[3].weight = model[0].weight          # tied: layers 0 and 3
+    model[2].bias.requires_grad_(False)
+    lg = build_layer_graph(model, (torch.randn(3, 4),))
+    plan = StagePlan([range(0, 2)], [range(2, len(lg)), range(0, 2)])
+    p = build_executable(lg, plan, CallSpec("fused", 1), ["vcpu:0", "vcpu:1"]).program
+    assert p.owns[0] == ()                     # a forward stage owns nothing
+    owners = {f: s for s, names in enumerate(p.owns) for f in names}
+    assert owners == {"2.weight": 1, "3.bias": 1, "0.weight": 2, "0.bias": 2}
+    assert p.shared == ((1, 2),)
+    assert " owns=0.weight,0.bias" in str(p).splitlines()[[
+        ln.startswith("stage 2 ") for ln in str(p).splitlines()].index(True)]
+    assert Program.parse(str(p)) == p
+    owned = owned_params(p, lg)
+    assert [id(t) for t in owned[2]] == [id(model[0].weight), id(model[0].bias)]
+    assert len(owned[1]) == 2 and not any(t is model[2].bias for t in owned[1])

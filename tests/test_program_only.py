@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpipe
-from fxpipe.runtime import executor
+from fxpipe.runtime import executor, issue
 from tests import models
 
 
@@ -57,7 +57,7 @@ def watched(monkeypatch):
             run(self)
 
     monkeypatch.setattr(threading.Thread, "run", watched_run)
-    monkeypatch.setattr(executor, "_idle", [])   # fresh issue threads, started watched
+    monkeypatch.setattr(issue, "_idle", [])   # fresh issue threads, started watched
 
     class Record:
         def __enter__(self):

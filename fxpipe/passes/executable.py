@@ -83,20 +83,39 @@ def build_executable(lg: LayerGraph, plan: StagePlan, spec: CallSpec,
         label = (LABEL,) if st.kind == "fused" else ()
         reads.append(tuple(st.inputs) + tuple(loss_reads) + label)
         makes.append(tuple(st.outputs))
-    holders: dict[int, list[int]] = {}
-    for i, st in stages.items():
-        if st.kind != "fwd":
-            for fqn in st.params:
-                p = lg.params.get(fqn)
-                if p is not None and p.requires_grad:
-                    holders.setdefault(id(p), []).append(i)
-    shared = tuple(sorted({tuple(sorted(set(h))) for h in holders.values() if len(set(h)) > 1}))
+    owns, shared = ownership(lg, [stages[i] for i in sorted(stages)])
     values = Values(tuple(reads), tuple(makes),
                     tuple(lg.input_names) + ((LABEL,) if run_type == "fused" else ()),
                     tuple(lg.output_names) if spec.outputs else (),
-                    tuple(n for n in lg.input_names if n in set(spec.input_grads)), shared)
+                    tuple(n for n in lg.input_names if n in set(spec.input_grads)), shared,
+                    owns)
     program = build_program(fwd, bwd, run_type, G, spec.num_microbatch, "stage",
                             optimizer=spec.optimizer, grain=grain, values=values,
                             data_parallel=spec.data_parallel,
                             broadcast_buffers=spec.broadcast_buffers)
     return Executable(run_type, grain, program, stages, pieces)
+
+
+def ownership(lg: LayerGraph, stages: Sequence[Stage]
+              ) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Which backward stage owns which trainable parameter, computed once per Program:
+    ``(owns, shared)``. ``owns[i]``: the names (a tied parameter under its first name in
+    ``lg.params``) of the parameters stage ``i`` (execution order) is the last backward
+    stage to use, in the order backward stages first use them; empty for a forward
+    stage. ``shared``: the groups of backward stages that use one parameter."""
+    first: dict[int, str] = {}
+    for fqn, p in lg.params.items():
+        first.setdefault(id(p), fqn)
+    holders: dict[int, list[int]] = {}   # id(parameter) -> backward stages using it
+    for st in stages:
+        if st.kind == "fwd":
+            continue
+        for fqn in st.params:
+            p = lg.params.get(fqn)
+            if p is not None and p.requires_grad and st.index not in holders.get(id(p), ()):
+                holders.setdefault(id(p), []).append(st.index)
+    owns: list[list[str]] = [[] for _ in stages]
+    for key, held in holders.items():
+        owns[max(held)].append(first[key])
+    shared = tuple(sorted({tuple(sorted(h)) for h in holders.values() if len(h) > 1}))
+    return tuple(tuple(o) for o in owns), shared

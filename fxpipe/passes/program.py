@@ -134,469 +134,23 @@ its backward part; everything else gates its start.
 
 from __future__ import annotations
 
-import heapq
-import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Sequence, Union
+from typing import Sequence
 
+from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exported
+    HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
+    BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
+    DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
+    OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
+    Release, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, parse_action, stream_of,
+)
+from fxpipe.passes.dependencies import check_issue_order, dependencies, order
+from fxpipe.passes.program_text import parse_program, program_text
 from fxpipe.stage_plan import RunType
-
-StageKind = Literal["fwd", "bwd", "fused"]
-HOST = -1
-LABEL = "<label>"
-"""The value a ``"fused"`` Program's fused stage reads as its loss's label: a model input
-of the Program (on the host when the call starts), uploaded to the device with the
-stage's other inputs, like them (a GPU's loss cannot read a label left on the host)."""
-"""Lane and producer index meaning "the host" (model inputs, the user's loss gradient,
-the optimizer and commit actions)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizerSpec:
-    """What a call's optimizer puts in its Program's host lane (``passes.schedule.host_lane``).
-
-    ``mode="exact"``: the optimizer's own step, stepped in the call (``"async"``: the
-    previous call's update applied at its start, ``A``, and this call's queued, ``Q``).
-    ``steps``: whether this call steps (an accumulating call does not; with
-    ``"async"`` it still applies the pending update). ``clip``: ``max_grad_norm``
-    (``N``); ``speculate``: with ``clip``, step each stage as its gradients are final
-    and check the norm after the ``Commit``. ``scaler``: a ``GradScaler`` step after the
-    ``Commit`` (``SS``: its inf check needs every gradient).
-
-    >>> str(OptimizerSpec()), str(OptimizerSpec(clip=True, speculate=False))
-    ('exact', 'exact+clip')
-    """
-
-    mode: Literal["exact", "async"] = "exact"
-    steps: bool = True
-    clip: bool = False
-    speculate: bool = True
-    scaler: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("exact", "async"):
-            raise ValueError(f"optimizer mode must be 'exact' or 'async', got {self.mode!r}")
-        if self.scaler and self.mode == "async":
-            raise ValueError("a GradScaler step with mode='async' is not supported")
-
-    @property
-    def streamed(self) -> bool:
-        """Whether each backward stage is stepped as soon as its gradients are final,
-        during the backward (an ``OptimizerStep`` before the ``Commit``)."""
-        return (self.mode == "exact" and self.steps and not self.scaler
-                and (not self.clip or self.speculate))
-
-    def __str__(self) -> str:
-        text = self.mode + ("" if self.steps else "+accumulate")
-        if self.clip:
-            text += "+clip" + ("(speculate)" if self.streamed else "")
-        return text + ("+scaler" if self.scaler else "")
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """Everything that decides which Executable (stages and Program) a call runs: the
-    compiler builds one per CallSpec and plan (``fxpipe.api``), and ``pipe.program()``
-    prints the one a call with the same spec runs.
-
-    ``outputs``: whether the host gets the model's outputs (always, but for a
-    ``"fused"`` call without ``return_outputs``); ``input_grads``: the model inputs whose
-    gradients go to the host (they require grad); ``data_parallel``: ``"allreduce"`` or
-    ``"shard"`` collectives, ``broadcast_buffers`` the buffers' broadcast (training
-    calls of a data-parallel pipe).
-
-    >>> str(CallSpec("fused", 4, optimizer=OptimizerSpec(clip=True)))
-    'fused x4 grain=stage optimizer=exact+clip(speculate)'
-    >>> str(CallSpec("fused", 2, outputs=True)), CallSpec("infer", 2).outputs
-    ('fused x2 grain=stage outputs', True)
-    """
-
-    run_type: RunType
-    num_microbatch: int
-    grain: Literal["stage", "layer"] = "stage"
-    optimizer: OptimizerSpec | None = None
-    outputs: bool = False
-    input_grads: tuple[str, ...] = ()
-    data_parallel: Literal["allreduce", "shard"] | None = None
-    broadcast_buffers: bool = False
-
-    def __post_init__(self) -> None:
-        if self.run_type not in ("infer", "train", "fused"):
-            raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got "
-                             f"{self.run_type!r}")
-        if not isinstance(self.num_microbatch, int) or self.num_microbatch < 1:
-            raise ValueError(f"num_microbatch must be an int >= 1, got {self.num_microbatch!r}")
-        if self.grain not in ("stage", "layer"):
-            raise ValueError(f"grain must be 'stage' or 'layer', got {self.grain!r}")
-        if self.optimizer is not None and self.run_type != "fused":
-            raise ValueError(f"optimizer steps run in fused calls only, not {self.run_type!r}")
-        if (self.data_parallel is not None or self.broadcast_buffers) and \
-                self.run_type == "infer":
-            raise ValueError("collectives (data_parallel, broadcast_buffers) run in training "
-                             "calls only, not 'infer'")
-        # only a fused call can leave its outputs on the devices
-        object.__setattr__(self, "outputs", self.outputs or self.run_type != "fused")
-        object.__setattr__(self, "input_grads", tuple(self.input_grads))
-
-    def __str__(self) -> str:
-        parts = [f"{self.run_type} x{self.num_microbatch}", f"grain={self.grain}"]
-        if self.optimizer is not None:
-            parts.append(f"optimizer={self.optimizer}")
-        if self.run_type == "fused" and self.outputs:
-            parts.append("outputs")
-        if self.input_grads:
-            parts.append(f"input_grads={','.join(self.input_grads)}")
-        if self.data_parallel:
-            parts.append(f"data_parallel={self.data_parallel}")
-        if self.broadcast_buffers:
-            parts.append("broadcast_buffers")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class StageSpec:
-    """One stage of a Program: its execution-order index, kind, layer range, and the
-    values it reads and makes.
-
-    >>> str(StageSpec(3, "bwd", range(4, 6), ("l3", "mask"), ("l5",)))
-    '3 bwd 4:6 reads=l3,mask makes=l5'
-    """
-
-    index: int
-    kind: StageKind
-    layers: range
-    reads: tuple[str, ...] = ()
-    makes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        text = f"{self.index} {self.kind} {self.layers.start}:{self.layers.stop}"
-        if self.reads:
-            text += f" reads={','.join(self.reads)}"
-        if self.makes:
-            text += f" makes={','.join(self.makes)}"
-        return text
-
-
-# ----------------------------------------------------------------------------- actions
-
-@dataclass(frozen=True, slots=True)
-class Prefetch:
-    """Upload stage ``stage``'s parameters to the device (``str``: ``3P``)."""
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}P"
-
-
-@dataclass(frozen=True, slots=True)
-class Upload:
-    """Copy the values ``(stage, mb)`` reads from the host to the device (``3U1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}U{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class UploadGrad:
-    """Copy the host's gradient parts of ``(stage, mb)``'s values to the device (``3G1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}G{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """Forward of a fwd stage on one microbatch (``3F1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}F{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class FusedBackward:
-    """Tail forward + loss, then backward, no recompute (``3FB1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}FB{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    """``recompute_grain="layer"``: run the stage forward without grad, keeping each
-    layer's inputs on the device for the per-layer backward (``3K1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}K{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class RecomputeBackward:
-    """Recompute the stage's layers from their saved inputs, then backward (``3B1``); at
-    layer grain one layer, from the inputs its ``Checkpoint`` kept (``3B1.5``)."""
-    stage: int
-    mb: int
-    layer: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.stage}B{self.mb}" + ("" if self.layer is None else f".{self.layer}")
-
-
-@dataclass(frozen=True, slots=True)
-class Offload:
-    """Copy ``(stage, mb)``'s values (fwd, fused) and input gradients (bwd, fused) that
-    the host needs to the host (``3O1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}O{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class Free:
-    """Drop, on the device, the values and gradients ``(stage, mb)`` was the last to use
-    (``3X1``)."""
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}X{self.mb}"
-
-
-@dataclass(frozen=True, slots=True)
-class DownloadGrads:
-    """Bring the stage's accumulated parameter gradients to the host, then free their
-    device buffers (``3D``)."""
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}D"
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Free the stage's parameters on the device (``3R``)."""
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}R"
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizerStep:
-    """Host: step the parameters of ``layers`` once their gradients are final (``S4:6``)."""
-    layers: range
-
-    def __str__(self) -> str:
-        return f"S{self.layers.start}:{self.layers.stop}"
-
-
-@dataclass(frozen=True, slots=True)
-class AsyncUpdate:
-    """Host: apply the previous call's optimizer update, if one is pending (``A``;
-    ``fxpipe.optim``'s ``mode="async"``)."""
-
-    def __str__(self) -> str:
-        return "A"
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """Host: the call's parameter gradients to ``.grad`` and its buffer updates to the
-    model, all or nothing, once everything else of its phase has run (``C``)."""
-
-    def __str__(self) -> str:
-        return "C"
-
-
-@dataclass(frozen=True, slots=True)
-class BroadcastBuffers:
-    """Host, data parallel: the model's buffers (BatchNorm statistics...) from rank 0 to
-    every rank, before any stage's parameters and buffers go to a device, as
-    ``DistributedDataParallel(broadcast_buffers=True)`` does at each forward (``BC``)."""
-
-    def __str__(self) -> str:
-        return "BC"
-
-
-@dataclass(frozen=True, slots=True)
-class AllReduce:
-    """Host, data parallel: average across ranks the gradients of the parameters
-    ``OptimizerStep(layers)`` steps (that stage's bucket), once its downloads landed
-    (``AR4:6``)."""
-    layers: range
-
-    def __str__(self) -> str:
-        return f"AR{self.layers.start}:{self.layers.stop}"
-
-
-@dataclass(frozen=True, slots=True)
-class ReduceScatter:
-    """Host, ``shard_optimizer``: like ``AllReduce``, but each rank gets only the average
-    of its 1/N of the bucket, the part it steps (``RS4:6``)."""
-    layers: range
-
-    def __str__(self) -> str:
-        return f"RS{self.layers.start}:{self.layers.stop}"
-
-
-@dataclass(frozen=True, slots=True)
-class AllGather:
-    """Host, ``shard_optimizer``: every rank's stepped part of the bucket's parameters into
-    every rank's parameters (``AG4:6``)."""
-    layers: range
-
-    def __str__(self) -> str:
-        return f"AG{self.layers.start}:{self.layers.stop}"
-
-
-@dataclass(frozen=True, slots=True)
-class Refresh:
-    """Host, first: the copies devices read the parameters from made current (the
-    ``param_dtype`` casts of the masters; with an asynchronous optimizer, the snapshot
-    the call's uploads read while the update steps the masters), and a copy of the
-    model's buffers that a failed call puts back. Every ``Prefetch`` waits for it
-    (``RF``)."""
-
-    def __str__(self) -> str:
-        return "RF"
-
-
-@dataclass(frozen=True, slots=True)
-class Accumulate:
-    """Host: add the downloaded parameter gradients of the backward stage of ``layers`` to
-    the call's sums, once its downloads landed; the ``Commit`` writes the sums to
-    ``.grad`` (``M4:6``; a stage whose gradients an ``OptimizerStep`` or a collective
-    takes has none)."""
-    layers: range
-
-    def __str__(self) -> str:
-        return f"M{self.layers.start}:{self.layers.stop}"
-
-
-@dataclass(frozen=True, slots=True)
-class ClipGradNorm:
-    """Host, after the ``Commit``: ``clip_grad_norm_`` over every ``.grad`` the optimizer
-    steps (``max_grad_norm``; first ``scaler.unscale_``, with a ``GradScaler``). After
-    speculative ``OptimizerStep``s it checks the norm instead: when clipping changes
-    anything it puts the stepped parameters and state back, clips, and steps them all
-    again (``N``)."""
-
-    def __str__(self) -> str:
-        return "N"
-
-
-@dataclass(frozen=True, slots=True)
-class ScalerStep:
-    """Host, after the ``Commit``: ``scaler.step(optimizer)`` (its inf check needs every
-    gradient; ``SS``)."""
-
-    def __str__(self) -> str:
-        return "SS"
-
-
-@dataclass(frozen=True, slots=True)
-class QueueUpdate:
-    """Host, after the ``Commit``: keep this call's update (a copy of the gradients) for
-    the next call's ``AsyncUpdate`` (``Q``; ``mode="async"``)."""
-
-    def __str__(self) -> str:
-        return "Q"
-
-
-Action = Union[Prefetch, Upload, UploadGrad, Forward, FusedBackward, Checkpoint,
-               RecomputeBackward, Offload, Free, DownloadGrads, Release, OptimizerStep,
-               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather,
-               Refresh, Accumulate, ClipGradNorm, ScalerStep, QueueUpdate]
-Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
-Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather)
-HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradNorm,
-              ScalerStep, QueueUpdate, *Collective)
-AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
-"""Host actions that only follow a ``Commit`` (they read ``.grad``)."""
-_CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
-                           "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
-                           "B": RecomputeBackward, "O": Offload, "X": Free}
-_ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?$")
-_HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
-_HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
-                                "RS": ReduceScatter, "AG": AllGather}
-_HOST_WORDS: dict[str, type] = {"A": AsyncUpdate, "C": Commit, "BC": BroadcastBuffers,
-                                "RF": Refresh, "N": ClipGradNorm, "SS": ScalerStep,
-                                "Q": QueueUpdate}
-
-
-def parse_action(text: str) -> Action:
-    """The action whose ``str`` is ``text``.
-
-    >>> parse_action("3FB1"), parse_action("S0:4"), parse_action("2B0.5")
-    (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
-    >>> parse_action("AR4:6"), parse_action("BC")
-    (AllReduce(layers=range(4, 6)), BroadcastBuffers())
-    """
-    if text in _HOST_WORDS:
-        return _HOST_WORDS[text]()
-    if m := _HOST_RE.match(text):
-        return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
-    m = _ACTION_RE.match(text)
-    if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B"):
-        raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
-                         "AR0:4, C)")
-    cls = _CODES[m[2]]
-    if m[3] == "":
-        return cls(int(m[1]))
-    if m[4] is not None:
-        return cls(int(m[1]), int(m[3]), int(m[4]))
-    return cls(int(m[1]), int(m[3]))
-
-
-STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
-          FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
-          Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
-          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
-          Accumulate: "host", ClipGradNorm: "host", ScalerStep: "host", QueueUpdate: "host",
-          BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
-          AllGather: "collective"}
-
-
-def stream_of(action: Action) -> str:
-    """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
-    ``free``, ``grads``, ``control`` (``Release``), and on the host ``host`` or
-    ``collective``."""
-    return STREAM[type(action)]
-
-
-@dataclass(frozen=True, slots=True)
-class Dep:
-    """Action at ``(device, step)`` must reach ``on`` ("start"/"end") first.
-
-    ``device`` is a device index or ``HOST`` (the host lane). ``why`` is one of
-    ``stream``, ``issue``, ``release``, ``params``, ``input``, ``grad``, ``job``,
-    ``free``, ``buffers``, ``reduced``, ``stepped``; ``hop`` marks a hand-off between two
-    devices.
-    """
-
-    device: int
-    step: int
-    on: Literal["start", "end"]
-    why: str
-    hop: bool = False
-
 
 # ----------------------------------------------------------------------------- dataflow
 
-Key = tuple[int, int]   # (stage, microbatch): one compute job of one microbatch
 
 
 @dataclass(frozen=True)
@@ -748,7 +302,8 @@ class Program:
     docstring). ``inputs``: values on the host when the call starts; ``outputs``: values
     the host gets (a ``"train"`` program gets their gradients back from the host);
     ``input_grads``: the inputs whose gradients the host takes; ``shared``: groups of
-    backward stages that share a parameter."""
+    backward stages that share a parameter (the parameters each backward stage owns are on
+    its ``StageSpec``: :attr:`owns`)."""
 
     num_devices: int
     num_microbatches: int
@@ -798,6 +353,12 @@ class Program:
         """The backward (or fused) stage of each ``(start, stop)`` of layers."""
         return {(st.layers.start, st.layers.stop): st.index for st in self.stages
                 if st.kind != "fwd"}
+
+    @property
+    def owns(self) -> tuple[tuple[str, ...], ...]:
+        """Per stage, the parameters (names) it owns (``StageSpec.owns``): empty for a
+        forward stage and for a Program built without a model."""
+        return tuple(st.owns for st in self.stages)
 
     @cached_property
     def num_forward_stages(self) -> int:
@@ -868,74 +429,12 @@ class Program:
 
     # -- text -----------------------------------------------------------------------
     def __str__(self) -> str:
-        lines = [f"program devices={self.num_devices} microbatches={self.num_microbatches}"]
-        if self.inputs:
-            lines.append("inputs " + " ".join(self.inputs))
-        if self.outputs:
-            lines.append("outputs " + " ".join(self.outputs))
-        if self.input_grads:
-            lines.append("input-grads " + " ".join(self.input_grads))
-        lines += ["shared " + " ".join(map(str, group)) for group in self.shared]
-        lines += [f"stage {st}" for st in self.stages]
-        lanes = [*self.actions, self.host]
-        steps = max((len(a) for a in lanes), default=0)
-        cells = [["step"] + [f"d{d}" for d in range(self.num_devices)] + ["host"]]
-        for i in range(steps):
-            cells.append([str(i)] + [str(a[i]) if i < len(a) else "." for a in lanes])
-        widths = [max(len(row[c]) for row in cells) + 1 for c in range(len(cells[0]))]
-        for row in cells:
-            lines.append("".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
-        return "\n".join(lines)
+        return program_text(self)
 
     @classmethod
     def parse(cls, text: str) -> Program:
         """Inverse of ``str(program)``."""
-        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-        m = re.match(r"^program devices=(\d+) microbatches=(\d+)$", lines[0]) if lines else None
-        if not m:
-            raise ValueError("a Program text starts with 'program devices=N microbatches=M'")
-        num_devices, stages, rows = int(m[1]), [], []
-        inputs: tuple[str, ...] = ()
-        outputs: tuple[str, ...] = ()
-        input_grads: tuple[str, ...] = ()
-        shared: list[tuple[int, ...]] = []
-        stage_re = re.compile(r"^stage (\d+) (fwd|bwd|fused) (\d+):(\d+)"
-                              r"(?: reads=(\S+))?(?: makes=(\S+))?$")
-        header = ["step"] + [f"d{d}" for d in range(num_devices)] + ["host"]
-        for ln in lines[1:]:
-            word = ln.split()[0]
-            if word == "inputs":
-                inputs = tuple(ln.split()[1:])
-            elif word == "outputs":
-                outputs = tuple(ln.split()[1:])
-            elif word == "input-grads":
-                input_grads = tuple(ln.split()[1:])
-            elif word == "shared":
-                shared.append(tuple(int(x) for x in ln.split()[1:]))
-            elif word == "stage":
-                sm = stage_re.match(ln)
-                if not sm:
-                    raise ValueError(f"bad stage line {ln!r}")
-                stages.append(StageSpec(int(sm[1]), sm[2], range(int(sm[3]), int(sm[4])),
-                                        tuple(sm[5].split(",")) if sm[5] else (),
-                                        tuple(sm[6].split(",")) if sm[6] else ()))
-            elif word == "step":
-                if ln.split() != header:
-                    raise ValueError(f"bad table header {ln!r}")
-            else:
-                rows.append(ln.split())
-        lanes: list[list[Action]] = [[] for _ in range(num_devices + 1)]
-        for i, row in enumerate(rows):
-            if row[0] != str(i) or len(row) != num_devices + 2:
-                raise ValueError(f"bad table row {i}: {' '.join(row)!r}")
-            for d, cell in enumerate(row[1:]):
-                if cell != ".":
-                    if len(lanes[d]) != i:
-                        raise ValueError(f"{'host' if d == num_devices else f'device {d}'} "
-                                         f"has a gap before step {i}")
-                    lanes[d].append(parse_action(cell))
-        return cls(num_devices, int(m[2]), tuple(stages), tuple(tuple(a) for a in lanes[:-1]),
-                   tuple(lanes[-1]), inputs, outputs, input_grads, tuple(shared))
+        return parse_program(cls, text)
 
     # -- checks ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -984,137 +483,7 @@ class Program:
 
     @cached_property
     def _dependencies(self) -> dict[int, tuple[tuple[Dep, ...], ...]]:
-        computes: dict[Key, list[tuple[int, int]]] = {}
-        offload_at: dict[Key, tuple[int, int]] = {}
-        downloads: dict[int, list[tuple[int, int]]] = {}
-        for d, acts in enumerate(self.actions):
-            for i, a in enumerate(acts):
-                if isinstance(a, Compute):
-                    at = computes.setdefault((a.stage, a.mb), [])
-                    if at and (at[-1][0] != d or isinstance(a, (Forward, FusedBackward))
-                               or a.layer is None):
-                        raise ValueError(f"device {d} step {i}: {a} appears twice "
-                                         f"(first on device {at[0][0]})")
-                    at.append((d, i))
-                elif isinstance(a, Offload):
-                    if (a.stage, a.mb) in offload_at:
-                        raise ValueError(f"device {d} step {i}: {a} appears twice "
-                                         f"(first on device {offload_at[(a.stage, a.mb)][0]})")
-                    offload_at[(a.stage, a.mb)] = (d, i)
-                elif isinstance(a, DownloadGrads):
-                    downloads.setdefault(a.stage, []).append((d, i))
-        broadcast = [i for i, a in enumerate(self.host) if isinstance(a, (Refresh,
-                                                                          BroadcastBuffers))]
-        out = {d: self._device_deps(d, computes, offload_at, broadcast)
-               for d in range(self.num_devices)}
-        out[HOST] = self._host_deps(downloads)
-        return out
-
-    def _device_deps(self, d, computes, offload_at, broadcast) -> tuple[tuple[Dep, ...], ...]:
-        flow = self.flow
-        out: list[tuple[Dep, ...]] = []
-        last_stream: dict[str, int] = {}
-        last_compute: int | None = None
-        prefetched: dict[int, int] = {}
-        job: dict[int, dict[str, int]] = {}   # stage -> its last compute / download here
-        releases: list[int] = []
-        uploads: dict[tuple[type, Key], int] = {}
-
-        def fail(i: int, a: Action, msg: str):
-            raise ValueError(f"device {d} step {i}: {a} {msg}")
-
-        def offloaded(i, a, producer, mb, why) -> Dep:
-            if (producer, mb) not in offload_at:
-                fail(i, a, f"needs Offload({producer}, {mb}) somewhere in the program")
-            od, oi = offload_at[(producer, mb)]
-            return Dep(od, oi, "end", why, hop=od != d)
-
-        def made_here(i, a, producer, mb, what) -> Dep:
-            at = computes.get((producer, mb), [])
-            if not at or at[-1][0] != d or at[-1][1] > i:
-                fail(i, a, f"takes over {what} on device {d}, but stage {producer} did not "
-                           f"compute microbatch {mb} there before it")
-            return Dep(d, at[-1][1], "end", "grad" if what.startswith("the gradient") else "input")
-
-        def uploaded(i, a, kind, key, why) -> list[Dep]:
-            if (kind, key) not in uploads:
-                fail(i, a, f"has no {kind.__name__} before it, and it reads "
-                           f"{'gradients' if kind is UploadGrad else 'values'} from the host")
-            return [Dep(d, uploads.pop((kind, key)), "end", why)]
-
-        for i, a in enumerate(self.actions[d]):
-            deps: list[Dep] = []
-            stream = stream_of(a)
-            if stream in last_stream:
-                deps.append(Dep(d, last_stream[stream], "end", "stream"))
-            last_stream[stream] = i
-            if stream in ("prefetch", "h2d") and last_compute is not None:
-                deps.append(Dep(d, last_compute, "start", "issue"))
-            match a:
-                case Prefetch(stage=s):
-                    deps += [Dep(d, r, "end", "release") for r in releases]
-                    deps += [Dep(HOST, b, "end", "buffers") for b in broadcast]
-                    releases.clear()
-                    prefetched[s] = i
-                    job[s] = {}
-                case Upload(stage=s, mb=mb):
-                    for v in flow.upload.get((s, mb), ()):
-                        if v not in self.inputs:
-                            deps.append(offloaded(i, a, flow.maker[v], mb, "input"))
-                    uploads[(Upload, (s, mb))] = i
-                case UploadGrad(stage=s, mb=mb):
-                    if not flow.upload_grads.get((s, mb)):
-                        fail(i, a, f"but no gradient of stage {s}'s values comes through the host")
-                    for _, producer in flow.host_grad_parts.get((s, mb), ()):
-                        deps.append(offloaded(i, a, producer, mb, "grad"))
-                    if self.run_type == "train":
-                        for v in set(self.outputs) & set(self.stages[s].makes):
-                            deps += [offloaded(i, a, flow.maker[v], m, "grad")
-                                     for m in range(self.num_microbatches)]
-                    uploads[(UploadGrad, (s, mb))] = i
-                case Forward(stage=s, mb=mb) | FusedBackward(stage=s, mb=mb) | Checkpoint(
-                        stage=s, mb=mb) | RecomputeBackward(stage=s, mb=mb):
-                    key = (s, mb)
-                    first = computes[key][0][1] == i
-                    if s not in prefetched:
-                        fail(i, a, f"runs stage {s} with no Prefetch({s}) before it on device {d}")
-                    deps.append(Dep(d, prefetched[s], "end", "params"))
-                    if first:
-                        if flow.upload.get(key):
-                            deps += uploaded(i, a, Upload, key, "input")
-                        for v, p in flow.handoff.get(key, ()):
-                            deps.append(made_here(i, a, p, mb, f"value {v!r}"))
-                    if isinstance(a, RecomputeBackward) and (a.layer is None or first or
-                                                             computes[key][1][1] == i):
-                        if flow.upload_grads.get(key):
-                            deps += uploaded(i, a, UploadGrad, key, "grad")
-                        for v, p in flow.grad_parts.get(key, ()):
-                            deps.append(made_here(i, a, p, mb, f"the gradient of {v!r}"))
-                    job[s]["compute"] = i
-                    last_compute = i
-                case Offload(stage=s, mb=mb) | Free(stage=s, mb=mb):
-                    at = computes.get((s, mb), [])
-                    if not at or at[-1][0] != d or at[-1][1] > i:
-                        fail(i, a, f"but ({s}, {mb}) was not computed on device {d} before it")
-                    deps.append(Dep(d, at[-1][1], "end", "input" if isinstance(a, Offload)
-                                    else "free"))
-                    if isinstance(a, Free):
-                        makers = {flow.maker[v] for v in flow.free.get((s, mb), ())} | {s}
-                        for p in sorted(makers):
-                            if (p, mb) in offload_at:
-                                od, oi = offload_at[(p, mb)]
-                                deps.append(Dep(od, oi, "end", "free"))
-                case DownloadGrads(stage=s) | Release(stage=s):
-                    if s not in prefetched:
-                        fail(i, a, f"but stage {s} is not resident on device {d}")
-                    deps += [Dep(d, j, "end", "job") for j in job[s].values()]
-                    if isinstance(a, DownloadGrads):
-                        job[s]["download"] = i
-                    else:
-                        del prefetched[s], job[s]
-                        releases.append(i)
-            out.append(tuple(deps))
-        return tuple(out)
+        return dependencies(self)
 
     def step_stages(self, step: OptimizerStep | AllReduce | ReduceScatter) -> tuple[int, ...]:
         """The backward stages whose gradients ``step`` needs: the stage of its layers, and
@@ -1129,57 +498,6 @@ class Program:
             if max(group) == s:
                 waits.update(group)
         return tuple(sorted(waits))
-
-    def _host_deps(self, downloads) -> tuple[tuple[Dep, ...], ...]:
-        out: list[tuple[Dep, ...]] = []
-        last: dict[str, int] = {}                    # host stream -> its latest action
-        reduced: dict[tuple[int, int], int] = {}     # layers -> its AllReduce / ReduceScatter
-        stepped: dict[tuple[int, int], int] = {}     # layers -> its OptimizerStep
-        for i, a in enumerate(self.host):
-            stream = stream_of(a)
-            deps = [Dep(HOST, last[stream], "end", "stream")] if stream in last else []
-            span = (a.layers.start, a.layers.stop) if hasattr(a, "layers") else None
-            match a:
-                case Accumulate():
-                    s = self.backward_stage_of.get(span)
-                    if s is None:
-                        raise ValueError(f"host step {i}: {a} names no backward stage's layers")
-                    deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(s, [])]
-                case OptimizerStep() | AllReduce() | ReduceScatter():
-                    try:
-                        stages = self.step_stages(a)
-                    except ValueError as e:
-                        raise ValueError(f"host step {i}: {e}") from None
-                    for w in stages:
-                        deps += [Dep(dd, di, "end", "grad") for dd, di in downloads.get(w, [])]
-                    if isinstance(a, OptimizerStep):
-                        if span in reduced:
-                            deps.append(Dep(HOST, reduced[span], "end", "reduced"))
-                        stepped[span] = i
-                    else:
-                        reduced[span] = i
-                case AllGather():
-                    if span not in stepped:
-                        raise ValueError(f"host step {i}: {a} gathers what no OptimizerStep "
-                                         f"of layers {span[0]}:{span[1]} listed before it stepped")
-                    deps.append(Dep(HOST, stepped[span], "end", "stepped"))
-                case Commit():
-                    phase = self._phase_of(a)
-                    for d, acts in enumerate(self.actions):
-                        ends: dict[str, int] = {}
-                        for j, b in enumerate(acts):
-                            if self._phase_of(b) == phase:
-                                ends[stream_of(b)] = j
-                        deps += [Dep(d, j, "end", "job") for j in sorted(ends.values())]
-                    ends = {}
-                    for j, b in enumerate(self.host[:i]):
-                        if self._phase_of(b) == phase:
-                            ends[stream_of(b)] = j
-                    deps += [Dep(HOST, j, "end", "job") for j in sorted(ends.values())
-                             if j != last.get("host")]
-            last[stream] = i
-            out.append(tuple(deps))
-        return tuple(out)
 
     def _phase_of(self, a: Action) -> str:
         """``"forward"`` or ``"backward"`` in a ``"train"`` program (its two calls); else
@@ -1196,44 +514,14 @@ class Program:
     def order(self, phase: str = "all") -> list[tuple[int, int]]:
         """Every ``(lane, step)`` of ``phase`` in one order its dependencies allow (each
         after what it waits for and after its lane's earlier actions), as one thread
-        could run them: what ``print(pipe)`` lists. Ties go to the action with the
-        shortest chain of dependencies before it, then to the lower lane (the host
-        last).
+        could run them: what ``print(pipe)`` lists (:func:`passes.dependencies.order`).
 
         >>> from fxpipe.passes.schedule import build_program
         >>> p = build_program([range(0, 1), range(1, 2)], [], "infer", 2, 1, "stage")
         >>> " ".join(str(p.lane(lane)[i]) for lane, i in p.order())
         'RF 0P 1P 0U0 0F0 0O0 0X0 1U0 0R 1F0 1O0 1X0 1R C'
         """
-        deps, keep = self.dependencies(), self.issued(phase)
-        preds: dict[tuple[int, int], set[tuple[int, int]]] = {}
-        for lane, acts in self.lanes():
-            prev = None
-            for i in range(len(acts)):
-                if not keep[lane][i]:
-                    continue
-                got = {(d.device, d.step) for d in deps[lane][i] if keep[d.device][d.step]}
-                preds[(lane, i)] = got | ({(lane, prev)} if prev is not None else set())
-                prev = i
-        users: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for k, ps in preds.items():
-            for q in ps:
-                users.setdefault(q, []).append(k)
-        depth = {k: 0 for k in preds}
-        left = {k: len(ps) for k, ps in preds.items()}
-        rank = lambda k: (depth[k], k[0] if k[0] != HOST else self.num_devices, k[1])  # noqa: E731
-        ready = [(rank(k), k) for k, n in left.items() if n == 0]
-        heapq.heapify(ready)
-        out: list[tuple[int, int]] = []
-        while ready:
-            _, k = heapq.heappop(ready)
-            out.append(k)
-            for u in users.get(k, ()):
-                depth[u] = max(depth[u], depth[k] + 1)
-                left[u] -= 1
-                if left[u] == 0:
-                    heapq.heappush(ready, (rank(u), u))
-        return out
+        return order(self, phase)
 
     def action_strings(self, phase: str | None = None) -> list[tuple[int, str]]:
         """``(lane, str(action))`` of every action (of one ``phase``, if given): what a
@@ -1249,7 +537,7 @@ class Program:
         if phase not in self._issued:
             keep = {lane: tuple(phase == "all" or self.phase(a) == phase for a in acts)
                     for lane, acts in self.lanes()}
-            _check_issue_order(self, self.dependencies(), keep)
+            check_issue_order(self, self.dependencies(), keep)
             self._issued[phase] = keep
         return self._issued[phase]
 
@@ -1263,35 +551,3 @@ class Program:
         return self._phase_of(a)
 
 
-def _check_issue_order(p, deps, keep) -> None:
-    """Raise unless the lanes can be issued each in list order: no action depends on one
-    listed after it in its own lane, and the dependencies have no cycle (else an issue
-    thread would wait forever)."""
-    indeg: dict[tuple[int, int], int] = {}
-    users: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for lane, acts in p.lanes():
-        prev = None
-        for i in range(len(acts)):
-            if not keep[lane][i]:
-                continue
-            preds = {(dep.device, dep.step) for dep in deps[lane][i] if keep[dep.device][dep.step]}
-            if prev is not None:
-                preds.add((lane, prev))
-            prev = i
-            for dep in preds:
-                if dep[0] == lane and dep[1] > i:
-                    raise ValueError(f"lane {lane} step {i} ({acts[i]}) depends on step {dep[1]} "
-                                     "listed after it: the Program cannot run in list order")
-                users.setdefault(dep, []).append((lane, i))
-            indeg[(lane, i)] = len(preds)
-    ready = [k for k, n in indeg.items() if n == 0]
-    seen = 0
-    while ready:
-        k = ready.pop()
-        seen += 1
-        for u in users.get(k, ()):
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                ready.append(u)
-    if seen != len(indeg):
-        raise ValueError("the Program's dependencies have a cycle")

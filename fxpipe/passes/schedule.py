@@ -37,8 +37,9 @@ all-reduce, or (``shard_optimizer``) reduce-scatter and all-gather."""
 class Values:
     """The values a Program's stages read and make (per stage, in execution order), the
     model's inputs, the outputs the host gets, the inputs whose gradients it takes, and
-    the backward stages that share a parameter (``Program.shared``). ``build_program`` without it uses
-    :func:`chain_values`: each stage reads what the layer before it made."""
+    the backward stages that share a parameter (``Program.shared``), and per stage the
+    parameters it owns (``StageSpec.owns``; empty without a model). ``build_program``
+    without it uses :func:`chain_values`: each stage reads what the layer before it made."""
 
     reads: tuple[tuple[str, ...], ...]
     makes: tuple[tuple[str, ...], ...]
@@ -46,6 +47,7 @@ class Values:
     outputs: tuple[str, ...]
     input_grads: tuple[str, ...] = ()
     shared: tuple[tuple[int, ...], ...] = ()
+    owns: tuple[tuple[str, ...], ...] = ()
 
 
 def chain_values(stages: Sequence[StageSpec], run_type: RunType) -> Values:
@@ -146,8 +148,12 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     values = values or chain_values(stages, run_type)
     if len(values.reads) != len(stages) or len(values.makes) != len(stages):
         raise ValueError(f"values describe {len(values.reads)} stages, the plan has {len(stages)}")
-    stages = tuple(StageSpec(st.index, st.kind, st.layers, tuple(r), tuple(m))
-                   for st, r, m in zip(stages, values.reads, values.makes))
+    if values.owns and len(values.owns) != len(stages):
+        raise ValueError(f"values give owners for {len(values.owns)} stages, the plan has "
+                         f"{len(stages)}")
+    owns = values.owns or ((),) * len(stages)
+    stages = tuple(StageSpec(st.index, st.kind, st.layers, tuple(r), tuple(m), tuple(o))
+                   for st, r, m, o in zip(stages, values.reads, values.makes, owns))
     host = host_lane(stages, optimizer, data_parallel, broadcast_buffers)
     emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, host)
     G, M, F, S = num_devices, num_microbatches, len(plan_fwd), len(stages)

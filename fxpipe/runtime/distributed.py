@@ -46,100 +46,24 @@ import datetime
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import DistributedError, warn_user
+from fxpipe.errors import DistributedError
 from fxpipe.runtime.devices import VirtualDevice
-from fxpipe.runtime.params import GradAccumulator, HostParams, ParamStore, _grad_dtype
+# the bucket arithmetic is used from here (fxpipe.api, tests)
+from fxpipe.runtime.buckets import (  # noqa: F401
+    Bucket, Shard, _by_dtype, _chunk, _piece, _span, first_names, reshard,
+)
+from fxpipe.runtime.masters import ShardedMasters
+from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype, owned_params
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 
 
-@dataclass
-class Bucket:
-    """One backward stage's parameters of one gradient dtype as one flat tensor of
-    ``parts`` equal chunks (``parts``: the number of ranks when sharding, else 1), a
-    reduce-scatter giving each rank one chunk. Each parameter is cut the same way
-    whatever the plan: rank ``r`` owns its elements ``[r * c, (r + 1) * c)``, ``c =
-    chunks[i] = ceil(numel / parts)``, which sit at ``offsets[i]`` of chunk ``r`` (zero
-    padded). ``names`` are the parameters' names (the same on every rank: they key the
-    optimizer state and the fp32 masters of this rank's pieces, ``masters[i]``, None where
-    the parameters are their own masters)."""
-
-    layers: range | None             # None: not a stage's (DataParallel.full_masters)
-    dtype: torch.dtype
-    params: list[torch.Tensor]
-    names: list[str]
-    sizes: list[int]
-    chunks: list[int]
-    offsets: list[int]
-    parts: int
-    rank: int
-    masters: list[torch.Tensor | None]
-
-    @property
-    def shard_len(self) -> int:
-        """The length of one rank's chunk."""
-        return sum(self.chunks)
-
-    @property
-    def padded(self) -> int:
-        return self.parts * self.shard_len
-
-    def pieces(self) -> list[tuple[int, int, int, int]]:
-        """``(index, start in param, stop in param, start in shard)`` of each parameter
-        that has elements in this rank's chunk."""
-        out = []
-        for i, (n, o) in enumerate(zip(self.sizes, self.offsets)):
-            lo, hi = _piece(n, self.parts, self.rank)
-            if lo < hi:
-                out.append((i, lo, hi, o))
-        return out
-
-    def columns(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s ``[parts, chunk]`` elements in a flat bucket tensor."""
-        o = self.offsets[i]
-        return flat.view(self.parts, self.shard_len)[:, o:o + self.chunks[i]]
-
-    def pack(self, flat: torch.Tensor, i: int, *values: torch.Tensor | None) -> None:
-        """Parameter ``i``'s place in ``flat`` := the sum of ``values`` (None: skipped;
-        none at all: zeros), its padding zeros."""
-        cols, n = self.columns(flat, i), self.sizes[i]
-        values = [v.reshape(-1) for v in values if v is not None]
-        if not values:
-            cols.zero_()
-            return
-        c = cols.shape[1]
-        k = n // c if c else 0          # full rows
-        cols[k:].zero_()
-        for j, v in enumerate(values):
-            body = v[:k * c].view(k, c)
-            cols[:k].copy_(body) if j == 0 else cols[:k].add_(body)
-            if k * c < n:
-                row = cols[k, :n - k * c]
-                row.copy_(v[k * c:]) if j == 0 else row.add_(v[k * c:])
-
-    def unpack(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s value from ``flat`` (a view when ``parts == 1``)."""
-        return self.columns(flat, i).reshape(-1)[:self.sizes[i]].view(self.params[i].shape)
-
-
-@dataclass
-class Shard:
-    """This rank's part of a bucket in a sharded step: the averaged gradient of its 1/N
-    (``grad``); the step updates those elements in place (the fp32 masters of them where
-    this rank keeps them, else the parameters'), the all-gather sends them to every
-    rank."""
-
-    bucket: Bucket
-    grad: torch.Tensor
-
-
-class DataParallel:
+class DataParallel(ShardedMasters):
     """The collectives of one data-parallel pipe (module docstring). Made by
     ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
 
@@ -169,15 +93,16 @@ class DataParallel:
         self.dead: DistributedError | None = None
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
+        # under _lock: built by whichever thread first asks (the caller's plan_ops, the
+        # collective worker's reduces)
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
+        # under _posting: begin (the call's host thread), _post (the collective worker) and
+        # drain (the failing thread) post in the Program's order; held while a collective
+        # is issued, not while it is waited for
+        self._posting = threading.Lock()
         self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
         self._posted = 0                                      # how many were posted
-        # shard_optimizer with param_dtype (shard_masters): this rank's pieces of the fp32
-        # masters, their parameters, and each parameter's version when they last agreed
-        self.masters: dict[str, torch.Tensor] = {}
-        self._mastered: dict[str, torch.Tensor] = {}
-        self._stamps: dict[str, tuple[int, int]] = {}
-        self._host: HostParams | None = None
+        ShardedMasters.__init__(self)
         # id(parameter) -> its name for the shard state and masters: the first name it had
         # in the first layer graph that named it (another capture may order tied names
         # differently)
@@ -263,18 +188,20 @@ class DataParallel:
     def begin(self, ops: Sequence[tuple[str, int, torch.dtype]]) -> None:
         """A call starts: ``ops`` (kind, numel, dtype) are the collectives it will post,
         in order (:meth:`plan_ops`), what :meth:`drain` completes when it fails."""
-        self._ops, self._posted = list(ops), 0
+        with self._posting:
+            self._ops, self._posted = list(ops), 0
 
     def _post(self, kind: str, tensor: torch.Tensor, what: str,
               out: torch.Tensor | None = None) -> None:
         """Post the call's next collective and wait for it; then raise ``DistributedError``
         if another rank reported a failure in the store (a failed rank says so first, then
         completes the collectives it owes with zeros: :meth:`drain`)."""
-        if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
-            raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call is "
-                               f"{kind}, the Program said {self._ops[self._posted][0]}")
-        work = _issue(kind, tensor, out, self.group)
-        self._posted += 1
+        with self._posting:
+            if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
+                raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call "
+                                   f"is {kind}, the Program said {self._ops[self._posted][0]}")
+            work = _issue(kind, tensor, out, self.group)
+            self._posted += 1
         cause: Exception | None = None
         try:
             work.wait()
@@ -295,14 +222,21 @@ class DataParallel:
         """The call failed on this rank (its own failure or another's): complete every
         collective it still owes the other ranks, with zeros, so that no rank waits for
         it (gloo cannot cancel a posted collective). Bounded by the timeout."""
-        while self._posted < len(self._ops):
-            kind, numel, dtype = self._ops[self._posted]
-            out = torch.zeros(numel * self.world if kind == "all_gather" else
-                              numel // self.world, dtype=dtype) \
-                if kind in ("all_gather", "reduce_scatter") else None
-            self._posted += 1
+        while True:
+            with self._posting:
+                if self._posted >= len(self._ops):
+                    return
+                kind, numel, dtype = self._ops[self._posted]
+                out = torch.zeros(numel * self.world if kind == "all_gather" else
+                                  numel // self.world, dtype=dtype) \
+                    if kind in ("all_gather", "reduce_scatter") else None
+                self._posted += 1
+                try:
+                    work = _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group)
+                except Exception:  # noqa: BLE001
+                    return
             try:
-                _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group).wait()
+                work.wait()
             except Exception:  # noqa: BLE001
                 return
 
@@ -347,9 +281,15 @@ class DataParallel:
     # -- buckets -------------------------------------------------------------------------
     def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
         """Per backward stage's layers, its buckets (one per gradient and parameter
-        dtype), in the same order on every rank: its ``owned_params`` in the order of the
+        dtype), in the same order on every rank: the parameters it owns (``StageSpec.owns``)
+        in the order of the
         host buffers (one set per ``store``: per run type)."""
         key = id(store)
+        with self._lock:
+            return self._buckets_of(key, exe, lg, store)
+
+    def _buckets_of(self, key: int, exe: Any, lg: Any, store: ParamStore
+                    ) -> dict[tuple[int, int], list[Bucket]]:
         if key not in self._buckets:
             host = store.host
             names = {i: self._names.setdefault(i, n) for i, n in first_names(lg.params).items()}
@@ -361,7 +301,7 @@ class DataParallel:
                 return (0, slot.region, slot.offset, "")
 
             out: dict[tuple[int, int], list[Bucket]] = {}
-            for s, params in store.owned(exe, lg).items():
+            for s, params in owned_params(exe.program, lg).items():
                 layers = exe.program.stages[s].layers
                 by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):
@@ -461,104 +401,6 @@ class DataParallel:
             _issue("all_gather", mine, full, self.group).wait()
         return full
 
-    # -- fp32 masters (shard_optimizer with param_dtype) -------------------------------------
-    def shard_masters(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                      host: HostParams) -> None:
-        """``shard_optimizer`` with ``param_dtype``: keep the master values (the
-        parameters' own dtype, fp32) of only this rank's piece of each trainable floating
-        parameter (``masters``, by name); the parameter itself becomes its ``dtype`` copy,
-        the one the devices upload (its ``grad_dtype`` stays the master's: gradients come
-        back in fp32). The sharded step updates the masters; the all-gather writes them,
-        cast, into every rank's parameters. Nothing is converted unless all can be."""
-        todo = {n: p for n, p in _unique(params).items()
-                if p.requires_grad and p.is_floating_point() and p.dtype != dtype}
-        for name, p in todo.items():
-            if id(p) in host.slots:
-                raise ValueError(
-                    f"shard_optimizer=True with param_dtype={dtype} shards the fp32 masters of "
-                    f"{name!r} and turns the parameters into {dtype} copies, but an earlier "
-                    "pipe of this model already laid them out in its host buffers as they "
-                    "were: compile a freshly built model (or one loaded again) with these "
-                    "options")
-        self._host = host
-        with torch.no_grad():
-            for name, p in todo.items():
-                self._names.setdefault(id(p), name)
-                lo, hi = _piece(p.numel(), self.world, self.rank)
-                self.masters[name] = p.detach().reshape(-1)[lo:hi].clone()
-                self._mastered[name] = p
-                p.grad_dtype = p.dtype
-                p.data = p.detach().to(dtype)
-        self.stamp(self.masters)
-
-    def stamp(self, names: Sequence[str] | Mapping[str, Any]) -> None:
-        """The masters of ``names`` and their parameters agree now."""
-        for n in names:
-            if n in self._mastered:
-                p = self._mastered[n]
-                self._stamps[n] = (p._version, p.data_ptr())
-
-    def _changed(self, n: str, p: torch.Tensor) -> bool:
-        """Whether ``p`` was written (in place: its version) or replaced (``p.data = t``:
-        its memory, other than where the host buffers put it) since its stamp."""
-        version, ptr = self._stamps[n]
-        slot = self._host.slots.get(id(p)) if self._host is not None else None
-        if slot is not None and slot.region is not None:
-            ptr = self._host.address(slot)
-        return p._version != version or p.data_ptr() != ptr
-
-    def check_masters(self) -> None:
-        """Before a training call, a checkpoint or gathering the masters: a parameter
-        changed outside fxpipe (an in-place write, ``p.data = t``,
-        ``model.load_state_dict``) since its master was last written gets its master
-        re-read from the parameter, with a warning (below ``param_dtype``'s precision it
-        is lost: load fp32 weights with ``pipe.load_state_dict`` instead)."""
-        changed = [n for n, p in self._mastered.items() if self._changed(n, p)]
-        if not changed:
-            return
-        warn_user(
-            f"rank {self.rank}: {len(changed)} parameter(s) ({', '.join(changed[:3])}"
-            f"{', ...' if len(changed) > 3 else ''}) changed outside fxpipe since the last "
-            "step; under shard_optimizer=True with param_dtype their fp32 masters are "
-            "sharded, so they are re-read from the parameters' own dtype (the precision "
-            "below it is lost). Load fp32 weights with pipe.load_state_dict(...) or "
-            "pipe.load_checkpoint(...), which set the masters too; change the parameters "
-            "the same way on every rank")
-        self.set_masters({n: self._mastered[n] for n in changed}, params=False)
-
-    def set_masters(self, values: Mapping[str, torch.Tensor], params: bool = True) -> None:
-        """This rank's pieces of the masters := ``values`` (by name, whole tensors), and
-        (``params``) the parameters too, cast."""
-        with torch.no_grad():
-            for n, v in values.items():
-                p = self._mastered[n]
-                lo, hi = _piece(p.numel(), self.world, self.rank)
-                self.masters[n].copy_(v.detach().reshape(-1)[lo:hi])
-                if params:
-                    p.copy_(v)
-        self.stamp(list(values))
-
-    def set_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
-        """This rank's pieces of the masters := ``pieces`` (by name, as a checkpoint holds
-        them), every non-empty one; the parameters hold them already."""
-        missing = [n for n, m in self.masters.items() if m.numel() and n not in pieces]
-        if missing:
-            raise ValueError(f"the checkpoint has no fp32 master of {', '.join(missing[:3])}"
-                             f"{', ...' if len(missing) > 3 else ''} for rank {self.rank}: it "
-                             "was saved from another model")
-        with torch.no_grad():
-            for n, m in self.masters.items():
-                if m.numel():
-                    m.copy_(pieces[n])
-        self.stamp(self.masters)
-
-    def master_keys(self, state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        """``key -> master name`` of the entries of ``state`` (a module's
-        ``state_dict(keep_vars=True)``: its own tensors) that are sharded-master parameters
-        (a tied one under each of its keys)."""
-        name_of = {id(p): n for n, p in self._mastered.items()}
-        return {k: name_of[id(t)] for k, t in state.items() if id(t) in name_of}
-
     def full_masters(self) -> dict[str, torch.Tensor]:
         """Every sharded master whole, gathered from every rank (a collective: every rank
         calls it, between training calls), by name."""
@@ -593,115 +435,6 @@ def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any
     if kind == "all_gather":
         return dist.all_gather_single(out, tensor, group=group, async_op=True)
     raise ValueError(f"not a collective: {kind!r}")
-
-
-def _by_dtype(buffers: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """The buffers by dtype, each list in name order (the same on every rank)."""
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name in sorted(buffers):
-        out.setdefault(buffers[name].dtype, []).append(buffers[name])
-    return out
-
-
-def reshard(saved: Mapping[str, Any], kind: str, old_world: int, numel: Mapping[str, int],
-            world: int, rank: int, states: bool) -> tuple[dict[str, torch.Tensor], Any]:
-    """Load a checkpoint's per-rank pieces, saved by ``old_world`` ranks, on ``world``
-    ranks (the same number or not). ``saved``: its metadata by key; the pieces are
-    ``{kind}.rank{q}.{name}`` (``states``: ``{kind}.rank{q}.{name}.{state}``), each 1-D
-    (rank ``q``'s elements of parameter ``name``) or a scalar (a step count, the same on
-    every rank). Returns the saved keys this ``rank`` reads (into new tensors, for
-    ``dcp.load``) and a function to call after the load that gives this rank's pieces
-    by their keys ``{kind}.rank{rank}...``. A checkpoint that does not fit raises the same
-    error on every rank, before anything is read."""
-    prefix = f"{kind}.rank"
-    groups: dict[tuple[str, str], dict[int, str]] = {}
-    for key in saved:
-        if key.startswith(prefix):
-            q, _, rest = key[len(prefix):].partition(".")
-            name, _, state = rest.rpartition(".") if states else (rest, "", "")
-            groups.setdefault((name, state), {})[int(q)] = key
-    for (name, state), by_rank in groups.items():   # the same checks on every rank
-        if name not in numel:
-            raise ValueError(f"the checkpoint has {kind} pieces of {name!r}, which is not a "
-                             "parameter of this model")
-        if all(len(saved[k].size) == 0 for k in by_rank.values()):
-            continue
-        for q in range(old_world):
-            olo, ohi = _piece(numel[name], old_world, q)
-            size = tuple(saved[by_rank[q]].size) if q in by_rank else None
-            if size is None and olo < ohi:
-                raise ValueError(f"the checkpoint lacks rank {q}'s {kind} piece of {name!r} "
-                                 f"{state}".rstrip())
-            if size is not None and size != (ohi - olo,):
-                raise NotImplementedError(
-                    f"loading {by_rank[q]!r}: it holds {size}, not the {ohi - olo} elements "
-                    f"rank {q} of {old_world} owns of {name!r}; only elementwise state (one "
-                    "value per parameter element, or a scalar) can be loaded by rank pieces")
-    want: dict[str, torch.Tensor] = {}
-    plans: dict[str, tuple[int, torch.dtype, list[tuple[str, int, int, int]]]] = {}
-    for (name, state), by_rank in groups.items():
-        lo, hi = _piece(numel[name], world, rank)
-        if lo == hi:
-            continue   # this rank owns none of it
-        new_key = f"{prefix}{rank}.{name}" + (f".{state}" if states else "")
-        first = by_rank[min(by_rank)]
-        dtype = saved[first].properties.dtype
-        if len(saved[first].size) == 0:   # a scalar, the same on every rank
-            want[first] = torch.empty((), dtype=dtype)
-            plans[new_key] = (-1, dtype, [(first, 0, 0, 0)])
-            continue
-        parts = []
-        for q, key in sorted(by_rank.items()):
-            olo, ohi = _piece(numel[name], old_world, q)
-            a, b = max(lo, olo), min(hi, ohi)
-            if a < b:
-                want[key] = torch.empty(ohi - olo, dtype=dtype)
-                parts.append((key, a - olo, a - lo, b - a))
-        plans[new_key] = (hi - lo, dtype, parts)
-
-    def stitch() -> dict[str, torch.Tensor]:
-        out = {}
-        for new_key, (length, dtype, parts) in plans.items():
-            if length < 0:
-                out[new_key] = want[parts[0][0]]
-                continue
-            t = torch.empty(length, dtype=dtype)
-            for key, src, dst, k in parts:
-                t[dst:dst + k].copy_(want[key][src:src + k])
-            out[new_key] = t
-        return out
-
-    return want, stitch
-
-
-def _chunk(numel: int, parts: int) -> int:
-    """The length of each of the ``parts`` pieces a parameter of ``numel`` elements is cut
-    into (the last ones shorter or empty)."""
-    return -(-numel // parts)
-
-
-def _piece(numel: int, parts: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s elements ``[lo, hi)`` of a parameter of ``numel`` elements cut in
-    ``parts`` (possibly empty)."""
-    c = _chunk(numel, parts)
-    return min(numel, rank * c), min(numel, (rank + 1) * c)
-
-
-def first_names(params: Mapping[str, torch.Tensor]) -> dict[int, str]:
-    """``id(tensor) -> its first name`` (a tied parameter has several)."""
-    out: dict[int, str] = {}
-    for n, t in params.items():
-        out.setdefault(id(t), n)
-    return out
-
-
-def _unique(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``params`` with each tensor once, under its first name."""
-    return {n: params[n] for n in first_names(params).values()}
-
-
-def _span(layers: range) -> tuple[int, int]:
-    return layers.start, layers.stop
 
 
 def _first_difference(mine: Any, theirs: Any, rank: int) -> str:

@@ -35,286 +35,32 @@ and microbatch, after every submitted action has finished and device memory is f
 
 from __future__ import annotations
 
-import contextlib
-import os
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
-from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
     ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, Offload,
     OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh, Release,
     ScalerStep, Upload, UploadGrad, stream_of,
 )
-from fxpipe.passes.stage import Executable, Stage
-from fxpipe.runtime import tail
-from fxpipe.runtime.amp import AutocastState, reentered
-from fxpipe.runtime.devices import Device, Event, InlineDevice, emulated_wait
-from fxpipe.runtime.interpret import run_stage
+from fxpipe.runtime.compute import StageCompute
+from fxpipe.runtime.devices import Device, Event, emulated_wait
 from fxpipe.runtime.interrupts import deferred_interrupt
-from fxpipe.runtime.params import GradAccumulator, ParamStore
-from fxpipe.runtime.timer import LayerTimer
-
-
-# One issue thread at a time runs an action's Python (on a device that runs it when it is
-# submitted: a GPU's host part). Every torch op lets go of the GIL; with several threads
-# wanting it, each op would hand it to another thread and wait to get it back. Waiting
-# for dependencies and for released memory happens outside; inside, a CudaDevice waits
-# only for host-lane work, which never takes this lock.
-_ISSUING = threading.Lock()
-_NO_LOCK = contextlib.nullcontext()
-
-
-class _IssueThread:
-    """A thread that issues one lane's actions per call, kept between calls (starting a
-    thread costs the caller about a millisecond)."""
-
-    def __init__(self) -> None:
-        self.work: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True, name="fxpipe-issue-idle").start()
-
-    def _loop(self) -> None:
-        me = threading.current_thread()
-        while True:
-            name, fn, done, threads = self.work.get()
-            me.name = name
-            if torch.get_num_threads() != threads:   # as a thread started now would
-                torch.set_num_threads(threads)
-            try:
-                fn()   # catches what stops issuing itself (``Execution._issue``)
-            except BaseException:  # noqa: BLE001 — never lose the thread: it is reused
-                traceback.print_exc()
-            finally:
-                fn = None
-                me.name = "fxpipe-issue-idle"
-                with _idle_lock:
-                    _idle.append(self)
-                done.set()
-
-
-_idle: list[_IssueThread] = []
-_idle_lock = threading.Lock()
-
-
-def _issue_thread(name: str, fn: Callable[[], None]) -> threading.Event:
-    """Run ``fn`` on an idle issue thread (a new one if none is idle), named ``name``
-    while it runs, with the caller's intra-op thread count (what a thread started now
-    would take); the event is set once it returned."""
-    with _idle_lock:
-        worker = _idle.pop() if _idle else None
-    if worker is None:
-        worker = _IssueThread()
-    done = threading.Event()
-    worker.work.put((name, fn, done, torch.get_num_threads()))
-    return done
-
-
-def _forget_issue_threads() -> None:
-    """In a forked child the issue threads are gone: start afresh."""
-    _idle.clear()
-
-
-os.register_at_fork(after_in_child=_forget_issue_threads)
-
-
-# The host lane's ``host`` stream: its actions run when they are issued, on the host
-# lane's issue thread (a host action is host work: there is nothing to queue).
-_ON_HOST = InlineDevice(name="host")
-
-
-class _Where(threading.local):
-    """What this thread is doing for a call: the action whose work it runs, or the
-    documented work a call does outside its Program (``outside_program``)."""
-
-    action: str | None = None
-    outside: str | None = None
-
-
-WHERE = _Where()
-
-
-@contextlib.contextmanager
-def _acting(label: str) -> Iterator[None]:
-    was, WHERE.action = WHERE.action, label
-    try:
-        yield
-    finally:
-        WHERE.action = was
-
-
-@contextlib.contextmanager
-def outside_program(why: str) -> Iterator[None]:
-    """Mark tensor work a call does outside its Program's actions, and why. Only two
-    kinds exist: splitting the caller's inputs (and labels, output gradients) into
-    microbatches before the Program runs, and summing the microbatches' losses (or
-    input gradients) for the caller after it ended. Everything else a call does to
-    tensors is an action's work (``tests/test_program_only.py`` checks it)."""
-    was, WHERE.outside = WHERE.outside, why
-    try:
-        yield
-    finally:
-        WHERE.outside = was
-
-
-class Cancelled(RuntimeError):
-    """Raised inside actions once a call has been interrupted."""
-
-
-@dataclass
-class Call:
-    """One call of an Executable: what it needs, and (after ``Execution.run``) its results.
-
-    ``phase``: which of the Program's actions this call runs (``Program.phase``): all of
-    them, or for a ``"train"`` Executable its ``"forward"`` (``pipe(x)``) or
-    ``"backward"`` (``.backward()``) half. ``commit``: what the ``Commit`` action does
-    (the caller's: merge results, write gradients and buffers, all or nothing).
-    """
-
-    exe: Executable
-    layers: LayerGraph
-    store: ParamStore
-    devices: list[Device]
-    inputs: list[dict[str, Any]]             # per microbatch: value name -> host value
-    phase: str = "all"
-    call_seed: int | None = None
-    labels: list[Any] | None = None          # fused: per microbatch label
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    loss_weights: list[float] | None = None
-    out_grads: list[dict[str, torch.Tensor]] | None = None   # train backward: output grads
-    timer: LayerTimer | None = None
-    optimizer: Any = None                    # fxpipe.optim's part of the call (host lane)
-    dp: Any = None                           # runtime.distributed.DataParallel (collectives)
-    autocast: AutocastState = ()             # the caller's autocast regions (runtime.amp)
-    differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
-    commit: Callable[[], None] | None = None
-    record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
-    # results
-    host: list[dict[str, Any]] = field(default_factory=list)
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    writebacks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    accumulator: GradAccumulator | None = None
-    stats: Stats | None = None
-    snapshot: dict[str, torch.Tensor] | None = None   # the buffers, as the Refresh saved them
-    committed: bool = False                           # the Commit has written its results
-
-
-class _OnHost:
-    """The call's host side: per microbatch, values (inputs and what ``Offload`` brought)
-    and gradient parts (what ``Offload`` brought, the user's output gradients), kept as
-    they came: the host does not add parts a copy may still be writing."""
-
-    def __init__(self, call: Call):
-        self.lock = threading.Lock()
-        self.values = call.host
-        self.grads = call.grads
-
-    def value(self, m: int, name: str) -> Any:
-        with self.lock:
-            return self.values[m][name]
-
-    def put(self, m: int, name: str, value: Any) -> None:
-        with self.lock:
-            self.values[m][name] = value
-
-    def add_grad(self, m: int, name: str, g: torch.Tensor) -> None:
-        with self.lock:
-            self.grads[m].setdefault(name, []).append(g)
-
-    def take_grads(self, m: int, name: str) -> list[torch.Tensor]:
-        with self.lock:
-            return self.grads[m].pop(name, [])
-
-
-class _OnDevice:
-    """What one device holds for a call. Keys are ``(stage, microbatch, name)`` of the
-    compute that made or received the tensor (see the module docstring)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.params: dict[int, dict[str, torch.Tensor]] = {}   # stage -> resident tensors
-        self.uploaded: dict[tuple[int, int, str], Any] = {}    # Upload copies for a compute
-        self.made: dict[tuple[int, int, str], Any] = {}        # values a compute made
-        self.parts: dict[tuple[int, int, str], torch.Tensor] = {}  # input grads a backward made
-        self.host_grads: dict[tuple[int, int, str], list[torch.Tensor]] = {}  # UploadGrad copies
-        self.consumed: dict[tuple[int, int], list[torch.Tensor]] = {}  # grads a compute took
-        self.checkpoints: dict[tuple[int, int], _Checkpoint] = {}
-
-    def tensors(self) -> Iterator[Any]:
-        """Everything still held (for cleanup after a failure)."""
-        for table in (self.uploaded, self.made, self.parts):
-            yield from pytree.tree_leaves(list(table.values()))
-        for parts in self.host_grads.values():
-            yield from parts
-        for taken in self.consumed.values():
-            yield from taken
-        for ck in self.checkpoints.values():
-            yield from pytree.tree_leaves((ck.saved, ck.grads))
-
-
-@dataclass
-class _Checkpoint:
-    """``recompute_grain="layer"``: each layer's inputs kept by ``Checkpoint``, and the
-    gradients flowing back through the per-layer backwards."""
-
-    saved: dict[int, list[Any]]
-    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
-
-
-STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
-         "d2h_bytes_activations", "d2h_bytes_grads", "generated_runs",
-         "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
-         "host_issue_us")
-
-
-class Stats:
-    """Counters of one call (``pipe.stats()``): actions executed; host waits for device
-    work (a host action waiting for the events it reads, the end of the call); bytes
-    moved by kind and direction; stage runs (``generated_runs``: each stage's runnable
-    code, ``runtime.interpret``); host time spent issuing, in microseconds
-    (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(STATS, 0)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def issued(self, kind: str, seconds: float) -> None:
-        """``seconds`` of host time issuing one action of ``kind``."""
-        us = round(seconds * 1e6)
-        with self._lock:
-            self._counts["host_issue_us"] += us
-            key = f"host_issue_us.{kind}"
-            self._counts[key] = self._counts.get(key, 0) + us
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
-class _Issued:
-    """One action as its issue thread submitted it: the event it completes, and what its
-    start waited for (a ``Dep`` on its start waits for the same)."""
-
-    __slots__ = ("ready", "event", "gate")
-
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.event: Event | None = None
-        self.gate: list[Event] = []
+# the issue threads, WHERE and outside_program are used from here (tests, runtime.pipeline)
+from fxpipe.runtime.issue import (  # noqa: F401
+    _ISSUING, _NO_LOCK, _ON_HOST, WHERE, Cancelled, _acting, _forget_issue_threads, _idle,
+    _issue_thread, _Issued, outside_program, wait_all,
+)
+from fxpipe.runtime.params import GradAccumulator
+from fxpipe.runtime.values import Call, Stats, _OnDevice, _OnHost
 
 
 class Execution:
@@ -335,9 +81,13 @@ class Execution:
         self.on_host = _OnHost(call)
         self.on = [_OnDevice() for _ in call.devices]
         self.stats = call.stats = Stats()
+        self.compute = StageCompute(call, self.on, self.on_host, self.stats)
         self.downloads: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> host grads
         self.downloads_lock = threading.Lock()
-        self.shards: dict[tuple[int, int], list] = {}   # layers -> ReduceScatter's shards
+        # layers -> ReduceScatter's shards: under shards_lock (ReduceScatter writes them on
+        # the collective worker, OptimizerStep and AllGather read them on the host thread)
+        self.shards: dict[tuple[int, int], list] = {}
+        self.shards_lock = threading.Lock()
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
 
@@ -387,7 +137,8 @@ class Execution:
                 except BaseException as e:  # noqa: BLE001 — a second Ctrl-C: still clean up
                     self._cancel(e)
                     interrupt = interrupt or e
-        failure = self._wait_all(slots)
+        self.stats.add("host_waits")
+        failure = wait_all(slots, self._cancel)
         if interrupt is not None and not isinstance(failure, KeyboardInterrupt):
             failure = interrupt
         if failure is not None:
@@ -445,27 +196,6 @@ class Execution:
                 failed._finish(exc=e)
                 slots[(lane, i)].event = failed
                 slots[(lane, i)].ready.set()
-
-    def _wait_all(self, slots: dict[tuple[int, int], _Issued]) -> BaseException | None:
-        """The end of the call: wait for every action; the failure to raise is the cause,
-        not the ``Cancelled`` of actions that started after it (whatever their order)."""
-        self.stats.add("host_waits")
-        events = [slot.event for slot in slots.values() if slot.event is not None]
-        failures = []
-        # latest first: those end last, so the caller wakes once, not once per action
-        for ev in reversed(events):
-            try:
-                exc = ev.exception()
-            except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
-                self._cancel(e)
-                exc = e
-            if exc is not None:
-                failures.insert(0, exc)  # in issue order
-        if not failures:
-            return None
-        for ev in events:  # everything submitted has finished; make sure of it
-            ev._done.wait()
-        return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
 
     def _work(self, lane: int, a) -> Callable[[], None]:
         def work():
@@ -544,15 +274,15 @@ class Execution:
             case UploadGrad(stage=s, mb=m):
                 self._upload_grads(lane, s, m)
             case Forward(stage=s, mb=m):
-                self._forward(lane, s, m)
+                self.compute.forward(lane, s, m)
             case FusedBackward(stage=s, mb=m):
-                self._fused(lane, s, m)
+                self.compute.fused(lane, s, m)
             case Checkpoint(stage=s, mb=m):
-                self._checkpoint(lane, s, m)
+                self.compute.checkpoint(lane, s, m)
             case RecomputeBackward(stage=s, mb=m, layer=None):
-                self._recompute_backward(lane, s, m)
+                self.compute.recompute_backward(lane, s, m)
             case RecomputeBackward(stage=s, mb=m, layer=layer):
-                self._layer_backward(lane, s, m, layer)
+                self.compute.layer_backward(lane, s, m, layer)
             case Offload(stage=s, mb=m):
                 self._offload(lane, s, m)
             case Free(stage=s, mb=m):
@@ -573,8 +303,9 @@ class Execution:
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
                 self._take_downloads(self.program.step_stages(a))  # their events have ended
-                self.call.optimizer.step(layers, self.call.accumulator,
-                                         self.shards.get((layers.start, layers.stop)))
+                with self.shards_lock:
+                    shards = self.shards.get((layers.start, layers.stop))
+                self.call.optimizer.step(layers, self.call.accumulator, shards)
             case BroadcastBuffers():
                 self.call.dp.broadcast_buffers(self.call.store, self.call.layers.buffers)
             case AllReduce(layers=layers):
@@ -582,10 +313,13 @@ class Execution:
                 self.call.dp.all_reduce(self._buckets(layers), self.call.accumulator)
             case ReduceScatter(layers=layers):
                 self._take_downloads(self.program.step_stages(a))
-                self.shards[(layers.start, layers.stop)] = self.call.dp.reduce_scatter(
-                    self._buckets(layers), self.call.accumulator)
+                shards = self.call.dp.reduce_scatter(self._buckets(layers), self.call.accumulator)
+                with self.shards_lock:
+                    self.shards[(layers.start, layers.stop)] = shards
             case AllGather(layers=layers):
-                self.call.dp.all_gather(self.shards.pop((layers.start, layers.stop)))
+                with self.shards_lock:
+                    shards = self.shards.pop((layers.start, layers.stop))
+                self.call.dp.all_gather(shards)
             case Commit():
                 if self.call.commit is not None:
                     self.call.commit()
@@ -639,193 +373,6 @@ class Execution:
             if parts:   # none: a value with no gradient (nothing trainable behind it)
                 with on.lock:
                     on.host_grads[(s, m, name)] = parts
-
-    def _inputs(self, d: int, s: int, m: int) -> dict[str, Any]:
-        """The values compute ``(s, m)`` reads: its uploads, and what it takes over."""
-        on, key = self.on[d], (s, m)
-        with on.lock:
-            out = {n: on.uploaded[(s, m, n)] for n in self.flow.upload.get(key, ())}
-            out.update({n: on.made[(p, m, n)] for n, p in self.flow.handoff.get(key, ())})
-        return out
-
-    def _take_grads(self, d: int, s: int, m: int) -> dict[str, torch.Tensor]:
-        """The gradients of the values backward stage ``(s, m)`` recomputes: the parts
-        backward computes on this device made, plus those ``UploadGrad`` brought, summed."""
-        on, key = self.on[d], (s, m)
-        taken: list[tuple[str, torch.Tensor]] = []
-        with on.lock:
-            for name, p in self.flow.grad_parts.get(key, ()):
-                g = on.parts.pop((p, m, name), None)
-                if g is not None:
-                    taken.append((name, g))
-            for name in self.flow.upload_grads.get(key, ()):
-                taken += [(name, g) for g in on.host_grads.pop((s, m, name), [])]
-            on.consumed.setdefault(key, []).extend(g for _, g in taken)
-        grads: dict[str, torch.Tensor] = {}
-        for name, g in taken:
-            grads[name] = g if name not in grads else grads[name] + g
-        return grads
-
-    def _give_grads(self, d: int, s: int, m: int, grads: Mapping[str, Any]) -> None:
-        """After a backward: the gradients of the values it read, for whoever takes them
-        (``Program.flow.sends_grads``: an on-device consumer, or ``Offload``)."""
-        on = self.on[d]
-        with on.lock:
-            for name in self.flow.sends_grads.get((s, m), ()):
-                g = grads.get(name)
-                if g is not None:
-                    on.parts[(s, m, name)] = g
-
-    def _run(self, d: int, st: Stage, inputs: list, m: int, *, timed: bool = True, **kw: Any):
-        with self.on[d].lock:
-            params = self.on[d].params[st.index]
-        return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
-                         device=_torch_device(self.call.devices[d]),
-                         timer=self.call.timer if timed else None, stats=self.stats, **kw)
-
-    def _forward(self, d: int, s: int, m: int) -> None:
-        st = self.call.exe.stages[s]
-        values = self._inputs(d, s, m)
-        with torch.no_grad(), reentered(self.call.autocast):
-            outs, writebacks = self._run(d, st, [values[n] for n in st.inputs], m,
-                                         keep_writebacks=True)
-        self.call.devices[d].keep(outs)   # they outlive the compute: activations
-        with self.on_host.lock:
-            self.call.writebacks.extend(writebacks)
-        with self.on[d].lock:
-            for name, value in zip(st.outputs, outs):
-                self.on[d].made[(s, m, name)] = value
-
-    def _leaf(self, name: str, x: Any) -> Any:
-        """A stage input as backward sees it: a leaf that requires grad if the value may
-        have a gradient (``passes.grad_flow``), else the value itself (no gradient work)."""
-        wanted = self.call.differentiable
-        if (wanted is None or name in wanted) and isinstance(x, torch.Tensor) \
-                and (x.is_floating_point() or x.is_complex()):
-            return x.detach().requires_grad_()
-        return x
-
-    def _fused(self, d: int, s: int, m: int) -> None:
-        """The tail forward, the loss and the backward, no recompute."""
-        call, st, lg = self.call, self.call.exe.stages[s], self.call.layers
-        values = self._inputs(d, s, m)
-        label = values.pop(LABEL, None)   # on the device, as the loss's other inputs
-        leaves = {n: self._leaf(n, x) for n, x in values.items()}
-        dev = call.devices[d]
-        device = _torch_device(dev)
-        with torch.enable_grad():
-            with reentered(call.autocast):
-                outs, writebacks = self._run(d, st, [leaves[n] for n in st.inputs], m,
-                                             keep_writebacks=True)
-                made = dict(zip(st.outputs, outs))
-                out = pytree.tree_unflatten(lg.flat_outputs({**leaves, **made}), lg.out_spec)
-                loss = call.loss_fn(out, label)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError("loss_fn must return a scalar tensor, got "
-                                 f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
-            weight = call.loss_weights[m]
-            scaled = loss if weight == 1.0 else loss * weight
-            with self.on_host.lock:
-                call.writebacks.extend(writebacks)   # the tail's forward is its only one
-                call.losses[m] = scaled.detach()
-            dev.keep(made, saved=True)
-            with self.on[d].lock:
-                for name, value in made.items():
-                    self.on[d].made[(s, m, name)] = _detached(value)
-            with self._timed_backward(st.layers, device), dev.allocating("gradients"):
-                if scaled.requires_grad:
-                    scaled.backward()
-        self._give_grads(d, s, m, _grads_of(leaves))
-
-    def _recompute_backward(self, d: int, s: int, m: int) -> None:
-        """Recompute the stage from its saved inputs (its tail recorded, not computed),
-        then back-propagate the gradients of what it makes."""
-        call, st = self.call, self.call.exe.stages[s]
-        dev = call.devices[d]
-        leaves = {n: self._leaf(n, x) for n, x in self._inputs(d, s, m).items()}
-        with torch.enable_grad():
-            with reentered(call.autocast):
-                outs, _ = self._run(d, st, [leaves[n] for n in st.inputs], m,
-                                    keep_writebacks=False, kind="recompute")
-            dev.keep(outs, saved=True)
-            grads = self._take_grads(d, s, m)
-            with self._timed_backward(st.layers, _torch_device(dev)), dev.allocating("gradients"):
-                _backprop(dict(zip(st.outputs, outs)), grads)
-        self._give_grads(d, s, m, _grads_of(leaves))
-
-    def _checkpoint(self, d: int, s: int, m: int) -> None:
-        """``recompute_grain="layer"``: the stage forward without grad, keeping each
-        layer piece's inputs for its backward."""
-        call, st = self.call, self.call.exe.stages[s]
-        values = self._inputs(d, s, m)
-        saved: dict[int, list[Any]] = {}
-        with torch.no_grad(), reentered(call.autocast):
-            for i in st.layers:
-                piece = call.exe.pieces[(s, i)]
-                saved[i] = [values[n] for n in piece.inputs]
-                outs, _ = self._run(d, piece, saved[i], m, keep_writebacks=False, timed=False)
-                values.update(zip(piece.outputs, outs))
-        call.devices[d].keep(saved)   # each layer's inputs, kept for its backward
-        with self.on[d].lock:
-            self.on[d].checkpoints[(s, m)] = _Checkpoint(saved)
-
-    def _layer_backward(self, d: int, s: int, m: int, layer: int) -> None:
-        """Recompute one layer piece from its checkpointed inputs, then back-propagate;
-        the deepest takes the stage's output gradients, the shallowest gives its input
-        gradients."""
-        call, st = self.call, self.call.exe.stages[s]
-        piece = call.exe.pieces[(s, layer)]
-        with self.on[d].lock:
-            ck = self.on[d].checkpoints[(s, m)]
-        if layer == st.layers.stop - 1:
-            ck.grads.update(self._take_grads(d, s, m))
-        leaves = [self._leaf(n, x) for n, x in zip(piece.inputs, ck.saved.pop(layer))]
-        dev = call.devices[d]
-        with torch.enable_grad():
-            with reentered(call.autocast):
-                outs, _ = self._run(d, piece, leaves, m, keep_writebacks=False, kind="recompute")
-            dev.keep(outs, saved=True)
-            with self._timed_backward(range(layer, layer + 1), _torch_device(dev)), \
-                    dev.allocating("gradients"):
-                _backprop(dict(zip(piece.outputs, outs)), ck.grads)
-        for n in piece.outputs:   # consumed: a shallower layer needs its inputs' gradients only
-            if n not in st.outputs or layer == st.layers.start:
-                ck.grads.pop(n, None)
-        for n, x in zip(piece.inputs, leaves):
-            if isinstance(x, torch.Tensor) and x.grad is not None:
-                ck.grads[n] = x.grad if ck.grads.get(n) is None else ck.grads[n] + x.grad
-        if layer == st.layers.start:
-            with self.on[d].lock:
-                del self.on[d].checkpoints[(s, m)]
-            self._give_grads(d, s, m, {n: ck.grads.get(n) for n in st.inputs})
-
-    @contextlib.contextmanager
-    def _timed_backward(self, layers: range, device: torch.device) -> Iterator[None]:
-        """Record a backward's time over ``layers``, split by their backward FLOPs (one
-        autograd call covers the stage; with recompute_grain="layer" it is one layer). On
-        a GPU, events on the stream, read once the call has ended (no wait here)."""
-        timer = self.call.timer
-        if timer is None:
-            yield
-            return
-        costs = [self.call.layers.layers[i].cost for i in layers]
-        flops = [max(getattr(c, "bwd_flops", 0) or 0, 0) for c in costs]
-        total = sum(flops)
-
-        def record(ms: float) -> None:
-            for i, f in zip(layers, flops):
-                timer.record(i, "bwd", ms * (f / total if total else 1 / len(layers)))
-
-        if device.type == "cuda":
-            start_ev, end_ev = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start_ev.record()
-            yield
-            end_ev.record()
-            timer.later(lambda: record(start_ev.elapsed_time(end_ev)))
-        else:
-            start = time.perf_counter()
-            yield
-            record((time.perf_counter() - start) * 1e3)
 
     def _offload(self, d: int, s: int, m: int) -> None:
         """The values ``(s, m)`` made that the host needs, and the gradients it made
@@ -908,17 +455,10 @@ class Execution:
             self.on[d] = _OnDevice()
 
 
-def _grads_of(leaves: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
-    return {n: x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-            for n, x in leaves.items()}
-
 
 def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
-
-def _detached(x: Any) -> Any:
-    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _free_quietly(device: Device, t: Any) -> None:
@@ -929,13 +469,6 @@ def _free_quietly(device: Device, t: Any) -> None:
             pass
 
 
-def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | None]) -> None:
-    """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one."""
-    tail.backprop((o, grads.get(n)) for n, o in outputs.items())
-
-
-def _torch_device(device: Device) -> torch.device:
-    return getattr(device, "device", torch.device("cpu"))
 
 
 def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:

@@ -107,7 +107,9 @@ class HostParams:
         self.grad_flats: list[torch.Tensor] = []
         self._copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (region, dtype)
         self._copied: dict[tuple[int, torch.dtype], tuple[int, int]] = {}  # (slot, dtype) -> stamp
-        self._exposed: dict[int, weakref.ref] = {}      # id(param) -> its .grad view handed out
+        # id(param) -> its .grad view handed out: under self.lock (the commit on the host
+        # thread writes it, downloads on the devices' threads read it)
+        self._exposed: dict[int, weakref.ref] = {}
         # (id(slot), upload dtype) -> (stamp, page-locked copy) of a tensor not moved
         self._staged: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
         self.ring: pinned.Ring | None = None   # file-backed uploads when pinning (``file_source``)
@@ -339,14 +341,16 @@ class HostParams:
         t = slot.tensor
         if slot.is_buffer or t.grad is not None or not t.requires_grad:
             return None
-        old = self._exposed.get(id(t))
+        with self.lock:
+            old = self._exposed.get(id(t))
         if old is not None and old() is not None:
             return None
         return self.grad_view(slot)
 
     def exposed(self, t: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad`` (a view of the flat gradient buffer) became ``t.grad``."""
-        self._exposed[id(t)] = weakref.ref(grad)
+        with self.lock:
+            self._exposed[id(t)] = weakref.ref(grad)
 
 
 def _stamp(t: torch.Tensor) -> tuple:
@@ -429,7 +433,6 @@ class ParamStore:
         self.host = host
         self.param_dtype = param_dtype
         self.snapshot = False   # uploads read a copy (an asynchronous optimizer is stepping)
-        self._owned: dict[int, list[torch.Tensor]] | None = None
         stages = sorted(set(params) | set(buffers))
         host.adopt([[(f, t, False) for f, t in params.get(s, {}).items()]
                     + [(f, t, True) for f, t in buffers.get(s, {}).items()] for s in stages])
@@ -462,13 +465,6 @@ class ParamStore:
     def stages(self) -> list[int]:
         """The stage indices, ascending."""
         return list(self._names)
-
-    def owned(self, exe, lg) -> dict[int, list[torch.Tensor]]:
-        """``owned_params(exe, lg)``, computed once: every Executable of this store's run
-        type has the same stages."""
-        if self._owned is None:
-            self._owned = owned_params(exe, lg)
-        return self._owned
 
     def nbytes(self, stage: int) -> int:
         """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
@@ -615,27 +611,12 @@ def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:
     return runs
 
 
-def owned_params(exe, lg) -> dict[int, list[torch.Tensor]]:
-    """Per backward stage of the Executable ``exe``, the trainable parameters it is the last
-    backward stage (execution order) to use: those whose gradients are final once its
-    gradients are downloaded, which its ``OptimizerStep`` steps and its ``AllReduce``
-    reduces (a tied parameter goes with the last stage holding it)."""
-    holders: dict[int, list[int]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for st in exe.program.stages:
-        if st.kind == "fwd":
-            continue
-        for fqn in exe.stages[st.index].params:
-            p = lg.params.get(fqn)
-            if p is None or not p.requires_grad:
-                continue
-            tensors[id(p)] = p
-            if st.index not in holders.setdefault(id(p), []):
-                holders[id(p)].append(st.index)
-    owned: dict[int, list[torch.Tensor]] = {}
-    for key, stages in holders.items():
-        owned.setdefault(max(stages), []).append(tensors[key])
-    return owned
+def owned_params(program, lg) -> dict[int, list[torch.Tensor]]:
+    """Per backward stage of ``program``, the trainable parameters it owns
+    (``StageSpec.owns``, computed once by ``build_executable``): those whose gradients
+    are final once its gradients are downloaded, which its ``OptimizerStep`` steps and
+    its ``AllReduce`` reduces (a tied parameter goes with the last stage holding it)."""
+    return {st.index: [lg.params[f] for f in st.owns] for st in program.stages if st.owns}
 
 
 class GradAccumulator:

@@ -34,7 +34,7 @@ from fxpipe.runtime.devices import Device
 from fxpipe.runtime.executor import Call, Execution, apply_writebacks, outside_program, restore
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.interrupts import deferred_interrupt
-from fxpipe.runtime.params import HostParams, ParamStore
+from fxpipe.runtime.params import HostParams, ParamStore, owned_params
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
@@ -186,7 +186,7 @@ class Runner:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)
             self.store(exe).snapshot |= optimizer.spec.mode == "async"
-            optimizer.assign(exe, self.store(exe).owned(exe, self.lg))
+            optimizer.assign(exe, owned_params(exe.program, self.lg))
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         return Call(exe=exe, layers=self.lg, store=self.store(exe), devices=self.devices,
