@@ -22,7 +22,7 @@ def deps_text(program: Program, device: int, steps: range) -> str:
     deps = program.dependencies()[device]
     lines = []
     for i in steps:
-        parts = [f"{program.actions[x.device][x.step]}@d{x.device}.{x.on}({x.why}"
+        parts = [f"{program.lane(x.device)[x.step]}@d{x.device}.{x.on}({x.why}"
                  f"{', hop' if x.hop else ''})" for x in deps[i]]
         lines.append(f"{program.actions[device][i]} <- {' '.join(parts) or '-'}"
                      if len(parts) < 4 else f"{program.actions[device][i]} <-\n    "
@@ -273,12 +273,12 @@ step d0  d1  host
     def test_dependency_rules(self):
         p = build_program(*FUSED_6, "fused", 2, 2, "stage")
         self.assertExpectedInline(deps_text(p, 0, range(len(p.actions[0]))), """\
-0P <- 1P@d-1.end(buffers)
+0P <- RF@d-1.end(refresh)
 0U0 <- -
 0F0 <- 0P@d0.end(params) 0U0@d0.end(input)
 0O0 <- 0F0@d0.end(input)
 0X0 <- 0F0@d0.end(free) 0O0@d0.end(free)
-2P <- 0P@d0.end(stream) 0F0@d0.start(issue) 1P@d-1.end(buffers)
+2P <- 0P@d0.end(stream) 0F0@d0.start(issue) RF@d-1.end(refresh)
 0U1 <- 0U0@d0.end(stream) 0F0@d0.start(issue)
 0F1 <- 0F0@d0.end(stream) 0P@d0.end(params) 0U1@d0.end(input)
 0O1 <- 0O0@d0.end(stream) 0F1@d0.end(input)
@@ -292,7 +292,7 @@ step d0  d1  host
     2P@d0.end(stream)
     2FB0@d0.start(issue)
     0R@d0.end(release)
-    1P@d-1.end(buffers)
+    RF@d-1.end(refresh)
 2U1 <- 2U0@d0.end(stream) 2FB0@d0.start(issue) 1O1@d1.end(input, hop)
 2FB1 <- 2FB0@d0.end(stream) 2P@d0.end(params) 2U1@d0.end(input)
 2O1 <- 2O0@d0.end(stream) 2FB1@d0.end(input)

@@ -460,7 +460,7 @@ class Dep:
 
     ``device`` is a device index or ``HOST`` (the host lane). ``why`` is one of
     ``stream``, ``issue``, ``release``, ``params``, ``input``, ``grad``, ``job``,
-    ``free``, ``buffers``, ``reduced``, ``stepped``; ``hop`` marks a hand-off between two
+    ``free``, ``refresh``, ``buffers``, ``reduced``, ``stepped``; ``hop`` marks a hand-off between two
     devices.
     """
 

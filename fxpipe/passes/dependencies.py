@@ -37,15 +37,15 @@ def dependencies(program) -> dict[int, tuple[tuple[Dep, ...], ...]]:
                 offload_at[(a.stage, a.mb)] = (d, i)
             elif isinstance(a, DownloadGrads):
                 downloads.setdefault(a.stage, []).append((d, i))
-    broadcast = [i for i, a in enumerate(program.host) if isinstance(a, (Refresh,
+    before = [i for i, a in enumerate(program.host) if isinstance(a, (Refresh,
                                                                       BroadcastBuffers))]
-    out = {d: _device_deps(program, d, computes, offload_at, broadcast)
+    out = {d: _device_deps(program, d, computes, offload_at, before)
            for d in range(program.num_devices)}
     out[HOST] = _host_deps(program, downloads)
     return out
 
 
-def _device_deps(program, d, computes, offload_at, broadcast) -> tuple[tuple[Dep, ...], ...]:
+def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, ...], ...]:
     flow = program.flow
     out: list[tuple[Dep, ...]] = []
     last_stream: dict[str, int] = {}
@@ -88,7 +88,8 @@ def _device_deps(program, d, computes, offload_at, broadcast) -> tuple[tuple[Dep
         match a:
             case Prefetch(stage=s):
                 deps += [Dep(d, r, "end", "release") for r in releases]
-                deps += [Dep(HOST, b, "end", "buffers") for b in broadcast]
+                deps += [Dep(HOST, b, "end", "refresh" if isinstance(program.host[b], Refresh)
+                             else "buffers") for b in before]
                 releases.clear()
                 prefetched[s] = i
                 job[s] = {}

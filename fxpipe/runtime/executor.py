@@ -149,7 +149,13 @@ class Execution:
         self._check_empty()
         # the call has ended: what came to the host has landed, the host may read it
         for i in range(at, len(p.host)):
-            if keep[HOST][i]:
+            if not keep[HOST][i]:
+                continue
+            if isinstance(p.host[i], Commit):   # the caller's merge raises as it is
+                with _acting(str(p.host[i])):
+                    self._act(HOST, p.host[i])
+                self._recorded(HOST, p.host[i])
+            else:
                 self._work(HOST, p.host[i])()
 
     def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
