@@ -19,7 +19,7 @@ import fxpipe
 from fxpipe.passes.planner import ChainCosts, estimate_makespan, plan_chains
 
 HOST_MS_PER_ACTION = 0.05   # the default outside this suite (tests/conftest.py)
-from fxpipe.runtime import tail
+from fxpipe.runtime import unfilled
 from fxpipe.runtime.devices import InlineDevice
 from tests.test_recompute import Block
 
@@ -36,9 +36,9 @@ def blocks_pipe(devices, num_blocks=2, plan=None):
     return model, ref, pipe, x, y
 
 
-def test_runnable_code_serves_transfers_with_plain_calls_and_unfills_the_tail():
+def test_runnable_code_serves_transfers_with_plain_calls_and_leaves_nodes_unfilled():
     """What a stage run executes: no ``torch.ops.fxpipe`` op (each transfer a plain
-    call), a mark where each layer starts, and in the recompute the tail's nodes
+    call), a mark where each layer starts, and in the recompute the nodes it leaves unfilled
     called through ``unfilled_*``; the host parameters the prefetch read are gone."""
     *_, pipe, _, _ = blocks_pipe(["cpu"], plan=fxpipe.ExecutePlan([range(0, 1)],
                                                                   [range(1, 2), range(0, 1)]))
@@ -46,7 +46,7 @@ def test_runnable_code_serves_transfers_with_plain_calls_and_unfills_the_tail():
     recompute = code[code.rindex("def forward", 0, code.index("# runnable recompute")):]
     assert_expected_inline(recompute, """\
 def forward(self, input_1):
-    # runnable recompute, tail unfilled: stage 2 bwd | layer 0 (0) | vcpu:0 | params 304 B | saved 960 B | out 192 B | fwd 1.54 kFLOP | bwd 2.30 kFLOP
+    # runnable recompute, unfilled: stage 2 bwd | layer 0 (0) | vcpu:0 | params 304 B | saved 960 B | out 192 B | fwd 1.54 kFLOP | bwd 2.30 kFLOP
     params = fxpipe_runtime_interpret_resident(2)
     _0_up_weight = params[0]
     _0_up_bias = params[1]
@@ -158,7 +158,7 @@ def test_auto_plans_a_chain_of_tiny_blocks_into_few_stages():
     assert 2 <= len(plan.fwd_plan) + len(plan.bwd_plan) <= 4   # min_stages: the 2 devices
 
 
-# -- the recompute's tail without a meta function --------------------------------------
+# -- the recompute's unfilled nodes without a meta function --------------------------------------
 
 @pytest.mark.parametrize("op, args", [
     ("mm", (torch.randn(3, 4), torch.randn(4, 5))),
@@ -173,7 +173,7 @@ def test_auto_plans_a_chain_of_tiny_blocks_into_few_stages():
 def test_an_unfilled_result_has_the_shape_and_strides_of_the_real_one(op, args):
     func = getattr(torch.ops.aten, op).default if op != "add" else torch.ops.aten.add.Tensor
     real = func(*args)
-    with tail.Unfilled():
+    with unfilled.Unfilled():
         out = func(*args)
     assert out.shape == real.shape and out.stride() == real.stride() and out.dtype == real.dtype
 

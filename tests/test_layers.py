@@ -103,7 +103,7 @@ def _imports(path: pathlib.Path) -> Iterator[tuple[int, str, str]]:
                 yield node.lineno, a.name, how
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
-                # `from fxpipe.runtime import tail` imports the module fxpipe.runtime.tail
+                # `from fxpipe.runtime import unfilled` imports the module fxpipe.runtime.unfilled
                 sub = f"{node.module}.{a.name}"
                 yield node.lineno, sub if _is_module(sub) else node.module, how
         elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")

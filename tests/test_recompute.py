@@ -1,4 +1,4 @@
-"""A backward stage's recompute skips its linear tail (passes.recompute, runtime.tail)."""
+"""A backward stage's recompute leaves its linear end unfilled (passes.recompute, runtime.unfilled)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.passes.recompute import skippable_tail
-from fxpipe.runtime import tail
+from fxpipe.passes.recompute import unfilled_nodes
+from fxpipe.runtime import unfilled
 
 
 class Functional(nn.Module):
@@ -29,7 +29,7 @@ class Functional(nn.Module):
 
 
 def tail_of(body):
-    return skippable_tail(fx.symbolic_trace(Functional(body)).graph)
+    return unfilled_nodes(fx.symbolic_trace(Functional(body)).graph)
 
 
 def test_the_residual_tail_is_skipped():
@@ -47,17 +47,17 @@ def test_a_value_the_rest_reads_is_computed():
 
 def grads_of(fn, tensors, g=None, skip=False):
     """Input gradients of ``fn(*tensors)`` for output gradient ``g`` (or a seeded one),
-    with the forward run normally or under ``tail.Unfilled``."""
+    with the forward run normally or under ``unfilled.Unfilled``."""
     leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     if skip:
-        with tail.Unfilled():
+        with unfilled.Unfilled():
             out = fn(*leaves)
-        assert tail._is_unwritten(out)  # recorded for autograd, not computed
+        assert unfilled._is_unwritten(out)  # recorded for autograd, not computed
     else:
         out = fn(*leaves)
     if g is None:
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    tail.backprop([(out, g)])
+    unfilled.backprop([(out, g)])
     return g, [t.grad for t in leaves]
 
 
@@ -113,9 +113,9 @@ def test_under_autocast_the_casts_run_and_the_matmul_does_not():
 
 def test_an_op_reading_a_skipped_value_raises():
     x, w = torch.randn(3, 4), torch.randn(2, 4, requires_grad=True)
-    with tail.Unfilled():
+    with unfilled.Unfilled():
         y = F.linear(x, w)
-        assert tail._is_unwritten(y.view(6))  # views of it are fine, and unwritten too
+        assert unfilled._is_unwritten(y.view(6))  # views of it are fine, and unwritten too
         with pytest.raises(RuntimeError, match="reads a value the recompute for backward skipped"):
             torch.relu(y)
 
@@ -123,9 +123,9 @@ def test_an_op_reading_a_skipped_value_raises():
 def test_backprop_skips_what_has_no_gradient_and_sums_repeats():
     w = torch.randn(3, requires_grad=True)
     y = w * 2
-    tail.backprop([(y, None), (torch.ones(3), torch.ones(3))])
+    unfilled.backprop([(y, None), (torch.ones(3), torch.ones(3))])
     assert w.grad is None
-    tail.backprop([(y, torch.ones(3)), (y, torch.ones(3))])
+    unfilled.backprop([(y, torch.ones(3)), (y, torch.ones(3))])
     assert torch.equal(w.grad, torch.full((3,), 4.0))
 
 
@@ -149,7 +149,7 @@ def test_pipelines_skip_the_tail_and_match_eager(grain):
                                                   bwd_plan=[range(3, 4), range(1, 3), range(0, 1)]),
                           config=fxpipe.RunConfig(num_microbatch=2, recompute_grain=grain))
     exe = pipe._executable("fused", grain=grain)
-    tails = {(st.index, st.layers.start): st.tail for st in exe.graph_modules()}
+    tails = {(st.index, st.layers.start): st.unfilled for st in exe.graph_modules()}
     # forward and fused stages are never recomputed: only backward stages skip a tail
     assert tails[(0, 0)] == tails[(1, 3)] == ()
     if grain == "stage":
@@ -162,13 +162,13 @@ def test_pipelines_skip_the_tail_and_match_eager(grain):
     assert code.count("# a recompute for backward skips") == (2 if grain == "stage" else 3)
     assert "# a recompute for backward skips linear_5, add_2, add_2_host" in code
     skipped = []
-    dispatch = tail.Unfilled.__torch_dispatch__
+    dispatch = unfilled.Unfilled.__torch_dispatch__
 
     def counting(self, func, types, args=(), kwargs=None):
-        skipped.append(func) if func in tail.SKIPPED else None
+        skipped.append(func) if func in unfilled.SKIPPED else None
         return dispatch(self, func, types, args, kwargs)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tail.Unfilled, "__torch_dispatch__", counting)
+        mp.setattr(unfilled.Unfilled, "__torch_dispatch__", counting)
         loss = pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss)
     # per microbatch, the recompute skips the last matmul and add of every recomputed
     # stage (1:3, 0:1) or, at layer grain, of every recomputed layer (1, 2, 0)

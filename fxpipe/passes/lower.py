@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*
 from fxpipe.passes.costs import Cost
 from fxpipe.passes.layer_graph import LayerGraph, graph_module
-from fxpipe.passes.recompute import skippable_tail
+from fxpipe.passes.recompute import unfilled_nodes
 from fxpipe.passes.stage import Stage, comment_at_top
 
 _op = torch.ops.fxpipe
@@ -58,7 +58,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
                 piece: bool = False) -> Stage:
     """One stage running layers ``r`` on device ``device`` (see ``lower``). ``kind``
     (``"fwd"``, ``"bwd"``, ``"fused"``) goes in its header; a ``"bwd"`` stage, which is
-    recomputed for backward, gets its skippable tail (``passes.recompute``). ``piece``:
+    recomputed for backward, gets the nodes its recompute leaves unfilled (``passes.recompute``). ``piece``:
     a layer-grain piece of backward stage ``index``."""
     made_here: set[str] = set()
     reads: list[str] = []
@@ -134,15 +134,15 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     root.update(submodules)
     header = stage_header(lg, r, index, device_names[device], kind, piece)
     comment_at_top(g, header)
-    tail = skippable_tail(g) if kind == "bwd" else ()
-    if tail:
-        next(n for n in g.nodes if n.name == tail[0]).meta["comment"] = (
-            f"a recompute for backward skips {', '.join(tail)}: backward needs only their inputs")
+    unfilled = unfilled_nodes(g) if kind == "bwd" else ()
+    if unfilled:
+        next(n for n in g.nodes if n.name == unfilled[0]).meta["comment"] = (
+            f"a recompute for backward skips {', '.join(unfilled)}: backward needs only their inputs")
         _comment_before_nodes(g)
     gm = graph_module(root, g, class_name=f"Stage{index}" + (f"Layer{r.start}" if piece else ""))
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
                  params=fqns, header=header, random=any(lg.layers[i].random for i in r),
-                 tail=tail, kind=kind, piece=piece)
+                 unfilled=unfilled, kind=kind, piece=piece)
 
 
 def stage_header(lg: LayerGraph, r: range, index: int, device_name: str, kind: str = "fwd",

@@ -1,4 +1,4 @@
-"""Which nodes a backward stage's recompute can skip: the stage's linear tail.
+"""Which nodes a backward stage's recompute can leave unfilled (its linear end).
 
 A backward stage recomputes its layers, then back-propagates from its outputs. Autograd
 needs the *inputs* of most ops again, not their outputs: the last ``linear`` of a layer
@@ -7,13 +7,13 @@ Computing them is wasted work (for a transformer block, the output projection: a
 tenth of the layer's recompute). ``torch.utils.checkpoint`` skips the same work by
 stopping its recompute early.
 
-This pass finds such a tail: ``linear`` / ``add`` / ``offload`` nodes whose values reach
-nothing but the stage's output (or other tail nodes), and whose derivative formulas read
-only their inputs. It returns the node names; ``Stage.tail`` holds them, the stage's code
+This pass finds such nodes: ``linear`` / ``add`` / ``offload`` nodes whose values reach
+nothing but the stage's output (or other unfilled nodes), and whose derivative formulas read
+only their inputs. It returns the node names; ``Stage.unfilled`` holds them, the stage's code
 says so in a comment above the first, and the interpreter, recomputing for backward,
-runs those nodes under ``runtime.tail.Unfilled``: autograd records them as usual (its own
+runs those nodes under ``runtime.unfilled.Unfilled``: autograd records them as usual (its own
 formulas and kernels run in backward), the matmuls and adds themselves do not run. The
-forward, and a fused tail stage, still run every node.
+forward, and a fused stage, still run every node.
 
 >>> import torch, torch.nn as nn, torch.fx as fx
 >>> class Block(nn.Module):
@@ -22,7 +22,7 @@ forward, and a fused tail stage, still run every node.
 ...         self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
 ...     def forward(self, x):
 ...         return x + self.down(torch.relu(self.up(x)))
->>> skippable_tail(fx.symbolic_trace(Block()).graph)  # module calls: nothing to skip
+>>> unfilled_nodes(fx.symbolic_trace(Block()).graph)  # module calls: nothing to skip
 ()
 """
 
@@ -41,7 +41,7 @@ ADD = (operator.add, torch.add, torch.ops.aten.add.Tensor)
 IDENTITY = (torch.ops.fxpipe.offload.default,)
 
 
-def skippable_tail(graph: fx.Graph) -> tuple[str, ...]:
+def unfilled_nodes(graph: fx.Graph) -> tuple[str, ...]:
     """Names of the nodes a recompute for backward may defer, in graph order."""
     nodes = list(graph.nodes)
     unneeded: set[fx.Node] = set()  # values only the output (or other such values) reads
@@ -67,7 +67,7 @@ def skippable_tail(graph: fx.Graph) -> tuple[str, ...]:
 
 
 def _has_rule(n: fx.Node) -> bool:
-    """Whether this node's backward reads only its inputs (``runtime.tail.SKIPPED``)."""
+    """Whether this node's backward reads only its inputs (``runtime.unfilled.SKIPPED``)."""
     if n.op != "call_function" or n.kwargs:
         return False
     if n.target in LINEAR:

@@ -31,7 +31,7 @@ class Stage:
     params: list[str]     # FQNs of the tensors it prefetches (parameters, then buffers)
     header: str           # the one-line comment at the top of its code
     random: bool = False  # some layer draws random numbers (has an rng marker)
-    tail: tuple[str, ...] = ()  # nodes a recompute for backward skips (passes.recompute)
+    unfilled: tuple[str, ...] = ()  # nodes a recompute for backward leaves unfilled (passes.recompute)
     kind: str = "fwd"
     piece: bool = False
 

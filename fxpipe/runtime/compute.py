@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.passes.program import LABEL
 from fxpipe.passes.stage import Stage
-from fxpipe.runtime import tail
+from fxpipe.runtime import unfilled
 from fxpipe.runtime.amp import reentered
 from fxpipe.runtime.devices import Device
 from fxpipe.runtime.interpret import run_stage
@@ -135,7 +135,7 @@ class StageCompute:
         self._give_grads(d, s, m, _grads_of(leaves))
 
     def recompute_backward(self, d: int, s: int, m: int) -> None:
-        """Recompute the stage from its saved inputs (its tail recorded, not computed),
+        """Recompute the stage from its saved inputs (its unfilled nodes recorded, not computed),
         then back-propagate the gradients of what it makes."""
         call, st = self.call, self.call.exe.stages[s]
         dev = call.devices[d]
@@ -236,7 +236,7 @@ def _detached(x: Any) -> Any:
 
 def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | None]) -> None:
     """Back-propagate ``grads`` (by value name) from the ``outputs`` that have one."""
-    tail.backprop((o, grads.get(n)) for n, o in outputs.items())
+    unfilled.backprop((o, grads.get(n)) for n, o in outputs.items())
 
 
 def _torch_device(device: Device) -> torch.device:

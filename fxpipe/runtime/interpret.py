@@ -18,8 +18,8 @@ on the device, so no dispatch mode sits under the stage's other ops:
 Two more things are in the runnable code: ``layer(i)`` where layer ``i``'s nodes start
 (the timer's sampled calls charge each layer its time there: wall time on a CPU,
 events on a GPU), and, in the recompute for backward, each node of the stage's
-``tail`` (values backward does not read) called through ``unfilled``: under
-``tail.Unfilled`` autograd records it, its matmuls and adds do not run.
+``unfilled`` nodes (values backward does not read) called through ``unfilled``: under
+``unfilled.Unfilled`` autograd records it, its matmuls and adds do not run.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.fx as fx
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which the stage code calls
 from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime import rng
-from fxpipe.runtime.tail import Unfilled
+from fxpipe.runtime.unfilled import Unfilled
 from fxpipe.runtime.timer import LayerTimer
 
 _op = torch.ops.fxpipe
@@ -152,7 +152,7 @@ def layer(index: int) -> None:
 
 def unfilled(fn: Any) -> Any:
     """``fn`` recorded for autograd with its matmuls and adds not run
-    (``tail.Unfilled``): what a recompute calls for a tail node."""
+    (``unfilled.Unfilled``): what a recompute calls for an unfilled node."""
     wrapped = _unfilled.get(fn)
     if wrapped is None:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -175,11 +175,12 @@ _build_lock = threading.Lock()
 
 
 def runnable(stage: Stage, recompute: bool = False) -> fx.GraphModule:
-    """The code a stage run executes (``recompute``: the recompute for backward, its tail
-    unfilled): ``stage.gm``'s graph with each transfer node calling its server (module
-    docstring; ``prefetch`` drops its host-parameter arguments, which then are not read),
-    and a ``layer(i)`` call where layer ``i``'s nodes start. Built once per stage."""
-    key = recompute and bool(stage.tail)
+    """The code a stage run executes (``recompute``: the recompute for backward, its
+    ``unfilled`` nodes unfilled): ``stage.gm``'s graph with each transfer node calling
+    its server (module docstring; ``prefetch`` drops its host-parameter arguments, which
+    then are not read), and a ``layer(i)`` call where layer ``i``'s nodes start. Built
+    once per stage."""
+    key = recompute and bool(stage.unfilled)
     code = _runnables.get(stage.gm, {}).get(key)   # built: no lock on the hot path
     if code is not None:
         return code
@@ -192,16 +193,16 @@ def runnable(stage: Stage, recompute: bool = False) -> fx.GraphModule:
 
 def runnable_code(exe: Executable) -> str:
     """The runnable code of every GraphModule ``exe`` runs (``pipe.code(...,
-    runnable=True)``), and the recompute of each with a tail."""
+    runnable=True)``), and the recompute of each with unfilled nodes."""
     codes = [runnable(st, recompute).code.strip("\n") for st in exe.graph_modules()
-             for recompute in ((False, True) if st.tail else (False,))]
+             for recompute in ((False, True) if st.unfilled else (False,))]
     return "\n\n".join(codes) + "\n"
 
 
 def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    tail = set(stage.tail) if recompute else set()
+    skip = set(stage.unfilled) if recompute else set()
     arg = env.__getitem__
     current: int | None = None
     for n in stage.gm.graph.nodes:
@@ -215,7 +216,7 @@ def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
                     _op.release.default: n.args[1:]}.get(n.target, n.args)
             new = graph.create_node("call_function", _SERVED[n.target], fx.map_arg(args, arg),
                                     name=n.name)
-        elif n.name in tail:   # call_function nodes (``passes.recompute.skippable_tail``)
+        elif n.name in skip:   # call_function nodes (``passes.recompute.unfilled_nodes``)
             new = graph.create_node("call_function", unfilled(n.target), fx.map_arg(n.args, arg),
                                     fx.map_arg(n.kwargs, arg), name=n.name)
         else:
@@ -225,7 +226,7 @@ def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
     for n in reversed(list(graph.nodes)):   # host parameters no transfer reads any more
         if n.op == "get_attr" and not n.users:
             graph.erase_node(n)
-    comment_at_top(graph, f"runnable{' recompute, tail unfilled' if recompute else ''}: "
+    comment_at_top(graph, f"runnable{' recompute, unfilled' if recompute else ''}: "
                           f"{stage.header}")
     gm = fx.GraphModule(stage.gm, graph, class_name=type(stage.gm).__name__)
     gm.meta.update(stage.gm.meta)
@@ -238,8 +239,8 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
               stats: Any = None) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``stage``'s runnable code on one microbatch; returns (outputs, buffer
     writebacks). With a ``timer``, each layer's time is recorded as ``kind``. A
-    ``"recompute"`` records the stage's ``tail`` for autograd without computing it
-    (``runtime.tail``). ``stats`` (``executor.Stats``) counts the runs."""
+    ``"recompute"`` records the stage's ``unfilled`` nodes for autograd without computing them
+    (``runtime.unfilled``). ``stats`` (``executor.Stats``) counts the runs."""
     code = runnable(stage, recompute=kind == "recompute")
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
                    keep_writebacks=keep_writebacks, timed=timer is not None)

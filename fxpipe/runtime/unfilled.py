@@ -1,6 +1,6 @@
-"""A recompute that records a stage's linear tail for autograd without computing it.
+"""A recompute that records some of a stage's nodes for autograd without computing them.
 
-``passes.recompute`` names the nodes (``Stage.tail``) whose values backward does not
+``passes.recompute`` names the nodes (``Stage.unfilled``) whose values backward does not
 read. Recomputing for backward, the interpreter runs each of them inside
 :class:`Unfilled`: autograd records every op as usual (the same derivative formula,
 saving the same input tensors), but the compute kernels below autograd (``mm``,
@@ -10,7 +10,7 @@ their inputs and never their outputs, so the gradients are the ones a full recom
 gives, bit for bit, on any backend: the same kernels run on the same tensors.
 
 View ops run as usual on unwritten values; any other op that would read one raises (a
-node needing a value must not be in the tail: ``passes.recompute`` guarantees it).
+node needing a value must not be left unfilled: ``passes.recompute`` guarantees it).
 
 >>> import torch.nn.functional as F
 >>> x, w = torch.randn(3, 4), torch.randn(2, 4, requires_grad=True)
@@ -65,7 +65,7 @@ class Unfilled(TorchDispatchMode):
             if not (func.is_view or func in _METADATA):
                 raise RuntimeError(
                     f"fxpipe internal error: {func} reads a value the recompute for backward "
-                    "skipped (Stage.tail must hold only values backward never reads)")
+                    "skipped (Stage.unfilled must hold only values backward never reads)")
             pytree.tree_map_only(torch.Tensor, _mark, out)
         return out
 
