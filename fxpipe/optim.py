@@ -223,9 +223,9 @@ class Overlapped:
         """Apply any pending update."""
         self.synchronize()
 
-    def call(self) -> _Call:
+    def call(self) -> OptimizerCall:
         """The optimizer's part of one ``forward_backward`` call."""
-        return _Call(self)
+        return OptimizerCall(self)
 
     def __repr__(self) -> str:
         opts = [f"mode={self.mode!r}"] + [f"{k}={getattr(self, k)!r}" for k in
@@ -264,7 +264,7 @@ def _call(ref: weakref.ref, name: str) -> None:
 
 # ------------------------------------------------------------------------------- one call
 
-class _Call:
+class OptimizerCall:
     """The optimizer's part of one call: the executor's ``call.optimizer``.
 
     ``spec``: what the call's Program holds for it (``OptimizerSpec``, printed by

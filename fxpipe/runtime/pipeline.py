@@ -195,7 +195,7 @@ class Runner:
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
                     record=self.log.actions, dp=dp, **kw)
 
-    def execute(self, call: Call, results: Callable[[], Any] | None = None,
+    def run_call(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
         """Run ``call``: every action of its Program (the ``Refresh`` of the parameters'
         upload copies among them). Its ``Commit`` runs ``results()`` (e.g. merging
@@ -269,7 +269,7 @@ class Runner:
     def infer(self, args: tuple, kwargs: dict, cfg: RunConfig) -> Any:
         envs, _ = self.split(args, kwargs, cfg)
         call = self.call("infer", envs, cfg)
-        return self.execute(call, results=lambda: self.outputs(call, cfg))
+        return self.run_call(call, results=lambda: self.outputs(call, cfg))
 
     def fused(self, args: tuple, kwargs: dict, label: Any, loss_fn: Callable,
               reduction: str, cfg: RunConfig, return_outputs: bool,
@@ -288,7 +288,7 @@ class Runner:
         call = self.call("fused", envs, cfg, optimizer=opt, outputs=return_outputs, sync=sync,
                          labels=labels, loss_fn=loss_fn, loss_weights=weights)
         try:
-            outputs = self.execute(call, results=(lambda: self.outputs(call, cfg))
+            outputs = self.run_call(call, results=(lambda: self.outputs(call, cfg))
                                    if return_outputs else None, commit_grads=True)
         except BaseException as e:
             if opt is not None and not call.committed:
@@ -349,7 +349,7 @@ class TrainCall:
     def forward(self) -> Any:
         r = self.runner
         call = r.call("train", self.envs, self.cfg, phase="forward", sync=self.sync)
-        outputs = r.execute(call, results=lambda: r.outputs(call, self.cfg))
+        outputs = r.run_call(call, results=lambda: r.outputs(call, self.cfg))
         self.forward_call = call
         self.out_leaves = [r.lg.flat_outputs(env) for env in call.host]
         return outputs
@@ -367,7 +367,7 @@ class TrainCall:
                     record=r.log.actions, dp=fc.dp)
         if fc.dp is not None:
             fc.dp.check_alive()
-        r.execute(call)
+        r.run_call(call)
         params = call.accumulator.totals()
         call.accumulator.discard()
         with outside_program("the input gradients for autograd: each one's parts summed"):
