@@ -18,7 +18,11 @@ what came before (``in_progress`` names the section that was running):
 7. ``bigger_than_device``: cuda:0 capped (``torch.cuda.set_per_process_memory_fraction``)
    below half of the model's bf16 weights; three steps of bf16 training with AdamW streamed
    in the call (``forward_backward(optimizer=...)``): weights and peak reserved memory
-   over the cap, tokens/s, losses.
+   over the cap, tokens/s, losses;
+8. ``weights``: ``compile(weights=DIR)`` on a model built on ``meta`` with a frozen base:
+   how many frozen parameters stayed file-backed, whether their pages were registered
+   for DMA (else the bounded pinned ring carried them: ``ring_bytes``), the host stalls,
+   and the losses against the same model loaded in memory.
 
 Each section runs in ``try``/``except``: a failure is recorded as that section's
 ``error`` (type, message, last traceback lines) with ``"ok": false`` and the kit goes on;
@@ -79,10 +83,11 @@ from fxpipe.sim import Hardware
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_devices.py", "tests/test_params.py"]
 SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
-            "predicted_vs_measured", "stats", "bigger_than_device")
+            "predicted_vs_measured", "stats", "bigger_than_device", "weights")
 # the share of the budget kept for each section while the ones before it run
 RESERVE = {"cuda_tests": 0.0, "vs_checkpoint": 0.12, "scaling": 0.12, "hidden_prefetch": 0.10,
-           "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15}
+           "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15,
+           "weights": 0.05}
 TAIL_LINES = 40
 
 
@@ -511,6 +516,65 @@ def stats(kit: Kit) -> dict[str, Any]:
         kit.close()
 
 
+def weights(kit: Kit, steps: int = 2) -> dict[str, Any]:
+    """``compile(weights=DIR)`` on a model built on ``meta`` whose base is frozen (only
+    its norms train, as a LoRA-style fine-tune): the frozen parameters stay file-backed
+    read-only maps; on a GPU uploads read their pages registered for DMA where the driver
+    allows (``registered``), else through the bounded pinned ring (``ring_bytes``; what
+    a dry run exercises). Losses against the same model loaded in memory."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from fxpipe.runtime import pinned
+    from fxpipe.runtime.weights import file_backed
+
+    shape = kit.shape
+
+    def frozen_base(m: torch.nn.Module) -> torch.nn.Module:
+        for name, p in m.named_parameters():
+            p.requires_grad_("norm" in name)
+        return m
+
+    model, ids, target = _model_and_batch(shape)
+    out: dict[str, Any] = {"model": shape, "steps": steps, "trains": "the norms (a frozen base)"}
+    losses: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+                  f"{d}/model.safetensors")
+        with torch.device("meta"):
+            meta = _model(shape)
+        for name, m, kw in (("in_memory", frozen_base(model), {}),
+                            ("weights", frozen_base(meta), {"weights": d})):
+            pipe = fxpipe.compile(m, example_inputs=(ids,), devices=_devices(1, kit.dry_run),
+                                  pin_memory=True, **kw)
+            try:
+                opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+                losses[name] = []
+                for _ in range(steps):
+                    loss = pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
+                                                 optimizer=opt)
+                    losses[name].append(float(loss))
+                if name == "weights":
+                    frozen = [p for p in m.parameters() if not p.requires_grad]
+                    maps = {id(f.map): f for f in map(file_backed, frozen) if f is not None}
+                    host = pipe._current.runners[next(iter(pipe._current.runners))].host()
+                    out.update({
+                        "frozen_bytes": sum(p.numel() * p.element_size() for p in frozen),
+                        "frozen_file_backed": sum(file_backed(p) is not None for p in frozen),
+                        "frozen_params": len(frozen),
+                        "registered": any(f.base in pinned._files for f in maps.values()),
+                        "ring_bytes": host.ring.nbytes if host.ring is not None else 0,
+                        "host_stalls": pipe.stats().get("host_stalls")})
+            finally:
+                pipe.close()
+    out.update({"losses": losses, "max_loss_diff": max(
+        abs(a - b) for a, b in zip(losses["weights"], losses["in_memory"]))})
+    out["ok"] = (out["frozen_file_backed"] == out["frozen_params"] > 0
+                 and out["max_loss_diff"] <= 1e-5 * max(1.0, abs(losses["in_memory"][0])))
+    return out
+
+
 class _LowPrecisionLlama(TinyLlama):
     """TinyLlama with its rotary tables in the activations' dtype: it computes in bf16
     (the demo's fp32 tables would promote q and k to fp32 next to a bf16 v)."""
@@ -688,6 +752,10 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
         return (f"weights {r['weights_over_limit']:.2f}x the cap, peak reserved "
                 f"{r['peak_reserved_over_limit']:.2f}x, {r['tokens_per_s']:.0f} tokens/s, "
                 f"losses {[round(x, 3) for x in r['losses']]}")
+    if name == "weights":
+        return (f"{r['frozen_file_backed']}/{r['frozen_params']} frozen parameters file-backed, "
+                f"{'registered for DMA' if r['registered'] else 'through the pinned ring'}, "
+                f"loss difference {r['max_loss_diff']:.1e}")
     return ""
 
 

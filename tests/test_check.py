@@ -49,6 +49,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     # host actions waiting for device work (a fused step without an optimizer)
     backward = len(pvm["plan"].split("bwd=[")[1].split(","))
     assert report["stats"]["host_waits"] == 1 + backward
+    w = report["weights"]   # a frozen base read from its file map, through the pinned ring
+    assert w["ok"] and w["frozen_file_backed"] == w["frozen_params"] > 0
+    assert w["registered"] is False and w["ring_bytes"] > 0 and w["max_loss_diff"] == 0.0
     big = report["bigger_than_device"]
     assert big["weights_over_limit"] >= 2.0
     assert big["peak_reserved_over_limit"] > 0 and big["tokens_per_s"] > 0
