@@ -7,9 +7,12 @@ stream of its device the Program names, with the events of its dependencies
 work in one place only: before a ``Prefetch`` allocates, until the parameters released
 so far are past every stream that read them (``Device.wait_released``: the host stays
 at most the two resident stages ahead of a device's memory; ``issue_waits``). Otherwise
-it queues kernels and copies after ``wait_event``s. The host lane's actions wait for
-exactly the events they read (an optimizer step reading downloaded gradients), and the
-caller for the end of the call; ``Commit`` runs on the caller's thread after that. Each
+it queues kernels and copies after ``wait_event``s. The host lane's actions are host
+work: each runs when its issue thread reaches it, after exactly the events it reads (a
+stage's ``Accumulate`` or ``OptimizerStep`` reading downloaded gradients; the
+collectives on their own worker). The caller waits for the end of the call, then runs
+the ``Commit`` and the host actions after it (``ClipGradNorm``, ``ScalerStep``,
+``QueueUpdate``, steps that could not be streamed) on its thread, in lane order. Each
 action kind has one handler (``Execution._act``, a ``match`` on the action class), and
 what a handler moves or drops is what ``Program.flow`` says: the executor decides
 nothing the Program does not show. Stages run through ``runtime.interpret``: the printed
@@ -17,8 +20,8 @@ stage code, the Executable's own GraphModules.
 
 The host never reads data a copy may still be writing: values and gradient parts that
 come through the host go back to a device as they are (the device sums gradient parts),
-and downloaded parameter gradients are read by host actions only (an ``OptimizerStep``
-after its downloads' events, the ``Commit`` after the call's end).
+and downloaded parameter gradients are read by host actions only (an ``Accumulate`` or
+``OptimizerStep`` after its downloads' events).
 
 Who owns what: each device's values, gradients and resident parameters live in its
 ``_OnDevice`` (only that device's actions touch them; its lock orders its streams);
@@ -27,8 +30,8 @@ Values are keyed by the compute that made or received them, ``(stage, microbatch
 name)``, so two actions never write the same slot.
 
 Parameter gradients accumulate on the device over a stage job, go to the host once per
-job (``DownloadGrads``), and reach ``.grad`` at the ``Commit`` (or at a streamed
-``OptimizerStep``). Any failure is raised as ``StageError`` naming stage, layers, device
+job (``DownloadGrads``), are added to the call's sums by the stage's ``Accumulate`` and
+reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as ``StageError`` naming stage, layers, device
 and microbatch, after every submitted action has finished and device memory is freed.
 ``Execution.stats`` counts what the call did (``pipe.stats()``).
 """
