@@ -97,26 +97,27 @@ WHERE = _Where()
 
 
 @contextlib.contextmanager
-def _acting(label: str) -> Iterator[None]:
-    was, WHERE.action = WHERE.action, label
+def _where(field: str, value: str) -> Iterator[None]:
+    was = getattr(WHERE, field)
+    setattr(WHERE, field, value)
     try:
         yield
     finally:
-        WHERE.action = was
+        setattr(WHERE, field, was)
 
 
-@contextlib.contextmanager
-def outside_program(why: str) -> Iterator[None]:
+def _acting(label: str) -> contextlib.AbstractContextManager:
+    """This thread runs the work of the action ``label``."""
+    return _where("action", label)
+
+
+def outside_program(why: str) -> contextlib.AbstractContextManager:
     """Mark tensor work a call does outside its Program's actions, and why. Only two
     kinds exist: splitting the caller's inputs (and labels, output gradients) into
     microbatches before the Program runs, and summing the microbatches' losses (or
     input gradients) for the caller after it ended. Everything else a call does to
     tensors is an action's work (``tests/test_program_only.py`` checks it)."""
-    was, WHERE.outside = WHERE.outside, why
-    try:
-        yield
-    finally:
-        WHERE.outside = was
+    return _where("outside", why)
 
 
 class Cancelled(RuntimeError):
