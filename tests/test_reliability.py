@@ -7,6 +7,7 @@ import _thread
 import copy
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -291,12 +292,16 @@ def _ctrl_c_leaves_the_model_untouched(block, arm, disarm):
 
     step()
     ref, state = _clone(model), _state(model)
+    # Python's own Ctrl-C handler, also where the runner started with SIGINT ignored (a
+    # background job): _thread.interrupt_main() does nothing without it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     arm()
     try:
         with pytest.raises(KeyboardInterrupt):
             step()
     finally:
         disarm()
+        signal.signal(signal.SIGINT, previous)
     _assert_state(model, state)
     _assert_workers_idle(pipe)
     step()
