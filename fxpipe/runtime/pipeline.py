@@ -39,7 +39,7 @@ from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
-# what a call does outside its Program (``executor.outside_program``): the caller's input
+# the work a call does outside its Program before it runs (``executor.outside_program``)
 SPLITTING = "splitting the inputs into microbatches"
 # the compiler's (cached) Executable of a CallSpec
 BuildExecutable = Callable[[CallSpec], Executable]
