@@ -557,13 +557,13 @@ def weights(kit: Kit, steps: int = 2) -> dict[str, Any]:
                     losses[name].append(float(loss))
                 if name == "weights":
                     frozen = [p for p in m.parameters() if not p.requires_grad]
-                    maps = {id(f.map): f for f in map(file_backed, frozen) if f is not None}
                     host = pipe._current.runners[next(iter(pipe._current.runners))].host()
                     out.update({
                         "frozen_bytes": sum(p.numel() * p.element_size() for p in frozen),
                         "frozen_file_backed": sum(file_backed(p) is not None for p in frozen),
                         "frozen_params": len(frozen),
-                        "registered": any(f.base in pinned._files for f in maps.values()),
+                        "registered": any(pinned.is_pinned(p) for p in frozen
+                                          if file_backed(p) is not None),
                         "ring_bytes": host.ring.nbytes if host.ring is not None else 0,
                         "host_stalls": pipe.stats().get("host_stalls")})
             finally:
