@@ -308,7 +308,44 @@ def _big_weights(d: dict) -> list[str]:
         "memory, host memory here (a GPU's on a GPU)."]
 
 
+def _gpu_check(d: dict) -> list[str]:
+    vc, hp, pm, st = d["vs_checkpoint"], d["hidden_prefetch"], d["predicted_vs_measured"], d["stats"]
+    big, w = d["bigger_than_device"], d["weights"]
+    m = d["model"]
+    hidden = ", ".join(f"{v['hidden_fraction']:.3f}" for v in hp["devices"].values())
+    rows = [
+        ["fused training step / eager with `torch.utils.checkpoint` per block, same GPU",
+         f"{vc['ratio_min']:.3f} ({vc['ratio_median']:.3f})",
+         f"{vc['params'] / 1e9:.2f}B fp32 parameters streamed from host memory every step; "
+         f"eager holds them on the GPU"],
+        ["parameter prefetch hidden behind compute", hidden,
+         f"the compute stream waited {hp['exposed_ms_total']:.1f} ms for parameters"],
+        ["`fxpipe.simulate` / measured step", f"{pm['predicted_over_measured']:.3f}",
+         f"{pm['measured_ms']:,.0f} ms step; host links {pm['h2d_bytes_per_s'] / 1e9:.0f} GB/s up, "
+         f"{pm['d2h_bytes_per_s'] / 1e9:.0f} GB/s down"],
+        ["host issue time / device compute time", ", ".join(f"{v:.2f}" for v in st["issue_vs_busy"].values()),
+         f"{st['actions']} actions, {st['host_issue_ms']:,.0f} ms of issuing; {st['host_stalls']} host stalls"],
+        ["bf16 weights over a capped device's memory", f"{big['weights_over_limit']:.2f}×",
+         f"peak reserved {big['peak_reserved_over_limit']:.2f}× the cap, {big['tokens_per_s']:,.0f} tokens/s, "
+         f"losses {', '.join(f'{x:.3f}' for x in big['losses'])}"],
+        ["frozen parameters file-backed (`weights=`)", f"{w['frozen_file_backed']}/{w['frozen_params']}",
+         f"{'registered for DMA' if w['registered'] else 'through the pinned ring'}; "
+         f"loss difference {w['max_loss_diff']:.1e}"],
+    ]
+    tests = [f"CUDA tests at the recorded commit: {d['cuda_tests']['summary']}."]
+    if "cuda_tests_after_fix" in d:
+        fix = d["cuda_tests_after_fix"]
+        tests.append(f"After the fixes ({'; '.join(fix['fixed'])}): {fix['summary']} "
+                     f"({fix['skipped']}).")
+    return [f"{', '.join(d['devices'])}, torch {d['torch']}; a Llama-style model of {m['depth']} "
+            f"blocks, dim {m['dim']}, batch {m['batch']} × {m['seq']} tokens.", ""] + table(
+        ["", "figure", "details"], rows) + [""] + tests
+
+
 SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
+    ("GPU acceptance check", "gpu_check.json", "vs_checkpoint",
+     "`python -m fxpipe.check` on a real GPU (see its docstring for each section); "
+     "min (median) over interleaved repeats.", _gpu_check),
     ("Host issue cost", "bench_issue.json", "rows",
      "The host time a training step's issuing takes, with the device work elided: fxpipe's "
      "plan for the full-size model (built on `meta`, 80 GiB devices, 16 microbatches) run on "
@@ -445,6 +482,15 @@ def benchmarks_md() -> str:
 def headline() -> list[str]:
     """The README's figures: each from a JSON file, or left out when it is missing."""
     rows = []
+    gpu = load("gpu_check.json")
+    if gpu and "vs_checkpoint" in gpu:
+        rows.append([f"fused training step on one {gpu['devices'][0].replace('NVIDIA ', '')}, "
+                     f"{gpu['vs_checkpoint']['params'] / 1e9:.1f}B parameters streamed from the host "
+                     "/ eager + checkpoint holding them on the GPU",
+                     f"{gpu['vs_checkpoint']['ratio_min']:.3f}; prefetch "
+                     f"{min(v['hidden_fraction'] for v in gpu['hidden_prefetch']['devices'].values()):.0%} "
+                     f"hidden; simulated / measured step {gpu['predicted_vs_measured']['predicted_over_measured']:.3f}",
+                     "gpu-acceptance-check"])
     issue = load("bench_issue.json")
     if issue:
         r = {(x["model"], x["gpus"], x["seq_len"]): x for x in issue["rows"]}

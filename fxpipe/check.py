@@ -282,17 +282,16 @@ def cuda_tests(kit: Kit) -> dict[str, Any]:
     return out
 
 
-def _model(shape: dict, cls: type[TinyLlama] = TinyLlama) -> TinyLlama:
-    return cls(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"], depth=shape["depth"])
+def _model(shape: dict) -> TinyLlama:
+    return TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"], depth=shape["depth"])
 
 
-def _model_and_batch(shape: dict, cls: type[TinyLlama] = TinyLlama
-                     ) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
+def _model_and_batch(shape: dict) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
     """The kit's model (seeded) and its batch, for ``shape``."""
     torch.manual_seed(0)
     ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
                                     torch.Generator().manual_seed(0))
-    return _model(shape, cls), ids, target
+    return _model(shape), ids, target
 
 
 def vs_checkpoint(kit: Kit) -> dict[str, Any]:
@@ -309,7 +308,7 @@ def vs_checkpoint(kit: Kit) -> dict[str, Any]:
 
     def eager_step():
         x = eager.embed(e_ids)
-        cos, sin = rotary_tables(e_ids.shape[1], eager.head_dim, e_ids.device)
+        cos, sin = rotary_tables(e_ids.shape[1], eager.head_dim, e_ids.device, x.dtype)
         for layer in eager.layers:
             x = checkpoint(layer, x, cos, sin, use_reentrant=False)
         loss_fn(eager.lm_head(eager.norm(x)), e_target).backward()
@@ -575,18 +574,6 @@ def weights(kit: Kit, steps: int = 2) -> dict[str, Any]:
     return out
 
 
-class _LowPrecisionLlama(TinyLlama):
-    """TinyLlama with its rotary tables in the activations' dtype: it computes in bf16
-    (the demo's fp32 tables would promote q and k to fp32 next to a bf16 v)."""
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        cos, sin = (t.to(x.dtype) for t in rotary_tables(ids.shape[1], self.head_dim, ids.device))
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
-
-
 def _bigger_setup(dry_run: bool) -> tuple[int, dict[str, int], int, float]:
     """(cap in bytes, model shape, microbatches, learning rate) of bigger_than_device: a
     deep model of small blocks whose bf16 weights are about 2.1x the cap."""
@@ -607,7 +594,7 @@ def _bigger_setup(dry_run: bool) -> tuple[int, dict[str, int], int, float]:
 def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
     """Train a model whose bf16 weights are over twice what the device may hold."""
     cap, shape, M, lr = _bigger_setup(kit.dry_run)
-    model, ids, target = _model_and_batch(shape, _LowPrecisionLlama)
+    model, ids, target = _model_and_batch(shape)
     weights = sum(p.numel() for p in model.parameters()) * 2
     if weights < 2 * cap:
         raise AssertionError(f"bf16 weights {weights} B are not 2x the cap {cap} B")

@@ -55,12 +55,15 @@ class DecoderLayer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-def rotary_tables(seq: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of rotary position embeddings for ``seq`` positions."""
+def rotary_tables(seq: int, head_dim: int, device=None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of rotary position embeddings for ``seq`` positions, computed in
+    fp32 and given in ``dtype`` (the activations': bf16 tables keep q and k in bf16 next
+    to v, as scaled_dot_product_attention requires)."""
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     freqs = torch.outer(torch.arange(seq, device=device).float(), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate(x, cos, sin):
@@ -83,7 +86,7 @@ class TinyLlama(nn.Module):
 
     def forward(self, ids):
         x = self.embed(ids)
-        cos, sin = rotary_tables(ids.shape[1], self.head_dim, ids.device)
+        cos, sin = rotary_tables(ids.shape[1], self.head_dim, ids.device, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--devices", default=None,
+                    help="comma-separated devices, e.g. 'cuda:0,cuda:1' or 'cpu' (default: every "
+                    "visible GPU, else two virtual CPU devices)")
     ap.add_argument("--quiet", action="store_true", help="no graph printout")
     ap.add_argument("--timeline", default="timeline.png",
                     help="draw the last step's measured timeline here ('' to skip; needs matplotlib)")
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ids, labels = progression_batch(args.batch, args.seq, vocab, gen)
 
     t0 = time.perf_counter()
-    pipe = fxpipe.compile(model, example_inputs=(ids,))
+    devices = args.devices.split(",") if args.devices else None
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices)
     print(f"compiled {sum(p.numel() for p in model.parameters()):,} parameters into "
           f"{len(pipe.layers)} layers and {len(pipe.stages)} stages on "
           f"{', '.join(d.name for d in pipe.devices)} in {time.perf_counter() - t0:.1f} s")
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
               "(pipe.code() prints every stage a training step runs, pipe.program() its "
               "lanes):\n")
         print(str(pipe).rstrip())
-        print(f"\n{pipe.stages[1].code.strip()}\n")
+        middle = pipe.stages[len(pipe.stages) // 2]   # the only one where the model fits a device
+        print(f"\n{middle.code.strip()}\n")
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())

@@ -67,7 +67,7 @@ class GPT(nn.Module):
 
     def forward(self, ids):
         x = self.embed(ids)
-        cos, sin = rotary_tables(ids.shape[1], self.head_dim, ids.device)
+        cos, sin = rotary_tables(ids.shape[1], self.head_dim, ids.device, x.dtype)
         for blk in self.blocks:
             x = blk(x, cos, sin)
         return self.head(self.norm(x))

@@ -172,7 +172,7 @@ def forward(self, input_1):
         pipe = fxpipe.compile(models.GPT(depth=2, dim=16, heads=2).eval(),
                               example_inputs=(torch.randint(0, 64, (2, 8)),))
         self.assertExpectedInline(stage_code(pipe, 1), """\
-def forward(self, cos, sin, add_5):
+def forward(self, to, to_1, add_5):
     # stage 1 fwd | layer 2 (blocks.1) | vcpu:1 | params 12.7 kB | saved 21.2 kB | out 1.02 kB | fwd 106 kFLOP | bwd 217 kFLOP
     host_blocks_1_norm1_weight = getattr(self.blocks, "1").norm1.weight
     host_blocks_1_qkv_weight = getattr(self.blocks, "1").qkv.weight
@@ -191,13 +191,13 @@ def forward(self, cos, sin, add_5):
     blocks_1_up_bias = params[5]
     blocks_1_down_weight = params[6]
     blocks_1_down_bias = params[7]
-    cos_dev = torch.ops.fxpipe.upload.default(cos, 1);  cos = None
-    sin_dev = torch.ops.fxpipe.upload.default(sin, 1);  sin = None
+    to_dev = torch.ops.fxpipe.upload.default(to, 1);  to = None
+    to_1_dev = torch.ops.fxpipe.upload.default(to_1, 1);  to_1 = None
     add_5_dev = torch.ops.fxpipe.upload.default(add_5, 1);  add_5 = None
-    getattr_4 = add_5_dev.shape
-    getitem_11 = getattr_4[0]
-    getitem_12 = getattr_4[1]
-    getitem_13 = getattr_4[2];  getattr_4 = None
+    getattr_5 = add_5_dev.shape
+    getitem_11 = getattr_5[0]
+    getitem_12 = getattr_5[1]
+    getitem_13 = getattr_5[2];  getattr_5 = None
     pow_4 = add_5_dev.pow(2)
     mean_2 = pow_4.mean(-1, keepdim = True);  pow_4 = None
     add_6 = mean_2 + 1e-06;  mean_2 = None
@@ -221,18 +221,18 @@ def forward(self, cos, sin, add_5):
     chunk_2 = transpose_4.chunk(2, dim = -1)
     getitem_17 = chunk_2[0]
     getitem_18 = chunk_2[1];  chunk_2 = None
-    mul_10 = transpose_4 * cos_dev;  transpose_4 = None
+    mul_10 = transpose_4 * to_dev;  transpose_4 = None
     neg_2 = -getitem_18;  getitem_18 = None
     cat_3 = torch.cat([neg_2, getitem_17], dim = -1);  neg_2 = getitem_17 = None
-    mul_11 = cat_3 * sin_dev;  cat_3 = None
+    mul_11 = cat_3 * to_1_dev;  cat_3 = None
     add_7 = mul_10 + mul_11;  mul_10 = mul_11 = None
     chunk_3 = transpose_5.chunk(2, dim = -1)
     getitem_19 = chunk_3[0]
     getitem_20 = chunk_3[1];  chunk_3 = None
-    mul_12 = transpose_5 * cos_dev;  transpose_5 = cos_dev = None
+    mul_12 = transpose_5 * to_dev;  transpose_5 = to_dev = None
     neg_3 = -getitem_20;  getitem_20 = None
     cat_4 = torch.cat([neg_3, getitem_19], dim = -1);  neg_3 = getitem_19 = None
-    mul_13 = cat_4 * sin_dev;  cat_4 = sin_dev = None
+    mul_13 = cat_4 * to_1_dev;  cat_4 = to_1_dev = None
     add_8 = mul_12 + mul_13;  mul_12 = mul_13 = None
     scaled_dot_product_attention_1 = torch._C._nn.scaled_dot_product_attention(add_7, add_8, transpose_6, is_causal = True);  add_7 = add_8 = transpose_6 = None
     transpose_7 = scaled_dot_product_attention_1.transpose(1, 2);  scaled_dot_product_attention_1 = None

@@ -19,25 +19,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.demo import rotary_tables
 from fxpipe.optim import overlapped
 from tests import models
 
 
-class LowPrecisionGPT(models.GPT):
-    """tests.models.GPT with rotary tables in the activations' dtype (runs in bf16)."""
-
-    def __init__(self, tie: bool = True, **kw):
-        super().__init__(**kw)
-        if not tie:
-            self.head.weight = nn.Parameter(self.embed.weight.detach().clone())
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        cos, sin = (t.to(x.dtype) for t in rotary_tables(ids.shape[1], self.head_dim, ids.device))
-        for blk in self.blocks:
-            x = blk(x, cos, sin)
-        return self.head(self.norm(x))
+def gpt(tie: bool = True, **kw) -> models.GPT:
+    """tests.models.GPT, its head tied to the embedding or not."""
+    model = models.GPT(**kw)
+    if not tie:
+        model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+    return model
 
 
 def ce(out, label):
@@ -85,7 +76,7 @@ def rel_diff(a, b):
 @pytest.mark.bitwise
 def test_bf16_gradients_are_fp32_and_match_the_reference(tie, num_microbatch, tol):
     torch.manual_seed(0)
-    model = LowPrecisionGPT(tie=tie, depth=4).eval()
+    model = gpt(tie=tie, depth=4).eval()
     ref = Reference(copy.deepcopy(model), torch.bfloat16)
     pipe = compiled(model, num_microbatch)
     ids, y = batches(1)[0]
@@ -115,7 +106,7 @@ def test_bf16_training_with_streamed_step_matches_the_reference(name):
             "adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-2, **kw),
             "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-2, **kw)}[name]
     torch.manual_seed(0)
-    model = LowPrecisionGPT(tie=False, depth=4).eval()
+    model = gpt(tie=False, depth=4).eval()
     ref = Reference(copy.deepcopy(model), torch.bfloat16)
     pipe = compiled(model, 1)
     # built with torch's defaults, stepped by fxpipe with fused kernels: the reference too
@@ -247,7 +238,7 @@ def test_autocast_region_in_the_model_is_kept():
 @pytest.mark.parametrize("num_microbatch,tol", [(1, 0.0), (3, 1e-2)])
 def test_autocast_around_the_call_is_reentered_in_the_workers(style, num_microbatch, tol):
     torch.manual_seed(0)
-    model = LowPrecisionGPT(depth=4).eval()
+    model = gpt(depth=4).eval()
     ref = copy.deepcopy(model)
     ids, y = batches(1)[0]
     pipe = compiled(model, num_microbatch, dtype=None)

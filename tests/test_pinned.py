@@ -62,6 +62,10 @@ def test_empty_is_exact_size_rounded_to_a_page(dtype):
     t = pinned.empty(numel, dtype, emulate=True, account=account)
     assert t.shape == (numel,) and t.dtype == dtype and t.is_contiguous()
     assert t.data_ptr() % pinned.PAGE == 0
+    # the storage starts at the registered pages: torch's Tensor.is_pinned asks CUDA
+    # about the storage's first byte (an aligned view into a larger block reads False)
+    assert t.untyped_storage().data_ptr() == t.data_ptr()
+    assert t.untyped_storage().nbytes() == 6 * pinned.PAGE
     assert account.nbytes == 6 * pinned.PAGE            # not 8 (a power of two)
     assert pinned.reserved(numel * dtype.itemsize) == 6 * pinned.PAGE
     assert pinned.is_pinned(t) and pinned.is_pinned(t[3:]) and pinned.is_pinned(t.view(1, -1))
@@ -77,6 +81,8 @@ def test_empty_is_exact_size_rounded_to_a_page(dtype):
 
 def test_is_pinned_is_false_for_pageable_memory():
     assert not pinned.is_pinned(torch.empty(1000))
+    t = pinned.empty(3 * pinned.PAGE, torch.uint8, emulate=True)
+    assert not pinned.is_pinned(t.clone()) and not pinned.is_pinned(t.contiguous().clone()[1:])
     assert not pinned.is_pinned(torch.empty(0))
     assert pinned.empty(0, torch.float32, emulate=True).shape == (0,)
 

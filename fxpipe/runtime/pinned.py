@@ -57,10 +57,10 @@ PAGE = mmap.PAGESIZE
 _ALIGN = 64          # each tensor of a staging block starts on a 64-byte boundary
 _HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every CUDA context
 
-# storage data_ptr of an allocation -> (aligned start, nbytes): the page-locked memory
+# start (its storage's data_ptr) -> nbytes of each allocation: the page-locked memory
 # fxpipe made and has not freed (dict operations are atomic: a finalizer may run at
 # any allocation, on any thread)
-_registry: dict[int, tuple[int, int]] = {}
+_registry: dict[int, int] = {}
 
 # How many holders a storage has (private torch API, as in ``devices``): without it a
 # staging block is never reused.
@@ -110,21 +110,20 @@ def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
             f"available (torch {torch.__version__}); pass emulate=True (no GPU copies it) or "
             "compile with pin_memory=False")
     size = reserved(nbytes)
-    raw = torch.empty(size + PAGE, dtype=torch.uint8)   # room to start on a page boundary
-    skip = -raw.data_ptr() % PAGE
-    block = raw[skip:skip + size]
+    # an anonymous map: page-aligned, and the tensor's storage is exactly the registered
+    # pages (torch's ``Tensor.is_pinned`` asks CUDA about the storage's first byte)
+    block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
     start = block.data_ptr()
     if not emulate:
         _cuda_register(start, size)
-    storage = raw.untyped_storage()
-    key = storage.data_ptr()
-    _registry[key] = (start, size)
+    storage = block.untyped_storage()
+    _registry[start] = size
     if account is not None:
         account._add(size)
-    # runs when the storage is freed (its last tensor gone), before the memory is
-    # given back; not at interpreter exit (the process's memory goes with it)
-    weakref.finalize(storage, _release, key, start, size, not emulate, account).atexit = False
-    del storage, raw
+    # runs when the storage is freed (its last tensor gone), before the map is unmapped;
+    # not at interpreter exit (the process's memory goes with it)
+    weakref.finalize(storage, _release, start, size, not emulate, account).atexit = False
+    del storage
     return block[:nbytes].view(dtype)
 
 
@@ -133,10 +132,8 @@ def is_pinned(t: torch.Tensor) -> bool:
     memory from :func:`empty` (registered or emulated), or memory torch pinned."""
     if t.device.type != "cpu" or t.layout != torch.strided or t.numel() == 0:
         return False
-    entry = _registry.get(t.untyped_storage().data_ptr())
-    if entry is not None:
-        start, size = entry
-        return start <= t.data_ptr() < start + size
+    if t.untyped_storage().data_ptr() in _registry:   # as torch asks: the storage's start
+        return True
     ptr = t.data_ptr()
     if any(start <= ptr < start + size for start, size in list(_files.items())):
         return True
@@ -169,11 +166,11 @@ def register_file(start: int, size: int, *, emulate: bool) -> bool:
 
 def reserved_bytes() -> int:
     """Page-locked bytes :func:`empty` holds now, every owner together."""
-    return sum(size for _, size in list(_registry.values()))
+    return sum(list(_registry.values()))
 
 
-def _release(key: int, start: int, size: int, registered: bool, account: Account | None) -> None:
-    _registry.pop(key, None)
+def _release(start: int, size: int, registered: bool, account: Account | None) -> None:
+    _registry.pop(start, None)
     if account is not None:
         account._add(-size)
     if registered:

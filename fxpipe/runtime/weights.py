@@ -230,11 +230,11 @@ def _hf_conversions(model: nn.Module) -> tuple[list[tuple[str, str]], list]:
     renamings ``(checkpoint text, model text)`` and the converters."""
     hf = next((m for m in model.modules() if hasattr(m, "config")
                and hasattr(m, "base_model_prefix")), None)
+    if hf is None:    # not a Hugging Face model: transformers (seconds to import) is not asked
+        return [], []
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:
-        return [], []
-    if hf is None:
         return [], []
     convs = get_checkpoint_conversion_mapping(type(hf).__name__) or \
         get_checkpoint_conversion_mapping(getattr(hf.config, "model_type", "")) or []
