@@ -342,6 +342,28 @@ def _gpu_check(d: dict) -> list[str]:
         ["", "figure", "details"], rows) + [""] + tests
 
 
+def _generate_measured(d: dict) -> list[str]:
+    m = d["measured"]["model"]
+    rows = [[name, f"{r['tokens_per_s_max']:,.1f} ({r['tokens_per_s_median']:,.1f})",
+             f"{r['over_transformers_median']:.2f}", "yes" if r["same_tokens"] else "NO"]
+            for name, r in d["measured"]["rows"].items()]
+    return [f"A Llama-style model of {m['parameters'] / 1e6:.1f}M parameters ({m['layers']} blocks, "
+            f"hidden {m['hidden']}), batch {m['batch']}, a {m['prompt']}-token prompt, "
+            f"{m['new']} new tokens, 2 virtual CPU devices.", ""] + table(
+        ["", "tokens/s, max (median)", "/ transformers (median)", "same tokens"], rows)
+
+
+def _generate_simulated(d: dict) -> list[str]:
+    s = d["simulated"]
+    rows = [[r["model"], f"{r['gpus']} × {r['gpu']}", r["batch"], f"{r['step_ms']:,.0f}",
+             f"{r['tokens_per_s']:,.2f}", f"{r['bound_tokens_per_s']:,.2f}",
+             "; ".join(r["published"]) or "–"] for r in s["rows"]]
+    return [f"A decode step at {s['context']} + {s['new']} tokens of context, fp16 weights, "
+            "the KV cache in host memory (as fxpipe keeps it). Simulated, not run.", ""] + table(
+        ["model", "GPUs", "batch", "step ms", "tokens/s (simulated)",
+         "bound: weights over the link", "published (their setups)"], rows)
+
+
 SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("GPU acceptance check", "gpu_check.json", "vs_checkpoint",
      "`python -m fxpipe.check` on a real GPU (see its docstring for each section); "
@@ -419,6 +441,16 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "`fxpipe.compile(model_on_meta, ..., weights=DIR)` binds the parameters to the "
      "checkpoint's safetensors by memory map: frozen ones stay file-backed (read from the "
      "page cache), against loading the same model with `from_pretrained` first.", _big_weights),
+    ("Generation", "bench_generate.json", "measured",
+     "`pipe.generate` (KV cache) against `transformers`' `model.generate` (KV cache, eager "
+     "on the CPU, its weights never move) and fxpipe without a cache (the whole sequence "
+     "per token), greedy, interleaved rounds after a warm-up.", _generate_measured),
+    ("Generation on GPUs, simulated", "bench_generate.json", "simulated",
+     "`fxpipe.simulate` over the Program a decode step runs (every decoder layer a stage, "
+     "round-robin over the GPUs), per layer its weights and KV cache over the host link and "
+     "its FLOPs at the preset's rate; the batch is the largest power of two (up to 1024) "
+     "whose two resident stages fit a GPU. The cache's write-back (the other link "
+     "direction) is not timed.", _generate_simulated),
     ("Capture", "bench_capture.json", "seconds",
      "Capturing a tiny Swin and a tiny Qwen3-Next with every dim symbolic, with the batch dim "
      "symbolic only (what `capture=\"auto\"` uses), and at block granularity.", _capture),

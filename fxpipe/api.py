@@ -281,6 +281,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._varying: dict[int, set[int]] = {}  # tensor input -> dims seen with other sizes
         self._closed = False
         self._log = ActionLog()
+        self._generation: list = []   # generation.Steps, by batch size and cache length
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
             dp.check_same(_digest(self._current, param_dtype, dp))
@@ -428,6 +429,64 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             sync=sync)
         return (loss, outputs) if return_outputs else loss
 
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
+                 streamer: Any = None, kv_cache: Literal["host"] = "host") -> torch.Tensor:
+        """Generate continuations of ``input_ids`` (``[batch, prompt]``, left-padded, with
+        ``attention_mask``) with a KV cache, as ``transformers``' ``model.generate``
+        does for a decoder-only causal LM: returns ``[batch, prompt + new]`` token ids,
+        each sequence padded with ``pad_token_id`` after its EOS; greedy unless
+        ``do_sample`` (then temperature, top-k, top-p, drawn from ``generator``);
+        defaults from ``model.generation_config``. ``streamer`` gets ``put(tokens)`` and
+        ``end()`` as transformers' streamers do.
+
+        The prompt runs through the stages once (prefill), then each new token of the
+        whole batch (one microbatch, each stage's weights uploaded once per token). Each
+        layer's KV cache lives in host memory and streams in with its layer's weights;
+        its writes go back as the stage's buffer writebacks (``kv_cache="host"``, the
+        only placement yet: ``"device"`` raises ``NotImplementedError``). The weights are the ones
+        training uses (one host copy): after ``forward_backward(..., optimizer=...)`` the
+        next ``generate`` sees the update, with no re-compile. See
+        ``fxpipe.generation`` and docs/generate.md."""
+        from fxpipe.generation import generate
+        self._check_open()
+        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                        do_sample=do_sample, temperature=temperature, top_k=top_k,
+                        top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        generator=generator, streamer=streamer, kv_cache=kv_cache)
+
+    def _generation_steps(self, batch: int, length: int):
+        """The compiled step module for ``batch`` sequences of up to ``length`` tokens:
+        one made for this batch size whose cache is long enough, else a new one (its
+        length rounded up to ``generation.BUCKET``), compiled on the pipe's devices with
+        the pipe's host copy of the weights."""
+        from fxpipe.generation import BUCKET, StepModule, Steps
+        fits = [s for s in self._generation if s.module.batch == batch and s.module.length >= length]
+        if fits:
+            steps = min(fits, key=lambda s: s.module.length)
+        else:
+            dtype = next((t.dtype for t in self.module.parameters() if t.is_floating_point()),
+                         torch.float32)
+            step = StepModule(self.module, batch, -(-length // BUCKET) * BUCKET, dtype)
+            step.train(self.module.training)
+            self._host_params()                      # made now if no call made them yet
+            HostParams.share(step, self.module)      # one host copy of the weights
+            with torch.no_grad():
+                # captured on examples with padding: a model may take a branch on the mask's
+                # values (no padding: no mask), which the capture would bake in
+                pipe = PipelineModule(
+                    step, step.example(1), {}, devices=self.devices, capture=self._capture,
+                    layers=None, config=RunConfig.merge(self.config, RunConfig(num_microbatch=1)),
+                    plan=None, param_dtype=self.param_dtype, pin_memory=self.pin_memory)
+                pipe._compiled_for(step.example(3), {})   # prefill: every prompt length > 1
+            steps = Steps(step, pipe)
+            self._generation.append(steps)
+        steps.module.train(self.module.training)
+        return steps
+
     def close(self) -> None:
         """Finish queued work and stop the devices' worker threads; the pipe cannot be
         called afterwards (its model and parameters are untouched). Idempotent.
@@ -508,9 +567,11 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: Any = False, grain: str | None = None,
                     return_outputs: bool = False, sync_gradients: bool = True,
-                    input_grads: Sequence[str] = ()) -> Executable:
+                    input_grads: Sequence[str] = (), compiled: _Compiled | None = None
+                    ) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config: the
-        call's own ``CallSpec`` (``Runner.spec``) built from these arguments."""
+        call's own ``CallSpec`` (``Runner.spec``) built from these arguments, for the
+        graph of the last call (or ``compiled``)."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if grain not in (None, "stage", "layer"):
@@ -520,7 +581,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         else:
             spec = optimizer_spec(optimizer)
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
-        runner = self._runner(self._current, cfg)
+        runner = self._runner(compiled or self._current, cfg)
         return runner.executable(runner.spec(
             run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,
             sync=sync_gradients, input_grads=input_grads))

@@ -46,7 +46,7 @@ class Inspecting:
         ``pipe.timings.costs(pipe.layers)`` gives the layers' costs with them filled in."""
         return self._current.timer
 
-    def code(self, run_type: Literal["infer", "train", "fused"] = "fused",
+    def code(self, run_type: Literal["infer", "train", "fused", "generate"] = "fused",
              grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False) -> str:
         """The code of every GraphModule a call of ``run_type`` executes (forward,
         backward and fused-tail stages; at ``grain="layer"`` the layer pieces of split
@@ -55,7 +55,14 @@ class Inspecting:
         says otherwise). ``runnable=True``: the code the runtime executes for each
         (``fxpipe.runtime.interpret.runnable``): the same graph with each transfer node
         a plain call serving what the Program's actions moved, layer marks, and for a
-        stage with a tail its recompute too, the tail's nodes unfilled."""
+        stage with a tail its recompute too, the tail's nodes unfilled.
+        ``"generate"``: the prefill's stages, then a decode step's (``pipe.generate``),
+        each layer's KV cache read with the stage's buffers and written back."""
+        if run_type == "generate":
+            from fxpipe.generation import inspected_steps
+            parts = zip(("# prefill", "# each decode step"), inspected_steps(self).executables())
+            return "\n".join(f"{title}\n{runnable_code(exe) if runnable else exe.code()}"
+                             for title, exe in parts)
         exe = self._executable(run_type, grain=grain)
         return runnable_code(exe) if runnable else exe.code()
 
@@ -74,7 +81,7 @@ class Inspecting:
         return (f"layers={len(self.layers)}, stages={len(self.stages)}, "
                 f"devices=[{', '.join(d.name for d in self.devices)}]")
 
-    def program(self, run_type: Literal["infer", "train", "fused"] = "fused",
+    def program(self, run_type: Literal["infer", "train", "fused", "generate"] = "fused",
                 num_microbatch: int | None = None, optimizer: Any = False,
                 grain: Literal["stage", "layer"] | None = None, *,
                 input_grads: bool | Sequence[str] = False, return_outputs: bool = False,
@@ -95,7 +102,9 @@ class Inspecting:
         ``shard_optimizer``) unless ``sync_gradients=False``. ``input_grads``: a training
         call whose inputs require grad (``True``: every floating model input; or their
         names), whose gradients the Program offloads to the host (its ``input-grads``
-        line).
+        line). ``"generate"``: a ``GenerationProgram``, the prefill's Program and a
+        decode step's (``pipe.generate``; the last call's batch and cache, else the
+        example's batch).
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -106,6 +115,10 @@ class Inspecting:
         >>> [str(a) for a in p.host]
         ['RF', 'M2:3', 'M1:2', 'M0:1', 'C', 'N', 'S2:3', 'S1:2', 'S0:1']
         """
+        if run_type == "generate":
+            from fxpipe.generation import GenerationProgram, inspected_steps
+            prefill, decode = inspected_steps(self).executables()
+            return GenerationProgram(prefill.program, decode.program)
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs, sync_gradients=sync_gradients,
                                 input_grads=self._input_grads(input_grads)).program

@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.passes.costs import compute_costs
-from fxpipe.passes.executable import build_executable
+from fxpipe.passes.executable import build_executable, stage_ranges
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.memory import (
     KINDS,
@@ -122,7 +122,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
                    num_microbatch: int | None = None,
                    grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
                    loss_fn: Callable[[Any, Any], Any] | None = None,
-                   label: Any = None) -> MemoryPrediction:
+                   label: Any = None, batch: int | None = None,
+                   max_length: int | None = None) -> MemoryPrediction:
     """Predicted peak device bytes of every stage of a call, before running it.
 
     ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
@@ -147,7 +148,21 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         4 bwd      1:2      0       263 kB       263 kB       131 kB      32.8 kB       296 kB       986 kB
         5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
     peak 1.25 MB: device 0 1.22 MB, device 1 1.25 MB
+
+    ``run_type="generate"`` (a pipe over a Hugging Face causal LM): a decode step of
+    ``pipe.generate`` for ``batch`` sequences of up to ``max_length`` tokens (default:
+    the last ``generate`` call's, else the example's batch and 64 tokens), one
+    microbatch; ``params`` counts each stage's KV cache with its weights (the cache
+    streams in with them).
     """
+    if run_type == "generate":
+        from fxpipe.generation import inspected_steps
+        steps = pipe._generation_steps(batch, max_length) if batch and max_length \
+            else inspected_steps(pipe)
+        decode = steps.compiled()[1]
+        fwd, _ = stage_ranges(decode.plan, "infer", len(decode.layers))
+        return predict_memory(decode.layers, StagePlan(fwd, []), run_type="infer",
+                              num_microbatch=1, num_devices=len(pipe.devices))
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])
     config = getattr(pipe, "config", None)

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.passes.schedule", "fxpipe.passes.memory"),
     ("fxpipe.sim.*",),
     ("fxpipe.runtime.*",),
-    ("fxpipe.optim", "fxpipe.optim_step"),
+    ("fxpipe.optim", "fxpipe.optim_step", "fxpipe.generation"),
     # the compiler, in pass order: capture, partition, costs, lowering
     ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo"),
     ("fxpipe.passes.partition", "fxpipe.passes.grad_flow"),

@@ -62,7 +62,7 @@ from fxpipe.runtime.issue import (  # noqa: F401
     _ISSUING, _NO_LOCK, _ON_HOST, WHERE, Cancelled, _acting, _forget_issue_threads, _idle,
     _issue_thread, _Issued, outside_program, wait_all,
 )
-from fxpipe.runtime.params import GradAccumulator
+from fxpipe.runtime.params import GradAccumulator, is_scratch
 from fxpipe.runtime.values import Call, Stats, _OnDevice, _OnHost
 
 
@@ -345,7 +345,8 @@ class Execution:
         """``Refresh``: the copies uploads read made current (``ParamStore.refresh``), and
         the buffers saved, which a call failing before its ``Commit`` puts back."""
         self.call.store.refresh()
-        self.call.snapshot = {k: v.detach().clone() for k, v in self.call.layers.buffers.items()}
+        self.call.snapshot = {k: v.detach().clone() for k, v in self.call.layers.buffers.items()
+                              if not is_scratch(v)}
 
     def _buckets(self, layers: range) -> list:
         """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""

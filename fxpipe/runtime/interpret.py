@@ -36,6 +36,7 @@ import torch.fx as fx
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which the stage code calls
 from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime import rng
+from fxpipe.runtime.params import is_scratch
 from fxpipe.runtime.unfilled import Unfilled
 from fxpipe.runtime.timer import LayerTimer
 
@@ -129,9 +130,15 @@ def released(stage: int) -> None:
 
 
 def written_back(host: torch.Tensor, value: torch.Tensor) -> None:
-    """``writeback``: a buffer update, kept for the host in forward (dropped in recompute)."""
+    """``writeback``: a buffer update, kept for the host in forward (dropped in recompute);
+    a scratch buffer's (a KV cache: ``params.is_scratch``) copied to the host now."""
     serve = _serving.serve
-    if serve.keep_writebacks:
+    if not serve.keep_writebacks:
+        return
+    if is_scratch(host):
+        with torch.no_grad():
+            host.copy_(value, non_blocking=True)   # the call's end waits for the stream
+    else:
         serve.writebacks.append((host, value.detach().clone()))
 
 

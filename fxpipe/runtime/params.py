@@ -69,6 +69,22 @@ from fxpipe.runtime.weights import file_backed
 _ALIGN_BYTES = 64  # each tensor starts on a 64-byte boundary inside a flat buffer
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+# Buffers whose contents a failed call may leave changed (a generation's KV cache, which
+# the next generate resets): the call's Refresh does not save them, and a stage's
+# writeback of one copies it to the host as the stage runs (nothing kept for the Commit).
+_SCRATCH: dict[int, weakref.ref] = {}   # id -> the tensor (a WeakSet would compare values)
+
+
+def mark_scratch(*tensors: torch.Tensor) -> None:
+    """Mark buffers as scratch (see ``_SCRATCH``)."""
+    for t in tensors:
+        _SCRATCH[id(t)] = weakref.ref(t, lambda _, key=id(t): _SCRATCH.pop(key, None))
+
+
+def is_scratch(t: torch.Tensor) -> bool:
+    ref = _SCRATCH.get(id(t))
+    return ref is not None and ref() is t
+
 
 def _align(n: int, dtype: torch.dtype) -> int:
     a = max(1, _ALIGN_BYTES // dtype.itemsize)
@@ -123,6 +139,15 @@ class HostParams:
         if host is None:
             host = cls(pin=torch.cuda.is_available() if pin is None else pin, emulate=emulate)
             _BY_MODEL[model] = host
+        return host
+
+    @classmethod
+    def share(cls, module: torch.nn.Module, owner: torch.nn.Module) -> HostParams:
+        """Give ``module`` (built around ``owner``'s tensors, e.g. generation's step
+        module) ``owner``'s HostParams, which must exist: one host copy of the shared
+        tensors, whichever pipe uploads them."""
+        host = _BY_MODEL[owner]
+        _BY_MODEL[module] = host
         return host
 
     @property

@@ -1,0 +1,225 @@
+"""``pipe.generate``: token for token what ``transformers``' ``model.generate`` returns,
+for the causal LMs of the matrix (left padding, prompts of different lengths, each
+sequence stopping at its EOS), after a training step on the same weights, on 1-3 devices
+and on cuda-sim; sampling as transformers samples; bad input refused, nothing changed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.runtime.params import HostParams
+
+T = pytest.importorskip("transformers")
+
+from tests import test_hf_models  # noqa: E402
+from tests.test_hf_matrix import build  # noqa: E402
+
+CAUSAL = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "opt", "mixtral", "qwen3_moe"]
+
+
+def causal_lm(name: str):
+    torch.manual_seed(0)
+    model = test_hf_models.MODELS[name][0]() if name in test_hf_models.MODELS else build(name)
+    return model.eval()
+
+
+def prompts(model, batch: int = 3, length: int = 6):
+    """Left-padded prompts of different lengths (3 tokens of padding, 2, none)."""
+    torch.manual_seed(1)
+    pad = model.generation_config.pad_token_id
+    pad = 1 if pad is None else pad
+    ids = torch.randint(3, model.config.vocab_size, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, :3] = 0
+    if batch > 2:
+        mask[2, :2] = 0
+    ids[mask == 0] = pad
+    return ids, mask, pad
+
+
+def hf_generate(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=kw.pop("do_sample", False), **kw)
+
+
+def compiled(model, ids, devices=("cpu", "cpu"), **kw):
+    return fxpipe.compile(model, example_inputs=(ids,), devices=list(devices), **kw)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_greedy_equals_transformers(name):
+    model = causal_lm(name)
+    ids, mask, pad = prompts(model)
+    ref = hf_generate(model, ids, mask, max_new_tokens=8, pad_token_id=pad)
+    pipe = compiled(model, ids)
+    out = pipe.generate(ids, mask, max_new_tokens=8, pad_token_id=pad)
+    assert out.dtype == torch.long and torch.equal(out, ref)
+    # each sequence stops at its EOS: a token the first sequence makes midway is the EOS
+    eos = int(ref[0, ids.shape[1] + 2])
+    ref = hf_generate(model, ids, mask, max_new_tokens=8, pad_token_id=pad, eos_token_id=eos)
+    out = pipe.generate(ids, mask, max_new_tokens=8, pad_token_id=pad, eos_token_id=eos)
+    assert torch.equal(out, ref)
+    assert (out[0, ids.shape[1] + 3:] == pad).all()
+    assert len(pipe._generation) == 1          # both calls ran one step module
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 3, "cuda-sim"])
+def test_greedy_on_one_to_three_devices_and_cuda_sim(devices):
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    if devices == "cuda-sim":
+        devices = [fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)]
+    pipe = compiled(model, ids, devices)
+    ref = hf_generate(model, ids, mask, max_new_tokens=6, pad_token_id=pad)
+    assert torch.equal(pipe.generate(ids, mask, max_new_tokens=6, pad_token_id=pad), ref)
+    if devices and isinstance(devices[0], fxpipe.VirtualDevice):
+        assert pipe._generation[0].pipe.stats()["host_stalls"] == 0   # pinned, as on a GPU
+
+
+def test_after_a_training_step_the_new_weights_and_one_host_copy():
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    pipe = compiled(model, ids)
+    before = pipe.generate(ids, mask, max_new_tokens=6, pad_token_id=pad)
+    steps = pipe._generation[0]
+    graphs = len(steps.pipe._cache)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    labels = torch.randint(0, model.config.vocab_size, ids.shape)
+    pipe.forward_backward((ids,), label=labels, optimizer=opt,
+                          loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
+    model.eval()
+    after = pipe.generate(ids, mask, max_new_tokens=6, pad_token_id=pad)
+    ref = hf_generate(model, ids, mask, max_new_tokens=6, pad_token_id=pad)
+    assert torch.equal(after, ref) and not torch.equal(after, before)
+    # no re-compile, and the step module uploads from the model's own host buffers
+    assert len(pipe._generation) == 1 and len(steps.pipe._cache) == graphs
+    host = HostParams.of(model)
+    assert HostParams.of(steps.module) is host
+    assert all(host.view(host.slot(p)).data_ptr() == p.data_ptr() for p in model.parameters())
+
+
+def test_sampling_follows_transformers_and_the_generator():
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    pipe = compiled(model, ids)
+    kw = dict(max_new_tokens=8, pad_token_id=pad, do_sample=True, temperature=0.7, top_k=20,
+              top_p=0.9)
+    torch.manual_seed(5)
+    ref = hf_generate(model, ids, mask, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(pipe.generate(ids, mask, **kw), ref)   # the same draws
+    a = pipe.generate(ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    b = pipe.generate(ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(a, b)
+    greedy = pipe.generate(ids, mask, max_new_tokens=8, pad_token_id=pad)
+    top1 = pipe.generate(ids, mask, max_new_tokens=8, pad_token_id=pad, do_sample=True, top_k=1)
+    assert torch.equal(top1, greedy)
+
+
+def test_streamer_gets_the_prompt_then_each_token():
+    class Recorder:
+        def __init__(self):
+            self.put_shapes, self.ended = [], False
+
+        def put(self, tokens):
+            self.put_shapes.append(tuple(tokens.shape))
+
+        def end(self):
+            self.ended = True
+
+    model = causal_lm("gpt2")
+    ids, mask, pad = prompts(model, batch=1)
+    rec = Recorder()
+    out = compiled(model, ids).generate(ids, mask, max_new_tokens=4, streamer=rec, pad_token_id=pad)
+    assert rec.put_shapes == [(1, 6)] + [(1,)] * 4 and rec.ended and out.shape == (1, 10)
+
+
+def test_program_and_code_show_prefill_decode_and_the_cache():
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    pipe = compiled(model, ids)
+    program = pipe.program("generate")
+    text = str(program)
+    assert text.startswith("# prefill") and "# each decode step" in text
+    assert text.count("microbatches=1") == 2         # the whole batch at once
+    code = pipe.code("generate")
+    for i in range(model.config.num_hidden_layers):   # each layer's cache: read, written, back
+        assert f"host_kv_{i}_k = " in code and f"index_copy_.default(kv_{i}_k" in code
+        assert f"writeback.default(host_kv_{i}_k, kv_{i}_k)" in code
+    pipe.generate(ids, mask, max_new_tokens=2, pad_token_id=pad)  # the same step module
+    assert len(pipe._generation) == 1
+
+
+def test_predicted_kv_and_decode_memory_match_the_devices():
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    ids = torch.randint(3, 256, (4, 100))
+    pipe = compiled(model, ids)
+    pred = fxpipe.plan.predict_memory(pipe, run_type="generate", batch=4, max_length=256)
+    steps = pipe._generation_steps(4, 256)
+    pipe.generate(ids, max_new_tokens=1)               # the prefill
+    for d in pipe.devices:
+        d.reset_peak()
+    mask = torch.ones(4, steps.module.length, dtype=torch.long)
+    steps(ids[:, -1:], mask, torch.full((4, 1), 100), torch.tensor([100]))  # a decode step
+    kv = sum(b.numel() * b.element_size() for n, b in steps.module.named_buffers() if ".kv." in f".{n}")
+    assert kv == 4 * 2 * 4 * 2 * 256 * 32 * 4           # layers, k/v, batch, heads, length, dim, fp32
+    for dev, peak in enumerate(pred.devices):
+        measured = pipe.devices[dev].peak_bytes("params")   # weights and the KV cache
+        assert peak.bytes["params"] == measured, (dev, peak.bytes, measured)
+        assert abs(peak.total / pipe.devices[dev].peak_bytes() - 1) < 0.15
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    pipe = compiled(model, ids)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        pipe.generate(ids, mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match="more than the model's 64"):
+        pipe.generate(ids, mask, max_new_tokens=60)
+    with pytest.raises(ValueError, match="no attention_mask was given"):
+        pipe.generate(ids, max_new_tokens=2, pad_token_id=pad)
+    right = torch.ones_like(mask)
+    right[0, -2:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        pipe.generate(ids, right, max_new_tokens=2)
+    with pytest.raises(ValueError, match="integer tensor"):
+        pipe.generate(ids.float(), mask, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="resident on the devices"):
+        pipe.generate(ids, mask, max_new_tokens=2, kv_cache="device")
+    assert pipe._generation == []
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+@pytest.mark.parametrize("what", ["base", "sequential"])
+def test_a_model_without_a_causal_lm_head_says_what_is_needed(what):
+    if what == "base":
+        model = causal_lm("llama").model      # LlamaModel: hidden states, no logits
+        ids = torch.randint(3, 64, (2, 5))
+        match = "causal LM head"
+    else:
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+        ids = torch.randint(3, 64, (2, 5))
+        match = "Hugging Face config"
+    pipe = compiled(model, ids)
+    with pytest.raises(TypeError, match=match):
+        pipe.generate(ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match=match):
+        pipe.program("generate")
+
+
+def test_generation_config_settings_fxpipe_does_not_apply_raise():
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.raises(NotImplementedError, match="repetition_penalty=1.3"):
+        compiled(model, ids).generate(ids, mask, max_new_tokens=2)
