@@ -5,8 +5,9 @@
 
 **Measured** (this machine, 2 virtual CPU devices): tokens/s of greedy generation of a
 Llama-style ``LlamaForCausalLM`` from a config (hidden ``--hidden``, ``--layers`` blocks,
-vocab 4096; random weights), batch ``--batch``, a ``--prompt``-token prompt and
-``--new`` new tokens, three ways, interleaved, ``--repeat`` rounds after a warm-up:
+vocab 4096; random weights), batch ``--batch`` of ``--prompt``-token prompts (every other
+one a quarter shorter, left-padded, with its ``attention_mask``) and ``--new`` new
+tokens, three ways, interleaved, ``--repeat`` rounds after a warm-up:
 ``transformers``' ``model.generate`` with its KV cache (eager on the CPU: the weights
 stay put), ``pipe.generate`` (KV cache, every stage's weights and cache uploaded per
 token), and fxpipe without a cache (``pipe(ids)`` over the whole sequence per token, what
@@ -80,20 +81,29 @@ def measured(args) -> dict:
         max_position_embeddings=args.prompt + args.new + 64, tie_word_embeddings=True)).eval()
     model.generation_config.eos_token_id = None     # every sequence runs its --new tokens
     ids = torch.randint(3, 4096, (args.batch, args.prompt))
-    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=["cpu", "cpu"])
+    mask = torch.ones_like(ids)
+    mask[::2, : args.prompt // 4] = 0       # every other prompt a quarter shorter: left-padded
+    ids[mask == 0] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=["cpu", "cpu"],
+                          example_kwargs={"attention_mask": mask, "position_ids": positions})
 
     def hf():
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=args.new,
+                                  do_sample=False, pad_token_id=0)
 
     def cached():
-        return pipe.generate(ids, max_new_tokens=args.new, pad_token_id=0)
+        return pipe.generate(ids, mask, max_new_tokens=args.new, pad_token_id=0)
 
     def uncached():
-        seq = ids
+        seq, m = ids, mask
         with torch.no_grad():
             for _ in range(args.new):
-                seq = torch.cat([seq, pipe(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+                pos = (m.cumsum(-1) - 1).clamp(min=0)
+                token = pipe(seq, attention_mask=m, position_ids=pos).logits[:, -1].argmax(-1)
+                seq = torch.cat([seq, token[:, None]], 1)
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
         return seq
 
     variants = {"transformers generate (KV cache)": hf, "pipe.generate (KV cache)": cached,
@@ -161,12 +171,36 @@ def simulated_row(model: str, gpu: str, gpus: int) -> dict:
             best = row
     weights = L * layer_cost(model, 1, 1)[0]
     best["bound_tokens_per_s"] = best["batch"] * gpus * link / weights
+    best["host_bytes"] = L * (best["weight_bytes_per_layer"] + best["kv_bytes_per_layer"])
     best.update(model=model, gpu=gpu, gpus=gpus, kv_placement="host (streamed with its layer)",
                 published=PUBLISHED.get(model, []))
     return best
 
 
 # ---------------------------------------------------------------------------------- main
+
+def report_measured(m: dict, args) -> dict:
+    print(f"\nMeasured: Llama-style, {m['model']['parameters'] / 1e6:.1f}M parameters, batch "
+          f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, 2 virtual CPU devices")
+    print(f"{'':36} {'tokens/s max':>13} {'median':>9} {'/ transformers':>15} {'same tokens':>12}")
+    for name, r in m["rows"].items():
+        print(f"{name:36} {r['tokens_per_s_max']:13.1f} {r['tokens_per_s_median']:9.1f} "
+              f"{r['over_transformers_median']:15.2f} {str(r['same_tokens']):>12}")
+    return m
+
+
+def report_simulated() -> dict:
+    sim = [simulated_row(*s) for s in SETUPS]
+    print(f"\nSimulated (fxpipe.simulate; a decode step at {CONTEXT}+{NEW} tokens of context, "
+          "fp16 weights, KV cache in host memory):")
+    print(f"{'model':15} {'GPUs':22} {'batch':>6} {'step ms':>9} {'tokens/s':>9} {'bound':>9} "
+          f"{'host GB':>8}  published")
+    for r in sim:
+        print(f"{r['model']:15} {str(r['gpus']) + ' x ' + r['gpu']:22} {r['batch']:6d} "
+              f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.2f} {r['bound_tokens_per_s']:9.2f} "
+              f"{r['host_bytes'] / 1e9:8.0f}  {'; '.join(r['published'])}")
+    return {"context": CONTEXT, "new": NEW, "rows": sim}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -176,28 +210,20 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=["measured", "simulated"], default=None,
+                    help="run one part; the other is kept from the existing JSON")
     args = ap.parse_args()
-
-    m = measured(args)
-    print(f"\nMeasured: Llama-style, {m['model']['parameters'] / 1e6:.1f}M parameters, batch "
-          f"{args.batch}, prompt {args.prompt}, {args.new} new tokens, 2 virtual CPU devices")
-    print(f"{'':36} {'tokens/s max':>13} {'median':>9} {'/ transformers':>15} {'same tokens':>12}")
-    for name, r in m["rows"].items():
-        print(f"{name:36} {r['tokens_per_s_max']:13.1f} {r['tokens_per_s_median']:9.1f} "
-              f"{r['over_transformers_median']:15.2f} {str(r['same_tokens']):>12}")
-
-    sim = [simulated_row(*s) for s in SETUPS]
-    print(f"\nSimulated (fxpipe.simulate; a decode step at {CONTEXT}+{NEW} tokens of context, "
-          "fp16 weights, KV cache in host memory):")
-    print(f"{'model':15} {'GPUs':22} {'batch':>6} {'step ms':>9} {'tokens/s':>9} {'bound':>9}  published")
-    for r in sim:
-        print(f"{r['model']:15} {str(r['gpus']) + ' x ' + r['gpu']:22} {r['batch']:6d} "
-              f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.2f} {r['bound_tokens_per_s']:9.2f}  "
-              f"{'; '.join(r['published'])}")
+    result = {}
+    if args.only and os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            result = {k: v for k, v in json.load(f).items() if k != args.only}
+    if args.only != "simulated":
+        result["measured"] = report_measured(measured(args), args)
+    if args.only != "measured":
+        result["simulated"] = report_simulated()
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
-        json.dump({"measured": m, "simulated": {"context": CONTEXT, "new": NEW, "rows": sim}},
-                  f, indent=1)
+        json.dump(result, f, indent=1)
     print(f"wrote {RESULTS}")
 
 

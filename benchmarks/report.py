@@ -357,11 +357,12 @@ def _generate_simulated(d: dict) -> list[str]:
     s = d["simulated"]
     rows = [[r["model"], f"{r['gpus']} × {r['gpu']}", r["batch"], f"{r['step_ms']:,.0f}",
              f"{r['tokens_per_s']:,.2f}", f"{r['bound_tokens_per_s']:,.2f}",
-             "; ".join(r["published"]) or "–"] for r in s["rows"]]
+             f"{r['host_bytes'] / 1e9:,.0f}", "; ".join(r["published"]) or "–"] for r in s["rows"]]
     return [f"A decode step at {s['context']} + {s['new']} tokens of context, fp16 weights, "
             "the KV cache in host memory (as fxpipe keeps it). Simulated, not run.", ""] + table(
         ["model", "GPUs", "batch", "step ms", "tokens/s (simulated)",
-         "bound: weights over the link", "published (their setups)"], rows)
+         "bound: weights over the link", "host GB (weights and cache)",
+         "published (their setups)"], rows)
 
 
 SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [

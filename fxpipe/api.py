@@ -468,8 +468,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         if fits:
             steps = min(fits, key=lambda s: s.module.length)
         else:
-            dtype = next((t.dtype for t in self.module.parameters() if t.is_floating_point()),
-                         torch.float32)
+            dtype = self.param_dtype or next(
+                (t.dtype for t in self.module.parameters() if t.is_floating_point()), torch.float32)
             step = StepModule(self.module, batch, -(-length // BUCKET) * BUCKET, dtype)
             step.train(self.module.training)
             self._host_params()                      # made now if no call made them yet

@@ -22,7 +22,10 @@ what came before (``in_progress`` names the section that was running):
 8. ``weights``: ``compile(weights=DIR)`` on a model built on ``meta`` with a frozen base:
    how many frozen parameters stayed file-backed, whether their pages were registered
    for DMA (else the bounded pinned ring carried them: ``ring_bytes``), the host stalls,
-   and the losses against the same model loaded in memory.
+   and the losses against the same model loaded in memory;
+9. ``generate``: ``pipe.generate`` (KV cache) of a Hugging Face Llama from a config,
+   greedy over left-padded prompts, against ``transformers``' ``model.generate`` with
+   every weight resident on the same GPU: the tokens and the tokens per second.
 
 Each section runs in ``try``/``except``: a failure is recorded as that section's
 ``error`` (type, message, last traceback lines) with ``"ok": false`` and the kit goes on;
@@ -52,6 +55,7 @@ runs the same code on two CPU virtual devices with a GPU's semantics
 from __future__ import annotations
 
 import argparse
+import copy
 import faulthandler
 import gc
 import json
@@ -83,11 +87,11 @@ from fxpipe.sim import Hardware
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_devices.py", "tests/test_params.py"]
 SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
-            "predicted_vs_measured", "stats", "bigger_than_device", "weights")
+            "predicted_vs_measured", "stats", "bigger_than_device", "weights", "generate")
 # the share of the budget kept for each section while the ones before it run
 RESERVE = {"cuda_tests": 0.0, "vs_checkpoint": 0.12, "scaling": 0.12, "hidden_prefetch": 0.10,
            "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15,
-           "weights": 0.05}
+           "weights": 0.05, "generate": 0.06}
 TAIL_LINES = 40
 
 
@@ -574,6 +578,60 @@ def weights(kit: Kit, steps: int = 2) -> dict[str, Any]:
     return out
 
 
+def generate(kit: Kit, new: int = 32) -> dict[str, Any]:
+    """``pipe.generate`` (KV cache) of a Hugging Face Llama from a config, greedy, left-
+    padded prompts: the tokens against ``transformers``' ``model.generate`` on the same
+    device with every weight resident there, and the tokens per second of both (min
+    over two timed runs after a warm-up)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if kit.dry_run:
+        shape, batch, prompt = dict(hidden=32, layers=2, vocab=64), 2, 8
+    else:
+        shape, batch, prompt = dict(hidden=2048, layers=16, vocab=32000), 16, 128
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+        intermediate_size=shape["hidden"] * 11 // 4, num_hidden_layers=shape["layers"],
+        num_attention_heads=16 if not kit.dry_run else 4, num_key_value_heads=4 if not kit.dry_run else 2,
+        max_position_embeddings=prompt + new + 64, pad_token_id=0)).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, shape["vocab"], (batch, prompt))
+    mask = torch.ones_like(ids)
+    mask[::2, : prompt // 4] = 0
+    ids[mask == 0] = 0
+    where = "cpu" if kit.dry_run else "cuda:0"
+    eager = copy.deepcopy(model).to(where)
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(1, kit.dry_run))
+    sync = _sync(kit.dry_run)
+    try:
+        def fx():
+            return pipe.generate(ids, mask, max_new_tokens=new)
+
+        def hf():
+            with torch.no_grad():
+                return eager.generate(ids.to(where), attention_mask=mask.to(where),
+                                      max_new_tokens=new, do_sample=False).cpu()
+        outs, seconds = {}, {"fxpipe": [], "transformers": []}
+        for name, fn in (("fxpipe", fx), ("transformers", hf)) * 3:
+            sync()
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            sync()
+            seconds[name].append(time.perf_counter() - t0)
+        tokens = batch * new
+        rate = {k: tokens / min(v[1:]) for k, v in seconds.items()}
+        same = bool(torch.equal(outs["fxpipe"], outs["transformers"]))
+        agree = float((outs["fxpipe"][:, prompt:] == outs["transformers"][:, prompt:]).float().mean())
+        return {"model": shape, "batch": batch, "prompt": prompt, "new": new,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "same_tokens": same, "token_agreement": agree,
+                "tokens_per_s": rate, "over_transformers": rate["fxpipe"] / rate["transformers"],
+                "kv_cache": "host", "ok": same or agree > 0.9}
+    finally:
+        pipe.close()
+
+
 def _bigger_setup(dry_run: bool) -> tuple[int, dict[str, int], int, float]:
     """(cap in bytes, model shape, microbatches, learning rate) of bigger_than_device: a
     deep model of small blocks whose bf16 weights are about 2.1x the cap."""
@@ -739,6 +797,10 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
         return (f"weights {r['weights_over_limit']:.2f}x the cap, peak reserved "
                 f"{r['peak_reserved_over_limit']:.2f}x, {r['tokens_per_s']:.0f} tokens/s, "
                 f"losses {[round(x, 3) for x in r['losses']]}")
+    if name == "generate":
+        return (f"tokens equal transformers: {r['same_tokens']} (agreement "
+                f"{r['token_agreement']:.3f}); {r['tokens_per_s']['fxpipe']:.0f} tokens/s, "
+                f"{r['over_transformers']:.2f}x transformers with its weights resident")
     if name == "weights":
         return (f"{r['frozen_file_backed']}/{r['frozen_params']} frozen parameters file-backed, "
                 f"{'registered for DMA' if r['registered'] else 'through the pinned ring'}, "

@@ -204,7 +204,7 @@ def _options(model: nn.Module, max_new_tokens, do_sample, temperature, top_k, to
     gc = getattr(model, "generation_config", None)
     for name, neutral in _UNSUPPORTED:
         value = getattr(gc, name, neutral) if gc is not None else neutral
-        if value not in (neutral, None) and value != neutral:
+        if value is not None and value != neutral:
             raise NotImplementedError(
                 f"pipe.generate: the model's generation_config sets {name}={value!r}, which "
                 f"fxpipe does not apply yet (it supports greedy and sampled decoding with "
@@ -212,7 +212,8 @@ def _options(model: nn.Module, max_new_tokens, do_sample, temperature, top_k, to
     if max_new_tokens is None:
         max_new_tokens = getattr(gc, "max_new_tokens", None)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"pipe.generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        raise ValueError(f"pipe.generate: max_new_tokens must be an int >= 1, got "
+                         f"{max_new_tokens!r} (pass max_new_tokens=N)")
     if do_sample is None:
         do_sample = bool(getattr(gc, "do_sample", False))
     if top_k is None and do_sample:
@@ -306,8 +307,9 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     opts = _options(model, max_new_tokens, do_sample, temperature, top_k, top_p,
                     eos_token_id, pad_token_id)
     prompt = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 0
-    mask = _check_inputs(model, input_ids, attention_mask, prompt + opts.max_new_tokens, opts.pad)
-    input_ids = input_ids.long()
+    mask = _check_inputs(model, input_ids, attention_mask, prompt + opts.max_new_tokens,
+                         opts.pad).cpu()
+    input_ids = input_ids.long().cpu()     # the pipe uploads what its stages need
     batch = input_ids.shape[0]
     steps = pipe._generation_steps(batch, prompt + opts.max_new_tokens)
     length = steps.module.length

@@ -157,8 +157,10 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     """
     if run_type == "generate":
         from fxpipe.generation import inspected_steps
-        steps = pipe._generation_steps(batch, max_length) if batch and max_length \
-            else inspected_steps(pipe)
+        if (batch is None) != (max_length is None):
+            raise ValueError("predict_memory(run_type='generate') takes batch= and max_length= "
+                             "together (or neither: the last generate call's)")
+        steps = inspected_steps(pipe) if batch is None else pipe._generation_steps(batch, max_length)
         decode = steps.compiled()[1]
         fwd, _ = stage_ranges(decode.plan, "infer", len(decode.layers))
         return predict_memory(decode.layers, StagePlan(fwd, []), run_type="infer",
