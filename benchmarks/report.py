@@ -575,6 +575,14 @@ def headline() -> list[str]:
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
                      f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+    gen = load("bench_generate.json")
+    if gen and "measured" in gen:
+        measured = gen["measured"]["rows"]
+        cached, uncached = measured["pipe.generate (KV cache)"], measured["fxpipe without a cache"]
+        rows.append(["`pipe.generate` (KV cache) tokens/s on 2 virtual CPU devices / transformers' "
+                     "`generate` with its weights in place", f"{cached['over_transformers_median']:.2f} "
+                     f"(same tokens; {cached['tokens_per_s_median'] / uncached['tokens_per_s_median']:.1f}× "
+                     "fxpipe without a cache)", "generation"])
     big = load("bench_big_weights.json")
     if big and "summary" in big:
         w, f = big["summary"]["weights"], big["summary"]["from_pretrained"]

@@ -167,3 +167,23 @@ def test_pinned_fused_step_has_no_host_stalls(inputs_on):
     unpinned = pair(1, pin_memory=False)[2]
     unpinned.forward_backward((ids,), label=y, loss_fn=ce)
     assert unpinned.stats()["host_stalls"] > 0 and unpinned.stats()["host_pinned_bytes"] == 0
+
+
+def test_generate_on_a_gpu_equals_transformers():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0)).eval()
+    ids = torch.randint(1, 128, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[mask == 0] = 0
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=gpus(1))
+    out = pipe.generate(ids, mask, max_new_tokens=8)
+    with torch.no_grad():
+        ref = copy.deepcopy(model).cuda().generate(ids.cuda(), attention_mask=mask.cuda(),
+                                                  max_new_tokens=8, do_sample=False)
+    assert out.device.type == "cpu" and torch.equal(out, ref.cpu())
+    assert pipe._generation[0].pipe.stats()["host_stalls"] == 0

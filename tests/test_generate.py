@@ -223,3 +223,16 @@ def test_generation_config_settings_fxpipe_does_not_apply_raise():
     model.generation_config.repetition_penalty = 1.3
     with pytest.raises(NotImplementedError, match="repetition_penalty=1.3"):
         compiled(model, ids).generate(ids, mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_sliding_window_layers_past_their_window(name):
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  sliding_window=4, pad_token_id=0)
+    torch.manual_seed(0)
+    model = (T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=8)) if name == "gemma2"
+             else T.MistralForCausalLM(T.MistralConfig(**common))).eval()
+    ids, mask, pad = prompts(model)
+    ref = hf_generate(model, ids, mask, max_new_tokens=12, pad_token_id=pad)   # 18 > 4 positions
+    assert torch.equal(compiled(model, ids).generate(ids, mask, max_new_tokens=12), ref)
