@@ -445,7 +445,10 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("Generation", "bench_generate.json", "measured",
      "`pipe.generate` (KV cache) against `transformers`' `model.generate` (KV cache, eager "
      "on the CPU, its weights never move) and fxpipe without a cache (the whole sequence "
-     "per token), greedy, interleaved rounds after a warm-up.", _generate_measured),
+     "per token), greedy, interleaved rounds after a warm-up. A virtual device computes on "
+     "one intra-op thread (every fxpipe worker does) and copies each stage's weights and "
+     "cache into its memory every token; transformers computes in place on both cores.",
+     _generate_measured),
     ("Generation on GPUs, simulated", "bench_generate.json", "simulated",
      "`fxpipe.simulate` over the Program a decode step runs (every decoder layer a stage, "
      "round-robin over the GPUs), per layer its weights and KV cache over the host link and "
