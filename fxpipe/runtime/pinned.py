@@ -112,7 +112,8 @@ def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
     size = reserved(nbytes)
     # an anonymous map: page-aligned, and the tensor's storage is exactly the registered
     # pages (torch's ``Tensor.is_pinned`` asks CUDA about the storage's first byte)
-    block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    pages = mmap.mmap(-1, size)
+    block = torch.frombuffer(pages, dtype=torch.uint8)
     start = block.data_ptr()
     if not emulate:
         _cuda_register(start, size)
@@ -120,10 +121,11 @@ def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
     _registry[start] = size
     if account is not None:
         account._add(size)
-    # runs when the storage is freed (its last tensor gone), before the map is unmapped;
-    # not at interpreter exit (the process's memory goes with it)
-    weakref.finalize(storage, _release, start, size, not emulate, account).atexit = False
-    del storage
+    # runs when the storage is freed (its last tensor gone); it holds the map, so the
+    # pages are unregistered before they are unmapped. Not at interpreter exit (the
+    # process's memory goes with it)
+    weakref.finalize(storage, _release, start, size, not emulate, account, pages).atexit = False
+    del storage, pages
     return block[:nbytes].view(dtype)
 
 
@@ -169,7 +171,8 @@ def reserved_bytes() -> int:
     return sum(list(_registry.values()))
 
 
-def _release(start: int, size: int, registered: bool, account: Account | None) -> None:
+def _release(start: int, size: int, registered: bool, account: Account | None,
+             pages: mmap.mmap) -> None:
     _registry.pop(start, None)
     if account is not None:
         account._add(-size)
@@ -178,6 +181,7 @@ def _release(start: int, size: int, registered: bool, account: Account | None) -
             torch.cuda.cudart().cudaHostUnregister(start)
         except Exception:  # noqa: BLE001 — freeing must not raise (CUDA may be shutting down)
             pass
+    del pages   # unmapped once nothing else holds the map: after the unregister
 
 
 def _cuda_register(start: int, size: int) -> None:
