@@ -385,7 +385,7 @@ def binding_stage(model, example, n: int, num_devices: int):
     sees it (what stops a longer sequence), with the prefetch reserve in its parameters."""
     args = example(n)
     flat = [x for x in args if isinstance(x, torch.Tensor)]
-    lg = build_layer_graph(copy.deepcopy(model).to(torch.bfloat16), args, {})
+    lg = build_layer_graph(model, args, {}, param_dtype=torch.bfloat16)
     memory = ChainMemory.of(compute_costs(lg, flat, store=False), sum(x.numel() * x.element_size() for x in flat))
     res, last = Residency.worst(num_devices + 1, num_devices), len(memory) - 1
     stages = [stage_peak(memory, kind, range(i, i + 1), residency=res, prefetch=range(j, j + 1))

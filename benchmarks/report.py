@@ -266,6 +266,27 @@ def _peft(d: dict) -> list[str]:
         f"(from the minima); gradient bytes downloaded: {lo['d2h_bytes_grads']:.4f}×."]
 
 
+def _precision(d: dict) -> list[str]:
+    rows = []
+    for name in ("fp32", "param_dtype", "autocast"):
+        r = d["variants"][name]
+        rows.append([name, f"{r['h2d_bytes_params']:,}", f"{r['d2h_bytes_grads']:,}",
+                     f"{r['h2d_bytes_activations']:,}", mb(r["predicted_peak_bytes"]),
+                     mb(r["measured_peak_bytes"]), f"{r['losses'][-1]:.4f}",
+                     f"{r['min_s']:.3f} s ({r['median_s']:.3f} s)"])
+    over = [[name, f"{o['h2d_bytes_params']:.3f}", f"{o['d2h_bytes_grads']:.3f}",
+             f"{o['h2d_bytes_activations']:.3f}", f"{o['predicted_peak_bytes']:.3f}",
+             f"{o['measured_peak_bytes']:.3f}", f"{o['loss_relative_difference']:.1e}",
+             f"{o['time_paired_median']:.3f}"] for name, o in d["over_fp32"].items()]
+    return [f"{d['parameters'] / 1e6:.1f}M parameters, {d['devices']} virtual devices, "
+            f"{d['repeats']} interleaved rounds.", ""] + table(
+        ["", "h2d parameters B", "d2h gradients B", "h2d activations B", "device peak, predicted",
+         "measured", "loss (last step)", "step, min (median)"], rows) + ["", "Against fp32:", ""] + table(
+        ["", "parameter bytes up", "gradient bytes down", "activation bytes up", "predicted peak",
+         "measured peak", "loss, largest relative difference", "step time (paired median, CPU)"],
+        over)
+
+
 def _sim_vs_measured(d: dict) -> list[str]:
     rows = [[f"{r['measured_ms']:,.1f}", f"{r['simulated_ms']:,.1f}", f"{r['ratio']:.3f}",
              f"{r['measured_bubble']:.1f}%", f"{r['simulated_bubble']:.1f}%"] for r in d["rows"]]
@@ -436,6 +457,11 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("peft LoRA", "bench_peft.json", "variants",
      "A Llama-style model from a config, LoRA r=8 on `q_proj`/`v_proj` against full "
      "training; bytes per step from `pipe.stats()`.", _peft),
+    ("Mixed precision", "bench_precision.json", "variants",
+     "A Llama-style model from a config trained in fp32, with `param_dtype=torch.bfloat16` "
+     "and under `torch.autocast` (bf16) around the call; bytes per step from `pipe.stats()`, "
+     "device peaks predicted and counted. CPU bf16 matmuls are no faster than fp32 ones: "
+     "the time column says only that the runtime did not get slower.", _precision),
     ("Simulator against a real run", "bench_sim_vs_measured.json", "rows",
      "Virtual devices, layer times from the same run.", _sim_vs_measured),
     ("Weights bigger than host RAM", "bench_big_weights.json", "summary",
@@ -578,6 +604,13 @@ def headline() -> list[str]:
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
                      f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+    prec = load("bench_precision.json")
+    if prec and "over_fp32" in prec:
+        o = prec["over_fp32"]["param_dtype"]
+        rows.append(["`param_dtype=torch.bfloat16` / fp32: parameter bytes uploaded per step, "
+                     "device peak (predicted, measured)", f"{o['h2d_bytes_params']:.2f}; "
+                     f"{o['predicted_peak_bytes']:.2f}, {o['measured_peak_bytes']:.2f}",
+                     "mixed-precision"])
     gen = load("bench_generate.json")
     if gen and "measured" in gen:
         measured = gen["measured"]["rows"]

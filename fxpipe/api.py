@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -30,19 +31,21 @@ from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
+from fxpipe.runtime import amp
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
 from fxpipe.runtime.distributed import DataParallel
 from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
-from fxpipe.runtime.microbatch import PackedData, split_input, split_label
+from fxpipe.runtime.microbatch import (PackedData, batch_rows, check_label_rows, split_input,
+                                       split_label)
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.weights import load as load_weights
-from fxpipe.verbose import is_verbose
+from fxpipe.verbose import is_verbose, warn
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -282,6 +285,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._closed = False
         self._log = ActionLog()
         self._generation: list = []   # generation.Steps, by batch size and cache length
+        self._warned_rows = False     # a batch with fewer rows than microbatches (_fit_rows)
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
             dp.check_same(_digest(self._current, param_dtype, dp))
@@ -315,7 +319,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         with gc_paused():
             lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
                                    layers=self._layers_path,
-                                   dynamic=self._dynamic_dims(tensors))
+                                   dynamic=self._dynamic_dims(tensors),
+                                   param_dtype=self.param_dtype)
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
             cfg = self._config(None)
             plan = self._user_plan or ExecutePlan.auto(
@@ -345,7 +350,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
         self._check_open()
-        cfg = self._config(run_config)
+        cfg = self._fit_rows(self._config(run_config), args, kwargs)
         compiled = self._compiled_for(args, kwargs)
         self._current = compiled
         runner = self._runner(compiled, cfg)
@@ -408,11 +413,14 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self._check_open()
         kwargs = dict(input_kwargs or {})
-        cfg = self._config(run_config)
+        cfg = self._fit_rows(self._config(run_config), input_args, kwargs)
+        if label is not None and cfg.split_input is None and cfg.split_label is None:
+            check_label_rows(input_args, kwargs, label, cfg.num_microbatch)
         compiled = self._compiled_for(input_args, kwargs)
         self._current = compiled
         if optimizer is not None:
             optimizer = as_overlapped(optimizer)
+            _check_optimizer_holds(optimizer.optimizer, self.module)
         if sync_gradients not in (None, True, False):
             raise TypeError(f"sync_gradients must be True, False or None, got {sync_gradients!r}")
         sync = self._sync if sync_gradients is None else sync_gradients
@@ -542,6 +550,20 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             raise TypeError(f"run_config must be an fxpipe.RunConfig, got {type(run_config).__name__}")
         return RunConfig.merge(self.config, run_config).resolved(len(self.devices))
 
+    def _fit_rows(self, cfg: RunConfig, args: tuple, kwargs: dict) -> RunConfig:
+        """A batch with fewer rows than ``num_microbatch`` (a DataLoader's last batch)
+        runs as one microbatch per row, with a warning the first time; the default split
+        only (a custom ``split_input`` decides itself)."""
+        rows = batch_rows(args, kwargs)
+        if rows is None or rows >= cfg.num_microbatch or cfg.split_input is not None:
+            return cfg
+        if not self._warned_rows:
+            self._warned_rows = True
+            warn(f"fxpipe: a batch of {rows} row(s) runs as {rows} microbatch(es), not "
+                 f"num_microbatch={cfg.num_microbatch} (each microbatch needs a row; said once "
+                 "per pipe)")
+        return dataclasses.replace(cfg, num_microbatch=rows)
+
     def _runner(self, compiled: _Compiled, cfg: RunConfig) -> Runner:
         plan = cfg.execute_plan or compiled.plan
         if plan is not compiled.plan:
@@ -669,6 +691,23 @@ def _check_differentiable(args: tuple, kwargs: dict, cfg: RunConfig) -> None:
                 "made it) to train through both pipes")
 
 
+def _check_optimizer_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Refuse an ``optimizer=`` that holds none of ``model``'s trainable parameters (built
+    on a copy of the model, or on another one): its step would change nothing and the
+    gradients would keep accumulating in ``.grad``."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable or any(id(p) in held for p in trainable):
+        return
+    n = len(held)
+    raise ValueError(
+        f"optimizer= ({type(optimizer).__name__}) holds none of the trainable parameters of "
+        f"the compiled {type(model).__name__} ({n} tensor{'s' if n != 1 else ''} in its "
+        "param groups, none of them this model's): its step would change nothing while the "
+        "gradients keep accumulating. Build it on the model you compiled, e.g. "
+        "torch.optim.AdamW(model.parameters()) (not on a copy of it).")
+
+
 def _first_microbatch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call with each ``PackedData`` argument (per-microbatch values from another
     pipe) replaced by its first microbatch: what the graph sees."""
@@ -683,6 +722,9 @@ def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor],
     ``leaves`` (``None``: it can)."""
     if lg.training != training:
         return f"the model is in {'training' if training else 'eval'} mode"
+    if lg.autocast != amp.captured():
+        return (f"the call is under {amp.describe(amp.captured())}, the graph was captured "
+                f"under {amp.describe(lg.autocast)}")
     changed = changed_constant(lg, leaves)
     if changed is not None:
         name, value, captured = changed

@@ -21,7 +21,6 @@ fits. Layers, low to high: ``stage_plan`` (data) < ``memory_prediction`` (estima
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -144,9 +143,10 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
     ``memory_fraction`` of ``device_memory`` (:func:`predict_memory`).
 
-    ``model``: best built on the ``meta`` device (no weights are read; a copy is cast to
-    ``dtype``, the device copies' dtype, e.g. ``param_dtype=torch.bfloat16``; ``None``
-    keeps the model's). ``example_inputs(seq_len)``: the model's positional inputs for
+    ``model``: best built on the ``meta`` device (no weights are read). ``dtype``: the
+    device copies' dtype (``compile``'s ``param_dtype``): floating parameters, their
+    gradients and the activations are sized in it, buffers in their own; ``None`` keeps
+    the model's. ``example_inputs(seq_len)``: the model's positional inputs for
     one microbatch of ``microbatch_size`` sequences (default: token ids
     ``(microbatch_size, seq_len)`` on ``meta``). A step runs ``num_microbatch``
     microbatches (default devices + 1). ``loss_fn`` and ``label(seq_len)`` (default:
@@ -173,8 +173,6 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     if device_memory <= 0 or not 0 < memory_fraction <= 1:
         raise ValueError(f"max_sequence_length: device_memory must be > 0 bytes and "
                          f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
-    if dtype is not None:
-        model = copy.deepcopy(model).to(dtype)
     make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
                                                      device="meta"),))
     make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
@@ -190,7 +188,8 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
         flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
         if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
                             for d, size in graph[0].static_dims.get(name, {}).items()):
-            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers)]
+            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers,
+                                          param_dtype=dtype)]
         loss = None if loss_fn is None else (loss_fn, make_label(n))
         costs = compute_costs(graph[0], flat, store=False, loss=loss)
         memory = ChainMemory.of(costs, tensor_bytes(flat))

@@ -1,4 +1,5 @@
-"""Verbose mode: print per-layer timings to stderr as they are measured.
+"""Verbose mode: print per-layer timings to stderr as they are measured; and ``warn``,
+a warning that points at the user's line.
 
 ``set_verbose(True)`` turns it on, ``set_verbose(False)`` off, ``set_verbose(None)`` goes
 back to the environment variable ``FXPIPE_VERBOSE`` (``1``/``true``/``yes``/``on``), which
@@ -12,6 +13,8 @@ True
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 _verbose: bool | None = None  # None: follow FXPIPE_VERBOSE
 
@@ -29,3 +32,15 @@ def is_verbose() -> bool:
     if _verbose is not None:
         return _verbose
     return os.environ.get("FXPIPE_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(message: str) -> None:
+    """``warnings.warn(message)`` (a ``UserWarning``) attributed to the first frame outside
+    fxpipe: the user's call that led to it, however deep in fxpipe it was found."""
+    level, frame = 2, sys._getframe(1)   # 1: this function's own frame
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)

@@ -420,3 +420,37 @@ def test_an_output_that_cannot_be_merged_is_returned_as_none_and_said(capture, c
     out["out"].square().mean().backward()
     ref(x)["out"].square().mean().backward()
     assert_grads_equal(model, ref)
+
+
+class Branchy(nn.Module):
+    """A block whose Python branches on a value of the whole batch."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        if x.mean() > 0:
+            return self.lin(x)
+        return x - self.lin(x)
+
+
+def test_a_block_branching_on_tensor_values_warns_naming_the_line(capfd):
+    """Captured at block granularity, the branch is taken per microbatch: a warning names
+    the line. The partial export graphs the failed whole-graph traces print go to stderr
+    in verbose mode only."""
+    model = nn.Sequential(*[Branchy() for _ in range(3)])
+    with pytest.warns(UserWarning, match=r"a block's Python branches on tensor values, at "
+                                         r"test_capture_blocks.py:\d+ in forward `if x.mean\(\) "
+                                         r"> 0:`.*taken per microbatch"):
+        pipe = fxpipe.compile(model, (torch.randn(6, 8),), devices=devices(2))
+    assert pipe.layers.capture == "blocks"
+    assert "def forward" not in capfd.readouterr().err   # no partial graph dumped
+    fxpipe.set_verbose(True)
+    try:
+        with pytest.warns(UserWarning):
+            fxpipe.compile(nn.Sequential(*[Branchy() for _ in range(3)]), (torch.randn(6, 8),),
+                           devices=devices(2))
+    finally:
+        fxpipe.set_verbose(False)
+    assert "def forward" in capfd.readouterr().err       # verbose: as torch prints it

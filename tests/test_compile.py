@@ -276,3 +276,18 @@ def test_one_tensor_given_for_two_arguments_stays_two_inputs(capture):
     y = torch.zeros(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x, y), model(x, y))
+
+
+def test_the_docs_list_every_compile_keyword_and_how_to_run_the_trainer_on_cpu():
+    """docs/user-guide.md's signature of ``fxpipe.compile`` names every keyword it takes;
+    docs/from-trainer.md says how to run on a machine without a GPU."""
+    import inspect
+    import pathlib
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    guide = (docs / "user-guide.md").read_text()
+    block = guide[guide.index("fxpipe.compile(model, example_inputs=(), example_kwargs=None, *,"):]
+    block = block[:block.index("```")]
+    missing = [name for name in inspect.signature(fxpipe.compile).parameters
+               if f"{name}=" not in block and name != "model"]
+    assert not missing, f"docs/user-guide.md's compile signature lacks {missing}"
+    assert "use_cpu=True" in (docs / "from-trainer.md").read_text()

@@ -187,3 +187,27 @@ def test_generate_on_a_gpu_equals_transformers():
                                                   max_new_tokens=8, do_sample=False)
     assert out.device.type == "cpu" and torch.equal(out, ref.cpu())
     assert pipe._generation[0].pipe.stats()["host_stalls"] == 0
+
+
+def test_cuda_inputs_go_straight_to_the_device():
+    """A caller's CUDA inputs and labels are uploaded device to device, after the caller's
+    stream (no page-locked staging copy, no host round trip), cast to param_dtype on it."""
+    for dtype in (None, torch.bfloat16):
+        model, ref, pipe = pair(1, param_dtype=dtype)
+        ids, y = batch()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):   # written on another stream than the call's
+            big = torch.randn(2048, 2048, device="cuda")
+            for _ in range(8):
+                big = big @ big / 2048
+            ids_gpu = ids.cuda() + (big.sum() * 0).long()
+        torch.cuda.current_stream().wait_stream(side)
+        loss = pipe.forward_backward((ids_gpu,), label=y.cuda(), loss_fn=ce)
+        assert pipe._staging.account.nbytes == 0, "a CUDA input went through the host"
+        assert pipe.stats()["host_stalls"] == 0
+        if dtype is None:
+            ref_loss = ce(ref(ids.cuda()), y.cuda())
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
+            assert_grads_close(model, ref)
+        pipe.close()

@@ -432,6 +432,44 @@ def check_failure(rank: int, world: int, shard: bool = False,
     pipe.close()
 
 
+def check_hf_bf16(rank: int, world: int) -> None:
+    """A Hugging Face Llama in bf16 (``param_dtype``): each rank trains its share of the
+    batch; the averaged losses and the masters after 2 AdamW steps follow the bf16 eager
+    reference (``hf_zoo.Eager``) on the whole batch, and every rank holds the same."""
+    import copy
+    pytest.importorskip("transformers")
+    from tests import hf_zoo
+    model, kw, _, loss_fn = hf_zoo.setup("llama")    # 4 rows, labels = ids (no padding label)
+    ref = hf_zoo.Eager(copy.deepcopy(model), "param_dtype")
+    rows = kw["input_ids"].shape[0] // world
+    part = {k: v[rank * rows:(rank + 1) * rows] for k, v in kw.items()}
+    pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
+                          data_parallel=True, collective_timeout=TIMEOUT,
+                          param_dtype=torch.bfloat16, config=fxpipe.RunConfig(num_microbatch=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.master.parameters(), lr=1e-2, fused=True)
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for _ in range(2):
+        loss = pipe.forward_backward((), part, loss_fn=loss_fn, optimizer=opt)
+        dist.all_reduce(loss)
+        ref_loss = ref.step(kw, None, loss_fn)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert abs(loss.item() / world - ref_loss.item()) <= 2e-2 * ref_loss.item(), \
+            (loss.item() / world, ref_loss.item())
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    gathered = [torch.empty_like(after) for _ in range(world)]
+    dist.all_gather(gathered, after)
+    assert all(torch.equal(g, after) for g in gathered), "ranks differ"
+    ref_after = torch.cat([p.detach().flatten() for p in ref.master.parameters()])
+    moved, ref_moved = after - before, ref_after - before
+    cos = (moved @ ref_moved / (moved.norm() * ref_moved.norm())).item()
+    assert cos >= 0.9, f"updates' cosine {cos:.3f}"
+    pipe.close()
+
+
 def check_failure_sharded(rank: int, world: int) -> None:
     """The same with shard_optimizer=True: stepped shards and their state put back, the
     fp32 masters too when they are sharded (param_dtype)."""
@@ -442,7 +480,7 @@ def check_failure_sharded(rank: int, world: int) -> None:
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
         check_shard_optimizer, check_shard_across_plans, check_sharded_masters,
-        check_checkpoints, check_mismatch, check_failure, check_failure_sharded],
+        check_checkpoints, check_mismatch, check_hf_bf16, check_failure, check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters],
 }
 

@@ -131,3 +131,43 @@ def test_an_inference_only_plan_compiles_and_refuses_training():
     with pytest.raises(fxpipe.PlanError, match="a fused step needs backward stages"):
         pipe.forward_backward((x,), loss_fn=lambda out, _: out.sum())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_optimizer_holding_none_of_the_pipes_parameters_is_refused():
+    """Built on a copy of the model, it would step nothing while ``.grad`` accumulates."""
+    import copy
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = models.mlp(width=8, depth=3)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
+    wrong = torch.optim.AdamW(copy.deepcopy(model).parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"optimizer= \(AdamW\) holds none of the trainable "
+                                         r"parameters of the compiled Sequential .* \(not on a copy"):
+        pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss, optimizer=wrong)
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(model.parameters(), before))
+    right = torch.optim.AdamW(list(model.parameters())[:2])   # some of them: fine
+    pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss, optimizer=right)
+    assert not torch.equal(next(model.parameters()), before[0])
+
+
+def test_label_rows_are_checked_against_the_inputs_with_the_callers_shapes():
+    """Not one microbatch's shapes (``Expected input batch_size (24) to match target
+    batch_size (23)``): the caller's, before anything runs."""
+    import torch.nn.functional as F
+    model = models.mlp(width=8, depth=3)
+    x = torch.randn(96, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"],
+                          config=fxpipe.RunConfig(num_microbatch=4))
+    with pytest.raises(ValueError, match=r"label has 93 rows \(shape \(93,\)\) and the inputs "
+                                         r"96 \(args\[0\], shape \(96, 8\)\): both are split "
+                                         r"into 4 microbatches"):
+        pipe.forward_backward((x,), label=torch.randint(0, 4, (93,)), loss_fn=F.cross_entropy)
+    assert all(p.grad is None for p in model.parameters())
+    # one label per token of each row is split alike: fine
+    seq = fxpipe.compile(models.GPT(depth=2), example_inputs=(torch.zeros(8, 4, dtype=torch.long),),
+                         devices=["cpu", "cpu"], config=fxpipe.RunConfig(num_microbatch=4))
+    ids = torch.randint(0, 64, (8, 4))
+    seq.forward_backward((ids,), label=ids.flatten(),
+                         loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y))

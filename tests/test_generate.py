@@ -16,15 +16,14 @@ from fxpipe.runtime.params import HostParams
 
 T = pytest.importorskip("transformers")
 
-from tests import test_hf_models  # noqa: E402
-from tests.test_hf_matrix import build  # noqa: E402
+from tests import hf_zoo  # noqa: E402
 
 CAUSAL = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "opt", "mixtral", "qwen3_moe"]
 
 
 def causal_lm(name: str):
     torch.manual_seed(0)
-    model = test_hf_models.MODELS[name][0]() if name in test_hf_models.MODELS else build(name)
+    model = hf_zoo.build(name)
     return model.eval()
 
 
@@ -236,3 +235,35 @@ def test_sliding_window_layers_past_their_window(name):
     ids, mask, pad = prompts(model)
     ref = hf_generate(model, ids, mask, max_new_tokens=12, pad_token_id=pad)   # 18 > 4 positions
     assert torch.equal(compiled(model, ids).generate(ids, mask, max_new_tokens=12), ref)
+
+
+def test_after_bf16_training_generates_what_the_bf16_model_predicts():
+    """``param_dtype=torch.bfloat16``: a streamed AdamW step on the fp32 masters, then
+    ``generate`` on the same pipe, in bf16 (its KV cache too). Each new token is the
+    argmax of the bf16 reference model's logits (the trained masters' bf16 copy, buffers
+    as they are) up to bf16's rounding: teacher-forced on the generated sequence, the
+    chosen token's logit is within 0.05 of the largest."""
+    model = causal_lm("llama")
+    ids, mask, pad = prompts(model)
+    pipe = compiled(model, ids, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    labels = torch.randint(0, model.config.vocab_size, ids.shape)
+    pipe.forward_backward((ids,), label=labels, optimizer=opt,
+                          loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1).float(),
+                                                                 y.flatten()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.eval()
+    out = pipe.generate(ids, mask, max_new_tokens=6, pad_token_id=pad)
+    assert pipe._generation[0].module.kv[0].k.dtype == torch.bfloat16   # the KV cache
+    low = copy.deepcopy(model)
+    for p in low.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    full = torch.cat([mask, torch.ones(mask.shape[0], 6, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        logits = low(out, attention_mask=full,
+                     position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    for t in range(ids.shape[1], out.shape[1]):
+        step = logits[:, t - 1]
+        chosen = step.gather(1, out[:, t:t + 1]).squeeze(1)
+        assert (chosen >= step.max(-1).values - 0.05).all(), (t, chosen, step.max(-1).values)
+    pipe.close()

@@ -386,3 +386,32 @@ def test_linear_cross_entropy_as_a_hugging_face_head():
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), r in zip(lm.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_under_param_dtype_the_devices_bytes_are_the_bf16_copies():
+    """``param_dtype=torch.bfloat16`` on a Hugging Face Llama: predicted device parameter
+    and gradient bytes are half the fp32 pipe's (the fp32 masters are the host's bytes,
+    ``Cost.host_param_bytes``), and ``ExecutePlan.auto`` plans under a memory limit the
+    fp32 parameters do not fit."""
+    pytest.importorskip("transformers")
+    from tests import hf_zoo
+    model, kw, _, _ = hf_zoo.setup("llama")
+    devices = ["cpu", "cpu"]
+    fp32 = fxpipe.compile(model, example_kwargs=kw, devices=devices)
+    bf16 = fxpipe.compile(copy.deepcopy(model), example_kwargs=kw, devices=devices,
+                          param_dtype=torch.bfloat16, plan=fp32.plan)
+    a, b = predict_memory(fp32), predict_memory(bf16)
+    assert len(a.stages) == len(b.stages)
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())  # fp32 in both
+    for sa, sb in zip(a.stages, b.stages):
+        assert sb.bytes["params"] > 0
+        assert 0 <= 2 * sb.bytes["params"] - sa.bytes["params"] <= buffers
+        assert sa.bytes["gradients"] == 2 * sb.bytes["gradients"]
+    for la, lb in zip(fp32.layers, bf16.layers):
+        assert lb.cost.param_bytes * 2 == la.cost.param_bytes == lb.cost.host_param_bytes
+        assert lb.cost.host_grad_bytes == la.cost.grad_bytes   # downloaded in fp32
+    # a limit under which a block's fp32 parameters (and the next stage's) cannot fit:
+    # the bf16 copies do
+    with pytest.raises(PlanError, match=r"layer \d needs"):
+        fxpipe.ExecutePlan.auto("fused", fp32, model_memory_limit=1.2e-4)
+    fxpipe.ExecutePlan.auto("fused", bf16, model_memory_limit=1.2e-4)

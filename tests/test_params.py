@@ -67,12 +67,16 @@ def _storages(tensors) -> set[int]:
 # --- one host copy ----------------------------------------------------------------------
 
 def test_the_model_becomes_views_of_one_buffer_per_dtype():
+    """One flat buffer per dtype, parameters apart from buffers (``param_dtype`` casts
+    the parameters' upload copy only)."""
     m = _mixed_model()
     objects = {n: (id(p), p.detach().clone(), p.requires_grad) for n, p in m.named_parameters()}
     state = {k: v.clone() for k, v in m.state_dict().items()}
     _store(m)
-    fp32 = [p for p in (*m.parameters(), *m.buffers()) if p.dtype == torch.float32]
-    assert len(_storages(fp32)) == 1                       # weights, biases, BN stats
+    fp32 = [p for p in m.parameters() if p.dtype == torch.float32]
+    stats = [b for b in m.buffers() if b.dtype == torch.float32]
+    assert len(_storages(fp32)) == 1                       # weights, biases
+    assert len(_storages(stats)) == 1 and _storages(stats) != _storages(fp32)   # BN stats
     assert len(_storages(m[2].parameters())) == 1 and _storages(m[2].parameters()) != _storages(fp32)
     for n, p in m.named_parameters():                      # the same Parameter objects
         assert (id(p), p.requires_grad) == (objects[n][0], objects[n][2])
@@ -106,7 +110,8 @@ def test_layout_is_layer_order_with_shared_tensors_first():
 def test_upload_is_one_transfer_per_run_and_views_equal_the_masters(dev):
     m = _mixed_model()
     store = _store(m)
-    for stage, runs in ((0, 2), (1, 1)):   # stage 0: fp32, and BatchNorm's int64 counter
+    # stage 0: fp32 parameters, BatchNorm's fp32 statistics and its int64 counter
+    for stage, runs in ((0, 3), (1, 1)):
         n = len(dev.uploads)
         up = store.upload(stage, dev)
         assert len(dev.uploads) - n == len(store._runs_of(stage)) == runs

@@ -479,6 +479,43 @@ def test_optim_dtype_masters():
         assert torch.equal(p, m.to(torch.bfloat16))
 
 
+def test_a_bf16_hugging_face_model_with_fp32_masters():
+    """RoundPipe's own mixed precision on an HF Llama: the model in bf16 (``.to()``, as
+    RoundPipe users convert it), fp32 optimizer copies (``optim_dtype``); three AdamW
+    steps equal the same steps eagerly on the bf16 model with fp32 masters."""
+    T = pytest.importorskip("transformers")
+    from tests import hf_zoo
+    kw = hf_zoo.text()
+    model = hf_zoo.setup("llama")[0].to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, optim_dtype=torch.float32, devices=DEV,
+                   model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-2)
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    assert isinstance(ref, T.LlamaForCausalLM)
+    for _ in range(3):
+        loss = rp.forward_backward(input_kwargs=kw, loss_fn=lambda out, _: out.loss)
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        ref_loss = ref(**kw).loss
+        ref_loss.backward()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters()):
+                p.copy_(m)
+        assert loss.dtype == torch.float32   # the loss of a bf16 model, returned in fp32
+        torch.testing.assert_close(loss, ref_loss.detach().float(), atol=0, rtol=2e-2)
+    rp.synchronize()
+    assert all(m.dtype == torch.float32 for m in rp.optim_parameters())
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.float(), r.float(), atol=2e-2, rtol=0)
+    rp.close()
+
+
 def test_wrap_model_to_roundpipe_keeps_attributes():
     class LM(nn.Module):
         def __init__(self):

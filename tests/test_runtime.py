@@ -447,3 +447,26 @@ def test_trace_records_a_real_run_as_a_timeline(tmp_path):
         pass
     assert rec2.timeline.intervals == []
     assert not any(d.is_recording() for d in pipe.devices)
+
+
+def test_a_batch_with_fewer_rows_than_microbatches_runs_one_per_row_and_warns_once():
+    """A DataLoader's last batch: 2 rows and num_microbatch=3 run as 2 microbatches (today
+    a split error), equal to eager, with one warning per pipe."""
+    import warnings
+    torch.manual_seed(0)
+    model = models.GPT(depth=2).eval()
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, example_inputs=(torch.randint(0, 64, (6, 8)),),
+                          devices=devices(2), config=fxpipe.RunConfig(num_microbatch=3))
+    ids, t = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match=r"a batch of 2 row\(s\) runs as 2 microbatch\(es\), "
+                                         r"not num_microbatch=3"):
+        loss = pipe.forward_backward((ids,), label=t, loss_fn=ce)
+    ref_loss = ce(ref(ids), t)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-6)
+    assert_grads_equal(model, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # said once per pipe
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(ids[:1]), ref(ids[:1]), atol=1e-6, rtol=1e-6)

@@ -356,19 +356,22 @@ def test_a_frozen_base_stays_out_of_anonymous_memory(tmp_path):
 
 # -- a LoRA base ----------------------------------------------------------------------
 
-def test_peft_lora_on_a_meta_base_trains_equal_to_eager(checkpoints):
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_peft_lora_on_a_meta_base_trains_equal_to_eager(checkpoints, param_dtype):
     """PEFT's names map to the base checkpoint's (``base_model.model.``, ``.base_layer``);
     the adapters made on the meta device are initialized as PEFT does; the whole base
     stays file-backed; a step equals eager PEFT over ``from_pretrained`` (same adapter
-    values)."""
+    values). With ``param_dtype=bf16`` (the base converted as it is uploaded), bitwise
+    a pipe over the eagerly loaded PEFT model with the same ``param_dtype``."""
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                 init_lora_weights="gaussian")
     torch.manual_seed(0)
     model = peft.get_peft_model(meta("llama"), peft.LoraConfig(**lora)).eval()
     kw = text()
+    devices = lambda: [fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)]  # noqa: E731
     pipe = fxpipe.compile(model, example_kwargs=kw, weights=checkpoints["llama"],
-                          devices=[fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)])
+                          devices=devices(), param_dtype=param_dtype)
     ref = peft.get_peft_model(eager("llama", checkpoints["llama"]), peft.LoraConfig(**lora)).eval()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
@@ -376,7 +379,20 @@ def test_peft_lora_on_a_meta_base_trains_equal_to_eager(checkpoints):
     assert not any(file_backed(p) for p in adapters.values())
     assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
     ref.load_state_dict({n: p.detach() for n, p in adapters.items()}, strict=False)
-    assert_step_equals(pipe, model, ref, kw)
+    if param_dtype is None:
+        assert_step_equals(pipe, model, ref, kw)
+    else:
+        ref_pipe = fxpipe.compile(ref, example_kwargs=kw, devices=devices(),
+                                  param_dtype=param_dtype)
+        own = lambda out, _: out.loss  # noqa: E731
+        loss, ref_loss = (p.forward_backward((), kw, loss_fn=own) for p in (pipe, ref_pipe))
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0)
+        refs = dict(ref.named_parameters())
+        for n, p in adapters.items():
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+            torch.testing.assert_close(p.grad, refs[n].grad, atol=0, rtol=0, msg=n)
+        ref_pipe.close()
     pipe.close()
 
 

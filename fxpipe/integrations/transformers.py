@@ -35,7 +35,9 @@ How a step maps onto the pipe:
   ``save_model`` and checkpoints see them unchanged. The model is never moved to
   ``args.device`` nor wrapped in ``DataParallel``/``DistributedDataParallel``.
 - ``args.bf16``: devices compute in bfloat16 copies of the fp32 masters
-  (``param_dtype=torch.bfloat16``).
+  (``param_dtype=torch.bfloat16``, the default); with ``param_dtype=torch.float32`` the
+  parameters stay fp32 and each call runs under ``torch.autocast(..., torch.bfloat16)``,
+  as the plain Trainer's model does. Never silently in fp32.
 - ``evaluate()`` / ``predict()`` run the model through the pipe (a second pipe for the
   evaluation batches' keys, compiled on their first batch).
 - under ``torchrun`` / ``accelerate launch`` (``torch.distributed`` initialized, world
@@ -67,6 +69,7 @@ except ImportError as e:   # the core depends on torch alone
                       "pip install 'fxpipe[hf]'") from e
 
 import fxpipe
+from fxpipe.runtime.devices import CudaDevice
 from fxpipe.runtime.microbatch import merge_output
 
 __all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]
@@ -81,7 +84,10 @@ class _Replay(nn.Module):
         object.__setattr__(self, "_model", model)   # not a submodule: no parameters
         object.__setattr__(self, "_outputs", outputs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        if fused_lm_head and not hasattr(self._outputs, "log_probs"):
+            return _fused_head(self._outputs, kwargs.get("labels"),
+                               kwargs.get("num_items_in_batch"))
         return self._outputs
 
     def _get_name(self) -> str:   # compute_loss picks label smoothing's shift by it
@@ -95,6 +101,29 @@ class _Replay(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._model, name)
+
+
+def _fused_head(outputs: Any, labels: torch.Tensor | None,
+                num_items_in_batch: torch.Tensor | int | None) -> Any:
+    """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: SFTTrainer calls
+    ``model(..., fused_lm_head=True)``) returns, from the logits the pipe computed: per
+    next-token label (0 where it is -100) its log-probability, the entropy of the
+    distribution and whether it is the most likely token; the loss their negated sum over
+    ``num_items_in_batch`` (the label count when None). The head itself, chunked over the
+    vocabulary, is a loop no capture can trace; the pipe runs the model's own forward."""
+    from trl.trainer.utils import FusedCausalLMOutput
+    if labels is None:
+        raise ValueError("FxpipeTrainer: the fused LM head (fused_lm_head=True) needs labels=")
+    logits = outputs["logits"][:, :-1].float()
+    labels = labels[:, 1:].to(logits.device)
+    mask = labels != -100
+    logp = logits.log_softmax(-1)
+    log_probs = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0)
+    entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0)
+    is_top1 = (logits.argmax(-1) == labels) & mask
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs,
+                               entropy=entropy.detach(), is_top1=is_top1, label_mask=mask)
 
 
 class _PipedModel(nn.Module):
@@ -123,7 +152,8 @@ class _PipedModel(nn.Module):
                 kwargs = {**kwargs, "num_items_in_batch": n.detach().cpu()}
                 run_config = fxpipe.RunConfig(merge_output=_sum_loss)
         pipe = trainer._fxpipe_pipe(args, kwargs, training=False)
-        return pipe(*args, run_config=_fit_rows(pipe, args, kwargs, run_config), **kwargs)
+        with trainer._fxpipe_autocast(pipe):
+            return pipe(*args, run_config=run_config, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -145,19 +175,6 @@ def _sum_loss(outputs: list) -> Any:
     if isinstance(loss, torch.Tensor):
         merged["loss"] = sum(out["loss"] for out in outputs)
     return merged
-
-
-def _fit_rows(pipe: fxpipe.PipelineModule, args: tuple, kwargs: dict,
-              run_config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
-    """A batch with fewer rows than microbatches (a small per-rank batch, an epoch's last
-    batch) runs as one microbatch per row."""
-    rows = next((t.shape[0] for t in (*args, *kwargs.values())
-                 if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    cfg = fxpipe.RunConfig.merge(pipe.config, run_config)
-    n = cfg.num_microbatch or len(pipe.devices) + 1
-    if rows is None or rows >= n or cfg.split_input is not None:
-        return run_config
-    return fxpipe.RunConfig.merge(run_config, fxpipe.RunConfig(num_microbatch=max(rows, 1)))
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -190,7 +207,14 @@ class FxpipeMixin:
                             f"{type(fxpipe_config).__name__}")
         if plan is not None and not isinstance(plan, fxpipe.ExecutePlan):
             raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
-        _check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _check_args(training_args)
+        if getattr(training_args, "bf16", False) and \
+                param_dtype not in (None, torch.bfloat16, torch.float32):
+            raise ValueError(f"FxpipeTrainer: TrainingArguments(bf16=True) with "
+                             f"param_dtype={param_dtype}: leave param_dtype out (bfloat16 "
+                             "device copies of the fp32 masters) or give torch.float32 (fp32 "
+                             "parameters, the calls autocast to bfloat16)")
         self._fxpipe_config = fxpipe_config
         self._fxpipe_devices = list(devices) if devices is not None else None
         self._fxpipe_plan = plan
@@ -216,6 +240,7 @@ class FxpipeMixin:
             dtype = self._fxpipe_param_dtype
             if dtype is None and self.args.bf16:
                 dtype = torch.bfloat16
+
             _checkpointing_off(self.model)   # fxpipe recomputes each stage itself
             dp = training and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1
@@ -234,6 +259,16 @@ class FxpipeMixin:
         if training:
             self._fxpipe_train_pipe = pipe
         return pipe
+
+    def _fxpipe_autocast(self, pipe: fxpipe.PipelineModule) -> contextlib.AbstractContextManager:
+        """``args.bf16`` with a pipe whose devices compute in fp32 (``param_dtype=
+        torch.float32`` given): ``torch.autocast`` to bfloat16 around its calls, on its
+        devices' type, as the plain Trainer autocasts the model's forward; else nothing
+        (``param_dtype=torch.bfloat16`` computes in bfloat16 already). Never fp32 silently."""
+        if not self.args.bf16 or pipe.param_dtype == torch.bfloat16:
+            return contextlib.nullcontext()
+        cuda = any(isinstance(d, CudaDevice) for d in pipe.devices)
+        return torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16)
 
     def close_pipes(self) -> None:
         """Stop the pipes' device workers (the model and its parameters stay)."""
@@ -303,9 +338,10 @@ class FxpipeMixin:
 
         pipe = self._fxpipe_pipe((), model_inputs, training=True)
         step = self._fxpipe_streamed_step()
-        loss = pipe.forward_backward((), model_inputs, label=dict(inputs), loss_fn=loss_fn,
-                                     loss_reduction="sum" if scaled else "mean", optimizer=step,
-                                     run_config=_fit_rows(pipe, (), model_inputs, None))
+        with self._fxpipe_autocast(pipe):
+            loss = pipe.forward_backward((), model_inputs, label=dict(inputs), loss_fn=loss_fn,
+                                         loss_reduction="sum" if scaled else "mean",
+                                         optimizer=step)
         if step is not None:
             self._fxpipe_skip_next_step()
         return loss.to(self.args.device)

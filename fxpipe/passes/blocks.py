@@ -48,6 +48,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpipe.runtime import amp
+
 # The node a block call is while tracing; ``call_blocks`` replaces it by ``run_block``.
 _lib = torch.library.Library("fxpipe_blocks", "DEF")
 _lib.define("opaque(Tensor[] params, Tensor[] tensors, SymInt[] sizes, int call) -> Tensor[]")
@@ -64,6 +66,10 @@ _OPAQUE = torch.ops.fxpipe_blocks.opaque.default
 
 class OutsideBlocksError(RuntimeError):
     """The model's own forward, outside its blocks, could not be traced (names the line)."""
+
+
+class EagerFailureError(RuntimeError):
+    """The model itself fails on the example, run eagerly (without fxpipe)."""
 
 
 class OpaqueBlock(nn.Module):
@@ -248,7 +254,7 @@ def opaque_blocks(model: nn.Module, paths: Sequence[str],
         raise
     except Exception as e:
         raise OutsideBlocksError(f"the model's own forward, outside its blocks, {trace.where()}"
-                           f"{_user_line(e)}, hit {type(e).__name__}: {_first_line(e)}") from e
+                           f"{user_line(e)}, hit {type(e).__name__}: {_first_line(e)}") from e
     finally:
         _traces.remove(trace)
         for _, module in modules.values():
@@ -290,6 +296,13 @@ def _run_once(model: nn.Module, modules: list[nn.Module], run_example: Callable[
     try:
         with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=cuda):
             run_example()
+    except Exception as e:
+        how = amp.captured()
+        dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+        raise EagerFailureError(
+            f"the model itself fails on the example, run eagerly (parameters in "
+            f"{', '.join(dtypes) or 'no floating dtype'}, {amp.describe(how)}){user_line(e)}: "
+            f"{type(e).__name__}: {_first_line(e)}") from e
     finally:
         for h in handles:
             h.remove()
@@ -337,7 +350,7 @@ def _first_line(e: BaseException) -> str:
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
-def _user_line(e: BaseException) -> str:
+def user_line(e: BaseException) -> str:
     """``, at file.py:12 in forward `code``` for the innermost frame of ``e`` outside torch
     and fxpipe (the model's line that hit it), or ``""``."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)

@@ -17,7 +17,11 @@ Whatever the method, the result has the same form:
   cannot split or merge (a ``Cache`` object, anything not a tensor, number, string or
   registered pytree) are returned as ``None``; ``gm.meta["dropped_outputs"]`` names them;
 - ``gm.meta``: ``in_spec``/``out_spec`` (pytree specs), ``input_leaves`` (the example
-  leaves, for the constant check), ``capture`` (the method used), ``training``.
+  leaves, for the constant check), ``capture`` (the method used), ``training``,
+  ``param_dtype`` (the dtype the graph was captured with its floating parameters in;
+  ``None``: their own), ``autocast`` (the ``torch.autocast`` regions around the capture,
+  ``fxpipe.runtime.amp.captured()``: export records the dtypes autocast gives, so the
+  graph runs under these regions only).
 
 Methods: ``"fx"`` (``torch.fx`` symbolic tracing through every submodule; fast, keeps
 module structure), ``"export"`` (``torch.export.export(strict=False)``), ``"dynamo"``
@@ -39,7 +43,7 @@ import inspect
 import keyword
 import re
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +53,8 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import CaptureError
 from fxpipe.passes import blocks as opaque
-from fxpipe.verbose import is_verbose
+from fxpipe.runtime import amp
+from fxpipe.verbose import is_verbose, warn
 
 METHODS = ("fx", "export", "dynamo", "blocks")
 _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
@@ -57,12 +62,21 @@ _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
 
 def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             method: str = "auto", *, dynamic: Sequence[Collection[int]] | None = None,
-            blocks: Sequence[str] = ()) -> fx.GraphModule:
+            blocks: Sequence[str] = (), param_dtype: torch.dtype | None = None) -> fx.GraphModule:
     """Capture ``model(*args, **kwargs)`` as a flat GraphModule (see module docstring).
 
     ``dynamic``: per tensor leaf of ``(args, kwargs)``, the dims export and dynamo keep
     symbolic (``None``: all). ``blocks``: module paths of the repeated blocks, which the
     ``"blocks"`` method calls opaquely (it is skipped without them).
+
+    ``param_dtype`` (mixed precision): capture what the devices compute, the model with
+    its floating parameters in ``param_dtype`` and its floating inputs cast to it
+    (buffers keep their dtype, as the model asks: Hugging Face keeps rotary ``inv_freq``
+    in fp32). A model's code that reads a dtype (``x.to(self.weight.dtype)``,
+    ``torch.finfo(dtype).min``) is traced with the one it runs under, and export's
+    dtype asserts hold on the devices. The parameters are stood in for by ``param_dtype``
+    copies while tracing (:func:`parameters_in`); the graph refers to the model's own
+    tensors afterwards, as without it.
 
     >>> gm = capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [n.op for n in gm.graph.nodes][:2]
@@ -78,6 +92,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         raise ValueError(f"capture={method!r} is not one of 'auto', 'fx', 'export', 'dynamo', "
                          "'blocks'")
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaves = [cast_floating(x, param_dtype) for x in leaves]
     if not any(isinstance(x, torch.Tensor) for x in leaves):
         raise ValueError(
             "fxpipe.compile needs example inputs containing at least one tensor, shaped like "
@@ -96,27 +111,125 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         if m == "blocks" and not blocks:
             continue
         try:
-            if m == "fx":
-                gm = _trace_fx(wrapper)
-                out_spec = wrapper.out_spec
-            elif m == "blocks":
-                with opaque.opaque_blocks(model, blocks, lambda: wrapper(*tensors)) as trace:
-                    gm, out_spec = _trace_export(wrapper, tensors, dims, strict=False)
-                opaque.call_blocks(gm, trace)
-                wrapper.dropped.extend(dict.fromkeys(trace.dropped))
-            else:
-                gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
+            # blocks runs the example eagerly: real copies; tracing reads no value
+            with parameters_in(model, param_dtype, values=(m == "blocks")) as masters:
+                if m == "fx":
+                    gm = _trace_fx(wrapper)
+                    out_spec = wrapper.out_spec
+                elif m == "blocks":
+                    with opaque.opaque_blocks(model, blocks, lambda: wrapper(*tensors)) as trace:
+                        gm, out_spec = _trace_export(wrapper, tensors, dims, strict=False)
+                    opaque.call_blocks(gm, trace)
+                    wrapper.dropped.extend(dict.fromkeys(trace.dropped))
+                else:
+                    gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
         except Exception as e:  # noqa: BLE001 — every failure is reported below
             tried[m] = e
             continue
+        _rebind(gm, masters)
+        if m == "blocks":
+            _warn_branches(model, tried)
         _bind_python(gm)
         gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
                        capture=m, training=model.training, dropped_outputs=list(wrapper.dropped),
+                       param_dtype=param_dtype, autocast=amp.captured(),
                        static_dims={} if m == "fx" else _static_dims(gm))
         if is_verbose():
             _say_what_changed(model, m, tried, wrapper.dropped)
         return gm
     raise CaptureError(_capture_message(model, tried), tried)
+
+
+def cast_floating(x: Any, dtype: torch.dtype | None) -> Any:
+    """``x`` in ``dtype`` if it is a floating tensor and ``dtype`` is given (how a mixed-
+    precision pipe's floating inputs reach the devices), else ``x``."""
+    if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() \
+            and x.dtype != dtype:
+        return x.detach().to(dtype).requires_grad_(x.requires_grad)
+    return x
+
+
+@contextlib.contextmanager
+def parameters_in(model: nn.Module, dtype: torch.dtype | None,
+                  values: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, each floating parameter of ``model`` is stood in for by a
+    ``dtype`` tensor of its shape (a tied parameter by one, wherever it is registered),
+    as a device holds it under ``param_dtype``; yields ``{id(stand-in): the parameter}``.
+    Buffers are left alone. With ``values`` the stand-ins are copies of the parameters'
+    values (a capture at block granularity runs the model once); else uninitialized
+    memory that is never touched (tracing reads no value), so capturing a model bound to
+    a checkpoint (``weights=``) reads none of it into memory. On the parameters' device
+    (``meta`` stays ``meta``); nothing of the model changes after the block.
+
+    >>> lin = nn.Linear(2, 2)
+    >>> with parameters_in(lin, torch.bfloat16) as masters:
+    ...     lin.weight.dtype, masters[id(lin.weight)] is not lin.weight
+    (torch.bfloat16, True)
+    >>> lin.weight.dtype
+    torch.float32
+    """
+    if dtype is None:
+        yield {}
+        return
+    copies: dict[int, nn.Parameter] = {}
+    masters: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in copies:
+                with torch.no_grad():
+                    t = p.detach().to(dtype) if values else \
+                        torch.empty(p.shape, dtype=dtype, device=p.device)
+                copies[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                masters[id(copies[id(p)])] = p
+            swapped.append((module, name, p))
+            module._parameters[name] = copies[id(p)]
+    try:
+        yield masters
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
+def _rebind(gm: fx.GraphModule, masters: dict[int, torch.Tensor]) -> None:
+    """Point ``gm``'s attributes that are stand-ins (:func:`parameters_in`) back at the
+    model's own parameters, which the captured graph reads."""
+    if not masters:
+        return
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        owner, _, name = n.target.rpartition(".")
+        module = gm.get_submodule(owner)
+        master = masters.get(id(getattr(module, name)))
+        if master is not None:
+            module._parameters[name] = master
+
+
+def _warn_branches(model: nn.Module, tried: dict[str, BaseException]) -> None:
+    """Captured at block granularity because a block branches on tensor values (the
+    whole-graph methods hit a data-dependent guard): warn, naming the line. Each
+    microbatch takes that branch on its own rows, so the result equals eager only where
+    the condition depends on each row alone (an MoE router's choice per token does;
+    ``if x.mean() > 0:`` does not)."""
+    e = tried.get("export") or tried.get("dynamo")
+    if e is None or not _data_dependent(e):
+        return
+    where = opaque.user_line(e) or " (the line was not found)"
+    warn(
+        f"fxpipe: {type(model).__name__} is captured at block granularity: a block's Python "
+        f"branches on tensor values{where}. Each block runs as its module on each microbatch, "
+        "so that branch is taken per microbatch: results equal eager only if the condition "
+        "depends on each row alone (a router's choice per token), not on the whole batch "
+        "(a mean or max over rows). Make it graph-friendly (torch.where) to be exact, or "
+        "use RunConfig(num_microbatch=1).")
+
+
+def _data_dependent(e: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in str(e)
 
 
 def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseException],
@@ -301,7 +414,8 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[
     dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()}
                     for t, d in zip(tensors, dims))
     try:
-        ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
+        with _partial_graphs_verbose_only():
+            ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
     finally:
         wrapper.flatten_output = True
     sig = ep.graph_signature
@@ -324,6 +438,30 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[
         raise RuntimeError(f"export produced non-user outputs {kinds}; fxpipe expects in-place "
                            "buffer updates to stay in the graph")
     return _normalize(wrapper, graph, tensor_of), ep.call_spec.out_spec
+
+
+@contextlib.contextmanager
+def _partial_graphs_verbose_only() -> Iterator[None]:
+    """``torch.export`` prints the partial graph of a failed trace to stderr (hundreds of
+    lines for a Hugging Face model); ``capture="auto"`` then tries the next method, and
+    the ``CaptureError`` says what each hit. Within the block that print goes to stderr
+    in verbose mode only (``fxpipe.set_verbose``)."""
+    from torch.export import _trace
+
+    def quiet(*args: Any, file: Any = None, **kwargs: Any) -> None:
+        if file is sys.stderr and not is_verbose():
+            return
+        print(*args, file=file, **kwargs)
+
+    before = vars(_trace).get("print")
+    _trace.print = quiet   # the module's own name shadows the builtin
+    try:
+        yield
+    finally:
+        if before is None:
+            del _trace.print
+        else:
+            _trace.print = before
 
 
 def _static_dims(gm: fx.GraphModule) -> dict[str, dict[int, int]]:
@@ -430,7 +568,13 @@ def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
     for m, e in tried.items():
         first = (str(e).strip().splitlines() or [""])[0][:400]
         lines.append(f"  - {m}: {type(e).__name__}: {first}")
-    if isinstance(tried.get("blocks"), opaque.OutsideBlocksError):
+    if isinstance(tried.get("blocks"), opaque.EagerFailureError):
+        lines.append(
+            "What to do: the model fails on this example without fxpipe too (blocks ran it "
+            "eagerly): call the model on the example yourself, in the same precision, and fix "
+            "what fails there first (a model that fails under torch.autocast may work with "
+            "fxpipe.compile(..., param_dtype=torch.bfloat16) instead).")
+    elif isinstance(tried.get("blocks"), opaque.OutsideBlocksError):
         lines.append(
             "What to do: with capture='blocks' each block runs as its module, so data-dependent "
             "code inside the blocks is fine; the line it names is in the model's own forward "

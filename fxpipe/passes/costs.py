@@ -65,7 +65,9 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.passes.capture import cast_floating
 from fxpipe.passes.layer_graph import Layer, LayerGraph
+from fxpipe.runtime.params import grad_dtype
 from fxpipe.live_bytes import LiveBytes
 from fxpipe.live_bytes import storage_key as _storage_key
 from fxpipe.units import human as _human
@@ -76,8 +78,8 @@ from fxpipe.verbose import is_verbose
 class Cost:
     """One layer's cost: bytes, FLOPs and (when measured) milliseconds."""
 
-    param_bytes: int = 0
-    grad_bytes: int = 0          # bytes of the parameters that require grad
+    param_bytes: int = 0         # on a device (in ``param_dtype`` under mixed precision)
+    grad_bytes: int = 0          # on a device: of the parameters that require grad
     buffer_bytes: int = 0
     boundary_bytes: int = 0      # what crosses the cut after the layer
     saved_bytes: int = 0         # activations autograd keeps for backward
@@ -94,9 +96,26 @@ class Cost:
     held_bytes: int | None = None
     bwd_peak_bytes: int | None = None
     loss_bytes: int | None = None
+    # on the host, where they differ (mixed precision: the fp32 masters, and their gradients
+    # as downloaded, in the masters' gradient dtype); None: as on a device
+    host_param_bytes: int | None = None
+    host_grad_bytes: int | None = None
+
+    @property
+    def host_params(self) -> int:
+        """Bytes of the parameters on the host (what the optimizer steps)."""
+        return self.param_bytes if self.host_param_bytes is None else self.host_param_bytes
+
+    @property
+    def host_grads(self) -> int:
+        """Bytes of the gradients on the host (what a download moves, clipping reads and a
+        collective sums)."""
+        return self.grad_bytes if self.host_grad_bytes is None else self.host_grad_bytes
 
     def __str__(self) -> str:
         parts = [f"params {_human(self.param_bytes, 'B')}"]
+        if self.host_params != self.param_bytes:
+            parts[0] += f" (host {_human(self.host_params, 'B')})"
         if self.grad_bytes != self.param_bytes:
             parts.append(f"grads {_human(self.grad_bytes, 'B')}")
         if self.buffer_bytes:
@@ -125,6 +144,9 @@ class Cost:
 
         fields = {f.name: None if f.name in _PROFILE else total(f.name)
                   for f in dataclasses.fields(cls)}
+        if any(c.host_param_bytes is not None for c in costs):
+            fields.update(host_param_bytes=sum(c.host_params for c in costs),
+                          host_grad_bytes=sum(c.host_grads for c in costs))
         return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
 
 
@@ -146,7 +168,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
     layer's ``loss_bytes``).
 
     Inputs, parameters and buffers are replaced by fake stand-ins: the model's tensors,
-    their ``.grad`` and buffer updates (BatchNorm statistics) are left untouched. A layer
+    their ``.grad`` and buffer updates (BatchNorm statistics) are left untouched. The
+    stand-ins have the dtype the devices hold (``lg.param_dtype``: mixed precision), so
+    parameter, gradient and activation bytes are the devices'. A layer
     identical to an earlier one (same graph up to names, same input and parameter
     shapes) is not run again: repeated blocks are costed once.
     """
@@ -162,7 +186,8 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
             else:
                 with mode:
                     device = _CPU if t.device.type == "meta" else t.device
-                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=lg.device_dtype(t),
+                                            device=device)
             fakes[id(t)] = (t, f.requires_grad_(True) if t.requires_grad else f)
         return fakes[id(t)][1]
 
@@ -217,9 +242,14 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         last = layer.index == len(lg) - 1
         cut = lg.boundary(layer.index)
         before = set(lg.input_names if layer.index == 0 else lg.boundary(layer.index - 1))
+        on_device = lambda t: t.numel() * lg.device_dtype(t).itemsize  # noqa: E731
+        trainable = [p for p in params if p.requires_grad]
+        host = {} if lg.param_dtype is None else dict(
+            host_param_bytes=sum(map(_nbytes, params)),
+            host_grad_bytes=sum(p.numel() * grad_dtype(p).itemsize for p in trainable))
         cost = Cost(
-            param_bytes=sum(map(_nbytes, params)),
-            grad_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+            param_bytes=sum(map(on_device, params)),
+            grad_bytes=sum(map(on_device, trainable)), **host,
             buffer_bytes=sum(map(_nbytes, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
             boundary_bytes=_boundary_bytes([env[name] for name in cut]),
             saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd,
@@ -255,8 +285,10 @@ def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) 
     backup = [(b, b.detach().clone()) for b in _unique(_tensors(lg.buffers.values()))]
     times: dict[int, tuple[float, float, float]] = {}
 
+    on_device = _DeviceCopies(lg)
+
     def run(layer: Layer, args: tuple, kwargs: dict):
-        out, times[layer.index] = _time_layer(layer.gm, args, kwargs, repeats)
+        out, times[layer.index] = _time_layer(layer.gm, on_device(layer.gm), args, kwargs, repeats)
         return out
 
     try:
@@ -539,9 +571,11 @@ def _measured(lg: LayerGraph, flat_inputs: list, failed: dict[int, Exception]) -
     counts: dict[int, tuple] = {}
     last = max(failed)
 
+    on_device = _DeviceCopies(lg)
+
     def run(layer: Layer, args: tuple, kwargs: dict):
         try:
-            out, counts[layer.index] = _fake_layer(layer.gm, _attr_tensors(layer.gm), args, kwargs,
+            out, counts[layer.index] = _fake_layer(layer.gm, on_device(layer.gm), args, kwargs,
                                                    FlopCounterMode(display=False))
         except Exception as e:
             if layer.index not in failed:
@@ -584,17 +618,20 @@ def _first_line(e: BaseException) -> str:
 
 # --- on real tensors -----------------------------------------------------------------
 
-def _time_layer(gm: fx.GraphModule, args: tuple, kwargs: dict, repeats: int):
-    """Run one layer ``repeats + 1`` times; returns its outputs and the least (fwd,
-    recompute, bwd) milliseconds over all runs but the first (warm-up)."""
-    params = [t for t in _unique(_attr_tensors(gm).values()) if t.requires_grad]
+def _time_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
+                repeats: int):
+    """Run one layer (with ``attrs`` as its parameters and buffers) ``repeats + 1`` times;
+    returns its outputs and the least (fwd, recompute, bwd) milliseconds over all runs but
+    the first (warm-up)."""
+    params = [t for t in _unique(attrs.values()) if t.requires_grad]
+    call = lambda a, k: torch.func.functional_call(gm, attrs, a, k)  # noqa: E731
     samples = []
     for _ in range(repeats + 1):
         a, k, _, _ = _fresh_inputs(args, kwargs, clone=True)
         with torch.no_grad():
-            fwd = _timed(lambda: gm(*a, **k))[1]
+            fwd = _timed(lambda: call(a, k))[1]
         a, k, leaves, passed = _fresh_inputs(args, kwargs, clone=True)
-        out, re = _timed(lambda: gm(*a, **k))
+        out, re = _timed(lambda: call(a, k))
         roots, wrt, bwd = _grad_roots(out), params + leaves, 0.0
         if roots and wrt:
             grads = [torch.ones_like(r) for r in roots]
@@ -619,17 +656,39 @@ def _sync() -> None:
 # --- bytes and printing --------------------------------------------------------------
 
 def _check_inputs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list:
+    """The flat inputs as the devices get them (floating ones in ``lg.param_dtype``)."""
     flat_inputs = list(flat_inputs)
     if len(flat_inputs) != len(lg.input_names):
         raise ValueError(f"the layer chain takes {len(lg.input_names)} flat inputs "
                          f"({', '.join(lg.input_names)}), got {len(flat_inputs)}")
-    return flat_inputs
+    return [cast_floating(x, lg.param_dtype) for x in flat_inputs]
 
 
 def _attr_tensors(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A layer module's parameters and buffers by attribute path (tied: every path)."""
     return {**dict(gm.named_parameters(remove_duplicate=False)),
             **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+class _DeviceCopies:
+    """A layer's parameters and buffers as the devices hold them, for running it on real
+    tensors: floating parameters cast to ``lg.param_dtype`` (one copy per tensor, made
+    on first use), the rest the model's own."""
+
+    def __init__(self, lg: LayerGraph):
+        self.lg = lg
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def __call__(self, gm: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {name: self.copy(t) for name, t in _attr_tensors(gm).items()}
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = self.lg.device_dtype(t)
+        if dtype == t.dtype:
+            return t
+        if id(t) not in self.copies:
+            self.copies[id(t)] = t.detach().to(dtype).requires_grad_(t.requires_grad)
+        return self.copies[id(t)]
 
 
 def _nbytes(t: torch.Tensor) -> int:

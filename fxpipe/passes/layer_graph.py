@@ -76,6 +76,18 @@ class LayerGraph:
     example_leaves: list = field(default_factory=list)   # the example's leaves
     static_dims: dict[str, dict[int, int]] = field(default_factory=dict)  # input -> {dim: size}
     training: bool = True          # the module's mode when captured (dropout, BatchNorm)
+    # mixed precision: the dtype devices hold floating parameters in (None: their own);
+    # the graph was captured with them in it, and costs count them in it
+    param_dtype: torch.dtype | None = None
+    # the torch.autocast regions the graph was captured (and runs) under (runtime.amp)
+    autocast: tuple = ()
+
+    def device_dtype(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype ``t`` (one of the model's parameters or buffers) has on a device."""
+        if self.param_dtype is not None and t.is_floating_point() \
+                and isinstance(t, torch.nn.Parameter):
+            return self.param_dtype
+        return t.dtype
 
     def __len__(self) -> int:
         return len(self.layers)

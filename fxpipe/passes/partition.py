@@ -36,10 +36,13 @@ from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
                       capture: str | Callable[[], fx.GraphModule] = "auto",
                       layers: str | Sequence[str] | None = None,
-                      dynamic: Sequence[Collection[int]] | None = None) -> LayerGraph:
+                      dynamic: Sequence[Collection[int]] | None = None,
+                      param_dtype: torch.dtype | None = None) -> LayerGraph:
     """Capture ``model(*args, **kwargs)`` and cut it into a chain of layers. ``capture``
     is a method name, or a function returning an already captured graph (of ``model``);
-    ``dynamic``: the dims of each tensor input export keeps symbolic (``None``: all).
+    ``dynamic``: the dims of each tensor input export keeps symbolic (``None``: all);
+    ``param_dtype``: the devices' dtype for floating parameters (mixed precision: the
+    graph is captured in it, ``fxpipe.passes.capture``).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
@@ -50,7 +53,8 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         gm = capture()
     else:
         blocks = [path for path, _ in _positions(model, containers)]
-        gm = capture_graph(model, args, kwargs, capture, dynamic=dynamic, blocks=blocks)
+        gm = capture_graph(model, args, kwargs, capture, dynamic=dynamic, blocks=blocks,
+                           param_dtype=param_dtype)
     try:
         return partition(gm, model, containers)
     except ValueError:
@@ -167,7 +171,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
         buffers={k: v for k, v in tensors.items() if not isinstance(v, nn.Parameter)},
         capture=gm.meta.get("capture", "fx"), leaf_names=gm.meta.get("leaf_names", []),
         example_leaves=gm.meta.get("input_leaves", []), static_dims=gm.meta.get("static_dims", {}),
-        training=gm.meta.get("training", True))
+        training=gm.meta.get("training", True), param_dtype=gm.meta.get("param_dtype"),
+        autocast=gm.meta.get("autocast", ()))
 
 
 def _fetch(gm: fx.GraphModule, target: str):

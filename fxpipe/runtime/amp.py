@@ -5,6 +5,8 @@ call records the state it was made under (``captured()``); each forward, recompu
 loss runs under it again (``reentered(state)``), so ``with torch.autocast("cpu",
 dtype=torch.bfloat16): pipe.forward_backward(...)`` computes like eager autocast. The
 backward runs outside autocast, as eager's ``loss.backward()`` after the ``with`` does.
+The graph a call runs was captured under the same state (``LayerGraph.autocast``; a call
+under another one is captured again): export records the dtypes autocast gives.
 
 >>> with torch.autocast("cpu", dtype=torch.bfloat16):
 ...     state = captured()
@@ -41,3 +43,14 @@ def reentered(state: AutocastState) -> Iterator[None]:
         for device_type, dtype, cache in state:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
         yield
+
+
+def describe(state: AutocastState) -> str:
+    """``state`` in words: ``torch.autocast('cpu', dtype=torch.bfloat16)`` or ``no autocast``.
+
+    >>> describe((("cpu", torch.bfloat16, True),))
+    "torch.autocast('cpu', dtype=torch.bfloat16)"
+    """
+    if not state:
+        return "no autocast"
+    return " and ".join(f"torch.autocast({d!r}, dtype={dtype})" for d, dtype, _ in state)

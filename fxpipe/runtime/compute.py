@@ -124,7 +124,10 @@ class StageCompute:
             scaled = loss if weight == 1.0 else loss * weight
             with self.on_host.lock:
                 call.writebacks.extend(writebacks)   # the tail's forward is its only one
-                call.losses[m] = scaled.detach()
+                # the returned loss is at least fp32 (as eager autocast's and HF's are),
+                # its microbatches added in it
+                call.losses[m] = scaled.detach().to(torch.promote_types(scaled.dtype,
+                                                                        torch.float32))
             dev.keep(made, saved=True)
             with self.on[d].lock:
                 for name, value in made.items():

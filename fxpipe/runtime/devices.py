@@ -1286,14 +1286,19 @@ class CudaDevice(Device):
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
                   use: Sequence[str] = ("compute",)) -> torch.Tensor:
         """Copy on the current stream (non-blocking from pinned memory), counted as
-        ``kind``; ``record_stream``-ed on the streams in ``use`` (only those)."""
+        ``kind``; ``record_stream``-ed on the streams in ``use`` (only those). A source on
+        a GPU (a caller's CUDA input, :meth:`after_caller` ordered this device's streams
+        after its writes) is copied device to device, and marked as read by this stream
+        when it is on this GPU (its memory is not reused before the copy)."""
         stalls = self._host_stall(host_tensor)
 
         def copy() -> torch.Tensor:
             out = torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=self.device)
-            out.copy_(host_tensor.detach(),
-                      non_blocking=host_tensor.device.type == "cpu" and not stalls)
             current = torch.cuda.current_stream(self.device)
+            if host_tensor.device == self.device:
+                host_tensor.record_stream(current)
+            out.copy_(host_tensor.detach(),
+                      non_blocking=host_tensor.device.type != "cpu" or not stalls)
             for name in use:
                 if self.streams[name] != current:
                     out.record_stream(self.streams[name])
@@ -1318,6 +1323,14 @@ class CudaDevice(Device):
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    def after_caller(self, event: torch.cuda.Event) -> None:
+        """Order every stream of this device after ``event``, recorded on the caller's
+        stream after the kernels writing a call's CUDA inputs (which the call then uploads
+        device to device, no host copy): the GPU waits, the host does not."""
+        with torch.cuda.device(self.device):
+            for s in self.streams.values():
+                s.wait_event(event)
 
     def free(self, tensor: torch.Tensor) -> str | None:
         """Stop counting ``tensor``; for parameters, an event on each stream that read it

@@ -58,7 +58,7 @@ from fxpipe.runtime.buckets import (  # noqa: F401
     Bucket, Shard, _by_dtype, _chunk, _piece, _span, first_names, reshard,
 )
 from fxpipe.runtime.masters import ShardedMasters
-from fxpipe.runtime.params import GradAccumulator, ParamStore, _grad_dtype, owned_params
+from fxpipe.runtime.params import GradAccumulator, ParamStore, grad_dtype, owned_params
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 
@@ -305,7 +305,7 @@ class DataParallel(ShardedMasters):
                 layers = exe.program.stages[s].layers
                 by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.Tensor]] = {}
                 for p in sorted(params, key=order):
-                    by_dtype.setdefault((_grad_dtype(p), p.dtype), []).append(p)
+                    by_dtype.setdefault((grad_dtype(p), p.dtype), []).append(p)
                 out[(layers.start, layers.stop)] = [
                     self._bucket(layers, dtype, [(names[id(p)], p) for p in ps])
                     for dtype, ps in by_dtype.items()]

@@ -242,6 +242,59 @@ def split_input(args: Sequence[Any], kwargs: Mapping[str, Any] | None, n: int,
     return _split(args, args_spec, n, "args"), _split(kwargs, kwargs_spec, n, "kwargs")
 
 
+def batch_rows(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> int | None:
+    """The rows of a call's batch as the default split sees them: dim 0 of its first
+    tensor with a dim (``None``: none, or the call passes ``PackedData``).
+
+    >>> batch_rows((torch.zeros(3, 8),), {"mask": torch.ones(3, 8)})
+    3
+    """
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    if any(isinstance(x, PackedData) for x in leaves):
+        return None
+    return next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+
+
+def check_label_rows(args: Sequence[Any], kwargs: Mapping[str, Any] | None, label: Any,
+                     n: int) -> None:
+    """Before a call splits inputs and label into ``n`` microbatches along dim 0 (the
+    default for both): each label tensor's microbatch ``m`` must hold the rows matching
+    the inputs' microbatch ``m`` (the same rows, or a fixed multiple of them, e.g. labels
+    flattened per token), else a ``ValueError`` naming the caller's shapes (not one
+    microbatch's, where a loss would report it).
+
+    >>> check_label_rows((torch.zeros(6, 4),), {}, torch.zeros(5), 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: label has 5 rows (shape (5,)) and the inputs 6 (args[0], shape (6, 4)): ...
+    """
+    rows = batch_rows(args, kwargs)
+    if rows is None or n < 1:
+        return
+    parts = _part_rows(rows, min(n, rows))
+    paths = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))[0]
+    where, first = next((p, x) for p, x in paths if isinstance(x, torch.Tensor) and x.dim() > 0)
+    head = f"args[{where[1].idx}]" if where[0].idx == 0 else str(where[1].key)
+    name = head + pytree.keystr(where[2:])
+    for path, t in pytree.tree_flatten_with_path(label)[0]:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == rows:
+            continue
+        got = _part_rows(t.shape[0], len(parts))
+        if all(g * rows == p * t.shape[0] for g, p in zip(got, parts)):
+            continue   # a fixed multiple, split alike (e.g. one label per token)
+        raise ValueError(
+            f"label{pytree.keystr(path)} has {t.shape[0]} rows (shape {tuple(t.shape)}) and the "
+            f"inputs {rows} ({name}, shape {tuple(first.shape)}): both are split into "
+            f"{len(parts)} microbatches along dim 0, whose rows would not match. Give the label "
+            "one row per input row, or split it yourself (RunConfig(split_label=...)).")
+
+
+def _part_rows(rows: int, n: int) -> list[int]:
+    """The rows of each of the ``n`` parts ``torch.tensor_split`` cuts ``rows`` into (no
+    tensor work: a call does none outside its Program)."""
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
 def split_label(label: Any, n: int, spec: Any = None) -> list[Any]:
     """Split a label into ``n`` microbatches: ``spec`` is ``None`` (auto), a spec mirroring
     the label, or a callable ``(label, n) -> list``.

@@ -1,8 +1,9 @@
 """Host parameters: the model holds them once, in one flat buffer per dtype.
 
 :class:`HostParams` (one per model) moves the storage of every parameter and buffer a
-pipeline uses into one contiguous host buffer per dtype, laid out in layer order (the
-tensors several layers use first), and makes the model's tensors views of it, as FSDP's
+pipeline uses into one contiguous host buffer per dtype (parameters and buffers apart:
+under ``param_dtype`` only the parameters' upload copy is cast), laid out in layer order
+(the tensors several layers use first), and makes the model's tensors views of it, as FSDP's
 flat parameter does: ``model.parameters()``, ``state_dict()``, ``load_state_dict()`` and
 any ``torch.optim`` optimizer see the same tensors as before, and every stage of every
 plan is one or a few contiguous slices of that buffer, uploaded without a copy on the
@@ -29,7 +30,8 @@ registered for DMA (``pinned.register_file``), else through a bounded page-locke
 ``pinned.Ring`` (at most twice the largest stage's file-backed upload bytes).
 
 Two things keep one more copy, in the same layout: ``param_dtype`` (mixed precision,
-devices compute in bf16: the bf16 copy they upload) and an asynchronous optimizer
+devices compute in bf16: the bf16 copy of the floating parameters they upload; buffers
+keep their dtype, as the model asks) and an asynchronous optimizer
 (``fxpipe.optim`` ``mode="async"``: its update changes the parameters while the devices
 still read the previous ones). :class:`ParamStore` is one Executable's view of it: per
 stage, the slices it uploads.
@@ -184,7 +186,7 @@ class HostParams:
                     slot = self.slots.get(id(t))
                     if slot is not None and fqn not in slot.names:
                         slot.names.append(fqn)
-            new: dict[torch.dtype, list[_Slot]] = {}
+            new: dict[tuple[torch.dtype, bool], list[_Slot]] = {}  # one region per kind
             for fqn, t, is_buffer in order:
                 if id(t) in self.slots:
                     continue
@@ -194,8 +196,8 @@ class HostParams:
                 slot = _Slot(t, [fqn], is_buffer, t.shape)
                 self.slots[id(t)] = slot
                 if _adoptable(t, self.slots.values()):
-                    new.setdefault(t.dtype, []).append(slot)
-            for dtype, slots in new.items():
+                    new.setdefault((t.dtype, is_buffer), []).append(slot)
+            for (dtype, _), slots in new.items():
                 size = 0
                 for slot in slots:
                     slot.offset = _align(size, dtype)
@@ -250,10 +252,10 @@ class HostParams:
                     if file_backed(slot.tensor) is not None:
                         _check_frozen_tensor(slot.tensor, slot.names[0])
                     elif self.pin:
-                        self._stage(slot, _upload_dtype(slot.tensor.dtype, upload_dtype))
+                        self._stage(slot, _upload_dtype(slot, upload_dtype))
                     continue
                 flat = self.flats[slot.region]
-                dtype = _upload_dtype(flat.dtype, upload_dtype)
+                dtype = _upload_dtype(slot, upload_dtype)
                 if dtype == flat.dtype and not snapshot:
                     continue
                 key = (slot.region, dtype)
@@ -326,7 +328,7 @@ class HostParams:
     def source(self, slot: _Slot, upload_dtype: torch.dtype | None, snapshot: bool) -> torch.Tensor:
         """What an upload of ``slot``'s region reads: the flat buffer or its copy."""
         flat = self.flats[slot.region]
-        dtype = _upload_dtype(flat.dtype, upload_dtype)
+        dtype = _upload_dtype(slot, upload_dtype)
         if dtype == flat.dtype and not snapshot:
             return flat
         return self._copies[(slot.region, dtype)]
@@ -343,9 +345,9 @@ class HostParams:
             return flat[offset:offset + slot.numel].view(slot.shape)
 
     def _grad_slots(self, want: _Slot) -> None:
-        dtype = _grad_dtype(want.tensor)
+        dtype = grad_dtype(want.tensor)
         todo = [s for s in self.slots.values() if s.grad is None and not s.is_buffer
-                and s.tensor.requires_grad and _grad_dtype(s.tensor) == dtype]
+                and s.tensor.requires_grad and grad_dtype(s.tensor) == dtype]
         todo.sort(key=lambda s: (s.region is None, s.region or 0, s.offset))
         if want not in todo:
             todo.append(want)
@@ -384,11 +386,17 @@ def _stamp(t: torch.Tensor) -> tuple:
     return t._version, t.data_ptr(), t.shape
 
 
-def _upload_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
-    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+def _upload_dtype(slot: _Slot, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``slot``'s tensor has on a device: ``param_dtype`` for a floating
+    parameter (mixed precision), its own for the rest (buffers keep theirs)."""
+    dtype = slot.tensor.dtype
+    if param_dtype is not None and dtype.is_floating_point and not slot.is_buffer:
+        return param_dtype
+    return dtype
 
 
-def _grad_dtype(t: torch.Tensor) -> torch.dtype:
+def grad_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of ``t``'s ``.grad`` (its ``grad_dtype`` where set)."""
     return (t.grad_dtype if t.is_leaf else None) or t.dtype
 
 
@@ -426,6 +434,15 @@ def _check_master(fqn: str, t: object) -> None:
 
 # ------------------------------------------------------------------------------ stages
 
+class Uploaded(dict):
+    """What :meth:`ParamStore.upload` returns: ``{fqn: device view}``, and ``runs``, the
+    device memory it allocated (what :meth:`ParamStore.release` frees)."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor], runs: list[torch.Tensor]):
+        super().__init__(views)
+        self.runs = runs
+
+
 @dataclass
 class _Run:
     """A contiguous piece of one flat buffer a stage uploads: ``[start, stop)``."""
@@ -442,8 +459,9 @@ class ParamStore:
     ``params`` / ``buffers`` map a stage index to ``{fqn: tensor}`` (the model's own
     tensors; a tensor may appear in several stages, or under several names in one stage).
     A stage uploads the contiguous runs of the flat buffers holding its tensors (usually
-    one per dtype). ``param_dtype`` (mixed precision): floating tensors go to the devices
-    in it, from the bf16 copy; their gradients come back into the masters' dtype.
+    one per dtype). ``param_dtype`` (mixed precision): floating parameters go to the
+    devices in it, from the bf16 copy (buffers in their own dtype); their gradients come
+    back into the masters' dtype.
 
     >>> lin = torch.nn.Linear(3, 1)
     >>> store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
@@ -482,7 +500,7 @@ class ParamStore:
         """Bytes of ``stage``'s file-backed tensors in their upload dtype, each rounded
         up to a page (as a ring block holds them)."""
         return sum(pinned.reserved(run.slots[0].numel * _upload_dtype(
-            run.slots[0].tensor.dtype, self.param_dtype).itemsize)
+            run.slots[0], self.param_dtype).itemsize)
             for run in self._runs[stage]
             if run.region is None and file_backed(run.slots[0].tensor) is not None)
 
@@ -495,8 +513,7 @@ class ParamStore:
         """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
         total = 0
         for run in self._runs_of(stage):
-            dtype = run.slots[0].tensor.dtype
-            dtype = _upload_dtype(dtype, self.param_dtype)
+            dtype = _upload_dtype(run.slots[0], self.param_dtype)
             total += (run.stop - run.start) * dtype.itemsize
         return total
 
@@ -505,7 +522,7 @@ class ParamStore:
         the upload dtype; a tied parameter once)."""
         slots = {id(slot): slot for slot in self._names[stage].values()
                  if not slot.is_buffer and slot.tensor.requires_grad}
-        return sum(slot.numel * _upload_dtype(slot.tensor.dtype, self.param_dtype).itemsize
+        return sum(slot.numel * _upload_dtype(slot, self.param_dtype).itemsize
                    for slot in slots.values())
 
     def refresh(self) -> None:
@@ -539,12 +556,13 @@ class ParamStore:
                 if requires_grad and not slot.is_buffer and slot.tensor.requires_grad:
                     view = view.detach().requires_grad_()
                 views[id(slot)] = view
-        return {fqn: views[id(slot)] for fqn, slot in self._names[stage].items()}
+        return Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
+                        [t for _, t in on_device])
 
     def _source(self, run: _Run) -> torch.Tensor:
         if run.region is None:   # its page-locked copy, when pinning
             t = run.slots[0].tensor.detach().reshape(-1)
-            dtype = _upload_dtype(t.dtype, self.param_dtype)
+            dtype = _upload_dtype(run.slots[0], self.param_dtype)
             if file_backed(run.slots[0].tensor) is not None:
                 return self.host.file_source(run.slots[0], dtype)
             staged = self.host.staged(run.slots[0], dtype, self.snapshot)
@@ -552,12 +570,12 @@ class ParamStore:
         src = self.host.source(run.slots[0], self.param_dtype, self.snapshot)
         return src[run.start:run.stop]
 
-    def release(self, device: Device, uploaded: Mapping[str, torch.Tensor]) -> None:
-        """Stop counting what :meth:`upload` put on ``device`` (each run once)."""
-        seen: dict[int, torch.Tensor] = {}
-        for t in uploaded.values():
-            seen.setdefault(t.untyped_storage().data_ptr(), t)
-        for t in seen.values():
+    def release(self, device: Device, uploaded: Uploaded) -> None:
+        """Stop counting what :meth:`upload` put on ``device`` (each run once: the memory
+        it allocated, whatever the stage's code did to the views, e.g. a module that
+        converts its own weights with ``.to()`` in forward, as Switch Transformers' router
+        does)."""
+        for t in uploaded.runs:
             device.free(t)
 
     def download_grads(self, stage: int, device: Device,
@@ -584,15 +602,16 @@ class ParamStore:
             if id(slot) in seen:
                 raise ValueError(f"{what}: {seen[id(slot)]!r} is the same (tied) parameter and already "
                                  "has a gradient; give each tied parameter's gradient once")
-            want = _upload_dtype(slot.tensor.dtype, self.param_dtype)
-            if g.shape != slot.tensor.shape or g.dtype != want:
+            # a floating gradient in another dtype than uploaded is fine: a module may
+            # convert its weights in forward (a router kept in fp32); it is cast below
+            if g.shape != slot.tensor.shape or not (g.is_floating_point() or g.is_complex()):
                 raise ValueError(f"{what} has shape {tuple(g.shape)} {g.dtype}, the parameter "
-                                 f"{tuple(slot.tensor.shape)} {want}")
+                                 f"{tuple(slot.tensor.shape)} {_upload_dtype(slot, self.param_dtype)}")
             seen[id(slot)] = fqn
             items.append((fqn, slot, g))
         out: dict[str, torch.Tensor] = {}
         for fqn, slot, g in items:
-            dtype = _grad_dtype(slot.tensor)
+            dtype = grad_dtype(slot.tensor)
             if g.dtype != dtype:
                 # on the device: the download moves the gradient's own dtype. The cast reads
                 # g, made on the compute stream, on this one: its memory must wait for it
@@ -710,7 +729,7 @@ class GradAccumulator:
                     else:
                         total.add_(g)
                     continue
-                dtype = _grad_dtype(master)
+                dtype = grad_dtype(master)
                 if not (own and g.dtype == dtype and g.stride() == master.stride()):
                     g = torch.empty_like(master, dtype=dtype).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now

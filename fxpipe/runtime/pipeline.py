@@ -8,9 +8,12 @@
 
 When the pipe pins host memory (``staging``, a ``pinned.Staging``), each call copies the
 tensors it uploads from the caller (inputs, labels, output gradients) once into a
-page-locked block, so the devices' uploads of them are asynchronous; a CUDA tensor of
-the caller's is copied there synchronously, on its device's current stream (after the
-caller's kernels writing it).
+page-locked block, so the devices' uploads of them are asynchronous. A CUDA tensor of the
+caller's goes straight to the devices when every device is a GPU: cast (``param_dtype``)
+on the caller's stream, then each device's streams wait for an event recorded there and
+its upload is a device-to-device copy, no host round trip (``CudaDevice.after_caller``);
+the call holds the tensors until its copies are done. With virtual devices it is copied
+to the host as the others (synchronously, on its device's current stream).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from fxpipe.passes.stage import Executable
 from fxpipe.runtime import amp
 from fxpipe.runtime import microbatch as mb
 from fxpipe.runtime import rng
-from fxpipe.runtime.devices import Device
+from fxpipe.runtime.devices import CudaDevice, Device
 from fxpipe.runtime.executor import Call, Execution, apply_writebacks, outside_program, restore
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.interrupts import deferred_interrupt
@@ -102,16 +105,32 @@ class Runner:
         def cast(t: torch.Tensor) -> torch.dtype | None:
             return dtype if dtype is not None and t.is_floating_point() else None
 
+        direct = all(isinstance(d, CudaDevice) for d in self.devices)   # CUDA inputs as they are
+        if self.staging is None or direct:
+            per_mb = [[t.to(cast(t)) if cast(t) is not None and (self.staging is None or t.is_cuda)
+                       else t for t in ts] for ts in per_mb]
+            if direct:
+                self._after_caller(per_mb)
         if self.staging is None:
-            return [[t.to(cast(t)) if cast(t) is not None else t for t in ts] for ts in per_mb]
+            return per_mb
         unique: dict[int, torch.Tensor] = {}
         for ts in per_mb:
             for t in ts:
-                if t.layout == torch.strided and t.device.type in ("cpu", "cuda"):
+                if t.layout == torch.strided and (t.device.type == "cpu" or
+                                                  (t.device.type == "cuda" and not direct)):
                     unique.setdefault(id(t), t)
         staged = dict(zip(unique, self.staging.stage(list(unique.values()),
                                                      [cast(t) for t in unique.values()])))
         return [[staged.get(id(t), t) for t in ts] for ts in per_mb]
+
+    def _after_caller(self, per_mb: list[list[torch.Tensor]]) -> None:
+        """The devices' streams wait for the caller's work on its CUDA tensors in
+        ``per_mb`` (an event per GPU they are on, recorded on its current stream)."""
+        gpus = {t.device for ts in per_mb for t in ts if isinstance(t, torch.Tensor) and t.is_cuda}
+        for gpu in gpus:
+            event = torch.cuda.current_stream(gpu).record_event()
+            for d in self.devices:
+                d.after_caller(event)
 
     def pinned_bytes(self) -> int:
         """Page-locked bytes reserved for this pipe: its host buffers and staging."""

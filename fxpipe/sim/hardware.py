@@ -110,7 +110,10 @@ class LayerCost:
 
     - ``fwd_ms``, ``bwd_ms``: forward and backward time (backward excludes recompute).
     - ``recompute_ms``: the forward re-run before backward (default ``fwd_ms``).
-    - ``param_bytes``, ``grad_bytes`` (default ``param_bytes``).
+    - ``param_bytes``, ``grad_bytes`` (default ``param_bytes``): on a device.
+    - ``host_param_bytes``, ``host_grad_bytes`` (default: as on a device): on the host,
+      where they differ (mixed precision: the fp32 masters, which the optimizer steps, and
+      their gradients, which a download moves and a collective sums).
     - ``boundary_bytes``: activations leaving the layer (live across the cut after it);
       also the size of their gradient.
     - ``saved_bytes``: activations one microbatch keeps for this layer's backward.
@@ -126,6 +129,16 @@ class LayerCost:
     grad_bytes: int | None = None
     boundary_bytes: int = 0
     saved_bytes: int = 0
+    host_param_bytes: int | None = None
+    host_grad_bytes: int | None = None
+
+    @property
+    def host_params(self) -> int:
+        return self.param_bytes if self.host_param_bytes is None else self.host_param_bytes
+
+    @property
+    def host_grads(self) -> int:
+        return self.grads if self.host_grad_bytes is None else self.host_grad_bytes
 
     @property
     def recompute(self) -> float:
@@ -150,7 +163,8 @@ class LayerCost:
         ms = lambda t, flops: hardware.compute_ms(flops) if t is None else t  # noqa: E731
         return cls(ms(cost.fwd_ms, cost.fwd_flops), ms(cost.bwd_ms, cost.bwd_flops),
                    cost.recompute_ms, cost.param_bytes, cost.grad_bytes, cost.boundary_bytes,
-                   cost.saved_bytes)
+                   cost.saved_bytes, getattr(cost, "host_param_bytes", None),
+                   getattr(cost, "host_grad_bytes", None))
 
     @classmethod
     def from_flops(cls, fwd_flops: float, hardware: Hardware, bwd_flops: float | None = None,

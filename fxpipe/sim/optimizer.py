@@ -95,7 +95,7 @@ def optimizer_modes(program: Program, costs: Sequence[LayerCost], hardware: Hard
     plain = without_optimizer_steps(program)
     t = simulate(plain, costs, hardware, semantics=semantics)
     layers = sorted({i for st in program.stages for i in st.layers})
-    optimizer = hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
+    optimizer = hardware.optimizer_ms(sum(costs[i].host_params for i in layers))
     streamed = with_optimizer_steps(plain)
     exact = simulate(streamed, costs, hardware, semantics=semantics).makespan
     steady = t.makespan * (1 - (t.fill + t.drain) / 100)

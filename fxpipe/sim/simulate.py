@@ -11,19 +11,21 @@ Durations come from per-layer ``LayerCost``:
 - ``Forward``: the stage's forward times; ``FusedBackward``: forward of its layers
   (tail + loss), then backward; ``RecomputeBackward``: recompute, then backward (at
   layer grain, one layer's); ``Checkpoint``: the stage's forward.
-- ``Prefetch``: parameter bytes (+ nothing for the gradient buffer, allocated on device);
-  ``Upload``: the boundary entering the stage; ``UploadGrad``: the boundary leaving it;
-  ``Offload``: a fwd stage's output plus any saved inputs of bwd stages inside it, a bwd
-  stage's input gradient; ``DownloadGrads``: gradient bytes; ``OptimizerStep``: the
-  layers' parameter bytes at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and
+- ``Prefetch``: parameter bytes on a device (``param_dtype`` under mixed precision; +
+  nothing for the gradient buffer, allocated on device); ``Upload``: the boundary
+  entering the stage; ``UploadGrad``: the boundary leaving it; ``Offload``: a fwd stage's
+  output plus any saved inputs of bwd stages inside it, a bwd stage's input gradient;
+  ``DownloadGrads``: gradient bytes on the host (the masters' gradient dtype, which the
+  device casts to before the copy); ``OptimizerStep``: the layers' parameter bytes on the
+  host (the masters) at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and
   ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
-  ``host_copy_bytes_per_s``; ``ClipGradNorm`` and ``QueueUpdate``: every layer's
+  ``host_copy_bytes_per_s``; ``ClipGradNorm`` and ``QueueUpdate``: every layer's host
   gradient bytes at ``host_copy_bytes_per_s`` (the norm reads each once, the queued
   update copies each); ``Accumulate`` (a download lands in its place in the flat
   gradient buffer), ``Free``, ``Release`` and ``Commit`` take no time.
 - Data parallel (the host's ``collective`` stream, one collective at a time):
   ``AllReduce`` / ``ReduceScatter`` / ``AllGather``: the layers' gradient bytes
-  (``grad_bytes``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
+  on the host (``LayerCost.host_grads``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
   bytes.
 
 ``semantics`` decides where the first part of a two-part compute goes:
@@ -103,7 +105,8 @@ class _StageCosts:
             self.pre.append(sum(c.recompute if st.kind == "bwd" else c.fwd_ms for c in lc))
             self.bwd.append(sum(c.bwd_ms for c in lc))
             self.params.append(sum(c.param_bytes for c in lc))
-            self.grads.append(0 if st.kind == "fwd" else sum(c.grads for c in lc))
+            # downloaded in the masters' gradient dtype (the device casts before the copy)
+            self.grads.append(0 if st.kind == "fwd" else sum(c.host_grads for c in lc))
             self.inp.append(boundary(st.layers.start - 1))
             self.grad_in.append(boundary(st.layers.stop - 1))
             if st.kind == "fwd":
@@ -195,16 +198,16 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             case DownloadGrads(stage=s):
                 return hardware.transfer_ms(sc.grads[s], "d2h")
             case OptimizerStep(layers=layers):
-                return hardware.optimizer_ms(sum(costs[i].param_bytes for i in layers))
+                return hardware.optimizer_ms(sum(costs[i].host_params for i in layers))
             case AsyncUpdate() | ScalerStep():
-                return hardware.optimizer_ms(sum(c.param_bytes for c in costs))
+                return hardware.optimizer_ms(sum(c.host_params for c in costs))
             case Refresh():
                 return hardware.host_copy_ms(refresh_bytes)
             case ClipGradNorm() | QueueUpdate():   # read (copy) every gradient once
-                return hardware.host_copy_ms(sum(c.grad_bytes for c in costs))
+                return hardware.host_copy_ms(sum(c.host_grads for c in costs))
             case AllReduce(layers=layers) | ReduceScatter(layers=layers) | AllGather(layers=layers):
                 return hardware.collective_ms(_COLLECTIVE[type(a)],
-                                              sum(costs[i].grad_bytes for i in layers))
+                                              sum(costs[i].host_grads for i in layers))
             case BroadcastBuffers():
                 return hardware.collective_ms("broadcast", sum(c.buffer_bytes for c in costs))
         return 0.0
