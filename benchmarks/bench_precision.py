@@ -10,9 +10,8 @@ around the call (fp32 parameters). Per step, from ``pipe.stats()``: parameter by
 uploaded, gradient bytes downloaded, activation bytes both ways; the predicted device
 peak (``fxpipe.plan.predict_memory``) and the measured one (the virtual devices' byte
 count); the loss after the same steps, against fp32's; and wall time (interleaved rounds,
-min and median). Bytes and peaks carry over to a GPU; CPU time does not (a CPU's bf16
-matmuls are no faster than its fp32 ones), it is there to show nothing got slower in
-the runtime itself. Ratios against fp32.
+min and median). Bytes and peaks carry over to a GPU; CPU time does not (a CPU without
+bf16 units runs bf16 matmuls several times slower than fp32 ones). Ratios against fp32.
 
 Writes ``benchmarks/results/bench_precision.json``.
 """

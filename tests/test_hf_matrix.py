@@ -34,11 +34,12 @@ from tests.hf_zoo import BLOCKWISE, ENCODER_DECODERS, PRECISIONS, Eager  # noqa:
 STEPS, LR = 3, 1e-2
 # bf16 keeps 8 bits of mantissa: one rounding is 2**-9 relative; a loss over a few layers
 # of bf16 matmuls, summed over microbatches in another order than the reference, differs
-# by a few of those (seen: 6e-3 relative at most on this matrix)
-LOSS_RTOL = {"fp32": 1e-5, "param_dtype": 2e-2, "autocast": 2e-2}
+# by a few of those (seen on an AMD EPYC: 1.1e-2 at most, Qwen3-Next; other CPUs round
+# bf16 matmuls otherwise, hence the margin)
+LOSS_RTOL = {"fp32": 1e-5, "param_dtype": 3e-2, "autocast": 3e-2}
 # the masters' updates after 3 AdamW steps, as one vector, against the reference's: Adam
 # normalizes each update, so where a gradient is tiny the two differ elementwise by up to
-# an update; their directions agree (seen: 0.98 at least on this matrix)
+# an update; their directions agree (seen: 0.988 at least, Qwen3-Next)
 MIN_COSINE = {"fp32": 0.9999, "param_dtype": 0.9, "autocast": 0.9}
 # eager autocast itself fails on these (a model's own code mixes dtypes under autocast)
 EAGER_AUTOCAST_FAILS = {"dbrx": "index_add_(): self (Float) and source (BFloat16)"}
