@@ -5,6 +5,12 @@ toward the host (``VirtualDevice(semantics="cuda")``: copies land when their str
 reaches them, unwritten memory reads as NaN), so a host read of data still in flight
 fails here, as it would on a GPU.
 
+The suite runs on two processes (``pytest -n 2 --dist worksteal``, pytest-xdist: CI has 2
+cores; a worker out of tests takes half of the other's). The tests that run whole suites
+again in a subprocess (``test_cuda_sim_suite.py``, ``test_kernel_variants.py``) are the
+longest by far; they are collected first, so they start at once instead of one of them
+running alone at the end.
+
 A test marked ``bitwise`` asserts bitwise equality between fxpipe and a reference (eager
 PyTorch, or the captured program). Its reference runs on one intra-op thread, as every
 fxpipe worker does: some kernels split a reduction per thread, and the claim is "the same
@@ -43,3 +49,12 @@ def _one_thread_for_bitwise(request):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+_SUITES_AGAIN = ("test_cuda_sim_suite.py", "test_kernel_variants.py")   # the longest first
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: next((k for k, f in enumerate(_SUITES_AGAIN)
+                                      if item.nodeid.startswith(f"tests/{f}")), len(_SUITES_AGAIN)))
+

@@ -12,7 +12,9 @@ the losses agree (fp32: to 1e-5; bf16: within bf16's precision), the masters sta
 and move as the reference's do. In fp32 the first step's gradients equal eager's too.
 
 Under ``FXPIPE_TEST_DEVICE=cuda-sim`` (``test_cuda_sim_suite.py`` runs this file again
-there) the dense decoders and one of each other family run, for time.
+there) a decoder, an encoder-decoder and an MoE captured at block granularity run, for
+time: the matrix is about what each architecture computes, which the devices' semantics
+do not change.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ EAGER_AUTOCAST_FAILS = {"dbrx": "index_add_(): self (Float) and source (BFloat16
 
 NAMES = sorted(hf_zoo.MODELS)
 if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":
-    NAMES = ["llama", "qwen3", "gemma2", "gpt2", "bert", "mixtral", "dbrx", "t5", "mamba", "vit"]
+    NAMES = ["llama", "t5", "dbrx"]
 
 
 def compiled(model, kw, precision):
