@@ -8,7 +8,10 @@ what came before (``in_progress`` names the section that was running):
 2. ``vs_checkpoint``: the fused training step against eager PyTorch with
    ``torch.utils.checkpoint`` per block, both on one GPU (min and median ratio over
    interleaved repeats);
-3. ``scaling``: the fused step on 1, 2, ... N GPUs (speed-up over one);
+3. ``scaling``: the fused step on 1, 2, ... N GPUs (speed-up over one); with one GPU,
+   also on two logical devices over it (two ``CudaDevice``\ s, each with its own streams,
+   events and copies, half the memory each): not for speed, but to run the
+   cross-device ordering code on real CUDA, its losses against one device;
 4. ``hidden_prefetch``: per device, the share of parameter-prefetch time that overlapped
    compute and ``exposed_ms``, the time the compute stream waited for parameters, from
    the CUDA-event timeline (``pipe.trace()``) of a step the layer timer does not sample;
@@ -25,7 +28,16 @@ what came before (``in_progress`` names the section that was running):
    and the losses against the same model loaded in memory;
 9. ``generate``: ``pipe.generate`` (KV cache) of a Hugging Face Llama from a config,
    greedy over left-padded prompts, against ``transformers``' ``model.generate`` with
-   every weight resident on the same GPU: the tokens and the tokens per second.
+   every weight resident on the same GPU: the tokens and the tokens per second;
+10. ``finetune``: bf16 fine-tuning of Hugging Face models from host memory (LoRA on the
+    Llama-3.1-8B shape, a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
+    step) against eager ``transformers`` with gradient checkpointing on the same GPU:
+    tokens/s, model and hardware TFLOP/s, MFU, peaks predicted and measured, the
+    simulator's step against the measured one (``fxpipe.check_finetune``); the JSON is
+    written after each run.
+
+``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
+10-minute command: a lent GPU runs it as two).
 
 Each section runs in ``try``/``except``: a failure is recorded as that section's
 ``error`` (type, message, last traceback lines) with ``"ok": false`` and the kit goes on;
@@ -79,6 +91,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fxpipe
+from fxpipe.check_finetune import summary as ft_summary
 from fxpipe.demo import TinyLlama, progression_batch, rotary_tables
 from fxpipe.passes.program import Prefetch, parse_action
 from fxpipe.runtime.timer import KINDS
@@ -87,11 +100,12 @@ from fxpipe.sim import Hardware
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_devices.py", "tests/test_params.py"]
 SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
-            "predicted_vs_measured", "stats", "bigger_than_device", "weights", "generate")
+            "predicted_vs_measured", "stats", "bigger_than_device", "weights", "generate",
+            "finetune")
 # the share of the budget kept for each section while the ones before it run
 RESERVE = {"cuda_tests": 0.0, "vs_checkpoint": 0.12, "scaling": 0.12, "hidden_prefetch": 0.10,
            "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15,
-           "weights": 0.05, "generate": 0.06}
+           "weights": 0.05, "generate": 0.06, "finetune": 0.45}
 TAIL_LINES = 40
 
 
@@ -207,6 +221,8 @@ class Kit:
         self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
         self.skip_tests, self.shape = skip_tests, shape
         self.deadline_s: float | None = None   # the running section's time allowance
+        # a section's partial result, written to the JSON at once (set by run_sections)
+        self.progress: Callable[[dict[str, Any]], None] = lambda partial: None
         self._traced: dict[str, Any] | None = None
         self._traced_error: BaseException | None = None
 
@@ -365,9 +381,50 @@ def scaling(kit: Kit) -> dict[str, Any]:
     base = rows[1]["step_s_median"]
     for n, r in rows.items():
         r["speedup_median"] = base / r["step_s_median"]
-    return {"devices": rows,
-            "timed_calls_sampled": None if None in sampled else any(sampled),
-            "note": None if kit.num > 1 else "one device visible: no scaling to measure"}
+    out = {"devices": rows, "timed_calls_sampled": None if None in sampled else any(sampled),
+           "note": None if kit.num > 1 else "one device visible: no scaling to measure"}
+    if kit.num == 1 or kit.dry_run:
+        out["logical"] = logical_devices(kit, model, ids, target)
+        out["ok"] = out["logical"]["ok"]
+    return out
+
+
+def logical_devices(kit: Kit, model: torch.nn.Module, ids: torch.Tensor,
+                    target: torch.Tensor, steps: int = 2) -> dict[str, Any]:
+    """Two logical devices over one GPU (two ``CudaDevice(0)``, each with its own streams,
+    events and copies; in a dry run two VirtualDevices) against one: the cross-device
+    ordering code on real CUDA. SGD steps from the same weights; the losses must be equal
+    (the same kernels on the same inputs, in another order)."""
+    from fxpipe.runtime.devices import CudaDevice
+
+    def two() -> list[Any]:
+        if kit.dry_run:
+            return _devices(2, True)
+        half = torch.cuda.get_device_properties(0).total_memory // 2
+        return [CudaDevice(0, memory_limit=half, name=f"cuda:0/{i}") for i in range(2)]
+
+    state = copy.deepcopy(model.state_dict())
+    losses: dict[str, list[float]] = {}
+    for name, devices in (("one", lambda: _devices(1, kit.dry_run)), ("two_logical", two)):
+        model.load_state_dict(state)
+        _settle(kit.dry_run)
+        pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(),
+                              config=fxpipe.RunConfig(num_microbatch=3))
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            losses[name] = []
+            for _ in range(steps):
+                losses[name].append(float(pipe.forward_backward((ids,), label=target,
+                                                                loss_fn=loss_fn, optimizer=opt)))
+                opt.zero_grad(set_to_none=True)
+            if name == "two_logical":
+                plan = repr(pipe.plan)
+        finally:
+            pipe.close()
+    model.load_state_dict(state)
+    diff = max(abs(a - b) for a, b in zip(losses["one"], losses["two_logical"]))
+    return {"losses": losses, "max_loss_diff": diff, "plan": plan,
+            "ok": diff <= 1e-4 * max(1.0, abs(losses["one"][0]))}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -632,6 +689,21 @@ def generate(kit: Kit, new: int = 32) -> dict[str, Any]:
         pipe.close()
 
 
+def finetune(kit: Kit) -> dict[str, Any]:
+    """bf16 fine-tuning of Hugging Face models from host memory, against eager
+    ``transformers`` (``fxpipe.check_finetune``); each run's row written at once."""
+    from fxpipe import check_finetune as ft
+
+    sync = _sync(kit.dry_run)
+    link = link_bandwidth(kit.dry_run)
+    ctx = ft.context(kit.dry_run, kit.num, lambda fn, warmup, repeats: _time(fn, warmup, repeats, sync),
+                     sync, link)
+    head = {"peak_bf16_tflops": ctx["peak_tflops"], "h2d_bytes_per_s": link[0],
+            "d2h_bytes_per_s": link[1]}
+    rows = ft.run_all(ctx, on_row=lambda rows: kit.progress({**head, "runs": rows}), say=_say)
+    return {**head, "runs": rows, "ok": bool(rows) and all(r["ok"] for r in rows)}
+
+
 def _bigger_setup(dry_run: bool) -> tuple[int, dict[str, int], int, float]:
     """(cap in bytes, model shape, microbatches, learning rate) of bigger_than_device: a
     deep model of small blocks whose bf16 weights are about 2.1x the cap."""
@@ -785,7 +857,10 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
         return (f"fxpipe / eager+checkpoint: min {r['ratio_min']:.3f}, "
                 f"median {r['ratio_median']:.3f}")
     if name == "scaling":
-        return ", ".join(f"{n}: {v['speedup_median']:.2f}x" for n, v in r["devices"].items())
+        line = ", ".join(f"{n}: {v['speedup_median']:.2f}x" for n, v in r["devices"].items())
+        if "logical" in r:
+            line += f"; two logical devices on one: loss difference {r['logical']['max_loss_diff']:.1e}"
+        return line
     if name == "hidden_prefetch":
         return ", ".join(f"dev {d}: hidden {_fmt(f['hidden_fraction'])}, exposed "
                          f"{f['exposed_ms']:.1f} ms" for d, f in r["devices"].items())
@@ -801,6 +876,8 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
         return (f"tokens equal transformers: {r['same_tokens']} (agreement "
                 f"{r['token_agreement']:.3f}); {r['tokens_per_s']['fxpipe']:.0f} tokens/s, "
                 f"{r['over_transformers']:.2f}x transformers with its weights resident")
+    if name == "finetune":
+        return "; ".join(ft_summary(row).strip() for row in r["runs"])
     if name == "weights":
         return (f"{r['frozen_file_backed']}/{r['frozen_params']} frozen parameters file-backed, "
                 f"{'registered for DMA' if r['registered'] else 'through the pinned ring'}, "
@@ -823,16 +900,23 @@ def _fail_injected(name: str, fail: list[str], report: dict[str, Any], out: Path
         raise RuntimeError(f"{name}: failure injected by --fail-section")
 
 
+def _partial(report: dict[str, Any], out: Path, name: str) -> Callable[[dict[str, Any]], None]:
+    def write(partial: dict[str, Any]) -> None:
+        report[name] = {"ok": False, "partial": True, **partial}
+        _write(out, report)
+    return write
+
+
 def run_sections(kit: Kit, report: dict[str, Any], out: Path, budget_s: float,
-                 fail: list[str] = ()) -> list[str]:
-    """Run every section into ``report``, writing ``out`` after each; returns the names
-    of the sections that failed."""
+                 fail: list[str] = (), sections: tuple[str, ...] = SECTIONS) -> list[str]:
+    """Run ``sections`` in order into ``report``, writing ``out`` after each (and when a
+    section reports progress); returns the names of the sections that failed."""
     t0 = time.perf_counter()
     failed = []
-    for i, name in enumerate(SECTIONS):
+    for i, name in enumerate(sections):
         elapsed = time.perf_counter() - t0
         remaining = budget_s - elapsed
-        later = sum(RESERVE[n] for n in SECTIONS[i + 1:]) * budget_s
+        later = sum(RESERVE[n] for n in sections[i + 1:]) * budget_s
         allowed = max(remaining - later, min(remaining, RESERVE[name] * budget_s))
         report["in_progress"] = name
         _write(out, report)
@@ -843,6 +927,7 @@ def run_sections(kit: Kit, report: dict[str, Any], out: Path, budget_s: float,
             if allowed <= 0:
                 raise BudgetSpent(f"no time left of the {budget_s:.0f} s budget (--budget-s)")
             kit.deadline_s = allowed
+            kit.progress = _partial(report, out, name)
             _fail_injected(name, list(fail), report, out)
             fn = globals()[name]
             # the subprocess keeps its own timeout; an alarm would cut its tail off
@@ -852,6 +937,7 @@ def run_sections(kit: Kit, report: dict[str, Any], out: Path, budget_s: float,
             result = {"ok": False, "error": _error(e)}
         finally:
             kit.deadline_s = None
+            kit.progress = lambda partial: None
         try:
             _settle(kit.dry_run)
         except Exception as e:   # noqa: BLE001
@@ -878,8 +964,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tests", action="store_true", help="measure only")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="time for the whole kit, in seconds (default 540)")
+    ap.add_argument("--sections", default=None, metavar="NAME,...",
+                    help="run only these sections, in this order (default: all: "
+                    + ",".join(SECTIONS) + ")")
     ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sections = SECTIONS
+    if args.sections is not None:
+        sections = tuple(n.strip() for n in args.sections.split(",") if n.strip())
+        unknown = [n for n in sections if n not in SECTIONS]
+        if unknown or not sections or len(set(sections)) != len(sections):
+            print(f"fxpipe.check: --sections {args.sections!r}: "
+                  + (f"no section named {', '.join(unknown)}; " if unknown else
+                     "list each section once; " if sections else "empty; ")
+                  + f"the sections are {', '.join(SECTIONS)}", file=sys.stderr)
+            return 2
     if not args.dry_run and not torch.cuda.is_available():
         print("fxpipe.check: no CUDA GPU visible (torch.cuda.is_available() is False); run on a "
               "GPU machine, or use --dry-run to exercise the kit on CPU", file=sys.stderr)
@@ -900,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
         "dry_run": args.dry_run, "torch": torch.__version__, "python": platform.python_version(),
         "devices": (["virtual (semantics=cuda)"] * num if args.dry_run else
                     [torch.cuda.get_device_name(i) for i in range(num)]),
-        "model": shape, "budget_s": args.budget_s}
+        "model": shape, "budget_s": args.budget_s, "sections": list(sections)}
     _say(f"{num} device(s): {report['devices']}; model {shape}; budget {args.budget_s:.0f} s; "
          f"writing {out}")
     # a hang past the budget (in C code, where the alarm cannot reach) still says where
@@ -910,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape)
     try:
-        failed = run_sections(kit, report, out, args.budget_s, args.fail_section)
+        failed = run_sections(kit, report, out, args.budget_s, args.fail_section, sections)
     finally:
         faulthandler.cancel_dump_traceback_later()
         kit.close()
@@ -920,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"done in {report['seconds']} s; wrote {out}"
          + (f"; FAILED: {', '.join(failed)}" if failed else "; every section ok"))
     _interrupted = any((report[n].get("error") or {}).get("type") == SectionTimeout.__name__
-                       for n in SECTIONS)
+                       for n in sections)
     return 1 if failed else 0
 
 

@@ -1196,11 +1196,17 @@ class CudaDevice(Device):
     ``torch.cuda.max_memory_allocated`` (everything, not only tracked tensors). While
     recording (``pipe.trace()``), each work item is bracketed by timing events, read when
     ``records`` is (never inside a call). Needs a CUDA build and a visible GPU.
+
+    ``name`` (default ``cuda:N``): two CudaDevices of one GPU under two names are two
+    logical devices, each with its own streams, events and copies, sharing the GPU's
+    memory (give each its ``memory_limit``): how the cross-device ordering code runs on
+    a machine with one GPU (``fxpipe.check``'s ``scaling``).
     """
 
     runs_at_issue = True
 
-    def __init__(self, index: int | None = None, memory_limit: int | None = None):
+    def __init__(self, index: int | None = None, memory_limit: int | None = None, *,
+                 name: str | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError(
                 f"CudaDevice({index}): CUDA is not available (torch {torch.__version__}, "
@@ -1213,7 +1219,7 @@ class CudaDevice(Device):
         self.device = torch.device("cuda", index)
         if memory_limit is None:
             memory_limit = torch.cuda.get_device_properties(index).total_memory
-        super().__init__(f"cuda:{index}", memory_limit)
+        super().__init__(name if name is not None else f"cuda:{index}", memory_limit)
         self.semantics = "cuda"
         self.streams = {name: torch.cuda.Stream(self.device) for name in STREAMS}
         self._uses: dict[int, tuple[str, ...]] = {}   # block -> the streams to_device said use it

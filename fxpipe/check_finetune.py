@@ -1,0 +1,472 @@
+"""bf16 fine-tuning of Hugging Face models from host memory, measured: the ``finetune``
+section of ``python -m fxpipe.check`` and ``benchmarks/bench_finetune.py``.
+
+Two runs, each an element of ``finetune.runs``:
+
+- ``lora``: the Llama-3.1-8B shape (its published sizes in a ``LlamaConfig``; rope
+  scaling left out, it costs nothing), peft LoRA r=16 on every linear layer of the
+  blocks; the frozen base in bf16 on the host, the adapters in fp32;
+- ``full``: the Qwen3-4B shape, every parameter trained: fp32 masters on the host, bf16
+  device copies (``param_dtype``), AdamW streamed into the backward
+  (``forward_backward(optimizer=)``, exact: equal to ``backward(); step()``).
+
+Both: 16 microbatches of 4,096 tokens per step (RoundPipe's setup), the model's own
+``labels=`` loss, random weights created straight into host memory (parameters built on
+``meta``, then each allocated on the host and filled: generated on the GPU and copied
+where there is one, norms at one), never twice and never on the device first.
+
+Each run also times eager ``transformers`` on the same GPU, with gradient checkpointing
+and bf16 autocast (what ``Trainer(bf16=True, gradient_checkpointing=True)`` runs), its
+microbatches accumulated and AdamW (fused) on the GPU; the eager copy is made on the GPU
+straight from the host weights, before fxpipe's steps change them, so the first losses
+compare. Where it cannot fit (estimated from its bytes), ``eager`` says why.
+
+Figures (docs/benchmarks.md has the formulas): ``step_s`` (median over the timed steps
+after a warm-up and a layer-timed step), ``tokens_per_s``, ``model_tflops``
+(6·N·T over the step, N every parameter), ``hardware_tflops`` (the FLOPs that ran:
+recompute, causal attention, no weight gradients for frozen weights), ``mfu`` (model
+FLOP/s over the GPU's dense bf16 peak, :data:`PEAK_BF16_TFLOPS`; null on CPU),
+``peak_device_bytes`` against ``predicted_peak_bytes`` (``fxpipe.plan.predict_memory``),
+``predicted_step_s`` (``fxpipe.simulate`` with the layer-timed step's layer times and
+the measured link), ``host_issue_ms`` and ``compute_busy_ms`` (a traced timed step),
+``host_rss_bytes`` and ``host_peak_rss_bytes``, ``vs_eager`` (fxpipe step / eager step).
+
+``dry_run``: the same code at tiny widths on CPU virtual devices with a GPU's semantics,
+eager on the CPU: what CI runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import fxpipe
+
+TOKENS_PER_MICROBATCH = 4096
+MICROBATCHES = 16
+TIMED_STEPS = 3
+
+# dense bf16 tensor-core peak (TFLOP/s, no sparsity), by a substring of
+# torch.cuda.get_device_name(); the longest match wins
+PEAK_BF16_TFLOPS = {
+    "H200": 989.4, "H100": 989.4, "H100 PCIe": 756.5, "H100 NVL": 835.5, "H800": 989.4,
+    "GH200": 989.4, "B200": 2250.0, "A100": 312.0, "A800": 312.0, "L40S": 362.1,
+    "L40": 181.0, "L4": 121.0, "A10": 125.0, "A6000": 154.8, "RTX 4090": 165.2,
+    "RTX 3090": 71.0,
+}
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU from its name (None: not in the table).
+
+    >>> peak_bf16_tflops("NVIDIA H100 PCIe"), peak_bf16_tflops("NVIDIA H200")
+    (756.5, 989.4)
+    """
+    hits = [k for k in PEAK_BF16_TFLOPS if k in device_name]
+    return PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else None
+
+
+# ---------------------------------------------------------------------------- models
+
+def run_specs(dry_run: bool) -> list[dict[str, Any]]:
+    """The runs' configs: the published shapes, or tiny widths of the same classes."""
+    from transformers import LlamaConfig, Qwen3Config
+    if dry_run:
+        llama = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+        qwen = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=160,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+        seq, micro = 64, 4
+    else:
+        llama = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            max_position_embeddings=131072, rope_theta=500000.0,
+                            rms_norm_eps=1e-5, tie_word_embeddings=False)
+        qwen = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True)
+        seq, micro = TOKENS_PER_MICROBATCH, MICROBATCHES
+    for cfg in (llama, qwen):
+        cfg.use_cache = False
+    return [dict(mode="lora", model="Llama-3.1-8B", config=llama, seq=seq, microbatches=micro),
+            dict(mode="full", model="Qwen3-4B", config=qwen, seq=seq, microbatches=micro)]
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on ``meta`` (buffers stay real:
+    a model's rotary tables are computed as usual)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _fill(t: torch.Tensor, name: str, std: float, gen: torch.device) -> None:
+    """Random weights: 1-D norm weights one, other 1-D parameters zero, the rest
+    N(0, std) (generated on ``gen`` one tensor at a time, copied into ``t``)."""
+    if t.dim() == 1:
+        t.fill_(1.0 if "norm" in name else 0.0)
+    elif gen.type == "cpu":
+        t.normal_(0.0, std)
+    else:
+        t.copy_(torch.randn(t.shape, dtype=t.dtype, device=gen).mul_(std))
+
+
+def host_model(config: Any, dtype: torch.dtype, gen: torch.device) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` with random weights in ``dtype``,
+    each parameter allocated once, in host memory (tied parameters once)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    made: dict[int, nn.Parameter] = {}
+    std = getattr(config, "initializer_range", 0.02)
+    for mod_name, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                t = torch.empty(p.shape, dtype=dtype)
+                _fill(t, f"{mod_name}.{name}", std, gen)
+                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+    return model.train()
+
+
+def with_lora(model: nn.Module, rank: int = 16) -> nn.Module:
+    """peft LoRA ``r=rank`` on every linear layer of the blocks (``all-linear``: the
+    output head left out); the adapters in fp32 (peft's default over a bf16 base)."""
+    import peft
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0))
+
+
+def device_copy(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are copied to ``device`` one by
+    one (no second host copy): ``deepcopy`` with the tensors pre-seeded in its memo."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.to(device)
+    return copy.deepcopy(model, memo)
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+def _linear_params(model: nn.Module) -> tuple[int, int, int]:
+    """(every Linear's weight elements, the trainable ones, the output head's)."""
+    total = trainable = head = 0
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            n = m.weight.numel()
+            total += n
+            trainable += n if m.weight.requires_grad else 0
+            head += n if m is out else 0
+    return total, trainable, head
+
+
+def step_flops(model: nn.Module, config: Any, tokens: int, seq: int) -> dict[str, float]:
+    """One step's FLOPs: ``model`` (6·N·T, N every parameter) and ``hardware``: the
+    matmuls' forward, the recompute of the blocks' forward, the input gradients, the
+    weight gradients of trainable weights only; causal attention (score and value
+    products: 2·S·T·d per layer forward, twice that backward, once more recomputed)."""
+    n_all = sum(p.numel() for p in model.parameters())
+    lin, trainable, head = _linear_params(model)
+    layers = config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d_attn = config.num_attention_heads * head_dim
+    matmul = tokens * (2 * lin + 2 * (lin - head) + 2 * lin + 2 * trainable)
+    attention = layers * 2 * seq * tokens * d_attn * (1 + 1 + 2)
+    return {"model": 6.0 * n_all * tokens, "hardware": float(matmul + attention)}
+
+
+# ---------------------------------------------------------------------------- host facts
+
+def host_rss() -> tuple[int | None, int | None]:
+    """(resident, peak resident) bytes of this process (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None, None
+    kib = {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM") if k in fields}
+    return kib.get("VmRSS"), kib.get("VmHWM")
+
+
+# ---------------------------------------------------------------------------- the runs
+
+def _batch(spec: dict[str, Any]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, spec["config"].vocab_size, (spec["microbatches"], spec["seq"]),
+                         generator=g)
+
+
+def _eager_fits(model: nn.Module, spec: dict[str, Any], free: int) -> tuple[bool, int]:
+    """Whether eager training (checkpointed, autocast) fits ``free`` device bytes: the
+    parameters, fp32 gradients and AdamW moments of the trainable ones, one microbatch's
+    checkpointed activations, one block's recompute and the logits with their fp32 loss."""
+    cfg, seq = spec["config"], spec["seq"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    acts = seq * (cfg.num_hidden_layers * cfg.hidden_size * 2
+                  + 20 * cfg.hidden_size * 2 + 6 * cfg.intermediate_size * 2
+                  + cfg.vocab_size * (2 + 4 + 4 + 4))
+    need = params + trainable * 12 + acts
+    return need < 0.9 * free, need
+
+
+def _checkpointed(model: nn.Module) -> None:
+    """Gradient checkpointing of every block, non-reentrant (transformers 5 renamed it)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def eager_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: dict[str, Any],
+              steps: int) -> dict[str, Any]:
+    """Eager transformers on ``ctx['device']``: checkpointed, autocast bf16, microbatches
+    accumulated, AdamW (fused on a GPU); the step times and the first loss. Or why not."""
+    device = ctx["device"]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        fits, need = _eager_fits(model, spec, free)
+        if not fits:
+            return {"ran": False, "why": f"needs about {need / 2**30:.1f} GiB, the GPU has "
+                                         f"{free / 2**30:.1f} GiB free"}
+    try:
+        return _eager_steps(model, ids, ctx, steps)
+    except torch.OutOfMemoryError as e:
+        return {"ran": False, "why": f"out of GPU memory: {str(e).splitlines()[0]}"}
+    finally:     # the copy, its gradients and optimizer state are gone by now
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _eager_steps(model: nn.Module, ids: torch.Tensor, ctx: dict[str, Any],
+                 steps: int) -> dict[str, Any]:
+    device = ctx["device"]
+    ctx["reset_peak"](None)
+    eager = device_copy(model, device)
+    _checkpointed(eager)
+    eager.train()
+    opt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-5,
+                            **({"fused": True} if device.type == "cuda" else {}))
+    ids_d = ids.to(device)
+    M = ids.shape[0]
+    losses: list[float] = []
+
+    def step() -> None:
+        total = torch.zeros((), device=device)
+        for i in range(M):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = eager(input_ids=ids_d[i:i + 1], labels=ids_d[i:i + 1]).loss / M
+            loss.backward()
+            total += loss.detach().float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total))
+
+    times = ctx["time"](step, 1, steps)
+    return {"ran": True, "step_s": statistics.median(times), "step_s_all": times,
+            "first_loss": losses[0], "losses": losses, "peak_device_bytes": ctx["peak"]()}
+
+
+def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: dict[str, Any],
+               steps: int) -> dict[str, Any]:
+    """fxpipe on ``ctx['devices']``: bf16 device copies, AdamW on the host streamed into
+    the backward; a warm-up, one layer-timed traced step (the simulator's input), then
+    ``steps`` timed steps (the last traced: host issue and compute busy time)."""
+    from fxpipe.sim import Hardware
+    M = ids.shape[0]
+    batch = dict(input_ids=ids, labels=ids)
+    t0 = time.perf_counter()
+    pipe = fxpipe.compile(model, example_kwargs=batch, devices=ctx["devices"](),
+                          param_dtype=torch.bfloat16,
+                          config=fxpipe.RunConfig(num_microbatch=M))
+    out: dict[str, Any] = {"compile_s": time.perf_counter() - t0, "plan": repr(pipe.plan),
+                           "devices": [d.name for d in pipe.devices]}
+    try:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        losses: list[float] = []
+
+        def step() -> None:
+            losses.append(float(pipe.forward_backward((), batch, loss_fn=lambda o, _: o.loss,
+                                                      optimizer=opt)))
+            opt.zero_grad(set_to_none=True)
+
+        ctx["reset_peak"](pipe)
+        t0 = time.perf_counter()
+        step()                                   # warm-up (compiles, fills caches)
+        ctx["sync"]()
+        out["warmup_s"] = time.perf_counter() - t0
+        pipe.timings.reset()                     # the next call is timed layer by layer
+        pipe.timings.warmup = 0
+        with pipe.trace() as sampled:
+            step()
+        from fxpipe.check import _unsampled      # noqa: PLC0415 - the kit's helper
+        with _unsampled(pipe) as sampling:
+            times = ctx["time"](step, 0, steps - 1)
+            ctx["sync"]()
+            t0 = time.perf_counter()
+            with pipe.trace() as rec:
+                step()
+                ctx["sync"]()
+            times.append(time.perf_counter() - t0)
+            st = pipe.stats()
+        h2d, d2h = ctx["link"]
+        predicted = fxpipe.simulate(pipe, Hardware(h2d_bandwidth=h2d, d2h_bandwidth=d2h),
+                                    num_microbatch=M).makespan / 1e3
+        busy = sum(iv.end - iv.start for iv in rec.timeline.intervals
+                   if iv.device == 0 and iv.stream == "compute")
+        out.update({
+            "step_s": statistics.median(times), "step_s_all": times,
+            "first_loss": losses[0], "losses": losses,
+            "peak_device_bytes": ctx["pipe_peak"](pipe),
+            "predicted_peak_bytes": fxpipe.plan.predict_memory(pipe).peak,
+            "predicted_step_s": predicted,
+            "sampled_step_s": sampled.timeline.makespan / 1e3,
+            "host_issue_ms": st["host_issue_us"] / 1e3, "compute_busy_ms": busy,
+            "traced_step_ms": rec.timeline.makespan,
+            "host_stalls": st.get("host_stalls"), "host_waits": st.get("host_waits"),
+            "h2d_bytes_params": st.get("h2d_bytes_params"),
+            "d2h_bytes_grads": st.get("d2h_bytes_grads"),
+            "timed_calls_sampled": sampling["sampled"]})
+        return out
+    finally:
+        pipe.close()
+
+
+def measure(spec: dict[str, Any], ctx: dict[str, Any], *, eager: bool = True,
+            steps: int = TIMED_STEPS) -> dict[str, Any]:
+    """One run (``spec`` from :func:`run_specs`): the model built on the host, eager
+    first (from the same weights), then fxpipe; the row of figures."""
+    cfg, mode = spec["config"], spec["mode"]
+    t0 = time.perf_counter()
+    base_dtype = torch.bfloat16 if mode == "lora" else torch.float32
+    model = host_model(cfg, base_dtype, ctx["gen"])
+    if mode == "lora":
+        model = with_lora(model)
+    ids = _batch(spec)
+    tokens = ids.numel()
+    row: dict[str, Any] = {
+        "model": spec["model"], "mode": mode, "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
+        "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
+        "build_s": time.perf_counter() - t0}
+    flops = step_flops(model, cfg, tokens, spec["seq"])
+    row["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
+        {"ran": False, "why": "left out (--no-eager or no time)"}
+    fx = fxpipe_run(model, spec, ids, ctx, steps)
+    step_s = fx.pop("step_s")
+    peak = ctx["peak_tflops"]
+    row.update({
+        "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "model_tflops": flops["model"] / step_s / 1e12,
+        "hardware_tflops": flops["hardware"] / step_s / 1e12,
+        "mfu": flops["model"] / step_s / 1e12 / peak if peak else None,
+        **fx})
+    e = row["eager"]
+    row["vs_eager"] = step_s / e["step_s"] if e.get("ran") else None
+    if e.get("ran"):
+        row["first_loss_rel_diff"] = abs(row["first_loss"] - e["first_loss"]) / abs(e["first_loss"])
+    row["host_rss_bytes"], row["host_peak_rss_bytes"] = host_rss()
+    row["predicted_over_measured"] = row["predicted_step_s"] / step_s
+    row["ok"] = all(math.isfinite(x) for x in row["losses"]) and (
+        not e.get("ran") or row["first_loss_rel_diff"] < 0.05)
+    return row
+
+
+def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
+            link: tuple[float, float]) -> dict[str, Any]:
+    """What the runs need from the machine: devices, timing, peak-memory readers."""
+    if dry_run:
+        def devices():
+            return [fxpipe.VirtualDevice(semantics="cuda") for _ in range(num_devices)]
+        return {"dry_run": True, "device": torch.device("cpu"), "devices": devices,
+                "gen": torch.device("cpu"), "time": time_fn, "sync": sync, "link": link,
+                "peak_tflops": None, "peak": lambda: None,
+                "reset_peak": lambda pipe: pipe and [d.reset_peak() for d in pipe.devices],
+                "pipe_peak": lambda pipe: max(d.peak_bytes() for d in pipe.devices)}
+
+    def reset(pipe=None):
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(i)
+
+    def peak():
+        return torch.cuda.max_memory_allocated(0)
+
+    reset()
+    return {"dry_run": False, "device": torch.device("cuda", 0),
+            "devices": lambda: [f"cuda:{i}" for i in range(num_devices)],
+            "gen": torch.device("cuda", 0), "time": time_fn, "sync": sync, "link": link,
+            "peak_tflops": peak_bf16_tflops(torch.cuda.get_device_name(0)),
+            "peak": peak, "reset_peak": reset,
+            "pipe_peak": lambda pipe: max(torch.cuda.max_memory_allocated(i)
+                                          for i in range(num_devices))}
+
+
+def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
+            eager: bool = True, steps: int = TIMED_STEPS,
+            on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+            say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every run in ``modes``; ``on_row(rows)`` after each (the JSON is written there).
+    A run's failure is its row (``ok: false``, the error) and the next one runs."""
+    from fxpipe.check import _error          # noqa: PLC0415
+    rows: list[dict[str, Any]] = []
+    for spec in run_specs(ctx["dry_run"]):
+        if spec["mode"] not in modes:
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = measure(spec, ctx, eager=eager, steps=steps)
+        except Exception as e:   # noqa: BLE001 - a run's failure is its row
+            row = {"model": spec["model"], "mode": spec["mode"], "ok": False, "error": _error(e)}
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        gc.collect()
+        if not ctx["dry_run"]:
+            torch.cuda.empty_cache()
+        say(summary(row))
+        on_row(rows)
+    return rows
+
+
+def summary(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"  {row['mode']} {row['model']}: FAILED {row['error']['type']}: {row['error']['message'][:300]}"
+    e = row["eager"]
+    mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    return (f"  {row['mode']} {row['model']} ({row['params'] / 1e9:.2f} B): "
+            f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
+            f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, "
+            f"vs eager {row['vs_eager']:.3f}" if row["vs_eager"] else
+            f"  {row['mode']} {row['model']}: {row['step_s']:.2f} s/step, "
+            f"{row['tokens_per_s']:.0f} tokens/s, MFU {mfu}, eager: {e.get('why')}")
