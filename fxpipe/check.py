@@ -321,6 +321,14 @@ def vs_checkpoint(kit: Kit) -> dict[str, Any]:
     shape, dry_run = kit.shape, kit.dry_run
     model, ids, target = _model_and_batch(shape)
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=_devices(1, dry_run))
+    try:
+        return _vs_checkpoint(kit, pipe, model, ids, target)
+    finally:      # also when the section's alarm cuts it off
+        pipe.close()
+
+
+def _vs_checkpoint(kit: Kit, pipe, model, ids, target) -> dict[str, Any]:
+    shape, dry_run = kit.shape, kit.dry_run
     where = "cpu" if dry_run else "cuda:0"
     eager = _model(shape).to(where)
     eager.load_state_dict(model.state_dict())
@@ -340,19 +348,16 @@ def vs_checkpoint(kit: Kit) -> dict[str, Any]:
 
     sync = _sync(dry_run)
     ratios, times = [], {"fxpipe": [], "eager_checkpoint": []}
-    try:
-        with _unsampled(pipe) as sampling:
-            for _ in range(kit.repeats):      # interleaved: drift hits both alike
-                _settle(dry_run)
-                f = _time(fxpipe_step, 1, 1, sync)[0]
-                _settle(dry_run)
-                e = _time(eager_step, 1, 1, sync)[0]
-                times["fxpipe"].append(f)
-                times["eager_checkpoint"].append(e)
-                ratios.append(f / e)
-        path = _call_path(pipe)
-    finally:
-        pipe.close()
+    with _unsampled(pipe) as sampling:
+        for _ in range(kit.repeats):      # interleaved: drift hits both alike
+            _settle(dry_run)
+            f = _time(fxpipe_step, 1, 1, sync)[0]
+            _settle(dry_run)
+            e = _time(eager_step, 1, 1, sync)[0]
+            times["fxpipe"].append(f)
+            times["eager_checkpoint"].append(e)
+            ratios.append(f / e)
+    path = _call_path(pipe)
     return {"fxpipe_s": min(times["fxpipe"]), "eager_checkpoint_s": min(times["eager_checkpoint"]),
             "ratio_min": min(ratios), "ratio_median": statistics.median(ratios),
             "params": sum(p.numel() for p in model.parameters()),
@@ -384,13 +389,12 @@ def scaling(kit: Kit) -> dict[str, Any]:
     out = {"devices": rows, "timed_calls_sampled": None if None in sampled else any(sampled),
            "note": None if kit.num > 1 else "one device visible: no scaling to measure"}
     if kit.num == 1 or kit.dry_run:
-        out["logical"] = logical_devices(kit, model, ids, target)
+        out["logical"] = logical_devices(kit)
         out["ok"] = out["logical"]["ok"]
     return out
 
 
-def logical_devices(kit: Kit, model: torch.nn.Module, ids: torch.Tensor,
-                    target: torch.Tensor, steps: int = 2) -> dict[str, Any]:
+def logical_devices(kit: Kit, steps: int = 2) -> dict[str, Any]:
     """Two logical devices over one GPU (two ``CudaDevice(0)``, each with its own streams,
     events and copies; in a dry run two VirtualDevices) against one: the cross-device
     ordering code on real CUDA. SGD steps from the same weights; the losses must be equal
@@ -403,6 +407,7 @@ def logical_devices(kit: Kit, model: torch.nn.Module, ids: torch.Tensor,
         half = torch.cuda.get_device_properties(0).total_memory // 2
         return [CudaDevice(0, memory_limit=half, name=f"cuda:0/{i}") for i in range(2)]
 
+    model, ids, target = _model_and_batch({**kit.shape, "depth": min(4, kit.shape["depth"])})
     state = copy.deepcopy(model.state_dict())
     losses: dict[str, list[float]] = {}
     for name, devices in (("one", lambda: _devices(1, kit.dry_run)), ("two_logical", two)):
@@ -421,7 +426,6 @@ def logical_devices(kit: Kit, model: torch.nn.Module, ids: torch.Tensor,
                 plan = repr(pipe.plan)
         finally:
             pipe.close()
-    model.load_state_dict(state)
     diff = max(abs(a - b) for a, b in zip(losses["one"], losses["two_logical"]))
     return {"losses": losses, "max_loss_diff": diff, "plan": plan,
             "ok": diff <= 1e-4 * max(1.0, abs(losses["one"][0]))}
@@ -736,10 +740,12 @@ def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
         devices = [fxpipe.VirtualDevice(semantics="cuda", memory_limit=cap) for _ in range(2)]
     else:
         from fxpipe.runtime.devices import CudaDevice
-        fraction = cap / torch.cuda.get_device_properties(0).total_memory
-        out["memory_fraction"] = fraction
         _settle(False)
-        out["reserved_before_bytes"] = torch.cuda.memory_reserved(0)
+        # what earlier sections left allocated does not count against the cap
+        before = torch.cuda.memory_allocated(0)
+        fraction = (before + cap) / torch.cuda.get_device_properties(0).total_memory
+        out.update({"memory_fraction": fraction, "allocated_before_bytes": before,
+                    "reserved_before_bytes": torch.cuda.memory_reserved(0)})
         torch.cuda.set_per_process_memory_fraction(fraction, 0)
         torch.cuda.reset_peak_memory_stats(0)
         devices = [CudaDevice(0, memory_limit=cap)]   # the planner sizes stages to the cap
@@ -764,8 +770,8 @@ def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
             reserved = max(d.peak_reserved_bytes() for d in pipe.devices)
             allocated = max(d.peak_bytes() for d in pipe.devices)
         else:
-            reserved = torch.cuda.max_memory_reserved(0)
-            allocated = torch.cuda.max_memory_allocated(0)
+            reserved = torch.cuda.max_memory_reserved(0) - before
+            allocated = torch.cuda.max_memory_allocated(0) - before
     finally:
         if pipe is not None:
             pipe.close()

@@ -363,10 +363,11 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
         pipe.close()
 
 
-def measure(spec: dict[str, Any], ctx: dict[str, Any], *, eager: bool = True,
-            steps: int = TIMED_STEPS) -> dict[str, Any]:
-    """One run (``spec`` from :func:`run_specs`): the model built on the host, eager
-    first (from the same weights), then fxpipe; the row of figures."""
+def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
+            eager: bool = True, steps: int = TIMED_STEPS) -> None:
+    """One run (``spec`` from :func:`run_specs`) into ``row`` (what it measured stays
+    there should a later part fail): the model built on the host, eager first (from the
+    same weights), then fxpipe."""
     cfg, mode = spec["config"], spec["mode"]
     t0 = time.perf_counter()
     base_dtype = torch.bfloat16 if mode == "lora" else torch.float32
@@ -375,12 +376,12 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], *, eager: bool = True,
         model = with_lora(model)
     ids = _batch(spec)
     tokens = ids.numel()
-    row: dict[str, Any] = {
-        "model": spec["model"], "mode": mode, "params": sum(p.numel() for p in model.parameters()),
+    row.update({
+        "params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
         "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
-        "build_s": time.perf_counter() - t0}
+        "build_s": time.perf_counter() - t0})
     flops = step_flops(model, cfg, tokens, spec["seq"])
     row["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
         {"ran": False, "why": "left out (--no-eager or no time)"}
@@ -401,7 +402,6 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], *, eager: bool = True,
     row["predicted_over_measured"] = row["predicted_step_s"] / step_s
     row["ok"] = all(math.isfinite(x) for x in row["losses"]) and (
         not e.get("ran") or row["first_loss_rel_diff"] < 0.05)
-    return row
 
 
 def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
@@ -445,10 +445,11 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
         if spec["mode"] not in modes:
             continue
         t0 = time.perf_counter()
+        row: dict[str, Any] = {"model": spec["model"], "mode": spec["mode"]}
         try:
-            row = measure(spec, ctx, eager=eager, steps=steps)
+            measure(spec, ctx, row, eager=eager, steps=steps)
         except Exception as e:   # noqa: BLE001 - a run's failure is its row
-            row = {"model": spec["model"], "mode": spec["mode"], "ok": False, "error": _error(e)}
+            row.update(ok=False, error=_error(e))
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         gc.collect()

@@ -148,3 +148,22 @@ def test_peft_lora_adapters_train_and_base_weights_stay_frozen(name, monkeypatch
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, refs[n], atol=1e-5, rtol=1e-4, msg=n)
     pipe.close()
+
+
+def test_stage_code_on_a_gpu_names_the_gpu_not_the_capture_host():
+    """A graph captured on the host pins the host in its constants (``arange(device=cpu)``,
+    ``_assert_tensor_metadata(device=cpu)`` before the rotary tables): the code a stage
+    runs on another device names that device instead (on an H200, every HF model failed
+    with "Tensor device mismatch! Expected: cpu, Got: cuda:0" without this)."""
+    from fxpipe.runtime.interpret import runnable
+    model, _, kw = setup("llama")
+    pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu"], param_dtype=torch.bfloat16)
+    exe = pipe._executable("fused")
+    on_host = "\n".join(runnable(st).code for st in exe.graph_modules())
+    assert "device(type='cpu')" in on_host
+    gpu = torch.device("meta")      # any device but the host: this machine has no GPU
+    moved = "\n".join(runnable(st, device=gpu).code for st in exe.graph_modules())
+    assert "device(type='cpu')" not in moved
+    assert moved.count("device(type='meta')") == on_host.count("device(type='cpu')")
+    assert runnable(exe.graph_modules()[0], device=torch.device("cpu")) is \
+        runnable(exe.graph_modules()[0])

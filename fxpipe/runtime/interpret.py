@@ -181,21 +181,32 @@ _runnables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _build_lock = threading.Lock()
 
 
-def runnable(stage: Stage, recompute: bool = False) -> fx.GraphModule:
+def runnable(stage: Stage, recompute: bool = False,
+             device: torch.device | None = None) -> fx.GraphModule:
     """The code a stage run executes (``recompute``: the recompute for backward, its
     ``unfilled`` nodes unfilled): ``stage.gm``'s graph with each transfer node calling
     its server (module docstring; ``prefetch`` drops its host-parameter arguments, which
-    then are not read), and a ``layer(i)`` call where layer ``i``'s nodes start. Built
-    once per stage."""
-    key = recompute and bool(stage.unfilled)
+    then are not read), and a ``layer(i)`` call where layer ``i``'s nodes start. On a
+    ``device`` other than the host, the graph's host device constants (captured on the
+    host: ``arange(..., device=cpu)``, ``_assert_tensor_metadata(..., device=cpu)``,
+    ``.to(device=cpu)``) name ``device``. Built once per stage and device."""
+    on = device if device is not None and device.type != "cpu" else None
+    key = (recompute and bool(stage.unfilled), on)
     code = _runnables.get(stage.gm, {}).get(key)   # built: no lock on the hot path
     if code is not None:
         return code
     with _build_lock:
         built = _runnables.setdefault(stage.gm, {})
         if key not in built:
-            built[key] = _build(stage, key)
+            built[key] = _build(stage, *key)
         return built[key]
+
+
+def _on_device(device: torch.device | None) -> Any:
+    """``fx.node.map_aggregate`` function: host device constants become ``device``."""
+    def move(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a.type == "cpu" else a
+    return move
 
 
 def runnable_code(exe: Executable) -> str:
@@ -206,8 +217,9 @@ def runnable_code(exe: Executable) -> str:
     return "\n\n".join(codes) + "\n"
 
 
-def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
+def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.GraphModule:
     graph = fx.Graph()
+    move = _on_device(device)
     env: dict[fx.Node, fx.Node] = {}
     skip = set(stage.unfilled) if recompute else set()
     arg = env.__getitem__
@@ -228,6 +240,9 @@ def _build(stage: Stage, recompute: bool) -> fx.GraphModule:
                                     fx.map_arg(n.kwargs, arg), name=n.name)
         else:
             new = graph.node_copy(n, arg)
+        if device is not None and n.op in ("call_function", "call_method"):
+            new.args = fx.node.map_aggregate(new.args, move)
+            new.kwargs = fx.node.map_aggregate(new.kwargs, move)
         new.meta = dict(n.meta)
         env[n] = new
     for n in reversed(list(graph.nodes)):   # host parameters no transfer reads any more
@@ -248,7 +263,7 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
     writebacks). With a ``timer``, each layer's time is recorded as ``kind``. A
     ``"recompute"`` records the stage's ``unfilled`` nodes for autograd without computing them
     (``runtime.unfilled``). ``stats`` (``executor.Stats``) counts the runs."""
-    code = runnable(stage, recompute=kind == "recompute")
+    code = runnable(stage, recompute=kind == "recompute", device=device)
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
                    keep_writebacks=keep_writebacks, timed=timer is not None)
     saved, _serving.serve = _serving.serve, serve
