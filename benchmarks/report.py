@@ -353,7 +353,35 @@ def _gpu_check(d: dict) -> list[str]:
          f"{'registered for DMA' if w['registered'] else 'through the pinned ring'}; "
          f"loss difference {w['max_loss_diff']:.1e}"],
     ]
+    logical = d.get("scaling", {}).get("logical")
+    if logical:
+        rows.append(["two logical devices on one GPU / one device: loss difference",
+                     f"{logical['max_loss_diff']:.1e}", "two `CudaDevice(0)`s, each with its own "
+                     "streams, events and copies: the cross-device ordering code on real CUDA"])
+    g = d.get("generate")
+    if g and g.get("ok"):
+        rows.append(["`pipe.generate` (KV cache) tokens equal `transformers`' `generate`",
+                     "yes" if g["same_tokens"] else f"agreement {g['token_agreement']:.3f}",
+                     f"{g['tokens_per_s']['fxpipe']:,.0f} tokens/s, {g['over_transformers']:.2f}× "
+                     f"transformers with every weight resident (the cache on the host)"])
+    for r in d.get("finetune", {}).get("runs", []):
+        e = r.get("eager", {})
+        figure = (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}" if r.get("ok") else
+                  f"FAILED ({r['error']['type']})" if "error" in r else "not run")
+        eager = (f"eager + checkpointing: {r['tokens_per_step'] / e['step_s']:,.0f} tokens/s "
+                 f"({e['step_s']:.2f} s/step, peak {e['peak_device_bytes'] / 2**30:.1f} GiB)"
+                 if e.get("ran") else f"eager: {e.get('why', 'not run')}")
+        rows.append([f"bf16 {r['mode']} fine-tune, {r['model']} shape, "
+                     f"{r.get('tokens_per_step', 0):,} tokens per step", figure, eager])
     tests = [f"CUDA tests at the recorded commit: {d['cuda_tests']['summary']}."]
+    if d.get("finetune", {}).get("note"):
+        tests.append(f"Fine-tuning: {d['finetune']['note']}")
+    if "failed_2026_11_27" in d:
+        tests.append(f"Also on 2026-11-27: {d['failed_2026_11_27']['note']}")
+    for r in d.get("runs", []):
+        if "vs_checkpoint" not in r["keys"]:
+            tests.append(f"`{', '.join(k for k in r['keys'] if not k.startswith('failed'))}` from "
+                         f"`{r['command']}` (commit {r['commit']}, {r['date']}; {r['machine']}).")
     if "cuda_tests_after_fix" in d:
         fix = d["cuda_tests_after_fix"]
         tests.append(f"After the fixes ({'; '.join(fix['fixed'])}): {fix['summary']} "
@@ -361,6 +389,38 @@ def _gpu_check(d: dict) -> list[str]:
     return [f"{', '.join(d['devices'])}, torch {d['torch']}; a Llama-style model of {m['depth']} "
             f"blocks, dim {m['dim']}, batch {m['batch']} × {m['seq']} tokens.", ""] + table(
         ["", "figure", "details"], rows) + [""] + tests
+
+
+def _finetune(d: dict) -> list[str]:
+    m = d["measured"]
+    where = ("tiny widths of the same classes on 2 CPU virtual devices (`--dry-run`): the code "
+             "path, not the speed" if m["dry_run"] else f"{m['devices']} GPU(s)")
+    rows = [[r["mode"], r["model"], f"{r['params'] / 1e6:,.2f}M", f"{r['tokens_per_step']:,}",
+             f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+             "–" if r["mfu"] is None else f"{r['mfu']:.1%}",
+             "–" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}",
+             f"{r['predicted_peak_bytes'] / r['peak_device_bytes']:.2f}",
+             f"{r['predicted_over_measured']:.2f}"] if r.get("ok") else
+            [r["mode"], r["model"], "FAILED", "", "", "", "", "", "", ""] for r in m["runs"]]
+    out = [f"Measured: {where}.", ""] + table(
+        ["run", "shape", "parameters", "tokens/step", "step s", "tokens/s", "MFU",
+         "/ eager", "peak predicted / counted", "step predicted / measured"], rows)
+    p = d.get("predicted")
+    if p:
+        prow = [[r["mode"], r["model"], r["gpu"], r["host_work"], f"{r['predicted_step_s']:.2f}",
+                 f"{r['tokens_per_s']:,.0f}", f"{r['model_tflops']:.0f}",
+                 f"{r['model_tflops'] / 989.4:.1%}", f"{r['predicted_peak_bytes'] / 1e9:.1f}"]
+                for r in p["rows"]]
+        hr = p["host_rates"]
+        out += ["", f"**{p['label']}**: the full-size runs on one GPU, the layers' FLOPs at "
+                f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s ({p['flops_source']}), the host link "
+                f"{p['link_bytes_per_s'] / 1e9:.0f} GB/s each way (the H200's, measured), the "
+                f"host's AdamW at {hr['optimizer_bytes_per_s'] / 1e9:.2f} GB/s and casts at "
+                f"{hr['copy_bytes_per_s'] / 1e9:.1f} GB/s ({p['host_rates_source']}) or free. "
+                "MFU against 989.4 TFLOP/s (H100 SXM and H200 dense bf16).", ""] + table(
+            ["run", "shape", "GPU", "host work", "step s", "tokens/s", "model TFLOP/s", "MFU",
+             "peak GB"], prow)
+    return out
 
 
 def _generate_measured(d: dict) -> list[str]:
@@ -457,6 +517,19 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("peft LoRA", "bench_peft.json", "variants",
      "A Llama-style model from a config, LoRA r=8 on `q_proj`/`v_proj` against full "
      "training; bytes per step from `pipe.stats()`.", _peft),
+    ("Fine-tuning in bf16", "bench_finetune.json", "measured",
+     "`benchmarks/bench_finetune.py` (and the GPU kit's `finetune` section): LoRA r=16 on "
+     "every block linear of the Llama-3.1-8B shape (bf16 base on the host, fp32 adapters) "
+     "and a full fine-tune of the Qwen3-4B shape (fp32 masters, AdamW streamed into the "
+     "backward), bf16 device copies, 16 microbatches of 4,096 tokens, random weights made "
+     "in host memory. Per step, T tokens, N every parameter: model FLOPs = 6·N·T (the "
+     "convention of MegaTrain's and RoundPipe's figures); hardware FLOPs = T·(2·L + 2·L_blocks "
+     "+ 2·L + 2·L_trainable) + layers·8·S·T·d_attn (L: the Linear weights, their forward, "
+     "the blocks' recompute, the input gradients and the trainable ones' weight gradients; "
+     "causal attention's two products, forward, backward twice, recompute once; S the "
+     "sequence, d_attn heads × head dim); MFU = model FLOPs / step / the GPU's dense bf16 "
+     "peak; `/ eager` = fxpipe's step over eager transformers' (gradient checkpointing, bf16 "
+     "autocast, the microbatches accumulated, fused AdamW) on the same GPU.", _finetune),
     ("Mixed precision", "bench_precision.json", "variants",
      "A Llama-style model from a config trained in fp32, with `param_dtype=torch.bfloat16` "
      "and under `torch.autocast` (bf16) around the call; bytes per step from `pipe.stats()`, "
@@ -606,6 +679,26 @@ def headline() -> list[str]:
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
                      f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+    ft = load("bench_finetune.json")
+    if ft and ft.get("predicted"):
+        by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]}
+        for mode, what in (("lora", "LoRA r=16, Llama-3.1-8B shape"),
+                           ("full", "full fine-tune, Qwen3-4B shape, fp32 masters")):
+            a, b = by.get((mode, "this machine")), by.get((mode, "free"))
+            if a and b:
+                rows.append([f"PREDICTED, one {a['gpu']}: bf16 {what}, 16 × 4,096 tokens/step "
+                             "(host AdamW at this 2-core machine's rate; free)",
+                             f"{a['tokens_per_s']:,.0f}; {b['tokens_per_s']:,.0f} tokens/s "
+                             f"(MFU {a['model_tflops'] / 989.4:.0%}; {b['model_tflops'] / 989.4:.0%})",
+                             "fine-tuning-in-bf16"])
+    gpu_ft = (gpu or {}).get("finetune", {}).get("runs", [])
+    eager = next((r for r in gpu_ft if r.get("eager", {}).get("ran")), None)
+    if eager:
+        e = eager["eager"]
+        rows.append([f"measured on one {gpu['devices'][0].replace('NVIDIA ', '')}: eager "
+                     f"transformers + checkpointing, bf16 {eager['mode']}, {eager['model']} shape "
+                     "(fxpipe's run: see the GPU check)",
+                     f"{eager['tokens_per_step'] / e['step_s']:,.0f} tokens/s", "gpu-acceptance-check"])
     prec = load("bench_precision.json")
     if prec and "over_fp32" in prec:
         o = prec["over_fp32"]["param_dtype"]

@@ -919,11 +919,13 @@ def run_sections(kit: Kit, report: dict[str, Any], out: Path, budget_s: float,
     section reports progress); returns the names of the sections that failed."""
     t0 = time.perf_counter()
     failed = []
+    # the reserves of the sections that run, scaled to leave a tenth of the budget free
+    scale = budget_s * min(1.0, 0.9 / max(sum(RESERVE[n] for n in sections), 1e-9))
     for i, name in enumerate(sections):
         elapsed = time.perf_counter() - t0
         remaining = budget_s - elapsed
-        later = sum(RESERVE[n] for n in sections[i + 1:]) * budget_s
-        allowed = max(remaining - later, min(remaining, RESERVE[name] * budget_s))
+        later = sum(RESERVE[n] for n in sections[i + 1:]) * scale
+        allowed = max(remaining - later, min(remaining, RESERVE[name] * scale))
         report["in_progress"] = name
         _write(out, report)
         _say(f"[{elapsed:6.1f} s] {name} (up to {max(allowed, 0):.0f} s) ...")

@@ -58,6 +58,33 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert len(big["losses"]) == 3 and all(math.isfinite(x) for x in big["losses"])
     assert big["losses"][-1] < big["losses"][0]
     assert big["timed_calls_sampled"] is False
+    logical = report["scaling"]["logical"]   # two devices where there is one: same losses
+    assert logical["ok"] and logical["max_loss_diff"] == 0.0
+    ft = report["finetune"]
+    assert [r["mode"] for r in ft["runs"]] == ["lora", "full"]
+    for row in ft["runs"]:
+        assert row["ok"] is True and "error" not in row, row
+        assert FINETUNE_KEYS <= set(row), FINETUNE_KEYS - set(row)
+        assert row["mfu"] is None                 # no GPU: no peak to divide by
+        assert row["tokens_per_step"] == row["microbatches"] * row["seq"]
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        assert row["hardware_tflops"] > 0 and row["model_tflops"] > 0
+        # the predicted peak within 30 % of the counted one
+        assert abs(row["predicted_peak_bytes"] / row["peak_device_bytes"] - 1) < 0.3
+        assert row["eager"]["ran"] and row["vs_eager"] > 0
+        assert row["first_loss_rel_diff"] < 0.05 and row["host_peak_rss_bytes"] > 0
+        assert row["timed_calls_sampled"] is False
+    lora, full = ft["runs"]
+    assert lora["trainable_params"] < lora["params"] / 2 and lora["host_dtype"] == "bfloat16"
+    assert full["trainable_params"] == full["params"] and full["host_dtype"] == "float32"
+    # LoRA downloads only the adapters' gradients; the full fine-tune every one, in fp32
+    assert lora["d2h_bytes_grads"] < full["d2h_bytes_grads"]
+
+
+FINETUNE_KEYS = {"model", "mode", "params", "tokens_per_step", "step_s", "tokens_per_s",
+                 "model_tflops", "hardware_tflops", "mfu", "peak_device_bytes",
+                 "predicted_peak_bytes", "predicted_step_s", "host_issue_ms", "compute_busy_ms",
+                 "host_rss_bytes", "vs_eager", "ok"}
 
 
 def _stub_sections(monkeypatch, out, **special):
@@ -146,3 +173,40 @@ def test_check_without_a_gpu_says_what_to_do():
     run = subprocess.run([sys.executable, "-m", "fxpipe.check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 2 and "--dry-run" in run.stderr
+
+
+def test_sections_runs_those_in_that_order(tmp_path, monkeypatch, _threads):
+    out = tmp_path / "check.json"
+    seen = _stub_sections(monkeypatch, out)
+    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune,scaling"]) == 0
+    report = json.loads(out.read_text())
+    assert list(seen) == ["finetune", "scaling"] and report["sections"] == ["finetune", "scaling"]
+    assert not set(check.SECTIONS) - {"finetune", "scaling"} & set(report)
+
+
+@pytest.mark.parametrize("arg, says", [("scaling,nope", "no section named nope"),
+                                       ("scaling,scaling", "list each section once"),
+                                       (",", "empty")])
+def test_sections_that_do_not_exist_are_refused_with_the_list(arg, says, capsys):
+    assert check.main(["--dry-run", "--sections", arg]) == 2
+    err = capsys.readouterr().err
+    assert says in err and ", ".join(check.SECTIONS) in err
+
+
+def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _threads):
+    """The finetune section writes each run's row as it ends: a kill after the first run
+    keeps it (``partial``, not ok until the section returns)."""
+    out = tmp_path / "check.json"
+    on_disk = {}
+
+    def finetune(kit):
+        kit.progress({"runs": [{"mode": "lora", "ok": True}]})
+        on_disk.update(json.loads(out.read_text()))
+        return {"runs": [{"mode": "lora", "ok": True}, {"mode": "full", "ok": True}]}
+    monkeypatch.setattr(check, "finetune", finetune)
+    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune"]) == 0
+    assert on_disk["finetune"] == {"ok": False, "partial": True,
+                                   "runs": [{"mode": "lora", "ok": True}]}
+    assert on_disk["in_progress"] == "finetune"
+    final = json.loads(out.read_text())["finetune"]
+    assert final["ok"] is True and "partial" not in final and len(final["runs"]) == 2

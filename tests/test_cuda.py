@@ -211,3 +211,25 @@ def test_cuda_inputs_go_straight_to_the_device():
             torch.testing.assert_close(loss, ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
             assert_grads_close(model, ref)
         pipe.close()
+
+
+def test_two_logical_devices_on_one_gpu_train_equal_to_eager():
+    """Two CudaDevices of one GPU under two names: their own streams, events and copies,
+    so the cross-device hand-offs run on real CUDA with one GPU (fxpipe.check's
+    ``scaling`` also runs them on its model)."""
+    from fxpipe.runtime.devices import CudaDevice
+    half = torch.cuda.get_device_properties(0).total_memory // 2
+    devices = [CudaDevice(0, memory_limit=half, name=f"cuda:0/{i}") for i in range(2)]
+    assert devices[0].streams["compute"] != devices[1].streams["compute"]
+    torch.manual_seed(0)
+    model = models.GPT(depth=4).eval()
+    ref = copy.deepcopy(model).cuda()
+    pipe = fxpipe.compile(model, example_inputs=(torch.randint(0, 64, (6, 8)),),
+                          devices=devices, plan=PLAN, config=fxpipe.RunConfig(num_microbatch=3))
+    ids, y = batch()
+    loss = pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    ref_loss = ce(ref(ids.cuda()), y.cuda())
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
+    assert_grads_close(model, ref)
+    pipe.close()

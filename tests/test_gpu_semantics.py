@@ -502,3 +502,48 @@ def test_stats_count_the_host_time_spent_issuing_by_action_kind():
     assert set(kinds) == {type(a).__name__ for acts in program.actions for a in acts}
     assert stats["host_issue_us"] == sum(kinds.values()) > 0
     assert all(isinstance(v, int) and v >= 0 for v in kinds.values())
+
+
+class _AutocastOffRotary(torch.nn.Module):
+    """Rotary-style frequencies computed with autocast off (transformers up to 5.17
+    does this in every rotary embedding): export makes the region a
+    ``wrap_with_autocast`` call of a body GraphModule, the host's device inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(4), persistent=False)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)
+        with torch.autocast(x.device.type, enabled=False):
+            f = self.inv_freq[None, :].float().expand(x.shape[1], -1).to(x.device) * pos[:, None].float()
+        return self.lin(x) + f.sum(-1)[None, :, None].to(x.dtype)
+
+
+def test_stage_code_for_a_gpu_names_it_in_autocast_bodies_too():
+    """On an H200 every bf16 HF fine-tune failed in such a body ("Tensor device mismatch!
+    Expected: cpu, Got: cuda:0"): the code a stage runs on a device that is not the host
+    names that device, in its graph, in the bodies it calls (copies: the host's code is
+    untouched) and as the autocast regions' device type."""
+    from fxpipe.runtime.interpret import runnable
+    model = torch.nn.Sequential(_AutocastOffRotary(), torch.nn.Linear(8, 8))
+    x = torch.randn(2, 5, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"], capture="export",
+                          param_dtype=torch.bfloat16)
+    stage = pipe._executable("fused").graph_modules()[0]     # the layer with the region
+
+    def codes(device=None):
+        return {name: m.code for name, m in runnable(stage, device=device).named_modules()
+                if isinstance(m, torch.fx.GraphModule)}
+    host = codes()
+    assert len(host) == 2 and all("device(type='cpu')" in c for c in host.values())
+    assert "wrap_with_autocast('cpu'" in host[""]
+    gpu = codes(torch.device("meta"))   # any device but the host: no GPU here
+    assert gpu.keys() == host.keys()
+    for name, code in gpu.items():
+        assert "device(type='cpu')" not in code, name
+        assert code.count("device(type='meta')") == host[name].count("device(type='cpu')")
+    assert "wrap_with_autocast('meta'" in gpu[""]
+    assert codes() == host
+    torch.testing.assert_close(pipe(x), model(x).to(torch.bfloat16), rtol=2e-2, atol=2e-2)

@@ -159,11 +159,17 @@ def test_stage_code_on_a_gpu_names_the_gpu_not_the_capture_host():
     model, _, kw = setup("llama")
     pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu"], param_dtype=torch.bfloat16)
     exe = pipe._executable("fused")
-    on_host = "\n".join(runnable(st).code for st in exe.graph_modules())
+
+    def code(device=None):   # the stage code and the bodies it calls (autocast regions)
+        return "\n".join(m.code for st in exe.graph_modules()
+                         for m in runnable(st, device=device).modules()
+                         if isinstance(m, torch.fx.GraphModule))
+    on_host = code()
     assert "device(type='cpu')" in on_host
     gpu = torch.device("meta")      # any device but the host: this machine has no GPU
-    moved = "\n".join(runnable(st, device=gpu).code for st in exe.graph_modules())
+    moved = code(gpu)
     assert "device(type='cpu')" not in moved
     assert moved.count("device(type='meta')") == on_host.count("device(type='cpu')")
+    assert code() == on_host        # the host's code is untouched
     assert runnable(exe.graph_modules()[0], device=torch.device("cpu")) is \
         runnable(exe.graph_modules()[0])

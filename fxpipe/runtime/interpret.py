@@ -24,6 +24,7 @@ events on a GPU), and, in the recompute for backward, each node of the stage's
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -202,11 +203,29 @@ def runnable(stage: Stage, recompute: bool = False,
         return built[key]
 
 
-def _on_device(device: torch.device | None) -> Any:
-    """``fx.node.map_aggregate`` function: host device constants become ``device``."""
+def _on_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """In ``gm``'s graph and the GraphModules it calls (export's ``wrap_with_autocast``
+    and ``wrap_with_set_grad_enabled`` bodies: copies, the stage's own stay as they
+    are), the host's device constants become ``device``, and an autocast region's
+    device type ``device.type``."""
     def move(a: Any) -> Any:
         return device if isinstance(a, torch.device) and a.type == "cpu" else a
-    return move
+
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method"):
+            n.args = fx.node.map_aggregate(n.args, move)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, move)
+            if n.target is torch.ops.higher_order.wrap_with_autocast and n.args[0] == "cpu":
+                n.args = (device.type, *n.args[1:])     # the region's autocast device
+        elif n.op == "get_attr":
+            parent, _, name = n.target.rpartition(".")
+            owner = gm.get_submodule(parent)
+            sub = getattr(owner, name)
+            if isinstance(sub, fx.GraphModule):
+                body = fx.GraphModule(sub, copy.deepcopy(sub.graph), class_name=type(sub).__name__)
+                _on_device(body, device)
+                setattr(owner, name, body)
+    gm.recompile()
 
 
 def runnable_code(exe: Executable) -> str:
@@ -219,7 +238,6 @@ def runnable_code(exe: Executable) -> str:
 
 def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.GraphModule:
     graph = fx.Graph()
-    move = _on_device(device)
     env: dict[fx.Node, fx.Node] = {}
     skip = set(stage.unfilled) if recompute else set()
     arg = env.__getitem__
@@ -240,9 +258,6 @@ def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.Gra
                                     fx.map_arg(n.kwargs, arg), name=n.name)
         else:
             new = graph.node_copy(n, arg)
-        if device is not None and n.op in ("call_function", "call_method"):
-            new.args = fx.node.map_aggregate(new.args, move)
-            new.kwargs = fx.node.map_aggregate(new.kwargs, move)
         new.meta = dict(n.meta)
         env[n] = new
     for n in reversed(list(graph.nodes)):   # host parameters no transfer reads any more
@@ -252,6 +267,8 @@ def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.Gra
                           f"{stage.header}")
     gm = fx.GraphModule(stage.gm, graph, class_name=type(stage.gm).__name__)
     gm.meta.update(stage.gm.meta)
+    if device is not None:
+        _on_device(gm, device)
     return gm
 
 

@@ -90,12 +90,13 @@ def optimizer_modes(program: Program, costs: Sequence[LayerCost], hardware: Hard
                     semantics: Semantics = "fxpipe") -> OptimizerModes:
     """Time one training step of ``program`` (a training Program) with the host optimizer
     synchronous, streamed (``exact``) and one-step stale (``async``);
-    ``hardware.cpu_optimizer_bytes_per_s`` prices the layers' ``param_bytes``.
+    ``hardware.cpu_optimizer_bytes_per_s`` prices the layers' trainable masters on the
+    host (``LayerCost.host_grads``: a frozen parameter is not stepped).
     """
     plain = without_optimizer_steps(program)
     t = simulate(plain, costs, hardware, semantics=semantics)
     layers = sorted({i for st in program.stages for i in st.layers})
-    optimizer = hardware.optimizer_ms(sum(costs[i].host_params for i in layers))
+    optimizer = hardware.optimizer_ms(sum(costs[i].host_grads for i in layers))
     streamed = with_optimizer_steps(plain)
     exact = simulate(streamed, costs, hardware, semantics=semantics).makespan
     steady = t.makespan * (1 - (t.fill + t.drain) / 100)

@@ -16,9 +16,9 @@ Durations come from per-layer ``LayerCost``:
   entering the stage; ``UploadGrad``: the boundary leaving it; ``Offload``: a fwd stage's
   output plus any saved inputs of bwd stages inside it, a bwd stage's input gradient;
   ``DownloadGrads``: gradient bytes on the host (the masters' gradient dtype, which the
-  device casts to before the copy); ``OptimizerStep``: the layers' parameter bytes on the
-  host (the masters) at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and
-  ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
+  device casts to before the copy); ``OptimizerStep``: the bytes of the layers' trainable
+  masters on the host (their gradients' bytes: a frozen parameter is not stepped) at
+  ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
   ``host_copy_bytes_per_s``; ``ClipGradNorm`` and ``QueueUpdate``: every layer's host
   gradient bytes at ``host_copy_bytes_per_s`` (the norm reads each once, the queued
   update copies each); ``Accumulate`` (a download lands in its place in the flat
@@ -198,9 +198,9 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             case DownloadGrads(stage=s):
                 return hardware.transfer_ms(sc.grads[s], "d2h")
             case OptimizerStep(layers=layers):
-                return hardware.optimizer_ms(sum(costs[i].host_params for i in layers))
+                return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers))
             case AsyncUpdate() | ScalerStep():
-                return hardware.optimizer_ms(sum(c.host_params for c in costs))
+                return hardware.optimizer_ms(sum(c.host_grads for c in costs))
             case Refresh():
                 return hardware.host_copy_ms(refresh_bytes)
             case ClipGradNorm() | QueueUpdate():   # read (copy) every gradient once

@@ -1,0 +1,136 @@
+"""bf16 fine-tuning of Hugging Face models from host memory: measured, and predicted.
+
+    python benchmarks/bench_finetune.py              # on a GPU: the two runs; else --dry-run
+    python benchmarks/bench_finetune.py --dry-run    # tiny widths, 2 CPU virtual devices (~1 min)
+    python benchmarks/bench_finetune.py --predict    # and the full-size runs predicted (~5 min)
+    python benchmarks/bench_finetune.py --json       # the last line printed is the JSON
+
+Measured (``fxpipe.check_finetune``, also the kit's ``finetune`` section): LoRA r=16 on
+the Llama-3.1-8B shape and a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
+step, bf16 device copies, against eager ``transformers`` with gradient checkpointing on
+the same GPU (``vs_eager``); tokens/s, model and hardware TFLOP/s, MFU, peaks.
+
+Predicted (``--predict``), labelled so: the same two runs at full size, built on ``meta``,
+planned by fxpipe for one H100 (80 GB) and run through
+``fxpipe.simulate`` with the H200's measured host link (55 GB/s each way, from
+``benchmarks/results/gpu_check.json``), the layers' FLOPs at the rate eager
+``transformers`` with gradient checkpointing reached on the H200 in the LoRA run (its
+step's FLOPs as fxpipe's cost pass counts them over its measured step; else 60% of
+989 TFLOP/s), and the host's AdamW and cast rates measured on this machine
+(``host_rates``), and again with the host work free: the two bracket a host of a
+different core count. Writes ``benchmarks/results/bench_finetune.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fxpipe import check_finetune as ft  # noqa: E402
+from fxpipe.check import _sync, _time, link_bandwidth  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
+GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"
+GPUS = {"H100": 80e9}     # an H200 predicts the same: the same FLOP rate and link
+H200_LINK = 55e9
+
+
+def measured(dry_run: bool, modes: tuple[str, ...], eager: bool) -> dict:
+    num = 2 if dry_run else torch.cuda.device_count()
+    sync = _sync(dry_run)
+    link = link_bandwidth(dry_run)
+    ctx = ft.context(dry_run, num, lambda fn, w, r: _time(fn, w, r, sync), sync, link)
+    rows = ft.run_all(ctx, modes=modes, eager=eager)
+    return {"dry_run": dry_run, "devices": num, "peak_bf16_tflops": ctx["peak_tflops"],
+            "h2d_bytes_per_s": link[0], "d2h_bytes_per_s": link[1], "runs": rows}
+
+
+def _eager_step() -> tuple[float | None, str]:
+    """The LoRA run's eager step on the H200 (gpu_check.json), which calibrates the
+    simulator's FLOP rate; None: not on record."""
+    try:
+        runs = json.loads(GPU_CHECK.read_text())["finetune"]["runs"]
+        row = next(r for r in runs if r["mode"] == "lora" and r["eager"]["ran"])
+    except (OSError, KeyError, StopIteration, TypeError):
+        return None, "assumed: 60% of 989 TFLOP/s (no eager run on record)"
+    return row["eager"]["step_s"], (f"the rate eager transformers reached in the H200 LoRA "
+                                    f"run ({row['eager']['step_s']:.2f} s/step, gpu_check.json), "
+                                    "in the cost pass's FLOP counting")
+
+
+def predicted(modes: tuple[str, ...], say=print) -> dict:
+    eager_s, source = _eager_step()
+    flops = None                         # the LoRA run calibrates it, on the eager step
+    if eager_s is None or "lora" not in modes:
+        flops = 0.6 * 989.4e12
+        if eager_s is not None:
+            source = "assumed: 60% of 989 TFLOP/s (the calibrating LoRA run was left out)"
+    rates = ft.host_rates()
+    say(f"host AdamW(fused=True) {rates['optimizer_bytes_per_s'] / 1e9:.2f} GB/s (without fused "
+        f"{rates['optimizer_default_bytes_per_s'] / 1e9:.2f}), cast "
+        f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (this machine)")
+    hosts = {"this machine": (rates["optimizer_bytes_per_s"], rates["copy_bytes_per_s"]),
+             "free": (float("inf"), float("inf"))}
+    rows = []
+    specs = sorted((s for s in ft.run_specs(False) if s["mode"] in modes),
+                   key=lambda s: s["mode"] != "lora")       # lora first: it calibrates
+    for spec in specs:
+        for gpu, memory in GPUS.items():
+            t0 = time.perf_counter()
+            calibrate = flops is None and spec["mode"] == "lora"
+            for row in ft.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
+                                  flops=flops, eager_step_s=eager_s if calibrate else None):
+                row.update(gpu=gpu, seconds=time.perf_counter() - t0)
+                rows.append(row)
+                say(f"  {row['mode']:>4} {row['model']:<13} {gpu} host work {row['host_work']:<12}: "
+                    f"{row['predicted_step_s']:6.2f} s/step, {row['tokens_per_s']:7,.0f} tokens/s, "
+                    f"{row['model_tflops']:5.0f} model TFLOP/s, MFU {row['model_tflops'] / 989.4:.1%} "
+                    f"(at {row['flops_per_s'] / 1e12:.0f} TFLOP/s)")
+            flops = rows[-1]["flops_per_s"]
+    return {"label": "PREDICTED (fxpipe.simulate), not measured", "flops_per_s": flops,
+            "flops_source": source, "link_bytes_per_s": H200_LINK, "host_rates": rates,
+            "host_rates_source": "measured on the machine that ran this benchmark",
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny widths on CPU virtual devices")
+    ap.add_argument("--predict", action="store_true", help="also the full-size runs, predicted")
+    ap.add_argument("--modes", default="lora,full", help="runs to do (default lora,full)")
+    ap.add_argument("--no-eager", action="store_true", help="leave the eager reference out")
+    ap.add_argument("--json", action="store_true", help="print the JSON as the last line")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not set(modes) <= {"lora", "full"}:
+        ap.error(f"--modes {args.modes!r}: the runs are lora and full")
+    dry_run = args.dry_run or not torch.cuda.is_available()
+    if dry_run and not args.dry_run:
+        print("no CUDA GPU visible: the runs at tiny widths on CPU virtual devices (--dry-run)")
+    if dry_run:
+        torch.set_num_threads(1)   # as each virtual device's workers: a like-for-like eager
+    res = {"measured": measured(dry_run, modes, not args.no_eager)}
+    if args.predict:
+        torch.set_num_threads(torch.get_num_threads() if not dry_run else 2)
+        res["predicted"] = predicted(modes)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from fxpipe.check import _jsonable
+    out.write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    if args.json:
+        print(json.dumps(_jsonable(res)))
+    return 0 if all(r["ok"] for r in res["measured"]["runs"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
