@@ -74,6 +74,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -818,9 +819,23 @@ def _write(path: Path, report: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+_SITE = re.compile(r"/\S*/(?:site|dist)-packages/")
+
+
+def machine_neutral(line: str) -> str:
+    """A traceback line without this machine's paths: the checkout's files relative to
+    it, installed packages under ``<site-packages>/`` (the JSON is committed).
+
+    >>> machine_neutral('  File "/opt/venv/lib/python3.12/site-packages/torch/_ops.py", line 8')
+    '  File "<site-packages>/torch/_ops.py", line 8'
+    """
+    return _SITE.sub("<site-packages>/", line.replace(f"{ROOT}/", ""))
+
+
 def _error(e: BaseException) -> dict[str, Any]:
     lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).splitlines()
-    return {"type": type(e).__name__, "message": str(e), "traceback": lines[-TAIL_LINES:]}
+    return {"type": type(e).__name__, "message": machine_neutral(str(e)),
+            "traceback": [machine_neutral(line) for line in lines[-TAIL_LINES:]]}
 
 
 @contextmanager
