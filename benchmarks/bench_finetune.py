@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fxpipe import check_finetune as ft  # noqa: E402
-from fxpipe.check import _sync, _time, link_bandwidth  # noqa: E402
+from fxpipe.check_common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
 GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -45,9 +45,9 @@ H200_LINK = 55e9
 
 def measured(dry_run: bool, modes: tuple[str, ...], eager: bool) -> dict:
     num = 2 if dry_run else torch.cuda.device_count()
-    sync = _sync(dry_run)
+    sync = sync_fn(dry_run)
     link = link_bandwidth(dry_run)
-    ctx = ft.context(dry_run, num, lambda fn, w, r: _time(fn, w, r, sync), sync, link)
+    ctx = ft.context(dry_run, num, lambda fn, w, r: timed(fn, w, r, sync), sync, link)
     rows = ft.run_all(ctx, modes=modes, eager=eager)
     return {"dry_run": dry_run, "devices": num, "peak_bf16_tflops": ctx["peak_tflops"],
             "h2d_bytes_per_s": link[0], "d2h_bytes_per_s": link[1], "runs": rows}
@@ -124,11 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         res["predicted"] = predicted(modes)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from fxpipe.check import _jsonable
-    out.write_text(json.dumps(_jsonable(res), indent=1) + "\n")
+    out.write_text(json.dumps(jsonable(res), indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     if args.json:
-        print(json.dumps(_jsonable(res)))
+        print(json.dumps(jsonable(res)))
     return 0 if all(r["ok"] for r in res["measured"]["runs"]) else 1
 
 

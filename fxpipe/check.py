@@ -74,14 +74,12 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,13 +90,17 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fxpipe
-from fxpipe.check_finetune import summary as ft_summary
+from fxpipe import check_finetune as ft
+from fxpipe.check_common import ROOT, TAIL_LINES, link_bandwidth
+from fxpipe.check_common import error_record as _error
+from fxpipe.check_common import jsonable as _jsonable
+from fxpipe.check_common import sync_fn as _sync
+from fxpipe.check_common import timed as _time
+from fxpipe.check_common import unsampled as _unsampled
 from fxpipe.demo import TinyLlama, progression_batch, rotary_tables
 from fxpipe.passes.program import Prefetch, parse_action
-from fxpipe.runtime.timer import KINDS
 from fxpipe.sim import Hardware
 
-ROOT = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_devices.py", "tests/test_params.py"]
 SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
             "predicted_vs_measured", "stats", "bigger_than_device", "weights", "generate",
@@ -107,7 +109,6 @@ SECTIONS = ("cuda_tests", "vs_checkpoint", "scaling", "hidden_prefetch",
 RESERVE = {"cuda_tests": 0.0, "vs_checkpoint": 0.12, "scaling": 0.12, "hidden_prefetch": 0.10,
            "predicted_vs_measured": 0.04, "stats": 0.01, "bigger_than_device": 0.15,
            "weights": 0.05, "generate": 0.06, "finetune": 0.45}
-TAIL_LINES = 40
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -151,17 +152,6 @@ def _devices(n: int, dry_run: bool) -> list[Any]:
     return [f"cuda:{i}" for i in range(n)]
 
 
-def _sync(dry_run: bool) -> Callable[[], None]:
-    """What waits for every GPU's queued work (nothing to wait for in a dry run)."""
-    if dry_run:
-        return lambda: None
-
-    def sync() -> None:
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
-    return sync
-
-
 def _settle(dry_run: bool) -> None:
     """Between sections and between variants: drop garbage and (GPUs) give the caching
     allocator's free blocks back, so the next phase starts from a clean allocator."""
@@ -169,43 +159,6 @@ def _settle(dry_run: bool) -> None:
     if not dry_run and torch.cuda.is_available():
         _sync(False)()
         torch.cuda.empty_cache()
-
-
-def _time(fn, warmup: int, repeats: int, sync) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _samples(pipe) -> int:
-    """How many layer-time samples the pipe's timer has recorded (warm-ups included)."""
-    timer = pipe.timings
-    return sum(timer.count(i, k) for i in range(len(pipe.layers)) for k in KINDS)
-
-
-@contextmanager
-def _unsampled(pipe) -> Iterator[dict[str, Any]]:
-    """Calls in the block are not timed layer by layer (``LayerTimer.sample`` is false:
-    no first calls, no every-n-th); yields a dict whose ``sampled`` says, after the
-    block, whether any call was timed anyway (verbose mode times every call)."""
-    timer = pipe.timings
-    saved = timer.first, timer.every
-    timer.first, timer.every = 0, sys.maxsize
-    before = _samples(pipe)
-    out: dict[str, Any] = {"sampled": None}
-    try:
-        yield out
-    finally:
-        timer.first, timer.every = saved
-        if pipe.timings is timer:    # the same graph ran throughout (else: unknown)
-            out["sampled"] = _samples(pipe) != before
 
 
 def _call_path(pipe) -> dict[str, int]:
@@ -398,8 +351,8 @@ def scaling(kit: Kit) -> dict[str, Any]:
 def logical_devices(kit: Kit, steps: int = 2) -> dict[str, Any]:
     """Two logical devices over one GPU (two ``CudaDevice(0)``, each with its own streams,
     events and copies; in a dry run two VirtualDevices) against one: the cross-device
-    ordering code on real CUDA. SGD steps from the same weights; the losses must be equal
-    (the same kernels on the same inputs, in another order)."""
+    ordering code on real CUDA. SGD steps from the same weights; the losses must agree
+    within 1e-4 (the same kernels on the same inputs, in another order: equal so far)."""
     from fxpipe.runtime.devices import CudaDevice
 
     def two() -> list[Any]:
@@ -499,18 +452,6 @@ def prefetch_figures(intervals: list[Any], device: int) -> dict[str, Any]:
         prev_end = iv.end if prev_end is None else max(prev_end, iv.end)
     return {"hidden_fraction": hidden, "exposed_ms": exposed, "first_prefetch_ms": first,
             "prefetches": len(prefetch)}
-
-
-def link_bandwidth(dry_run: bool) -> tuple[float, float]:
-    """Measured host→device and device→host bytes/s of GPU 0 (pinned, 256 MiB)."""
-    if dry_run:
-        return float("inf"), float("inf")
-    n = 256 * 2**20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda:0")
-    up = min(_time(lambda: dev.copy_(host, non_blocking=True), 2, 5, torch.cuda.synchronize))
-    down = min(_time(lambda: host.copy_(dev, non_blocking=True), 2, 5, torch.cuda.synchronize))
-    return n / up, n / down
 
 
 def traced_step(shape: dict, num_devices: int, dry_run: bool) -> dict[str, Any]:
@@ -697,8 +638,6 @@ def generate(kit: Kit, new: int = 32) -> dict[str, Any]:
 def finetune(kit: Kit) -> dict[str, Any]:
     """bf16 fine-tuning of Hugging Face models from host memory, against eager
     ``transformers`` (``fxpipe.check_finetune``); each run's row written at once."""
-    from fxpipe import check_finetune as ft
-
     sync = _sync(kit.dry_run)
     link = link_bandwidth(kit.dry_run)
     ctx = ft.context(kit.dry_run, kit.num, lambda fn, warmup, repeats: _time(fn, warmup, repeats, sync),
@@ -794,19 +733,6 @@ def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- running
 
-def _jsonable(x: Any) -> Any:
-    """Strict JSON: non-finite floats as strings ("inf", "nan"), keys as strings."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
-    return str(x)
-
-
 def _write(path: Path, report: dict[str, Any]) -> None:
     """Write ``report`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -817,25 +743,6 @@ def _write(path: Path, report: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-_SITE = re.compile(r"/\S*/(?:site|dist)-packages/")
-
-
-def machine_neutral(line: str) -> str:
-    """A traceback line without this machine's paths: the checkout's files relative to
-    it, installed packages under ``<site-packages>/`` (the JSON is committed).
-
-    >>> machine_neutral('  File "/opt/venv/lib/python3.12/site-packages/torch/_ops.py", line 8')
-    '  File "<site-packages>/torch/_ops.py", line 8'
-    """
-    return _SITE.sub("<site-packages>/", line.replace(f"{ROOT}/", ""))
-
-
-def _error(e: BaseException) -> dict[str, Any]:
-    lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).splitlines()
-    return {"type": type(e).__name__, "message": machine_neutral(str(e)),
-            "traceback": [machine_neutral(line) for line in lines[-TAIL_LINES:]]}
 
 
 @contextmanager
@@ -898,7 +805,7 @@ def _summary_line(name: str, r: dict[str, Any]) -> str:
                 f"{r['token_agreement']:.3f}); {r['tokens_per_s']['fxpipe']:.0f} tokens/s, "
                 f"{r['over_transformers']:.2f}x transformers with its weights resident")
     if name == "finetune":
-        return "; ".join(ft_summary(row).strip() for row in r["runs"])
+        return "; ".join(ft.summary(row).strip() for row in r["runs"])
     if name == "weights":
         return (f"{r['frozen_file_backed']}/{r['frozen_params']} frozen parameters file-backed, "
                 f"{'registered for DMA' if r['registered'] else 'through the pinned ring'}, "

@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 
 import fxpipe
+from fxpipe.check_common import error_record, unsampled
 
 TOKENS_PER_MICROBATCH = 4096
 MICROBATCHES = 16
@@ -331,8 +332,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
         pipe.timings.warmup = 0
         with pipe.trace() as sampled:
             step()
-        from fxpipe.check import _unsampled      # noqa: PLC0415 - the kit's helper
-        with _unsampled(pipe) as sampling:
+        with unsampled(pipe) as sampling:
             times = ctx["time"](step, 0, steps - 1)
             ctx["sync"]()
             t0 = time.perf_counter()
@@ -408,13 +408,16 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
 def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
             link: tuple[float, float]) -> dict[str, Any]:
     """What the runs need from the machine: devices, timing, peak-memory readers."""
-    if dry_run:
+    if dry_run:     # eager runs on the host: no device peak to read for it
         def devices():
             return [fxpipe.VirtualDevice(semantics="cuda") for _ in range(num_devices)]
+
+        def reset_virtual(pipe=None):
+            for d in pipe.devices if pipe is not None else ():
+                d.reset_peak()
         return {"dry_run": True, "device": torch.device("cpu"), "devices": devices,
                 "gen": torch.device("cpu"), "time": time_fn, "sync": sync, "link": link,
-                "peak_tflops": None, "peak": lambda: None,
-                "reset_peak": lambda pipe: pipe and [d.reset_peak() for d in pipe.devices],
+                "peak_tflops": None, "peak": lambda: None, "reset_peak": reset_virtual,
                 "pipe_peak": lambda pipe: max(d.peak_bytes() for d in pipe.devices)}
 
     def reset(pipe=None):
@@ -440,7 +443,6 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
             say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every run in ``modes``; ``on_row(rows)`` after each (the JSON is written there).
     A run's failure is its row (``ok: false``, the error) and the next one runs."""
-    from fxpipe.check import _error          # noqa: PLC0415
     rows: list[dict[str, Any]] = []
     for spec in run_specs(ctx["dry_run"]):
         if spec["mode"] not in modes:
@@ -450,7 +452,7 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
         try:
             measure(spec, ctx, row, eager=eager, steps=steps)
         except Exception as e:   # noqa: BLE001 - a run's failure is its row
-            row.update(ok=False, error=_error(e))
+            row.update(ok=False, error=error_record(e))
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         gc.collect()

@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),
+    ("fxpipe.check_common",),          # the GPU kit's shared helpers, and its finetune runs
+    ("fxpipe.check_finetune",),
     ("fxpipe.demo", "fxpipe.check",   # programs built on the package
      "fxpipe.roundpipe.*", "fxpipe.integrations.*"),   # and its front doors for other APIs
 ]
