@@ -61,10 +61,10 @@ class Inspecting:
         if run_type == "generate":
             from fxpipe.generation import inspected_steps
             parts = zip(("# prefill", "# each decode step"), inspected_steps(self).executables())
-            return "\n".join(f"{title}\n{runnable_code(exe) if runnable else exe.code()}"
+            return "\n".join(f"{title}\n{runnable_code(exe, self.devices) if runnable else exe.code()}"
                              for title, exe in parts)
         exe = self._executable(run_type, grain=grain)
-        return runnable_code(exe) if runnable else exe.code()
+        return runnable_code(exe, self.devices) if runnable else exe.code()
 
     def __str__(self) -> str:
         exe, plan = self._executable("infer"), self.plan

@@ -233,3 +233,21 @@ def test_two_logical_devices_on_one_gpu_train_equal_to_eager():
     torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
     assert_grads_close(model, ref)
     pipe.close()
+
+
+def test_the_printed_runnable_code_is_what_a_gpu_runs():
+    """An HF model's stage code pins the capture host in its constants; on a GPU the code
+    a stage runs names the GPU, and ``pipe.code(runnable=True)`` prints that code."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False)).eval()
+    ids = torch.randint(0, 64, (4, 8))
+    pipe = fxpipe.compile(model, example_kwargs=dict(input_ids=ids, labels=ids), devices=gpus(1),
+                          param_dtype=torch.bfloat16)
+    code = pipe.code(runnable=True)
+    assert "device(type='cuda', index=0)" in code and "device(type='cpu')" not in code
+    loss = pipe.forward_backward((), dict(input_ids=ids, labels=ids), loss_fn=lambda o, _: o.loss)
+    assert torch.isfinite(loss)
+    pipe.close()

@@ -28,7 +28,7 @@ import copy
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -228,10 +228,13 @@ def _on_device(gm: fx.GraphModule, device: torch.device) -> None:
     gm.recompile()
 
 
-def runnable_code(exe: Executable) -> str:
+def runnable_code(exe: Executable, devices: Sequence[Any] = ()) -> str:
     """The runnable code of every GraphModule ``exe`` runs (``pipe.code(...,
-    runnable=True)``), and the recompute of each with unfilled nodes."""
-    codes = [runnable(st, recompute).code.strip("\n") for st in exe.graph_modules()
+    runnable=True)``), and the recompute of each with unfilled nodes; given the pipe's
+    ``devices``, each as its device runs it (a GPU's names the GPU)."""
+    def on(st: Stage) -> torch.device | None:
+        return getattr(devices[st.device], "device", None) if devices else None
+    codes = [runnable(st, recompute, on(st)).code.strip("\n") for st in exe.graph_modules()
              for recompute in ((False, True) if st.unfilled else (False,))]
     return "\n\n".join(codes) + "\n"
 
