@@ -464,16 +464,15 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
 
 
 def summary(row: dict[str, Any]) -> str:
+    """One line about a run's row."""
     if "error" in row:
         return f"  {row['mode']} {row['model']}: FAILED {row['error']['type']}: {row['error']['message'][:300]}"
-    e = row["eager"]
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    eager = f"vs eager {row['vs_eager']:.3f}" if row["vs_eager"] is not None else \
+        f"eager: {row['eager'].get('why')}"
     return (f"  {row['mode']} {row['model']} ({row['params'] / 1e9:.2f} B): "
             f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
-            f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, "
-            f"vs eager {row['vs_eager']:.3f}" if row["vs_eager"] else
-            f"  {row['mode']} {row['model']}: {row['step_s']:.2f} s/step, "
-            f"{row['tokens_per_s']:.0f} tokens/s, MFU {mfu}, eager: {e.get('why')}")
+            f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, {eager}")
 
 
 # ---------------------------------------------------------------------------- predicted
@@ -537,6 +536,9 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
     refresh on the host at those rates."""
     from fxpipe.plan import chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost, simulate
+    if (flops is None) == (eager_step_s is None):
+        raise ValueError("predict: pass flops= (FLOP/s) or eager_step_s= (a measured eager "
+                         "step that calibrates them), one of the two")
     model = meta_model(spec)
     M, seq = spec["microbatches"], spec["seq"]
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")   # one microbatch: its FLOPs
