@@ -4,6 +4,7 @@
     python benchmarks/bench_finetune.py --dry-run    # tiny widths, 2 CPU virtual devices (~1 min)
     python benchmarks/bench_finetune.py --predict    # and the full-size runs predicted (~5 min)
     python benchmarks/bench_finetune.py --json       # the last line printed is the JSON
+    python benchmarks/bench_finetune.py --stage-backends eager,inductor   # each run per backend
 
 Measured (``fxpipe.check_finetune``, also the kit's ``finetune`` section): LoRA r=16 on
 the Llama-3.1-8B shape and a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
@@ -43,12 +44,13 @@ GPUS = {"H100": 80e9}     # an H200 predicts the same: the same FLOP rate and li
 H200_LINK = 55e9
 
 
-def measured(dry_run: bool, modes: tuple[str, ...], eager: bool) -> dict:
+def measured(dry_run: bool, modes: tuple[str, ...], eager: bool,
+             backends: tuple[str | None, ...] = (None,)) -> dict:
     num = 2 if dry_run else torch.cuda.device_count()
     sync = sync_fn(dry_run)
     link = link_bandwidth(dry_run)
     ctx = ft.context(dry_run, num, lambda fn, w, r: timed(fn, w, r, sync), sync, link)
-    rows = ft.run_all(ctx, modes=modes, eager=eager)
+    rows = ft.run_all(ctx, modes=modes, eager=eager, backends=backends)
     return {"dry_run": dry_run, "devices": num, "peak_bf16_tflops": ctx["peak_tflops"],
             "h2d_bytes_per_s": link[0], "d2h_bytes_per_s": link[1], "runs": rows}
 
@@ -107,18 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", action="store_true", help="also the full-size runs, predicted")
     ap.add_argument("--modes", default="lora,full", help="runs to do (default lora,full)")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager reference out")
+    ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
+                    help="fxpipe's RunConfig.stage_backend for each run (eager, inductor, auto)")
     ap.add_argument("--json", action="store_true", help="print the JSON as the last line")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not set(modes) <= {"lora", "full"}:
         ap.error(f"--modes {args.modes!r}: the runs are lora and full")
+    backends = tuple(b.strip() for b in args.stage_backends.split(","))
+    if not set(backends) <= {"eager", "inductor", "auto"}:
+        ap.error(f"--stage-backends {args.stage_backends!r}: each is eager, inductor or auto")
     dry_run = args.dry_run or not torch.cuda.is_available()
     if dry_run and not args.dry_run:
         print("no CUDA GPU visible: the runs at tiny widths on CPU virtual devices (--dry-run)")
     if dry_run:
         torch.set_num_threads(1)   # as each virtual device's workers: a like-for-like eager
-    res = {"measured": measured(dry_run, modes, not args.no_eager)}
+    res = {"measured": measured(dry_run, modes, not args.no_eager,
+                                tuple(None if b == "eager" else b for b in backends))}
     if args.predict:
         torch.set_num_threads(torch.get_num_threads() if not dry_run else 2)
         res["predicted"] = predicted(modes)

@@ -29,6 +29,29 @@ would compute the same step:
   ``Linear(1, 1)``, one device, inference): the call's time at 16 microbatches less its
   time at 1, over the actions it adds; and what a call costs besides its actions.
 
+- **Per stage backend** (``--backends``, default ``eager inductor``): each row is run with
+  ``RunConfig(stage_backend=...)`` (``stage_backend`` in its JSON: ``null`` for eager).
+  Under ``"inductor"`` each layer segment runs inductor's generated code; on this CPU
+  machine that is its C++ code, so the row's host time is the issue cost of inductor's
+  *CPU* wrapper (Python calling fused C++ kernels and extern matmuls), the measured
+  stand-in for its GPU wrapper launching Triton kernels. ``kernels_per_layer``: the
+  kernels one step runs per layer and microbatch, from the profiler (eager: the outermost
+  aten ops that compute, views and allocations left out; inductor: its generated kernels
+  and the aten ops its wrapper calls), the count a GPU would launch. ``host_us_per_layer``
+  = host_issue_ms over layers x microbatches.
+- ``host_issue_ms_modelled`` / ``ratio_modelled`` (compiled rows): MODELLED, not
+  measured: the host time a GPU step would take with the compiled code: the eager row's
+  measured host time, with its compute actions' share (``Forward``, ``FusedBackward``,
+  ``RecomputeBackward``... of ``host_issue_us_by_kind``: the stage code's ops) scaled by
+  the kernels the compiled code runs per eager op (``kernels_per_layer`` over the eager
+  row's): one launch costing the host what one eager op's dispatch does, the compiled
+  wrapper's per-segment Python left out (on this CPU, where its C++ code runs, the
+  measured row holds it).
+- ``--compile-time``: inductor's compile time for the Llama-3.1-8B shape at tiny widths
+  with 1 and with 32 blocks, each in a fresh process and an empty inductor cache: repeated
+  blocks share one compiled artifact, so the 32-block model should cost about the 1-block
+  one (the issue's bound: 3x).
+
 Rows: Llama-3.1-8B, Qwen3-1.7B and Qwen3-32B shapes; 1, 2, 4 and 8 GPUs; RoundPipe's
 published step (16 microbatches, ``tests/data/roundpipe_simulation.json``) at 4K and
 16K tokens per microbatch. CPU wall time is noisy: calls are interleaved, repeated, and
@@ -100,15 +123,102 @@ def full_size(name: str, gpus: int, seq_len: int) -> tuple[fxpipe.ExecutePlan, f
     return plan, flops * MICROBATCHES
 
 
-def tiny_pipe(name: str, gpus: int, plan: fxpipe.ExecutePlan):
-    c, qk_norm = config(MODELS[name], **TINY)
+def tiny_pipe(name: str, gpus: int, plan: fxpipe.ExecutePlan | None, backend: str | None = None,
+              **override):
+    c, qk_norm = config(MODELS[name], **TINY, **override)
     torch.manual_seed(0)
     model = CausalLM(c, qk_norm, chunked=True)
     ids = torch.randint(0, c.vocab_size, (MICROBATCHES, TINY_TOKENS))
     pipe = fxpipe.compile(model, example_inputs=(ids, ids),
                           devices=[InlineDevice() for _ in range(gpus)], plan=plan,
-                          config=fxpipe.RunConfig(num_microbatch=MICROBATCHES))
+                          config=fxpipe.RunConfig(num_microbatch=MICROBATCHES,
+                                                  stage_backend=backend))
     return model, pipe, ids
+
+
+# aten ops that launch no kernel of their own: views, metadata, allocation
+NO_KERNEL = {"aten::" + n for n in (
+    "view", "_unsafe_view", "reshape", "as_strided", "expand", "t", "transpose", "permute",
+    "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "chunk",
+    "unflatten", "flatten", "alias", "detach", "detach_", "lift_fresh", "resolve_conj",
+    "resolve_neg", "empty", "empty_strided", "empty_like", "_reshape_alias", "unbind",
+    "contiguous", "to", "_to_copy_noop", "result_type", "is_nonzero", "item",
+    "_local_scalar_dense", "size", "stride", "numel", "set_", "broadcast_tensors",
+    "narrow", "movedim", "view_as", "expand_as", "real", "imag")}
+
+
+def kernels_per_step(step) -> int:
+    """The kernels one call of ``step`` runs, from the profiler: inductor's generated
+    kernels (``cpp_fused_*``/``triton_*``, profiled with ``cpp.enable_kernel_profile``)
+    and the outermost aten ops that compute (an aten op inside a counted one is its
+    implementation, not another launch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        step()
+    count = 0
+    for e in prof.events():
+        if "cpp_fused" in e.name or "triton_" in e.name:
+            count += 1
+            continue
+        if not e.name.startswith("aten::") or e.name in NO_KERNEL:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not (parent.name.startswith("aten::")
+                                          and parent.name not in NO_KERNEL):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+COMPUTE = ("Forward", "FusedBackward", "RecomputeBackward", "Checkpoint", "LayerBackward")
+"""The actions whose host time is the stage code's ops (the rest move data)."""
+
+
+def modelled_host_ms(eager_row: dict, kernels: float) -> float:
+    """MODELLED host time of a compiled step (module docstring): the eager row's measured
+    host time, its compute actions' share (of the issue time summed over every action:
+    lanes overlap, so shares, not sums) scaled by the kernels the compiled code runs per
+    eager op."""
+    by_kind = eager_row["host_issue_us_by_kind"]
+    share = sum(by_kind.get(k, 0) for k in COMPUTE) / sum(by_kind.values())
+    return eager_row["host_issue_ms"] * (1 - share * (1 - kernels / eager_row["kernels_per_layer"]))
+
+
+def compile_time(blocks: int) -> dict:
+    """Run in a fresh process: inductor's compile seconds for a fused step of the
+    Llama-3.1-8B shape at tiny widths with ``blocks`` blocks (``runtime.compiled``'s
+    artifacts' own clocks), and how many artifacts and signatures it compiled."""
+    from fxpipe.runtime.compiled import artifacts
+    torch.set_num_threads(1)
+    _, pipe, ids = tiny_pipe("Llama-3.1-8B", 1, None, "inductor", num_hidden_layers=blocks)
+    start = time.perf_counter()
+    pipe.forward_backward((ids, ids))
+    first = time.perf_counter() - start
+    arts = artifacts()
+    pipe.close()
+    return {"blocks": blocks, "layers": blocks + 2, "compile_s": sum(a.compile_s for a in arts),
+            "first_step_s": first, "artifacts": len(arts),
+            "signatures": sum(a.compiles for a in arts)}
+
+
+def compile_times() -> dict:
+    """``compile_time`` for 1 and 32 blocks, each in its own process with an empty
+    inductor cache (nothing reused from an earlier compile)."""
+    import subprocess
+    import tempfile
+    out = {}
+    for blocks in (1, 32):
+        with tempfile.TemporaryDirectory() as cache:
+            code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+                    f"import bench_issue; print(json.dumps(bench_issue.compile_time({blocks})))")
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  env={**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": cache},
+                                  cwd=str(ROOT), check=True)
+            out[blocks] = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, many = out[1], out[32]
+    return {"one_block": one, "blocks_32": many, "ratio": many["compile_s"] / one["compile_s"]}
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -165,56 +275,99 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384],
                     help="tokens per microbatch")
     ap.add_argument("--quick", action="store_true", help="Llama-3.1-8B on 1 and 8 GPUs at 4K only")
+    ap.add_argument("--backends", nargs="+", choices=["eager", "inductor"],
+                    default=["eager", "inductor"], help="RunConfig.stage_backend of each row")
+    ap.add_argument("--compile-time", action="store_true",
+                    help="also measure inductor's compile time, 1 vs 32 blocks (fresh processes)")
     ap.add_argument("--json", action="store_true", help="print the result JSON as the last line")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_issue.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    torch._inductor.config.cpp.enable_kernel_profile = True   # kernels show in the profiler
     if args.quick:
         args.models, args.gpus, args.tokens = ["Llama-3.1-8B"], [1, 8], [4096]
     cases = [(m, g, n) for m in args.models for g in args.gpus for n in args.tokens]
     action = action_cost(args.repeats)
     print(f"host cost of one action around an empty stage: {action['min_us']:.1f} us min, "
           f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us")
-    head = (f"{'model':<14} {'gpus':>4} {'tokens':>6} {'stages f/b':>10} {'actions':>7} "
-            f"{'host ms':>8} {'eager ms':>8} {'fxpipe+':>8} {'H100 ms':>8} {'ratio':>6} "
-            f"{'4090 ms':>8} {'ratio':>6}")
+    head = (f"{'model':<14} {'gpus':>4} {'tokens':>6} {'backend':>8} {'stages f/b':>10} "
+            f"{'actions':>7} {'kern/L':>6} {'us/L':>6} {'host ms':>8} {'eager ms':>8} "
+            f"{'fxpipe+':>8} {'H100 ms':>8} {'ratio':>6} {'4090 ms':>8} {'ratio':>6}")
     print(head)
     rows = []
     for name, gpus, seq_len in cases:
         plan, flops = full_size(name, gpus, seq_len)
-        model, pipe, ids = tiny_pipe(name, gpus, plan)
-        step = lambda: pipe.forward_backward((ids, ids))   # noqa: E731
+        pipes = {b: tiny_pipe(name, gpus, plan, None if b == "eager" else b)
+                 for b in args.backends}
+        model, _, ids = next(iter(pipes.values()))
+        steps = {b: (lambda p=p: p.forward_backward((ids, ids))) for b, (_, p, _) in pipes.items()}
         eager = lambda: eager_step(model, ids)            # noqa: E731
-        step(), eager()   # warm up (the first call builds the Program and its stores)
-        host, base = [], []
+        for step in steps.values():   # warm up (the first call builds the Program, compiles)
+            step(), step()
+        eager()
+        host: dict[str, list[float]] = {b: [] for b in steps}
+        base: list[float] = []
         for _ in range(args.repeats):   # interleaved
-            host += timed(step, 1)
+            for b, step in steps.items():
+                host[b] += timed(step, 1)
             base += timed(eager, 1)
-        stats = pipe.stats()
+        eager_kernels = kernels_per_step(eager)
         predicted = {k: flops / (gpus * peak * args.mfu) * 1e3 for k, peak in PEAK.items()}
-        row = {"model": name, "gpus": gpus, "seq_len": seq_len, "microbatches": MICROBATCHES,
-               "plan": repr(plan), "fwd_stages": len(plan.fwd_plan),
-               "bwd_stages": len(plan.bwd_plan),
-               "actions": stats["actions"], "host_issue_ms": min(host),
-               "host_issue_ms_median": statistics.median(host), "eager_ms": min(base),
-               "eager_ms_median": statistics.median(base),
-               "overhead_ms": min(host) - min(base),
-               "host_issue_us_by_kind": {k.split(".", 1)[1]: v for k, v in stats.items()
-                                         if k.startswith("host_issue_us.")},
-               "step_tflop": flops / 1e12, "mfu": args.mfu,
-               "predicted_gpu_ms": predicted["h100"], "ratio": min(host) / predicted["h100"],
-               "predicted_gpu_ms_rtx4090": predicted["rtx4090"],
-               "ratio_rtx4090": min(host) / predicted["rtx4090"]}
-        rows.append(row)
-        stages = f"{len(plan.fwd_plan):>5}/{len(plan.bwd_plan):<4}"
-        print(f"{name:<14} {gpus:>4} {seq_len // 1024:>5}K {stages} "
-              f"{row['actions']:>7} {row['host_issue_ms']:>8.1f} {row['eager_ms']:>8.1f} "
-              f"{row['overhead_ms']:>8.1f} {row['predicted_gpu_ms']:>8.1f} {row['ratio']:>6.3f} "
-              f"{row['predicted_gpu_ms_rtx4090']:>8.1f} {row['ratio_rtx4090']:>6.3f}", flush=True)
-        pipe.close()
+        for b, (_, pipe, _) in pipes.items():
+            stats = pipe.stats()   # its last timed call's
+            kernels = kernels_per_step(steps[b])
+            per_layer = len(pipe.layers) * MICROBATCHES
+            row = {"model": name, "gpus": gpus, "seq_len": seq_len, "microbatches": MICROBATCHES,
+                   "stage_backend": None if b == "eager" else b,
+                   "plan": repr(plan), "fwd_stages": len(plan.fwd_plan),
+                   "bwd_stages": len(plan.bwd_plan),
+                   "actions": stats["actions"], "host_issue_ms": min(host[b]),
+                   "host_issue_ms_median": statistics.median(host[b]), "eager_ms": min(base),
+                   "eager_ms_median": statistics.median(base),
+                   "overhead_ms": min(host[b]) - min(base),
+                   "kernels_per_layer": kernels / per_layer,
+                   "eager_kernels_per_layer": eager_kernels / per_layer,
+                   "host_us_per_layer": min(host[b]) * 1e3 / per_layer,
+                   "host_issue_us_by_kind": {k.split(".", 1)[1]: v for k, v in stats.items()
+                                             if k.startswith("host_issue_us.")},
+                   "step_tflop": flops / 1e12, "mfu": args.mfu,
+                   "predicted_gpu_ms": predicted["h100"],
+                   "ratio": min(host[b]) / predicted["h100"],
+                   "predicted_gpu_ms_rtx4090": predicted["rtx4090"],
+                   "ratio_rtx4090": min(host[b]) / predicted["rtx4090"]}
+            if b != "eager" and "eager" in pipes:   # MODELLED (module docstring)
+                eager_row = next(r for r in rows if r["stage_backend"] is None
+                                 and (r["model"], r["gpus"], r["seq_len"]) == (name, gpus, seq_len))
+                modelled = modelled_host_ms(eager_row, kernels / per_layer)
+                row.update(host_issue_ms_modelled=modelled,
+                           ratio_modelled=modelled / predicted["h100"])
+            rows.append(row)
+            stages = f"{len(plan.fwd_plan):>5}/{len(plan.bwd_plan):<4}"
+            print(f"{name:<14} {gpus:>4} {seq_len // 1024:>5}K {b:>8} {stages} "
+                  f"{row['actions']:>7} {row['kernels_per_layer']:>6.1f} "
+                  f"{row['host_us_per_layer']:>6.0f} {row['host_issue_ms']:>8.1f} "
+                  f"{row['eager_ms']:>8.1f} {row['overhead_ms']:>8.1f} "
+                  f"{row['predicted_gpu_ms']:>8.1f} {row['ratio']:>6.3f} "
+                  f"{row['predicted_gpu_ms_rtx4090']:>8.1f} {row['ratio_rtx4090']:>6.3f}"
+                  + (f"  modelled: {row['host_issue_ms_modelled']:.1f} ms, ratio "
+                     f"{row['ratio_modelled']:.3f}" if "ratio_modelled" in row else ""),
+                  flush=True)
+        for _, pipe, _ in pipes.values():
+            pipe.close()
     result = {"torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/bench_issue.py", *(argv or sys.argv[1:])]),
-              "action_us": action, "rows": rows}
+              "action_us": action, "rows": rows,
+              "modelled": "host_issue_ms_modelled = the eager row's host_issue_ms x (1 - "
+                          "its compute actions' share of host_issue_us_by_kind x (1 - "
+                          "kernels_per_layer / the eager row's kernels_per_layer)): one launch "
+                          "costing the host one eager op's dispatch (not measured)"}
+    if args.compile_time:
+        result["compile_time"] = ct = compile_times()
+        print(f"inductor compile time, Llama-3.1-8B shape at tiny widths: 1 block "
+              f"{ct['one_block']['compile_s']:.1f} s ({ct['one_block']['artifacts']} artifacts, "
+              f"{ct['one_block']['signatures']} signatures), 32 blocks "
+              f"{ct['blocks_32']['compile_s']:.1f} s ({ct['blocks_32']['artifacts']} artifacts, "
+              f"{ct['blocks_32']['signatures']} signatures): {ct['ratio']:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -34,7 +34,9 @@ what came before (``in_progress`` names the section that was running):
     step) against eager ``transformers`` with gradient checkpointing on the same GPU:
     tokens/s, model and hardware TFLOP/s, MFU, peaks predicted and measured, the
     simulator's step against the measured one (``fxpipe.check_finetune``); the JSON is
-    written after each run.
+    written after each run. ``--stage-backends eager,inductor`` runs fxpipe's side once
+    per ``RunConfig.stage_backend`` (each row's ``stage_backend``; its tokens/s and
+    ``host_issue_ms`` against ``compute_busy_ms``).
 
 ``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
 10-minute command: a lent GPU runs it as two).
@@ -97,6 +99,7 @@ from fxpipe.check_common import jsonable as _jsonable
 from fxpipe.check_common import sync_fn as _sync
 from fxpipe.check_common import timed as _time
 from fxpipe.check_common import unsampled as _unsampled
+from fxpipe.config import STAGE_BACKENDS
 from fxpipe.demo import TinyLlama, progression_batch, rotary_tables
 from fxpipe.passes.program import Prefetch, parse_action
 from fxpipe.sim import Hardware
@@ -171,9 +174,10 @@ class Kit:
     """What the sections share: the arguments, the model's shape, the traced step."""
 
     def __init__(self, dry_run: bool, num_devices: int, repeats: int, skip_tests: bool,
-                 shape: dict[str, int]):
+                 shape: dict[str, int], stage_backends: tuple[str | None, ...] = (None,)):
         self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
         self.skip_tests, self.shape = skip_tests, shape
+        self.stage_backends = stage_backends   # finetune: RunConfig.stage_backend of its runs
         self.deadline_s: float | None = None   # the running section's time allowance
         # a section's partial result, written to the JSON at once (set by run_sections)
         self.progress: Callable[[dict[str, Any]], None] = lambda partial: None
@@ -644,7 +648,8 @@ def finetune(kit: Kit) -> dict[str, Any]:
                      sync, link)
     head = {"peak_bf16_tflops": ctx["peak_tflops"], "h2d_bytes_per_s": link[0],
             "d2h_bytes_per_s": link[1]}
-    rows = ft.run_all(ctx, on_row=lambda rows: kit.progress({**head, "runs": rows}), say=_say)
+    rows = ft.run_all(ctx, backends=kit.stage_backends,
+                      on_row=lambda rows: kit.progress({**head, "runs": rows}), say=_say)
     return {**head, "runs": rows, "ok": bool(rows) and all(r["ok"] for r in rows)}
 
 
@@ -897,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=None, metavar="NAME,...",
                     help="run only these sections, in this order (default: all: "
                     + ",".join(SECTIONS) + ")")
+    ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
+                    help="finetune: run fxpipe with each RunConfig.stage_backend (eager, "
+                    "inductor, auto; default eager)")
     ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sections = SECTIONS
@@ -937,7 +945,13 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(args.budget_s + 30, exit=False)
     except (OSError, ValueError):   # a stderr without a file descriptor
         pass
-    kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape)
+    backends = tuple(b.strip() for b in args.stage_backends.split(",") if b.strip())
+    if not backends or any(b not in STAGE_BACKENDS for b in backends):
+        print(f"fxpipe.check: --stage-backends {args.stage_backends!r}: each must be one of "
+              f"{', '.join(STAGE_BACKENDS)}", file=sys.stderr)
+        return 2
+    kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape,
+              tuple(None if b == "eager" else b for b in backends))
     try:
         failed = run_sections(kit, report, out, args.budget_s, args.fail_section, sections)
     finally:

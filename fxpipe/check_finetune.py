@@ -300,17 +300,19 @@ def _eager_steps(model: nn.Module, ids: torch.Tensor, ctx: dict[str, Any],
 
 
 def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: dict[str, Any],
-               steps: int) -> dict[str, Any]:
+               steps: int, backend: str | None = None) -> dict[str, Any]:
     """fxpipe on ``ctx['devices']``: bf16 device copies, AdamW on the host streamed into
-    the backward; a warm-up, one layer-timed traced step (the simulator's input), then
-    ``steps`` timed steps (the last traced: host issue and compute busy time)."""
+    the backward, the stage code run by ``backend`` (``RunConfig.stage_backend``); a
+    warm-up (inductor compiles there), one layer-timed traced step (the simulator's
+    input), then ``steps`` timed steps (the last traced: host issue and compute busy
+    time)."""
     from fxpipe.sim import Hardware
     M = ids.shape[0]
     batch = dict(input_ids=ids, labels=ids)
     t0 = time.perf_counter()
     pipe = fxpipe.compile(model, example_kwargs=batch, devices=ctx["devices"](),
                           param_dtype=torch.bfloat16,
-                          config=fxpipe.RunConfig(num_microbatch=M))
+                          config=fxpipe.RunConfig(num_microbatch=M, stage_backend=backend))
     out: dict[str, Any] = {"compile_s": time.perf_counter() - t0, "plan": repr(pipe.plan),
                            "devices": [d.name for d in pipe.devices]}
     try:
@@ -365,10 +367,10 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
 
 
 def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
-            eager: bool = True, steps: int = TIMED_STEPS) -> None:
+            eager: bool = True, steps: int = TIMED_STEPS, backend: str | None = None) -> None:
     """One run (``spec`` from :func:`run_specs`) into ``row`` (what it measured stays
     there should a later part fail): the model built on the host, eager first (from the
-    same weights), then fxpipe."""
+    same weights), then fxpipe with its stage code run by ``backend``."""
     cfg, mode = spec["config"], spec["mode"]
     t0 = time.perf_counter()
     base_dtype = torch.bfloat16 if mode == "lora" else torch.float32
@@ -386,7 +388,7 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
     flops = step_flops(model, cfg, tokens, spec["seq"])
     row["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
         {"ran": False, "why": "left out (--no-eager or no time)"}
-    fx = fxpipe_run(model, spec, ids, ctx, steps)
+    fx = fxpipe_run(model, spec, ids, ctx, steps, backend)
     step_s = fx.pop("step_s")
     peak = ctx["peak_tflops"]
     row.update({
@@ -439,18 +441,22 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
 
 def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
             eager: bool = True, steps: int = TIMED_STEPS,
+            backends: tuple[str | None, ...] = (None,),
             on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
             say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Every run in ``modes``; ``on_row(rows)`` after each (the JSON is written there).
-    A run's failure is its row (``ok: false``, the error) and the next one runs."""
+    """Every run in ``modes``, once per stage backend in ``backends`` (each row's
+    ``stage_backend``: ``None`` for eager stage code); ``on_row(rows)`` after each (the
+    JSON is written there). A run's failure is its row (``ok: false``, the error) and the
+    next one runs."""
     rows: list[dict[str, Any]] = []
-    for spec in run_specs(ctx["dry_run"]):
+    for spec, backend in ((s, b) for s in run_specs(ctx["dry_run"]) for b in backends):
         if spec["mode"] not in modes:
             continue
         t0 = time.perf_counter()
-        row: dict[str, Any] = {"model": spec["model"], "mode": spec["mode"]}
+        row: dict[str, Any] = {"model": spec["model"], "mode": spec["mode"],
+                               "stage_backend": backend}
         try:
-            measure(spec, ctx, row, eager=eager, steps=steps)
+            measure(spec, ctx, row, eager=eager, steps=steps, backend=backend)
         except Exception as e:   # noqa: BLE001 - a run's failure is its row
             row.update(ok=False, error=error_record(e))
         row["seconds"] = time.perf_counter() - t0
@@ -468,6 +474,8 @@ def summary(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"  {row['mode']} {row['model']}: FAILED {row['error']['type']}: {row['error']['message'][:300]}"
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+    if row.get("stage_backend"):
+        mfu += f", stage_backend={row['stage_backend']}"
     eager = f"vs eager {row['vs_eager']:.3f}" if row["vs_eager"] is not None else \
         f"eager: {row['eager'].get('why')}"
     return (f"  {row['mode']} {row['model']} ({row['params'] / 1e9:.2f} B): "

@@ -57,14 +57,24 @@ class Inspecting:
         a plain call serving what the Program's actions moved, layer marks, and for a
         stage with a tail its recompute too, the tail's nodes unfilled.
         ``"generate"``: the prefill's stages, then a decode step's (``pipe.generate``),
-        each layer's KV cache read with the stage's buffers and written back."""
+        each layer's KV cache read with the stage's buffers and written back. Under a
+        model-level ``RunConfig(stage_backend=...)`` each stage says which backend runs
+        it (its runnable code: which layers run compiled, sharing which artifact)."""
         if run_type == "generate":
             from fxpipe.generation import inspected_steps
             parts = zip(("# prefill", "# each decode step"), inspected_steps(self).executables())
-            return "\n".join(f"{title}\n{runnable_code(exe, self.devices) if runnable else exe.code()}"
-                             for title, exe in parts)
-        exe = self._executable(run_type, grain=grain)
-        return runnable_code(exe, self.devices) if runnable else exe.code()
+            return "\n".join(f"{title}\n{self._code(exe, runnable)}" for title, exe in parts)
+        return self._code(self._executable(run_type, grain=grain), runnable)
+
+    def _code(self, exe: Any, runnable: bool) -> str:
+        backend = self.config.stage_backend
+        if runnable:
+            return runnable_code(exe, self.devices, backend=backend)
+        if backend in (None, "eager"):
+            return exe.code()
+        says = (f"# run by stage_backend={backend!r}: pipe.code(..., runnable=True) shows its "
+                "compiled layer calls\n")
+        return "\n\n".join(says + st.gm.code.strip("\n") for st in exe.graph_modules()) + "\n"
 
     def __str__(self) -> str:
         exe, plan = self._executable("infer"), self.plan

@@ -193,6 +193,24 @@ def test_sections_that_do_not_exist_are_refused_with_the_list(arg, says, capsys)
     assert says in err and ", ".join(check.SECTIONS) in err
 
 
+def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_path, monkeypatch,
+                                                                          capsys):
+    seen = {}
+
+    def run_all(ctx, *, backends, on_row, say):
+        seen["backends"] = backends
+        return [{"ok": True, "stage_backend": b} for b in backends]
+    monkeypatch.setattr(check.ft, "run_all", run_all)
+    out = tmp_path / "check.json"
+    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune",
+                       "--stage-backends", "eager,inductor"]) == 0
+    assert seen["backends"] == (None, "inductor")
+    runs = json.loads(out.read_text())["finetune"]["runs"]
+    assert [r["stage_backend"] for r in runs] == [None, "inductor"]
+    assert check.main(["--dry-run", "--sections", "finetune", "--stage-backends", "tvm"]) == 2
+    assert "each must be one of eager, inductor, auto" in capsys.readouterr().err
+
+
 def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _threads):
     """The finetune section writes each run's row as it ends: a kill after the first run
     keeps it (``partial``, not ok until the section returns)."""

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fxpipe import check_finetune as ft  # noqa: E402
+from fxpipe.check_common import link_bandwidth, timed  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,18 @@ def test_the_eager_step_calibrates_the_predicted_flop_rate(specs):
                           flops=row["flops_per_s"])
     assert again["predicted_step_s"] == pytest.approx(row["predicted_step_s"])
     assert 0.5 < row["predicted_step_s"] / 2.0 < 1.5
+
+
+def test_a_lora_run_under_inductor(specs):
+    """The kit's LoRA run with its stage code compiled by inductor (what a lent GPU runs
+    with ``--stage-backends eager,inductor``), at tiny widths on virtual devices: the row
+    says its backend, and the losses are the eager stage code's within bf16's rounding."""
+    sync = lambda: None   # noqa: E731
+    ctx = ft.context(True, 2, lambda fn, warmup, repeats: timed(fn, warmup, repeats, sync), sync,
+                     link_bandwidth(True))
+    rows = {b: ft.run_all(ctx, modes=("lora",), eager=False, steps=1, backends=(b,),
+                          say=lambda line: None)[0] for b in (None, "inductor")}
+    for b, row in rows.items():
+        assert row["stage_backend"] == b and "error" not in row, row.get("error")
+    eager, compiled = rows[None]["losses"], rows["inductor"]["losses"]
+    assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(eager, compiled)), (eager, compiled)

@@ -183,13 +183,31 @@ def test_an_unfilled_result_has_the_shape_and_strides_of_the_real_one(op, args):
 def test_bench_issue_prints_its_rows_as_json(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_issue
+    # eager stage code only: inductor's rows compile (minutes on 2 cores); their one
+    # computed figure is tested below
     assert bench_issue.main(["--models", "Qwen3-1.7B", "--gpus", "2", "--tokens", "4096",
-                             "--repeats", "1", "--json", "--out", str(tmp_path / "out.json")]) == 0
+                             "--repeats", "1", "--backends", "eager", "--json",
+                             "--out", str(tmp_path / "out.json")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "out.json").read_text())
     (row,) = result["rows"]
-    assert {"model", "gpus", "seq_len", "host_issue_ms", "predicted_gpu_ms", "ratio"} <= set(row)
+    assert {"model", "gpus", "seq_len", "host_issue_ms", "predicted_gpu_ms", "ratio",
+            "kernels_per_layer", "host_us_per_layer"} <= set(row) and row["stage_backend"] is None
+    # the profiler counts the kernels of the pipe's issue threads: as many as eager's
+    assert 0.8 <= row["kernels_per_layer"] / row["eager_kernels_per_layer"] <= 1.25, row
     assert (row["model"], row["gpus"], row["seq_len"]) == ("Qwen3-1.7B", 2, 4096)
     assert row["ratio"] == pytest.approx(row["host_issue_ms"] / row["predicted_gpu_ms"])
     assert row["actions"] > 0 and row["step_tflop"] > 0
     assert result["action_us"]["min_us"] > 0
+
+
+def test_bench_issue_models_a_compiled_rows_host_time_from_its_kernel_count():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_issue
+    eager = {"host_issue_ms": 500.0, "kernels_per_layer": 120.0,
+             "host_issue_us_by_kind": {"Forward": 100e3, "RecomputeBackward": 200e3,
+                                       "Upload": 50e3}}
+    # the compute actions' share, 300 of 350 ms of action time, scaled by 40/120 kernels
+    share = 300 / 350
+    assert bench_issue.modelled_host_ms(eager, 40.0) == \
+        pytest.approx(500.0 * (1 - share + share / 3))

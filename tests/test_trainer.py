@@ -235,6 +235,23 @@ def test_options_fxpipe_cannot_honour(tmp_path, option, message):
         FxpipeTrainer(model=tiny_llama(), args=a, train_dataset=Rows())
 
 
+def test_torch_compile_compiles_the_stage_code(tmp_path):
+    """``TrainingArguments(torch_compile=True)``: the pipes run inductor's stage code
+    (``RunConfig(stage_backend="inductor")``), and transformers does not wrap the model
+    in ``torch.compile`` too; another backend or a mode is refused, saying why."""
+    ours = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path, torch_compile=True),
+                         train_dataset=Rows(), devices=["cpu", "cpu"],
+                         fxpipe_config=fxpipe.RunConfig(num_microbatch=2))
+    assert ours._fxpipe_config.stage_backend == "inductor"
+    assert ours._fxpipe_config.num_microbatch == 2 and ours.args.torch_compile is False
+    with pytest.raises(ValueError, match=r"torch_compile_backend='aot_eager'\) cannot be honoured"):
+        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path, torch_compile_backend="aot_eager"),
+                      train_dataset=Rows())
+    with pytest.raises(NotImplementedError, match="'reduce-overhead', are not built yet"):
+        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path, torch_compile_mode="reduce-overhead"),
+                      train_dataset=Rows())
+
+
 def test_deepspeed_config_refused(tmp_path):
     a = args(tmp_path)
     a.deepspeed = {"zero_optimization": {"stage": 2}}   # as TrainingArguments stores it

@@ -209,6 +209,7 @@ class FxpipeMixin:
             raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _check_args(training_args)
+        fxpipe_config = _torch_compile(training_args, fxpipe_config)
         if getattr(training_args, "bf16", False) and \
                 param_dtype not in (None, torch.bfloat16, torch.float32):
             raise ValueError(f"FxpipeTrainer: TrainingArguments(bf16=True) with "
@@ -451,6 +452,28 @@ def _check_args(args: Any) -> None:
         raise NotImplementedError(f"{where}(optim={optim!r}): LOMO steps inside backward "
                                   "hooks, which the pipeline's backward does not run; use "
                                   "another optimizer")
+
+
+def _torch_compile(args: Any, config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
+    """``TrainingArguments(torch_compile=True)``: fxpipe compiles its stage code with
+    inductor (``RunConfig(stage_backend="inductor")``; a ``stage_backend`` in the
+    trainer's ``fxpipe_config`` wins) instead of transformers wrapping the whole model in
+    ``torch.compile`` (which the pipeline's capture would then have to see through)."""
+    if args is None or not getattr(args, "torch_compile", False):
+        return config
+    where = "FxpipeTrainer: TrainingArguments"
+    backend = getattr(args, "torch_compile_backend", None) or "inductor"
+    if backend != "inductor":
+        raise ValueError(f"{where}(torch_compile_backend={backend!r}) cannot be honoured: "
+                         "fxpipe compiles its stage code with inductor "
+                         "(RunConfig(stage_backend='inductor')); use 'inductor' or drop it")
+    mode = getattr(args, "torch_compile_mode", None)
+    if mode not in (None, "default"):
+        raise NotImplementedError(f"{where}(torch_compile_mode={mode!r}): fxpipe compiles its "
+                                  "stage code with inductor's default mode only (CUDA graphs, "
+                                  "'reduce-overhead', are not built yet); drop torch_compile_mode")
+    args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
+    return fxpipe.RunConfig.merge(fxpipe.RunConfig(stage_backend="inductor"), config)
 
 
 _STREAMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,

@@ -78,7 +78,8 @@ class StageCompute:
             params = self.on[d].params[st.index]
         return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
                          device=_torch_device(self.call.devices[d]),
-                         timer=self.call.timer if timed else None, stats=self.stats, **kw)
+                         timer=self.call.timer if timed else None, stats=self.stats,
+                         backend=self.call.stage_backend, **kw)
 
     def forward(self, d: int, s: int, m: int) -> None:
         st = self.call.exe.stages[s]

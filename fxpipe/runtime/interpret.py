@@ -20,11 +20,15 @@ Two more things are in the runnable code: ``layer(i)`` where layer ``i``'s nodes
 events on a GPU), and, in the recompute for backward, each node of the stage's
 ``unfilled`` nodes (values backward does not read) called through ``unfilled``: under
 ``unfilled.Unfilled`` autograd records it, its matmuls and adds do not run.
+
+Under ``RunConfig(stage_backend="inductor" | "auto")`` every other run of one layer's
+nodes is one call of its compiled code (``runtime.compiled.compile_layers``).
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import time
 import weakref
@@ -37,6 +41,7 @@ import torch.fx as fx
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which the stage code calls
 from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime import rng
+from fxpipe.runtime.compiled import compile_layers, describe
 from fxpipe.runtime.params import is_scratch
 from fxpipe.runtime.unfilled import Unfilled
 from fxpipe.runtime.timer import LayerTimer
@@ -182,17 +187,19 @@ _runnables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _build_lock = threading.Lock()
 
 
-def runnable(stage: Stage, recompute: bool = False,
-             device: torch.device | None = None) -> fx.GraphModule:
+def runnable(stage: Stage, recompute: bool = False, device: torch.device | None = None,
+             backend: str | None = None) -> fx.GraphModule:
     """The code a stage run executes (``recompute``: the recompute for backward, its
     ``unfilled`` nodes unfilled): ``stage.gm``'s graph with each transfer node calling
     its server (module docstring; ``prefetch`` drops its host-parameter arguments, which
     then are not read), and a ``layer(i)`` call where layer ``i``'s nodes start. On a
     ``device`` other than the host, the graph's host device constants (captured on the
     host: ``arange(..., device=cpu)``, ``_assert_tensor_metadata(..., device=cpu)``,
-    ``.to(device=cpu)``) name ``device``. Built once per stage and device."""
+    ``.to(device=cpu)``) name ``device``. With a ``backend`` (``RunConfig.stage_backend``:
+    ``"inductor"``, ``"auto"``), each layer segment is one compiled call
+    (``runtime.compiled``). Built once per stage, device and backend."""
     on = device if device is not None and device.type != "cpu" else None
-    key = (recompute and bool(stage.unfilled), on)
+    key = (recompute and bool(stage.unfilled), on, None if backend == "eager" else backend)
     code = _runnables.get(stage.gm, {}).get(key)   # built: no lock on the hot path
     if code is not None:
         return code
@@ -228,18 +235,27 @@ def _on_device(gm: fx.GraphModule, device: torch.device) -> None:
     gm.recompile()
 
 
-def runnable_code(exe: Executable, devices: Sequence[Any] = ()) -> str:
+def runnable_code(exe: Executable, devices: Sequence[Any] = (), backend: str | None = None
+                  ) -> str:
     """The runnable code of every GraphModule ``exe`` runs (``pipe.code(...,
     runnable=True)``), and the recompute of each with unfilled nodes; given the pipe's
-    ``devices``, each as its device runs it (a GPU's names the GPU)."""
+    ``devices``, each as its device runs it (a GPU's names the GPU); under a ``backend``,
+    with its compiled layer calls."""
+    return "\n\n".join(gm.code.strip("\n") for gm in runnables(exe, devices, backend)) + "\n"
+
+
+def runnables(exe: Executable, devices: Sequence[Any] = (), backend: str | None = None
+              ) -> list[fx.GraphModule]:
+    """The runnable code of every GraphModule ``exe`` runs, built now (a call builds them
+    before its first action: what a backend refuses is refused before anything runs)."""
     def on(st: Stage) -> torch.device | None:
         return getattr(devices[st.device], "device", None) if devices else None
-    codes = [runnable(st, recompute, on(st)).code.strip("\n") for st in exe.graph_modules()
-             for recompute in ((False, True) if st.unfilled else (False,))]
-    return "\n\n".join(codes) + "\n"
+    return [runnable(st, recompute, on(st), backend) for st in exe.graph_modules()
+            for recompute in ((False, True) if st.unfilled else (False,))]
 
 
-def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.GraphModule:
+def _build(stage: Stage, recompute: bool, device: torch.device | None,
+           backend: str | None) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     skip = set(stage.unfilled) if recompute else set()
@@ -266,24 +282,37 @@ def _build(stage: Stage, recompute: bool, device: torch.device | None) -> fx.Gra
     for n in reversed(list(graph.nodes)):   # host parameters no transfer reads any more
         if n.op == "get_attr" and not n.users:
             graph.erase_node(n)
-    comment_at_top(graph, f"runnable{' recompute, unfilled' if recompute else ''}: "
-                          f"{stage.header}")
     gm = fx.GraphModule(stage.gm, graph, class_name=type(stage.gm).__name__)
     gm.meta.update(stage.gm.meta)
     if device is not None:
         _on_device(gm, device)
+    how = ""
+    if backend is not None:
+        served = {*_SERVED.values(), layer}
+        prefetched = {n for n in gm.graph.nodes if n.target is resident}
+
+        def keep(n: fx.Node) -> bool:   # transfers, layer marks, unfilled nodes, parameters
+            return n.target in served or n.name in skip or (
+                n.target is operator.getitem and n.args[0] in prefetched)
+        compile_layers(gm, backend, keep=keep, stage=f"stage {stage.index}")
+        how = f" [{describe(gm)}]"
+    comment_at_top(gm.graph, f"runnable{' recompute, unfilled' if recompute else ''}{how}: "
+                             f"{stage.header}")
+    gm.recompile()
     return gm
 
 
 def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], *,
               call_seed: int | None, microbatch: int, device: torch.device,
               keep_writebacks: bool, timer: LayerTimer | None = None, kind: str = "fwd",
-              stats: Any = None) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
+              stats: Any = None, backend: str | None = None
+              ) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``stage``'s runnable code on one microbatch; returns (outputs, buffer
     writebacks). With a ``timer``, each layer's time is recorded as ``kind``. A
     ``"recompute"`` records the stage's ``unfilled`` nodes for autograd without computing them
-    (``runtime.unfilled``). ``stats`` (``executor.Stats``) counts the runs."""
-    code = runnable(stage, recompute=kind == "recompute", device=device)
+    (``runtime.unfilled``). ``stats`` (``executor.Stats``) counts the runs. ``backend``:
+    ``RunConfig.stage_backend``."""
+    code = runnable(stage, recompute=kind == "recompute", device=device, backend=backend)
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
                    keep_writebacks=keep_writebacks, timed=timer is not None)
     saved, _serving.serve = _serving.serve, serve

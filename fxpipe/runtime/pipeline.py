@@ -36,6 +36,7 @@ from fxpipe.runtime import rng
 from fxpipe.runtime.devices import CudaDevice, Device
 from fxpipe.runtime.executor import Call, Execution, apply_writebacks, outside_program, restore
 from fxpipe.runtime.inputs import check_inputs
+from fxpipe.runtime.interpret import runnables
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.params import HostParams, ParamStore, owned_params
 from fxpipe.runtime.pinned import Staging
@@ -76,7 +77,7 @@ class Runner:
         self.param_dtype = param_dtype  # mixed precision: devices compute in it
         self.log = log or ActionLog()
         self._stores: dict[str, ParamStore] = {}
-        self._fits: set[int] = set()   # Executables checked by check_fits
+        self._fits: set[tuple[int, str | None]] = set()   # (Executable, backend) checked
 
     def store(self, exe: Executable) -> ParamStore:
         """``exe``'s stages as slices of the model's flat host buffers (one view per run
@@ -194,9 +195,10 @@ class Runner:
                          optimizer=optimizer.spec if optimizer is not None else None,
                          input_grads=inputs)
         exe = self.executable(spec)
-        if id(exe) not in self._fits:
+        if (id(exe), cfg.stage_backend) not in self._fits:
             check_fits(exe, self.store(exe), self.devices)
-            self._fits.add(id(exe))   # (the compiler caches Executables: ids are stable)
+            runnables(exe, self.devices, cfg.stage_backend)   # refused before anything runs
+            self._fits.add((id(exe), cfg.stage_backend))   # (Executables are cached: ids stable)
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
@@ -212,7 +214,7 @@ class Runner:
                     inputs=envs, call_seed=seed, autocast=amp.captured(),
                     timer=self.timer if self.timer is not None and self.timer.sample() else None,
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
-                    record=self.log.actions, dp=dp, **kw)
+                    record=self.log.actions, dp=dp, stage_backend=cfg.stage_backend, **kw)
 
     def run_call(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
@@ -383,7 +385,7 @@ class TrainCall:
         call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
                     phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
                     timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,
-                    record=r.log.actions, dp=fc.dp)
+                    record=r.log.actions, dp=fc.dp, stage_backend=fc.stage_backend)
         if fc.dp is not None:
             fc.dp.check_alive()
         r.run_call(call)

@@ -52,6 +52,7 @@ class Call:
     differentiable: frozenset[str] | None = None  # values that may have a gradient (None: all)
     commit: Callable[[], None] | None = None
     record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
+    stage_backend: str | None = None         # RunConfig.stage_backend (runtime.compiled)
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
