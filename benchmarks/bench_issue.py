@@ -142,7 +142,7 @@ NO_KERNEL = {"aten::" + n for n in (
     "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "chunk",
     "unflatten", "flatten", "alias", "detach", "detach_", "lift_fresh", "resolve_conj",
     "resolve_neg", "empty", "empty_strided", "empty_like", "_reshape_alias", "unbind",
-    "contiguous", "to", "_to_copy_noop", "result_type", "is_nonzero", "item",
+    "contiguous", "to", "result_type", "is_nonzero", "item",
     "_local_scalar_dense", "size", "stride", "numel", "set_", "broadcast_tensors",
     "narrow", "movedim", "view_as", "expand_as", "real", "imag")}
 
