@@ -82,7 +82,7 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
     hosts = {"this machine": (rates["optimizer_bytes_per_s"], rates["copy_bytes_per_s"]),
              "free": (float("inf"), float("inf"))}
     rows = []
-    specs = sorted((s for s in ft.run_specs(False) if s["mode"] in modes),
+    specs = sorted((s for s in ft.run_specs(False) if s["mode"] in modes and s["seq"] is not None),
                    key=lambda s: s["mode"] != "lora")       # lora first: it calibrates
     for spec in specs:
         for gpu, memory in GPUS.items():
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny widths on CPU virtual devices")
     ap.add_argument("--predict", action="store_true", help="also the full-size runs, predicted")
-    ap.add_argument("--modes", default="lora,full", help="runs to do (default lora,full)")
+    ap.add_argument("--modes", default="lora,full",
+                    help="runs to do: lora, full, longest (default lora,full)")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager reference out")
     ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
                     help="fxpipe's RunConfig.stage_backend for each run (eager, inductor, auto)")
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not set(modes) <= {"lora", "full"}:
-        ap.error(f"--modes {args.modes!r}: the runs are lora and full")
+    if not set(modes) <= {"lora", "full", "longest"}:
+        ap.error(f"--modes {args.modes!r}: the runs are lora, full and longest")
     backends = tuple(b.strip() for b in args.stage_backends.split(","))
     if not set(backends) <= {"eager", "inductor", "auto"}:
         ap.error(f"--stage-backends {args.stage_backends!r}: each is eager, inductor or auto")

@@ -43,11 +43,14 @@ of 1024 tokens, microbatch size 1, bf16, 8 devices) for Llama-3.1-8B and Qwen3-3
 built on ``meta`` from transformers' ``LlamaConfig`` / ``Qwen3Config`` (no download),
 next to RoundPipe's published figures. The models are hand-written to the configs'
 shapes (``CausalLM`` below: the HF modules' ops, with SDPA ``is_causal`` and
-``enable_gqa`` as HF runs eagerly on a GPU): transformers' models capture only through
-``torch.export``, under which HF builds a (L, L) causal mask that every layer then
-carries (``--hf`` adds that figure). Columns: the loss over materialized logits as HF
-computes it (``cross_entropy(logits.float())``), and ``fxpipe.linear_cross_entropy``.
-The device limit is the planner's default, 90% of the device memory.
+``enable_gqa`` as HF runs eagerly on a GPU). Columns: the loss over materialized logits
+in ``loss_fn`` (``cross_entropy(logits.float())``), and ``fxpipe.linear_cross_entropy``
+in the model. ``--hf`` adds transformers' own ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``
+as users bring them: called with ``labels=``, its loss fused by fxpipe's loss pass, its
+MLPs tiled where they would not fit (``fxpipe.passes.loss``, ``fxpipe.passes.tiling``), its
+attention causal SDPA (no padding mask); and Llama-3.1-8B with LoRA on one 80 GiB device,
+without and with a 120 GiB host limit, next to Unsloth's published 342K. The device
+limit is the planner's default, 90% of the device memory.
 """
 
 from __future__ import annotations
@@ -350,18 +353,6 @@ class CausalLM(nn.Module):
         return self.lm_head(h)
 
 
-class HFChunked(nn.Module):
-    """A transformers causal LM whose head is ``fxpipe.linear_cross_entropy``."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.model, self.lm_head = lm.model, lm.lm_head
-
-    def forward(self, ids, labels):
-        h = self.model(input_ids=ids).last_hidden_state
-        return fxpipe.linear_cross_entropy(h, self.lm_head.weight, labels)
-
-
 def configs():
     import transformers as T
     common = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=False)
@@ -395,37 +386,70 @@ def binding_stage(model, example, n: int, num_devices: int):
     return max(stages, key=lambda p: p.total)
 
 
-def part_c(hf: bool) -> list[dict]:
+def hf_batch(n: int) -> dict:
+    """A transformers causal LM's call as users write it: token ids and ``labels=``."""
+    ids = torch.zeros(1, n, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids}
+
+
+def part_c(hf: bool) -> tuple[list[dict], list[dict]]:
     rows = []
     print("\n(c) longest trainable sequence, 8 devices, bf16, microbatch 1 (K = 1024 tokens)")
     head = f"{'model':<14} {'device':>8} {'RoundPipe':>10} {'logits+CE':>10} {'chunked CE':>11}"
-    print(head + (f" {'HF export':>10}" if hf else "") + f" {'vs RoundPipe':>13} {'seconds':>8}")
+    print(head + (f" {'HF labels=':>11}" if hf else "") + f" {'vs RoundPipe':>13} {'seconds':>8}")
     hf_ce = lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten())  # noqa: E731
     notes = []
     for name, cfg, qk_norm, hf_class in configs():
         with torch.device("meta"):
             plain, chunked = CausalLM(cfg, qk_norm), CausalLM(cfg, qk_norm, chunked=True)
-            lm = HFChunked(hf_class(cfg)) if hf else None
+            lm = hf_class(cfg) if hf else None
         for gib in (24, 80):
             start = time.perf_counter()
             common = dict(device_memory=gib * GiB, num_devices=8)
             logits = fxpipe.plan.max_sequence_length(plain, loss_fn=hf_ce, **common)
             best = fxpipe.plan.max_sequence_length(chunked, ids2, **common)
-            via_hf = fxpipe.plan.max_sequence_length(lm, ids2, **common) if hf else None
+            via_hf = fxpipe.plan.max_sequence_length(lm, hf_batch, **common) if hf else None
             seconds = time.perf_counter() - start
             rp = ROUNDPIPE[(name, gib)]
             print(f"{name:<14} {gib:>5} GiB {rp:>9}K {logits // 1024:>9}K {best // 1024:>10}K"
-                  + (f" {via_hf // 1024:>9}K" if hf else "")
+                  + (f" {via_hf // 1024:>10}K" if hf else "")
                   + f" {best / 1024 / rp:>12.2f}x {seconds:>8.1f}")
             binding = binding_stage(chunked, ids2, best, 8)
             rows.append({"model": name, "device_gib": gib, "devices": 8, "roundpipe_k": rp,
                          "logits_ce_tokens": logits, "chunked_ce_tokens": best,
-                         "hf_export_chunked_tokens": via_hf, "seconds": seconds,
+                         "hf_labels_tokens": via_hf, "seconds": seconds,
                          "chunked_binding_stage": {"kind": binding.kind, "layer": binding.layer,
                                                    "bytes": binding.bytes, "total": binding.total}})
             notes.append(f"{name}, {gib} GiB, chunked CE at {best // 1024}K: {binding}")
     print("\nthe stage that stops a longer sequence (chunked CE; params include the prefetch reserve):")
     print("\n".join(notes))
+    return rows, part_c_lora() if hf else []
+
+
+UNSLOTH_K = 342   # Llama-3.1-8B, one 80 GB GPU, LoRA (Unsloth's published context length)
+
+
+def part_c_lora() -> list[dict]:
+    """transformers' Llama-3.1-8B with peft LoRA (r=16, every linear of the blocks), its
+    frozen base in bf16, one 80 GiB device, the host limited to 120 GiB, one microbatch."""
+    import peft
+    name, cfg, _, hf_class = next(configs())
+    with torch.device("meta"):
+        lm = peft.get_peft_model(hf_class(cfg).to(torch.bfloat16), peft.LoraConfig(
+            r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                  "up_proj", "down_proj"]))
+    rows = []
+    print(f"\n{name}, LoRA, 1 x 80 GiB, one microbatch (Unsloth: {UNSLOTH_K}K)")
+    for host_gib in (None, 120):
+        start = time.perf_counter()
+        n = fxpipe.plan.max_sequence_length(
+            lm, hf_batch, device_memory=80 * GiB, num_devices=1, num_microbatch=1,
+            host_memory=None if host_gib is None else host_gib * GiB)
+        seconds = time.perf_counter() - start
+        print(f"  host limit {host_gib or 'none':>4} GiB: {n // 1024}K tokens ({seconds:.1f} s)")
+        rows.append({"model": name, "mode": "lora", "devices": 1, "device_gib": 80,
+                     "host_gib": host_gib, "hf_labels_tokens": n, "unsloth_k": UNSLOTH_K,
+                     "seconds": seconds})
     return rows
 
 
@@ -438,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", choices=["harness", "virtual", "cuda-sim"], default="harness",
                     help="part (b)'s measurement (default: the CPU harness; cuda-sim: virtual "
                     "devices with a GPU's semantics, peak reserved too)")
-    ap.add_argument("--hf", action="store_true", help="part (c): also transformers' models via export")
+    ap.add_argument("--hf", action="store_true",
+                    help="part (c): also transformers' models as users bring them (labels=), "
+                    "and Llama-3.1-8B with LoRA on one 80 GiB device")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_memory.json"))
     args = ap.parse_args(argv)
     if args.rss_row:   # one row of part (a), in a fresh process
@@ -453,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         result["predicted_vs_measured"] = part_b(args.measure)
         result["measure"] = args.measure
     if args.part in ("c", "all"):
-        result["longest_sequence"] = part_c(args.hf)
+        result["longest_sequence"], lora = part_c(args.hf)
+        if lora:
+            result["longest_sequence_lora"] = lora
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():   # keep the other part's figures when running one part

@@ -202,13 +202,23 @@ def _gpu_memory(d: dict) -> list[str]:
 def _longest(d: dict) -> list[str]:
     rows = []
     for r in d["longest_sequence"]:
-        hf = r.get("hf_export_chunked_tokens")
+        hf = r.get("hf_labels_tokens")
         rows.append([r["model"], f"{r['devices']} x {r['device_gib']} GiB", f"{r['roundpipe_k']}K",
                      f"{r['logits_ce_tokens'] // 1024}K", f"**{r['chunked_ce_tokens'] // 1024}K** "
                      f"({r['chunked_ce_tokens'] / 1024 / r['roundpipe_k']:.2f}x)",
-                     "–" if hf is None else f"{hf // 1024}K"])
-    return table(["model", "devices", "RoundPipe (published)", "fxpipe, logits + fp32 CE",
-                  "fxpipe, `linear_cross_entropy`", "HF model via export (`--hf`)"], rows)
+                     "–" if hf is None else f"**{hf // 1024}K** ({hf / 1024 / r['roundpipe_k']:.2f}x)"])
+    out = table(["model", "devices", "RoundPipe (published)", "fxpipe, logits + fp32 CE in `loss_fn`",
+                 "fxpipe, `linear_cross_entropy`", "HF model with `labels=` (`--hf`)"], rows)
+    lora = d.get("longest_sequence_lora") or []
+    if lora:
+        out += ["", f"{lora[0]['model']} (transformers' class, `labels=`), peft LoRA r=16, one "
+                f"{lora[0]['device_gib']} GiB device, one microbatch; Unsloth publishes "
+                f"{lora[0]['unsloth_k']}K:", ""]
+        out += table(["host limit", "longest sequence", "vs Unsloth"],
+                     [["none" if r["host_gib"] is None else f"{r['host_gib']} GiB",
+                       f"**{r['hf_labels_tokens'] // 1024}K**",
+                       f"{r['hf_labels_tokens'] / 1024 / r['unsloth_k']:.2f}x"] for r in lora])
+    return out
 
 
 def _dist_sim(d: dict) -> list[str]:
@@ -510,7 +520,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "parameters are 3× a device's limit, and page-locked host bytes.", _gpu_memory),
     ("Longest sequence", "bench_memory.json", "longest_sequence",
      "The longest sequence (multiples of 1024 tokens) for which the planner finds a plan "
-     "whose every stage fits, 8 devices, bf16, microbatch 1: predictions on `meta`, not runs.",
+     "whose every stage fits, 8 devices, bf16, microbatch 1: predictions on `meta`, not runs. "
+     "Since issue 39 the HF column is transformers' model as users call it (`labels=`).",
      _longest),
     ("Host memory", "bench_memory.json", "host_memory",
      "Peak RSS above the process baseline over the model's parameter bytes P (24-block "
@@ -689,9 +700,16 @@ def headline() -> list[str]:
                      f"loss within {b['max_loss_diff']:.1e} of eager", "gpu-allocator-emulation"])
     if mem and "longest_sequence" in mem:
         for r in mem["longest_sequence"]:
-            if r["model"] == "Llama-3.1-8B":
-                rows.append([f"longest trainable sequence, Llama-3.1-8B, 8 x {r['device_gib']} GiB (predicted)",
-                             f"{r['chunked_ce_tokens'] // 1024}K tokens (RoundPipe: {r['roundpipe_k']}K)",
+            if r["model"] == "Llama-3.1-8B" and r.get("hf_labels_tokens"):
+                rows.append([f"longest trainable sequence, transformers' Llama-3.1-8B with `labels=`, "
+                             f"8 x {r['device_gib']} GiB (predicted)",
+                             f"{r['hf_labels_tokens'] // 1024}K tokens (RoundPipe: {r['roundpipe_k']}K)",
+                             "longest-sequence"])
+        for r in mem.get("longest_sequence_lora", []):
+            if r["host_gib"] is not None:
+                rows.append([f"longest sequence, transformers' Llama-3.1-8B, LoRA, 1 x {r['device_gib']} GiB, "
+                             f"host <= {r['host_gib']} GiB (predicted)",
+                             f"{r['hf_labels_tokens'] // 1024}K tokens (Unsloth: {r['unsloth_k']}K)",
                              "longest-sequence"])
     dist = load("bench_distributed.json")
     if dist and "sim" in dist:

@@ -26,7 +26,8 @@ from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable
 from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.partition import build_layer_graph, find_block_lists
+from fxpipe.passes.loss import loss_reads_dropped
+from fxpipe.passes.partition import build_layer_graph, find_block_lists, without_loss_free_outputs
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable
@@ -231,11 +232,40 @@ class _Compiled:
     call (``executable``)."""
 
     layers: LayerGraph
-    plan: ExecutePlan
+    planner: Callable[[LayerGraph], ExecutePlan]   # the user's plan, or ExecutePlan.auto's
     device_names: list[str]
     runners: dict[tuple, Runner] = field(default_factory=dict)  # by plan_key of the plan
     executables: dict[tuple, Executable] = field(default_factory=dict)
     timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
+    # the chain whose outputs no loss reads are left out (passes.loss), and the one it
+    # was made from (itself where nothing can be left out)
+    base: _Compiled | None = None
+    _trimmed: _Compiled | None = None
+    _plan: ExecutePlan | None = None
+    kept_outputs: bool = False   # a fused call's loss_fn read outputs the trimmed chain drops
+
+    @property
+    def plan(self) -> ExecutePlan:
+        """The plan (planned at first use: a chain whose fused calls run trimmed is
+        planned with its full outputs only when a call needs them)."""
+        if self._plan is None:
+            self._plan = self.planner(self.layers)
+        return self._plan
+
+    def trimmed(self, model: nn.Module) -> _Compiled:
+        """The chain without the outputs no loss reads (``without_loss_free_outputs``),
+        costed and planned on its own; this one where there are none."""
+        if self._trimmed is None:
+            lg = without_loss_free_outputs(self.layers, model)
+            if lg is self.layers:
+                self._trimmed = self
+            else:
+                with gc_paused():
+                    compute_costs(lg, [x for x in lg.example_leaves if isinstance(x, torch.Tensor)])
+                self._trimmed = _Compiled(layers=lg, planner=self.planner,
+                                          device_names=self.device_names, timer=self.timer,
+                                          base=self)
+        return self._trimmed
 
     def executable(self, plan: ExecutePlan, spec: CallSpec) -> Executable:
         """The Executable a call of ``spec`` runs under ``plan``: lowered and scheduled
@@ -320,16 +350,40 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
                                    layers=self._layers_path,
                                    dynamic=self._dynamic_dims(tensors),
-                                   param_dtype=self.param_dtype)
+                                   param_dtype=self.param_dtype,
+                                   device_memory=min((d.memory_limit for d in self.devices
+                                                      if d.memory_limit is not None), default=None))
             compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-            cfg = self._config(None)
+        compiled = _Compiled(layers=lg, planner=self._plan_for, device_names=[d.name for d in self.devices])
+        compiled.base = compiled
+        # planned now, so a plan that cannot be (or the user's, if bad) fails before
+        # anything runs: the chain forward_backward runs unless asked for the logits
+        compiled.trimmed(self.module).plan
+        self._cache.append(compiled)
+        return compiled
+
+    def _plan_for(self, lg: LayerGraph) -> ExecutePlan:
+        """The plan of a chain: the user's, or ``ExecutePlan.auto``'s for its costs."""
+        cfg = self._config(None)
+        with gc_paused():
             plan = self._user_plan or ExecutePlan.auto(
                 "fused", _Planned(lg, self.devices, cfg), num_microbatch=cfg.num_microbatch,
                 recompute_grain=cfg.recompute_grain)
-            plan.validate(len(lg), _run_type_of(plan, len(lg)))
-        compiled = _Compiled(layers=lg, plan=plan, device_names=[d.name for d in self.devices])
-        self._cache.append(compiled)
-        return compiled
+        plan.validate(len(lg), _run_type_of(plan, len(lg)))
+        return plan
+
+    def _for_loss(self, compiled: _Compiled, loss_fn: Callable, label: Any,
+                  return_outputs: bool) -> _Compiled:
+        """The chain a fused call runs: without the outputs no loss reads (the logits
+        beside a Hugging Face model's own loss, ``fxpipe.passes.loss``) unless the call
+        returns its outputs or ``loss_fn`` reads them (``loss_reads_dropped``)."""
+        base = compiled.base
+        if return_outputs or not base.layers.loss_free_outputs:
+            return base
+        if loss_reads_dropped(base.layers, loss_fn, label):
+            base.kept_outputs = True
+            return base
+        return base.trimmed(self.module)
 
     def _dynamic_dims(self, tensors: Sequence[torch.Tensor]) -> list[set[int]] | None:
         """The dims of each tensor input a new capture keeps symbolic: the batch dim
@@ -416,7 +470,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         cfg = self._fit_rows(self._config(run_config), input_args, kwargs)
         if label is not None and cfg.split_input is None and cfg.split_label is None:
             check_label_rows(input_args, kwargs, label, cfg.num_microbatch)
-        compiled = self._compiled_for(input_args, kwargs)
+        compiled = self._for_loss(self._compiled_for(input_args, kwargs), loss_fn, label,
+                                  return_outputs)
         self._current = compiled
         if optimizer is not None:
             optimizer = as_overlapped(optimizer)
@@ -603,7 +658,10 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         else:
             spec = optimizer_spec(optimizer)
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
-        runner = self._runner(compiled or self._current, cfg)
+        compiled = (compiled or self._current).base
+        if run_type == "fused" and not return_outputs and not compiled.kept_outputs:
+            compiled = compiled.trimmed(self.module)   # what forward_backward runs (_for_loss)
+        runner = self._runner(compiled, cfg)
         return runner.executable(runner.spec(
             run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,
             sync=sync_gradients, input_grads=input_grads))

@@ -1,7 +1,7 @@
 """bf16 fine-tuning of Hugging Face models from host memory, measured: the ``finetune``
 section of ``python -m fxpipe.check`` and ``benchmarks/bench_finetune.py``.
 
-Two runs, each an element of ``finetune.runs``:
+Three runs, each an element of ``finetune.runs``:
 
 - ``lora``: the Llama-3.1-8B shape (its published sizes in a ``LlamaConfig``; rope
   scaling left out, it costs nothing), peft LoRA r=16 on every linear layer of the
@@ -10,7 +10,11 @@ Two runs, each an element of ``finetune.runs``:
   device copies (``param_dtype``), AdamW streamed into the backward
   (``forward_backward(optimizer=)``, exact: equal to ``backward(); step()``).
 
-Both: 16 microbatches of 4,096 tokens per step (RoundPipe's setup), the model's own
+- ``longest``: the ``lora`` model, one sequence as long as ``fxpipe.plan.max_sequence_length``
+  predicts to fit the GPU (and 80 % of the host's available memory): one step after a
+  warm-up, no eager run (none could hold it); ``longest_asked`` is what was asked.
+
+The first two: 16 microbatches of 4,096 tokens per step (RoundPipe's setup), the model's own
 ``labels=`` loss, random weights created straight into host memory (parameters built on
 ``meta``, then each allocated on the host and filled: generated on the GPU and copied
 where there is one, norms at one), never twice and never on the device first.
@@ -26,7 +30,8 @@ after a warm-up and a layer-timed step), ``tokens_per_s``, ``model_tflops``
 (6·N·T over the step, N every parameter), ``hardware_tflops`` (the FLOPs that ran:
 recompute, causal attention, no weight gradients for frozen weights), ``mfu`` (model
 FLOP/s over the GPU's dense bf16 peak, :data:`PEAK_BF16_TFLOPS`; null on CPU),
-``peak_device_bytes`` against ``predicted_peak_bytes`` (``fxpipe.plan.predict_memory``),
+``peak_device_bytes`` against ``predicted_peak_bytes`` (``fxpipe.plan.predict_memory``;
+``predicted_host_bytes``: its host bytes),
 ``predicted_step_s`` (``fxpipe.simulate`` with the layer-timed step's layer times and
 the measured link), ``host_issue_ms`` and ``compute_busy_ms`` (a traced timed step),
 ``host_rss_bytes`` and ``host_peak_rss_bytes``, ``vs_eager`` (fxpipe step / eager step).
@@ -102,7 +107,43 @@ def run_specs(dry_run: bool) -> list[dict[str, Any]]:
     for cfg in (llama, qwen):
         cfg.use_cache = False
     return [dict(mode="lora", model="Llama-3.1-8B", config=llama, seq=seq, microbatches=micro),
-            dict(mode="full", model="Qwen3-4B", config=qwen, seq=seq, microbatches=micro)]
+            dict(mode="full", model="Qwen3-4B", config=qwen, seq=seq, microbatches=micro),
+            # one sequence, as long as predicted to fit the device (longest_sequence)
+            dict(mode="longest", model="Llama-3.1-8B", config=llama, seq=None, microbatches=1)]
+
+
+LONGEST_STEP = 8192
+"""The ``longest`` run's sequence is a multiple of this many tokens (64 in a dry run)."""
+HOST_FRACTION = 0.8
+"""The ``longest`` run may plan for this fraction of the host memory available."""
+
+
+def longest_sequence(spec: dict[str, Any], ctx: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The ``longest`` run's sequence: ``fxpipe.plan.max_sequence_length`` of the LoRA model
+    built on ``meta`` (the model's own loss from ``labels=``, bf16 device copies), for the
+    devices' memory and ``HOST_FRACTION`` of the host's available memory; and what it
+    was asked."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = with_lora(AutoModelForCausalLM.from_config(spec["config"]).to(torch.bfloat16))
+    step = 64 if ctx["dry_run"] else LONGEST_STEP
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.zeros(1, n, dtype=torch.long, device="meta")
+        return {"input_ids": ids, "labels": ids}
+    asked = {"device_memory": ctx["device_memory"], "num_devices": len(ctx["devices"]()),
+             "host_memory": int(HOST_FRACTION * host_available()), "step": step,
+             "max_length": 16 * step if ctx["dry_run"] else 1 << 20}
+    return fxpipe.plan.max_sequence_length(model, batch, num_microbatch=1, **asked), asked
+
+
+def host_available() -> int:
+    """The host memory available to a new allocation (``MemAvailable``), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 @contextmanager
@@ -352,7 +393,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             "step_s": statistics.median(times), "step_s_all": times,
             "first_loss": losses[0], "losses": losses,
             "peak_device_bytes": ctx["pipe_peak"](pipe),
-            "predicted_peak_bytes": fxpipe.plan.predict_memory(pipe).peak,
+            **_predicted_bytes(pipe),
             "predicted_step_s": predicted,
             "sampled_step_s": sampled.timeline.makespan / 1e3,
             "host_issue_ms": st["host_issue_us"] / 1e3, "compute_busy_ms": busy,
@@ -366,6 +407,12 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
         pipe.close()
 
 
+def _predicted_bytes(pipe: Any) -> dict[str, int]:
+    """The pipe's predicted device peak and host bytes for the run's fused call."""
+    p = fxpipe.plan.predict_memory(pipe, run_type="fused", loss_fn=lambda o, _: o.loss)
+    return {"predicted_peak_bytes": p.peak, "predicted_host_bytes": p.host_total}
+
+
 def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
             eager: bool = True, steps: int = TIMED_STEPS, backend: str | None = None) -> None:
     """One run (``spec`` from :func:`run_specs`) into ``row`` (what it measured stays
@@ -373,9 +420,14 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
     same weights), then fxpipe with its stage code run by ``backend``."""
     cfg, mode = spec["config"], spec["mode"]
     t0 = time.perf_counter()
-    base_dtype = torch.bfloat16 if mode == "lora" else torch.float32
+    if mode == "longest":   # one sequence as long as fits: no eager run can hold it
+        seq, asked = longest_sequence(spec, ctx)
+        spec = dict(spec, seq=seq)
+        row.update(longest_asked=asked, planning_s=time.perf_counter() - t0)
+        eager, steps = False, 1
+    base_dtype = torch.float32 if mode == "full" else torch.bfloat16
     model = host_model(cfg, base_dtype, ctx["gen"])
-    if mode == "lora":
+    if mode != "full":
         model = with_lora(model)
     ids = _batch(spec)
     tokens = ids.numel()
@@ -387,7 +439,8 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
         "build_s": time.perf_counter() - t0})
     flops = step_flops(model, cfg, tokens, spec["seq"])
     row["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
-        {"ran": False, "why": "left out (--no-eager or no time)"}
+        {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
+         else "left out (--no-eager or no time)"}
     fx = fxpipe_run(model, spec, ids, ctx, steps, backend)
     step_s = fx.pop("step_s")
     peak = ctx["peak_tflops"]
@@ -418,6 +471,7 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
             for d in pipe.devices if pipe is not None else ():
                 d.reset_peak()
         return {"dry_run": True, "device": torch.device("cpu"), "devices": devices,
+                "device_memory": DRY_RUN_DEVICE_MEMORY,
                 "gen": torch.device("cpu"), "time": time_fn, "sync": sync, "link": link,
                 "peak_tflops": None, "peak": lambda: None, "reset_peak": reset_virtual,
                 "pipe_peak": lambda pipe: max(d.peak_bytes() for d in pipe.devices)}
@@ -432,6 +486,7 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
     reset()
     return {"dry_run": False, "device": torch.device("cuda", 0),
             "devices": lambda: [f"cuda:{i}" for i in range(num_devices)],
+            "device_memory": torch.cuda.get_device_properties(0).total_memory,
             "gen": torch.device("cuda", 0), "time": time_fn, "sync": sync, "link": link,
             "peak_tflops": peak_bf16_tflops(torch.cuda.get_device_name(0)),
             "peak": peak, "reset_peak": reset,
@@ -439,7 +494,11 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
                                           for i in range(num_devices))}
 
 
-def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full"),
+DRY_RUN_DEVICE_MEMORY = 64 * 2**20
+"""A dry run's ``longest`` sequence is planned for devices of this many bytes."""
+
+
+def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "longest"),
             eager: bool = True, steps: int = TIMED_STEPS,
             backends: tuple[str | None, ...] = (None,),
             on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,

@@ -47,47 +47,71 @@ CHUNK_BYTES = 2**28
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int | None = None,
-                         ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight).flatten(0, -2), labels.flatten(),
+                         ignore_index: int = -100, reduction: str = "mean", *,
+                         bias: Tensor | None = None, softcap: float | None = None,
+                         out_dtype: torch.dtype | None = None) -> Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), labels.flatten(),
     ignore_index=ignore_index, reduction=reduction)`` without the logits (module
-    docstring). ``hidden``: ``(..., H)``; ``weight``: ``(V, H)`` (an LM head's, no bias);
-    ``labels``: ``(...)`` class indices; ``chunk_size``: tokens per chunk (``None`` or 0:
-    ``CHUNK_BYTES`` of fp32 logits); ``reduction``: ``"mean"`` (over labels that are not
-    ``ignore_index``) or ``"sum"``. The loss has ``hidden``'s dtype; the logits are made
-    in fp32, ``weight``'s gradient is summed over chunks in ``weight``'s dtype.
+    docstring). ``hidden``: ``(..., H)``; ``weight``: ``(V, H)`` (an LM head's);
+    ``bias``: ``(V,)`` or ``None``; ``labels``: ``(...)`` class indices; ``chunk_size``:
+    tokens per chunk (``None`` or 0: ``CHUNK_BYTES`` of fp32 logits); ``reduction``:
+    ``"mean"`` (over labels that are not ``ignore_index``) or ``"sum"``; ``softcap``: the
+    logits are ``softcap * tanh(logits / softcap)`` first (Gemma 2's final soft-capping),
+    in the matmul's dtype. The logits are made in the matmul's dtype (``weight``'s, or
+    autocast's) and the loss computed from them in fp32 (as Hugging Face's loss upcasts
+    them); the backward's matmuls run in that same dtype. The loss has ``out_dtype``
+    (``None``: ``hidden``'s); ``weight``'s gradient is summed over chunks in ``weight``'s
+    dtype, ``bias``'s in fp32.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"linear_cross_entropy: softcap must be > 0 or None, got {softcap!r}")
     chunk = chunk_size or 0
+    options = (chunk, ignore_index, reduction, softcap, out_dtype)
     if isinstance(hidden, fx.Proxy) or torch.compiler.is_compiling():
-        return torch.ops.fxpipe.linear_cross_entropy(hidden, weight, labels, chunk, ignore_index,
-                                                     reduction)
-    _check(hidden, weight, labels)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, ignore_index, reduction)
+        return torch.ops.fxpipe.linear_cross_entropy(hidden, weight, labels, bias, *options)
+    _check(hidden, weight, labels, bias)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, bias, *options)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index, reduction):
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.options = chunk, ignore_index, reduction
-        return _loss(hidden, weight, labels, chunk, ignore_index, reduction)
+    def forward(ctx, hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap, out_dtype):
+        ctx.save_for_backward(hidden, weight, labels, bias)
+        ctx.options = chunk, ignore_index, reduction, softcap
+        # the matmul's dtype (autocast's, if on): the backward's matmuls run in it too
+        ctx.compute_dtype = _compute_dtype(hidden, weight)
+        return _loss(hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels = ctx.saved_tensors
-        dh, dw = _grads(grad, hidden, weight, labels, *ctx.options,
-                        want=ctx.needs_input_grad[:2])
-        return dh, dw, None, None, None, None
+        hidden, weight, labels, bias = ctx.saved_tensors
+        dh, dw, db = _grads(grad, hidden, weight, labels, bias, *ctx.options,
+                            compute_dtype=ctx.compute_dtype,
+                            want=(ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                  ctx.needs_input_grad[3]))
+        return dh, dw, None, db, None, None, None, None, None
 
 
-def _check(hidden: Tensor, weight: Tensor, labels: Tensor) -> None:
+def _check(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None) -> None:
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: weight must be (vocab, {hidden.shape[-1]}) for "
                          f"hidden of shape {tuple(hidden.shape)}, got {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"linear_cross_entropy: labels must have shape {tuple(hidden.shape[:-1])} "
                          f"(hidden without its last dim), got {tuple(labels.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"linear_cross_entropy: bias must be ({weight.shape[0]},), got "
+                         f"{tuple(bias.shape)}")
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` computes in here (autocast's when it is on)."""
+    device = hidden.device.type
+    if device != "meta" and hidden.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def _starts(h: Tensor, weight: Tensor, chunk: int, matmuls: int) -> tuple[int, list[int]]:
@@ -102,19 +126,27 @@ def _starts(h: Tensor, weight: Tensor, chunk: int, matmuls: int) -> tuple[int, l
     return rows, starts
 
 
-def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
-    """One chunk's logits, in fp32 at least."""
-    logits = F.linear(h, weight)
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None
+                  ) -> tuple[Tensor, Tensor | None]:
+    """One chunk's logits in fp32 at least (soft-capped in the matmul's dtype first), and
+    with ``softcap`` the derivative of the capping, ``1 - tanh(z / softcap)**2`` (fp32)."""
+    logits = F.linear(h, weight, bias)
+    slope = None
+    if softcap is not None:
+        t = torch.tanh(logits / softcap)
+        slope = 1 - t.float().square()
+        logits = t * softcap
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)), slope
 
 
-def _loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_index: int,
-          reduction: str) -> Tensor:
+def _loss(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, chunk: int,
+          ignore_index: int, reduction: str, softcap: float | None,
+          out_dtype: torch.dtype | None) -> Tensor:
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     rows, starts = _starts(h, weight, chunk, 1)
     total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
     for s in starts:
-        logits = _chunk_logits(h[s:s + rows], weight)
+        logits, _ = _chunk_logits(h[s:s + rows], weight, bias, softcap)
         yc = y[s:s + rows]
         picked = logits.gather(1, yc.clamp(min=0).unsqueeze(1)).squeeze(1)
         nll = torch.logsumexp(logits, dim=1) - picked
@@ -122,54 +154,72 @@ def _loss(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_ind
         total = total + torch.where(yc != ignore_index, nll, 0.0).sum()
     if reduction == "mean":
         total = total / (y != ignore_index).sum()
-    return total.to(hidden.dtype)
+    return total.to(out_dtype or hidden.dtype)
 
 
-def _grads(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int,
-           ignore_index: int, reduction: str, want: tuple[bool, bool] = (True, True)
-           ) -> tuple[Tensor | None, Tensor | None]:
-    """The gradients of ``hidden`` and ``weight`` (those ``want`` asks for) of the loss
-    scaled by ``grad``: per chunk, ``(softmax(logits) - onehot(labels)) * scale``."""
+def _grads(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+           chunk: int, ignore_index: int, reduction: str, softcap: float | None = None, *,
+           compute_dtype: torch.dtype | None = None, want: tuple[bool, bool, bool] = (True, True, True)
+           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of ``hidden``, ``weight`` and ``bias`` (those ``want`` asks for) of
+    the loss scaled by ``grad``: per chunk, ``(softmax(logits) - onehot(labels)) * scale``
+    (times the capping's slope), in ``compute_dtype`` for the matmuls."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    cd = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     rows, starts = _starts(h, weight, chunk, 1 + want[0] + want[1])
     scale = grad.to(torch.promote_types(grad.dtype, torch.float32))
     if reduction == "mean":
         scale = scale / (y != ignore_index).sum()
+    w = weight.to(cd)
     dh = torch.empty_like(h) if want[0] else None
     dw = torch.zeros_like(weight) if want[1] else None
+    db = torch.zeros_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32)) \
+        if want[2] and bias is not None else None
     for s in starts:
-        hc, yc = h[s:s + rows], y[s:s + rows]
-        p = _chunk_logits(hc, weight)
+        hc, yc = h[s:s + rows].to(cd), y[s:s + rows]
+        with torch.autocast(h.device.type, enabled=False):
+            p, slope = _chunk_logits(hc, w, None if bias is None else bias.to(cd), softcap)
         p.sub_(torch.logsumexp(p, dim=1, keepdim=True)).exp_()          # softmax, in place
         p.scatter_add_(1, yc.clamp(min=0).unsqueeze(1), torch.full_like(p[:, :1], -1.0))
         p.mul_(torch.where(yc != ignore_index, scale, 0.0).unsqueeze(1))
-        g = p.to(h.dtype)
+        if slope is not None:
+            p.mul_(slope)
+            del slope
+        if db is not None:
+            db += p.sum(0)
+        g = p.to(cd)
         del p
         if dh is not None:
-            dh[s:s + rows] = g @ weight
+            dh[s:s + rows] = g @ w
         if dw is not None:
-            torch.addmm(dw, g.t(), hc, out=dw)   # counted by FlopCounterMode, addmm_ is not
+            if dw.dtype == cd:
+                torch.addmm(dw, g.t(), hc, out=dw)   # counted by FlopCounterMode, addmm_ is not
+            else:
+                dw.add_(g.t() @ hc)                  # autocast: its products, summed in fp32
         del g   # before the next chunk's logits
-    return (None if dh is None else dh.view_as(hidden)), dw
+    return ((None if dh is None else dh.view_as(hidden)), dw,
+            None if db is None else db.to(bias.dtype))
 
 
 # --- the op a capture records ---------------------------------------------------------
 
 @torch.library.custom_op("fxpipe::linear_cross_entropy", mutates_args=())
-def _op(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, ignore_index: int,
-        reduction: str) -> Tensor:
-    return _loss(hidden, weight, labels, chunk, ignore_index, reduction)
+def _op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, chunk: int,
+        ignore_index: int, reduction: str, softcap: float | None,
+        out_dtype: torch.dtype | None) -> Tensor:
+    return _loss(hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap, out_dtype)
 
 
 @_op.register_fake
-def _(hidden, weight, labels, chunk, ignore_index, reduction):
-    return hidden.new_empty(())
+def _(hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap, out_dtype):
+    return hidden.new_empty((), dtype=out_dtype or hidden.dtype)
 
 
 def _op_setup(ctx, inputs, output):
-    hidden, weight, labels, *options = inputs
-    ctx.save_for_backward(hidden, weight, labels)
-    ctx.options = tuple(options)
+    hidden, weight, labels, bias, *options = inputs
+    ctx.save_for_backward(hidden, weight, labels, bias)
+    ctx.options = tuple(options[:4])
+    ctx.compute_dtype = _compute_dtype(hidden, weight)
 
 
 _op.register_autograd(_LinearCrossEntropy.backward, setup_context=_op_setup)

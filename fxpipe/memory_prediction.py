@@ -16,8 +16,8 @@ module predicts and plans nothing: the planner (``fxpipe.passes.planner``, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -39,15 +39,17 @@ from fxpipe.passes.schedule import build_program
 from fxpipe.stage_plan import RunType, StagePlan
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
-                 loss: tuple[Callable[[Any, Any], Any], Any] | None = None) -> ChainMemory:
+                 loss: tuple[Callable[[Any, Any], Any], Any] | None = None,
+                 layers: LayerGraph | None = None) -> ChainMemory:
     """A pipe's (or ``LayerGraph``'s) memory for one microbatch, the first and largest of
     the ``num_microbatch`` its example splits into: its layers costed again on fake
     tensors shaped like it. A pipe splits as its ``RunConfig`` says
     (``pipe._microbatch_example``), a ``LayerGraph`` along dim 0; an example too small
     to split is one microbatch. ``loss=(loss_fn, label)``: also cost the loss on that
     microbatch's share of ``label``. Other pipes' layer costs are taken as one
-    microbatch's."""
-    lg = pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None)
+    microbatch's. ``layers``: a chain of the pipe's other than ``pipe.layers`` (the one
+    without the outputs no loss reads, ``fxpipe.passes.loss``)."""
+    lg = layers or (pipe if isinstance(pipe, LayerGraph) else getattr(pipe, "layers", None))
     costs = [layer.cost for layer in lg] if lg is not None else []
     profiled = costs and all(getattr(c, "held_bytes", None) is not None for c in costs)
     if not (isinstance(lg, LayerGraph) and lg.example_leaves) or \
@@ -94,6 +96,12 @@ class MemoryPrediction:
     stages: list[StagePeak]
     devices: list[StagePeak | None]
     limit: int | None = None
+    host: dict[str, int] = field(default_factory=dict)   # host bytes by kind (host_memory)
+
+    @property
+    def host_total(self) -> int:
+        """The host bytes the call keeps (``host``'s sum)."""
+        return sum(self.host.values())
 
     @property
     def peak(self) -> int:
@@ -115,6 +123,9 @@ class MemoryPrediction:
         rows.append(f"peak {human_bytes(self.peak)}{limit}: "
                     + ", ".join(f"device {d} {human_bytes(p.total) if p else '0 B'}"
                                 for d, p in enumerate(self.devices)))
+        if self.host:
+            rows.append(f"host {human_bytes(self.host_total)}: "
+                        + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.host.items()))
         return "\n".join(rows)
 
 
@@ -123,7 +134,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
                    grain: Literal["stage", "layer"] | None = None, num_devices: int | None = None,
                    loss_fn: Callable[[Any, Any], Any] | None = None,
                    label: Any = None, batch: int | None = None,
-                   max_length: int | None = None) -> MemoryPrediction:
+                   max_length: int | None = None,
+                   return_outputs: bool = False) -> MemoryPrediction:
     """Predicted peak device bytes of every stage of a call, before running it.
 
     ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
@@ -135,6 +147,15 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     backward and the workspace at its peak (``fxpipe.passes.memory``). ``loss_fn`` and
     ``label`` (the whole batch's): cost the loss the fused tail runs; without them it
     counts as a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes).
+    A fused call of a causal LM whose loss is fused (``fxpipe.passes.loss``) runs without
+    the logits beside it unless ``return_outputs=True`` (or ``loss_fn`` reads them): what
+    it predicts is what the call runs, and ``return_outputs=True`` says what the logits
+    cost.
+
+    ``.host`` is the host memory the call keeps, by kind: ``params`` (the model's own
+    tensors, as they are held), ``grads`` (the trainable ones', in their dtype) and
+    ``activations`` (each forward stage's outputs for every microbatch, kept for the
+    recompute, and the model's inputs); an optimizer's state is not in it.
 
     >>> import torch, fxpipe
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
@@ -148,6 +169,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         4 bwd      1:2      0       263 kB       263 kB       131 kB      32.8 kB       296 kB       986 kB
         5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
     peak 1.25 MB: device 0 1.22 MB, device 1 1.25 MB
+    host 2.30 MB: params 1.05 MB, grads 1.05 MB, activations 197 kB
 
     ``run_type="generate"`` (a pipe over a Hugging Face causal LM): a decode step of
     ``pipe.generate`` for ``batch`` sequences of up to ``max_length`` tokens (default:
@@ -168,6 +190,10 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])
     config = getattr(pipe, "config", None)
+    if run_type in (None, "fused") and hasattr(pipe, "_for_loss"):   # the chain the call runs
+        compiled = pipe._for_loss(pipe._current, loss_fn or (lambda out, _: out), label,
+                                  return_outputs)
+        lg, plan = compiled.layers, plan or compiled.plan
     plan = plan or getattr(pipe, "plan", None)
     if plan is None:
         raise ValueError("predict_memory(layer_graph, ...) needs plan=ExecutePlan(...)")
@@ -180,7 +206,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
         run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
     plan.validate(len(lg), run_type)
-    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label))
+    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label), layers=lg)
     if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
         tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
         spec = CallSpec(run_type, M, grain, outputs=False, input_grads=tuple(
@@ -190,4 +216,22 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
     peaks = program_peaks(program, memory)
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
-    return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None)
+    fwd, _ = stage_ranges(plan, run_type, len(lg))
+    host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M) \
+        if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
+    return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
+
+
+def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
+                num_microbatch: int) -> dict[str, int]:
+    """Host bytes a training call keeps (``predict_memory``'s ``.host``): the model's
+    parameters and buffers as held, the trainable parameters' gradients, and the values
+    live across each cut after layer ``i`` in ``cuts`` (a forward stage's outputs, kept
+    for its recompute) with the model's inputs, for every microbatch."""
+    tensors = {id(t): t for t in [*lg.params.values(), *lg.buffers.values()]
+               if isinstance(t, torch.Tensor)}.values()
+    trainable = {id(p): p for p in lg.params.values() if p.requires_grad}.values()
+    kept = sum(memory.boundary[i] for i in cuts) + memory.input_bytes
+    return {"params": sum(t.numel() * t.element_size() for t in tensors),
+            "grads": sum(p.numel() * p.element_size() for p in trainable),
+            "activations": kept * num_microbatch}

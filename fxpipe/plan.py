@@ -29,13 +29,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import PlanError
+from fxpipe.memory_prediction import host_memory as host_bytes
 from fxpipe.memory_prediction import (MemoryPrediction, chain_memory,  # noqa: F401 (public here)
                                       predict_memory, tensor_bytes)
 from fxpipe.passes import planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.memory import ChainMemory, human_bytes
-from fxpipe.passes.partition import build_layer_graph
+from fxpipe.passes.loss import loss_reads_dropped
+from fxpipe.passes.partition import build_layer_graph, without_loss_free_outputs
 from fxpipe.stage_plan import RunType, StagePlan, check_run_type
 
 MEMORY_FRACTION = 0.9
@@ -137,7 +139,8 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                         label: Callable[[int], Any] | None = None,
                         memory_fraction: float = MEMORY_FRACTION, step: int = 1024,
                         max_length: int = 1 << 22, layers: str | None = None,
-                        capture: Literal["auto", "fx", "dynamo", "export"] = "auto") -> int:
+                        capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
+                        host_memory: int | None = None) -> int:
     """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
     ``num_devices`` devices of ``device_memory`` bytes each: the largest for which
     ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
@@ -148,11 +151,17 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     gradients and the activations are sized in it, buffers in their own; ``None`` keeps
     the model's. ``example_inputs(seq_len)``: the model's positional inputs for
     one microbatch of ``microbatch_size`` sequences (default: token ids
-    ``(microbatch_size, seq_len)`` on ``meta``). A step runs ``num_microbatch``
-    microbatches (default devices + 1). ``loss_fn`` and ``label(seq_len)`` (default:
-    ids-shaped labels): the loss the fused tail runs, costed; without it the tail counts
-    a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes); a model that
-    returns its loss (``fxpipe.linear_cross_entropy``) needs neither.
+    ``(microbatch_size, seq_len)`` on ``meta``), or a dict of its keyword arguments (a
+    Hugging Face causal LM: ``{"input_ids": ids, "labels": ids}``). A step runs
+    ``num_microbatch`` microbatches (default devices + 1). ``loss_fn`` and
+    ``label(seq_len)`` (default: ids-shaped labels): the loss the fused tail runs,
+    costed; without it the tail counts a cross-entropy over the model's output
+    (``LOSS_FACTOR`` x its bytes); a model that returns its loss needs neither: a
+    Hugging Face model given ``labels=`` (its head and loss become the chunked
+    ``linear_cross_entropy``, ``fxpipe.passes.loss``, and the logits beside the loss are
+    not computed) or one calling ``fxpipe.linear_cross_entropy`` itself.
+    ``host_memory``: the host's bytes, which must hold the parameters, their gradients
+    and every microbatch's boundary activations (``predict_memory``'s ``.host``).
 
     The model is captured once at ``step`` tokens and costed on fake tensors at each
     length tried (a graph specialized on the sequence length is captured again); the
@@ -173,6 +182,8 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     if device_memory <= 0 or not 0 < memory_fraction <= 1:
         raise ValueError(f"max_sequence_length: device_memory must be > 0 bytes and "
                          f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
+    if host_memory is not None and host_memory <= 0:
+        raise ValueError(f"max_sequence_length: host_memory must be > 0 bytes or None, got {host_memory}")
     make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
                                                      device="meta"),))
     make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
@@ -182,19 +193,29 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
 
     def check(n: int) -> None:
         args = make(n)
-        if not isinstance(args, tuple):
+        if not isinstance(args, (tuple, dict)):
             raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
-                            f"arguments, got {type(args).__name__}")
-        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+                            f"arguments or a dict of keyword arguments, got {type(args).__name__}")
+        args, kwargs = ((), args) if isinstance(args, dict) else (args, {})
+        flat = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if not graph or any(x.shape[d] != size for name, x in zip(graph[0].input_names, flat)
                             for d, size in graph[0].static_dims.get(name, {}).items()):
-            graph[:] = [build_layer_graph(model, args, {}, capture=capture, layers=layers,
-                                          param_dtype=dtype)]
+            lg = build_layer_graph(model, args, kwargs, capture=capture, layers=layers,
+                                   param_dtype=dtype, device_memory=device_memory)
+            if loss_fn is None or not loss_reads_dropped(lg, loss_fn, make_label(n)):
+                lg = without_loss_free_outputs(lg, model)
+            graph[:] = [lg]
         loss = None if loss_fn is None else (loss_fn, make_label(n))
         costs = compute_costs(graph[0], flat, store=False, loss=loss)
         memory = ChainMemory.of(costs, tensor_bytes(flat))
-        planner.check_memory("fused", [memory], limit, num_devices=num_devices, num_microbatch=M,
-                             recompute_grain=recompute_grain)
+        planner.check_memory("fused", [memory], limit, num_devices=num_devices,
+                             num_microbatch=M, recompute_grain=recompute_grain)
+        if host_memory is not None:   # every layer's boundary kept: the finest plan's
+            host = sum(host_bytes(graph[0], memory, range(len(memory) - 1), M).values())
+            if host > host_memory:
+                raise PlanError(f"the host would hold {human_bytes(host)} at {n} tokens "
+                                f"(parameters, gradients, {M} microbatches' activations at "
+                                f"every layer's cut), over host_memory={human_bytes(host_memory)}")
 
     def fits(n: int) -> bool:
         try:

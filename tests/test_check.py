@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fxpipe import check
+from fxpipe import check_finetune as ft_kit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,7 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     logical = report["scaling"]["logical"]   # two devices where there is one: same losses
     assert logical["ok"] and logical["max_loss_diff"] == 0.0
     ft = report["finetune"]
-    assert [r["mode"] for r in ft["runs"]] == ["lora", "full"]
+    assert [r["mode"] for r in ft["runs"]] == ["lora", "full", "longest"]
     for row in ft["runs"]:
         assert row["ok"] is True and "error" not in row, row
         assert FINETUNE_KEYS <= set(row), FINETUNE_KEYS - set(row)
@@ -71,10 +72,15 @@ def test_check_dry_run_writes_every_figure(tmp_path):
         assert row["hardware_tflops"] > 0 and row["model_tflops"] > 0
         # the predicted peak within 30 % of the counted one
         assert abs(row["predicted_peak_bytes"] / row["peak_device_bytes"] - 1) < 0.3
-        assert row["eager"]["ran"] and row["vs_eager"] > 0
-        assert row["first_loss_rel_diff"] < 0.05 and row["host_peak_rss_bytes"] > 0
+        assert row["predicted_host_bytes"] > 0 and row["host_peak_rss_bytes"] > 0
         assert row["timed_calls_sampled"] is False
-    lora, full = ft["runs"]
+        if row["mode"] == "longest":   # one sequence as long as predicted to fit: no eager
+            assert row["microbatches"] == 1 and row["seq"] >= 64 and not row["eager"]["ran"]
+            assert row["longest_asked"]["device_memory"] == ft_kit.DRY_RUN_DEVICE_MEMORY
+            continue
+        assert row["eager"]["ran"] and row["vs_eager"] > 0
+        assert row["first_loss_rel_diff"] < 0.05
+    lora, full, _ = ft["runs"]
     assert lora["trainable_params"] < lora["params"] / 2 and lora["host_dtype"] == "bfloat16"
     assert full["trainable_params"] == full["params"] and full["host_dtype"] == "float32"
     # LoRA downloads only the adapters' gradients; the full fine-tune every one, in fp32

@@ -100,7 +100,8 @@ def test_the_predicted_host_optimizer_prices_what_trains_only(specs):
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     every = sum(p.numel() * p.element_size() for p in model.parameters())
     extra = rows["slow"]["predicted_step_s"] - rows["free"]["predicted_step_s"]
-    assert trainable / slow * 0.5 < extra <= trainable / slow * 1.01 < every / slow
+    # (part of it hides behind the backward: 0.5 of it in the plan for 1 GiB devices)
+    assert trainable / slow * 0.4 < extra <= trainable / slow * 1.01 < every / slow
     assert rows["free"]["flops_per_s"] == 1e9 and rows["free"]["tokens_per_step"] == \
         spec["microbatches"] * spec["seq"]
 

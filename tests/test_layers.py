@@ -27,8 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors",),
     # leaves: plain data and tools (they import fxpipe.errors at most)
-    ("fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.live_bytes", "fxpipe.units",
-     "fxpipe.stage_plan"),
+    ("fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.tiling", "fxpipe.live_bytes",
+     "fxpipe.units", "fxpipe.stage_plan"),
     ("fxpipe.config",),
     # the values the passes make and the runtime reads
     ("fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",
@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.optim", "fxpipe.optim_step", "fxpipe.generation"),
     # the compiler, in pass order: capture, partition, costs, lowering
     ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo"),
+    ("fxpipe.passes.loss", "fxpipe.passes.tiling"),   # rewrites of the captured graph
     ("fxpipe.passes.partition", "fxpipe.passes.grad_flow"),
     ("fxpipe.passes.costs",),
     ("fxpipe.passes.recompute", "fxpipe.passes.lower"),
@@ -63,7 +64,8 @@ VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.acti
                "fxpipe.passes.program_text", "fxpipe.passes.dependencies",
                "fxpipe.passes.program", "fxpipe.passes.stage"}
 # what importing the runtime must not load (nor importing fxpipe)
-COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.partition", "fxpipe.passes.costs",
+COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.loss", "fxpipe.passes.tiling",
+            "fxpipe.passes.partition", "fxpipe.passes.costs",
             "fxpipe.passes.planner", "fxpipe.passes.lower", "fxpipe.passes.executable",
             "fxpipe.memory_prediction", "fxpipe.plan", "fxpipe.api")
 

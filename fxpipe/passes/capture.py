@@ -255,7 +255,11 @@ def _bind_python(gm: fx.GraphModule) -> None:
     op = torch.ops.fxpipe.linear_cross_entropy
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
     for n in nodes:
+        hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap, out_dtype = n.args
         n.target = linear_cross_entropy
+        n.args = (hidden, weight, labels, chunk, ignore_index, reduction)
+        n.kwargs = {k: v for k, v in dict(bias=bias, softcap=softcap, out_dtype=out_dtype).items()
+                    if v is not None}
     if nodes:
         gm.recompile()
 
@@ -284,6 +288,7 @@ class _FlatCall(nn.Module):
         self.in_spec = in_spec
         self.leaves = leaves
         self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.names = names
         self.out_spec = None
         self.flatten_output = True
         self.dropped = _Notes()  # output leaves returned as None (see _dropping)
@@ -406,6 +411,50 @@ def module_stack(n: fx.Node) -> list[tuple[str, int]]:
     return out
 
 
+@contextlib.contextmanager
+def _causal_attention_as_eager(positions_given: bool) -> Iterator[None]:
+    """Hugging Face attention under export as it runs eagerly: causal SDPA (``is_causal=True``,
+    no mask) where a call has no padding mask and its queries are its keys.
+
+    Eagerly, transformers passes no mask to SDPA in that case (flash or memory-efficient
+    attention, O(sequence) memory). While exporting it never does
+    (``masking_utils._ignore_causal_mask_sdpa``), because an exported graph hard-codes the
+    choice and a later call with a KV cache would need a mask. It builds a (batch, 1, L, L)
+    boolean mask instead, which every layer then reads and a pipeline carries from stage to
+    stage: 16 GiB per sequence at 128K tokens. fxpipe's graphs are captured for one input
+    signature, so the eager choice is right for them: a call that has a padding mask
+    (``attention_mask=``), a cache offset or a sliding window shorter than the sequence
+    still gets the mask.
+
+    Likewise, position ids the model made itself (``arange``: the call passes no
+    ``position_ids``; ``positions_given`` is false) hold one sequence per row: transformers
+    looks for packed sequences in them only because, traced, it cannot read them.
+    """
+    mu = sys.modules.get("transformers.masking_utils")
+    original = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    find_packed = getattr(mu, "find_packed_sequence_indices", None)
+    if original is None or find_packed is None:
+        yield
+        return
+
+    def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset,
+               local_attention_size=None):
+        if padding_mask is None and isinstance(q_offset, int) and isinstance(kv_offset, int) \
+                and q_offset == 0 and kv_offset == 0 and q_length == kv_length \
+                and (local_attention_size is None or kv_length < local_attention_size):
+            return True
+        return original(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                        local_attention_size)
+
+    mu._ignore_causal_mask_sdpa = ignore
+    if not positions_given:
+        mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu._ignore_causal_mask_sdpa, mu.find_packed_sequence_indices = original, find_packed
+
+
 def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[int]],
                   strict: bool):
     wrapper.flatten_output = False
@@ -414,7 +463,8 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[
     dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()}
                     for t, d in zip(tensors, dims))
     try:
-        with _partial_graphs_verbose_only():
+        with _partial_graphs_verbose_only(), \
+                _causal_attention_as_eager(positions_given="position_ids" in wrapper.names):
             ep = torch.export.export(wrapper, tensors, dynamic_shapes=dynamic, strict=strict)
     finally:
         wrapper.flatten_output = True

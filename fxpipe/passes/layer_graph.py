@@ -81,6 +81,12 @@ class LayerGraph:
     param_dtype: torch.dtype | None = None
     # the torch.autocast regions the graph was captured (and runs) under (runtime.amp)
     autocast: tuple = ()
+    # the captured flat graph it was cut from, and the block lists it was cut at
+    source: fx.GraphModule | None = None
+    containers: tuple[str, ...] = ()
+    # output leaves (flat indices) no loss reads: the logits beside a fused loss
+    # (passes.loss; a chain cut from the graph returning None for them has none)
+    loss_free_outputs: tuple[int, ...] = ()
 
     def device_dtype(self, t: torch.Tensor) -> torch.dtype:
         """The dtype ``t`` (one of the model's parameters or buffers) has on a device."""

@@ -30,6 +30,8 @@ import torch.nn as nn
 
 from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
+from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
+from fxpipe.passes.tiling import tile_mlps
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
@@ -37,12 +39,16 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
                       capture: str | Callable[[], fx.GraphModule] = "auto",
                       layers: str | Sequence[str] | None = None,
                       dynamic: Sequence[Collection[int]] | None = None,
-                      param_dtype: torch.dtype | None = None) -> LayerGraph:
+                      param_dtype: torch.dtype | None = None,
+                      device_memory: int | None = None) -> LayerGraph:
     """Capture ``model(*args, **kwargs)`` and cut it into a chain of layers. ``capture``
     is a method name, or a function returning an already captured graph (of ``model``);
     ``dynamic``: the dims of each tensor input export keeps symbolic (``None``: all);
     ``param_dtype``: the devices' dtype for floating parameters (mixed precision: the
-    graph is captured in it, ``fxpipe.passes.capture``).
+    graph is captured in it, ``fxpipe.passes.capture``). A causal LM's head and
+    cross-entropy become ``linear_cross_entropy`` (``fxpipe.passes.loss``), chunked for
+    devices of ``device_memory`` bytes (``None``: unknown), and an MLP whose intermediates
+    would not fit its share of them runs in tiles (``fxpipe.passes.tiling``).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
@@ -55,12 +61,23 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         blocks = [path for path, _ in _positions(model, containers)]
         gm = capture_graph(model, args, kwargs, capture, dynamic=dynamic, blocks=blocks,
                            param_dtype=param_dtype)
+    fuse_linear_cross_entropy(gm, device_memory)
+    tile_mlps(gm, device_memory)
     try:
         return partition(gm, model, containers)
     except ValueError:
         if layers is not None or len(containers) == 1:
             raise
         return partition(gm, model, containers[:1])  # the other lists do not run in sequence
+
+
+def without_loss_free_outputs(lg: LayerGraph, model: nn.Module) -> LayerGraph:
+    """``lg`` whose output leaves that no loss reads (``LayerGraph.loss_free_outputs``: the
+    logits beside a fused loss, ``fxpipe.passes.loss``) are ``None`` and not computed: what
+    a training call that returns no outputs runs."""
+    if not lg.loss_free_outputs or lg.source is None:
+        return lg
+    return partition(trim_outputs(lg.source, lg.loss_free_outputs), model, lg.containers)
 
 
 def find_block_lists(model: nn.Module, layers: str | Sequence[str] | None = None) -> list[str]:
@@ -172,7 +189,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
         capture=gm.meta.get("capture", "fx"), leaf_names=gm.meta.get("leaf_names", []),
         example_leaves=gm.meta.get("input_leaves", []), static_dims=gm.meta.get("static_dims", {}),
         training=gm.meta.get("training", True), param_dtype=gm.meta.get("param_dtype"),
-        autocast=gm.meta.get("autocast", ()))
+        autocast=gm.meta.get("autocast", ()), source=gm, containers=tuple(containers),
+        loss_free_outputs=gm.meta.get("loss_free_outputs", ()))
 
 
 def _fetch(gm: fx.GraphModule, target: str):
