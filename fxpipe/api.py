@@ -32,7 +32,7 @@ from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime import amp
+from fxpipe.runtime import amp, pinned
 from fxpipe.runtime.autograd import train_call
 from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
 from fxpipe.runtime.distributed import DataParallel
@@ -267,6 +267,11 @@ class _Compiled:
                                           base=self)
         return self._trimmed
 
+    def fused(self, model: nn.Module) -> _Compiled:
+        """The chain a fused call that does not return its outputs runs: the trimmed one,
+        unless a call's ``loss_fn`` read what it drops (``kept_outputs``)."""
+        return self.base if self.base.kept_outputs else self.base.trimmed(model)
+
     def executable(self, plan: ExecutePlan, spec: CallSpec) -> Executable:
         """The Executable a call of ``spec`` runs under ``plan``: lowered and scheduled
         once per (plan, ``CallSpec``), then cached. The call and ``pipe.program()`` both
@@ -318,6 +323,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._warned_rows = False     # a batch with fewer rows than microbatches (_fit_rows)
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
+            dp.check_devices(self.devices)
             dp.check_same(_digest(self._current, param_dtype, dp))
             if dp.shard and param_dtype is not None:
                 dp.shard_masters(self._current.layers.params, param_dtype, self._host_params())
@@ -564,6 +570,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._closed = True
         for device in self.devices:
             device.stop_workers()
+        pinned.trim()   # the page-locked blocks its activations were offloaded into
         if self._dp is not None:
             self._dp.close()
 
@@ -659,8 +666,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             spec = optimizer_spec(optimizer)
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
         compiled = (compiled or self._current).base
-        if run_type == "fused" and not return_outputs and not compiled.kept_outputs:
-            compiled = compiled.trimmed(self.module)   # what forward_backward runs (_for_loss)
+        if run_type == "fused" and not return_outputs:
+            compiled = compiled.fused(self.module)     # what forward_backward runs (_for_loss)
         runner = self._runner(compiled, cfg)
         return runner.executable(runner.spec(
             run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,

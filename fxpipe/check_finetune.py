@@ -346,7 +346,8 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
     the backward, the stage code run by ``backend`` (``RunConfig.stage_backend``); a
     warm-up (inductor compiles there), one layer-timed traced step (the simulator's
     input), then ``steps`` timed steps (the last traced: host issue and compute busy
-    time)."""
+    time). ``steps=0``: one traced step, the first (the ``longest`` run: minutes a step
+    on a GPU, its figure the memory it held), no layer times for the simulator."""
     from fxpipe.sim import Hardware
     M = ids.shape[0]
     batch = dict(input_ids=ids, labels=ids)
@@ -367,16 +368,18 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             opt.zero_grad(set_to_none=True)
 
         ctx["reset_peak"](pipe)
-        t0 = time.perf_counter()
-        step()                                   # warm-up (compiles, fills caches)
-        ctx["sync"]()
-        out["warmup_s"] = time.perf_counter() - t0
-        pipe.timings.reset()                     # the next call is timed layer by layer
-        pipe.timings.warmup = 0
-        with pipe.trace() as sampled:
-            step()
+        sampled = None
+        if steps:
+            t0 = time.perf_counter()
+            step()                               # warm-up (compiles, fills caches)
+            ctx["sync"]()
+            out["warmup_s"] = time.perf_counter() - t0
+            pipe.timings.reset()                 # the next call is timed layer by layer
+            pipe.timings.warmup = 0
+            with pipe.trace() as sampled:
+                step()
         with unsampled(pipe) as sampling:
-            times = ctx["time"](step, 0, steps - 1)
+            times = ctx["time"](step, 0, steps - 1) if steps else []
             ctx["sync"]()
             t0 = time.perf_counter()
             with pipe.trace() as rec:
@@ -386,7 +389,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             st = pipe.stats()
         h2d, d2h = ctx["link"]
         predicted = fxpipe.simulate(pipe, Hardware(h2d_bandwidth=h2d, d2h_bandwidth=d2h),
-                                    num_microbatch=M).makespan / 1e3
+                                    num_microbatch=M).makespan / 1e3 if sampled else None
         busy = sum(iv.end - iv.start for iv in rec.timeline.intervals
                    if iv.device == 0 and iv.stream == "compute")
         out.update({
@@ -395,7 +398,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             "peak_device_bytes": ctx["pipe_peak"](pipe),
             **_predicted_bytes(pipe),
             "predicted_step_s": predicted,
-            "sampled_step_s": sampled.timeline.makespan / 1e3,
+            "sampled_step_s": sampled.timeline.makespan / 1e3 if sampled else None,
             "host_issue_ms": st["host_issue_us"] / 1e3, "compute_busy_ms": busy,
             "traced_step_ms": rec.timeline.makespan,
             "host_stalls": st.get("host_stalls"), "host_waits": st.get("host_waits"),
@@ -424,7 +427,7 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
         seq, asked = longest_sequence(spec, ctx)
         spec = dict(spec, seq=seq)
         row.update(longest_asked=asked, planning_s=time.perf_counter() - t0)
-        eager, steps = False, 1
+        eager, steps = False, 0
     base_dtype = torch.float32 if mode == "full" else torch.bfloat16
     model = host_model(cfg, base_dtype, ctx["gen"])
     if mode != "full":
@@ -455,7 +458,8 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
     if e.get("ran"):
         row["first_loss_rel_diff"] = abs(row["first_loss"] - e["first_loss"]) / abs(e["first_loss"])
     row["host_rss_bytes"], row["host_peak_rss_bytes"] = host_rss()
-    row["predicted_over_measured"] = row["predicted_step_s"] / step_s
+    row["predicted_over_measured"] = (row["predicted_step_s"] / step_s
+                                      if row["predicted_step_s"] is not None else None)
     row["ok"] = all(math.isfinite(x) for x in row["losses"]) and (
         not e.get("ran") or row["first_loss_rel_diff"] < 0.05)
 
@@ -464,8 +468,9 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
             link: tuple[float, float]) -> dict[str, Any]:
     """What the runs need from the machine: devices, timing, peak-memory readers."""
     if dry_run:     # eager runs on the host: no device peak to read for it
-        def devices():
-            return [fxpipe.VirtualDevice(semantics="cuda") for _ in range(num_devices)]
+        def devices():   # a known size, as a GPU's: the loss and tiling passes apply
+            return [fxpipe.VirtualDevice(semantics="cuda", memory_limit=DRY_RUN_DEVICE_MEMORY)
+                    for _ in range(num_devices)]
 
         def reset_virtual(pipe=None):
             for d in pipe.devices if pipe is not None else ():
@@ -495,7 +500,7 @@ def context(dry_run: bool, num_devices: int, time_fn: Callable, sync: Callable,
 
 
 DRY_RUN_DEVICE_MEMORY = 64 * 2**20
-"""A dry run's ``longest`` sequence is planned for devices of this many bytes."""
+"""A dry run's devices have this many bytes (its ``longest`` sequence is planned for them)."""
 
 
 def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "longest"),

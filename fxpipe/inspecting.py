@@ -37,7 +37,12 @@ class Inspecting:
 
     @property
     def plan(self) -> ExecutePlan:
-        return self._current.plan
+        """The plan a training step (``forward_backward``) runs. For a Hugging Face
+        model's own loss that is the chain without the logits no loss reads, as
+        ``pipe.code("fused")`` shows it (unless a call's ``loss_fn`` read them); a call
+        that returns the logits, ``pipe(x)`` included, runs the full chain's plan, which
+        ``print(pipe)`` shows. The two differ only where the logits change the plan."""
+        return self._current.fused(self.module).plan
 
     @property
     def timings(self) -> LayerTimer:
@@ -77,7 +82,7 @@ class Inspecting:
         return "\n\n".join(says + st.gm.code.strip("\n") for st in exe.graph_modules()) + "\n"
 
     def __str__(self) -> str:
-        exe, plan = self._executable("infer"), self.plan
+        exe, plan = self._executable("infer"), self._current.base.plan
         spans = lambda rs: ", ".join(f"{r.start}:{r.stop}" for r in rs)  # noqa: E731
         head = (f"# PipelineModule: {len(self.layers)} layers on "
                 f"{', '.join(d.name for d in self.devices)}; plan fwd [{spans(plan.fwd_plan)}] "

@@ -39,7 +39,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils.flop_counter import register_flop_formula
 
 CHUNK_BYTES = 2**28
@@ -69,7 +70,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_s
         raise ValueError(f"linear_cross_entropy: softcap must be > 0 or None, got {softcap!r}")
     chunk = chunk_size or 0
     options = (chunk, ignore_index, reduction, softcap, out_dtype)
-    if isinstance(hidden, fx.Proxy) or torch.compiler.is_compiling():
+    if isinstance(hidden, (fx.Proxy, FunctionalTensor)) or torch.compiler.is_compiling():
+        # traced (fx, dynamo, or AOTAutograd: stage_backend="inductor"): the opaque op,
+        # whose forward and backward run the chunks on real tensors when the code runs
         return torch.ops.fxpipe.linear_cross_entropy(hidden, weight, labels, bias, *options)
     _check(hidden, weight, labels, bias)
     return _LinearCrossEntropy.apply(hidden, weight, labels, bias, *options)
@@ -120,7 +123,7 @@ def _starts(h: Tensor, weight: Tensor, chunk: int, matmuls: int) -> tuple[int, l
     n = h.shape[0]
     rows = chunk if chunk > 0 else max(1, min(n, CHUNK_BYTES // (4 * weight.shape[0])))
     starts = list(range(0, n, rows))
-    if len(starts) > 2 and (is_fake(h) or h.device.type == "meta"):
+    if len(starts) > 2 and (isinstance(h, FakeTensor) or h.device.type == "meta"):
         torch.ops.fxpipe.matmul_flops(h[:rows], weight, (len(starts) - 2) * matmuls)
         starts = [starts[0], starts[-1]]
     return rows, starts
@@ -222,7 +225,39 @@ def _op_setup(ctx, inputs, output):
     ctx.compute_dtype = _compute_dtype(hidden, weight)
 
 
-_op.register_autograd(_LinearCrossEntropy.backward, setup_context=_op_setup)
+def _op_grads(ctx, grad):
+    """The op's backward: another opaque op, so a trace of it (AOTAutograd's) runs the
+    chunks when the code runs instead of recording them on fake tensors."""
+    hidden, weight, labels, bias = ctx.saved_tensors
+    want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3])
+    dh, dw, db = torch.ops.fxpipe.linear_cross_entropy_backward(
+        grad, hidden, weight, labels, bias, *ctx.options, ctx.compute_dtype, *want)
+    return (dh if want[0] else None, dw if want[1] else None, None,
+            db if want[2] else None, None, None, None, None, None)
+
+
+@torch.library.custom_op("fxpipe::linear_cross_entropy_backward", mutates_args=())
+def _op_backward(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor,
+                 bias: Tensor | None, chunk: int, ignore_index: int, reduction: str,
+                 softcap: float | None, compute_dtype: torch.dtype, want_hidden: bool,
+                 want_weight: bool, want_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``_grads``; a gradient not wanted is an empty tensor (an op returns tensors)."""
+    grads = _grads(grad, hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap,
+                   compute_dtype=compute_dtype, want=(want_hidden, want_weight, want_bias))
+    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+
+
+@_op_backward.register_fake
+def _(grad, hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap,
+      compute_dtype, want_hidden, want_weight, want_bias):
+    none = hidden.new_empty(0)
+    return (torch.empty_like(hidden) if want_hidden else none,
+            torch.empty_like(weight) if want_weight else none,
+            torch.empty_like(bias) if want_bias else none)
+
+
+_op.register_autograd(_op_grads, setup_context=_op_setup)
 
 
 @torch.library.custom_op("fxpipe::matmul_flops", mutates_args=())

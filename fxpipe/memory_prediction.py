@@ -125,7 +125,7 @@ class MemoryPrediction:
                                 for d, p in enumerate(self.devices)))
         if self.host:
             rows.append(f"host {human_bytes(self.host_total)}: "
-                        + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.host.items()))
+                        + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.host.items() if v))
         return "\n".join(rows)
 
 
@@ -169,7 +169,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         4 bwd      1:2      0       263 kB       263 kB       131 kB      32.8 kB       296 kB       986 kB
         5 bwd      0:1      1       263 kB       263 kB       131 kB      32.8 kB       263 kB       953 kB
     peak 1.25 MB: device 0 1.22 MB, device 1 1.25 MB
-    host 2.30 MB: params 1.05 MB, grads 1.05 MB, activations 197 kB
+    host 2.37 MB: params 1.05 MB, grads 1.05 MB, activations 197 kB, activation_grads 65.5 kB
 
     ``run_type="generate"`` (a pipe over a Hugging Face causal LM): a decode step of
     ``pipe.generate`` for ``batch`` sequences of up to ``max_length`` tokens (default:
@@ -224,14 +224,23 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
 
 def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
                 num_microbatch: int) -> dict[str, int]:
-    """Host bytes a training call keeps (``predict_memory``'s ``.host``): the model's
-    parameters and buffers as held, the trainable parameters' gradients, and the values
-    live across each cut after layer ``i`` in ``cuts`` (a forward stage's outputs, kept
-    for its recompute) with the model's inputs, for every microbatch."""
+    """Host bytes a training call holds at most (``predict_memory``'s ``.host``): the
+    model's parameters and buffers as held (``params``); the upload copies of those a
+    ``param_dtype`` converts (``copies``); the trainable parameters' gradients
+    (``grads``); the values live across each cut after layer ``i`` in ``cuts`` (a forward
+    stage's outputs, kept for its recompute) with the model's inputs, for every
+    microbatch (``activations``); and the gradients a backward stage hands the next at
+    the largest cut, for every microbatch (``activation_grads``). Page-locked at their
+    size (``fxpipe.runtime.pinned``). Not the optimizer's state (AdamW: twice the
+    trainable parameters' bytes in fp32)."""
     tensors = {id(t): t for t in [*lg.params.values(), *lg.buffers.values()]
                if isinstance(t, torch.Tensor)}.values()
     trainable = {id(p): p for p in lg.params.values() if p.requires_grad}.values()
+    cuts = list(cuts)
     kept = sum(memory.boundary[i] for i in cuts) + memory.input_bytes
     return {"params": sum(t.numel() * t.element_size() for t in tensors),
+            "copies": sum(t.numel() * lg.device_dtype(t).itemsize for t in tensors
+                          if lg.device_dtype(t) != t.dtype),
             "grads": sum(p.numel() * p.element_size() for p in trainable),
-            "activations": kept * num_microbatch}
+            "activations": kept * num_microbatch,
+            "activation_grads": max((memory.boundary[i] for i in cuts), default=0) * num_microbatch}

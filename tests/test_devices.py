@@ -444,3 +444,43 @@ def test_freed_transfer_memory_is_reused_only_when_nothing_holds_it():
     d.free(e)
     d.stop_workers()  # gives the cache back too
     assert d.cached_bytes() == 0
+
+
+def test_torchrun_ranks_take_their_share_of_the_nodes_gpus():
+    """``devices=None`` under torchrun: each local rank its contiguous share of the node's
+    GPUs (not every GPU for every rank); more ranks than GPUs refused; two ranks naming
+    one GPU found (``DataParallel.check_devices`` raises on it)."""
+    from fxpipe.runtime.devices import local_gpus
+    from fxpipe.runtime.distributed import shared_gpu
+    assert local_gpus(8, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}) == [3]
+    assert local_gpus(7, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == [3, 4, 5]
+    assert local_gpus(4, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) == [0, 1, 2, 3]
+    assert local_gpus(2, {}) == [0, 1]
+    with pytest.raises(ValueError, match=r"4 ranks on this node \(LOCAL_WORLD_SIZE\) share 2 "
+                                         r"visible GPU\(s\).*at most 2 rank\(s\) per node"):
+        local_gpus(2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"})
+    assert shared_gpu([["GPU-a"], ["GPU-b", "GPU-c"], ["GPU-c"]]) == (1, 2, "GPU-c")
+    assert shared_gpu([[], []]) is None
+
+
+def test_workers_finish_and_are_joined_before_the_interpreter_exits(tmp_path):
+    """A script that queues work on a VirtualDevice and exits without ``close()``: the exit
+    hook stops and joins the workers first, so the work completes and no daemon thread is
+    inside torch's code when the interpreter finalizes (there ``pthread_exit`` unwinding
+    through C++ aborts the process: the cause seen of a finished torchrun job's SIGABRT)."""
+    import subprocess
+    import sys
+    done = tmp_path / "done"
+    script = f"""
+import time, torch, fxpipe
+def slow(path):
+    time.sleep(0.5)
+    torch.ones(256, 256) @ torch.ones(256, 256)
+    open(path, "w").write("ok")
+device = fxpipe.VirtualDevice()
+device.submit("compute", slow, {str(done)!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert done.read_text() == "ok"

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("finetune_hf", r"loss \d+\.\d+ -> \d+\.\d+ over \d+ steps"),
     ("inference", r"logits equal to eager at every step .* same tokens"),
     ("generate", r"reward \d+\.\d+ -> \d+\.\d+ over \d+ rounds of generate \+ train"),
+    ("grpo", r"GRPO: reward \d+\.\d+ -> \d+\.\d+ over \d+ rounds of \d+ prompts x \d+ completions"),
     ("encoder_decoder", r"gradients of encoder and decoder equal eager"),
     ("train_distributed", r"loss \d+\.\d+ -> \d+\.\d+ over \d+ steps on 2 ranks; parameters "
                           r"identical on every rank: True"),

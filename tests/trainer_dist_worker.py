@@ -21,6 +21,7 @@ def main(out: str) -> None:
     if torch.distributed.get_rank() == 0:
         torch.save({"losses": losses(trainer), "state": trainer.model.state_dict()}, out)
     trainer.close_pipes()
+    torch.distributed.destroy_process_group()   # what a finished job does: exit 0
 
 
 if __name__ == "__main__":

@@ -36,14 +36,16 @@ tensor([2., 2., 2., 2.])
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
+import os
 import queue
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -658,6 +660,31 @@ def _stop_workers(queues: dict[str, queue.SimpleQueue]) -> None:
         work.put(None)
 
 
+_live_devices: weakref.WeakSet = weakref.WeakSet()   # VirtualDevices not collected
+EXIT_JOIN_S = 30.0
+"""How long the exit hook waits for each worker thread still running queued work."""
+
+
+@atexit.register
+def _join_workers_at_exit() -> None:
+    """At interpreter exit (``atexit`` runs before the teardown), stop every VirtualDevice's
+    workers and join them, each within ``EXIT_JOIN_S``: a daemon worker still inside torch's
+    C++ code when the interpreter finalizes is unwound by ``pthread_exit``, which aborts the
+    process (``terminate called without an active exception``) after the job's own work
+    succeeded."""
+    threads = []
+    for device in list(_live_devices):
+        with device._lock:
+            _stop_workers(device._queues)
+            device._queues.clear()
+            threads += [*device._threads.values(), *device._stopped.values()]
+            device._stopped.update(device._threads)
+            device._threads.clear()
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(EXIT_JOIN_S)
+
+
 # How many holders a storage has (tensors, Python handles): private torch API, so optional;
 # without it, memory that might still be shared is never reused or replaced.
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -838,6 +865,7 @@ class VirtualDevice(Device):
         self._counting = weakref.ref(self) if count_work else None
         # Stop the workers if the device is dropped without close(); they hold no reference to it.
         self._stop = weakref.finalize(self, _stop_workers, self._queues)
+        _live_devices.add(self)   # and join them before the interpreter's teardown
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
@@ -1054,13 +1082,12 @@ class VirtualDevice(Device):
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
         """A separate contiguous host copy. With ``semantics="cuda"``: page-locked
-        (emulated, ``pinned.empty``) if ``pin``, as a GPU's is (else a host stall), and
+        (emulated, ``pinned.host_pool``) if ``pin``, as a GPU's is (else a host stall), and
         inside this device's work filled when the stream reaches the copy (NaN until
         then)."""
         with host_allocations():   # host memory, not the device's
             if pin and self.semantics == "cuda":
-                out = pinned.empty(dev_tensor.numel(), dev_tensor.dtype,
-                                   emulate=True).view(dev_tensor.shape)
+                out = pinned.host_pool(emulate=True).empty(dev_tensor.shape, dev_tensor.dtype)
             else:
                 out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype)
         self._host_stall(out)
@@ -1305,6 +1332,8 @@ class CudaDevice(Device):
                 host_tensor.record_stream(current)
             out.copy_(host_tensor.detach(),
                       non_blocking=host_tensor.device.type != "cpu" or not stalls)
+            if pinned.pooled(host_tensor):   # its block is not reused before the copy is done
+                pinned.hold(host_tensor, current.record_event())
             for name in use:
                 if self.streams[name] != current:
                     out.record_stream(self.streams[name])
@@ -1321,10 +1350,15 @@ class CudaDevice(Device):
                                     f"for {owner} ({self.resident_bytes()} B counted): {e}") from e
 
     def to_host(self, dev_tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
-        """Copy on the current stream into a new (pinned: non-blocking) host tensor."""
-        out = torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype, pin_memory=pin)
-        dev_tensor.record_stream(torch.cuda.current_stream(dev_tensor.device))
+        """Copy on the current stream into a new host tensor; ``pin``: page-locked at its
+        size (``pinned.host_pool``, not torch's power-of-two host allocator), non-blocking."""
+        out = (pinned.host_pool(emulate=False).empty(dev_tensor.shape, dev_tensor.dtype) if pin
+               else torch.empty(dev_tensor.shape, dtype=dev_tensor.dtype))
+        current = torch.cuda.current_stream(dev_tensor.device)
+        dev_tensor.record_stream(current)
         out.copy_(dev_tensor.detach(), non_blocking=not self._host_stall(out))
+        if pin:   # a block dropped unread is not reused while the copy may still write it
+            pinned.hold(out, current.record_event())
         return out
 
     def record_stream(self, tensor: torch.Tensor) -> None:
@@ -1379,7 +1413,8 @@ def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch
                     | None = None) -> list[Device]:
     """Turn the ``devices=`` argument of ``fxpipe.compile`` into Device objects.
 
-    ``None``: every visible GPU, or two VirtualDevices without one. ``"cpu"``: one
+    ``None``: the visible GPUs (under torchrun with several ranks on the node, this rank's
+    share: :func:`local_gpus`), or two VirtualDevices without one. ``"cpu"``: one
     VirtualDevice (per entry). ``"cuda:1"`` / ``torch.device``: a CudaDevice. Device
     instances pass through.
 
@@ -1389,7 +1424,7 @@ def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch
     if devices is None:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count:
-            return [CudaDevice(i) for i in range(count)]
+            return [CudaDevice(i) for i in local_gpus(count)]
         return [VirtualDevice(name="vcpu:0"), VirtualDevice(name="vcpu:1")]
     if isinstance(devices, (str, torch.device, Device)):
         devices = [devices]
@@ -1419,3 +1454,27 @@ def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch
     if not out:
         raise ValueError("devices is empty: pass None (auto), ['cpu'], or a list of 'cuda:N'")
     return out
+
+
+def local_gpus(count: int, env: Mapping[str, str] | None = None) -> list[int]:
+    """The GPU indices ``devices=None`` takes of ``count`` visible ones: all of them, or
+    under torchrun with ``LOCAL_WORLD_SIZE`` ranks on this node (``env``: the process's
+    environment) rank ``LOCAL_RANK``'s contiguous share, ``count // LOCAL_WORLD_SIZE``
+    each (DDP's habit ``--nproc-per-node=8`` on 8 GPUs: one each, not eight ranks on
+    every GPU with eight host copies of the model).
+
+    >>> local_gpus(8, {}), local_gpus(8, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    ([0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7])
+    """
+    env = os.environ if env is None else env
+    ranks = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if ranks <= 1 or "LOCAL_RANK" not in env:
+        return list(range(count))
+    rank = int(env["LOCAL_RANK"])
+    if count < ranks:
+        raise ValueError(
+            f"{ranks} ranks on this node (LOCAL_WORLD_SIZE) share {count} visible GPU(s): "
+            f"devices=None gives each rank GPUs of its own. Start at most {count} rank(s) per "
+            "node (torchrun --nproc-per-node), or pass devices= explicitly (each rank its own)")
+    per = count // ranks
+    return list(range(rank * per, (rank + 1) * per))

@@ -42,9 +42,11 @@ alone.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import DistributedError
-from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice
 # the bucket arithmetic is used from here (fxpipe.api, tests)
 from fxpipe.runtime.buckets import (  # noqa: F401
     Bucket, Shard, _by_dtype, _chunk, _piece, _span, first_names, reshard,
@@ -61,6 +63,16 @@ from fxpipe.runtime.masters import ShardedMasters
 from fxpipe.runtime.params import GradAccumulator, ParamStore, grad_dtype, owned_params
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
+_open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every data-parallel pipe's collectives not closed yet: before the
+    interpreter's teardown (``atexit`` runs before it; torch's own groups are destroyed
+    after)."""
+    for dp in list(_open):
+        dp.close()
 
 
 class DataParallel(ShardedMasters):
@@ -107,6 +119,7 @@ class DataParallel(ShardedMasters):
         # in the first layer graph that named it (another capture may order tied names
         # differently)
         self._names: dict[int, str] = {}
+        _open.add(self)   # closed at exit if the pipe is not (close_all)
 
     def collectives(self, run_type: str, sync: bool, mode: str | None,
                     has_buffers: bool) -> tuple[str | None, bool]:
@@ -148,6 +161,22 @@ class DataParallel(ShardedMasters):
                         "differently where ranks have other devices), and build the model the "
                         "same way everywhere")
 
+    def check_devices(self, devices: Sequence[Device]) -> None:
+        """Raise ``ValueError`` on every rank if two ranks compute on one GPU (by its UUID:
+        ``CUDA_VISIBLE_DEVICES`` may number it differently in each)."""
+        mine = sorted(str(torch.cuda.get_device_properties(d.device).uuid)
+                      for d in devices if isinstance(d, CudaDevice))
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=self.group)
+        clash = shared_gpu(gathered)
+        if clash is not None:
+            a, b, gpu = clash
+            raise ValueError(
+                f"fxpipe.compile(data_parallel=True): ranks {a} and {b} both compute on GPU "
+                f"{gpu}: every rank needs GPUs of its own. Under torchrun leave devices=None "
+                "(each rank takes its share of the node's GPUs, LOCAL_RANK) or pass each rank "
+                "its own devices=[...]")
+
     # -- running -----------------------------------------------------------------------------
     @property
     def worker(self) -> VirtualDevice:
@@ -160,6 +189,9 @@ class DataParallel(ShardedMasters):
 
     def check_alive(self) -> None:
         """Raise if an earlier call failed (this process group cannot be used again)."""
+        if self.group is None:
+            raise DistributedError(f"rank {self.rank}: this data-parallel pipe was closed "
+                                   "(pipe.close()): compile a new one", rank=self.rank)
         if self.dead is not None:
             raise DistributedError(
                 f"rank {self.rank}: an earlier data-parallel call failed ({self.dead}); fxpipe's "
@@ -418,9 +450,21 @@ class DataParallel(ShardedMasters):
         return out
 
     def close(self) -> None:
+        """Stop the collective worker, then destroy fxpipe's group (``PipelineModule.close``,
+        and at interpreter exit for pipes never closed): a finished job leaves no gloo
+        thread for the interpreter's teardown. After a failed call the group may have a
+        collective pending on gloo's threads, which destroying it would abort on: it is
+        left to the process's exit then. Idempotent."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        group, self.group = self.group, None
+        _open.discard(self)
+        if group is not None and self.dead is None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 — the default group already went down with it
+                pass
 
 
 def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
@@ -435,6 +479,21 @@ def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any
     if kind == "all_gather":
         return dist.all_gather_single(out, tensor, group=group, async_op=True)
     raise ValueError(f"not a collective: {kind!r}")
+
+
+def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:
+    """The first two ranks listing one GPU, and it (``check_devices``), or None.
+
+    >>> shared_gpu([["GPU-a"], ["GPU-b"]]), shared_gpu([["GPU-a", "GPU-b"], ["GPU-b"]])
+    (None, (0, 1, 'GPU-b'))
+    """
+    owner: dict[str, int] = {}
+    for rank, gpus in enumerate(gpus_by_rank):
+        for gpu in gpus:
+            if gpu in owner:
+                return owner[gpu], rank, gpu
+            owner[gpu] = rank
+    return None
 
 
 def _first_difference(mine: Any, theirs: Any, rank: int) -> str:
