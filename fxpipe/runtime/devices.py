@@ -700,20 +700,24 @@ class _StorageCache:
     holds it back: it is reused only once each of them has passed the point where it was
     freed (the events ``put`` gets). A block is also reused only once nothing else holds
     it (a view, an autograd graph, a value handed on: its use count is then the cache's
-    own reference alone).
+    own reference alone). A smaller request reuses a larger block (best fit); torch's
+    allocator would split it, using what was asked and keeping the rest free for other
+    requests. So a block in use counts what was asked of it, as the device's resident
+    bytes do, and reserved memory is what is in use plus what is kept, which the device's
+    limit bounds (``VirtualDevice._room``). Counting a reused block's unused rest as
+    reserved too (memory a GPU would have used for the next request) put a strict
+    device's reserved bytes past its limit.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # data_ptr of storages alloc made and not yet put back -> (pool, streams using it,
-        # bytes asked for: a reused block may be larger)
-        self._made: dict[int, tuple[str | None, set[str], int]] = {}
+        # data_ptr of storages alloc made and not yet put back -> (pool, streams using it)
+        self._made: dict[int, tuple[str | None, set[str]]] = {}
         # (pool, nbytes) -> [(storage, events that must complete before it is reused)]
         self._free: dict[tuple[str | None, int], list[tuple[torch.UntypedStorage,
                                                             tuple[Event, ...]]]] = {}
         self._bytes = 0
         self._held: dict[int, int] = {}   # data_ptr -> handles queued kernels hold
-        self._slack = 0   # bytes of blocks in use beyond what was asked for
 
     def alloc(self, host: torch.Tensor, pool: str | None = None, use: Sequence[str] = (),
               room: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -731,8 +735,7 @@ class _StorageCache:
             out = torch.empty(0, dtype=host.dtype).set_(storage, 0, host.shape)
         if tracked:
             with self._lock:
-                self._made[out.untyped_storage().data_ptr()] = (pool, set(use) - {pool}, nbytes)
-                self._slack += out.untyped_storage().nbytes() - nbytes
+                self._made[out.untyped_storage().data_ptr()] = (pool, set(use) - {pool})
         return out
 
     def record(self, tensor: torch.Tensor, stream: str) -> None:
@@ -754,16 +757,14 @@ class _StorageCache:
             events = after(entry[1])
             self._free.setdefault((entry[0], storage.nbytes()), []).append((storage, events))
             self._bytes += storage.nbytes()
-            self._slack -= storage.nbytes() - entry[2]
         return events
 
     def _take(self, pool: str | None, nbytes: int) -> torch.UntypedStorage | None:
-        """The smallest reusable block of ``pool`` of at least ``nbytes`` (best fit;
-        torch's allocator would split a larger one and keep the rest, which this does not
-        model: the rest stays reserved, unused), or None."""
+        """The smallest reusable block of ``pool`` of at least ``nbytes`` (best fit), or
+        None. A larger block is not counted beyond ``nbytes`` while in use (class
+        docstring)."""
         with self._lock:
-            sizes = sorted(size for p, size in self._free if p == pool and nbytes <= size)
-            for size in sizes:
+            for size in sorted(size for p, size in self._free if p == pool and size >= nbytes):
                 free = self._free[(pool, size)]
                 for i, (storage, after) in enumerate(free):
                     holders = 1 + self._held.get(storage.data_ptr(), 0)   # the cache, kernels
@@ -783,8 +784,8 @@ class _StorageCache:
                     del self._held[k]
 
     def nbytes(self) -> int:
-        """Bytes kept for reuse, and the unasked-for part of blocks in use."""
-        return self._bytes + self._slack
+        """Bytes kept for reuse."""
+        return self._bytes
 
     def pending(self) -> list[Event]:
         """The events the kept blocks wait for."""
@@ -802,7 +803,6 @@ class _StorageCache:
         self.release()
         with self._lock:
             self._made.clear()  # still-live copies are then left to Python when freed
-            self._slack = 0
 
 
 def _unwritten_fill(dtype: torch.dtype) -> Any:
