@@ -21,7 +21,9 @@ and ``forward_backward``'s default ``loss_fn`` (the output itself) is the loss::
     pipe = fxpipe.compile(CausalLM(...), example_inputs=(ids, labels))
     loss = pipe.forward_backward((ids, labels))
 
-Captured (fx, export or dynamo) it is one opaque op, ``torch.ops.fxpipe.linear_cross_entropy``;
+Captured (fx, export or dynamo) or traced by AOTAutograd (``stage_backend="inductor"``)
+it is one opaque op, ``torch.ops.fxpipe.linear_cross_entropy``, whose backward is another
+(``fxpipe::linear_cross_entropy_backward``), so compiled code runs every chunk;
 ``fxpipe.passes.capture`` binds it back to this function, so the runtime (and the cost
 model, on fake tensors) runs the chunks, each op visible to byte accounting. On fake or
 meta tensors (costing) only the first and the last chunk run: every chunk allocates and
@@ -251,10 +253,9 @@ def _op_backward(grad: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor,
 @_op_backward.register_fake
 def _(grad, hidden, weight, labels, bias, chunk, ignore_index, reduction, softcap,
       compute_dtype, want_hidden, want_weight, want_bias):
-    none = hidden.new_empty(0)
-    return (torch.empty_like(hidden) if want_hidden else none,
-            torch.empty_like(weight) if want_weight else none,
-            torch.empty_like(bias) if want_bias else none)
+    return (torch.empty_like(hidden) if want_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if want_weight else hidden.new_empty(0),
+            torch.empty_like(bias) if want_bias else hidden.new_empty(0))
 
 
 _op.register_autograd(_op_grads, setup_context=_op_setup)
