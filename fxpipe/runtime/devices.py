@@ -672,17 +672,8 @@ def _join_workers_at_exit() -> None:
     C++ code when the interpreter finalizes is unwound by ``pthread_exit``, which aborts the
     process (``terminate called without an active exception``) after the job's own work
     succeeded."""
-    threads = []
     for device in list(_live_devices):
-        with device._lock:
-            _stop_workers(device._queues)
-            device._queues.clear()
-            threads += [*device._threads.values(), *device._stopped.values()]
-            device._stopped.update(device._threads)
-            device._threads.clear()
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(EXIT_JOIN_S)
+        device._stop_and_join(close=False, timeout=EXIT_JOIN_S)
 
 
 # How many holders a storage has (tensors, Python handles): private torch API, so optional;
@@ -1127,7 +1118,9 @@ class VirtualDevice(Device):
         submits raise. Idempotent."""
         self._stop_and_join(close=True)
 
-    def _stop_and_join(self, close: bool) -> None:
+    def _stop_and_join(self, close: bool, timeout: float | None = None) -> None:
+        """Stop the workers once their queued work has run, and join each (within
+        ``timeout`` seconds, if given)."""
         self._cache.clear()
         with self._lock:
             if self._closed:
@@ -1140,7 +1133,7 @@ class VirtualDevice(Device):
             stopped = list(self._stopped.values())
         for thread in stopped:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(timeout)
         with self._lock:
             for stream, thread in list(self._stopped.items()):
                 if not thread.is_alive():

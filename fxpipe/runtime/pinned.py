@@ -291,43 +291,56 @@ class _Blocks:
         self.emulate = emulate
         self.account = account if account is not None else Account()
         self._lock = threading.Lock()
-        # [storage, start offset, nbytes, event or None]
-        self._blocks: list[list] = []
+        # storage's data_ptr -> [storage, start offset, nbytes, event or None], the blocks
+        # taken last at the end
+        self._blocks: dict[int, list] = {}
 
     @property
     def nbytes(self) -> int:
         """Page-locked bytes held now, in use or free."""
-        return sum(b[2] for b in self._blocks)
+        return sum(b[2] for b in list(self._blocks.values()))
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is one of these blocks."""
+        return t.untyped_storage().data_ptr() in self._blocks
 
     def hold(self, view: torch.Tensor, event: Any) -> None:
         """The block holding ``view`` is read by a copy that completes with ``event`` (a
         CUDA event): it is not reused before."""
-        ptr = view.untyped_storage().data_ptr()
         with self._lock:
-            for b in self._blocks:
-                if b[0].data_ptr() == ptr:
-                    b[3] = event
+            block = self._blocks.get(view.untyped_storage().data_ptr())
+            if block is not None:
+                block[3] = event
 
     def clear(self) -> None:
         """Let the blocks go (each is freed once nothing holds it)."""
         with self._lock:
             self._blocks.clear()
 
+    @staticmethod
+    def _is_free(b: list) -> bool:
+        return _unused(b[0]) and (b[3] is None or b[3].query())
+
     def _free(self) -> list[list]:
-        return [b for b in self._blocks if _unused(b[0]) and (b[3] is None or b[3].query())]
+        return [b for b in self._blocks.values() if self._is_free(b)]
+
+    def _drop(self, block: list) -> None:
+        del self._blocks[block[0].data_ptr()]
 
     def _new(self, nbytes: int) -> list:
         t = empty(nbytes, torch.uint8, emulate=self.emulate, account=self.account)
         storage = t.untyped_storage()
         block = [storage, t.data_ptr() - storage.data_ptr(), nbytes, None]
         del t
-        self._blocks.append(block)
+        self._blocks[storage.data_ptr()] = block
         return block
 
-    @staticmethod
-    def _view(block: list, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        """A view of ``block`` (taken: it holds the block) of ``shape`` ``dtype``s."""
+    def _view(self, block: list, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A view of ``block`` (taken: it holds the block) of ``shape`` ``dtype``s; the
+        block moves to the end, so the free ones are found first."""
         block[3] = None
+        ptr = block[0].data_ptr()
+        self._blocks[ptr] = self._blocks.pop(ptr)
         return torch.empty(0, dtype=dtype).set_(block[0], block[1] // dtype.itemsize, tuple(shape))
 
 
@@ -373,7 +386,7 @@ class Ring(_Blocks):
             used = self.nbytes
             while free and used + nbytes > self.capacity:   # too small: let one go
                 gone = free.pop()
-                self._blocks.remove(gone)
+                self._drop(gone)
                 used -= gone[2]
             if used + nbytes > self.capacity:
                 return None
@@ -412,28 +425,25 @@ class Pool(_Blocks):
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         with self._lock:
+            fit = next((b for b in self._blocks.values()
+                        if nbytes <= b[2] <= nbytes + nbytes // 4 and self._is_free(b)), None)
+            if fit is not None:
+                return self._view(fit, dtype, shape)
             free = self._free()
-            fits = [b for b in free if nbytes <= b[2] <= nbytes + nbytes // 4]
-            if fits:
-                return self._view(min(fits, key=lambda b: b[2]), dtype, shape)
             held = self.nbytes
             self.high_water = max(self.high_water, held - sum(b[2] for b in free) + nbytes)
             free.sort(key=lambda b: -b[2])
             while free and held + nbytes > self.high_water:     # let the largest go first
                 gone = free.pop(0)
-                self._blocks.remove(gone)
+                self._drop(gone)
                 held -= gone[2]
             return self._view(self._new(nbytes), dtype, shape)
-
-    def owns(self, ptr: int) -> bool:
-        """Whether the storage starting at ``ptr`` is one of this pool's blocks."""
-        return any(b[0].data_ptr() == ptr for b in self._blocks)
 
     def trim(self) -> None:
         """Let the free blocks go; the high-water mark restarts at what is in use."""
         with self._lock:
-            free = self._free()
-            self._blocks = [b for b in self._blocks if not any(b is f for f in free)]
+            for block in self._free():
+                self._drop(block)
             self.high_water = self.nbytes
 
 
@@ -452,10 +462,7 @@ def host_pool(*, emulate: bool) -> Pool:
 
 def pooled(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory is a :class:`Pool`'s block."""
-    if t.device.type != "cpu" or not _pools:
-        return False
-    ptr = t.untyped_storage().data_ptr()
-    return any(pool.owns(ptr) for pool in list(_pools.values()))
+    return t.device.type == "cpu" and any(pool.owns(t) for pool in list(_pools.values()))
 
 
 def trim() -> None:
