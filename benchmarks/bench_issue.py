@@ -151,24 +151,27 @@ def kernels_per_step(step) -> int:
     """The kernels one call of ``step`` runs, from the profiler: inductor's generated
     kernels (``cpp_fused_*``/``triton_*``, profiled with ``cpp.enable_kernel_profile``)
     and the outermost aten ops that compute (an aten op inside a counted one is its
-    implementation, not another launch)."""
+    implementation, not another launch). Nesting is read from each thread's intervals
+    (the profiler's raw events: building its ``EventList`` tree costs minutes here)."""
     from torch.profiler import ProfilerActivity, profile
 
     every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
         step()
+    ops: dict[int, list[tuple[int, int]]] = {}   # thread -> (start, -end) of each op
     count = 0
-    for e in prof.events():
-        if "cpp_fused" in e.name or "triton_" in e.name:
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if "cpp_fused" in name or "triton_" in name:
             count += 1
-            continue
-        if not e.name.startswith("aten::") or e.name in NO_KERNEL:
-            continue
-        parent = e.cpu_parent
-        while parent is not None and not (parent.name.startswith("aten::")
-                                          and parent.name not in NO_KERNEL):
-            parent = parent.cpu_parent
-        count += parent is None
+        elif name.startswith("aten::") and name not in NO_KERNEL:
+            ops.setdefault(e.start_thread_id(), []).append((e.start_ns(), -e.end_ns()))
+    for intervals in ops.values():
+        end = None   # of the outermost counted op open now
+        for start, neg_end in sorted(intervals):   # by start, the enclosing one first
+            if end is None or start >= end:
+                count += 1
+                end = -neg_end
     return count
 
 

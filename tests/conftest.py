@@ -1,9 +1,13 @@
 """Suite-wide fixtures.
 
-``FXPIPE_TEST_DEVICE=cuda-sim`` runs the suite on virtual devices with a GPU's semantics
-toward the host (``VirtualDevice(semantics="cuda")``: copies land when their stream
-reaches them, unwritten memory reads as NaN), so a host read of data still in flight
-fails here, as it would on a GPU.
+The runtime's own tests (``ON_CUDA_SIM``) run on virtual devices with a GPU's semantics
+toward the host (``VirtualDevice(semantics="cuda")``, strict: copies land when their
+stream reaches them, unwritten memory reads as NaN, a device op outside the device's work
+is refused), so a host read of data still in flight fails here, as it would on a GPU; the
+others on plain virtual devices (copies done when they return), what a CPU user runs.
+``FXPIPE_TEST_DEVICE=cuda-sim`` runs every test on GPU semantics,
+``FXPIPE_TEST_DEVICE=virtual`` every one on plain devices. ``test_cuda_sim_suite.py``
+runs the HF matrix, fuzz and artifact tests again on GPU semantics.
 
 The suite runs on two processes (``pytest -n 2 --dist worksteal``, pytest-xdist: CI has 2
 cores; a worker out of tests takes half of the other's). The tests that run whole suites
@@ -31,11 +35,28 @@ import torch
 os.environ.setdefault("FXPIPE_HOST_MS_PER_ACTION", "0")   # before fxpipe is imported
 from fxpipe.runtime import devices  # noqa: E402
 
-TEST_DEVICE = os.environ.get("FXPIPE_TEST_DEVICE", "virtual")
-if TEST_DEVICE not in ("virtual", "cuda-sim"):
+TEST_DEVICE = os.environ.get("FXPIPE_TEST_DEVICE")
+if TEST_DEVICE not in (None, "virtual", "cuda-sim"):
     raise ValueError(f"FXPIPE_TEST_DEVICE must be 'virtual' or 'cuda-sim', got {TEST_DEVICE!r}")
 if TEST_DEVICE == "cuda-sim":
     devices.default_semantics = "cuda"
+# the runtime's tests: on GPU semantics unless FXPIPE_TEST_DEVICE says otherwise
+ON_CUDA_SIM = {"test_runtime.py", "test_compile.py", "test_microbatch.py",
+               "test_mixed_precision.py", "test_optim.py", "test_params.py",
+               "test_grad_flow.py", "test_recompute.py", "test_reliability.py",
+               "test_backend.py"}
+
+
+@pytest.fixture(autouse=True)
+def _runtime_tests_on_cuda_semantics(request):
+    if TEST_DEVICE is not None or request.path.name not in ON_CUDA_SIM:
+        yield
+        return
+    devices.default_semantics = "cuda"
+    try:
+        yield
+    finally:
+        devices.default_semantics = "sync"
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@ and against FlopCounterMode on the eager model."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 
@@ -442,12 +443,40 @@ def test_repeated_blocks_are_costed_once(monkeypatch):
     ids = torch.randint(0, 64, (2, 16))
     lg = build_layer_graph(model, (ids,))
     runs = count_layer_runs(monkeypatch)
+    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
     cached = compute_costs(lg, [ids])
     assert len(runs) < len(lg) - 3  # the blocks after the first two reuse a result
-    monkeypatch.setattr(costs_mod, "_layer_key", lambda *a: None)
+    monkeypatch.setattr(costs_mod, "_layer_key", lambda *a: (None, False))
     runs.clear()
     assert compute_costs(lg, [ids]) == cached
     assert len(runs) == len(lg)
+
+
+def test_a_layer_costed_before_in_the_same_precision_is_not_run_again(monkeypatch):
+    """Across calls (the chain trimmed of its logits, another pipe over the same blocks):
+    the same layer, inputs and device dtypes reuse the costs; another precision or
+    another shape runs again, and gets its own."""
+    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16))
+    lg = build_layer_graph(models.GPT(vocab=64, dim=32, heads=4, depth=3, seq=16), (ids,))
+    again = build_layer_graph(models.GPT(vocab=64, dim=32, heads=4, depth=3, seq=16), (ids,))
+    runs = count_layer_runs(monkeypatch)
+    first = compute_costs(lg, [ids], store=False)
+    ran = len(runs)
+    assert compute_costs(again, [ids], store=False) == first and len(runs) == ran
+    half = build_layer_graph(models.GPT(vocab=64, dim=32, heads=4, depth=3, seq=16), (ids,),
+                             param_dtype=torch.bfloat16)
+    bf16 = compute_costs(half, [ids], store=False)
+    assert len(runs) > ran and bf16[1].param_bytes * 2 == first[1].param_bytes
+    ran = len(runs)
+    longer = torch.randint(0, 64, (2, 8))
+    assert compute_costs(again, [longer], store=False) != first and len(runs) > ran
+    monkeypatch.setattr(costs_mod, "COSTED_SIZE", 0)   # none kept
+    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
+    ran = len(runs)
+    compute_costs(again, [ids], store=False)
+    assert len(runs) > ran and not costs_mod._COSTED
 
 
 def test_repeated_layers_keep_aliasing(monkeypatch):

@@ -7,6 +7,7 @@ fxpipe.check`` runs these first, then measures (see ``fxpipe/check.py``).
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -211,6 +212,45 @@ def test_cuda_inputs_go_straight_to_the_device():
             torch.testing.assert_close(loss, ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
             assert_grads_close(model, ref)
         pipe.close()
+
+
+def test_cuda_inputs_on_another_gpu_go_through_the_host():
+    """A copy between GPUs would run on the caller's stream, fenced both ways against the
+    device's: a device refuses such a source, and a call stages it through the host."""
+    gpus(2)
+    with pytest.raises(ValueError, match="takes a host tensor or one on cuda:1, got one on cuda:0"):
+        fxpipe.CudaDevice(1).to_device(torch.ones(2, device="cuda:0"), "activations", "x")
+    model, ref, pipe = pair(2)
+    ids, y = batch()
+    loss = pipe.forward_backward((ids.to("cuda:0"),), label=y.to("cuda:0"), loss_fn=ce)
+    assert pipe._staging.account.nbytes > 0, "inputs on another GPU went through the staging"
+    ref_loss = ce(ref(ids.cuda()), y.cuda())
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach().cpu(), atol=1e-5, rtol=1e-4)
+    assert_grads_close(model, ref)
+    pipe.close()
+
+
+def test_a_host_wait_on_the_gpu_sleeps():
+    """The events the host waits on are blocking (cudaEventBlockingSync): a thread waiting
+    for a long kernel sleeps, so waiting issue threads leave the cores to the one issuing."""
+    d = fxpipe.CudaDevice(0)
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def work():
+        y = x
+        for _ in range(40):
+            y = y @ x / 64
+        return y
+
+    for wait in (lambda e: e.wait(), lambda e: d.synchronize()):
+        event = d.submit("compute", work)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        wait(event)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        assert wall > 0.01, "the kernels finished before the wait: make them longer"
+        assert cpu < 0.5 * wall, (cpu, wall)   # spinning, it would be about wall
+    d.close()
 
 
 def test_two_logical_devices_on_one_gpu_train_equal_to_eager():

@@ -1,6 +1,8 @@
-"""The equivalence, reliability and fuzz suites once more, on virtual devices with a GPU's
-semantics toward the host (``FXPIPE_TEST_DEVICE=cuda-sim``: ``VirtualDevice(semantics=
-"cuda")``, copies land when their stream reaches them, unwritten memory reads as NaN).
+"""The HF matrix (a decoder, an encoder-decoder, an MoE captured by blocks), fuzz and
+artifact suites once more, on virtual devices with a GPU's semantics toward the host
+(``FXPIPE_TEST_DEVICE=cuda-sim``: ``VirtualDevice(semantics="cuda")``, copies land when
+their stream reaches them, unwritten memory reads as NaN). The runtime's own tests run on
+those semantics in the suite itself (``conftest.ON_CUDA_SIM``).
 
 A runtime that reads data on the host before the copy bringing it has landed, or that
 frees memory a stream may still read, passes on plain virtual devices (a copy there is
@@ -17,15 +19,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# in three parts, so the two CI workers share them (as one test it was the suite's
-# longest: 9 minutes on one worker)
-SUITES = {
-    "hf-matrix-fuzz": ["test_hf_matrix.py", "test_fuzz.py", "test_artifact.py"],
-    "runtime": ["test_runtime.py", "test_compile.py", "test_microbatch.py",
-                "test_mixed_precision.py", "test_optim.py", "test_params.py"],
-    "recompute-reliability": ["test_grad_flow.py", "test_recompute.py", "test_reliability.py",
-                              "test_gpu_semantics.py", "test_backend.py"],
-}
+SUITES = {"hf-matrix-fuzz": ["test_hf_matrix.py", "test_fuzz.py", "test_artifact.py"]}
 
 
 @pytest.mark.skipif(os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim",

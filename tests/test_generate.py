@@ -169,10 +169,18 @@ def test_predicted_kv_and_decode_memory_match_the_devices():
     steps(ids[:, -1:], mask, torch.full((4, 1), 100), torch.tensor([100]))  # a decode step
     kv = sum(b.numel() * b.element_size() for n, b in steps.module.named_buffers() if ".kv." in f".{n}")
     assert kv == 4 * 2 * 4 * 2 * 256 * 32 * 4           # layers, k/v, batch, heads, length, dim, fp32
-    for dev, peak in enumerate(pred.devices):
-        measured = pipe.devices[dev].peak_bytes("params")   # weights and the KV cache
-        assert peak.bytes["params"] == measured, (dev, peak.bytes, measured)
-        assert abs(peak.total / pipe.devices[dev].peak_bytes() - 1) < 0.15
+    # the plan is the planner's for profiled times, so any split; a stage's predicted peak
+    # counts the weights of the stage its device prefetches meanwhile, reached if that
+    # prefetch lands while the stage still holds its own weights and workspace (a copy
+    # as fast as a GPU's), else less, by up to the prefetched weights
+    weights = fxpipe.plan.chain_memory(steps.compiled()[1].layers).params
+    for dev in range(len(pipe.devices)):
+        mine = [s for s in pred.stages if s.device == dev]
+        for kind, measured in (("params", pipe.devices[dev].peak_bytes("params")),
+                               (None, pipe.devices[dev].peak_bytes())):
+            high = [s.bytes[kind] if kind else s.total for s in mine]
+            low = [h - sum(weights[i] for i in s.prefetch or ()) for h, s in zip(high, mine)]
+            assert max(low) <= measured <= max(high), (dev, kind, mine, measured)
 
 
 def test_bad_input_is_refused_and_changes_nothing():

@@ -25,11 +25,16 @@ def cuda_devices(n: int, **kw) -> list[VirtualDevice]:
     return [VirtualDevice(semantics="cuda", **kw) for _ in range(n)]
 
 
+def upload(d: VirtualDevice, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``d`` as activations, copied inside the device's work (as on a GPU)."""
+    return d.submit("h2d", lambda: d.to_device(t, kind="activations", owner="test")).result()
+
+
 # -- the device ---------------------------------------------------------------------------
 
 def test_device_to_host_copy_lands_when_the_stream_reaches_it():
     d = VirtualDevice(semantics="cuda")
-    x = d.to_device(torch.arange(4.0), kind="activations", owner="test")
+    x = upload(d, torch.arange(4.0))
     seen = {}
 
     def offload():
@@ -64,9 +69,29 @@ def test_sync_semantics_copy_at_once_and_bad_semantics_is_refused():
     d.close()
 
 
+def test_a_device_op_outside_the_devices_work_is_refused():
+    """On CUDA only submit() makes a device and its stream current (issue threads move
+    between devices): a copy issued outside it would run on the thread's current device
+    and stream. Strict cuda-sim refuses it; a plain or lax device allows it."""
+    d = VirtualDevice(semantics="cuda")
+    x = upload(d, torch.ones(2))
+    for op in (lambda: d.to_device(torch.ones(2), "activations", "stage 1"),
+               lambda: d.to_host(x), lambda: d.copy_to_host(x, torch.empty(2))):
+        with pytest.raises(RuntimeError, match="outside this device's work: on a GPU only submit"):
+            op()
+    other = VirtualDevice(semantics="cuda")   # inside another device's work is outside d's
+    with pytest.raises(RuntimeError, match=f"{d.name}: to_host"):
+        other.submit("d2h", lambda: d.to_host(x)).result()
+    for ok in (VirtualDevice(semantics="sync"), VirtualDevice(semantics="cuda", strict=False)):
+        assert torch.equal(ok.to_host(ok.to_device(torch.ones(2), "activations", "t")),
+                           torch.ones(2))
+        ok.close()
+    d.close(), other.close()
+
+
 def test_integer_copies_show_unwritten_memory_too():
     d = VirtualDevice(semantics="cuda")
-    x = d.to_device(torch.arange(3), kind="activations", owner="test")
+    x = upload(d, torch.arange(3))
     early = []
     done = d.submit("d2h", lambda: early.append(d.to_host(x).clone()) or None)
     done.result()
@@ -79,10 +104,10 @@ def test_freed_memory_is_reused_only_after_every_stream_passed_the_free():
     it keeps its memory until that stream's queued work has run."""
     d = VirtualDevice(semantics="cuda")
     gate = threading.Event()
-    x = d.to_device(torch.ones(8), kind="activations", owner="test")
+    x = upload(d, torch.ones(8))
     reader = d.submit("compute", lambda: (gate.wait(), x.sum().item())[1])  # still to read x
     d.free(x)
-    y = d.to_device(torch.zeros(8), kind="activations", owner="test")  # must not reuse x's memory
+    y = upload(d, torch.zeros(8))  # must not reuse x's memory
     assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     gate.set()
     assert reader.result() == 8.0
@@ -259,8 +284,8 @@ SAME_DEVICE = "Expected all tensors to be on the same device"
 
 def test_an_op_mixing_device_and_host_tensors_raises_as_cuda_does():
     d, other = VirtualDevice(semantics="cuda"), VirtualDevice(semantics="cuda")
-    x = d.to_device(torch.ones(4), kind="activations", owner="test")
-    y = other.to_device(torch.ones(4), kind="activations", owner="test")
+    x = upload(d, torch.ones(4))
+    y = upload(other, torch.ones(4))
     with pytest.raises(RuntimeError, match=SAME_DEVICE + ".* and cpu!"):
         d.submit("compute", torch.add, x, torch.ones(4)).result()
     with pytest.raises(RuntimeError, match=SAME_DEVICE + f".* and {other.name}!"):
@@ -276,7 +301,7 @@ def test_an_op_on_host_tensors_runs_on_the_host_and_its_result_stays_there():
     """A host op inside device work is legal on CUDA (it runs on the CPU), but what it
     makes is host memory: the device's next op on it fails, not silently passes."""
     d = VirtualDevice(semantics="cuda")
-    x = d.to_device(torch.ones(4), kind="activations", owner="test")
+    x = upload(d, torch.ones(4))
     base = torch.arange(4.0)              # e.g. a global of the model's module
 
     def work():
@@ -288,7 +313,7 @@ def test_an_op_on_host_tensors_runs_on_the_host_and_its_result_stays_there():
         d.submit("compute", work).result()
     # on a plain virtual device (or strict=False) it passes, as it always did
     lax = VirtualDevice(semantics="cuda", strict=False)
-    x = lax.to_device(torch.ones(4), kind="activations", owner="test")
+    x = upload(lax, torch.ones(4))
     assert lax.submit("compute", lambda: x + torch.ones(4)).result().sum() == 8
     d.close(), lax.close()
 

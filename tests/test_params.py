@@ -41,7 +41,9 @@ class CountingDevice(VirtualDevice):
 
 @pytest.fixture
 def dev():
-    d = CountingDevice(name="vcpu:test")
+    # these tests drive a ParamStore directly, outside any device work: copies at once
+    # (strict cuda-sim refuses a device op outside submit, as a GPU would misplace it)
+    d = CountingDevice(name="vcpu:test", semantics="sync")
     yield d
     d.close()
 
@@ -135,7 +137,7 @@ def test_requires_grad_follows_master_and_buffers_never_require_grad(dev):
 
 def test_upload_over_the_memory_limit_names_the_stage_and_counts_nothing():
     m = _mixed_model()
-    with VirtualDevice(memory_limit=16) as d:
+    with VirtualDevice(memory_limit=16, semantics="sync") as d:
         with pytest.raises(DeviceMemoryError, match="stage 0"):
             _store(m).upload(0, d)
         assert d.resident_bytes() == 0

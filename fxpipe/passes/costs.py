@@ -48,6 +48,7 @@ params 263 kB | saved 32.8 kB | out 32.8 kB | fwd 4.19 MFLOP | bwd 4.19 MFLOP
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -150,6 +151,12 @@ class Cost:
         return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
 
 
+# costed layers by key (``_layer_key``, with the precision and autocast they ran in),
+# across calls, least recently used first: a chain costed again (trimmed of its
+# loss-free outputs, another pipe over the same blocks) runs only its new layers
+_COSTED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+COSTED_SIZE = 1024
+
 _PROFILE = ("out_bytes", "carried_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes",
             "bwd_peak_bytes", "loss_bytes")
 
@@ -172,7 +179,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
     stand-ins have the dtype the devices hold (``lg.param_dtype``: mixed precision), so
     parameter, gradient and activation bytes are the devices'. A layer
     identical to an earlier one (same graph up to names, same input and parameter
-    shapes) is not run again: repeated blocks are costed once.
+    shapes) is not run again: repeated blocks are costed once, and a layer costed by an
+    earlier call in the same precision (``_COSTED``: the chain trimmed of its loss-free
+    outputs, another pipe over the same blocks) is not either.
     """
     _register_sdpa_flops()
     flat_inputs = _check_inputs(lg, flat_inputs)
@@ -193,14 +202,21 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
 
     counter = FlopCounterMode(display=False)
     flops: dict[int, tuple] = {}   # layer -> (fwd flops, bwd flops, saved bytes, profile)
-    seen: dict[tuple, tuple] = {}  # layer key -> (flops, output recipe)
+    seen: dict[tuple, tuple] = {}  # layer key -> (flops, output recipe), this call's
     failed: dict[int, Exception] = {}  # layers that cannot run on fake tensors
+    tensors = [*_tensors(flat_inputs), *lg.params.values(), *_tensors(lg.buffers.values())]
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    context = (on_meta, _autocast_state())
 
     def run(layer: Layer, args: tuple, kwargs: dict):
         attrs = _attr_tensors(layer.gm)
-        key = _layer_key(layer.gm, attrs, args, kwargs)
-        if key in seen:
-            flops[layer.index], recipe = seen[key]
+        key, lasting = _layer_key(layer.gm, attrs, args, kwargs)
+        if key is not None:   # the attributes as the devices hold them (param_dtype)
+            key = (key, context, tuple(lg.device_dtype(t) for t in attrs.values()))
+        if key in _COSTED:
+            _COSTED.move_to_end(key)
+        if key in seen or key in _COSTED:
+            flops[layer.index], recipe = seen.get(key) or _COSTED[key]
             return _rebuild(recipe, args, kwargs)
         try:
             attrs = {name: fake(t) for name, t in attrs.items()}
@@ -210,10 +226,12 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
             return _outputs_as_captured(layer)
         if key is not None:
             seen[key] = flops[layer.index], _recipe(out, args, kwargs)
+            if lasting:
+                _COSTED[key] = seen[key]
+                while len(_COSTED) > COSTED_SIZE:
+                    _COSTED.popitem(last=False)
         return out
 
-    tensors = [*_tensors(flat_inputs), *lg.params.values(), *_tensors(lg.buffers.values())]
-    on_meta = any(t.device.type == "meta" for t in tensors)
     inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
     loss_bytes = None
     if loss is not None:
@@ -457,10 +475,14 @@ def _fake_loss(lg: LayerGraph, env: dict[str, Any], loss_fn: Callable[[Any, Any]
 # inputs and attributes have the same metadata and aliasing (the repeated blocks). It is
 # not run again: its outputs are rebuilt from a recipe of the earlier one's.
 
-def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict):
-    """A hashable description of a layer call, or ``None``."""
+def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
+               kwargs: dict) -> tuple[tuple | None, bool]:
+    """A hashable description of a layer call (or ``None``), and whether it holds for
+    later calls too (``False``: it names an unhashable object by ``id``, which a later
+    object may reuse)."""
     storages: dict[int, int] = {}
     index: dict[fx.Node, int] = {}
+    lasting = True
 
     def value(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -478,6 +500,8 @@ def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, 
         try:
             hash(a)
         except TypeError:
+            nonlocal lasting
+            lasting = False
             return ("id", id(a))  # the very same object in both layers, or no match
         return (type(a), a)
 
@@ -485,7 +509,7 @@ def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, 
     for n in gm.graph.nodes:
         index[n] = len(index)
         if n.op == "call_module" or (n.op == "get_attr" and n.target not in attrs):
-            return None  # a submodule (e.g. a higher-order op's body): not compared
+            return None, False  # a submodule (e.g. a higher-order op's body): not compared
         if n.op == "get_attr":
             target = value(attrs[n.target])
         else:
@@ -495,8 +519,14 @@ def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, 
     try:
         hash(key)
     except TypeError:  # a symbolic size (a data-dependent shape): not compared
-        return None
-    return key
+        return None, False
+    return key, lasting
+
+
+def _autocast_state() -> tuple:
+    """The autocast settings a layer's fake run sees (they change its dtypes)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(d))
 
 
 def _recipe(out: Any, args: tuple, kwargs: dict) -> tuple:

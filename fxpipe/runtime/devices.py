@@ -821,8 +821,8 @@ class VirtualDevice(Device):
     ...     w = d.to_device(torch.zeros(8), kind="params", owner="stage 0")
     ...     d.submit("compute", torch.add, w, 1, label="F s0 m0").result().sum()
     tensor(8.)
-    >>> d = VirtualDevice(semantics="cuda")
-    >>> x = d.to_device(torch.ones(2), kind="activations", owner="stage 0")
+    >>> d = VirtualDevice(semantics="cuda")   # device ops inside its work, as on a GPU
+    >>> x = d.submit("h2d", d.to_device, torch.ones(2), "activations", "stage 0").result()
     >>> seen = []
     >>> def offload():
     ...     host = d.to_host(x)
@@ -996,6 +996,17 @@ class VirtualDevice(Device):
 
         queued.append(run)
 
+    def _device_op(self, op: str, owner: str) -> None:
+        """A strict GPU-semantics device refuses a device op outside its work: on CUDA
+        only ``submit`` makes this device and its stream current (issue threads move
+        between devices), so the op would run on another GPU's or the default stream."""
+        if self.strict and self.semantics == "cuda" and _work.token is not self._token:
+            raise RuntimeError(
+                f"{self.name}: {op}() for {owner} outside this device's work: on a GPU only "
+                "submit() makes the device and its stream current, so it would run on the "
+                "calling thread's current device and stream. Call it inside "
+                "submit(stream, fn) (fxpipe's rule: every device op inside submit)")
+
     def _queued(self) -> list[Callable[[], Any]] | None:
         """Where a copy made now is queued (``semantics="cuda"``, inside this device's
         work), or None: done at once."""
@@ -1009,6 +1020,7 @@ class VirtualDevice(Device):
         if host_tensor.device.type != "cpu":
             raise ValueError(f"{self.name}: to_device() for {owner} takes a host (cpu) tensor, "
                              f"got one on {host_tensor.device}")
+        self._device_op("to_device", owner)
         nbytes = host_tensor.numel() * host_tensor.element_size()
         source = host_tensor.detach()
         self._host_stall(source)
@@ -1076,6 +1088,7 @@ class VirtualDevice(Device):
         (emulated, ``pinned.host_pool``) if ``pin``, as a GPU's is (else a host stall), and
         inside this device's work filled when the stream reaches the copy (NaN until
         then)."""
+        self._device_op("to_host", "a download")
         with host_allocations():   # host memory, not the device's
             if pin and self.semantics == "cuda":
                 out = pinned.host_pool(emulate=True).empty(dev_tensor.shape, dev_tensor.dtype)
@@ -1088,6 +1101,7 @@ class VirtualDevice(Device):
         """Copy into existing host memory ``out``; with ``semantics="cuda"`` inside this
         device's work it lands when the stream reaches it (NaN until then); a host stall
         unless ``out`` is page-locked."""
+        self._device_op("copy_to_host", "a download")
         self._host_stall(out)
         return self._copy_into(dev_tensor.detach(), out)
 
@@ -1254,7 +1268,7 @@ class CudaDevice(Device):
         wait = _check_submit(self, stream, wait)
         s = self.streams[stream]
         label = label if label is not None else getattr(fn, "__name__", "work")
-        event = Event(label, torch.cuda.Event(enable_timing=self._recording))
+        event = Event(label, _host_waitable(enable_timing=self._recording))
         result, exc = None, None
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             for e in wait:
@@ -1313,15 +1327,22 @@ class CudaDevice(Device):
                   use: Sequence[str] = ("compute",)) -> torch.Tensor:
         """Copy on the current stream (non-blocking from pinned memory), counted as
         ``kind``; ``record_stream``-ed on the streams in ``use`` (only those). A source on
-        a GPU (a caller's CUDA input, :meth:`after_caller` ordered this device's streams
-        after its writes) is copied device to device, and marked as read by this stream
-        when it is on this GPU (its memory is not reused before the copy)."""
+        this GPU (a caller's CUDA input, :meth:`after_caller` ordered this device's streams
+        after its writes) is copied device to device and marked as read by this stream
+        (its memory is not reused before the copy). A source on another GPU is refused:
+        that copy would run on the source's current stream, fenced both ways against
+        this one (the pipeline stages such inputs through the host)."""
+        if host_tensor.device.type != "cpu" and host_tensor.device != self.device:
+            raise ValueError(
+                f"{self.name}: to_device() for {owner} takes a host tensor or one on "
+                f"{self.device}, got one on {host_tensor.device}: copy it to the host first "
+                "(a call's inputs on another GPU are, through its staging)")
         stalls = self._host_stall(host_tensor)
 
         def copy() -> torch.Tensor:
             out = torch.empty(host_tensor.shape, dtype=host_tensor.dtype, device=self.device)
             current = torch.cuda.current_stream(self.device)
-            if host_tensor.device == self.device:
+            if host_tensor.is_cuda:
                 host_tensor.record_stream(current)
             out.copy_(host_tensor.detach(),
                       non_blocking=host_tensor.device.type != "cpu" or not stalls)
@@ -1373,7 +1394,7 @@ class CudaDevice(Device):
         if kind == "params":
             events = []
             for name in uses:
-                event = Event(f"free on {name}", torch.cuda.Event())
+                event = Event(f"free on {name}", _host_waitable())
                 event._cuda_event.record(self.streams[name])
                 event._finish()
                 events.append(event)
@@ -1393,13 +1414,24 @@ class CudaDevice(Device):
         return torch.cuda.max_memory_reserved(self.device)
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        """Wait for what this device's streams queued (sleeping, not spinning)."""
+        for s in self.streams.values():
+            event = _host_waitable()
+            event.record(s)
+            event.synchronize()
 
     def close(self) -> None:
         """Wait for queued kernels; later submits raise. Idempotent."""
         if not self._closed:
             self._closed = True
             self.synchronize()
+
+
+def _host_waitable(enable_timing: bool = False) -> Any:
+    """A CUDA event the host may wait on: ``blocking`` (``cudaEventBlockingSync``), so
+    the waiting thread sleeps; a default event's ``synchronize`` spins a core, and G issue
+    threads spinning starve the one issuing."""
+    return torch.cuda.Event(enable_timing=enable_timing, blocking=True)
 
 
 def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch.device | Device

@@ -9,11 +9,13 @@
 When the pipe pins host memory (``staging``, a ``pinned.Staging``), each call copies the
 tensors it uploads from the caller (inputs, labels, output gradients) once into a
 page-locked block, so the devices' uploads of them are asynchronous. A CUDA tensor of the
-caller's goes straight to the devices when every device is a GPU: cast (``param_dtype``)
-on the caller's stream, then each device's streams wait for an event recorded there and
-its upload is a device-to-device copy, no host round trip (``CudaDevice.after_caller``);
-the call holds the tensors until its copies are done. With virtual devices it is copied
-to the host as the others (synchronously, on its device's current stream).
+caller's goes straight to the devices when every device is a stream set of the GPU it is
+on: cast (``param_dtype``) on the caller's stream, then each device's streams wait for an
+event recorded there and its upload is a device-to-device copy, no host round trip
+(``CudaDevice.after_caller``); the call holds the tensors until its copies are done.
+Otherwise (virtual devices, or devices on other GPUs: a copy between GPUs would run on
+the caller's stream, fenced both ways against the device's) it is copied to the host as
+the others (synchronously, on its device's current stream).
 """
 
 from __future__ import annotations
@@ -106,14 +108,16 @@ class Runner:
         def cast(t: torch.Tensor) -> torch.dtype | None:
             return dtype if dtype is not None and t.is_floating_point() else None
 
-        direct = all(isinstance(d, CudaDevice) for d in self.devices)   # CUDA inputs as they are
+        gpus = {t.device for ts in per_mb for t in ts if isinstance(t, torch.Tensor) and t.is_cuda}
+        direct = bool(gpus) and all(isinstance(d, CudaDevice) and {d.device} == gpus
+                                    for d in self.devices)   # CUDA inputs as they are
         if self.staging is None or direct:
             per_mb = [[t.to(cast(t)) if cast(t) is not None and (self.staging is None or t.is_cuda)
                        else t for t in ts] for ts in per_mb]
             if direct:
                 self._after_caller(per_mb)
         if self.staging is None:
-            return per_mb
+            return per_mb if direct or not gpus else [[t.cpu() for t in ts] for ts in per_mb]
         unique: dict[int, torch.Tensor] = {}
         for ts in per_mb:
             for t in ts:
