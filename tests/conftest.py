@@ -48,15 +48,9 @@ ON_CUDA_SIM = {"test_runtime.py", "test_compile.py", "test_microbatch.py",
 
 
 @pytest.fixture(autouse=True)
-def _runtime_tests_on_cuda_semantics(request):
-    if TEST_DEVICE is not None or request.path.name not in ON_CUDA_SIM:
-        yield
-        return
-    devices.default_semantics = "cuda"
-    try:
-        yield
-    finally:
-        devices.default_semantics = "sync"
+def _runtime_tests_on_cuda_semantics(request, monkeypatch):
+    if TEST_DEVICE is None and request.path.name in ON_CUDA_SIM:
+        monkeypatch.setattr(devices, "default_semantics", "cuda")
 
 
 @pytest.fixture(autouse=True)

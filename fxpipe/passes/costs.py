@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -155,7 +156,22 @@ class Cost:
 # across calls, least recently used first: a chain costed again (trimmed of its
 # loss-free outputs, another pipe over the same blocks) runs only its new layers
 _COSTED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_COSTED_LOCK = threading.Lock()   # pipes may be compiled on several threads
 COSTED_SIZE = 1024
+
+
+def _costed(key: tuple | None, value: tuple | None = None) -> tuple | None:
+    """``_COSTED[key]`` (now the most recently used), or None; with ``value``, store it."""
+    if key is None:
+        return None
+    with _COSTED_LOCK:
+        if value is not None:
+            _COSTED[key] = value
+            while len(_COSTED) > COSTED_SIZE:
+                _COSTED.popitem(last=False)
+        elif key in _COSTED:
+            _COSTED.move_to_end(key)
+        return _COSTED.get(key)
 
 _PROFILE = ("out_bytes", "carried_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes",
             "bwd_peak_bytes", "loss_bytes")
@@ -213,10 +229,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         key, lasting = _layer_key(layer.gm, attrs, args, kwargs)
         if key is not None:   # the attributes as the devices hold them (param_dtype)
             key = (key, context, tuple(lg.device_dtype(t) for t in attrs.values()))
-        if key in _COSTED:
-            _COSTED.move_to_end(key)
-        if key in seen or key in _COSTED:
-            flops[layer.index], recipe = seen.get(key) or _COSTED[key]
+        hit = seen.get(key) or _costed(key)
+        if hit is not None:
+            flops[layer.index], recipe = hit
             return _rebuild(recipe, args, kwargs)
         try:
             attrs = {name: fake(t) for name, t in attrs.items()}
@@ -227,9 +242,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         if key is not None:
             seen[key] = flops[layer.index], _recipe(out, args, kwargs)
             if lasting:
-                _COSTED[key] = seen[key]
-                while len(_COSTED) > COSTED_SIZE:
-                    _COSTED.popitem(last=False)
+                _costed(key, seen[key])
         return out
 
     inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]

@@ -115,7 +115,7 @@ class Runner:
             per_mb = [[t.to(cast(t)) if cast(t) is not None and (self.staging is None or t.is_cuda)
                        else t for t in ts] for ts in per_mb]
             if direct:
-                self._after_caller(per_mb)
+                self._after_caller(*gpus)
         if self.staging is None:
             return per_mb if direct or not gpus else [[t.cpu() for t in ts] for ts in per_mb]
         unique: dict[int, torch.Tensor] = {}
@@ -128,14 +128,12 @@ class Runner:
                                                      [cast(t) for t in unique.values()])))
         return [[staged.get(id(t), t) for t in ts] for ts in per_mb]
 
-    def _after_caller(self, per_mb: list[list[torch.Tensor]]) -> None:
-        """The devices' streams wait for the caller's work on its CUDA tensors in
-        ``per_mb`` (an event per GPU they are on, recorded on its current stream)."""
-        gpus = {t.device for ts in per_mb for t in ts if isinstance(t, torch.Tensor) and t.is_cuda}
-        for gpu in gpus:
-            event = torch.cuda.current_stream(gpu).record_event()
-            for d in self.devices:
-                d.after_caller(event)
+    def _after_caller(self, gpu: torch.device) -> None:
+        """The devices' streams wait for the caller's work on its CUDA inputs, on ``gpu``
+        (an event recorded on its current stream)."""
+        event = torch.cuda.current_stream(gpu).record_event()
+        for d in self.devices:
+            d.after_caller(event)
 
     def pinned_bytes(self) -> int:
         """Page-locked bytes reserved for this pipe: its host buffers and staging."""
