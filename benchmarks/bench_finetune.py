@@ -6,7 +6,7 @@
     python benchmarks/bench_finetune.py --json       # the last line printed is the JSON
     python benchmarks/bench_finetune.py --stage-backends eager,inductor   # each run per backend
 
-Measured (``fxpipe.check_finetune``, also the kit's ``finetune`` section): LoRA r=16 on
+Measured (``fxpipe.check.finetune``, also the kit's ``finetune`` section): LoRA r=16 on
 the Llama-3.1-8B shape and a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
 step, bf16 device copies, against eager ``transformers`` with gradient checkpointing on
 the same GPU (``vs_eager``); tokens/s, model and hardware TFLOP/s, MFU, peaks.
@@ -35,8 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpipe import check_finetune as ft  # noqa: E402
-from fxpipe.check_common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
+from fxpipe.check import finetune as ft  # noqa: E402
+from fxpipe.check.common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
 GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"

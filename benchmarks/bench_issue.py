@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
 from bench_memory import CausalLM  # noqa: E402
-from fxpipe.runtime.devices import InlineDevice  # noqa: E402
+from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
 
 GiB = 2**30
 PEAK = {"h100": 989e12, "rtx4090": 165e12}   # bf16 dense FLOP/s

@@ -43,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fxpipe.passes.planner import ChainCosts, min_bottleneck, plan_chains, roundpipe_greedy  # noqa: E402
+from fxpipe.passes.chain_costs import ChainCosts  # noqa: E402
+from fxpipe.passes.planner import min_bottleneck, plan_chains, roundpipe_greedy  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_planner.json"
 METHODS = ["fxpipe", "uniform", "block", "params", "roundpipe"]

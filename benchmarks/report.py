@@ -114,6 +114,12 @@ def _schedule(d: dict) -> list[str]:
                   "makespan with transfers / without", "prefetch hidden in steady state"], rows)
 
 
+def _numa(d: dict) -> list[str]:
+    rows = [[r["case"], num(r["step_ms"], 1), num(r["exposed_transfer_ms"], 1),
+             f"{r['vs_one_socket']:.3f}"] for r in d["rows"]]
+    return table(["host (simulated)", "step (ms)", "exposed transfers (ms)", "step / one socket"], rows)
+
+
 def _optimizer_sim(d: dict) -> list[str]:
     s = d["sim"]
     out = []
@@ -495,6 +501,12 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "dispatch orders with its simulator as objective, exact (non-stale) semantics, and "
      "compares with RoundPipe's published synchronous schedule. The last column simulates "
      "the same schedule with transfers on (RTX 4090, PCIe 4.0 ×16).", _schedule),
+    ("Two sockets (NUMA), simulated", "bench_numa.json", "rows",
+     "A Llama-3.1-8B-shaped step (32 blocks of 436 MB in bf16, 8 microbatches of 4,096 tokens, "
+     "8 GPUs, 50 GB/s links) in `fxpipe.simulate` on a dual-socket host: fxpipe's host memory "
+     "on one node today (the far socket's GPUs share the socket link), against each stage's "
+     "memory on its GPUs' node, which the runtime does not do yet. Simulated, not measured.",
+     _numa),
     ("Host optimizer in the simulator", "bench_optimizer.json", "sim",
      "RoundPipe's five configurations with a host AdamW step, relative throughput "
      "(RoundPipe-sync = 1): the step after the backward, fxpipe's streamed exact step, and "

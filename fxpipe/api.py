@@ -1,4 +1,10 @@
-"""``fxpipe.compile``: run the passes in order and build the ``PipelineModule``."""
+"""``fxpipe.compile``: run the passes in order and build the ``PipelineModule``.
+
+``compile`` checks its arguments and resolves the devices; ``PipelineModule`` captures
+the model (a new capture when no compiled graph serves a call: ``fxpipe.graph_cache``),
+plans it and calls its ``Runner`` (``fxpipe.runtime.pipeline``). What a pipe shows is
+``fxpipe.inspecting``'s, its checkpoints ``fxpipe.checkpointing``'s.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,8 @@ import contextlib
 import dataclasses
 import functools
 import os
-import sys
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -21,32 +26,31 @@ from fxpipe.config import RunConfig
 from fxpipe.inspecting import Inspecting
 from fxpipe.optim import Overlapped, as_overlapped
 from fxpipe.optim_step import watch_fused_steps
+from fxpipe.graph_cache import (CompiledGraph, dynamic_dims, find, first_microbatch, plan_key,
+                                run_type_of)
 from fxpipe.passes import gc_paused
 from fxpipe.passes.costs import compute_costs
-from fxpipe.passes.executable import build_executable
-from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.loss import loss_reads_dropped
-from fxpipe.passes.partition import build_layer_graph, find_block_lists, without_loss_free_outputs
-from fxpipe.passes.program import CallSpec
+from fxpipe.passes.partition import build_layer_graph, find_block_lists
 from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime import amp, pinned
+from fxpipe.runtime import pinned
 from fxpipe.runtime.autograd import train_call
-from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice, resolve_devices
+from fxpipe.runtime.cuda import CudaDevice
+from fxpipe.runtime.device import Device
 from fxpipe.runtime.distributed import DataParallel
-from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
-                                   static_dim_problem)
+from fxpipe.runtime.emulator import VirtualDevice
 from fxpipe.runtime.microbatch import (PackedData, batch_rows, check_label_rows, split_input,
                                        split_label)
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
-from fxpipe.runtime.timer import LayerTimer
+from fxpipe.runtime.resolve import resolve_devices
 from fxpipe.runtime.trace import ActionLog
 from fxpipe.runtime.weights import load as load_weights
-from fxpipe.verbose import is_verbose, warn
+from fxpipe.verbose import warn
 
 
 def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.compile
@@ -225,66 +229,6 @@ def _bad_example(x: Any):
                     f"{type(x).__name__}; write example_inputs=(x,)")
 
 
-@dataclass
-class _Compiled:
-    """Everything compiled for one (training mode, input signature): the layer chain, its
-    auto (or the user's) plan, and every Executable built for it, cached by the kind of
-    call (``executable``)."""
-
-    layers: LayerGraph
-    planner: Callable[[LayerGraph], ExecutePlan]   # the user's plan, or ExecutePlan.auto's
-    device_names: list[str]
-    runners: dict[tuple, Runner] = field(default_factory=dict)  # by plan_key of the plan
-    executables: dict[tuple, Executable] = field(default_factory=dict)
-    timer: LayerTimer = field(default_factory=LayerTimer)     # measured per-layer times
-    # the chain whose outputs no loss reads are left out (passes.loss), and the one it
-    # was made from (itself where nothing can be left out)
-    base: _Compiled | None = None
-    _trimmed: _Compiled | None = None
-    _plan: ExecutePlan | None = None
-    kept_outputs: bool = False   # a fused call's loss_fn read outputs the trimmed chain drops
-
-    @property
-    def plan(self) -> ExecutePlan:
-        """The plan (planned at first use: a chain whose fused calls run trimmed is
-        planned with its full outputs only when a call needs them)."""
-        if self._plan is None:
-            self._plan = self.planner(self.layers)
-        return self._plan
-
-    def trimmed(self, model: nn.Module) -> _Compiled:
-        """The chain without the outputs no loss reads (``without_loss_free_outputs``),
-        costed and planned on its own; this one where there are none."""
-        if self._trimmed is None:
-            lg = without_loss_free_outputs(self.layers, model)
-            if lg is self.layers:
-                self._trimmed = self
-            else:
-                with gc_paused():
-                    compute_costs(lg, [x for x in lg.example_leaves if isinstance(x, torch.Tensor)])
-                self._trimmed = _Compiled(layers=lg, planner=self.planner,
-                                          device_names=self.device_names, timer=self.timer,
-                                          base=self)
-        return self._trimmed
-
-    def fused(self, model: nn.Module) -> _Compiled:
-        """The chain a fused call that does not return its outputs runs: the trimmed one,
-        unless a call's ``loss_fn`` read what it drops (``kept_outputs``)."""
-        return self.base if self.base.kept_outputs else self.base.trimmed(model)
-
-    def executable(self, plan: ExecutePlan, spec: CallSpec) -> Executable:
-        """The Executable a call of ``spec`` runs under ``plan``: lowered and scheduled
-        once per (plan, ``CallSpec``), then cached. The call and ``pipe.program()`` both
-        come here."""
-        key = (plan_key(plan), spec)
-        if key not in self.executables:
-            self.executables[key] = build_executable(self.layers, plan, spec, self.device_names)
-        return self.executables[key]
-
-    def differentiable(self, inputs: Collection[str]) -> frozenset[str]:
-        return grad_values(self.layers, inputs)
-
-
 class PipelineModule(Inspecting, Checkpointing, nn.Module):
     """A model compiled into stages. Call it like the model; see ``fxpipe.compile``.
 
@@ -315,7 +259,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._capture = capture
         self._layers_path = layers
         self._user_plan = plan
-        self._cache: list[_Compiled] = []
+        self._cache: list[CompiledGraph] = []
         self._varying: dict[int, set[int]] = {}  # tensor input -> dims seen with other sizes
         self._closed = False
         self._log = ActionLog()
@@ -329,38 +273,24 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
                 dp.shard_masters(self._current.layers.params, param_dtype, self._host_params())
 
     # -- compilation -------------------------------------------------------------------
-    def _compiled_for(self, args: tuple, kwargs: dict) -> _Compiled:
-        """The compiled graph serving this call: one of the same training mode whose
-        static dims (export specializes some) and non-tensor inputs fit the call, else a
-        new capture (at most ``MAX_CONSTANT_VARIANTS`` sets of non-tensor values)."""
-        args, kwargs = _first_microbatch(args, kwargs)
-        leaves = pytree.tree_leaves((args, kwargs))
-        # a structurally different call is an error, not a new capture (every cached
-        # graph has the example's structure, so checking against one suffices)
-        tensors = check_structure(self._cache[0].layers, args, kwargs, constants=False) \
-            if self._cache else [x for x in leaves if isinstance(x, torch.Tensor)]
-        reasons = []
-        for compiled in self._cache:
-            reason = _mismatch(compiled.layers, self.module.training, tensors, leaves)
-            if reason is None:
-                return compiled
-            reasons.append(reason)
-        if reasons:
-            _check_constant_variants([c.layers for c in self._cache], leaves)
-        if reasons and is_verbose():
-            others = (f" (nor does any of the {len(reasons) - 1} other graphs)"
-                      if len(reasons) > 1 else "")
-            print(f"fxpipe: capturing the model again ({len(self._cache) + 1} graphs cached "
-                  f"after this): {reasons[0]}{others}", file=sys.stderr)
+    def _compiled_for(self, args: tuple, kwargs: dict) -> CompiledGraph:
+        """The compiled graph serving this call (``graph_cache.find``), else a new capture."""
+        args, kwargs = first_microbatch(args, kwargs)
+        compiled, tensors = find(self._cache, self.module.training, args, kwargs)
+        if compiled is not None:
+            return compiled
+        # every dim a custom split_input may split is symbolic (None)
+        dynamic = None if self.config.split_input is not None else \
+            dynamic_dims(self._cache, self._varying, tensors)
         with gc_paused():
             lg = build_layer_graph(self.module, args, kwargs, capture=self._capture,
-                                   layers=self._layers_path,
-                                   dynamic=self._dynamic_dims(tensors),
+                                   layers=self._layers_path, dynamic=dynamic,
                                    param_dtype=self.param_dtype,
                                    device_memory=min((d.memory_limit for d in self.devices
                                                       if d.memory_limit is not None), default=None))
-            compute_costs(lg, [x for x in leaves if isinstance(x, torch.Tensor)])
-        compiled = _Compiled(layers=lg, planner=self._plan_for, device_names=[d.name for d in self.devices])
+            compute_costs(lg, [x for x in pytree.tree_leaves((args, kwargs))
+                               if isinstance(x, torch.Tensor)])
+        compiled = CompiledGraph(layers=lg, planner=self._plan_for, device_names=[d.name for d in self.devices])
         compiled.base = compiled
         # planned now, so a plan that cannot be (or the user's, if bad) fails before
         # anything runs: the chain forward_backward runs unless asked for the logits
@@ -375,11 +305,11 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             plan = self._user_plan or ExecutePlan.auto(
                 "fused", _Planned(lg, self.devices, cfg), num_microbatch=cfg.num_microbatch,
                 recompute_grain=cfg.recompute_grain)
-        plan.validate(len(lg), _run_type_of(plan, len(lg)))
+        plan.validate(len(lg), run_type_of(plan, len(lg)))
         return plan
 
-    def _for_loss(self, compiled: _Compiled, loss_fn: Callable, label: Any,
-                  return_outputs: bool) -> _Compiled:
+    def _for_loss(self, compiled: CompiledGraph, loss_fn: Callable, label: Any,
+                  return_outputs: bool) -> CompiledGraph:
         """The chain a fused call runs: without the outputs no loss reads (the logits
         beside a Hugging Face model's own loss, ``fxpipe.passes.loss``) unless the call
         returns its outputs or ``loss_fn`` reads them (``loss_reads_dropped``)."""
@@ -390,22 +320,6 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             base.kept_outputs = True
             return base
         return base.trimmed(self.module)
-
-    def _dynamic_dims(self, tensors: Sequence[torch.Tensor]) -> list[set[int]] | None:
-        """The dims of each tensor input a new capture keeps symbolic: the batch dim
-        (microbatches split it), and every dim seen with another size than a cached
-        graph's (so a second capture serves every size there, as dynamo's automatic
-        dynamic shapes do). Specializing the rest makes export much faster. ``None``
-        (every dim) under a custom ``split_input``, which may split any dim."""
-        if self.config.split_input is not None:
-            return None
-        for compiled in self._cache:
-            examples = [x for x in compiled.layers.example_leaves if isinstance(x, torch.Tensor)]
-            for i, (t, ex) in enumerate(zip(tensors, examples)):
-                self._varying.setdefault(i, set()).update(
-                    d for d in range(t.dim()) if t.shape[d] != ex.shape[d])
-        return [({0} if t.dim() else set()) | self._varying.get(i, set())
-                for i, t in enumerate(tensors)]
 
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
@@ -626,10 +540,10 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
                  "per pipe)")
         return dataclasses.replace(cfg, num_microbatch=rows)
 
-    def _runner(self, compiled: _Compiled, cfg: RunConfig) -> Runner:
+    def _runner(self, compiled: CompiledGraph, cfg: RunConfig) -> Runner:
         plan = cfg.execute_plan or compiled.plan
         if plan is not compiled.plan:
-            plan.validate(len(compiled.layers), _run_type_of(plan, len(compiled.layers)))
+            plan.validate(len(compiled.layers), run_type_of(plan, len(compiled.layers)))
         key = plan_key(plan)  # equal plans share one runner (a new ExecutePlan per call is fine)
         if key not in compiled.runners:
             compiled.runners[key] = Runner(
@@ -651,7 +565,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: Any = False, grain: str | None = None,
                     return_outputs: bool = False, sync_gradients: bool = True,
-                    input_grads: Sequence[str] = (), compiled: _Compiled | None = None
+                    input_grads: Sequence[str] = (), compiled: CompiledGraph | None = None
                     ) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config: the
         call's own ``CallSpec`` (``Runner.spec``) built from these arguments, for the
@@ -701,7 +615,7 @@ def _microbatch_example(lg: LayerGraph, config: RunConfig, num_microbatch: int,
     return [x for x in leaves if isinstance(x, torch.Tensor)], None if labels is None else labels[0]
 
 
-def _digest(compiled: _Compiled, param_dtype: torch.dtype | None,
+def _digest(compiled: CompiledGraph, param_dtype: torch.dtype | None,
             dp: DataParallel) -> dict[str, Any]:
     """What must be equal on every rank of a data-parallel pipe (``check_same``): the plan
     (its collectives must match), the parameters and buffers (names, shapes, dtypes:
@@ -719,24 +633,6 @@ def _digest(compiled: _Compiled, param_dtype: torch.dtype | None,
         "param_dtype": str(param_dtype),
         "shard_optimizer / broadcast_buffers": (dp.shard, dp.broadcast),
     }
-
-
-def plan_key(plan: ExecutePlan) -> tuple:
-    """What identifies a plan's runner: its ranges."""
-    return tuple(plan.fwd_plan), tuple(plan.bwd_plan)
-
-
-def _run_type_of(plan: ExecutePlan, num_layers: int) -> str:
-    """What ``plan`` can run: ``"infer"`` (no backward stages: inference only),
-    ``"fused"`` (the forward stops before the tail) or ``"train"``."""
-    if not plan.bwd_plan:
-        return "infer"
-    return "fused" if _is_fused(plan, num_layers) else "train"
-
-
-def _is_fused(plan: ExecutePlan, num_layers: int) -> bool:
-    covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
-    return covered < num_layers
 
 
 def _check_differentiable(args: tuple, kwargs: dict, cfg: RunConfig) -> None:
@@ -771,49 +667,3 @@ def _check_optimizer_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -
         "param groups, none of them this model's): its step would change nothing while the "
         "gradients keep accumulating. Build it on the model you compiled, e.g. "
         "torch.optim.AdamW(model.parameters()) (not on a copy of it).")
-
-
-def _first_microbatch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call with each ``PackedData`` argument (per-microbatch values from another
-    pipe) replaced by its first microbatch: what the graph sees."""
-    def first(x: Any) -> Any:
-        return x[0] if isinstance(x, PackedData) and len(x) else x
-    return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}
-
-
-def _mismatch(lg: LayerGraph, training: bool, tensors: Sequence[torch.Tensor],
-              leaves: Sequence[Any]) -> str | None:
-    """Why the graph ``lg`` cannot serve a call with these tensor leaves and pytree
-    ``leaves`` (``None``: it can)."""
-    if lg.training != training:
-        return f"the model is in {'training' if training else 'eval'} mode"
-    if lg.autocast != amp.captured():
-        return (f"the call is under {amp.describe(amp.captured())}, the graph was captured "
-                f"under {amp.describe(lg.autocast)}")
-    changed = changed_constant(lg, leaves)
-    if changed is not None:
-        name, value, captured = changed
-        return f"input {name!r} is {value!r}, the captured graph has the constant {captured!r}"
-    return static_dim_problem(lg, tensors)
-
-
-MAX_CONSTANT_VARIANTS = 8  # sets of non-tensor input values a pipe captures a graph for
-
-
-def _check_constant_variants(cached: Sequence[LayerGraph], leaves: Sequence[Any]) -> None:
-    """Refuse a capture for yet another set of non-tensor input values past the bound."""
-    variants: list[list] = []
-    for lg in cached:
-        if not any(same_constants(lg.example_leaves, v) for v in variants):
-            variants.append(lg.example_leaves)
-    if len(variants) < MAX_CONSTANT_VARIANTS or any(same_constants(leaves, v) for v in variants):
-        return
-    name, value, captured = changed_constant(cached[0], leaves)
-    raise ValueError(
-        f"input {name!r} is {value!r}: the pipeline has captured the model for "
-        f"{MAX_CONSTANT_VARIANTS} sets of values of its non-tensor inputs already (the first "
-        f"had {captured!r}), the most it keeps. Pass {name!r} as a tensor (e.g. "
-        f"torch.tensor({value!r})), so that one graph serves every value, or call it with a "
-        "value already captured.")
-
-

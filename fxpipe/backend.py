@@ -40,7 +40,8 @@ import torch.fx as fx
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import CaptureError
-from fxpipe.runtime.devices import Device, resolve_devices
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.resolve import resolve_devices
 from fxpipe.stage_plan import StagePlan
 
 

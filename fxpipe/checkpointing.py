@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fxpipe.optim import as_overlapped
-from fxpipe.runtime.distributed import reshard
+from fxpipe.runtime.buckets import reshard
 from fxpipe.runtime.shards import save_pretrained
 
 
@@ -55,7 +55,7 @@ class Checkpointing:
         parameters stay views of the host buffers), its fp32 masters and ``optimizer``,
         with the same ``shard_optimizer`` and ``param_dtype``. Sharded optimizer state and
         masters saved by another number of ranks are resharded: each rank reads the
-        pieces of the old ranks that overlap its own (``runtime.distributed.reshard``)."""
+        pieces of the old ranks that overlap its own (``runtime.buckets.reshard``)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)

@@ -356,7 +356,8 @@ class Steps:
             return self.pipe(input_ids, attention_mask, position_ids, cache_position)
 
     def compiled(self):
-        """The (prefill, decode step) graphs (``_Compiled``), in the module's mode."""
+        """The (prefill, decode step) graphs (``graph_cache.CompiledGraph``), in the
+        module's mode."""
         last = {}
         for compiled in self.pipe._cache:
             if compiled.layers.training == self.module.training:

@@ -15,7 +15,7 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import Program
 from fxpipe.passes.stage import Stage
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime.interpret import runnable_code
+from fxpipe.runtime.stage_code import runnable_code
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import trace as _trace
 
@@ -58,7 +58,7 @@ class Inspecting:
         backward stages), each starting with its ``# stage ...`` header line.
         ``grain=None``: the pipe's ``recompute_grain`` (``"stage"`` unless its config
         says otherwise). ``runnable=True``: the code the runtime executes for each
-        (``fxpipe.runtime.interpret.runnable``): the same graph with each transfer node
+        (``fxpipe.runtime.stage_code.runnable``): the same graph with each transfer node
         a plain call serving what the Program's actions moved, layer marks, and for a
         stage with a tail its recompute too, the tail's nodes unfilled.
         ``"generate"``: the prefill's stages, then a decode step's (``pipe.generate``),

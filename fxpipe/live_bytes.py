@@ -2,7 +2,7 @@
 
 The measuring tool under fxpipe's memory figures: the cost pass counts each layer's
 bytes with it (``fxpipe.passes.costs``, on fake tensors) and ``VirtualDevice`` its
-device's (real tensors); ``fxpipe.passes.memory`` composes layer bytes into stage peaks.
+device's (real tensors); ``fxpipe.passes.stage_memory`` composes layer bytes into stage peaks.
 
 Every op dispatched under the mode is looked at after it ran: each output storage that is
 not one of the op's inputs' (a view, an in-place result) and not already counted is a new

@@ -7,7 +7,7 @@ gradients, activations, saved tensors, workspace), over the Program the call run
 ``chain_memory`` is the per-layer memory the planner (``ExecutePlan.auto``) and the
 simulator read. All are importable from ``fxpipe.plan``, the public place.
 
-Not to be confused with: ``fxpipe.passes.memory`` (the model this uses: how a stage's
+Not to be confused with: ``fxpipe.passes.stage_memory`` (the model this uses: how a stage's
 peak follows from per-layer vectors, ``ChainMemory``/``stage_peak``, pure arithmetic) and
 ``fxpipe.live_bytes`` (the dispatch mode that counts the bytes costing measures). This
 module predicts and plans nothing: the planner (``fxpipe.passes.planner``, and
@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.executable import build_executable, stage_ranges
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.memory import (
+from fxpipe.passes.stage_memory import (
     KINDS,
     ChainMemory,
     StagePeak,
@@ -89,7 +89,7 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 @dataclass(frozen=True)
 class MemoryPrediction:
     """What :func:`predict_memory` returns: every stage's predicted peak
-    (``fxpipe.passes.memory.StagePeak``: bytes by kind, device, the layer at the peak),
+    (``fxpipe.passes.stage_memory.StagePeak``: bytes by kind, device, the layer at the peak),
     and per device the stage with the highest (``None``: a device with no stage).
     ``limit``: the smallest device limit, if any."""
 
@@ -144,7 +144,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     forward stops before the tail). Each stage's peak counts, for one microbatch
     (costed on fake tensors shaped like it), its parameters and those of the stage its
     device prefetches meanwhile, its gradients, its activations, the tensors saved for
-    backward and the workspace at its peak (``fxpipe.passes.memory``). ``loss_fn`` and
+    backward and the workspace at its peak (``fxpipe.passes.stage_memory``). ``loss_fn`` and
     ``label`` (the whole batch's): cost the loss the fused tail runs; without them it
     counts as a cross-entropy over the model's output (``LOSS_FACTOR`` x its bytes).
     A fused call of a causal LM whose loss is fused (``fxpipe.passes.loss``) runs without

@@ -15,8 +15,9 @@ ExecutePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
 Memory: ``predict_memory`` (each stage's predicted peak bytes on its device, by kind),
 ``MemoryPrediction`` and ``chain_memory`` are ``fxpipe.memory_prediction``'s, importable
 from here; ``max_sequence_length`` (here) finds the longest sequence for which a plan
-fits. Layers, low to high: ``stage_plan`` (data) < ``memory_prediction`` (estimates) <
-``passes.planner`` (the algorithm) < this module (what users call).
+fits. Layers, low to high: ``stage_plan`` (the ranges, as data) < ``memory_prediction``
+(estimates) < ``passes.planner`` (the algorithm, over ``passes.chain_costs``' cost
+vectors) < this module (what users call).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from fxpipe.errors import PlanError
 from fxpipe.memory_prediction import host_memory as host_bytes
 from fxpipe.memory_prediction import (MemoryPrediction, chain_memory,  # noqa: F401 (public here)
                                       predict_memory, tensor_bytes)
-from fxpipe.passes import planner
+from fxpipe.passes import chain_costs, planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
-from fxpipe.passes.memory import ChainMemory, human_bytes
+from fxpipe.passes.stage_memory import ChainMemory, human_bytes
 from fxpipe.passes.loss import loss_reads_dropped
 from fxpipe.passes.partition import build_layer_graph, without_loss_free_outputs
 from fxpipe.stage_plan import RunType, StagePlan, check_run_type
@@ -79,8 +80,8 @@ class ExecutePlan(StagePlan):
         one pipe, a list for several.
 
         ``host_ms_per_action``: the host time one action costs to issue (default
-        ``planner.HOST_MS_PER_ACTION``, ``benchmarks/bench_issue.py``'s figure): each stage
-        costs it per microbatch and action, and one host issues every device's actions,
+        ``chain_costs.HOST_MS_PER_ACTION``, ``benchmarks/bench_issue.py``'s figure): each
+        stage costs it per microbatch and action, and one host issues every device's actions,
         so layers too small to pay for their issuing share a stage. ``0`` plans as if
         issuing were free.
         """
@@ -106,13 +107,13 @@ class ExecutePlan(StagePlan):
                 if cost is None:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
-        chains = planner.chain_costs(cost_lists, need_backward=run_type != "infer")
+        chains = chain_costs.chain_costs(cost_lists, need_backward=run_type != "infer")
         memory = None if limit is None else [chain_memory(p, M) for p in pipes]
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory=memory, memory_limit=limit,
                                       recompute_grain=recompute_grain,
-                                      host_ms_per_action=planner.HOST_MS_PER_ACTION
+                                      host_ms_per_action=chain_costs.HOST_MS_PER_ACTION
                                       if host_ms_per_action is None else host_ms_per_action)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]
         for plan, costs in zip(plans, cost_lists):

@@ -14,9 +14,13 @@ StagePlan(fwd=[0:3], bwd=[3:4, 2:3, 0:2])
 StagePlan(fwd=[0:1, 1:2, 2:3], bwd=[2:3, 1:2, 0:1])
 
 A leaf: it imports nothing of fxpipe but ``fxpipe.errors``, so the runtime, ``RunConfig``
-and the passes read plans without loading the planner. ``fxpipe.ExecutePlan``
-(``fxpipe.plan``) is a ``StagePlan`` that can also plan itself (``ExecutePlan.auto``);
-``RunType`` (the three kinds of call) is defined here once.
+and the passes read plans without loading the planner. ``RunType`` (the three kinds of
+call) is defined here once.
+
+Not to be confused with: ``fxpipe.plan``, the public module, whose ``fxpipe.ExecutePlan``
+is a ``StagePlan`` that can also plan itself (``ExecutePlan.auto``); and
+``fxpipe.passes.planner``, the planning algorithm over per-layer cost vectors. This
+module plans nothing: it holds and validates the ranges.
 """
 
 from __future__ import annotations

@@ -6,14 +6,13 @@ stream reaches them, unwritten memory reads as NaN, a device op outside the devi
 is refused), so a host read of data still in flight fails here, as it would on a GPU; the
 others on plain virtual devices (copies done when they return), what a CPU user runs.
 ``FXPIPE_TEST_DEVICE=cuda-sim`` runs every test on GPU semantics,
-``FXPIPE_TEST_DEVICE=virtual`` every one on plain devices. ``test_cuda_sim_suite.py``
-runs the HF matrix, fuzz and artifact tests again on GPU semantics.
+``FXPIPE_TEST_DEVICE=virtual`` every one on plain devices. The HF matrix runs on plain
+devices, and a few of its cases again on GPU semantics (``test_hf_matrix.CUDA_SIM``).
 
 The suite runs on two processes (``pytest -n 2 --dist worksteal``, pytest-xdist: CI has 2
-cores; a worker out of tests takes half of the other's). The tests that run whole suites
-again in a subprocess (``test_cuda_sim_suite.py``, ``test_kernel_variants.py``) are the
-longest by far; they are collected first, so they start at once instead of one of them
-running alone at the end.
+cores; a worker out of tests takes half of the other's). The test that runs a suite again
+in a subprocess (``test_kernel_variants.py``) is the longest by far; it is collected
+first, so it starts at once instead of running alone at the end.
 
 A test marked ``bitwise`` asserts bitwise equality between fxpipe and a reference (eager
 PyTorch, or the captured program). Its reference runs on one intra-op thread, as every
@@ -33,24 +32,24 @@ import torch
 # would run as one stage. They are planned as if issuing were free (subprocesses inherit
 # it), so their pipelines keep several stages; the tests of that cost pass it explicitly.
 os.environ.setdefault("FXPIPE_HOST_MS_PER_ACTION", "0")   # before fxpipe is imported
-from fxpipe.runtime import devices  # noqa: E402
+from fxpipe.runtime import emulator  # noqa: E402
 
 TEST_DEVICE = os.environ.get("FXPIPE_TEST_DEVICE")
 if TEST_DEVICE not in (None, "virtual", "cuda-sim"):
     raise ValueError(f"FXPIPE_TEST_DEVICE must be 'virtual' or 'cuda-sim', got {TEST_DEVICE!r}")
 if TEST_DEVICE == "cuda-sim":
-    devices.default_semantics = "cuda"
+    emulator.default_semantics = "cuda"
 # the runtime's tests: on GPU semantics unless FXPIPE_TEST_DEVICE says otherwise
 ON_CUDA_SIM = {"test_runtime.py", "test_compile.py", "test_microbatch.py",
                "test_mixed_precision.py", "test_optim.py", "test_params.py",
                "test_grad_flow.py", "test_recompute.py", "test_reliability.py",
-               "test_backend.py"}
+               "test_backend.py", "test_fuzz.py", "test_artifact.py"}
 
 
 @pytest.fixture(autouse=True)
 def _runtime_tests_on_cuda_semantics(request, monkeypatch):
     if TEST_DEVICE is None and request.path.name in ON_CUDA_SIM:
-        monkeypatch.setattr(devices, "default_semantics", "cuda")
+        monkeypatch.setattr(emulator, "default_semantics", "cuda")
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +65,7 @@ def _one_thread_for_bitwise(request):
         torch.set_num_threads(threads)
 
 
-_SUITES_AGAIN = ("test_cuda_sim_suite.py", "test_kernel_variants.py")   # the longest first
+_SUITES_AGAIN = ("test_kernel_variants.py",)   # the longest first
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""Measured device bytes of one stage job, to calibrate ``fxpipe.passes.memory``'s prediction.
+"""Measured device bytes of one stage job, to calibrate ``fxpipe.passes.stage_memory``'s prediction.
 
 ``measure_stage`` plays one microbatch of a stage job on the CPU as its device would hold
 it, under ``LiveBytes`` (every storage allocated, by kind, until Python frees it): the
@@ -29,7 +29,7 @@ from fxpipe.passes.grad_flow import grad_values
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.live_bytes import LiveBytes
 from fxpipe.passes.costs import _attr_tensors as _attrs
-from fxpipe.passes.memory import KINDS, Residency
+from fxpipe.passes.stage_memory import KINDS, Residency
 
 
 def chain_values(lg: LayerGraph, flat_inputs: Sequence[Any]) -> dict[str, Any]:

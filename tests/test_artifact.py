@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.demo import TinyLlama
-from fxpipe.runtime import compute, executor
+from fxpipe.passes.program import stream_of
+from fxpipe.runtime import compute
 from tests import models
 
 # 6 layers (prefix, 4 blocks, suffix); an asymmetric plan with a fused tail
@@ -85,8 +86,8 @@ def assert_ran_the_program(rec, program) -> None:
     for lane, acts in program.lanes():
         listed = [str(a) for a in acts]
         ran = [s for d, s in rec.actions if d == lane]
-        for stream in {executor.stream_of(a) for a in acts}:
-            of_stream = [str(a) for a in acts if executor.stream_of(a) == stream]
+        for stream in {stream_of(a) for a in acts}:
+            of_stream = [str(a) for a in acts if stream_of(a) == stream]
             assert [s for s in ran if s in of_stream] == of_stream, (lane, stream)
         assert sorted(ran) == sorted(listed)
 

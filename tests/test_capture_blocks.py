@@ -357,13 +357,13 @@ def test_past_the_bound_a_changed_scalar_says_to_pass_a_tensor():
     x, mask = torch.randn(4, 16), torch.ones(4, 16)
     pipe = fxpipe.compile(model, (x,), {"mask": mask, "scale": 0.0}, devices=devices(2))
     with torch.no_grad():
-        for k in range(1, fxpipe.api.MAX_CONSTANT_VARIANTS):
+        for k in range(1, fxpipe.graph_cache.MAX_CONSTANT_VARIANTS):
             pipe(x, mask=mask, scale=float(k))
         pipe(x, mask=mask, scale=0.0)  # a value already captured is fine
         with pytest.raises(ValueError, match=r"input 'scale' is 9.0: .* captured the model for 8 "
                                              r".*Pass 'scale' as a tensor \(e.g. torch.tensor\(9.0\)\)"):
             pipe(x, mask=mask, scale=9.0)
-    assert len(pipe._cache) == fxpipe.api.MAX_CONSTANT_VARIANTS
+    assert len(pipe._cache) == fxpipe.graph_cache.MAX_CONSTANT_VARIANTS
 
 
 def test_export_specializes_sizes_microbatches_do_not_split_then_generalizes_once(capsys):

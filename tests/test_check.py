@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from fxpipe import check
-from fxpipe import check_finetune as ft_kit
+from fxpipe.check import __main__ as check_cli
+from fxpipe.check import finetune as ft_kit
+from fxpipe.check.cuda_tests import run_subprocess
+from fxpipe.check.sections import SECTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -28,9 +30,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and len(report["devices"]) == 2
-    assert set(check.SECTIONS) <= set(report) and "in_progress" not in report
+    assert set(SECTIONS) <= set(report) and "in_progress" not in report
     assert report["failed"] == []
-    for name in check.SECTIONS:
+    for name in SECTIONS:
         assert report[name]["ok"] is True, (name, report[name])
         assert "error" not in report[name] and report[name]["seconds"] >= 0
     assert report["cuda_tests"]["ran"] is False
@@ -50,9 +52,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     # host actions waiting for device work (a fused step without an optimizer)
     backward = len(pvm["plan"].split("bwd=[")[1].split(","))
     assert report["stats"]["host_waits"] == 1 + backward
-    w = report["weights"]   # a frozen base read from its file map, through the pinned ring
+    w = report["weights"]   # a frozen base read from its file map's registered windows
     assert w["ok"] and w["frozen_file_backed"] == w["frozen_params"] > 0
-    assert w["registered"] is False and w["ring_bytes"] > 0 and w["max_loss_diff"] == 0.0
+    assert w["registered"] is True and w["ring_bytes"] == 0 and w["max_loss_diff"] == 0.0
     big = report["bigger_than_device"]
     assert big["weights_over_limit"] >= 2.0
     assert big["peak_reserved_over_limit"] > 0 and big["tokens_per_s"] > 0
@@ -105,8 +107,8 @@ def _stub_sections(monkeypatch, out, **special):
                 return special[name]()
             return {"figure": 1.0}
         return run
-    for name in check.SECTIONS:
-        monkeypatch.setattr(check, name, stub(name))
+    for name in SECTIONS:
+        monkeypatch.setattr(SECTIONS[name], "run", stub(name))
     return seen
 
 
@@ -123,7 +125,7 @@ def test_a_failing_section_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch
     def fail():
         raise ValueError("the scaling section broke")
     seen = _stub_sections(monkeypatch, out, scaling=fail)
-    code = check.main(["--dry-run", "--out", str(out)])
+    code = check_cli.main(["--dry-run", "--out", str(out)])
     assert code == 1
     report = json.loads(out.read_text())
     assert report["failed"] == ["scaling"]
@@ -131,7 +133,7 @@ def test_a_failing_section_is_recorded_and_the_kit_goes_on(tmp_path, monkeypatch
     assert report["scaling"]["ok"] is False and err["type"] == "ValueError"
     assert "the scaling section broke" in err["message"]
     assert any("the scaling section broke" in line for line in err["traceback"])
-    for name in set(check.SECTIONS) - {"scaling"}:
+    for name in set(SECTIONS) - {"scaling"}:
         assert report[name] == {"ok": True, "figure": 1.0, "seconds": report[name]["seconds"]}
     # written after every section: the next section found the failure already on disk
     assert seen["hidden_prefetch"]["in_progress"] == "hidden_prefetch"
@@ -147,13 +149,13 @@ def test_a_section_past_its_share_of_the_budget_is_cut_off(tmp_path, monkeypatch
         time.sleep(60)
         return {}
     _stub_sections(monkeypatch, out, vs_checkpoint=hang)
-    code = check.main(["--dry-run", "--out", str(out), "--budget-s", "2"])
+    code = check_cli.main(["--dry-run", "--out", str(out), "--budget-s", "2"])
     assert code == 1
     report = json.loads(out.read_text())
     assert report["vs_checkpoint"]["error"]["type"] == "SectionTimeout"
     assert report["cuda_tests"]["ok"] is True
-    assert set(check.SECTIONS) <= set(report)
-    assert check._interrupted
+    assert set(SECTIONS) <= set(report)
+    assert check_cli._interrupted
 
 
 def test_a_crash_keeps_the_sections_before_it(tmp_path):
@@ -169,7 +171,7 @@ def test_a_crash_keeps_the_sections_before_it(tmp_path):
 
 def test_a_subprocess_past_its_timeout_is_killed_with_its_output_tail():
     script = "import time; print('started', flush=True); time.sleep(60)"
-    result = check._run_subprocess([sys.executable, "-c", script], timeout=2)
+    result = run_subprocess([sys.executable, "-c", script], timeout=2)
     assert result["timed_out"] is True and result["returncode"] != 0
     assert result["tail"] == ["started"]
 
@@ -184,19 +186,19 @@ def test_check_without_a_gpu_says_what_to_do():
 def test_sections_runs_those_in_that_order(tmp_path, monkeypatch, _threads):
     out = tmp_path / "check.json"
     seen = _stub_sections(monkeypatch, out)
-    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune,scaling"]) == 0
+    assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune,scaling"]) == 0
     report = json.loads(out.read_text())
     assert list(seen) == ["finetune", "scaling"] and report["sections"] == ["finetune", "scaling"]
-    assert not set(check.SECTIONS) - {"finetune", "scaling"} & set(report)
+    assert not set(SECTIONS) - {"finetune", "scaling"} & set(report)
 
 
 @pytest.mark.parametrize("arg, says", [("scaling,nope", "no section named nope"),
                                        ("scaling,scaling", "list each section once"),
                                        (",", "empty")])
 def test_sections_that_do_not_exist_are_refused_with_the_list(arg, says, capsys):
-    assert check.main(["--dry-run", "--sections", arg]) == 2
+    assert check_cli.main(["--dry-run", "--sections", arg]) == 2
     err = capsys.readouterr().err
-    assert says in err and ", ".join(check.SECTIONS) in err
+    assert says in err and ", ".join(SECTIONS) in err
 
 
 def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_path, monkeypatch,
@@ -206,14 +208,14 @@ def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_pat
     def run_all(ctx, *, backends, on_row, say):
         seen["backends"] = backends
         return [{"ok": True, "stage_backend": b} for b in backends]
-    monkeypatch.setattr(check.ft, "run_all", run_all)
+    monkeypatch.setattr(ft_kit, "run_all", run_all)
     out = tmp_path / "check.json"
-    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune",
+    assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
                        "--stage-backends", "eager,inductor"]) == 0
     assert seen["backends"] == (None, "inductor")
     runs = json.loads(out.read_text())["finetune"]["runs"]
     assert [r["stage_backend"] for r in runs] == [None, "inductor"]
-    assert check.main(["--dry-run", "--sections", "finetune", "--stage-backends", "tvm"]) == 2
+    assert check_cli.main(["--dry-run", "--sections", "finetune", "--stage-backends", "tvm"]) == 2
     assert "each must be one of eager, inductor, auto" in capsys.readouterr().err
 
 
@@ -227,8 +229,8 @@ def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _t
         kit.progress({"runs": [{"mode": "lora", "ok": True}]})
         on_disk.update(json.loads(out.read_text()))
         return {"runs": [{"mode": "lora", "ok": True}, {"mode": "full", "ok": True}]}
-    monkeypatch.setattr(check, "finetune", finetune)
-    assert check.main(["--dry-run", "--out", str(out), "--sections", "finetune"]) == 0
+    monkeypatch.setattr(SECTIONS["finetune"], "run", finetune)
+    assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune"]) == 0
     assert on_disk["finetune"] == {"ok": False, "partial": True,
                                    "runs": [{"mode": "lora", "ok": True}]}
     assert on_disk["in_progress"] == "finetune"

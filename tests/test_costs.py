@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.passes import cost_cache
 from fxpipe.passes import costs as costs_mod
 from fxpipe.passes.costs import Cost, compute_costs, measure_times, total_param_bytes
 from fxpipe.passes.layer_graph import Layer, LayerGraph
@@ -443,10 +444,10 @@ def test_repeated_blocks_are_costed_once(monkeypatch):
     ids = torch.randint(0, 64, (2, 16))
     lg = build_layer_graph(model, (ids,))
     runs = count_layer_runs(monkeypatch)
-    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
+    monkeypatch.setattr(cost_cache, "_COSTED", collections.OrderedDict())
     cached = compute_costs(lg, [ids])
     assert len(runs) < len(lg) - 3  # the blocks after the first two reuse a result
-    monkeypatch.setattr(costs_mod, "_layer_key", lambda *a: (None, False))
+    monkeypatch.setattr(cost_cache, "layer_key", lambda *a: (None, False))
     runs.clear()
     assert compute_costs(lg, [ids]) == cached
     assert len(runs) == len(lg)
@@ -456,7 +457,7 @@ def test_a_layer_costed_before_in_the_same_precision_is_not_run_again(monkeypatc
     """Across calls (the chain trimmed of its logits, another pipe over the same blocks):
     the same layer, inputs and device dtypes reuse the costs; another precision or
     another shape runs again, and gets its own."""
-    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
+    monkeypatch.setattr(cost_cache, "_COSTED", collections.OrderedDict())
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
     lg = build_layer_graph(models.GPT(vocab=64, dim=32, heads=4, depth=3, seq=16), (ids,))
@@ -472,11 +473,11 @@ def test_a_layer_costed_before_in_the_same_precision_is_not_run_again(monkeypatc
     ran = len(runs)
     longer = torch.randint(0, 64, (2, 8))
     assert compute_costs(again, [longer], store=False) != first and len(runs) > ran
-    monkeypatch.setattr(costs_mod, "COSTED_SIZE", 0)   # none kept
-    monkeypatch.setattr(costs_mod, "_COSTED", collections.OrderedDict())
+    monkeypatch.setattr(cost_cache, "COSTED_SIZE", 0)   # none kept
+    monkeypatch.setattr(cost_cache, "_COSTED", collections.OrderedDict())
     ran = len(runs)
     compute_costs(again, [ids], store=False)
-    assert len(runs) > ran and not costs_mod._COSTED
+    assert len(runs) > ran and not cost_cache._COSTED
 
 
 def test_repeated_layers_keep_aliasing(monkeypatch):

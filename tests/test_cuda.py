@@ -1,12 +1,13 @@
 """On real GPUs: the same runtime, CudaDevice streams and events, pinned host memory.
 
 Skipped without CUDA; the multi-GPU cases skip on a machine with one GPU. ``python -m
-fxpipe.check`` runs these first, then measures (see ``fxpipe/check.py``).
+fxpipe.check`` runs these first, then measures (see ``fxpipe/check/``).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -253,11 +254,37 @@ def test_a_host_wait_on_the_gpu_sleeps():
     d.close()
 
 
+def test_a_gpu_waiting_for_a_host_event_lets_other_issue_threads_in():
+    """#41 item 1: ``CudaDevice.submit`` waiting (at issue, under the issue lock) for a
+    host-lane event lets go of the lock while it waits: the thread that completes the event
+    needs the lock first. Under the lock this would wait out the timeout."""
+    from fxpipe.runtime.emulator import InlineDevice
+    from fxpipe.runtime.issue_lock import issuing
+    d, host = fxpipe.CudaDevice(0), fxpipe.VirtualDevice()
+    gate = threading.Event()
+    host_event = host.submit("compute", lambda: gate.wait(timeout=30))
+
+    def other_issue():   # another GPU's issue thread: takes the lock, then opens the gate
+        with issuing(True):
+            InlineDevice().submit("compute", gate.set)
+
+    other = threading.Thread(target=other_issue)
+    start = time.perf_counter()
+    with issuing(True):
+        other.start()
+        event = d.submit("compute", lambda: torch.ones(4, device="cuda"), wait=[host_event])
+    event.wait()
+    other.join()
+    assert time.perf_counter() - start < 20 and host_event.result() is True
+    host.close()
+    d.close()
+
+
 def test_two_logical_devices_on_one_gpu_train_equal_to_eager():
     """Two CudaDevices of one GPU under two names: their own streams, events and copies,
     so the cross-device hand-offs run on real CUDA with one GPU (fxpipe.check's
     ``scaling`` also runs them on its model)."""
-    from fxpipe.runtime.devices import CudaDevice
+    from fxpipe.runtime.cuda import CudaDevice
     half = torch.cuda.get_device_properties(0).total_memory // 2
     devices = [CudaDevice(0, memory_limit=half, name=f"cuda:0/{i}") for i in range(2)]
     assert devices[0].streams["compute"] != devices[1].streams["compute"]

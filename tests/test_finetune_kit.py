@@ -1,4 +1,4 @@
-"""The fine-tuning measurement (``fxpipe.check_finetune``: the kit's ``finetune`` section
+"""The fine-tuning measurement (``fxpipe.check.finetune``: the kit's ``finetune`` section
 and ``benchmarks/bench_finetune.py``) at tiny widths: models made once in host memory,
 eager copies made on the device from them, the FLOP formulas, and the simulator's
 prediction, whose host optimizer prices only what trains. The runs end to end are in
@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fxpipe import check_finetune as ft  # noqa: E402
-from fxpipe.check_common import link_bandwidth, timed  # noqa: E402
+from fxpipe.check import finetune as ft  # noqa: E402
+from fxpipe.check.common import link_bandwidth, timed  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes.program import HOST, Commit, OptimizerStep
-from fxpipe.runtime import executor
-from fxpipe.runtime.devices import VirtualDevice
+from fxpipe.runtime.emulator import VirtualDevice
+from fxpipe.runtime.values import _OnHost
 from tests import models
 from tests.test_runtime import ce, train_step
 
@@ -160,14 +160,14 @@ def _plant_early_host_read(monkeypatch):
     """The planted bug: the host copies each offloaded value as soon as the Offload is
     issued, without waiting for its event (what `_offload` then `prev + g` on the host
     did before)."""
-    put = executor._OnHost.put
+    put = _OnHost.put
 
     def put_read_now(self, m, name, value):
         if isinstance(value, torch.Tensor):
             value = value.clone()        # reads memory the copy may not have written yet
         put(self, m, name, value)
 
-    monkeypatch.setattr(executor._OnHost, "put", put_read_now)
+    monkeypatch.setattr(_OnHost, "put", put_read_now)
 
 
 @pytest.mark.parametrize("semantics", ["sync", "cuda"])
@@ -251,8 +251,8 @@ def test_stages_run_as_generated_code_timed_or_skipping_a_tail_too():
     assert_grads_close(model, ref)
     code = pipe.code("fused", runnable=True)
     bwd = pipe._executable("fused", 2).stages[2]
-    assert bwd.unfilled and "torch.ops.fxpipe" not in code and "interpret_layer(3)" in code
-    assert all(f"{name} = fxpipe_runtime_interpret_unfilled_" in code for name in bwd.unfilled
+    assert bwd.unfilled and "torch.ops.fxpipe" not in code and "stage_code_layer(3)" in code
+    assert all(f"{name} = fxpipe_runtime_stage_code_unfilled_" in code for name in bwd.unfilled
                if not name.endswith("_host"))
     # the sampled call timed each layer of the recomputed stage at its layer marks
     assert [pipe.timings.count(i, "recompute") - b for i, b in enumerate(before)] == [2, 2, 0, 0]
@@ -551,7 +551,7 @@ def test_stage_code_for_a_gpu_names_it_in_autocast_bodies_too():
     Expected: cpu, Got: cuda:0"): the code a stage runs on a device that is not the host
     names that device, in its graph, in the bodies it calls (copies: the host's code is
     untouched) and as the autocast regions' device type."""
-    from fxpipe.runtime.interpret import runnable
+    from fxpipe.runtime.stage_code import runnable
     model = torch.nn.Sequential(_AutocastOffRotary(), torch.nn.Linear(8, 8))
     x = torch.randn(2, 5, 8)
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"], capture="export",

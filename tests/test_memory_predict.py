@@ -21,9 +21,10 @@ from fxpipe.demo import TinyLlama, rotary_tables
 from fxpipe.errors import PlanError
 from fxpipe.passes.costs import compute_costs
 from fxpipe.live_bytes import LiveBytes
-from fxpipe.passes.memory import ChainMemory, Residency, program_peaks, stage_peak
+from fxpipe.passes.stage_memory import ChainMemory, Residency, program_peaks, stage_peak
 from fxpipe.passes.partition import build_layer_graph
-from fxpipe.passes.planner import ChainCosts, check_memory, plan_chains
+from fxpipe.passes.chain_costs import ChainCosts
+from fxpipe.passes.planner import check_memory, plan_chains
 from fxpipe.passes.schedule import build_program
 from fxpipe.plan import (
     MEMORY_FRACTION,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from fxpipe.errors import PlanError
-from fxpipe.passes.planner import (ChainCosts, NominalDevice, chain_costs, estimate_makespan,
-                                   min_bottleneck, plan_chains, roundpipe_greedy, solve_stages)
+from fxpipe.passes.chain_costs import ChainCosts, NominalDevice, chain_costs, estimate_makespan
+from fxpipe.passes.planner import min_bottleneck, plan_chains, roundpipe_greedy, solve_stages
 from fxpipe.plan import ExecutePlan
 
 REL = 1e-9

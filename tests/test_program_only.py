@@ -2,8 +2,8 @@
 
 A ``TorchDispatchMode`` on the caller's thread and on every thread the call's work runs
 on (issue threads, device streams, the collectives' worker) records each tensor op that
-runs outside an action's work (``executor.WHERE``). The only work allowed outside is the
-short list ``executor.outside_program`` documents: splitting the caller's inputs into
+runs outside an action's work (``issue.WHERE``). The only work allowed outside is the
+short list ``issue.outside_program`` documents: splitting the caller's inputs into
 microbatches, and summing the microbatches' losses (or input gradients) afterwards. Ops
 on a device's stream threads are that device's work: those threads run nothing else.
 
@@ -32,7 +32,7 @@ class _Outside(TorchDispatchMode):
         self.found = found
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        where = executor.WHERE
+        where = issue.WHERE
         name = threading.current_thread().name
         device_stream = name.startswith("fxpipe-") and not name.startswith("fxpipe-issue")
         if where.action is None and where.outside is None and not device_stream:

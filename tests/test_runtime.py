@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -248,6 +250,77 @@ def test_dropout_gradients_are_those_of_the_forward_that_ran():
         assert_close(grads[n], p.grad, f"grad of {n}")
 
 
+@contextlib.contextmanager
+def gpu_like_attention():
+    """aten's attention replaced, process-wide, by one that picks its kernel as a GPU's
+    does: with grad (grad mode on, an input requiring it) another kernel, whose dropout
+    draws its masks otherwise (here: after one more random number; flash and math differ
+    so on a GPU). On CPU both picks are math, which draws the same masks either way."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+             enable_gqa=False):
+        if dropout_p and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            torch.rand(())
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+
+    with warnings.catch_warnings():   # "Overriding a previously registered kernel"
+        warnings.simplefilter("ignore")
+        lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+class _Attention(nn.Module):
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48).requires_grad_(not frozen)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+        return x + self.out(a.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "blocks"])
+def test_attention_dropout_masks_do_not_depend_on_the_grad_mode(capture):
+    """#41 item 7: a stage's forward runs without grad and its recompute with; where a
+    kernel is picked by grad (SDPA on a GPU), both must still draw the same masks: the loss
+    and the gradients are those of one forward, run with grad, layer by layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), _Attention(frozen=True), _Attention(),
+                          _Attention(), nn.Linear(16, 32)).train()
+    ids, t = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(2), capture=capture,
+                          config=fxpipe.RunConfig(num_microbatch=2))
+    random = {layer.name: layer.index for layer in pipe.layers if layer.random}
+    assert {"1", "2", "3"} <= set(random), random   # blocks: every block in training mode
+    with gpu_like_attention():
+        torch.manual_seed(7)
+        loss = pipe.forward_backward((ids,), label=t, loss_fn=ce)
+        grads = grads_of(model)
+        ref = copy.deepcopy(model)
+        torch.manual_seed(7)
+        seed = rng.draw_call_seed()
+        total = 0.0
+        for m, (ids_m, t_m) in enumerate(zip(ids.chunk(2), t.chunk(2))):
+            x = ids_m
+            for i, block in enumerate(ref):
+                if str(i) in random:
+                    torch.manual_seed(rng.layer_seed(seed, random[str(i)], m))
+                x = block(x)
+            total = total + ce(x, t_m) / 2
+        total.backward()
+    assert_close(loss, total.detach(), "loss")
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert_close(grads[n], p.grad, f"grad of {n}")
+
+
 # -- overlap and residency -------------------------------------------------------------------
 
 def test_overlap_and_residency_on_virtual_devices():
@@ -402,7 +475,7 @@ def test_failing_layer_names_stage_and_microbatch_and_pipe_recovers(style):
 def test_cuda_device_skips_cleanly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: covered by the CUDA tests")
-    from fxpipe.runtime.devices import CudaDevice
+    from fxpipe.runtime.cuda import CudaDevice
     with pytest.raises(RuntimeError, match="CUDA"):
         CudaDevice(0)
 

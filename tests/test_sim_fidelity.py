@@ -165,6 +165,23 @@ class TestSimulator:
                                                       shared_bus=True))
         assert shared.makespan > own.makespan
 
+    def test_a_far_socket_prices_its_transfers_through_the_socket_link(self):
+        """#41 item 5: with the host memory on one node, the devices on the other socket
+        share the socket link; with each stage's memory local, they do not."""
+        costs = [LayerCost(1.0, 2.0, param_bytes=10**7)] * 8
+        link = dict(h2d_bandwidth=1e9, d2h_bandwidth=1e9)
+        plan = build_program([range(0, 2), range(2, 4), range(4, 6)],
+                             [range(6, 8), range(4, 6), range(2, 4), range(0, 2)], "fused", 4, 4,
+                             "stage")
+        one = simulate(plan, costs, Hardware(**link))
+        far = simulate(plan, costs, Hardware(**link, sockets=2, socket_link_bytes_per_s=0.5e9))
+        local = simulate(plan, costs, Hardware(**link, sockets=2, socket_link_bytes_per_s=0.5e9,
+                                               host_memory="local"))
+        wide = simulate(plan, costs, Hardware(**link, sockets=2, socket_link_bytes_per_s=1e12))
+        assert far.makespan > one.makespan
+        assert local.makespan == one.makespan
+        assert far.makespan >= wide.makespan >= one.makespan   # shared, even when fast
+
     def test_hops_count_as_exposed_transfer(self):
         # only 1FB0 waits (for 0F0's output, 1 ms); later hops hide behind compute
         t = simulate(small(), [LayerCost(1.0, 2.0)] * 4, Hardware(comm_ms_per_hop=1.0))

@@ -10,6 +10,7 @@ before anything is bound; and a frozen base keeps the process's anonymous memory
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -101,9 +102,14 @@ def assert_step_equals(pipe, model, ref, kw):
 
 # -- training equals eager -------------------------------------------------------------
 
-@pytest.mark.parametrize("semantics", ["sync", "cuda"])
+@pytest.mark.parametrize("semantics, pin_budget", [("sync", None), ("cuda", None), ("cuda", "0")])
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_meta_model_with_weights_trains_equal_to_eager(name, semantics, checkpoints):
+def test_meta_model_with_weights_trains_equal_to_eager(name, semantics, pin_budget, checkpoints,
+                                                       monkeypatch):
+    """On cuda-sim the frozen uploads read the file's windows registered for DMA (emulated)
+    or, with no budget for that (``FXPIPE_FILE_PIN_BYTES=0``), go through the ring."""
+    if pin_budget is not None:
+        monkeypatch.setenv("FXPIPE_FILE_PIN_BYTES", pin_budget)
     path = checkpoints[name]
     model, ref = meta(name), eager(name, path)
     freeze(model, name)
@@ -129,13 +135,55 @@ def test_meta_model_with_weights_trains_equal_to_eager(name, semantics, checkpoi
         assert file_backed(frozen[n]) is not None
         assert frozen[n].untyped_storage().data_ptr() not in flat, n
     assert not any(file_backed(host.slots[k].tensor) for k, _ in host._staged), "staged copy"
-    if semantics == "cuda":   # pinned (emulated): the frozen uploads go through the ring
+    windows = {s: n for s, (n, _, _) in pinned._files.items()
+               if any(m.base <= s < m.base + m.size for m in maps_of(frozen[n] for n in mapped))}
+    if semantics == "cuda" and pin_budget is None:   # registered (emulated): read in place
+        assert windows and all(pinned.is_pinned(frozen[n]) for n in mapped)
+        assert pipe.stats()["host_pinned_bytes"] >= sum(map(pinned.reserved, windows.values()))
+        assert host.ring is None or host.ring.nbytes == 0
+    elif semantics == "cuda":   # no budget to register: the frozen uploads go through the ring
+        assert not windows
         assert host.ring is not None and 0 < host.ring.nbytes <= host.ring.capacity
         mapped_bytes = sum(frozen[n].numel() * frozen[n].element_size() for n in mapped)
         assert host.ring.capacity <= mapped_bytes + 2 * len(mapped) * pinned.PAGE
     else:
-        assert host.ring is None
+        assert host.ring is None and not windows
     pipe.close()
+
+
+def maps_of(tensors):
+    return {id(m): m for m in map(file_backed, tensors)}.values()
+
+
+def test_only_the_windows_read_are_registered_within_the_budget(tmp_path, monkeypatch):
+    """#41 item 2: a shard is not page-locked whole. Each upload registers the window it
+    reads (``pinned.FILE_WINDOW``), never past ``FXPIPE_FILE_PIN_BYTES`` (the rest goes
+    through the ring), counted in ``host_pinned_bytes``, unregistered with the map."""
+    gc.collect()   # the budget is the process's: earlier tests' maps still alive use some
+    earlier = sum(n for n, _, _ in pinned._files.values())
+    monkeypatch.setattr(pinned, "FILE_WINDOW", 4 * pinned.PAGE)
+    monkeypatch.setenv("FXPIPE_FILE_PIN_BYTES", str(earlier + 8 * pinned.PAGE))   # 2 windows
+    torch.manual_seed(0)
+    save_pretrained(mlp(width=128), tmp_path)   # 4 x 64 KiB weights + a head, one shard
+    with torch.device("meta"):
+        model = mlp(width=128)
+    model.requires_grad_(False)
+    model[-1].requires_grad_(True)
+    x = torch.randn(8, 128)
+    pipe = fxpipe.compile(model, example_inputs=(x,), weights=str(tmp_path),
+                          devices=[fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)])
+    pipe.forward_backward((x,), label=torch.randn(8, 4), loss_fn=nn.functional.mse_loss)
+    (fmap,) = maps_of(p for p in model.parameters() if not p.requires_grad)
+    windows = {s: n for s, (n, _, _) in pinned._files.items() if fmap.base <= s < fmap.base + fmap.size}
+    assert len(windows) == 2 and sum(windows.values()) <= 8 * pinned.PAGE < fmap.size
+    host = HostParams.of(model)
+    assert host.ring is not None and host.ring.nbytes > 0   # what did not fit the budget
+    assert pipe.stats()["host_pinned_bytes"] >= 8 * pinned.PAGE + host.ring.nbytes
+    base, size = fmap.base, fmap.size
+    pipe.close()
+    del pipe, model, host, fmap
+    gc.collect()
+    assert not any(base <= s < base + size for s in pinned._files)   # gone with the map
 
 
 def mlp(width=32, depth=4):

@@ -69,7 +69,7 @@ except ImportError as e:   # the core depends on torch alone
                       "pip install 'fxpipe[hf]'") from e
 
 import fxpipe
-from fxpipe.runtime.devices import CudaDevice
+from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.microbatch import merge_output
 
 __all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]

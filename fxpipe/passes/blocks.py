@@ -48,6 +48,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpipe.attention import SameKernelMode
 from fxpipe.runtime import amp
 
 # The node a block call is while tracing; ``call_blocks`` replaces it by ``run_block``.
@@ -89,6 +90,9 @@ class OpaqueBlock(nn.Module):
         self.in_spec, self.in_leaves = in_spec, in_leaves
         self.out_spec, self.out_leaves = out_spec, out_leaves
         self.training = block.training
+        # whether its calls run an attention with dropout (``fxpipe.attention``): None until
+        # a call in training mode has run and seen
+        self.attention_dropout: bool | None = None if block.training else False
 
     def extra_repr(self) -> str:
         return f"{self.path}: {type(self.block).__name__}, run as a module"
@@ -102,7 +106,14 @@ def run_block(block: OpaqueBlock, params: list[torch.Tensor], tensors: list[torc
     leaves = [tensors[v] if kind == "tensor" else sizes[v] if kind == "size" else v
               for kind, v in block.in_leaves]
     args, kwargs = pytree.tree_unflatten(leaves, block.in_spec)
-    out = torch.func.functional_call(block.block, dict(zip(block.names, params)), args, kwargs)
+    call = functools.partial(torch.func.functional_call, block.block,
+                             dict(zip(block.names, params)), args, kwargs)
+    if block.attention_dropout is False:
+        out = call()
+    else:   # its attention with dropout picks the recompute's kernel (``fxpipe.attention``)
+        with SameKernelMode() as mode:
+            out = call()
+        block.attention_dropout = block.attention_dropout or mode.seen
     flat, spec = pytree.tree_flatten(out)
     if spec != block.out_spec:
         raise RuntimeError(f"block {block.path} returned a differently structured output than when "

@@ -24,7 +24,7 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
   ``recompute_peak_bytes`` and ``held_bytes``, the same with grad and what stays
   allocated after it (saved tensors and outputs); ``bwd_peak_bytes``, the most allocated
   at once during its backward (``held_bytes`` included), with its parameters' gradient
-  buffers already there, as in a stage's later microbatches. ``fxpipe.passes.memory``
+  buffers already there, as in a stage's later microbatches. ``fxpipe.passes.stage_memory``
   composes them into a stage's peak. With ``loss=(loss_fn, label)`` the last layer also
   gets ``loss_bytes``, what the loss allocates at its peak (forward and backward).
 
@@ -48,12 +48,10 @@ params 263 kB | saved 32.8 kB | out 32.8 kB | fwd 4.19 MFLOP | bwd 4.19 MFLOP
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -67,6 +65,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.passes import cost_cache
 from fxpipe.passes.capture import cast_floating
 from fxpipe.passes.layer_graph import Layer, LayerGraph
 from fxpipe.runtime.params import grad_dtype
@@ -90,7 +89,7 @@ class Cost:
     fwd_ms: float | None = None
     recompute_ms: float | None = None  # forward with grad (building the autograd graph)
     bwd_ms: float | None = None
-    # memory profile (module docstring); a stage's peak is not a sum: fxpipe.passes.memory
+    # memory profile (module docstring); a stage's peak is not a sum: fxpipe.passes.stage_memory
     out_bytes: int | None = None
     carried_bytes: int | None = None
     fwd_peak_bytes: int | None = None
@@ -133,7 +132,7 @@ class Cost:
     def sum(cls, costs: Iterable[Cost]) -> Cost:
         """The cost of consecutive layers: fields added up, except ``boundary_bytes``,
         which is the last layer's (what leaves the run), and the memory profile, which
-        does not add up (``None``; ``fxpipe.passes.memory.stage_peak`` composes it). A
+        does not add up (``None``; ``fxpipe.passes.stage_memory.stage_peak`` composes it). A
         time is ``None`` unless every layer has it. A parameter tied between the layers
         counts once per layer."""
         costs = list(costs)
@@ -151,27 +150,6 @@ class Cost:
                           host_grad_bytes=sum(c.host_grads for c in costs))
         return cls(**{**fields, "boundary_bytes": costs[-1].boundary_bytes})
 
-
-# costed layers by key (``_layer_key``, with the precision and autocast they ran in),
-# across calls, least recently used first: a chain costed again (trimmed of its
-# loss-free outputs, another pipe over the same blocks) runs only its new layers
-_COSTED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-_COSTED_LOCK = threading.Lock()   # pipes may be compiled on several threads
-COSTED_SIZE = 1024
-
-
-def _costed(key: tuple | None, value: tuple | None = None) -> tuple | None:
-    """``_COSTED[key]`` (now the most recently used), or None; with ``value``, store it."""
-    if key is None:
-        return None
-    with _COSTED_LOCK:
-        if value is not None:
-            _COSTED[key] = value
-            while len(_COSTED) > COSTED_SIZE:
-                _COSTED.popitem(last=False)
-        elif key in _COSTED:
-            _COSTED.move_to_end(key)
-        return _COSTED.get(key)
 
 _PROFILE = ("out_bytes", "carried_bytes", "fwd_peak_bytes", "recompute_peak_bytes", "held_bytes",
             "bwd_peak_bytes", "loss_bytes")
@@ -196,7 +174,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
     parameter, gradient and activation bytes are the devices'. A layer
     identical to an earlier one (same graph up to names, same input and parameter
     shapes) is not run again: repeated blocks are costed once, and a layer costed by an
-    earlier call in the same precision (``_COSTED``: the chain trimmed of its loss-free
+    earlier call in the same precision (``cost_cache``: the chain trimmed of its loss-free
     outputs, another pipe over the same blocks) is not either.
     """
     _register_sdpa_flops()
@@ -222,17 +200,17 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
     failed: dict[int, Exception] = {}  # layers that cannot run on fake tensors
     tensors = [*_tensors(flat_inputs), *lg.params.values(), *_tensors(lg.buffers.values())]
     on_meta = any(t.device.type == "meta" for t in tensors)
-    context = (on_meta, _autocast_state())
+    context = (on_meta, cost_cache.autocast_state())
 
     def run(layer: Layer, args: tuple, kwargs: dict):
         attrs = _attr_tensors(layer.gm)
-        key, lasting = _layer_key(layer.gm, attrs, args, kwargs)
+        key, lasting = cost_cache.layer_key(layer.gm, attrs, args, kwargs)
         if key is not None:   # the attributes as the devices hold them (param_dtype)
             key = (key, context, tuple(lg.device_dtype(t) for t in attrs.values()))
-        hit = seen.get(key) or _costed(key)
+        hit = seen.get(key) or cost_cache.costed(key)
         if hit is not None:
             flops[layer.index], recipe = hit
-            return _rebuild(recipe, args, kwargs)
+            return cost_cache.rebuild(recipe, args, kwargs)
         try:
             attrs = {name: fake(t) for name, t in attrs.items()}
             out, flops[layer.index] = _fake_layer(layer.gm, attrs, args, kwargs, counter)
@@ -240,9 +218,9 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
             failed[layer.index] = e
             return _outputs_as_captured(layer)
         if key is not None:
-            seen[key] = flops[layer.index], _recipe(out, args, kwargs)
+            seen[key] = flops[layer.index], cost_cache.recipe(out, args, kwargs)
             if lasting:
-                _costed(key, seen[key])
+                cost_cache.costed(key, seen[key])
         return out
 
     inputs = [fake(x, from_input=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
@@ -484,102 +462,6 @@ def _fake_loss(lg: LayerGraph, env: dict[str, Any], loss_fn: Callable[[Any, Any]
     return live.peak
 
 
-# A layer costs what an earlier one did when its graph is the same up to names and its
-# inputs and attributes have the same metadata and aliasing (the repeated blocks). It is
-# not run again: its outputs are rebuilt from a recipe of the earlier one's.
-
-def _layer_key(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
-               kwargs: dict) -> tuple[tuple | None, bool]:
-    """A hashable description of a layer call (or ``None``), and whether it holds for
-    later calls too (``False``: it names an unhashable object by ``id``, which a later
-    object may reuse)."""
-    storages: dict[int, int] = {}
-    index: dict[fx.Node, int] = {}
-    lasting = True
-
-    def value(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return ("node", index[a])
-        if isinstance(a, torch.Tensor):
-            alias = storages.setdefault(_storage_key(a), len(storages))
-            return (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device,
-                    a.requires_grad, alias, a.untyped_storage().nbytes())
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(value(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, value(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", value(a.start), value(a.stop), value(a.step))
-        try:
-            hash(a)
-        except TypeError:
-            nonlocal lasting
-            lasting = False
-            return ("id", id(a))  # the very same object in both layers, or no match
-        return (type(a), a)
-
-    parts: list = [value((args, kwargs))]
-    for n in gm.graph.nodes:
-        index[n] = len(index)
-        if n.op == "call_module" or (n.op == "get_attr" and n.target not in attrs):
-            return None, False  # a submodule (e.g. a higher-order op's body): not compared
-        if n.op == "get_attr":
-            target = value(attrs[n.target])
-        else:
-            target = None if n.op == "placeholder" else n.target
-        parts.append((n.op, target, value(n.args), value(n.kwargs)))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:  # a symbolic size (a data-dependent shape): not compared
-        return None, False
-    return key, lasting
-
-
-def _autocast_state() -> tuple:
-    """The autocast settings a layer's fake run sees (they change its dtypes)."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                 if torch.is_autocast_enabled(d))
-
-
-def _recipe(out: Any, args: tuple, kwargs: dict) -> tuple:
-    """How to rebuild ``out`` (a layer's detached outputs) for another call."""
-    position = {id(a): i for i, a in enumerate(pytree.tree_leaves((args, kwargs)))}
-    groups: dict[int, int] = {}
-    leaves, spec = pytree.tree_flatten(out)
-    steps = []
-    for o in leaves:
-        if not isinstance(o, torch.Tensor):
-            steps.append(("value", o))
-        elif id(o) in position:
-            steps.append(("input", position[id(o)]))
-        else:
-            group = groups.setdefault(_storage_key(o), len(groups))
-            size = o.untyped_storage().nbytes() // o.element_size()
-            steps.append(("tensor", tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
-                          o.device, o.requires_grad, group, size))
-    return spec, steps
-
-
-def _rebuild(recipe: tuple, args: tuple, kwargs: dict) -> Any:
-    spec, steps = recipe
-    inputs = pytree.tree_leaves((args, kwargs))
-    bases: dict[int, torch.Tensor] = {}  # outputs sharing a storage share it again
-    out = []
-    for kind, *step in steps:
-        if kind == "value":
-            out.append(step[0])
-        elif kind == "input":
-            out.append(inputs[step[0]])
-        else:
-            shape, stride, offset, dtype, device, requires_grad, group, size = step
-            if group not in bases or bases[group].dtype != dtype:
-                bases[group] = torch.empty(size, dtype=dtype, device=device)
-            t = bases[group].as_strided(shape, stride, offset)
-            out.append(t.requires_grad_(True) if requires_grad else t)
-    return pytree.tree_unflatten(out, spec)
-
-
 # --- layers that cannot run on fake tensors ------------------------------------------
 
 def _outputs_as_captured(layer: Layer) -> tuple:
@@ -646,7 +528,7 @@ def _bounded(layer: Layer, env: dict[str, Any]) -> tuple[int, int, int, dict]:
     run, from sizes alone: every parameter used once per token (all experts of an MoE
     layer, an upper bound for top-k routing), backward twice the forward, and 16 bytes
     saved per byte of its largest input (a transformer block saves about that much at
-    fp32); no profile (``fxpipe.passes.memory`` falls back to saved and boundary bytes)."""
+    fp32); no profile (``fxpipe.passes.stage_memory`` falls back to saved and boundary bytes)."""
     inputs = [t for t in _tensors(env[n] for n in layer.inputs) if t.dim() > 0]
     tokens = max((t.numel() // max(t.shape[-1], 1) for t in inputs if t.is_floating_point()),
                  default=1)

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe import attention
 from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
 from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
@@ -63,12 +64,27 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
                            param_dtype=param_dtype)
     fuse_linear_cross_entropy(gm, device_memory)
     tile_mlps(gm, device_memory)
+    same_attention_kernels(gm)
     try:
         return partition(gm, model, containers)
     except ValueError:
         if layers is not None or len(containers) == 1:
             raise
         return partition(gm, model, containers[:1])  # the other lists do not run in sequence
+
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def same_attention_kernels(gm: fx.GraphModule) -> None:
+    """Each attention with dropout in ``gm`` calls ``fxpipe.attention``'s, which picks the
+    kernel, so the dropout masks, of the recompute in the forward too."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _SDPA and is_random(n):
+            n.target, changed = attention.scaled_dot_product_attention, True
+    if changed:
+        gm.recompile()
 
 
 def without_loss_free_outputs(lg: LayerGraph, model: nn.Module) -> LayerGraph:

@@ -1,6 +1,6 @@
 """Stage code compiled by a backend: ``RunConfig(stage_backend="inductor" | "auto")``.
 
-The runnable code of a stage (``runtime.interpret.runnable``) keeps its transfers, layer
+The runnable code of a stage (``runtime.stage_code.runnable``) keeps its transfers, layer
 marks and unfilled nodes as plain Python calls; :func:`compile_layers` replaces each
 *layer segment* (a maximal run of one layer's compute nodes between them) by one call of a
 :class:`CompiledLayer`, which runs the segment as inductor's generated code: fused

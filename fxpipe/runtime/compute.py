@@ -1,6 +1,6 @@
 """The compute actions of one call on the devices: ``Forward``, ``FusedBackward``,
 ``Checkpoint``, ``RecomputeBackward`` (a stage's, or one layer's at
-``recompute_grain="layer"``), each running a stage's GraphModule (``runtime.interpret``)
+``recompute_grain="layer"``), each running a stage's GraphModule (``runtime.stage_code``)
 on the values of ``_OnDevice`` (``runtime.values``) that ``Program.flow`` names, and the
 backward timing for ``pipe.timings()``. ``Execution._act`` dispatches to them.
 """
@@ -19,8 +19,8 @@ from fxpipe.passes.program import LABEL
 from fxpipe.passes.stage import Stage
 from fxpipe.runtime import unfilled
 from fxpipe.runtime.amp import reentered
-from fxpipe.runtime.devices import Device
-from fxpipe.runtime.interpret import run_stage
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.stage_code import run_stage
 from fxpipe.runtime.values import Call, Stats, _Checkpoint, _OnDevice, _OnHost
 
 

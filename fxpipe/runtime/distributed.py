@@ -54,13 +54,14 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import DistributedError
-from fxpipe.runtime.devices import CudaDevice, Device, VirtualDevice
-# the bucket arithmetic is used from here (fxpipe.api, tests)
-from fxpipe.runtime.buckets import (  # noqa: F401
-    Bucket, Shard, _by_dtype, _chunk, _piece, _span, first_names, reshard,
-)
+from fxpipe.runtime.buckets import Bucket, Shard, _by_dtype, _chunk, _span, first_names
+from fxpipe.runtime.cuda import CudaDevice
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.emulator import VirtualDevice
+from fxpipe.runtime.grad_accum import GradAccumulator, owned_params
 from fxpipe.runtime.masters import ShardedMasters
-from fxpipe.runtime.params import GradAccumulator, ParamStore, grad_dtype, owned_params
+from fxpipe.runtime.param_store import ParamStore
+from fxpipe.runtime.params import grad_dtype
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 _open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)

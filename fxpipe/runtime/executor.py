@@ -15,7 +15,7 @@ the ``Commit`` and the host actions after it (``ClipGradNorm``, ``ScalerStep``,
 ``QueueUpdate``, steps that could not be streamed) on its thread, in lane order. Each
 action kind has one handler (``Execution._act``, a ``match`` on the action class), and
 what a handler moves or drops is what ``Program.flow`` says: the executor decides
-nothing the Program does not show. Stages run through ``runtime.interpret``: the printed
+nothing the Program does not show. Stages run through ``runtime.stage_code``: the printed
 stage code, the Executable's own GraphModules.
 
 The host never reads data a copy may still be writing: values and gradient parts that
@@ -55,14 +55,16 @@ from fxpipe.passes.program import (
     ScalerStep, Upload, UploadGrad, stream_of,
 )
 from fxpipe.runtime.compute import StageCompute
-from fxpipe.runtime.devices import Device, Event, emulated_wait
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.emulator import emulated_wait
+from fxpipe.runtime.events import Event
+from fxpipe.runtime.grad_accum import GradAccumulator
 from fxpipe.runtime.interrupts import deferred_interrupt
-# the issue threads, WHERE and outside_program are used from here (tests, runtime.pipeline)
-from fxpipe.runtime.issue import (  # noqa: F401
-    _ISSUING, _NO_LOCK, _ON_HOST, WHERE, Cancelled, _acting, _forget_issue_threads, _idle,
-    _issue_thread, _Issued, outside_program, wait_all,
+from fxpipe.runtime.issue import (
+    _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
 )
-from fxpipe.runtime.params import GradAccumulator, is_scratch
+from fxpipe.runtime.issue_lock import issuing
+from fxpipe.runtime.params import is_scratch
 from fxpipe.runtime.values import Call, Stats, _OnDevice, _OnHost
 
 
@@ -190,7 +192,7 @@ class Execution:
                                                label=str(a))
                 else:
                     worker = self.call.devices[lane]
-                    with _ISSUING if worker.runs_at_issue else _NO_LOCK:
+                    with issuing(worker.runs_at_issue):
                         start, _ = time.perf_counter(), emulated_wait()
                         slot.event = worker.submit(stream_of(a), self._work(lane, a),
                                                    wait=waits, label=str(a))

@@ -1,6 +1,7 @@
-"""Issuing a call's actions: the issue threads (one per lane, kept between calls), the
-lock one issue thread at a time holds while it runs an action's Python, what each
-thread is doing for a call (``WHERE``), and stopping a call (``Cancelled``).
+"""Issuing a call's actions: the issue threads (one per lane, kept between calls), what
+each thread is doing for a call (``WHERE``), and stopping a call (``Cancelled``). The
+lock one issue thread at a time holds while it runs an action's Python is
+``runtime.issue_lock``'s.
 
 The executor (``runtime.executor``) owns the calls; this module owns the threads.
 """
@@ -16,16 +17,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fxpipe.runtime.devices import Event, InlineDevice
-
-
-# One issue thread at a time runs an action's Python (on a device that runs it when it is
-# submitted: a GPU's host part). Every torch op lets go of the GIL; with several threads
-# wanting it, each op would hand it to another thread and wait to get it back. Waiting
-# for dependencies and for released memory happens outside; inside, a CudaDevice waits
-# only for host-lane work, which never takes this lock.
-_ISSUING = threading.Lock()
-_NO_LOCK = contextlib.nullcontext()
+from fxpipe.runtime.emulator import InlineDevice
+from fxpipe.runtime.events import Event
 
 
 class _IssueThread:

@@ -22,10 +22,11 @@ host parameters, a pipe's staging), as reserved: each allocation rounded up to a
 and output gradients.
 
 File-backed tensors (read-only memory maps of a checkpoint, ``fxpipe.runtime.weights``)
-are not copied into page-locked memory: :func:`register_file` registers a whole map's
-pages for DMA where the platform allows (``cudaHostRegister`` with the read-only flag),
-else their uploads go through a :class:`Ring`, a bounded set of page-locked blocks reused
-once the copies out of them have completed.
+are not copied into page-locked memory: :func:`register_window` registers the window of a
+map an upload reads for DMA where the platform allows (``cudaHostRegister`` with the
+read-only flag), up to :func:`file_pin_budget` in all; else their uploads go through a
+:class:`Ring`, a bounded set of page-locked blocks reused once the copies out of them have
+completed.
 
 >>> import torch
 >>> from fxpipe.runtime import pinned
@@ -46,12 +47,15 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from fxpipe.runtime.issue_lock import blocking
 
 PAGE = mmap.PAGESIZE
 """The host's page size: what every allocation is rounded up to (and aligned at)."""
@@ -138,33 +142,82 @@ def is_pinned(t: torch.Tensor) -> bool:
     if t.untyped_storage().data_ptr() in _registry:   # as torch asks: the storage's start
         return True
     ptr = t.data_ptr()
-    if any(start <= ptr < start + size for start, size in list(_files.items())):
+    if any(start <= ptr < start + size for start, (size, _, _) in list(_files.items())):
         return True
     return _cuda_available() and t.is_pinned()
 
 
-# file maps registered for DMA (``register_file``): start -> size
-_files: dict[int, int] = {}
+# windows of file maps registered for DMA (``register_window``):
+# start -> (size, account, whether CUDA registered it: not when emulated)
+_files: dict[int, tuple[int, "Account | None", bool]] = {}
+_files_lock = threading.Lock()
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+FILE_WINDOW = 1 << 30
+"""A file map is registered for DMA in windows of this many bytes (from the map's start),
+each when an upload first reads it: only what a run reads is page-locked, never a whole
+shard at once."""
 
 
-def register_file(start: int, size: int, *, emulate: bool) -> bool:
-    """Register the read-only file map at ``start`` (``size`` bytes) for DMA, so uploads
-    read its pages (the page cache's) without a copy into page-locked memory. Returns
-    whether it is registered: never when ``emulate`` (a CPU-only host: the emulator
-    exercises the :class:`Ring` instead) nor where CUDA refuses (a driver without
-    read-only registration). The map must outlive the registration (the process)."""
-    if start in _files:
-        return True
-    if emulate or not _cuda_available():
+def file_pin_budget() -> int:
+    """The most bytes of file maps registered at once, in the process:
+    ``FXPIPE_FILE_PIN_BYTES`` if set, else a quarter of the host's physical memory (the
+    rest stays the page cache's, which holds a frozen base between steps)."""
+    env = os.environ.get("FXPIPE_FILE_PIN_BYTES")
+    if env:
+        return int(env)
+    return os.sysconf("SC_PHYS_PAGES") * PAGE // 4
+
+
+def register_window(base: int, size: int, ptr: int, nbytes: int, *, emulate: bool,
+                    account: Account | None = None) -> bool:
+    """Register for DMA the window (:data:`FILE_WINDOW`) of the read-only file map at
+    ``base`` (``size`` bytes) that holds ``[ptr, ptr + nbytes)``, so an upload reads its
+    pages (the page cache's) without a copy into page-locked memory. Returns whether that
+    range is registered; not when it crosses a window's end, when the windows registered
+    would pass :func:`file_pin_budget`, nor where CUDA refuses (a driver without
+    read-only registration): the caller then goes through a :class:`Ring`. Emulated
+    (``emulate``: no CUDA call) it is recorded alike, so the emulator sees which uploads
+    a GPU makes without blocking. A window's bytes count in ``account`` (the pipe's
+    ``host_pinned_bytes``) until the map is gone (:func:`forget_file`)."""
+    start = base + (ptr - base) // FILE_WINDOW * FILE_WINDOW
+    wsize = min(FILE_WINDOW, base + size - start)
+    if ptr + nbytes > start + wsize:
         return False
-    torch.cuda.init()
-    rc = torch.cuda.cudart().cudaHostRegister(
-        start, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
-    if _error_code(rc):
-        return False
-    _files[start] = size
+    with _files_lock:
+        if start in _files:
+            return True
+    with blocking(), _files_lock:   # pinning the pages takes a while: not under the issue lock
+        if start in _files:
+            return True
+        if sum(n for n, _, _ in _files.values()) + wsize > file_pin_budget():
+            return False
+        if not emulate:
+            if not _cuda_available():
+                return False
+            torch.cuda.init()
+            rc = torch.cuda.cudart().cudaHostRegister(
+                start, wsize, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+            if _error_code(rc):
+                return False
+        _files[start] = (wsize, account, not emulate)
+    if account is not None:
+        account._add(reserved(wsize))
     return True
+
+
+def forget_file(base: int, size: int) -> None:
+    """The file map at ``base`` is going: unregister its windows and uncount them (a
+    ``weakref.finalize`` of the map, ``fxpipe.runtime.weights``)."""
+    with _files_lock:
+        gone = [(s, _files.pop(s)) for s in list(_files) if base <= s < base + size]
+    for start, (wsize, account, registered) in gone:
+        if account is not None:
+            account._add(-reserved(wsize))
+        if registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(start)
+            except Exception:  # noqa: BLE001 — freeing must not raise (CUDA may be shutting down)
+                pass
 
 
 def _release(start: int, size: int, registered: bool, account: Account | None,
@@ -182,7 +235,8 @@ def _release(start: int, size: int, registered: bool, account: Account | None,
 
 def _cuda_register(start: int, size: int) -> None:
     torch.cuda.init()
-    rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
+    with blocking():   # pinning the pages takes a while: not under the issue lock
+        rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
     if _error_code(rc):
         raise RuntimeError(
             f"cudaHostRegister of {size} B of host memory failed (cudaError {_error_code(rc)}): "
@@ -346,7 +400,7 @@ class _Blocks:
 
 class Ring(_Blocks):
     """A bounded set of page-locked blocks that uploads of file-backed tensors go through
-    when their pages cannot be registered (:func:`register_file`): :meth:`stage` copies a
+    when their pages cannot be registered (:func:`register_window`): :meth:`stage` copies a
     tensor (converting its dtype) into a free block; a block is free again once nothing
     holds it (the copy out of it has taken its source) and the CUDA event given to
     :meth:`hold`, if any, has completed. At most ``capacity`` bytes (each block rounded
@@ -373,7 +427,7 @@ class Ring(_Blocks):
         view = self._take(nbytes, dtype, t.numel())
         if view is None:
             return None
-        with torch.no_grad():
+        with torch.no_grad(), blocking():   # a host copy: not under the issue lock
             view.copy_(t.reshape(-1))
         return view
 

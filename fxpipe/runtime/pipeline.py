@@ -35,17 +35,21 @@ from fxpipe.passes.stage import Executable
 from fxpipe.runtime import amp
 from fxpipe.runtime import microbatch as mb
 from fxpipe.runtime import rng
-from fxpipe.runtime.devices import CudaDevice, Device
-from fxpipe.runtime.executor import Call, Execution, apply_writebacks, outside_program, restore
+from fxpipe.runtime.cuda import CudaDevice
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.executor import Call, Execution, apply_writebacks, restore
+from fxpipe.runtime.grad_accum import owned_params
 from fxpipe.runtime.inputs import check_inputs
-from fxpipe.runtime.interpret import runnables
+from fxpipe.runtime.stage_code import runnables
 from fxpipe.runtime.interrupts import deferred_interrupt
-from fxpipe.runtime.params import HostParams, ParamStore, owned_params
+from fxpipe.runtime.issue import outside_program
+from fxpipe.runtime.param_store import ParamStore
+from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
-# the work a call does outside its Program before it runs (``executor.outside_program``)
+# the work a call does outside its Program before it runs (``issue.outside_program``)
 SPLITTING = "splitting the inputs into microbatches"
 # the compiler's (cached) Executable of a CallSpec
 BuildExecutable = Callable[[CallSpec], Executable]

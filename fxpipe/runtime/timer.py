@@ -56,8 +56,9 @@ class LayerTimer:
 
     def sample(self) -> bool:
         """Whether the next call is timed: its first ``first`` calls, then every
-        ``every``-th (a timed call runs its stages through the interpreter, layer by
-        layer; the others run their generated code); every call in verbose mode."""
+        ``every``-th (a timed call's stage code charges each layer its time at the
+        layer marks of its runnable code, ``runtime.stage_code``; the others' marks do
+        nothing); every call in verbose mode."""
         with self._lock:
             self._calls += 1
             n = self._calls

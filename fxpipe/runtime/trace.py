@@ -16,6 +16,10 @@
 order per lane (a device index, or ``-1`` for the host lane). Each device stream's actions (labelled with the Program's action strings) become
 intervals: forward computes as ``forward``, fused and recompute+backward computes as
 ``backward`` (one interval: the run does not split them), transfers as ``transfer``.
+
+Figures from a recorded timeline (what ``python -m fxpipe.check`` reports):
+``prefetch_figures`` (how much of a device's parameter prefetching its compute hid) and
+``compute_busy_ms`` (the time a device's compute stream was busy).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from fxpipe.passes.program import (
     Checkpoint, DownloadGrads, Forward, FusedBackward, Offload, Prefetch, RecomputeBackward,
     Upload, UploadGrad, parse_action,
 )
-from fxpipe.runtime.devices import Device
+from fxpipe.runtime.device import Device
 from fxpipe.sim.timeline import Interval, Timeline
 
 
@@ -105,3 +109,77 @@ def timeline_of(records: Sequence[Sequence[tuple[str, str, float, float]]],
                     makespan=makespan, busy=busy, device_free=free,
                     peak_memory=list(peak_memory), exposed_by_compute={},
                     prefetch_exposed_by_compute={})
+
+
+def compute_busy_ms(intervals: Sequence[Interval], device: int) -> float:
+    """The time (ms) ``device``'s compute stream spent running, over ``intervals``."""
+    return sum(iv.end - iv.start for iv in intervals
+               if iv.device == device and iv.stream == "compute")
+
+
+def prefetch_figures(intervals: Sequence[Interval], device: int) -> dict[str, float | int | None]:
+    """One device's prefetch figures from a timeline's intervals (ms).
+
+    ``hidden_fraction``: the share of prefetch time that overlapped the device's compute.
+    ``exposed_ms``: for each stage's first compute on the device after the device's first
+    compute, ``max(0, min(compute_start, prefetch_end) - previous_compute_end)`` (the time
+    the compute stream idled while that stage's ``Prefetch`` was still arriving), summed.
+    ``first_prefetch_ms``: the duration of the prefetch of the device's first computing
+    stage (the pipeline's fill: no earlier compute on the device can hide it).
+
+    >>> ivs = [Interval(0, "prefetch", "0P", "transfer", 0, 2),
+    ...        Interval(0, "compute", "0F0", "forward", 2, 5),
+    ...        Interval(0, "prefetch", "2P", "transfer", 3, 7),
+    ...        Interval(0, "compute", "2F0", "forward", 7, 9)]
+    >>> f = prefetch_figures(ivs, 0)
+    >>> f["exposed_ms"], f["first_prefetch_ms"], round(f["hidden_fraction"], 3)
+    (2.0, 2.0, 0.333)
+    """
+    ivs = [iv for iv in intervals if iv.device == device]
+    compute = sorted((iv for iv in ivs if iv.kind != "transfer"), key=lambda iv: iv.start)
+    prefetch = {}
+    for iv in ivs:
+        action, stage = _stage_of(iv.label)
+        if isinstance(action, Prefetch):
+            prefetch[stage] = iv
+    spans = [(iv.start, iv.end) for iv in prefetch.values()]
+    total = sum(b - a for a, b in spans)
+    union = _union([(iv.start, iv.end) for iv in compute])
+    hidden = sum(_overlap(p, union) for p in spans) / total if total else None
+    exposed, first, seen, prev_end = 0.0, None, set(), None
+    for iv in compute:
+        _, stage = _stage_of(iv.label)
+        if stage is not None and stage not in seen:
+            seen.add(stage)
+            pf = prefetch.get(stage)
+            if pf is not None:
+                if prev_end is None:
+                    first = float(pf.end - pf.start)
+                else:
+                    exposed += max(0.0, float(min(iv.start, pf.end) - prev_end))
+        prev_end = iv.end if prev_end is None else max(prev_end, iv.end)
+    return {"hidden_fraction": hidden, "exposed_ms": exposed, "first_prefetch_ms": first,
+            "prefetches": len(prefetch)}
+
+
+def _stage_of(label: str) -> tuple[object, int | None]:
+    """The Program action a timeline label names, and its stage (None: no stage)."""
+    try:
+        action = parse_action(label)
+    except ValueError:
+        return None, None
+    return action, getattr(action, "stage", None)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in spans)

@@ -1,11 +1,11 @@
 """A recompute that records some of a stage's nodes for autograd without computing them.
 
 ``passes.recompute`` names the nodes (``Stage.unfilled``) whose values backward does not
-read. Recomputing for backward, the interpreter runs each of them inside
-:class:`Unfilled`: autograd records every op as usual (the same derivative formula,
-saving the same input tensors), but the compute kernels below autograd (``mm``,
-``addmm``, ``bmm``, ``baddbmm``, ``add``) do not run; their outputs are allocated and
-left unwritten. Backward then runs autograd's own formulas for those ops, which read
+read. Recomputing for backward, the stage's runnable code (``runtime.stage_code``) runs
+each of them inside :class:`Unfilled`: autograd records every op as usual (the same
+derivative formula, saving the same input tensors), but the compute kernels below
+autograd (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``add``) do not run; their outputs
+are allocated and left unwritten. Backward then runs autograd's own formulas for those ops, which read
 their inputs and never their outputs, so the gradients are the ones a full recompute
 gives, bit for bit, on any backend: the same kernels run on the same tensors.
 

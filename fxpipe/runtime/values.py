@@ -19,8 +19,9 @@ import torch.utils._pytree as pytree
 from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.stage import Executable
 from fxpipe.runtime.amp import AutocastState
-from fxpipe.runtime.devices import Device
-from fxpipe.runtime.params import GradAccumulator, ParamStore
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.grad_accum import GradAccumulator
+from fxpipe.runtime.param_store import ParamStore
 from fxpipe.runtime.timer import LayerTimer
 
 
@@ -74,7 +75,7 @@ class Stats:
     """Counters of one call (``pipe.stats()``): actions executed; host waits for device
     work (a host action waiting for the events it reads, the end of the call); bytes
     moved by kind and direction; stage runs (``generated_runs``: each stage's runnable
-    code, ``runtime.interpret``); host time spent issuing, in microseconds
+    code, ``runtime.stage_code``); host time spent issuing, in microseconds
     (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``). Thread-safe."""
 
     def __init__(self) -> None:

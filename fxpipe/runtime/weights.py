@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from fxpipe.runtime import pinned
 from fxpipe.runtime.shards import Entry, read_checkpoint, save_pretrained
 
 __all__ = ["FileMap", "Loaded", "WeightsError", "file_backed", "load", "read_checkpoint",
@@ -363,6 +364,8 @@ def _map_tensor(e: Entry, maps: dict[tuple[str, int], FileMap], read_only: bool)
         with open(e.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=access)
         m = maps[key] = FileMap(e.path, mm, _address(mm), len(mm))
+        # its windows registered for uploads go with it (``pinned.register_window``)
+        weakref.finalize(mm, pinned.forget_file, m.base, m.size).atexit = False
     with warnings.catch_warnings():   # read-only by design: only a frozen tensor reads it
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         t = torch.frombuffer(m.map, dtype=e.dtype, count=numel, offset=e.start)

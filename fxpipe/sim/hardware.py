@@ -26,6 +26,13 @@ class Hardware:
     - ``h2d_bandwidth`` / ``d2h_bandwidth``: bytes/s of one device's host link.
     - ``shared_bus``: all devices share one host link per direction (transfers of
       different devices are serialized, first ready first served) instead of one each.
+    - ``sockets``, ``socket_link_bytes_per_s``, ``host_memory``: a multi-socket host
+      (NUMA). Devices are spread evenly over the sockets in order (device ``d`` of ``G``
+      on socket ``d * sockets // G``). With ``host_memory="one_node"`` (what fxpipe does
+      today: one thread first-touches the host buffers, so they sit on socket 0's memory),
+      every transfer of a device on another socket also crosses the socket link (UPI,
+      xGMI), which those transfers share per direction at ``socket_link_bytes_per_s``;
+      ``"local"``: each stage's host memory on its devices' node, nothing crosses.
     - ``cpu_optimizer_bytes_per_s``: parameter bytes the host optimizer updates per s.
     - ``host_copy_bytes_per_s``: bytes per s a host action copies or reads (casts,
       snapshots, a gradient norm).
@@ -51,6 +58,9 @@ class Hardware:
     ranks: int = 1
     network_bytes_per_s: float = INF
     network_latency_ms: float = 0.0
+    sockets: int = 1
+    socket_link_bytes_per_s: float = INF
+    host_memory: Literal["one_node", "local"] = "one_node"
 
     @classmethod
     def rtx4090_pcie4(cls, **overrides) -> "Hardware":
@@ -62,12 +72,28 @@ class Hardware:
         base = dict(flops=165e12, memory=24 * 2**30, h2d_bandwidth=25e9, d2h_bandwidth=25e9)
         return cls(**{**base, **overrides})
 
-    def transfer_ms(self, nbytes: float, direction: Literal["h2d", "d2h"]) -> float:
-        """Time to move ``nbytes`` over one device's link (0 when transfers are free)."""
+    def transfer_ms(self, nbytes: float, direction: Literal["h2d", "d2h"],
+                    crossing: bool = False) -> float:
+        """Time to move ``nbytes`` over one device's link (0 when transfers are free);
+        ``crossing``: through the socket link too, at the slower of the two."""
         if not self.transfers or nbytes <= 0:
             return 0.0
         bw = self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth
+        if crossing:
+            bw = min(bw, self.socket_link_bytes_per_s)
         return nbytes / bw * 1e3
+
+    def crosses_socket(self, device: int, num_devices: int) -> bool:
+        """Whether ``device``'s host transfers cross the socket link (class docstring).
+
+        >>> hw = Hardware(sockets=2, socket_link_bytes_per_s=40e9)
+        >>> [hw.crosses_socket(d, 8) for d in range(8)]
+        [False, False, False, False, True, True, True, True]
+        >>> Hardware(sockets=2, host_memory="local").crosses_socket(7, 8)
+        False
+        """
+        return (self.sockets > 1 and self.host_memory == "one_node"
+                and device * self.sockets // num_devices != 0)
 
     def optimizer_ms(self, nbytes: float) -> float:
         """Host optimizer time for ``nbytes`` of parameters."""

@@ -37,7 +37,7 @@ Durations come from per-layer ``LayerCost``:
   dependency gates only the backward part. This lets a fused head forward start before
   its input arrived; use it to reproduce RoundPipe's published figures.
 
-Memory per device: the highest predicted peak of its stages (``fxpipe.passes.memory``:
+Memory per device: the highest predicted peak of its stages (``fxpipe.passes.stage_memory``:
 parameters of the stage and of the one its device prefetches meanwhile, gradients,
 activations, saved tensors, workspace), from the layers' memory (``memory=``, a
 ``ChainMemory``; by default from the ``LayerCost``s' bytes, each layer holding its
@@ -50,7 +50,7 @@ import heapq
 from typing import Literal, Sequence
 
 from fxpipe.passes import gc_paused
-from fxpipe.passes.memory import KINDS, ChainMemory, device_peaks, program_peaks
+from fxpipe.passes.stage_memory import KINDS, ChainMemory, device_peaks, program_peaks
 from fxpipe.passes.program import (
     Accumulate,
     AllGather,
@@ -139,7 +139,7 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     ``hardware=None`` is ``Hardware()``: every transfer free, no memory limit.
     ``tokens_per_step`` (tokens in one call of the program) gives ``tokens_per_s``;
     ``input_bytes`` is the model input per microbatch; ``memory``: the layers' memory
-    for one microbatch (``fxpipe.passes.memory.ChainMemory``; default from ``costs``).
+    for one microbatch (``fxpipe.passes.stage_memory.ChainMemory``; default from ``costs``).
     ``refresh_bytes``: what the call's ``Refresh`` copies on the host (the
     ``param_dtype`` casts of the parameters a step changed, an asynchronous optimizer's
     snapshot; default none).
@@ -175,7 +175,10 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     hop = hardware.comm_ms_per_hop
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
             "free": None, "control": None, "collective": "collective"}
-    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "collective": 0.0}
+    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "collective": 0.0,
+           "socket h2d": 0.0, "socket d2h": 0.0}
+    crossing = [hardware.crosses_socket(d, program.num_devices)
+                for d in range(program.num_devices)] + [False]   # the host lane: -1
 
     def dep_time(j: int, x: Dep, instant: tuple[type, ...] = ()) -> float:
         """When dependency x (on node j) is met; transfers of the ``instant`` types count
@@ -184,19 +187,20 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             return ready_data[j]
         return (start[j] if x.on == "start" else end[j]) + (hop if x.hop and not instant else 0.0)
 
-    def duration(a) -> float:
+    def duration(a, d: int) -> float:
+        x = crossing[d]
         match a:
             case Prefetch(stage=s):
-                return hardware.transfer_ms(sc.params[s], "h2d")
+                return hardware.transfer_ms(sc.params[s], "h2d", x)
             case Upload(stage=s, mb=m):   # the label alone: a transfer's latency
                 only_label = program.flow.upload.get((s, m)) == (LABEL,)
-                return hardware.transfer_ms(0 if only_label else sc.inp[s], "h2d")
+                return hardware.transfer_ms(0 if only_label else sc.inp[s], "h2d", x)
             case UploadGrad(stage=s):
-                return hardware.transfer_ms(sc.grad_in[s], "h2d")
+                return hardware.transfer_ms(sc.grad_in[s], "h2d", x)
             case Offload(stage=s):
-                return hardware.transfer_ms(sc.out[s], "d2h")
+                return hardware.transfer_ms(sc.out[s], "d2h", x)
             case DownloadGrads(stage=s):
-                return hardware.transfer_ms(sc.grads[s], "d2h")
+                return hardware.transfer_ms(sc.grads[s], "d2h", x)
             case OptimizerStep(layers=layers):
                 return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers))
             case AsyncUpdate() | ScalerStep():
@@ -254,10 +258,13 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             stream = link[stream_of(a)]
             shared = stream in ("host", "collective") or (hardware.shared_bus
                                                           and stream is not None)
-            start[k] = max(t, bus[stream]) if shared else t
-            end[k] = start[k] + duration(a)
-            if shared:
-                bus[stream] = end[k]
+            # a transfer across the socket link waits for it too (Hardware.sockets)
+            buses = ([stream] if shared else []) + (
+                [f"socket {stream}"] if stream in ("h2d", "d2h") and crossing[d] else [])
+            start[k] = max([t] + [bus[b] for b in buses])
+            end[k] = start[k] + duration(a, d)
+            for b in buses:
+                bus[b] = end[k]
         done[k] = True
         for j in dependents[k]:
             waiting[j] -= 1

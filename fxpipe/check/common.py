@@ -1,11 +1,14 @@
-"""What the GPU kit's sections share (``fxpipe.check``, ``fxpipe.check_finetune``,
+"""What the GPU kit's sections share (``fxpipe.check``'s sections, ``fxpipe.check.finetune``,
 ``benchmarks/bench_finetune.py``): waiting for the GPUs, timing calls, switching the
-layer timer off, the host link's bandwidth, and JSON-safe records of values and errors
-(without this machine's paths: the JSON is committed)."""
+layer timer off, the host link's bandwidth, JSON-safe records of values and errors
+(without this machine's paths: the JSON is committed), and the kit's model (a
+``TinyLlama`` with its batch and loss) and devices."""
 
 from __future__ import annotations
 
+import gc
 import math
+import os
 import re
 import sys
 import time
@@ -16,10 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+import fxpipe
+from fxpipe.demo import TinyLlama, progression_batch
 from fxpipe.runtime.timer import KINDS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]   # the checkout (or site-packages)
 TAIL_LINES = 40
 
 
@@ -115,3 +121,63 @@ def error_record(e: BaseException) -> dict[str, Any]:
     lines = "".join(traceback.format_exception(type(e), e, e.__traceback__)).splitlines()
     return {"type": type(e).__name__, "message": machine_neutral(str(e)),
             "traceback": [machine_neutral(line) for line in lines[-TAIL_LINES:]]}
+
+
+def say(msg: str) -> None:
+    print(f"[fxpipe.check] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- the kit's model
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def model_shape(dry_run: bool) -> dict[str, int]:
+    """Dims of the Llama-style model: tiny for a dry run; else fp32 parameters about a
+    quarter of one GPU's memory, capped at 8% of host RAM."""
+    if dry_run:
+        return dict(vocab=256, dim=64, heads=4, depth=4, batch=4, seq=32)
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    budget = min(0.25 * gpu, 0.08 * host_memory())
+    dim = 2048
+    per_block = 12 * dim * dim * 4          # attention 4d^2 + MLP 6d^2 (+ margin), fp32
+    depth = max(2, min(64, int(budget // per_block)))
+    return dict(vocab=32000, dim=dim, heads=16, depth=depth, batch=4, seq=1024)
+
+
+def devices(n: int, dry_run: bool) -> list[Any]:
+    if dry_run:
+        return [fxpipe.VirtualDevice(semantics="cuda") for _ in range(n)]
+    return [f"cuda:{i}" for i in range(n)]
+
+
+def settle(dry_run: bool) -> None:
+    """Between sections and between variants: drop garbage and (GPUs) give the caching
+    allocator's free blocks back, so the next phase starts from a clean allocator."""
+    gc.collect()
+    if not dry_run and torch.cuda.is_available():
+        sync_fn(False)()
+        torch.cuda.empty_cache()
+
+
+def call_path(pipe) -> dict[str, int]:
+    """How many stage runs the last call made (each as its generated code)."""
+    s = pipe.stats()
+    return {k: s[k] for k in ("generated_runs",) if k in s}
+
+
+def build_model(shape: dict) -> TinyLlama:
+    return TinyLlama(vocab=shape["vocab"], dim=shape["dim"], heads=shape["heads"], depth=shape["depth"])
+
+
+def model_and_batch(shape: dict) -> tuple[TinyLlama, torch.Tensor, torch.Tensor]:
+    """The kit's model (seeded) and its batch, for ``shape``."""
+    torch.manual_seed(0)
+    ids, target = progression_batch(shape["batch"], shape["seq"], shape["vocab"],
+                                    torch.Generator().manual_seed(0))
+    return build_model(shape), ids, target

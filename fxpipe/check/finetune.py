@@ -1,5 +1,5 @@
 """bf16 fine-tuning of Hugging Face models from host memory, measured: the ``finetune``
-section of ``python -m fxpipe.check`` and ``benchmarks/bench_finetune.py``.
+section of ``python -m fxpipe.check`` (:func:`finetune`) and ``benchmarks/bench_finetune.py``.
 
 Three runs, each an element of ``finetune.runs``:
 
@@ -55,7 +55,9 @@ import torch
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.check_common import error_record, unsampled
+from fxpipe.check.common import error_record, link_bandwidth, say, sync_fn, timed, unsampled
+from fxpipe.check.harness import Kit
+from fxpipe.runtime.trace import compute_busy_ms
 
 TOKENS_PER_MICROBATCH = 4096
 MICROBATCHES = 16
@@ -390,8 +392,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
         h2d, d2h = ctx["link"]
         predicted = fxpipe.simulate(pipe, Hardware(h2d_bandwidth=h2d, d2h_bandwidth=d2h),
                                     num_microbatch=M).makespan / 1e3 if sampled else None
-        busy = sum(iv.end - iv.start for iv in rec.timeline.intervals
-                   if iv.device == 0 and iv.stream == "compute")
+        busy = compute_busy_ms(rec.timeline.intervals, 0)
         out.update({
             "step_s": statistics.median(times), "step_s_all": times,
             "first_loss": losses[0], "losses": losses,
@@ -545,6 +546,26 @@ def summary(row: dict[str, Any]) -> str:
     return (f"  {row['mode']} {row['model']} ({row['params'] / 1e9:.2f} B): "
             f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
             f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, {eager}")
+
+
+# ---------------------------------------------------------------------------- the kit's section
+
+def finetune(kit: Kit) -> dict[str, Any]:
+    """The kit's ``finetune`` section: every run against eager ``transformers``; each
+    run's row written to the JSON at once (``kit.progress``)."""
+    sync = sync_fn(kit.dry_run)
+    link = link_bandwidth(kit.dry_run)
+    ctx = context(kit.dry_run, kit.num, lambda fn, warmup, repeats: timed(fn, warmup, repeats, sync),
+                  sync, link)
+    head = {"peak_bf16_tflops": ctx["peak_tflops"], "h2d_bytes_per_s": link[0],
+            "d2h_bytes_per_s": link[1]}
+    rows = run_all(ctx, backends=kit.stage_backends,
+                   on_row=lambda rows: kit.progress({**head, "runs": rows}), say=say)
+    return {**head, "runs": rows, "ok": bool(rows) and all(r["ok"] for r in rows)}
+
+
+def finetune_summary(r: dict[str, Any]) -> str:
+    return "; ".join(summary(row).strip() for row in r["runs"])
 
 
 # ---------------------------------------------------------------------------- predicted

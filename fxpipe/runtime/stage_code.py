@@ -23,6 +23,11 @@ events on a GPU), and, in the recompute for backward, each node of the stage's
 
 Under ``RunConfig(stage_backend="inductor" | "auto")`` every other run of one layer's
 nodes is one call of its compiled code (``runtime.compiled.compile_layers``).
+
+Not to be confused with: ``runtime.executor``, which runs a call's whole Program (every
+action, transfers included, on the devices' streams); ``runtime.compute``, the handlers
+of its compute actions, which call :func:`run_stage` here on the values the transfers
+left; ``runtime.compiled``, which compiles a layer's nodes for a stage backend.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Attention with dropout whose kernel does not depend on the grad mode.
+
+``scaled_dot_product_attention`` picks its kernel (flash, memory-efficient, cuDNN, math)
+partly by whether its inputs require grad, and the kernels draw their dropout masks
+differently. fxpipe runs a stage's forward without grad and recomputes it with grad for
+the backward (``fxpipe.passes.recompute``): where the two picks differed, the recompute's
+masks would not be the forward's, and the gradients would be those of another forward.
+
+So an attention with dropout runs as it would with grad, always
+(:func:`scaled_dot_product_attention`): the forward and the recompute pick the same
+kernel, and draw the same masks from the layer's seed (``fxpipe.runtime.rng``). It costs
+the autograd record of one op in the forward; an attention without dropout runs as it is.
+
+- Captured graphs call it in place of ``F.scaled_dot_product_attention`` (or ``aten``'s)
+  wherever ``dropout_p`` is not ``0`` (``fxpipe.passes.partition``): it shows in the stage
+  code as ``fxpipe_attention_scaled_dot_product_attention(...)``.
+- A block run as its own module (``fxpipe.passes.blocks``) in training mode runs under
+  :class:`SameKernelMode`, which sends its attention calls here.
+
+>>> q = torch.randn(1, 2, 4, 8)
+>>> with torch.no_grad():
+...     out = scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+>>> out.shape, out.requires_grad
+(torch.Size([1, 2, 4, 8]), False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, run as it is run with grad when ``dropout_p`` is
+    not 0: its kernel, so its dropout masks, are those of the recompute."""
+    kw: dict[str, Any] = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+    qkv = (query, key, value)
+    if not dropout_p or (torch.is_grad_enabled() and any(t.requires_grad for t in qkv)):
+        return F.scaled_dot_product_attention(*qkv, **kw)
+    with torch.enable_grad():   # as the recompute of a trainable layer calls it
+        out = F.scaled_dot_product_attention(*(t.detach().requires_grad_() for t in qkv), **kw)
+    return out.detach()
+
+
+class SameKernelMode(TorchFunctionMode):
+    """Sends every attention call made under it to :func:`scaled_dot_product_attention`
+    (a block run as its module, whose code fxpipe does not rewrite); ``seen``: whether one
+    of them had dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _SDPA:
+            return func(*args, **kwargs)
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        self.seen = self.seen or bool(dropout)
+        return scaled_dot_product_attention(*args, **kwargs)

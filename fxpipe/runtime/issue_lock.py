@@ -1,0 +1,71 @@
+"""The issue lock, and host work that blocks inside it.
+
+One issue thread at a time runs an action's Python on a device that runs it when it is
+submitted (``Device.runs_at_issue``: a GPU's host part, an ``InlineDevice``). Every torch
+op lets go of the GIL; with several threads wanting it, each op would hand it to another
+thread and wait to get it back. So the executor takes this lock around each such submit
+(:func:`issuing`).
+
+Work inside it that blocks the host — a copy from or to pageable memory, a dtype
+conversion on the host, a copy into a page-locked ring block, registering memory with
+CUDA, waiting for a host-lane or collective event — would stall every other GPU's issue
+for as long. It runs under :func:`blocking`, which lets go of the lock and takes it back
+afterwards (docs/design.md, rule 15).
+
+>>> with issuing(True):
+...     held = holding()
+...     with blocking():
+...         released = not holding()
+>>> held, released, holding()
+(True, True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+_ISSUING = threading.Lock()
+
+
+class _Holding(threading.local):
+    on: bool = False
+
+
+_HOLDING = _Holding()
+
+
+def holding() -> bool:
+    """Whether this thread holds the issue lock now."""
+    return _HOLDING.on
+
+
+@contextlib.contextmanager
+def issuing(take: bool) -> Iterator[None]:
+    """Hold the issue lock (when ``take``: the device runs its work at issue)."""
+    if not take:
+        yield
+        return
+    with _ISSUING:
+        _HOLDING.on = True
+        try:
+            yield
+        finally:
+            _HOLDING.on = False
+
+
+@contextlib.contextmanager
+def blocking() -> Iterator[None]:
+    """Host work that blocks runs here: with the issue lock let go if this thread holds
+    it (other devices' issue goes on meanwhile), taken back after."""
+    if not _HOLDING.on:
+        yield
+        return
+    _HOLDING.on = False
+    _ISSUING.release()
+    try:
+        yield
+    finally:
+        _ISSUING.acquire()
+        _HOLDING.on = True
