@@ -7,10 +7,12 @@ thread and wait to get it back. So the executor takes this lock around each such
 (:func:`issuing`).
 
 Work inside it that blocks the host — a copy from or to pageable memory, a dtype
-conversion on the host, a copy into a page-locked ring block, registering memory with
-CUDA, waiting for a host-lane or collective event — would stall every other GPU's issue
+conversion on the host, a copy into a page-locked ring block, registering a file map's
+window with CUDA, waiting for a host-lane or collective event — would stall every other GPU's issue
 for as long. It runs under :func:`blocking`, which lets go of the lock and takes it back
-afterwards (docs/design.md, rule 15).
+afterwards (docs/design.md, rule 15). Never while holding another lock that an issue
+thread may wait for under the issue lock (a pool's, a ring's): taking the issue lock back
+would then deadlock.
 
 >>> with issuing(True):
 ...     held = holding()

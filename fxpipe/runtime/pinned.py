@@ -234,9 +234,10 @@ def _release(start: int, size: int, registered: bool, account: Account | None,
 
 
 def _cuda_register(start: int, size: int) -> None:
+    # not under ``blocking()``: a pool or ring allocates under its own lock, and an issue
+    # thread taking the issue lock back while another waits for that lock would deadlock
     torch.cuda.init()
-    with blocking():   # pinning the pages takes a while: not under the issue lock
-        rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
+    rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
     if _error_code(rc):
         raise RuntimeError(
             f"cudaHostRegister of {size} B of host memory failed (cudaError {_error_code(rc)}): "
