@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
-         torch.ops.aten.scaled_dot_product_attention.default}
+SDPA = frozenset({torch._C._nn.scaled_dot_product_attention,
+                  torch.ops.aten.scaled_dot_product_attention,
+                  torch.ops.aten.scaled_dot_product_attention.default})
+"""What an attention call is, in a graph or under a function mode: ``F``'s and aten's."""
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,7 +65,7 @@ class SameKernelMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _SDPA:
+        if func not in SDPA:
             return func(*args, **kwargs)
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         self.seen = self.seen or bool(dropout)

@@ -73,15 +73,12 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         return partition(gm, model, containers[:1])  # the other lists do not run in sequence
 
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
-
-
 def same_attention_kernels(gm: fx.GraphModule) -> None:
     """Each attention with dropout in ``gm`` calls ``fxpipe.attention``'s, which picks the
     kernel, so the dropout masks, of the recompute in the forward too."""
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _SDPA and is_random(n):
+        if n.op == "call_function" and n.target in attention.SDPA and is_random(n):
             n.target, changed = attention.scaled_dot_product_attention, True
     if changed:
         gm.recompile()
