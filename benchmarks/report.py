@@ -395,10 +395,7 @@ def _gpu_check(d: dict) -> list[str]:
                      "streams, events and copies: the cross-device ordering code on real CUDA"])
     g = d.get("generate")
     if g and g.get("ok"):
-        rows.append(["`pipe.generate` (KV cache) tokens equal `transformers`' `generate`",
-                     "yes" if g["same_tokens"] else f"agreement {g['token_agreement']:.3f}",
-                     f"{g['tokens_per_s']['fxpipe']:,.0f} tokens/s, {g['over_transformers']:.2f}× "
-                     f"transformers with every weight resident (the cache on the host)"])
+        rows += _kit_generate(g)
     for r in d.get("finetune", {}).get("runs", []):
         e = r.get("eager", {})
         figure = (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}" if r.get("ok") else
@@ -462,26 +459,81 @@ def _finetune(d: dict) -> list[str]:
     return out
 
 
+def _kit_generate(g: dict) -> list[list[str]]:
+    """The kit's ``generate`` rows: per ``kv_cache`` (a model bigger than the device, against
+    the weights-over-link bound), or the one row of a JSON from before the variants."""
+    if "variants" not in g:
+        return [["`pipe.generate` (KV cache) tokens equal `transformers`' `generate`",
+                 "yes" if g["same_tokens"] else f"agreement {g['token_agreement']:.3f}",
+                 f"{g['tokens_per_s']['fxpipe']:,.0f} tokens/s, {g['over_transformers']:.2f}× "
+                 f"transformers with every weight resident (the cache on the host)"]]
+    rows = []
+    for kv, v in g["variants"].items():
+        name = (f"`pipe.generate(kv_cache=\"{kv}\")`, weights {g['weights_over_limit']:.2f}× "
+                "the device's cap: tokens/s / the weights-over-link bound")
+        if not v["ran"]:
+            rows.append([name, "refused", v["refused"].split(". Nothing ran")[0]])
+            continue
+        tokens = "same tokens" if v["same_tokens"] else f"token agreement {v['token_agreement']:.3f}"
+        resident = ", ".join(map(str, v["resident_stages"])) or "none"
+        rows.append([name, f"{v['over_bound']:.2f}",
+                     f"{v['tokens_per_s']:,.0f} of {g['bound_tokens_per_s']:,.0f} tokens/s "
+                     f"({g['bound_from']}, {g['h2d_bytes_per_s'] / 1e9:.0f} GB/s); {tokens} as "
+                     f"`transformers` with every weight resident "
+                     f"({g['transformers']['tokens_per_s']:,.0f} tokens/s); caches resident: "
+                     f"stages {resident}"])
+    return rows
+
+
 def _generate_measured(d: dict) -> list[str]:
     m = d["measured"]["model"]
     rows = [[name, f"{r['tokens_per_s_max']:,.1f} ({r['tokens_per_s_median']:,.1f})",
              f"{r['over_transformers_median']:.2f}", "yes" if r["same_tokens"] else "NO"]
             for name, r in d["measured"]["rows"].items()]
+    moved = [[name, mb(b["h2d_bytes_params"]), mb(b["d2h_bytes_cache"]),
+              mb(b["h2d_bytes_activations"]), mb(b["d2h_bytes_activations"]),
+              (", ".join(map(str, b["resident_stages"])) or "none") if "resident_stages" in b else "–"]
+             for name, r in d["measured"]["rows"].items() if "bytes_per_step" in r
+             for b in [r["bytes_per_step"]]]
     return [f"A Llama-style model of {m['parameters'] / 1e6:.1f}M parameters ({m['layers']} blocks, "
             f"hidden {m['hidden']}), batch {m['batch']}, a {m['prompt']}-token prompt, "
-            f"{m['new']} new tokens, 2 virtual CPU devices.", ""] + table(
-        ["", "tokens/s, max (median)", "/ transformers (median)", "same tokens"], rows)
+            f"{m['new']} new tokens, 2 virtual CPU devices; `kv` is `kv_cache`, `mb` "
+            "`num_microbatch`.", ""] + table(
+        ["", "tokens/s, max (median)", "/ transformers (median)", "same tokens"], rows) + [
+        "", f"Bytes one decode step moved (the last; `pipe._generation[-1].pipe.stats()`; "
+        f"without a cache: its last call, the whole sequence). The weights are "
+        f"{mb(m['weight_bytes'])} (the tied embedding once; the two stages that use it "
+        "each upload it); `h2d params` counts each stage's uploaded weights and the caches "
+        "streamed with them.", ""] + table(
+        ["", "h2d params", "d2h cache", "h2d activations", "d2h activations",
+         "stages with a resident cache"], moved)
 
 
 def _generate_simulated(d: dict) -> list[str]:
     s = d["simulated"]
-    rows = [[r["model"], f"{r['gpus']} × {r['gpu']}", r["batch"], f"{r['step_ms']:,.0f}",
-             f"{r['tokens_per_s']:,.2f}", f"{r['bound_tokens_per_s']:,.2f}",
-             f"{r['host_bytes'] / 1e9:,.0f}", "; ".join(r["published"]) or "–"] for r in s["rows"]]
-    return [f"A decode step at {s['context']} + {s['new']} tokens of context, fp16 weights, "
-            "the KV cache in host memory (as fxpipe keeps it). Simulated, not run.", ""] + table(
-        ["model", "GPUs", "batch", "step ms", "tokens/s (simulated)",
-         "bound: weights over the link", "host GB (weights and cache)",
+    key = lambda r: (r["model"], r["gpu"], r["gpus"], r.get("microbatches", 1))  # noqa: E731
+    device = {key(r): r for r in s["rows"] if r["kv_placement"] == "device"}
+
+    def cells(r: dict) -> list[str]:
+        if not r.get("fits", True):
+            return ["no fit", "–"]
+        return [str(r["batch"]), f"{r['tokens_per_s']:,.2f}"]
+
+    rows = []
+    for h in (r for r in s["rows"] if r["kv_placement"] == "host"):
+        g = device[key(h)]
+        both = h.get("fits", True) and g.get("fits", True)
+        rows.append([h["model"], f"{h['gpus']} × {h['gpu']}", h.get("microbatches", 1),
+                     *cells(h), f"{h['host_bytes'] / 1e9:,.0f}", *cells(g),
+                     f"{g['bound_tokens_per_s']:,.2f}" if g.get("fits", True) else "–",
+                     f"{g['tokens_per_s'] / h['tokens_per_s']:.2f}" if both else "–",
+                     "; ".join(h["published"]) or "–"])
+    return [f"A decode step at {s['context']} + {s['new']} tokens of context, fp16 weights; "
+            "the KV cache in host memory, streamed with its layer (`host`), or resident on "
+            "the GPUs (`device`). Simulated, not run.", ""] + table(
+        ["model", "GPUs", "microbatches", "host: batch", "host: tokens/s (simulated)",
+         "host GB (weights and cache)", "device: batch", "device: tokens/s (simulated)",
+         "bound at the device batch: weights over the links", "device / host",
          "published (their setups)"], rows)
 
 
@@ -590,18 +642,25 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "checkpoint's safetensors by memory map: frozen ones stay file-backed (read from the "
      "page cache), against loading the same model with `from_pretrained` first.", _big_weights),
     ("Generation", "bench_generate.json", "measured",
-     "`pipe.generate` (KV cache) against `transformers`' `model.generate` (KV cache, eager "
-     "on the CPU, its weights never move) and fxpipe without a cache (the whole sequence "
-     "per token), greedy, interleaved rounds after a warm-up. A virtual device computes on "
-     "one intra-op thread (every fxpipe worker does) and copies each stage's weights and "
-     "cache into its memory every token; transformers computes in place on both cores.",
+     "`pipe.generate` with its KV cache on the host (`kv_cache=\"host\"`: each stage's "
+     "weights and cache uploaded every token, the new position written back), resident on "
+     "the devices (`\"device\"`) or placed by memory (`\"auto\"`; the virtual devices "
+     "have no `memory_limit`, so every cache stays), each in 1 and 2 microbatches, against "
+     "`transformers`' `model.generate` (KV cache, eager on the CPU, its weights never move) "
+     "and fxpipe without a cache (the whole sequence per token), greedy, interleaved rounds "
+     "after a warm-up. A virtual device computes on one intra-op thread (every fxpipe worker "
+     "does) and copies each stage's weights (and streamed cache) into its memory every "
+     "token; transformers computes in place on both cores.",
      _generate_measured),
     ("Generation on GPUs, simulated", "bench_generate.json", "simulated",
      "`fxpipe.simulate` over the Program a decode step runs (every decoder layer a stage, "
-     "round-robin over the GPUs), per layer its weights and KV cache over the host link and "
-     "its FLOPs at the preset's rate; the batch is the largest power of two (up to 1024) "
-     "whose two resident stages fit a GPU. The cache's write-back (the other link "
-     "direction) is not timed.", _generate_simulated),
+     "round-robin over the GPUs; one microbatch, or one per GPU), per layer its FLOPs at the "
+     "preset's rate and over the host link its weights, plus its KV cache when the cache "
+     "is on the host. The batch is the largest power of two (up to 1024) that fits 90% of a "
+     "GPU: with the cache on the host, two layers' weights and caches (the stage and the one "
+     "it prefetches); resident, the caches of all the GPU's layers and two layers' weights; "
+     "and the activations. The host cache's write-back (the other link direction) is not "
+     "timed.", _generate_simulated),
     ("Capture", "bench_capture.json", "seconds",
      "Capturing a tiny Swin and a tiny Qwen3-Next with every dim symbolic, with the batch dim "
      "symbolic only (what `capture=\"auto\"` uses), and at block granularity.", _capture),
@@ -769,11 +828,15 @@ def headline() -> list[str]:
     gen = load("bench_generate.json")
     if gen and "measured" in gen:
         measured = gen["measured"]["rows"]
-        cached, uncached = measured["pipe.generate (KV cache)"], measured["fxpipe without a cache"]
+        host, device = measured["pipe.generate kv=host mb=1"], measured["pipe.generate kv=device mb=1"]
+        uncached = measured["fxpipe without a cache"]
+        same = all(r["same_tokens"] for r in measured.values())
         rows.append(["`pipe.generate` (KV cache) tokens/s on 2 virtual CPU devices / transformers' "
-                     "`generate` with its weights in place", f"{cached['over_transformers_median']:.2f} "
-                     f"(same tokens; {cached['tokens_per_s_median'] / uncached['tokens_per_s_median']:.1f}× "
-                     "fxpipe without a cache)", "generation"])
+                     "`generate` with its weights in place", f"{host['over_transformers_median']:.2f} "
+                     f"(cache on the host), {device['over_transformers_median']:.2f} (resident)"
+                     f"{'; same tokens' if same else '; TOKENS DIFFER'}; "
+                     f"{host['tokens_per_s_median'] / uncached['tokens_per_s_median']:.1f}× "
+                     "fxpipe without a cache", "generation"])
     big = load("bench_big_weights.json")
     if big and "summary" in big:
         w, f = big["summary"]["weights"], big["summary"]["from_pretrained"]

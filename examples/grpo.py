@@ -97,8 +97,9 @@ def main() -> int:
     start = time.perf_counter()
     for r in range(rounds):
         model.eval()
+        # the KV cache stays on the devices where it fits; the batch decodes in microbatches
         seqs = pipe.generate(ids, mask, max_new_tokens=new, do_sample=True, temperature=1.0,
-                             generator=gen)
+                             generator=gen, kv_cache="auto")
         score = reward(seqs[:, prompt:], vocab)
         rewards.append(score.mean().item())
         adv = group_advantages(score, group)

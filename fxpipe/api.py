@@ -244,8 +244,10 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
                  devices: list[Device], capture: str | Callable[[], fx.GraphModule],
                  layers: str | Sequence[str] | None, config: RunConfig,
                  plan: ExecutePlan | None, param_dtype: torch.dtype | None = None,
-                 pin_memory: bool | None = None, dp: DataParallel | None = None):
+                 pin_memory: bool | None = None, dp: DataParallel | None = None,
+                 infer_only: bool = False):
         super().__init__()
+        self._infer_only = infer_only   # planned for inference (a generation's step pipe)
         self._dp = dp
         self._sync = True   # pipe.no_sync() sets it False
         self.module = model
@@ -294,7 +296,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         compiled.base = compiled
         # planned now, so a plan that cannot be (or the user's, if bad) fails before
         # anything runs: the chain forward_backward runs unless asked for the logits
-        compiled.trimmed(self.module).plan
+        (compiled if self._infer_only else compiled.trimmed(self.module)).plan
         self._cache.append(compiled)
         return compiled
 
@@ -303,7 +305,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         cfg = self._config(None)
         with gc_paused():
             plan = self._user_plan or ExecutePlan.auto(
-                "fused", _Planned(lg, self.devices, cfg), num_microbatch=cfg.num_microbatch,
+                "infer" if self._infer_only else "fused", _Planned(lg, self.devices, cfg),
+                num_microbatch=cfg.num_microbatch,
                 recompute_grain=cfg.recompute_grain)
         plan.validate(len(lg), run_type_of(plan, len(lg)))
         return plan
@@ -417,7 +420,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
                  temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int | None = None, generator: torch.Generator | None = None,
-                 streamer: Any = None, kv_cache: Literal["host"] = "host") -> torch.Tensor:
+                 streamer: Any = None, kv_cache: Literal["host", "device", "auto"] = "host",
+                 num_microbatch: int | None = None) -> torch.Tensor:
         """Generate continuations of ``input_ids`` (``[batch, prompt]``, left-padded, with
         ``attention_mask``) with a KV cache, as ``transformers``' ``model.generate``
         does for a decoder-only causal LM: returns ``[batch, prompt + new]`` token ids,
@@ -427,10 +431,15 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         ``end()`` as transformers' streamers do.
 
         The prompt runs through the stages once (prefill), then each new token of the
-        whole batch (one microbatch, each stage's weights uploaded once per token). Each
-        layer's KV cache lives in host memory and streams in with its layer's weights;
-        its writes go back as the stage's buffer writebacks (``kv_cache="host"``, the
-        only placement yet: ``"device"`` raises ``NotImplementedError``). The weights are the ones
+        whole batch, split into ``num_microbatch`` microbatches (default one; at most one
+        per sequence) that flow round-robin so several devices compute at once, each
+        stage's weights uploaded once per token for all of them. ``kv_cache``: ``"host"``, each layer's cache lives
+        in host memory, streams in with its layer's weights and only the positions a
+        call wrote go back; ``"device"``, every stage's cache stays on the device that
+        runs it for the whole call (uploaded at the first decode step, never written
+        back; refused with the numbers before anything runs if a device cannot hold
+        its caches, two stages' weights and the activations); ``"auto"``, per stage,
+        the caches that fit stay (``fxpipe.kv_placement``). The weights are the ones
         training uses (one host copy): after ``forward_backward(..., optimizer=...)`` the
         next ``generate`` sees the update, with no re-compile. See
         ``fxpipe.generation`` and docs/generate.md."""
@@ -439,7 +448,17 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                         do_sample=do_sample, temperature=temperature, top_k=top_k,
                         top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                        generator=generator, streamer=streamer, kv_cache=kv_cache)
+                        generator=generator, streamer=streamer, kv_cache=kv_cache,
+                        num_microbatch=num_microbatch)
+
+    def _place_cache(self, steps: Any, kv_cache: str, num_microbatch: int):
+        """Where ``steps``' decode keeps each stage's KV cache (``kv_placement.place_cache``;
+        decided once per step module, placement and microbatch count)."""
+        from fxpipe.kv_placement import place_cache
+        key = (kv_cache, num_microbatch)
+        if key not in steps.placements:
+            steps.placements[key] = place_cache(steps, kv_cache, num_microbatch)
+        return steps.placements[key]
 
     def _generation_steps(self, batch: int, length: int):
         """The compiled step module for ``batch`` sequences of up to ``length`` tokens:
@@ -463,7 +482,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
                 pipe = PipelineModule(
                     step, step.example(1), {}, devices=self.devices, capture=self._capture,
                     layers=None, config=RunConfig.merge(self.config, RunConfig(num_microbatch=1)),
-                    plan=None, param_dtype=self.param_dtype, pin_memory=self.pin_memory)
+                    plan=None, param_dtype=self.param_dtype, pin_memory=self.pin_memory,
+                    infer_only=True)
                 pipe._compiled_for(step.example(3), {})   # prefill: every prompt length > 1
             steps = Steps(step, pipe)
             self._generation.append(steps)

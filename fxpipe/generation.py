@@ -35,9 +35,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxpipe.runtime.params import mark_scratch
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+from fxpipe.config import RunConfig
+from fxpipe.runtime.params import is_scratch, mark_scratch
+from fxpipe.runtime.scratch import ResidentBuffers, ScratchUse, scratch_use
 
 __all__ = ["StepModule", "generate", "sample_next"]
+
+SPLIT = ((TensorChunkSpec(0), TensorChunkSpec(0), TensorChunkSpec(0), _Replicate), None)
+"""How a step call splits into microbatches: the ids, the mask and the positions by row,
+the cache positions (the same for every row) whole."""
+KV_CACHE = ("host", "device", "auto")
 
 BUCKET = 64
 """The cache length is the prompt plus ``max_new_tokens`` rounded up to a multiple of
@@ -88,10 +97,14 @@ def _make_cache(config: Any, keys: list[torch.Tensor], values: list[torch.Tensor
             return self._cache.positions[0]
 
         def update(self, key_states, value_states, *args, **kwargs):
+            # the call's rows: the runtime serves a microbatch its own rows of the cache
+            # (``runtime.scratch``), and the graph stays generic in the batch
+            rows = key_states.shape[0]
+            keys, values = self.keys.narrow(0, 0, rows), self.values.narrow(0, 0, rows)
             positions = self._cache.positions
-            self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
-            self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
-            return self.keys, self.values
+            keys.index_copy_(2, positions, key_states.to(keys.dtype))
+            values.index_copy_(2, positions, value_states.to(values.dtype))
+            return keys, values
 
     # every layer keeps every position, sliding-window ones too: their masks (absolute
     # positions, from get_mask_sizes) drop what is out of the window
@@ -288,20 +301,53 @@ def _check_inputs(model: nn.Module, input_ids, attention_mask, length: int,
     return mask
 
 
+def _check_kv_cache(kv_cache: Any) -> None:
+    if kv_cache not in KV_CACHE:
+        raise ValueError(f"pipe.generate: kv_cache must be one of {KV_CACHE}, got {kv_cache!r}")
+
+
+def _microbatches(num_microbatch: int | None, batch: int) -> int:
+    """The decode's microbatches: as given (at most one per sequence), else one. A decode
+    step streams every stage's weights and computes little: more microbatches let the
+    devices compute at once, but each adds its actions' host time (measured on 2 virtual
+    CPU devices: 2 microbatches at 0.65x the speed of one, the same bytes moved;
+    simulated on 8 H100s: 8 microbatches 4 % faster, docs/generate.md)."""
+    if num_microbatch is None:
+        return 1
+    if isinstance(num_microbatch, bool) or not isinstance(num_microbatch, int) or \
+            not 1 <= num_microbatch <= batch:
+        raise ValueError(f"pipe.generate: num_microbatch must be an int in [1, {batch}] (the "
+                         f"batch's sequences), got {num_microbatch!r}")
+    return num_microbatch
+
+
+def _row_ranges(batch: int, n: int) -> tuple[tuple[int, int], ...]:
+    """The ``[start, stop)`` rows of each of the ``n`` microbatches ``torch.tensor_split``
+    cuts ``batch`` rows into."""
+    out, start = [], 0
+    for i in range(n):
+        stop = start + batch // n + (1 if i < batch % n else 0)
+        out.append((start, stop))
+        start = stop
+    return tuple(out)
+
+
+def cache_tensors(steps: Steps, stage: Any) -> list[torch.Tensor]:
+    """The KV cache tensors (host) a decode stage reads."""
+    buffers = steps.compiled()[1].layers.buffers
+    return list({id(t): t for f in stage.params if f in buffers
+                 for t in [buffers[f]] if is_scratch(t)}.values())
+
+
 def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              max_new_tokens: int | None = None, do_sample: bool | None = None,
              temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, generator: torch.Generator | None = None,
-             streamer: Any = None, kv_cache: str = "host") -> torch.Tensor:
+             streamer: Any = None, kv_cache: str = "host",
+             num_microbatch: int | None = None) -> torch.Tensor:
     """See ``PipelineModule.generate``."""
-    if kv_cache != "host":
-        if kv_cache in ("device", "auto"):
-            raise NotImplementedError(
-                f"pipe.generate(kv_cache={kv_cache!r}): keeping the KV cache resident on the "
-                "devices is not implemented yet; kv_cache='host' keeps it in host memory, "
-                "streamed in with each layer")
-        raise ValueError(f"pipe.generate: kv_cache must be 'host', got {kv_cache!r}")
+    _check_kv_cache(kv_cache)
     model = pipe.module
     _check_model(model)
     opts = _options(model, max_new_tokens, do_sample, temperature, top_k, top_p,
@@ -311,9 +357,28 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
                          opts.pad).cpu()
     input_ids = input_ids.long().cpu()     # the pipe uploads what its stages need
     batch = input_ids.shape[0]
+    microbatches = _microbatches(num_microbatch, batch)
     steps = pipe._generation_steps(batch, prompt + opts.max_new_tokens)
     length = steps.module.length
+    placement = pipe._place_cache(steps, kv_cache, microbatches)   # may refuse: nothing ran yet
+    steps.microbatches, steps.placement = microbatches, placement
     steps.module.reset()
+    resident = ResidentBuffers(placement.kept) if placement.kept else None
+    try:
+        return _loop(steps, input_ids, mask, prompt, length, opts, generator, streamer,
+                     _row_ranges(batch, microbatches), resident)
+    finally:
+        if resident is not None:
+            resident.close()
+
+
+def _loop(steps: Steps, input_ids: torch.Tensor, mask: torch.Tensor, prompt: int,
+          length: int, opts: Options, generator, streamer,
+          rows: tuple[tuple[int, int], ...], resident: ResidentBuffers | None) -> torch.Tensor:
+    """The prefill, then a decode step per new token (``generate``'s loop). The prefill
+    writes the prompt's positions back to the host cache; the decode steps keep the
+    caches ``resident`` holds on their devices (the first step uploads them)."""
+    batch = input_ids.shape[0]
 
     full = torch.ones(batch, length, dtype=torch.long)
     full[:, :prompt] = mask
@@ -322,7 +387,8 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     unfinished = torch.ones(batch, dtype=torch.bool)
     if streamer is not None:
         streamer.put(input_ids)
-    logits = steps(input_ids, full, positions, torch.arange(prompt))
+    logits = steps(input_ids, full, positions, torch.arange(prompt),
+                   use=ScratchUse(rows=rows, written=(0, prompt)))
     for t in range(opts.max_new_tokens):
         token = sample_next(logits, do_sample=opts.do_sample, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, generator=generator)
@@ -336,7 +402,8 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
         if not bool(unfinished.any()) or t == opts.max_new_tokens - 1:
             break
         here = prompt + t
-        logits = steps(token[:, None], full, positions[:, -1:] + t + 1, torch.tensor([here]))
+        logits = steps(token[:, None], full, positions[:, -1:] + t + 1, torch.tensor([here]),
+                       use=ScratchUse(rows=rows, written=(here, here + 1), resident=resident))
     if streamer is not None:
         streamer.end()
     return sequences
@@ -350,10 +417,20 @@ class Steps:
     def __init__(self, module: StepModule, pipe):
         self.module = module
         self.pipe = pipe
+        self.microbatches = _microbatches(None, module.batch)
+        self.placement: Any = None   # the last generate's (kv_placement.CachePlacement)
+        self.placements: dict[tuple[str, int], Any] = {}   # by (kv_cache, microbatches)
 
-    def __call__(self, input_ids, attention_mask, position_ids, cache_position):
-        with torch.no_grad():
-            return self.pipe(input_ids, attention_mask, position_ids, cache_position)
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position,
+                 use: ScratchUse | None = None):
+        """One call: ``use`` says which rows each microbatch is (the batch split into
+        ``len(use.rows)``), which cache positions it writes and which caches stay on the
+        devices (``runtime.scratch``); without it, one microbatch and whole caches."""
+        use = use or ScratchUse()
+        cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=SPLIT)
+        with torch.no_grad(), scratch_use(use):
+            return self.pipe(input_ids, attention_mask, position_ids, cache_position,
+                             run_config=cfg)
 
     def compiled(self):
         """The (prefill, decode step) graphs (``graph_cache.CompiledGraph``), in the
@@ -365,8 +442,27 @@ class Steps:
         return last[False], last[True]
 
     def executables(self):
-        """The (prefill, decode step) Executables: what their calls run."""
-        return tuple(self.pipe._executable("infer", 1, compiled=c) for c in self.compiled())
+        """The (prefill, decode step) Executables: what the last ``generate``'s calls ran
+        (else the default's: one microbatch)."""
+        return tuple(self.pipe._executable("infer", self.microbatches, compiled=c)
+                     for c in self.compiled())
+
+    def cache_line(self) -> str:
+        """Where the last ``generate`` kept each decode stage's KV cache."""
+        placement = self.placement
+        stages = sorted(s for s, st in self.executables()[1].stages.items()
+                        if cache_tensors(self, st))
+        resident = sorted(placement.resident) if placement is not None else []
+        streamed = [s for s in stages if s not in resident]
+        kind = placement.kv_cache if placement is not None else "host"
+        parts = []
+        if resident:
+            parts.append(f"stages {resident} keep theirs on their device for the whole call "
+                         "(the first decode step's Prefetch uploads it; no writeback)")
+        if streamed:
+            parts.append(f"stages {streamed} stream theirs in with their weights and write "
+                         "back the new position")
+        return f"# KV cache (kv_cache={kind!r}): " + "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -376,11 +472,14 @@ class GenerationProgram:
 
     prefill: Any
     decode: Any
+    cache: str = ""      # where the decode keeps each stage's KV cache (Steps.cache_line)
 
     def __str__(self) -> str:
+        m = self.decode.num_microbatches
+        how = "the batch as one microbatch" if m == 1 else f"the batch in {m} microbatches"
         return ("# prefill: the prompts through every stage, once\n" + str(self.prefill).rstrip()
-                + "\n# each decode step: one new token of every sequence, the batch as one "
-                "microbatch\n" + str(self.decode).rstrip() + "\n")
+                + f"\n# each decode step: one new token of every sequence, {how}\n"
+                + (self.cache + "\n" if self.cache else "") + str(self.decode).rstrip() + "\n")
 
 
 def inspected_steps(pipe) -> Steps:

@@ -132,8 +132,9 @@ class Inspecting:
         """
         if run_type == "generate":
             from fxpipe.generation import GenerationProgram, inspected_steps
-            prefill, decode = inspected_steps(self).executables()
-            return GenerationProgram(prefill.program, decode.program)
+            steps = inspected_steps(self)
+            prefill, decode = steps.executables()
+            return GenerationProgram(prefill.program, decode.program, steps.cache_line())
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs, sync_gradients=sync_gradients,
                                 input_grads=self._input_grads(input_grads)).program
@@ -165,7 +166,9 @@ class Inspecting:
         or ``OptimizerStep`` reading its downloaded gradients, and the end of the call);
         bytes moved: ``h2d_bytes_params``,
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
-        ``d2h_bytes_activations``, ``d2h_bytes_grads``; ``generated_runs`` (stage runs,
+        ``d2h_bytes_activations``, ``d2h_bytes_grads``, ``d2h_bytes_cache`` (a
+        generation's KV cache written back: ``pipe.generate``'s step calls);
+        ``generated_runs`` (stage runs,
         each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``,
         the copies between a device and pageable (not page-locked) host memory, each of which blocks
         the issuing thread on a GPU (counted on GPUs and ``VirtualDevice(semantics="cuda")``;

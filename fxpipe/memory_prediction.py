@@ -113,11 +113,12 @@ class MemoryPrediction:
         return [dict(p.bytes) if p is not None else dict.fromkeys(KINDS, 0) for p in self.devices]
 
     def __str__(self) -> str:
-        head = "stage kind   layers  dev  " + "  ".join(f"{k:>11}" for k in KINDS) + "        total"
+        kinds = KINDS + (("cache",) if any(p.bytes.get("cache") for p in self.stages) else ())
+        head = "stage kind   layers  dev  " + "  ".join(f"{k:>11}" for k in kinds) + "        total"
         rows = [head]
         for p in self.stages:
             rows.append(f"{p.stage:>5} {p.kind:<6} {p.layers.start:>3}:{p.layers.stop:<3} {p.device:>4}  "
-                        + "  ".join(f"{human_bytes(p.bytes[k]):>11}" for k in KINDS)
+                        + "  ".join(f"{human_bytes(p.bytes[k]):>11}" for k in kinds)
                         + f"  {human_bytes(p.total):>11}")
         limit = f" of {human_bytes(self.limit)}" if self.limit else ""
         rows.append(f"peak {human_bytes(self.peak)}{limit}: "
@@ -135,7 +136,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
                    loss_fn: Callable[[Any, Any], Any] | None = None,
                    label: Any = None, batch: int | None = None,
                    max_length: int | None = None,
-                   return_outputs: bool = False) -> MemoryPrediction:
+                   return_outputs: bool = False,
+                   kv_cache: Literal["host", "device", "auto"] = "host") -> MemoryPrediction:
     """Predicted peak device bytes of every stage of a call, before running it.
 
     ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
@@ -173,9 +175,13 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
 
     ``run_type="generate"`` (a pipe over a Hugging Face causal LM): a decode step of
     ``pipe.generate`` for ``batch`` sequences of up to ``max_length`` tokens (default:
-    the last ``generate`` call's, else the example's batch and 64 tokens), one
-    microbatch; ``params`` counts each stage's KV cache with its weights (the cache
-    streams in with them).
+    the last ``generate`` call's, else the example's batch and 64 tokens) placing the
+    KV cache as ``pipe.generate(kv_cache=...)`` does (``fxpipe.kv_placement``):
+    ``"host"``, ``params`` counts each stage's cache with its weights (it streams in with
+    them); ``"device"``, every stage's ``cache`` counts what its device keeps resident for
+    all its stages; ``"auto"``, the caches that fit. With ``num_microbatch`` the Program
+    is the microbatched decode's; activations are costed for the whole batch (an upper
+    bound).
     """
     if run_type == "generate":
         from fxpipe.generation import inspected_steps
@@ -183,10 +189,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
             raise ValueError("predict_memory(run_type='generate') takes batch= and max_length= "
                              "together (or neither: the last generate call's)")
         steps = inspected_steps(pipe) if batch is None else pipe._generation_steps(batch, max_length)
-        decode = steps.compiled()[1]
-        fwd, _ = stage_ranges(decode.plan, "infer", len(decode.layers))
-        return predict_memory(decode.layers, StagePlan(fwd, []), run_type="infer",
-                              num_microbatch=1, num_devices=len(pipe.devices))
+        return pipe._place_cache(steps, kv_cache, num_microbatch or 1).prediction
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])
     config = getattr(pipe, "config", None)

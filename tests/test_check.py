@@ -87,6 +87,42 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert full["trainable_params"] == full["params"] and full["host_dtype"] == "float32"
     # LoRA downloads only the adapters' gradients; the full fine-tune every one, in fp32
     assert lora["d2h_bytes_grads"] < full["d2h_bytes_grads"]
+    check_generate(report["generate"])
+
+
+def check_generate(gen):
+    """The kit's ``generate`` at dry-run sizes: weights over twice the cap; the device's
+    caches cannot all stay (``"device"`` refused before it ran), ``"auto"`` keeps some,
+    ``"host"`` none; tokens/s against a bound labelled as a dry run's."""
+    assert gen["weights_over_limit"] > 2 and gen["cap_bytes"] < gen["weight_bytes"] / 2
+    assert gen["bound_from"].startswith("dry run") and gen["bound_tokens_per_s"] > 0
+    assert list(gen["variants"]) == ["host", "auto", "device"]
+    host, auto, device = gen["variants"].values()
+    assert not device["ran"] and "Nothing ran" in device["refused"]
+    for v in (host, auto):
+        assert v["ran"] and v["ok"] and v["token_agreement"] > 0.9
+        assert v["over_bound"] == pytest.approx(v["tokens_per_s"] / gen["bound_tokens_per_s"])
+        assert v["peak_counted_bytes"] <= gen["cap_bytes"]
+    assert host["resident_stages"] == [] and 0 < len(auto["resident_stages"]) < auto["decode_stages"]
+    # a resident cache is neither streamed in nor written back
+    assert auto["decode_step"]["h2d_bytes_params"] < host["decode_step"]["h2d_bytes_params"]
+    assert 0 < auto["decode_step"]["d2h_bytes_cache"] < host["decode_step"]["d2h_bytes_cache"]
+    # every weight crosses the link each decode step: the bound's premise
+    assert host["decode_step"]["h2d_bytes_params"] >= gen["weight_bytes"]
+
+
+def test_generate_section_fails_when_tokens_differ_or_a_streamed_variant_does_not_run():
+    from fxpipe.check.generate import agreement, variants_ok
+    ref = torch.arange(12).reshape(2, 6)
+    differ = ref.clone()
+    differ[:, 4:] += 1
+    assert agreement(ref.clone(), ref, 2) == {"same_tokens": True, "token_agreement": 1.0,
+                                              "ok": True}
+    assert agreement(differ, ref, 2)["ok"] is False and agreement(ref[:, :5], ref, 2)["ok"] is False
+    ran, refused = {"ran": True, "ok": True}, {"ran": False, "refused": "... Nothing ran ..."}
+    assert variants_ok({"host": ran, "auto": ran, "device": refused})
+    assert not variants_ok({"host": ran, "auto": ran, "device": {"ran": True, "ok": False}})
+    assert not variants_ok({"host": ran, "auto": refused, "device": ran})
 
 
 FINETUNE_KEYS = {"model", "mode", "params", "tokens_per_step", "step_s", "tokens_per_s",

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.passes.executable",),
     # planning above memory: the estimate, the algorithm, what users call
     ("fxpipe.memory_prediction",),
+    ("fxpipe.kv_placement",),                        # a generation's KV cache, from predictions
     ("fxpipe.passes.planner",),
     ("fxpipe.plan",),
     ("fxpipe.graph_cache",),                         # the graphs a pipe compiled

@@ -26,9 +26,13 @@ what came before (``in_progress`` names the section that was running):
    how many frozen parameters stayed file-backed, whether their pages were registered
    for DMA (else the bounded pinned ring carried them: ``ring_bytes``), the host stalls,
    and the losses against the same model loaded in memory;
-9. ``generate``: ``pipe.generate`` (KV cache) of a Hugging Face Llama from a config,
-   greedy over left-padded prompts, against ``transformers``' ``model.generate`` with
-   every weight resident on the same GPU: the tokens and the tokens per second;
+9. ``generate``: ``pipe.generate`` (KV cache) of a Hugging Face Llama from a config whose
+   weights are 2.2x a capped device's memory (as ``bigger_than_device``), greedy over
+   left-padded prompts, with ``kv_cache`` ``"host"``, ``"auto"`` and ``"device"`` (a
+   refusal recorded as such), against ``transformers``' ``model.generate`` with every
+   weight resident on the same GPU: the tokens, the tokens per second against the
+   weights-over-link bound (``batch x`` the measured pinned host->device bandwidth
+   ``/ weight bytes``), a decode step's bytes and the stages whose cache stayed resident;
 10. ``finetune``: bf16 fine-tuning of Hugging Face models from host memory (LoRA on the
     Llama-3.1-8B shape, a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
     step) against eager ``transformers`` with gradient checkpointing on the same GPU:
@@ -63,7 +67,8 @@ The model is a Llama-style decoder (``fxpipe.demo.TinyLlama``) sized to the GPU:
 parameters about a quarter of one GPU's memory (at most 8% of host RAM). ``--dry-run``
 runs the same code on two CPU virtual devices with a GPU's semantics
 (``VirtualDevice(semantics="cuda")``, ``memory_limit`` as the cap of
-``bigger_than_device``) and tiny models: what CI runs, so the kit cannot rot without a GPU.
+``bigger_than_device`` and ``generate``) and tiny models: what CI runs, so the kit cannot
+rot without a GPU.
 
 The package: ``harness`` runs the sections (the time budget, the alarm, the JSON written
 after each, failures recorded), ``sections`` lists them in order with their share of the

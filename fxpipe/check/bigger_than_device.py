@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 import fxpipe
-from fxpipe.check.common import host_memory, loss_fn, model_and_batch, settle, sync_fn, unsampled
+from fxpipe.check.common import (capped_devices, host_memory, loss_fn, model_and_batch, sync_fn,
+                                 unsampled)
 from fxpipe.check.harness import Kit
 
 
@@ -43,47 +44,36 @@ def bigger_than_device(kit: Kit, steps: int = 3) -> dict[str, Any]:
                            "weights_over_limit": weights / cap, "model": shape,
                            "num_microbatch": M, "param_dtype": "bfloat16",
                            "optimizer": "torch.optim.AdamW, streamed: forward_backward(optimizer=)"}
-    if kit.dry_run:
-        devices = [fxpipe.VirtualDevice(semantics="cuda", memory_limit=cap) for _ in range(2)]
-    else:
-        from fxpipe.runtime.cuda import CudaDevice
-        settle(False)
-        # what earlier sections left allocated does not count against the cap
-        before = torch.cuda.memory_allocated(0)
-        fraction = (before + cap) / torch.cuda.get_device_properties(0).total_memory
-        out.update({"memory_fraction": fraction, "allocated_before_bytes": before,
-                    "reserved_before_bytes": torch.cuda.memory_reserved(0)})
-        torch.cuda.set_per_process_memory_fraction(fraction, 0)
-        torch.cuda.reset_peak_memory_stats(0)
-        devices = [CudaDevice(0, memory_limit=cap)]   # the planner sizes stages to the cap
-    pipe = None
-    try:
-        pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices,
-                              param_dtype=torch.bfloat16,
-                              config=fxpipe.RunConfig(num_microbatch=M))
-        out["plan_stages"] = {"fwd": len(pipe.plan.fwd_plan), "bwd": len(pipe.plan.bwd_plan)}
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        sync = sync_fn(kit.dry_run)
-        losses, seconds = [], []
-        with unsampled(pipe) as sampling:
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                loss = pipe.forward_backward((ids,), label=target, loss_fn=loss_fn, optimizer=opt)
-                sync()
-                seconds.append(time.perf_counter() - t0)
-                opt.zero_grad(set_to_none=True)
-                losses.append(float(loss))
-        if kit.dry_run:
-            reserved = max(d.peak_reserved_bytes() for d in pipe.devices)
-            allocated = max(d.peak_bytes() for d in pipe.devices)
-        else:
-            reserved = torch.cuda.max_memory_reserved(0) - before
-            allocated = torch.cuda.max_memory_allocated(0) - before
-    finally:
-        if pipe is not None:
-            pipe.close()
-        if not kit.dry_run:
-            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    with capped_devices(cap, kit.dry_run, virtual=2) as (devices, figures):
+        out.update(figures)
+        pipe = None
+        try:
+            pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices,
+                                  param_dtype=torch.bfloat16,
+                                  config=fxpipe.RunConfig(num_microbatch=M))
+            out["plan_stages"] = {"fwd": len(pipe.plan.fwd_plan), "bwd": len(pipe.plan.bwd_plan)}
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            sync = sync_fn(kit.dry_run)
+            losses, seconds = [], []
+            with unsampled(pipe) as sampling:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    loss = pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
+                                                 optimizer=opt)
+                    sync()
+                    seconds.append(time.perf_counter() - t0)
+                    opt.zero_grad(set_to_none=True)
+                    losses.append(float(loss))
+            if kit.dry_run:
+                reserved = max(d.peak_reserved_bytes() for d in pipe.devices)
+                allocated = max(d.peak_bytes() for d in pipe.devices)
+            else:
+                before = figures["allocated_before_bytes"]
+                reserved = torch.cuda.max_memory_reserved(0) - before
+                allocated = torch.cuda.max_memory_allocated(0) - before
+        finally:
+            if pipe is not None:
+                pipe.close()
     if kit.dry_run and reserved > cap:
         out["note"] = ("a VirtualDevice keeps freed copies for reuse past its memory_limit (a "
                        "GPU's allocator frees its cache and retries first): reserved may exceed "

@@ -156,6 +156,32 @@ def devices(n: int, dry_run: bool) -> list[Any]:
     return [f"cuda:{i}" for i in range(n)]
 
 
+@contextmanager
+def capped_devices(cap: int, dry_run: bool,
+                   virtual: int = 1) -> Iterator[tuple[list[Any], dict[str, Any]]]:
+    """Devices that may hold ``cap`` bytes, for a model bigger than the device: in a dry
+    run ``virtual`` CPU virtual devices with that ``memory_limit``; on a GPU cuda:0 capped
+    with ``torch.cuda.set_per_process_memory_fraction`` (what is allocated already does not
+    count against the cap) and one ``CudaDevice(0, memory_limit=cap)`` (the planner sizes
+    stages to the cap). Yields the devices and the cap's figures for the JSON (none in a
+    dry run); the GPU's fraction is back to 1 after the block."""
+    if dry_run:
+        yield [fxpipe.VirtualDevice(semantics="cuda", memory_limit=cap) for _ in range(virtual)], {}
+        return
+    from fxpipe.runtime.cuda import CudaDevice
+    settle(False)
+    before = torch.cuda.memory_allocated(0)
+    fraction = (before + cap) / torch.cuda.get_device_properties(0).total_memory
+    figures = {"memory_fraction": fraction, "allocated_before_bytes": before,
+               "reserved_before_bytes": torch.cuda.memory_reserved(0)}
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    torch.cuda.reset_peak_memory_stats(0)
+    try:
+        yield [CudaDevice(0, memory_limit=cap)], figures
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
 def settle(dry_run: bool) -> None:
     """Between sections and between variants: drop garbage and (GPUs) give the caching
     allocator's free blocks back, so the next phase starts from a clean allocator."""

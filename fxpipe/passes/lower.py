@@ -176,9 +176,16 @@ _NORM_FNS = {F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_nor
 _NORM_OPS = {torch.ops.aten.batch_norm, torch.ops.aten.instance_norm}
 
 
+_VIEW_METHODS = frozenset({"narrow", "view", "select", "__getitem__", "as_strided",
+                           "expand", "unsqueeze", "squeeze", "transpose", "permute"})
+
+
 def _mutated_attrs(n: fx.Node) -> list[str]:
-    """Targets of ``get_attr`` inputs that node ``n`` may update in place."""
+    """Targets of ``get_attr`` inputs that node ``n`` may update in place (directly, or
+    through a view of one: a write to ``cache.narrow(0, 0, rows)`` updates ``cache``)."""
     def attr(a):
+        while isinstance(a, fx.Node) and a.op != "get_attr" and _is_view(a):
+            a = a.args[0]
         return a.target if isinstance(a, fx.Node) and a.op == "get_attr" else None
 
     if "writes" in n.meta:  # a block run as its module says which buffers it may update
@@ -199,6 +206,17 @@ def _mutated_attrs(n: fx.Node) -> list[str]:
     if n.op == "call_function" and n.target is operator.setitem:
         return [t for t in [attr(n.args[0])] if t]
     return []
+
+
+def _is_view(n: fx.Node) -> bool:
+    """Whether ``n``'s output is a view of its first argument (aten's schema says so)."""
+    if not n.args:
+        return False
+    if isinstance(n.target, torch._ops.OpOverload):
+        returns = n.target._schema.returns
+        info = returns[0].alias_info if len(returns) == 1 else None
+        return info is not None and not info.is_write
+    return n.op == "call_method" and n.target in _VIEW_METHODS
 
 
 def _check_ranges(ranges: list[range], num_layers: int, full: bool = True) -> None:

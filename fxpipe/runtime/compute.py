@@ -79,7 +79,7 @@ class StageCompute:
         return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
                          device=_torch_device(self.call.devices[d]),
                          timer=self.call.timer if timed else None, stats=self.stats,
-                         backend=self.call.stage_backend, **kw)
+                         backend=self.call.stage_backend, scratch=self.call.scratch, **kw)
 
     def forward(self, d: int, s: int, m: int) -> None:
         st = self.call.exe.stages[s]

@@ -65,7 +65,7 @@ from fxpipe.runtime.issue_lock import blocking
 # microbatch's activations, and a Program's streams map one to one (no merged FIFOs,
 # which can wait on each other in a cycle across devices).
 STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control")
-KINDS = ("params", "activations", "saved", "gradients", "workspace")
+KINDS = ("params", "activations", "saved", "gradients", "workspace", "cache")
 Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
 
 

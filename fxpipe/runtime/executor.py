@@ -275,9 +275,11 @@ class Execution:
         match a:
             case Prefetch(stage=s):
                 kind = self.program.stages[s].kind
+                use = self.call.scratch
                 params = self.call.store.upload(s, self.call.devices[lane],
-                                                requires_grad=kind != "fwd")
-                self.stats.add("h2d_bytes_params", self.call.store.nbytes(s))
+                                                requires_grad=kind != "fwd",
+                                                resident=use.resident if use else None)
+                self.stats.add("h2d_bytes_params", params.nbytes)
                 with self.on[lane].lock:
                     self.on[lane].params[s] = params
             case Upload(stage=s, mb=m):

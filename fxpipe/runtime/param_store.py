@@ -39,7 +39,10 @@ import torch
 from fxpipe.runtime import pinned
 from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.device import Device
-from fxpipe.runtime.params import HostParams, _Slot, _align, _upload_dtype, converted, grad_dtype
+from fxpipe.runtime.params import (
+    HostParams, _Slot, _align, _upload_dtype, converted, grad_dtype, is_scratch,
+)
+from fxpipe.runtime.scratch import ResidentBuffers
 from fxpipe.runtime.weights import file_backed
 
 
@@ -50,12 +53,15 @@ class _Claims(Protocol):
 
 
 class Uploaded(dict):
-    """What :meth:`ParamStore.upload` returns: ``{fqn: device view}``, and ``runs``, the
-    device memory it allocated (what :meth:`ParamStore.release` frees)."""
+    """What :meth:`ParamStore.upload` returns: ``{fqn: device view}``, ``runs``, the
+    device memory it allocated (what :meth:`ParamStore.release` frees), and ``nbytes``,
+    the bytes it copied from the host (a resident buffer's first upload included)."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], runs: list[torch.Tensor]):
+    def __init__(self, views: Mapping[str, torch.Tensor], runs: list[torch.Tensor],
+                 nbytes: int = 0):
         super().__init__(views)
         self.runs = runs
+        self.nbytes = nbytes
 
 
 @dataclass
@@ -105,7 +111,7 @@ class ParamStore:
                                      f"{host.slot(t).names[0]!r} but is given both as a "
                                      "parameter and as a buffer")
             self._names[s] = slots
-            self._runs[s] = _runs(host, list({id(x): x for x in slots.values()}.values()))
+            self._runs[s] = _runs(host, self._unique(s))
         if host.pin:
             mapped = [self._file_nbytes(s) for s in stages]
             if mapped and max(mapped):
@@ -144,16 +150,24 @@ class ParamStore:
         """Before a call (see :meth:`HostParams.refresh`)."""
         self.host.refresh(self.param_dtype, self.snapshot)
 
-    def upload(self, stage: int, device: Device, *, requires_grad: bool = False) -> dict[str, torch.Tensor]:
+    def upload(self, stage: int, device: Device, *, requires_grad: bool = False,
+               resident: ResidentBuffers | None = None) -> Uploaded:
         """Copy the stage's runs to ``device`` (counted as ``"params"``).
 
         Returns ``{fqn: device view}`` for every name, tied names sharing one tensor. With
         ``requires_grad``, parameter views are leaves that require grad like their master.
-        Release with :meth:`release`."""
+        ``resident``: the stage's scratch buffers it wants are not in the runs: they are
+        served from it (uploaded there the first time, ``runtime.scratch``). Release with
+        :meth:`release`."""
+        kept = self._kept(stage, resident)
+        runs = self._runs_of(stage) if not kept else _runs(
+            self.host, [slot for slot in self._unique(stage) if id(slot) not in kept])
         on_device: list[tuple[_Run, torch.Tensor]] = []
+        moved = 0
         try:
-            for run in self._runs_of(stage):
+            for run in runs:
                 src = self._source(run)
+                moved += src.numel() * src.element_size()
                 on_device.append((run, device.to_device(src, kind="params", owner=f"stage {stage}")))
                 if self.host.ring is not None and isinstance(device, CudaDevice) \
                         and pinned.is_pinned(src) and file_backed(run.slots[0].tensor) is not None:
@@ -164,6 +178,10 @@ class ParamStore:
                 device.free(t)
             raise
         views: dict[int, torch.Tensor] = {}
+        for slot in kept.values():
+            had = resident.held(slot.tensor) is not None
+            views[id(slot)] = resident.get(slot.tensor, device, f"stage {stage}'s {slot.names[0]}")
+            moved += 0 if had else slot.numel * slot.tensor.element_size()
         for run, dev in on_device:
             for slot in run.slots:
                 start = slot.offset - run.start if run.region is not None else 0
@@ -172,7 +190,22 @@ class ParamStore:
                     view = view.detach().requires_grad_()
                 views[id(slot)] = view
         return Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
-                        [t for _, t in on_device])
+                        [t for _, t in on_device], moved)
+
+    def _unique(self, stage: int) -> list[_Slot]:
+        return list({id(x): x for x in self._names[stage].values()}.values())
+
+    def _kept(self, stage: int, resident: ResidentBuffers | None) -> dict[int, _Slot]:
+        """The stage's slots ``resident`` keeps on the devices: scratch buffers it wants."""
+        if resident is None:
+            return {}
+        return {id(slot): slot for slot in self._unique(stage)
+                if slot.is_buffer and is_scratch(slot.tensor) and resident.wants(slot.tensor)}
+
+    def resident_nbytes(self, stage: int, resident: ResidentBuffers | None) -> int:
+        """Bytes of the stage's buffers ``resident`` keeps on its device."""
+        return sum(slot.numel * slot.tensor.element_size()
+                   for slot in self._kept(stage, resident).values())
 
     def _source(self, run: _Run) -> torch.Tensor:
         if run.region is None:   # its page-locked copy, when pinning

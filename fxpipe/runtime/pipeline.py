@@ -34,7 +34,7 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.stage import Executable
 from fxpipe.runtime import amp
 from fxpipe.runtime import microbatch as mb
-from fxpipe.runtime import rng
+from fxpipe.runtime import rng, scratch
 from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.device import Device
 from fxpipe.runtime.executor import Call, Execution, apply_writebacks, restore
@@ -46,6 +46,7 @@ from fxpipe.runtime.issue import outside_program
 from fxpipe.runtime.param_store import ParamStore
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
+from fxpipe.runtime.scratch import ResidentBuffers
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import ActionLog
 
@@ -201,10 +202,14 @@ class Runner:
                          optimizer=optimizer.spec if optimizer is not None else None,
                          input_grads=inputs)
         exe = self.executable(spec)
-        if (id(exe), cfg.stage_backend) not in self._fits:
-            check_fits(exe, self.store(exe), self.devices)
+        use = scratch.current()
+        resident = use.resident if use is not None else None
+        key = (id(exe), cfg.stage_backend)   # (Executables are cached: ids stable)
+        if resident is not None or key not in self._fits:
+            check_fits(exe, self.store(exe), self.devices, resident)
             runnables(exe, self.devices, cfg.stage_backend)   # refused before anything runs
-            self._fits.add((id(exe), cfg.stage_backend))   # (Executables are cached: ids stable)
+            if resident is None:
+                self._fits.add(key)
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
@@ -220,7 +225,8 @@ class Runner:
                     inputs=envs, call_seed=seed, autocast=amp.captured(),
                     timer=self.timer if self.timer is not None and self.timer.sample() else None,
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
-                    record=self.log.actions, dp=dp, stage_backend=cfg.stage_backend, **kw)
+                    record=self.log.actions, dp=dp, stage_backend=cfg.stage_backend,
+                    scratch=use, **kw)
 
     def run_call(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
@@ -332,23 +338,27 @@ class Runner:
             return loss.detach().to("cpu", copy=True), outputs   # the host's own copy
 
 
-def check_fits(exe: Executable, store: ParamStore, devices: list[Device]) -> None:
+def check_fits(exe: Executable, store: ParamStore, devices: list[Device],
+               resident: ResidentBuffers | None = None) -> None:
     """Before anything of ``exe`` runs: raise ``DeviceMemoryError`` if a stage cannot fit
     on its device's ``memory_limit`` whatever its activations: its parameters, their
-    gradients (backward) and the parameters of the stage its device prefetches meanwhile
-    (bytes the Program moves exactly: ``ParamStore.nbytes``)."""
+    gradients (backward), the parameters of the stage its device prefetches meanwhile
+    (bytes the Program moves exactly: ``ParamStore.nbytes``) and the buffers
+    ``resident`` keeps on the device for all its stages (``runtime.scratch``)."""
     for d, acts in enumerate(exe.program.actions):
         limit = devices[d].memory_limit
         if limit is None:
             continue
         order = [a.stage for a in acts if isinstance(a, Prefetch)]
+        kept = {s: store.resident_nbytes(s, resident) for s in order}
         for k, s in enumerate(order):
             st = exe.program.stages[s]
-            parts = {"params": store.nbytes(s),
-                     "gradients": store.grad_nbytes(s) if st.kind != "fwd" else 0}
+            parts = {"params": store.nbytes(s) - kept[s],
+                     "gradients": store.grad_nbytes(s) if st.kind != "fwd" else 0,
+                     "the resident KV cache of its device's stages": sum(kept.values())}
             nxt = order[k + 1] if k + 1 < len(order) else None
             if nxt is not None:
-                parts[f"stage {nxt}'s params, prefetched meanwhile"] = store.nbytes(nxt)
+                parts[f"stage {nxt}'s params, prefetched meanwhile"] = store.nbytes(nxt) - kept[nxt]
             if sum(parts.values()) > limit:
                 what = ", ".join(f"{kind} {n} B" for kind, n in parts.items() if n)
                 raise DeviceMemoryError(

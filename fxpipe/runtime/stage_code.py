@@ -48,6 +48,7 @@ from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime import rng
 from fxpipe.runtime.compiled import compile_layers, describe
 from fxpipe.runtime.params import is_scratch
+from fxpipe.runtime.scratch import ScratchUse
 from fxpipe.runtime.unfilled import Unfilled
 from fxpipe.runtime.timer import LayerTimer
 
@@ -59,9 +60,12 @@ class _Serve:
 
     def __init__(self, stage: Stage, resident: Mapping[str, torch.Tensor], *,
                  call_seed: int | None, microbatch: int, device: torch.device,
-                 keep_writebacks: bool, timed: bool):
+                 keep_writebacks: bool, timed: bool, scratch: ScratchUse | None = None):
         self.stage = stage
         self.resident = resident
+        self.scratch = scratch
+        self.rows = scratch.rows_of(microbatch) if scratch is not None else None
+        self.cache_bytes = 0    # scratch bytes written back to the host
         self.call_seed = call_seed
         self.microbatch = microbatch
         self.torch_device = device
@@ -73,6 +77,10 @@ class _Serve:
         self._layer: int | None = None
         self._since = 0.0
         self._events: list[tuple[int | None, Any]] = []  # CUDA: (layer ending here, event)
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The microbatch's rows of a scratch buffer (all of it without a row split)."""
+        return t if self.rows is None else t.narrow(0, self.rows[0], self.rows[1] - self.rows[0])
 
     def enter(self, layer: int | None) -> None:
         """Charge the time since the last layer change to that layer. On CPU, work is
@@ -121,9 +129,27 @@ _serving = _Serving()
 
 def resident(stage: int) -> list[torch.Tensor]:
     """``prefetch``: the stage's parameters and buffers as the ``Prefetch`` action made
-    them resident on the device."""
+    them resident on the device; of a scratch buffer (a KV cache), the microbatch's rows
+    (``runtime.scratch``)."""
     serve = _serving.serve
-    return [serve.resident[fqn] for fqn in serve.stage.params]
+    out = [serve.resident[fqn] for fqn in serve.stage.params]
+    if serve.rows is not None:
+        for i in _scratch_positions(serve.stage):
+            out[i] = serve.own_rows(out[i])
+    return out
+
+
+def _scratch_positions(stage: Stage) -> tuple[int, ...]:
+    """Where the stage's scratch buffers are in ``stage.params``."""
+    found = _scratch_at.get(stage.gm)
+    if found is None:
+        found = _scratch_at[stage.gm] = tuple(
+            i for i, fqn in enumerate(stage.params)
+            if is_scratch(operator.attrgetter(fqn)(stage.gm)))
+    return found
+
+
+_scratch_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # by the stage's gm
 
 
 def uploaded(x: Any, device: int) -> Any:
@@ -141,16 +167,30 @@ def released(stage: int) -> None:
 
 
 def written_back(host: torch.Tensor, value: torch.Tensor) -> None:
-    """``writeback``: a buffer update, kept for the host in forward (dropped in recompute);
-    a scratch buffer's (a KV cache: ``params.is_scratch``) copied to the host now."""
+    """``writeback``: a buffer update, kept for the host in forward (dropped in recompute).
+    A scratch buffer's (a KV cache: ``params.is_scratch``): copied to the host now, only
+    the microbatch's rows and the positions the call wrote (``runtime.scratch``); nothing
+    when the buffer is resident on the device (that copy is the cache)."""
     serve = _serving.serve
     if not serve.keep_writebacks:
         return
-    if is_scratch(host):
-        with torch.no_grad():
-            host.copy_(value, non_blocking=True)   # the call's end waits for the stream
-    else:
+    if not is_scratch(host):
         serve.writebacks.append((host, value.detach().clone()))
+        return
+    use = serve.scratch
+    with torch.no_grad():
+        held = use.resident.held(host) if use is not None and use.resident is not None else None
+        if held is not None:
+            cache = serve.own_rows(held)
+            if cache.data_ptr() != value.data_ptr():   # a functional update: into the cache
+                cache.copy_(value)
+            return
+        dest = serve.own_rows(host)
+        dim = use.dim if use is not None else 0
+        start, stop = use.window(host.shape[dim]) if use is not None else (0, host.shape[0])
+        part = value.narrow(dim, start, stop - start)
+        dest.narrow(dim, start, stop - start).copy_(part, non_blocking=True)  # the call's end waits
+        serve.cache_bytes += part.numel() * part.element_size()
 
 
 def seeded(layer: int) -> None:
@@ -310,16 +350,17 @@ def _build(stage: Stage, recompute: bool, device: torch.device | None,
 def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], *,
               call_seed: int | None, microbatch: int, device: torch.device,
               keep_writebacks: bool, timer: LayerTimer | None = None, kind: str = "fwd",
-              stats: Any = None, backend: str | None = None
+              stats: Any = None, backend: str | None = None, scratch: ScratchUse | None = None
               ) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run ``stage``'s runnable code on one microbatch; returns (outputs, buffer
     writebacks). With a ``timer``, each layer's time is recorded as ``kind``. A
     ``"recompute"`` records the stage's ``unfilled`` nodes for autograd without computing them
     (``runtime.unfilled``). ``stats`` (``executor.Stats``) counts the runs. ``backend``:
-    ``RunConfig.stage_backend``."""
+    ``RunConfig.stage_backend``; ``scratch``: how the call uses its scratch buffers
+    (``runtime.scratch``)."""
     code = runnable(stage, recompute=kind == "recompute", device=device, backend=backend)
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
-                   keep_writebacks=keep_writebacks, timed=timer is not None)
+                   keep_writebacks=keep_writebacks, timed=timer is not None, scratch=scratch)
     saved, _serving.serve = _serving.serve, serve
     try:
         if stage.random and call_seed is not None:
@@ -333,4 +374,6 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
         serve.record_times(timer, kind)
     if stats is not None:
         stats.add("generated_runs")
+        if serve.cache_bytes:
+            stats.add("d2h_bytes_cache", serve.cache_bytes)
     return tuple(out), serve.writebacks

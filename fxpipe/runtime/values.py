@@ -22,6 +22,7 @@ from fxpipe.runtime.amp import AutocastState
 from fxpipe.runtime.device import Device
 from fxpipe.runtime.grad_accum import GradAccumulator
 from fxpipe.runtime.param_store import ParamStore
+from fxpipe.runtime.scratch import ScratchUse
 from fxpipe.runtime.timer import LayerTimer
 
 
@@ -54,6 +55,7 @@ class Call:
     commit: Callable[[], None] | None = None
     record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
     stage_backend: str | None = None         # RunConfig.stage_backend (runtime.compiled)
+    scratch: ScratchUse | None = None        # how it uses its scratch buffers (runtime.scratch)
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -66,7 +68,7 @@ class Call:
 
 
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
-         "d2h_bytes_activations", "d2h_bytes_grads", "generated_runs",
+         "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
          "host_issue_us")
 
