@@ -49,7 +49,6 @@ class ResidentBuffers:
         self.keep = keep
         self._held: dict[int, tuple[Device, torch.Tensor]] = {}   # id(host) -> (device, copy)
         self._lock = threading.Lock()
-        self.uploaded_bytes = 0
 
     def wants(self, host: torch.Tensor) -> bool:
         """Whether ``host`` stays resident (it must be a scratch buffer)."""
@@ -71,7 +70,6 @@ class ResidentBuffers:
         copy = device.to_device(host.detach(), kind="cache", owner=owner)
         with self._lock:
             self._held[id(host)] = (device, copy)
-            self.uploaded_bytes += host.numel() * host.element_size()
         return copy
 
     def held(self, host: torch.Tensor) -> torch.Tensor | None:
