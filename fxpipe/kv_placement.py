@@ -21,10 +21,8 @@ import torch
 
 from fxpipe.errors import DeviceMemoryError
 from fxpipe.generation import KV_CACHE, cache_tensors
-from fxpipe.memory_prediction import MemoryPrediction, predict_memory
-from fxpipe.passes.executable import stage_ranges
-from fxpipe.passes.stage_memory import device_peaks, human_bytes
-from fxpipe.stage_plan import StagePlan
+from fxpipe.memory_prediction import MemoryPrediction, chain_memory
+from fxpipe.passes.stage_memory import device_peaks, human_bytes, program_peaks
 
 __all__ = ["AUTO_HEADROOM", "CachePlacement", "place_cache"]
 
@@ -93,15 +91,14 @@ def place_cache(steps: Any, kv_cache: str, num_microbatch: int = 1) -> CachePlac
 
 
 def _decode_prediction(steps: Any, exe: Any) -> MemoryPrediction:
-    """The decode step's predicted memory with every cache streamed (``kv_cache="host"``):
-    each stage's cache in its ``params``, with its weights. Activations are costed for
-    the whole batch (an upper bound when it is split into microbatches)."""
-    decode = steps.compiled()[1]
-    fwd, _ = stage_ranges(decode.plan, "infer", len(decode.layers))
-    pred = predict_memory(decode.layers, StagePlan(fwd, []), run_type="infer",
-                          num_microbatch=1, num_devices=len(steps.pipe.devices))
+    """The decode step's predicted memory with every cache streamed (``kv_cache="host"``),
+    over the Program ``exe`` runs: each stage's cache in its ``params``, with its weights.
+    Activations are costed for the whole batch (an upper bound when it is split into
+    microbatches)."""
+    peaks = program_peaks(exe.program, chain_memory(steps.compiled()[1].layers))
     limits = [d.memory_limit for d in steps.pipe.devices if d.memory_limit]
-    return dataclasses.replace(pred, limit=min(limits) if limits else None)
+    return MemoryPrediction(peaks, device_peaks(peaks, len(steps.pipe.devices)),
+                            min(limits) if limits else None)
 
 
 def _with_cache(pred: Any, exe: Any, caches: dict[int, list[torch.Tensor]],
