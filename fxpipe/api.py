@@ -585,11 +585,11 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
     def _executable(self, run_type: str, num_microbatch: int | None = None, *,
                     optimizer: Any = False, grain: str | None = None,
                     return_outputs: bool = False, sync_gradients: bool = True,
-                    input_grads: Sequence[str] = (), compiled: CompiledGraph | None = None
-                    ) -> Executable:
+                    input_grads: Sequence[str] = (), compiled: CompiledGraph | None = None,
+                    plan: ExecutePlan | None = None) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config: the
         call's own ``CallSpec`` (``Runner.spec``) built from these arguments, for the
-        graph of the last call (or ``compiled``)."""
+        graph of the last call (or ``compiled``), under its plan (or ``plan``)."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if grain not in (None, "stage", "layer"):
@@ -598,7 +598,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             spec = as_overlapped(optimizer).spec()
         else:
             spec = optimizer_spec(optimizer)
-        cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
+        cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain,
+                                     execute_plan=plan))
         compiled = (compiled or self._current).base
         if run_type == "fused" and not return_outputs:
             compiled = compiled.fused(self.module)     # what forward_backward runs (_for_loss)

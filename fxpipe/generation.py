@@ -403,7 +403,8 @@ def _loop(steps: Steps, input_ids: torch.Tensor, mask: torch.Tensor, prompt: int
             break
         here = prompt + t
         logits = steps(token[:, None], full, positions[:, -1:] + t + 1, torch.tensor([here]),
-                       use=ScratchUse(rows=rows, written=(here, here + 1), resident=resident))
+                       use=ScratchUse(rows=rows, written=(here, here + 1), resident=resident),
+                       plan=steps.placement.plan)
     if streamer is not None:
         streamer.end()
     return sequences
@@ -422,12 +423,15 @@ class Steps:
         self.placements: dict[tuple[str, int], Any] = {}   # by (kv_cache, microbatches)
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position,
-                 use: ScratchUse | None = None):
+                 use: ScratchUse | None = None, plan: Any = None):
         """One call: ``use`` says which rows each microbatch is (the batch split into
         ``len(use.rows)``), which cache positions it writes and which caches stay on the
-        devices (``runtime.scratch``); without it, one microbatch and whole caches."""
+        devices (``runtime.scratch``); without it, one microbatch and whole caches.
+        ``plan``: a decode step's plan cut for its resident caches
+        (``kv_placement.cache_plan``), else the step pipe's."""
         use = use or ScratchUse()
-        cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=SPLIT)
+        cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=SPLIT,
+                        execute_plan=plan)
         with torch.no_grad(), scratch_use(use):
             return self.pipe(input_ids, attention_mask, position_ids, cache_position,
                              run_config=cfg)
@@ -444,8 +448,10 @@ class Steps:
     def executables(self):
         """The (prefill, decode step) Executables: what the last ``generate``'s calls ran
         (else the default's: one microbatch)."""
-        return tuple(self.pipe._executable("infer", self.microbatches, compiled=c)
-                     for c in self.compiled())
+        plan = self.placement.plan if self.placement is not None else None
+        prefill, decode = self.compiled()
+        return (self.pipe._executable("infer", self.microbatches, compiled=prefill),
+                self.pipe._executable("infer", self.microbatches, compiled=decode, plan=plan))
 
     def cache_line(self) -> str:
         """Where the last ``generate`` kept each decode stage's KV cache."""
@@ -456,6 +462,9 @@ class Steps:
         streamed = [s for s in stages if s not in resident]
         kind = placement.kv_cache if placement is not None else "host"
         parts = []
+        if placement is not None and placement.plan is not None:
+            parts.append(f"the decode re-cut for its resident caches "
+                         f"({', '.join(f'{r.start}:{r.stop}' for r in placement.plan.fwd_plan)})")
         if resident:
             parts.append(f"stages {resident} keep theirs on their device for the whole call "
                          "(the first decode step's Prefetch uploads it; no writeback)")

@@ -9,22 +9,31 @@ for the whole call. ``"device"`` keeps them all (or refuses with the numbers), `
 what fits under ``AUTO_HEADROOM`` of each device's limit. ``predict_memory(run_type=
 "generate", kv_cache=...)`` is the placement's prediction; the runtime holds the chosen
 caches in a ``runtime.scratch.ResidentBuffers``.
+
+Where the step pipe's own plan (cut for weights streamed with their caches) cannot hold
+every cache, ``cache_plan`` cuts the decode again for the cache: each device must hold
+its stages' caches for the whole call beside two stages' weights, so the stages get
+smaller until that fits (round-robin puts about 1/devices of the caches on each device
+whatever the cut; smaller stages leave it more room). The placement then runs that plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from fxpipe.errors import DeviceMemoryError
+from fxpipe.errors import DeviceMemoryError, PlanError
 from fxpipe.generation import KV_CACHE, cache_tensors
 from fxpipe.memory_prediction import MemoryPrediction, chain_memory
 from fxpipe.passes.stage_memory import device_peaks, human_bytes, program_peaks
+from fxpipe.plan import MEMORY_FRACTION, ExecutePlan
+from fxpipe.runtime.params import is_scratch
 
-__all__ = ["AUTO_HEADROOM", "CachePlacement", "place_cache"]
+__all__ = ["AUTO_HEADROOM", "CachePlacement", "cache_plan", "place_cache"]
 
 AUTO_HEADROOM = 0.9
 """``kv_cache="auto"`` keeps caches on a device while its predicted decode peak stays
@@ -39,27 +48,39 @@ class CachePlacement:
     in with their weights each step); ``kept``, the ids of those caches' host tensors
     (what ``runtime.scratch.ResidentBuffers`` holds); ``prediction``, the decode step's
     predicted memory with it (``fxpipe.plan.predict_memory``; each stage's ``"cache"``
-    bytes: what its device keeps resident for all its stages)."""
+    bytes: what its device keeps resident for all its stages); ``plan``, the decode's
+    plan cut for the cache (:func:`cache_plan`), ``None`` where the step pipe's own plan
+    holds it."""
 
     kv_cache: str
     resident: frozenset[int]
     kept: frozenset[int]
     prediction: MemoryPrediction
+    plan: ExecutePlan | None = None
 
 
 def place_cache(steps: Any, kv_cache: str, num_microbatch: int = 1) -> CachePlacement:
     """Place the decode step's KV caches: ``"host"`` none resident, ``"device"`` all (or a
     ``DeviceMemoryError`` with the numbers, before anything runs), ``"auto"`` per device,
     in its stages' order, each stage's cache while the device's predicted peak stays
-    within ``AUTO_HEADROOM`` of its ``memory_limit`` (no limit: all)."""
+    within ``AUTO_HEADROOM`` of its ``memory_limit`` (no limit: all). Where the step
+    pipe's plan cannot keep every cache but :func:`cache_plan`'s can, the decode runs
+    that plan (``plan``)."""
     if kv_cache not in KV_CACHE:
         raise ValueError(f"kv_cache must be one of {KV_CACHE}, got {kv_cache!r}")
-    _, decode = steps.compiled()
-    exe = steps.pipe._executable("infer", num_microbatch, compiled=decode)
-    base = _decode_prediction(steps, exe)
-    caches = {s: cache_tensors(steps, st) for s, st in exe.stages.items()}
-    cached = [s for s in caches if caches[s]]
     limits = [d.memory_limit for d in steps.pipe.devices]
+    plan = None
+    exe, base, caches = _decode(steps, num_microbatch, None)
+    cached = [s for s in caches if caches[s]]
+    if kv_cache != "host" and not _fits(_with_cache(base, exe, caches, set(cached)), limits,
+                                        1.0 if kv_cache == "device" else AUTO_HEADROOM):
+        recut = cache_plan(steps, num_microbatch)
+        if recut is not None:
+            trial = _decode(steps, num_microbatch, recut)
+            held = {s for s in trial[2] if trial[2][s]}
+            if _fits(_with_cache(trial[1], trial[0], trial[2], held), limits,
+                     1.0 if kv_cache == "device" else AUTO_HEADROOM):
+                plan, (exe, base, caches), cached = recut, trial, sorted(held)
     resident: set[int] = set()
     if kv_cache == "device":
         resident = set(cached)
@@ -87,7 +108,60 @@ def place_cache(steps: Any, kv_cache: str, num_microbatch: int = 1) -> CachePlac
                     "(the caches that fit stay, the others stream from the host), 'host', fewer "
                     "sequences or new tokens, or more devices.")
     kept = frozenset(id(t) for s in resident for t in caches[s])
-    return CachePlacement(kv_cache, frozenset(resident), kept, prediction)
+    return CachePlacement(kv_cache, frozenset(resident), kept, prediction, plan)
+
+
+def cache_plan(steps: Any, num_microbatch: int = 1) -> ExecutePlan | None:
+    """The decode step planned for its caches resident: each layer's cache out of its
+    streamed bytes, and each device's limit less the caches it holds for its stages
+    (``MEMORY_FRACTION`` of the smallest limit, as ``ExecutePlan.auto`` plans). That
+    share depends on the cut: it starts at the caches over the devices and is raised to
+    the largest device's share under the last plan until a plan holds its own.
+    ``None`` where no device has a limit or no cut fits."""
+    limits = [d.memory_limit for d in steps.pipe.devices]
+    if not limits or any(limit is None for limit in limits):
+        return None
+    lg = steps.compiled()[1].layers
+    cache = [sum(_nbytes(lg.buffers[f]) for f in layer.buffers if is_scratch(lg.buffers[f]))
+             for layer in lg]
+    layers = [SimpleNamespace(cost=dataclasses.replace(
+        layer.cost, buffer_bytes=layer.cost.buffer_bytes - c)) for layer, c in zip(lg, cache)]
+    n = len(limits)
+    share = sum(cache) / n
+    for _ in range(4):
+        budget = MEMORY_FRACTION * min(limits) - share
+        if budget <= 0:
+            return None
+        devices = [SimpleNamespace(memory_limit=budget / MEMORY_FRACTION)] * n
+        try:
+            plan = ExecutePlan.auto("infer", SimpleNamespace(layers=layers, devices=devices),
+                                    num_microbatch=num_microbatch)
+        except PlanError:
+            return None
+        exe, base, caches = _decode(steps, num_microbatch, plan)
+        held = max(p.bytes["cache"] for p in
+                   _with_cache(base, exe, caches, {s for s in caches if caches[s]}).stages)
+        if held <= share:
+            return plan
+        share = held
+    return None
+
+
+def _decode(steps: Any, num_microbatch: int, plan: ExecutePlan | None):
+    """The decode step's Executable under ``plan`` (``None``: the step pipe's), its
+    prediction with every cache streamed, and each stage's caches."""
+    exe = steps.pipe._executable("infer", num_microbatch, compiled=steps.compiled()[1], plan=plan)
+    caches = {s: cache_tensors(steps, st) for s, st in exe.stages.items()}
+    return exe, _decode_prediction(steps, exe), caches
+
+
+def _fits(pred: MemoryPrediction, limits: list[int | None], share: float) -> bool:
+    return all(limit is None or p.total <= share * limit
+               for p in pred.stages for limit in [limits[p.device]])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _decode_prediction(steps: Any, exe: Any) -> MemoryPrediction:
@@ -106,7 +180,7 @@ def _with_cache(pred: Any, exe: Any, caches: dict[int, list[torch.Tensor]],
     """``pred`` (every cache streamed) with the caches of ``resident`` stages kept on their
     devices: out of the ``params`` of their stage and of the stage prefetched meanwhile,
     into every stage's ``"cache"`` on that device."""
-    nbytes = {s: sum(t.numel() * t.element_size() for t in ts) for s, ts in caches.items()}
+    nbytes = {s: sum(_nbytes(t) for t in ts) for s, ts in caches.items()}
     by_layers = {(st.layers.start, st.layers.stop): s for s, st in exe.stages.items()}
     held: dict[int, int] = {}
     for p in pred.stages:

@@ -397,6 +397,41 @@ def test_predicted_resident_cache_matches_the_devices():
     assert all(d.resident_bytes() == 0 for d in pipe.devices)
 
 
+def test_the_decode_is_re_cut_so_the_caches_fit(monkeypatch):
+    """One 12 MB device, 24 sequences: the step pipe's plan (stages of 2-3 layers, cut for
+    weights streamed with their caches) peaks over the limit with every cache resident,
+    so ``"device"`` runs the decode re-cut for the caches (``kv_placement.cache_plan``):
+    smaller stages, two of them in the weight slots beside all the caches. It equals HF,
+    stays under the limit, and ``pipe.program("generate")`` prints the re-cut. (Issuing
+    is priced high so the plans depend on memory alone, not on this CPU's layer times.)"""
+    from fxpipe.generation import cache_tensors
+    from fxpipe.kv_placement import _decode, _with_cache
+    monkeypatch.setattr("fxpipe.passes.chain_costs.HOST_MS_PER_ACTION", 1000.0)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    ids = torch.randint(3, 256, (24, 20))
+    mask = torch.ones_like(ids)
+    ref = hf_generate(model, ids, mask, max_new_tokens=4)
+    limit = 12_000_000
+    pipe = compiled(model, ids, cuda_sim(1, memory_limit=limit))
+    out = pipe.generate(ids, mask, max_new_tokens=4, kv_cache="device")
+    assert torch.equal(out, ref)
+    steps = pipe._generation[0]
+    placement = steps.placement
+    exe, base, caches = _decode(steps, 1, None)                       # the step pipe's plan
+    every = {s for s in caches if caches[s]}
+    assert _with_cache(base, exe, caches, every).peak > limit         # would not hold them
+    recut = steps.executables()[1]
+    assert placement.plan is not None and len(recut.stages) > len(exe.stages)
+    assert placement.resident == {s for s, st in recut.stages.items() if cache_tensors(steps, st)}
+    assert placement.prediction.peak <= limit
+    assert pipe.devices[0].peak_bytes() <= limit
+    text = str(pipe.program("generate"))
+    assert "the decode re-cut for its resident caches (" in text
+
+
 def test_a_cache_that_cannot_fit_is_refused_and_auto_keeps_what_fits():
     """16 sequences whose caches outweigh the layers' weights, two devices of 1.6 MB:
     every stage's cache on its device does not fit (refused with the numbers, before

@@ -49,9 +49,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.passes.executable",),
     # planning above memory: the estimate, the algorithm, what users call
     ("fxpipe.memory_prediction",),
-    ("fxpipe.kv_placement",),                        # a generation's KV cache, from predictions
     ("fxpipe.passes.planner",),
     ("fxpipe.plan",),
+    ("fxpipe.kv_placement",),      # a generation's KV cache, from predictions (and a plan)
     ("fxpipe.graph_cache",),                         # the graphs a pipe compiled
     ("fxpipe.inspecting", "fxpipe.checkpointing"),   # PipelineModule's bases
     ("fxpipe.api",),
