@@ -166,10 +166,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _decode_prediction(steps: Any, exe: Any) -> MemoryPrediction:
     """The decode step's predicted memory with every cache streamed (``kv_cache="host"``),
-    over the Program ``exe`` runs: each stage's cache in its ``params``, with its weights.
-    Activations are costed for the whole batch (an upper bound when it is split into
-    microbatches)."""
-    peaks = program_peaks(exe.program, chain_memory(steps.compiled()[1].layers))
+    over the Program ``exe`` runs: each stage's cache in its ``params``, with its weights,
+    and activations costed for one microbatch of the Program's (``chain_memory``: the
+    layers costed again on fake rows of the first microbatch)."""
+    peaks = program_peaks(exe.program, chain_memory(steps.compiled()[1].layers,
+                                                    exe.program.num_microbatches))
     limits = [d.memory_limit for d in steps.pipe.devices if d.memory_limit]
     return MemoryPrediction(peaks, device_peaks(peaks, len(steps.pipe.devices)),
                             min(limits) if limits else None)

@@ -180,8 +180,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     ``"host"``, ``params`` counts each stage's cache with its weights (it streams in with
     them); ``"device"``, every stage's ``cache`` counts what its device keeps resident for
     all its stages; ``"auto"``, the caches that fit. With ``num_microbatch`` the Program
-    is the microbatched decode's; activations are costed for the whole batch (an upper
-    bound).
+    is the microbatched decode's, and activations are costed for one microbatch.
     """
     if run_type == "generate":
         from fxpipe.generation import inspected_steps
