@@ -101,6 +101,26 @@ def _issue(d: dict) -> list[str]:
     return out
 
 
+def _host_model(d: dict) -> list[str]:
+    c = d["calibration"]
+    fit = table(["action kind (H200 run)", "actions", "kernels", "measured ms", "fitted ms"],
+                [[r["kind"], r["actions"], f"{r['kernels']:,.0f}", num(r["measured_us"] / 1e3, 1),
+                  num(r["fitted_us"] / 1e3, 1)] for r in c["kinds"]])
+    rows = [[r["model"], r["gpus"], f"{r['seq_len'] // 1024}K",
+             r["stage_backend"] + (" (modelled)" if r["modelled"] else ""),
+             f"{r['gpu_step_ms']:,.0f}", f"{r['host_issue_ms']:,.0f}", f"{r['host_over_gpu']:.3f}",
+             f"{r['slowdown']:.3f}"] for r in d["rows"]]
+    return [f"Fitted to the H200 run ({c['program_actions']} actions rebuilt, the run counted "
+            f"{c['run_actions']}): {c['host_us_per_action']:.1f} µs per action, "
+            f"{c['host_us_per_kernel']:.2f} µs per kernel without grad, "
+            f"{c['host_us_per_grad_kernel']:.2f} µs per kernel with grad "
+            f"(`fxpipe.sim.hardware.H200_HOST`); the fit gives the run's "
+            f"{c['measured_host_issue_ms']:.1f} ms of issuing as "
+            f"{c['simulated_host_issue_ms']:.1f} ms.", ""] + fit + [""] + table(
+        ["model", "GPUs", "tokens per microbatch", "stage backend", "GPU step ms (simulated)",
+         "host issue ms (simulated)", "host / GPU step", "step with host / without"], rows)
+
+
 def _schedule(d: dict) -> list[str]:
     rows = []
     for name, m in d["models"].items():
@@ -547,6 +567,15 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "a model of the same architecture at tiny widths on `InlineDevice`s, beside the same tiny "
      "model run eagerly (the op dispatch any eager step pays) and the predicted GPU time of "
      "the full-size step. A ratio below 1 means the host keeps up with the GPUs.", _issue),
+    ("The host in the simulator, calibrated on the H200", "bench_host_model.json", "rows",
+     "`fxpipe.simulate` prices the host's issuing (`Hardware.host_us_per_action`, "
+     "`host_us_per_kernel`, `host_us_per_grad_kernel`, the kernels the cost pass counts). "
+     "The figures are fitted to the one GPU run's issue time per action kind (its Program "
+     "rebuilt on `meta`). The second table is simulated: the Llama-3.1-8B step of the host "
+     "issue benchmark above (16 microbatches, 60 % of an H100's bf16 FLOP/s, 50 GB/s links) "
+     "with that host, per stage backend; inductor launches 0.31 of eager's kernels (measured "
+     "on CPU), cudagraphs one replay per compute action (modelled: no CUDA graph has run).",
+     _host_model),
     ("Schedules", "bench_schedule.json", "models",
      "RoundPipe's published simulator inputs (`tests/data/roundpipe_simulation.json`: 8 "
      "GPUs, 16 microbatches, their measured layer times); fxpipe searches partitions and "

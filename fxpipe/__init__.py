@@ -63,8 +63,9 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
     ``pipe_or_program``: a ``PipelineModule`` (its Program for ``run_type`` and its layers'
     costs: measured times where known, else FLOPs on ``hardware``; its memory for one
-    microbatch, costed on fake tensors) or a ``Program`` with ``costs`` (a
-    ``fxpipe.sim.LayerCost`` per layer).
+    microbatch, costed on fake tensors; the host's issue time for its ``stage_backend``,
+    ``"auto"`` priced as ``"inductor"``) or a ``Program`` with ``costs`` (a
+    ``fxpipe.sim.LayerCost`` per layer). ``kwargs`` go to ``fxpipe.sim.simulate``.
 
     >>> import torch, fxpipe
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
@@ -85,6 +86,8 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
         if costs is None:
             costs = [LayerCost.of(c, hardware) for c in layer_costs(pipe_or_program)]
         kwargs.setdefault("memory", chain_memory(pipe_or_program, program.num_microbatches))
+        backend = pipe_or_program.config.stage_backend
+        kwargs.setdefault("stage_backend", "inductor" if backend == "auto" else backend)
     else:
         program = pipe_or_program
         if costs is None:

@@ -16,12 +16,16 @@ Storages made before the mode was entered are not counted. What a kernel allocat
 internally and frees before returning (e.g. a fused attention kernel's scratch memory)
 is not visible to a dispatch mode.
 
+``kernels`` counts the ops that launch a kernel on a device (:func:`launches_kernel`: not
+a view, not an allocation or metadata op): what an eager stage issues, one dispatch and
+one launch each (the host time ``fxpipe.simulate`` prices per kernel).
+
 >>> with LiveBytes() as live:
 ...     x = torch.ones(256)                  # 1 kB
 ...     y = x.view(16, 16) * 2               # the view is free, the product 1 kB
 ...     del x
->>> live.bytes, live.peak
-(1024, 2048)
+>>> live.bytes, live.peak, live.kernels  # ones (a fill) and mul launch; view does not
+(1024, 2048, 2)
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, kind: str = "workspace"):
         super().__init__()
         self.kind = kind
+        self.kernels = 0   # ops dispatched under the mode that launch one (launches_kernel)
         self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}  # storage -> (ref, bytes, kind)
         self._bytes = 0
         self.peak = 0
@@ -47,6 +52,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.kernels += launches_kernel(func)
         self._sweep()
         for t in new_storages(args, kwargs, out):
             self.track(t)
@@ -104,6 +110,26 @@ class LiveBytes(TorchDispatchMode):
         dead = [k for k, (ref, _, _) in self._live.items() if ref.expired()]
         for k in dead:
             self._bytes -= self._live.pop(k)[1]
+
+
+_NO_KERNEL = frozenset((
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+    "detach", "detach_", "alias", "set_", "resolve_conj", "resolve_neg", "result_type",
+    "is_nonzero", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+    "sym_storage_offset", "_unsafe_view", "_reshape_alias"))
+
+
+def launches_kernel(func: Any) -> bool:
+    """Whether the aten op ``func`` launches a kernel on a device: not a view (aliasing
+    its input, ``OpOverload.is_view``), nor an allocation or metadata op (``empty``,
+    ``detach``, ``set_``, a size, ``prim.device``).
+
+    >>> launches_kernel(torch.ops.aten.mm.default), launches_kernel(torch.ops.aten.t.default)
+    (True, False)
+    """
+    packet = getattr(func, "overloadpacket", None)
+    return (packet is not None and func.namespace != "prim" and not func.is_view
+            and packet.__name__ not in _NO_KERNEL)
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -27,6 +27,9 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
   buffers already there, as in a stage's later microbatches. ``fxpipe.passes.stage_memory``
   composes them into a stage's peak. With ``loss=(loss_fn, label)`` the last layer also
   gets ``loss_bytes``, what the loss allocates at its peak (forward and backward).
+- ``fwd_kernels`` / ``bwd_kernels``: the ops of its forward and of its backward that
+  launch a kernel (``live_bytes.launches_kernel``), as an eager stage issues them: the
+  host time ``fxpipe.simulate`` prices per kernel (``Hardware.host_us_per_kernel``).
 
 ``meta`` tensors are costed as CPU tensors (attention dispatches to a fused kernel, as on
 a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
@@ -97,6 +100,8 @@ class Cost:
     held_bytes: int | None = None
     bwd_peak_bytes: int | None = None
     loss_bytes: int | None = None
+    fwd_kernels: int | None = None   # ops launching a kernel in forward (a recompute: as many)
+    bwd_kernels: int | None = None   # and in backward
     # on the host, where they differ (mixed precision: the fp32 masters, and their gradients
     # as downloaded, in the masters' gradient dtype); None: as on a device
     host_param_bytes: int | None = None
@@ -423,9 +428,10 @@ def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
         except RuntimeError as e:
             if clone or "leaf Variable that requires grad" not in str(e):
                 raise
-    fwd, bwd = counter.get_total_flops(), 0
+    fwd, bwd, fwd_kernels = counter.get_total_flops(), 0, live.kernels
     profile = dict(out_bytes=live.new_bytes(pytree.tree_leaves(out)),
-                   recompute_peak_bytes=live.peak, held_bytes=live.bytes)
+                   recompute_peak_bytes=live.peak, held_bytes=live.bytes,
+                   fwd_kernels=fwd_kernels, bwd_kernels=0)
     roots = _grad_roots(out)
     params = [t for t in _unique(attrs.values()) if t.requires_grad]
     wrt = list(_unique(params + leaves))
@@ -441,6 +447,7 @@ def _fake_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple,
             for t in wrt:
                 t.grad = None
         bwd = counter.get_total_flops()
+        profile["bwd_kernels"] = live.kernels - fwd_kernels
     profile["bwd_peak_bytes"] = live.peak
     a, k, _, _ = _fresh_inputs(args, kwargs, clone)
     with torch.no_grad(), LiveBytes() as live:

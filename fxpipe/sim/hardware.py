@@ -16,6 +16,11 @@ from typing import Literal
 
 INF = float("inf")
 
+H200_HOST = dict(host_us_per_action=345.4, host_us_per_kernel=19.93, host_us_per_grad_kernel=37.43)
+"""The host figures fitted to the one GPU run (an H200 VM's host, eager fp32 stage code;
+``benchmarks/bench_host_model.py``): ``Hardware(**H200_HOST)`` prices issuing as that
+host did."""
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -44,6 +49,14 @@ class Hardware:
       (e.g. 25 GbE: ``3.125e9``; 200 Gb/s InfiniBand: ``25e9``) and per-message
       ``network_latency_ms``: the host lane's collectives take a ring algorithm's time
       (:meth:`collective_ms`).
+    - The host's issue time (``fxpipe.sim.simulate``'s issue pass): one host thread at a
+      time issues the devices' actions (the executor's issue lock), each costing
+      ``host_us_per_action``, plus, for a compute action, each kernel it launches
+      (``Cost.fwd_kernels`` / ``bwd_kernels``) ``host_us_per_kernel`` without grad (a
+      ``Forward``) or ``host_us_per_grad_kernel`` with grad (a recompute, a backward; by
+      default ``host_us_per_kernel``). An action starts on its device no earlier than it
+      was issued. All 0 by default (issuing free); :data:`H200_HOST` are the figures
+      calibrated on the H200 kit run (``benchmarks/bench_host_model.py``).
     """
 
     flops: float = INF
@@ -61,6 +74,19 @@ class Hardware:
     sockets: int = 1
     socket_link_bytes_per_s: float = INF
     host_memory: Literal["one_node", "local"] = "one_node"
+    host_us_per_action: float = 0.0
+    host_us_per_kernel: float = 0.0
+    host_us_per_grad_kernel: float | None = None
+
+    def issue_us(self, kernels: float, grad: bool) -> float:
+        """The host's time to issue one action that launches ``kernels`` kernels.
+
+        >>> Hardware(host_us_per_action=100, host_us_per_kernel=20).issue_us(10, grad=False)
+        300.0
+        """
+        per = self.host_us_per_kernel if not grad or self.host_us_per_grad_kernel is None \
+            else self.host_us_per_grad_kernel
+        return float(self.host_us_per_action + kernels * per)
 
     @classmethod
     def rtx4090_pcie4(cls, **overrides) -> "Hardware":
@@ -143,6 +169,8 @@ class LayerCost:
     - ``boundary_bytes``: activations leaving the layer (live across the cut after it);
       also the size of their gradient.
     - ``saved_bytes``: activations one microbatch keeps for this layer's backward.
+    - ``fwd_kernels``, ``bwd_kernels``: the kernels its forward and its backward launch
+      (what the host pays per kernel to issue, ``Hardware.host_us_per_kernel``).
 
     >>> LayerCost(7.4, 15.8).recompute
     7.4
@@ -157,6 +185,8 @@ class LayerCost:
     saved_bytes: int = 0
     host_param_bytes: int | None = None
     host_grad_bytes: int | None = None
+    fwd_kernels: int = 0
+    bwd_kernels: int = 0
 
     @property
     def host_params(self) -> int:
@@ -190,7 +220,8 @@ class LayerCost:
         return cls(ms(cost.fwd_ms, cost.fwd_flops), ms(cost.bwd_ms, cost.bwd_flops),
                    cost.recompute_ms, cost.param_bytes, cost.grad_bytes, cost.boundary_bytes,
                    cost.saved_bytes, getattr(cost, "host_param_bytes", None),
-                   getattr(cost, "host_grad_bytes", None))
+                   getattr(cost, "host_grad_bytes", None),
+                   getattr(cost, "fwd_kernels", None) or 0, getattr(cost, "bwd_kernels", None) or 0)
 
     @classmethod
     def from_flops(cls, fwd_flops: float, hardware: Hardware, bwd_flops: float | None = None,

@@ -28,6 +28,22 @@ Durations come from per-layer ``LayerCost``:
   on the host (``LayerCost.host_grads``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
   bytes.
 
+The host (``Hardware.host_us_per_action`` / ``host_us_per_kernel`` /
+``host_us_per_grad_kernel``; free by default): an issue pass first times the executor's
+issuing. Each device's actions are issued in its order, each once the actions it waits
+on were issued, one at a time over all devices (the issue lock), each costing the
+host per action plus per kernel it launches (``LayerCost.fwd_kernels`` / ``bwd_kernels``:
+a ``Forward`` or ``Checkpoint`` its layers' forward kernels without grad, a recompute
+and backward both with grad). An action then starts on its device no earlier than its
+issue ended, so a host slower than the devices shows as a longer makespan
+(``Timeline.host_issue_ms`` is the issue time summed). The pass leaves out the one place
+the executor's host waits for a device (before a ``Prefetch`` allocates, for the memory
+released): where that wait matters, the devices, not the host, are the bottleneck.
+``stage_backend`` scales what a compute action launches: ``"inductor"`` launches
+``INDUCTOR_KERNELS`` of the eager kernels (measured, ``benchmarks/bench_issue.py``),
+``"cudagraphs"`` one graph replay per compute action (MODELLED: no CUDA graph has run).
+Host-lane actions run on their own thread and cost no issue time.
+
 ``semantics`` decides where the first part of a two-part compute goes:
 
 - ``"fxpipe"``: it starts as soon as the compute stream is free and its parameters and
@@ -84,6 +100,11 @@ from fxpipe.sim.timeline import Interval, Timeline
 from fxpipe.stage_plan import RunType
 
 Semantics = Literal["fxpipe", "roundpipe"]
+StageBackend = Literal["eager", "inductor", "cudagraphs"]
+INDUCTOR_KERNELS = 0.31
+"""Kernels inductor's stage code launches per eager kernel: 41.5 of 135.9 per layer and
+microbatch in ``benchmarks/results/bench_issue.json`` (Llama-3.1-8B's block, fused step;
+the profiler's count of its generated kernels and the aten ops its wrapper calls)."""
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
 _COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather"}
 
@@ -99,8 +120,11 @@ class _StageCosts:
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
         self.inp, self.out, self.grad_in = [], [], []
+        self.fwd_kernels, self.bwd_kernels = [], []
         for st in program.stages:
             lc = [costs[i] for i in st.layers]
+            self.fwd_kernels.append(sum(_kernels(c, "fwd_kernels") for c in lc))
+            self.bwd_kernels.append(sum(_kernels(c, "bwd_kernels") for c in lc))
             self.fwd.append(sum(c.fwd_ms for c in lc))
             self.pre.append(sum(c.recompute if st.kind == "bwd" else c.fwd_ms for c in lc))
             self.bwd.append(sum(c.bwd_ms for c in lc))
@@ -129,11 +153,83 @@ class _StageCosts:
             return c.recompute, c.bwd_ms
         return self.pre[a.stage], self.bwd[a.stage]
 
+    def kernels(self, a, backend: StageBackend | None) -> tuple[float, bool]:
+        """(kernels compute action ``a`` launches, whether with grad) under ``backend``."""
+        if isinstance(a, (Forward, Checkpoint)):
+            n, grad = self.fwd_kernels[a.stage], False
+        elif isinstance(a, RecomputeBackward) and a.layer is not None:
+            c = self.costs[a.layer]
+            n, grad = _kernels(c, "fwd_kernels") + _kernels(c, "bwd_kernels"), True
+        else:
+            n, grad = self.fwd_kernels[a.stage] + self.bwd_kernels[a.stage], True
+        if backend == "cudagraphs":
+            return 1.0, grad
+        return (n * INDUCTOR_KERNELS if backend == "inductor" else float(n)), grad
+
+
+def action_kernels(program: Program, costs: Sequence[LayerCost],
+                   stage_backend: StageBackend | None = None) -> dict[tuple[int, int], tuple[float, bool]]:
+    """``{(lane, step): (kernels, with grad)}`` of each compute action of ``program``: what
+    the issue pass prices (module docstring).
+
+    >>> from fxpipe.passes.schedule import build_program
+    >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 1, "stage")
+    >>> sorted(action_kernels(p, [LayerCost(1.0, 2.0, fwd_kernels=3, bwd_kernels=5)] * 2).values())
+    [(3.0, False), (8.0, True), (8.0, True)]
+    """
+    sc = _StageCosts(program, costs, 0)
+    return {(d, i): sc.kernels(a, stage_backend) for d, acts in program.lanes() if d >= 0
+            for i, a in enumerate(acts) if isinstance(a, Compute)}
+
+
+def _kernels(cost, name: str) -> int:
+    return getattr(cost, name, None) or 0
+
+
+def _issue(nodes: list, dep_ids: list, sc: _StageCosts, hardware: Hardware,
+           backend: StageBackend | None) -> list[float]:
+    """When each action's issue ends (ms), by the issue pass (module docstring)."""
+    N = len(nodes)
+    end = [0.0] * N
+    issued = [False] * N
+    lanes: dict[int, list[int]] = {}
+    for k, (d, _, _) in enumerate(nodes):
+        lanes.setdefault(d, []).append(k)
+    nxt = {d: 0 for d in lanes}
+    host = 0.0
+    left = N
+    while left:
+        best = None   # (ready time, lane) of the next action that can be issued
+        for d, ks in lanes.items():
+            if nxt[d] == len(ks):
+                continue
+            k = ks[nxt[d]]
+            if all(issued[j] for j, _ in dep_ids[k]):
+                prev = end[ks[nxt[d] - 1]] if nxt[d] else 0.0
+                ready = max([prev] + [end[j] for j, _ in dep_ids[k]])
+                if best is None or ready < best[0]:
+                    best = (ready, d)
+        if best is None:
+            return end   # a deadlock: the simulation names it
+        ready, d = best
+        k = lanes[d][nxt[d]]
+        a = nodes[k][2]
+        if d < 0:      # the host lane: its own thread, no issue time
+            end[k] = ready
+        else:
+            kernels, grad = sc.kernels(a, backend) if isinstance(a, Compute) else (0.0, False)
+            start = max(ready, host)
+            host = end[k] = start + hardware.issue_us(kernels, grad) / 1e3
+        issued[k] = True
+        nxt[d] += 1
+        left -= 1
+    return end
+
 
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
              *, semantics: Semantics = "fxpipe", tokens_per_step: int | None = None,
              input_bytes: int = 0, memory: ChainMemory | None = None,
-             refresh_bytes: int = 0) -> Timeline:
+             refresh_bytes: int = 0, stage_backend: StageBackend | None = None) -> Timeline:
     """Time ``program`` with per-layer ``costs`` on ``hardware``.
 
     ``hardware=None`` is ``Hardware()``: every transfer free, no memory limit.
@@ -142,7 +238,8 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     for one microbatch (``fxpipe.passes.stage_memory.ChainMemory``; default from ``costs``).
     ``refresh_bytes``: what the call's ``Refresh`` copies on the host (the
     ``param_dtype`` casts of the parameters a step changed, an asynchronous optimizer's
-    snapshot; default none).
+    snapshot; default none). ``stage_backend``: what the compute actions launch, for the
+    host's issue time (module docstring; ``None`` is ``"eager"``).
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 2)], [range(2, 4), range(0, 2)], "fused", 2, 4, "stage")
@@ -152,13 +249,17 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     """
     if semantics not in ("fxpipe", "roundpipe"):
         raise ValueError(f"semantics must be 'fxpipe' or 'roundpipe', got {semantics!r}")
+    if stage_backend not in (None, "eager", "inductor", "cudagraphs"):
+        raise ValueError("stage_backend must be None, 'eager', 'inductor' or 'cudagraphs', "
+                         f"got {stage_backend!r}")
     with gc_paused():  # many small acyclic objects: collector passes cost ~half the run
         return _simulate(program, costs, Hardware() if hardware is None else hardware,
-                         semantics, tokens_per_step, input_bytes, memory, refresh_bytes)
+                         semantics, tokens_per_step, input_bytes, memory, refresh_bytes,
+                         stage_backend)
 
 
 def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory,
-              refresh_bytes=0) -> Timeline:
+              refresh_bytes=0, stage_backend=None) -> Timeline:
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
@@ -172,6 +273,9 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             dependents[j].append(k)
     start, end, split, ready_data = [0.0] * N, [0.0] * N, [0.0] * N, [0.0] * N
     done = [False] * N
+    issued = _issue(nodes, dep_ids, sc, hardware, stage_backend) \
+        if hardware.host_us_per_action or hardware.host_us_per_kernel \
+        or hardware.host_us_per_grad_kernel else [0.0] * N
     hop = hardware.comm_ms_per_hop
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
             "free": None, "control": None, "collective": "collective"}
@@ -219,7 +323,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     def compute_times(k: int, instant: tuple[type, ...] = ()) -> tuple[float, float, float]:
         """(start, backward start, end) of compute node k."""
         a = nodes[k][2]
-        free = max((dep_time(j, x) for j, x in dep_ids[k] if x.why == "stream"), default=0.0)
+        free = max([issued[k]] + [dep_time(j, x) for j, x in dep_ids[k] if x.why == "stream"])
         pre, main = sc.parts(a)
         if isinstance(a, (Forward, Checkpoint)):
             t = max([free] + [dep_time(j, x, instant) for j, x in dep_ids[k]])
@@ -236,7 +340,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     def ready_time(k: int) -> float:
         if isinstance(nodes[k][2], Compute):
             return compute_times(k)[0]
-        return max((dep_time(j, x) for j, x in dep_ids[k]), default=0.0)
+        return max([issued[k]] + [dep_time(j, x) for j, x in dep_ids[k]])
 
     heap = [(ready_time(k), k) for k in range(N) if waiting[k] == 0]
     heapq.heapify(heap)
@@ -277,12 +381,14 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
         raise ValueError(f"program deadlocks: device {d} step {i} ({a}) waits forever on "
                          f"{', '.join(blockers)}")
     memory = memory if memory is not None else ChainMemory.of(costs, input_bytes)
+    host = sum(hardware.issue_us(*(sc.kernels(a, stage_backend) if isinstance(a, Compute)
+                                   else (0.0, False))) for d, _, a in nodes if d >= 0) / 1e3
     return _timeline(program, sc, nodes, start, split, end, hardware,
-                     (exposed, exposed_prefetch), tokens_per_step, memory)
+                     (exposed, exposed_prefetch), tokens_per_step, memory, host)
 
 
 def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
-              tokens_per_step, memory) -> Timeline:
+              tokens_per_step, memory, host_issue_ms=0.0) -> Timeline:
     G = program.num_devices
     intervals: list[Interval] = []
     busy, device_free = [0.0] * G, [0.0] * G
@@ -312,7 +418,7 @@ def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
     return Timeline(G, intervals, makespan, busy, device_free, [p.total if p else 0 for p in peaks],
                     *exposed, memory_limit=hardware.memory, tokens_per_s=tps,
                     peak_memory_by_kind=[dict(p.bytes) if p else dict.fromkeys(KINDS, 0)
-                                         for p in peaks])
+                                         for p in peaks], host_issue_ms=host_issue_ms)
 
 
 def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,

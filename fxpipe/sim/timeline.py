@@ -60,6 +60,7 @@ class Timeline:
     memory_limit: float = float("inf")
     tokens_per_s: float | None = None
     peak_memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per device
+    host_issue_ms: float = 0.0   # the host's issue time (Hardware.host_us_per_*), summed
     fill: float = field(init=False)
     drain: float = field(init=False)
     switch: float = field(init=False)
