@@ -9,7 +9,7 @@ one device) recorded the host's issue time per action kind (``stats.host_issue_u
 This rebuilds that call's Program from the recorded plan (the model on ``meta``: same
 graph, no weights), counts its actions per kind (checked against the run's 656) and the
 kernels each compute action launches (``Cost.fwd_kernels`` / ``bwd_kernels``, counted by
-the cost pass), and fits ``fxpipe.sim.Hardware``'s host figures:
+the cost pass), and fits ``fxpipe.sim.Hardware``'s host figures (``fxpipe.sim.host_fit``):
 
 - ``host_us_per_action``: the issue time of the actions that launch no kernel of the
   stage code (Prefetch, Upload, Offload, Free, Release, DownloadGrads), per action;
@@ -52,11 +52,10 @@ from fxpipe.plan import layer_costs  # noqa: E402
 from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
 from fxpipe.sim import Hardware, LayerCost  # noqa: E402
 from fxpipe.sim.hardware import H200_HOST  # noqa: E402
-from fxpipe.sim.simulate import action_kernels, simulate  # noqa: E402
+from fxpipe.sim.host_fit import fit_host  # noqa: E402
+from fxpipe.sim.simulate import simulate  # noqa: E402
 
 GiB = 2**30
-NO_KERNELS = ("Prefetch", "Upload", "Offload", "Free", "Release", "DownloadGrads")
-WITH_GRAD = ("RecomputeBackward", "FusedBackward")
 CASES = [("Llama-3.1-8B", 1, 4096), ("Llama-3.1-8B", 8, 4096), ("Llama-3.1-8B", 8, 16384)]
 BACKENDS = ("eager", "inductor", "cudagraphs")
 
@@ -85,48 +84,17 @@ def h200_call(gpu: dict):
     return program, costs
 
 
-def by_kind(program, costs) -> dict[str, dict[str, float]]:
-    """Per action kind: how many, and the kernels they launch (eager)."""
-    kernels = action_kernels(program, costs)
-    out: dict[str, dict[str, float]] = {}
-    for lane, acts in program.lanes():
-        if lane < 0:
-            continue
-        for i, a in enumerate(acts):
-            row = out.setdefault(type(a).__name__, {"actions": 0, "kernels": 0})
-            row["actions"] += 1
-            row["kernels"] += kernels.get((lane, i), (0, False))[0]
-    return out
-
-
 def calibrate(gpu: dict) -> dict:
     """Fit the host figures to the H200 run (module docstring)."""
     program, costs = h200_call(gpu)
-    kinds = by_kind(program, costs)
     us = {k.split(".", 1)[1]: v for k, v in _flat(gpu["stats"]).items()
           if k.startswith("host_issue_us.")}
-    actions = sum(len(acts) for _, acts in program.lanes())   # the host lane's too, as counted
-    per_action = sum(us.get(k, 0) for k in NO_KERNELS) / sum(kinds[k]["actions"] for k in NO_KERNELS
-                                                            if k in kinds)
-    fwd = kinds["Forward"]
-    per_kernel = (us["Forward"] - fwd["actions"] * per_action) / fwd["kernels"]
-    grad_actions = sum(kinds[k]["actions"] for k in WITH_GRAD if k in kinds)
-    grad_kernels = sum(kinds[k]["kernels"] for k in WITH_GRAD if k in kinds)
-    per_grad = (sum(us.get(k, 0) for k in WITH_GRAD) - grad_actions * per_action) / grad_kernels
-    fitted = Hardware(host_us_per_action=per_action, host_us_per_kernel=per_kernel,
-                      host_us_per_grad_kernel=per_grad)
-    rows = []
-    for kind, r in sorted(kinds.items()):
-        grad = kind in WITH_GRAD
-        predicted = r["actions"] * per_action + r["kernels"] * (per_grad if grad else per_kernel)
-        rows.append({"kind": kind, "actions": r["actions"], "kernels": r["kernels"],
-                     "measured_us": us.get(kind, 0), "fitted_us": predicted})
-    simulated = simulate(program, costs, fitted).host_issue_ms
-    return {"program_actions": actions, "run_actions": gpu["stats"]["actions"],
-            "host_us_per_action": per_action, "host_us_per_kernel": per_kernel,
-            "host_us_per_grad_kernel": per_grad, "kinds": rows,
+    fit = fit_host(program, costs, us)
+    fitted = Hardware(**{k: fit[k] for k in H200_HOST})
+    return {**fit, "program_actions": sum(len(acts) for _, acts in program.lanes()),  # host lane too
+            "run_actions": gpu["stats"]["actions"],
             "measured_host_issue_ms": gpu["stats"]["host_issue_ms"],
-            "simulated_host_issue_ms": simulated}
+            "simulated_host_issue_ms": simulate(program, costs, fitted).host_issue_ms}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -52,6 +52,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     # host actions waiting for device work (a fused step without an optimizer)
     backward = len(pvm["plan"].split("bwd=[")[1].split(","))
     assert report["stats"]["host_waits"] == 1 + backward
+    fit = report["stats"]["host_fit"]   # this host's figures for fxpipe.simulate (on a GPU)
+    assert fit["runs_at_issue"] is False and fit["host_us_per_action"] > 0
+    assert {r["kind"] for r in fit["kinds"]} >= {"Forward", "RecomputeBackward", "Prefetch"}
     w = report["weights"]   # a frozen base read from its file map's registered windows
     assert w["ok"] and w["frozen_file_backed"] == w["frozen_params"] > 0
     assert w["registered"] is True and w["ring_bytes"] == 0 and w["max_loss_diff"] == 0.0

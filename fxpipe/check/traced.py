@@ -1,7 +1,8 @@
 """The kit's sections read from one traced training step on every device:
 ``hidden_prefetch`` (how much parameter prefetching the compute hid, from the CUDA-event
 timeline), ``predicted_vs_measured`` (``fxpipe.simulate`` against the step's makespan)
-and ``stats`` (``pipe.stats()``, the host's issue time against each device's compute).
+and ``stats`` (``pipe.stats()``, the host's issue time against each device's compute,
+and the host's figures for ``fxpipe.simulate`` fitted to it).
 The timeline arithmetic is ``fxpipe.runtime.trace``'s."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Any
 import fxpipe
 from fxpipe.check.common import devices, link_bandwidth, loss_fn, model_and_batch, settle, unsampled
 from fxpipe.check.harness import Kit
+from fxpipe.plan import layer_costs
 from fxpipe.runtime.trace import compute_busy_ms, prefetch_figures
-from fxpipe.sim import Hardware
+from fxpipe.sim import Hardware, LayerCost
+from fxpipe.sim.host_fit import fit_host
 
 
 def traced_step(shape: dict, num_devices: int, dry_run: bool) -> dict[str, Any]:
@@ -85,14 +88,26 @@ def predicted_vs_measured_summary(r: dict[str, Any]) -> str:
 def stats(kit: Kit) -> dict[str, Any]:
     """The unsampled step's ``pipe.stats()``, and the host's issue time beside each
     device's compute busy time in it (``issue_vs_busy``: above 1, the host could not
-    keep that device fed). The last section to read the traced step: its pipe is closed."""
+    keep that device fed); ``host_fit``: this host's figures for ``fxpipe.simulate``
+    (``fxpipe.sim.host_fit``: per action, per kernel without and with grad) fitted to the
+    step's issue time per action kind. Its per-kernel figures mean something only where
+    the devices run an action's Python at issue (``runs_at_issue``: a GPU); on virtual
+    devices (the dry run) the kernels run on the devices' workers, outside the issue
+    time. The last section to read the traced step: its pipe is closed."""
     tr = traced(kit)
     try:
         issue_ms = tr["stats"]["host_issue_us"] / 1e3
         busy = {d: compute_busy_ms(tr["rec"].timeline.intervals, d) for d in range(kit.num)}
+        pipe = tr["pipe"]
+        by_kind = {k.split(".", 1)[1]: v for k, v in tr["stats"].items()
+                   if k.startswith("host_issue_us.")}
+        fit = fit_host(pipe.program("fused", tr["M"]),
+                       [LayerCost.of(c, Hardware()) for c in layer_costs(pipe)], by_kind,
+                       stage_backend=pipe.config.stage_backend)
         return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"],
                 "host_issue_ms": issue_ms, "compute_busy_ms": busy,
-                "issue_vs_busy": {d: issue_ms / b if b else None for d, b in busy.items()}}
+                "issue_vs_busy": {d: issue_ms / b if b else None for d, b in busy.items()},
+                "host_fit": {**fit, "runs_at_issue": all(d.runs_at_issue for d in pipe.devices)}}
     finally:
         kit.release("traced step")
 
