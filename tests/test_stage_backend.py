@@ -80,8 +80,8 @@ def test_inductor_step_equals_eager_on_strict_cuda_sim():
     """A fused step (forward stages, recomputed backward stages, the fused tail) and an
     inference call under inductor on two strict cuda-sim devices: the loss, every
     parameter's gradient and the output equal eager's within ATOL/RTOL; the compiled
-    code's buffers are counted on the devices (peaks as eager stage code's); the four
-    identical blocks run one artifact."""
+    code's buffers are counted on the devices (peaks as eager stage code's, and within
+    ``predict_memory``'s); the four identical blocks run one artifact."""
     model = blocks(4, 16)
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
@@ -98,6 +98,10 @@ def test_inductor_step_equals_eager_on_strict_cuda_sim():
     # within what fusion saves or costs
     for d, e in zip(devices, eager_devices):
         assert 0.8 <= d.peak_bytes() / e.peak_bytes() <= 1.25, (d.peak_bytes(), e.peak_bytes())
+    # and the prediction (eager stage code's memory model) holds for the compiled code
+    pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2, loss_fn=mse, label=y)
+    for d, p in zip(devices, pred.devices):
+        assert 0.9 <= p.total / d.peak_bytes() <= 1.25, (p.total, d.peak_bytes())
     ref_loss = mse(ref(x), y)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
