@@ -18,7 +18,9 @@ the cost pass), and fits ``fxpipe.sim.Hardware``'s host figures (``fxpipe.sim.ho
   time less that, per kernel (recompute and backward, with grad: autograd's recording
   and engine).
 
-``H200_HOST`` in ``fxpipe/sim/hardware.py`` holds them (``tests/test_sim_host.py`` checks
+The same step is then re-estimated per stage backend (#38's acceptance: its issue time
+should fall by the share ``RecomputeBackward`` held, 63 %). ``H200_HOST`` in
+``fxpipe/sim/hardware.py`` holds them (``tests/test_sim_host.py`` checks
 they are what this fit gives). One run on one machine: the figures are that host's (a
 16-core VM) with eager fp32 stage code; no other GPU host has been measured.
 
@@ -94,7 +96,12 @@ def calibrate(gpu: dict) -> dict:
     return {**fit, "program_actions": sum(len(acts) for _, acts in program.lanes()),  # host lane too
             "run_actions": gpu["stats"]["actions"],
             "measured_host_issue_ms": gpu["stats"]["host_issue_ms"],
-            "simulated_host_issue_ms": simulate(program, costs, fitted).host_issue_ms}
+            "simulated_host_issue_ms": simulate(program, costs, fitted).host_issue_ms,
+            # the same step's issuing re-estimated per stage backend (SIMULATED; cudagraphs
+            # MODELLED), beside the share of it RecomputeBackward held
+            "by_backend_ms": {b: simulate(program, costs, fitted, stage_backend=b).host_issue_ms
+                              for b in BACKENDS},
+            "recompute_backward_share": us.get("RecomputeBackward", 0.0) / sum(us.values())}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -153,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['measured_us'] / 1e3:>12.1f} {r['fitted_us'] / 1e3:>10.1f}")
     print(f"issue time: measured {fit['measured_host_issue_ms']:.1f} ms, simulated with the fit "
           f"{fit['simulated_host_issue_ms']:.1f} ms")
+    print("the same step re-estimated (simulated; cudagraphs modelled): " + ", ".join(
+        f"{b} {ms:.1f} ms" for b, ms in fit["by_backend_ms"].items())
+        + f"; RecomputeBackward held {fit['recompute_backward_share']:.0%} of the measured issuing")
     rows = []
     print(f"\nSIMULATED (cudagraphs: MODELLED) {'model':<13} {'gpus':>4} {'tokens':>6} "
           f"{'backend':>10} {'GPU ms':>8} {'host ms':>8} {'host/GPU':>8} {'slowdown':>8}")

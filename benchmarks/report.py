@@ -116,7 +116,12 @@ def _host_model(d: dict) -> list[str]:
             f"{c['host_us_per_grad_kernel']:.2f} µs per kernel with grad "
             f"(`fxpipe.sim.hardware.H200_HOST`); the fit gives the run's "
             f"{c['measured_host_issue_ms']:.1f} ms of issuing as "
-            f"{c['simulated_host_issue_ms']:.1f} ms.", ""] + fit + [""] + table(
+            f"{c['simulated_host_issue_ms']:.1f} ms. The same step re-estimated per stage "
+            "backend (simulated; cudagraphs modelled): " + ", ".join(
+                f"{b} {ms:,.0f} ms ({1 - ms / c['simulated_host_issue_ms']:.0%} less)"
+                for b, ms in c["by_backend_ms"].items())
+            + f"; `RecomputeBackward` held {c['recompute_backward_share']:.0%} of the "
+            "measured issuing.", ""] + fit + [""] + table(
         ["model", "GPUs", "tokens per microbatch", "stage backend", "GPU step ms (simulated)",
          "host issue ms (simulated)", "host / GPU step", "step with host / without"], rows)
 
