@@ -187,16 +187,20 @@ def _kernels(cost, name: str) -> int:
 
 
 def _issue(nodes: list, dep_ids: list, sc: _StageCosts, hardware: Hardware,
-           backend: StageBackend | None) -> list[float]:
-    """When each action's issue ends (ms), by the issue pass (module docstring)."""
+           backend: StageBackend | None) -> tuple[list[float], float]:
+    """When each action's issue ends, by the issue pass (module docstring), and the issue
+    time summed (ms); all 0 where issuing is free."""
     N = len(nodes)
     end = [0.0] * N
+    if not (hardware.host_us_per_action or hardware.host_us_per_kernel
+            or hardware.host_us_per_grad_kernel):
+        return end, 0.0
     issued = [False] * N
     lanes: dict[int, list[int]] = {}
     for k, (d, _, _) in enumerate(nodes):
         lanes.setdefault(d, []).append(k)
     nxt = {d: 0 for d in lanes}
-    host = 0.0
+    host = total = 0.0
     left = N
     while left:
         best = None   # (ready time, lane) of the next action that can be issued
@@ -210,7 +214,7 @@ def _issue(nodes: list, dep_ids: list, sc: _StageCosts, hardware: Hardware,
                 if best is None or ready < best[0]:
                     best = (ready, d)
         if best is None:
-            return end   # a deadlock: the simulation names it
+            return end, total   # a deadlock: the simulation names it
         ready, d = best
         k = lanes[d][nxt[d]]
         a = nodes[k][2]
@@ -218,12 +222,13 @@ def _issue(nodes: list, dep_ids: list, sc: _StageCosts, hardware: Hardware,
             end[k] = ready
         else:
             kernels, grad = sc.kernels(a, backend) if isinstance(a, Compute) else (0.0, False)
-            start = max(ready, host)
-            host = end[k] = start + hardware.issue_us(kernels, grad) / 1e3
+            cost = hardware.issue_us(kernels, grad) / 1e3
+            host = end[k] = max(ready, host) + cost
+            total += cost
         issued[k] = True
         nxt[d] += 1
         left -= 1
-    return end
+    return end, total
 
 
 def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | None = None,
@@ -273,9 +278,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             dependents[j].append(k)
     start, end, split, ready_data = [0.0] * N, [0.0] * N, [0.0] * N, [0.0] * N
     done = [False] * N
-    issued = _issue(nodes, dep_ids, sc, hardware, stage_backend) \
-        if hardware.host_us_per_action or hardware.host_us_per_kernel \
-        or hardware.host_us_per_grad_kernel else [0.0] * N
+    issued, host = _issue(nodes, dep_ids, sc, hardware, stage_backend)
     hop = hardware.comm_ms_per_hop
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
             "free": None, "control": None, "collective": "collective"}
@@ -381,8 +384,6 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
         raise ValueError(f"program deadlocks: device {d} step {i} ({a}) waits forever on "
                          f"{', '.join(blockers)}")
     memory = memory if memory is not None else ChainMemory.of(costs, input_bytes)
-    host = sum(hardware.issue_us(*(sc.kernels(a, stage_backend) if isinstance(a, Compute)
-                                   else (0.0, False))) for d, _, a in nodes if d >= 0) / 1e3
     return _timeline(program, sc, nodes, start, split, end, hardware,
                      (exposed, exposed_prefetch), tokens_per_step, memory, host)
 
