@@ -460,6 +460,18 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             steps.placements[key] = place_cache(steps, kv_cache, num_microbatch)
         return steps.placements[key]
 
+    def _prefill_chunk(self, steps: Any, prompt: int, num_microbatch: int) -> int:
+        """The most prompt tokens one prefill call of ``steps`` takes
+        (``kv_placement.prefill_chunk``; decided once per prompt length rounded up to
+        ``generation.BUCKET`` and microbatch count)."""
+        from fxpipe.generation import BUCKET
+        from fxpipe.kv_placement import prefill_chunk
+        # decided for the prompt rounded up to BUCKET (a chunk that fits it fits the prompt)
+        key = (min(-(-prompt // BUCKET) * BUCKET, steps.module.length), num_microbatch)
+        if key not in steps.chunks:
+            steps.chunks[key] = prefill_chunk(steps, *key)
+        return min(steps.chunks[key], prompt)
+
     def _generation_steps(self, batch: int, length: int):
         """The compiled step module for ``batch`` sequences of up to ``length`` tokens:
         one made for this batch size whose cache is long enough, else a new one (its

@@ -361,12 +361,14 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     steps = pipe._generation_steps(batch, prompt + opts.max_new_tokens)
     length = steps.module.length
     placement = pipe._place_cache(steps, kv_cache, microbatches)   # may refuse: nothing ran yet
+    chunk = pipe._prefill_chunk(steps, prompt, microbatches)
     steps.microbatches, steps.placement = microbatches, placement
+    steps.chunk = chunk if chunk < prompt else None
     steps.module.reset()
     resident = ResidentBuffers(placement.kept) if placement.kept else None
     try:
         return _loop(steps, input_ids, mask, prompt, length, opts, generator, streamer,
-                     _row_ranges(batch, microbatches), resident)
+                     _row_ranges(batch, microbatches), resident, chunk)
     finally:
         if resident is not None:
             resident.close()
@@ -374,10 +376,12 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
 
 def _loop(steps: Steps, input_ids: torch.Tensor, mask: torch.Tensor, prompt: int,
           length: int, opts: Options, generator, streamer,
-          rows: tuple[tuple[int, int], ...], resident: ResidentBuffers | None) -> torch.Tensor:
-    """The prefill, then a decode step per new token (``generate``'s loop). The prefill
-    writes the prompt's positions back to the host cache; the decode steps keep the
-    caches ``resident`` holds on their devices (the first step uploads them)."""
+          rows: tuple[tuple[int, int], ...], resident: ResidentBuffers | None,
+          chunk: int) -> torch.Tensor:
+    """The prefill (``chunk`` prompt tokens per call, ``kv_placement.prefill_chunk``),
+    then a decode step per new token (``generate``'s loop). The prefill writes the
+    prompt's positions back to the host cache; the decode steps keep the caches
+    ``resident`` holds on their devices (the first step uploads them)."""
     batch = input_ids.shape[0]
 
     full = torch.ones(batch, length, dtype=torch.long)
@@ -387,8 +391,10 @@ def _loop(steps: Steps, input_ids: torch.Tensor, mask: torch.Tensor, prompt: int
     unfinished = torch.ones(batch, dtype=torch.bool)
     if streamer is not None:
         streamer.put(input_ids)
-    logits = steps(input_ids, full, positions, torch.arange(prompt),
-                   use=ScratchUse(rows=rows, written=(0, prompt)))
+    for start in range(0, prompt, chunk):   # later chunks attend to the cache before them
+        stop = min(start + chunk, prompt)
+        logits = steps(input_ids[:, start:stop], full, positions[:, start:stop],
+                       torch.arange(start, stop), use=ScratchUse(rows=rows, written=(start, stop)))
     for t in range(opts.max_new_tokens):
         token = sample_next(logits, do_sample=opts.do_sample, temperature=opts.temperature,
                             top_k=opts.top_k, top_p=opts.top_p, generator=generator)
@@ -421,6 +427,9 @@ class Steps:
         self.microbatches = _microbatches(None, module.batch)
         self.placement: Any = None   # the last generate's (kv_placement.CachePlacement)
         self.placements: dict[tuple[str, int], Any] = {}   # by (kv_cache, microbatches)
+        self.chunk: int | None = None   # the last generate's prompt tokens per prefill call,
+        # where the prompt did not fit one (kv_placement.prefill_chunk)
+        self.chunks: dict[tuple[int, int], int] = {}   # by (prompt length bucket, microbatches)
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position,
                  use: ScratchUse | None = None, plan: Any = None):
@@ -482,11 +491,14 @@ class GenerationProgram:
     prefill: Any
     decode: Any
     cache: str = ""      # where the decode keeps each stage's KV cache (Steps.cache_line)
+    chunk: int | None = None   # prompt tokens per prefill call (None: the whole prompt)
 
     def __str__(self) -> str:
         m = self.decode.num_microbatches
         how = "the batch as one microbatch" if m == 1 else f"the batch in {m} microbatches"
-        return ("# prefill: the prompts through every stage, once\n" + str(self.prefill).rstrip()
+        once = "once" if self.chunk is None else \
+            f"in chunks of at most {self.chunk} tokens, a call each (kv_placement.prefill_chunk)"
+        return (f"# prefill: the prompts through every stage, {once}\n" + str(self.prefill).rstrip()
                 + f"\n# each decode step: one new token of every sequence, {how}\n"
                 + (self.cache + "\n" if self.cache else "") + str(self.decode).rstrip() + "\n")
 

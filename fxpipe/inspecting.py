@@ -134,7 +134,8 @@ class Inspecting:
             from fxpipe.generation import GenerationProgram, inspected_steps
             steps = inspected_steps(self)
             prefill, decode = steps.executables()
-            return GenerationProgram(prefill.program, decode.program, steps.cache_line())
+            return GenerationProgram(prefill.program, decode.program, steps.cache_line(),
+                                     steps.chunk)
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs, sync_gradients=sync_gradients,
                                 input_grads=self._input_grads(input_grads)).program

@@ -15,6 +15,11 @@ every cache, ``cache_plan`` cuts the decode again for the cache: each device mus
 its stages' caches for the whole call beside two stages' weights, so the stages get
 smaller until that fits (round-robin puts about 1/devices of the caches on each device
 whatever the cut; smaller stages leave it more room). The placement then runs that plan.
+
+``prefill_chunk`` bounds the prefill the same way: a prompt whose prefill would not fit
+the devices (its activations grow with the prompt; the prefill's plan was costed on the
+example the step pipe was captured with) is run in chunks, each a prefill call at its
+cache positions, the largest that fits.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import torch
 
 from fxpipe.errors import DeviceMemoryError, PlanError
 from fxpipe.generation import KV_CACHE, cache_tensors
-from fxpipe.memory_prediction import MemoryPrediction, chain_memory
-from fxpipe.passes.stage_memory import device_peaks, human_bytes, program_peaks
+from fxpipe.memory_prediction import MemoryPrediction, _first_rows, chain_memory, tensor_bytes
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.stage_memory import ChainMemory, device_peaks, human_bytes, program_peaks
 from fxpipe.plan import MEMORY_FRACTION, ExecutePlan
 from fxpipe.runtime.params import is_scratch
 
-__all__ = ["AUTO_HEADROOM", "CachePlacement", "cache_plan", "place_cache"]
+__all__ = ["AUTO_HEADROOM", "CachePlacement", "cache_plan", "place_cache", "prefill_chunk"]
 
 AUTO_HEADROOM = 0.9
 """``kv_cache="auto"`` keeps caches on a device while its predicted decode peak stays
@@ -145,6 +151,32 @@ def cache_plan(steps: Any, num_microbatch: int = 1) -> ExecutePlan | None:
             return plan
         share = held
     return None
+
+
+def prefill_chunk(steps: Any, prompt: int, num_microbatch: int = 1) -> int:
+    """The most prompt tokens one prefill call of ``steps`` takes: the whole ``prompt``
+    where no device has a ``memory_limit`` or its predicted peak stays within
+    ``AUTO_HEADROOM`` of every limit, else the largest of ``prompt`` halved (rounded up)
+    again and again whose does; at least 1. Each length is predicted with the graph a
+    call of that length runs (captured now if none serves it: the call would capture it)
+    and its plan, the layers costed again on fake tensors of one microbatch of it."""
+    limits = [d.memory_limit for d in steps.pipe.devices]
+    chunk = prompt
+    if all(limit is None for limit in limits):
+        return chunk
+    while chunk > 1:
+        example = steps.module.example(chunk)
+        compiled = steps.pipe._compiled_for(example, {})
+        exe = steps.pipe._executable("infer", num_microbatch, compiled=compiled)
+        flat, _ = _first_rows(list(example), None, num_microbatch)
+        memory = ChainMemory.of(compute_costs(compiled.layers, flat, store=False),
+                                tensor_bytes(flat))
+        peaks = program_peaks(exe.program, memory)
+        if all(limits[p.device] is None or p.total <= AUTO_HEADROOM * limits[p.device]
+               for p in peaks):
+            return chunk
+        chunk = -(-chunk // 2)
+    return 1
 
 
 def _decode(steps: Any, num_microbatch: int, plan: ExecutePlan | None):

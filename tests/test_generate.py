@@ -432,6 +432,33 @@ def test_the_decode_is_re_cut_so_the_caches_fit(monkeypatch):
     assert "the decode re-cut for its resident caches (" in text
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_that_fit(monkeypatch):
+    """A 600-token prompt on two 3 MB devices: the whole prefill would not fit (its
+    attention and MLP activations grow with the prompt; it ran out of memory before), so
+    ``kv_placement.prefill_chunk`` splits it into the largest chunks predicted to fit,
+    each a prefill call at its cache positions. Tokens equal HF's, the devices stay under
+    their limit, and the printed program says so."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    ids = torch.randint(3, 256, (2, 600))
+    mask = torch.ones_like(ids)
+    ref = hf_generate(model, ids, mask, max_new_tokens=4)
+    limit = 3_000_000
+    pipe = compiled(model, ids[:, :8], cuda_sim(memory_limit=limit))
+    assert torch.equal(pipe.generate(ids, mask, max_new_tokens=4), ref)
+    steps = pipe._generation[0]
+    assert steps.chunk is not None and 1 < steps.chunk < 600
+    assert max(d.peak_bytes() for d in pipe.devices) <= limit
+    assert f"# prefill: the prompts through every stage, in chunks of at most {steps.chunk} " \
+        "tokens" in str(pipe.program("generate"))
+    # the whole prompt in one prefill call does not fit
+    monkeypatch.setattr(type(pipe), "_prefill_chunk", lambda self, steps, prompt, m: prompt)
+    with pytest.raises(fxpipe.DeviceMemoryError, match="exceeds the memory limit"):
+        pipe.generate(ids, mask, max_new_tokens=4)
+
+
 def test_a_cache_that_cannot_fit_is_refused_and_auto_keeps_what_fits():
     """16 sequences whose caches outweigh the layers' weights, two devices of 1.6 MB:
     every stage's cache on its device does not fit (refused with the numbers, before
