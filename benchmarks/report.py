@@ -780,6 +780,17 @@ def headline() -> list[str]:
             rows.append(["host time to issue a training step / predicted H100 step, Llama-3.1-8B on 8 GPUs",
                          f"{a['ratio']:.2f} at 4K tokens, {b['ratio']:.2f} at 16K{compiled}",
                          "host-issue-cost"])
+    host = load("bench_host_model.json")
+    if host:
+        r = {(x["gpus"], x["seq_len"], x["stage_backend"]): x for x in host["rows"]
+             if x["model"] == "Llama-3.1-8B"}
+        if all((8, 4096, b) in r for b in ("eager", "inductor", "cudagraphs")):
+            rows.append(["SIMULATED with the host fitted to the H200 run: host issue / GPU step, "
+                         "Llama-3.1-8B on 8 H100s at 4K tokens",
+                         ", ".join(f"{b} {r[(8, 4096, b)]['host_over_gpu']:.2f}"
+                                   for b in ("eager", "inductor")) +
+                         f", cudagraphs {r[(8, 4096, 'cudagraphs')]['host_over_gpu']:.2f} (modelled)",
+                         "the-host-in-the-simulator-calibrated-on-the-h200"])
     sched = load("bench_schedule.json")
     if sched:
         ratios = [m["makespan_ratio"] for m in sched["models"].values()]
