@@ -33,10 +33,11 @@ import torch
 
 from fxpipe.errors import DeviceMemoryError, PlanError
 from fxpipe.generation import KV_CACHE, cache_tensors
-from fxpipe.memory_prediction import MemoryPrediction, _first_rows, chain_memory, tensor_bytes
+from fxpipe.memory_prediction import MemoryPrediction, tensor_bytes
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.stage_memory import ChainMemory, device_peaks, human_bytes, program_peaks
 from fxpipe.plan import MEMORY_FRACTION, ExecutePlan
+from fxpipe.runtime.inputs import static_dim_problem
 from fxpipe.runtime.params import is_scratch
 
 __all__ = ["AUTO_HEADROOM", "CachePlacement", "cache_plan", "place_cache", "prefill_chunk"]
@@ -159,7 +160,8 @@ def prefill_chunk(steps: Any, prompt: int, num_microbatch: int = 1) -> int:
     ``AUTO_HEADROOM`` of every limit, else the largest of ``prompt`` halved (rounded up)
     again and again whose does; at least 1. Each length is predicted with the graph a
     call of that length runs (captured now if none serves it: the call would capture it)
-    and its plan, the layers costed again on fake tensors of one microbatch of it."""
+    and its plan, the layers costed again on fake tensors of its first microbatch
+    (:func:`_step_memory`)."""
     limits = [d.memory_limit for d in steps.pipe.devices]
     chunk = prompt
     if all(limit is None for limit in limits):
@@ -168,10 +170,8 @@ def prefill_chunk(steps: Any, prompt: int, num_microbatch: int = 1) -> int:
         example = steps.module.example(chunk)
         compiled = steps.pipe._compiled_for(example, {})
         exe = steps.pipe._executable("infer", num_microbatch, compiled=compiled)
-        flat, _ = _first_rows(list(example), None, num_microbatch)
-        memory = ChainMemory.of(compute_costs(compiled.layers, flat, store=False),
-                                tensor_bytes(flat))
-        peaks = program_peaks(exe.program, memory)
+        peaks = program_peaks(exe.program, _step_memory(compiled.layers, example,
+                                                         num_microbatch))
         if all(limits[p.device] is None or p.total <= AUTO_HEADROOM * limits[p.device]
                for p in peaks):
             return chunk
@@ -187,6 +187,22 @@ def _decode(steps: Any, num_microbatch: int, plan: ExecutePlan | None):
     return exe, _decode_prediction(steps, exe), caches
 
 
+def _step_memory(lg: Any, example: Any, num_microbatch: int) -> ChainMemory:
+    """A step graph's memory for the first of ``num_microbatch`` microbatches of
+    ``example`` (``input_ids, attention_mask, position_ids, cache_position``), its layers
+    costed again on fake tensors: the rows ``generation.SPLIT`` gives it, the cache
+    positions whole. A graph the capture specialized on the whole batch (export may tie
+    the batch to a cache dimension of the same size; the runtime serves each microbatch
+    its rows of the cache, the costing cannot) is costed for the whole batch, an upper
+    bound."""
+    ids, mask, positions, cache_position = example
+    rows = -(-ids.shape[0] // num_microbatch)
+    flat = [ids[:rows], mask[:rows], positions[:rows], cache_position]
+    if static_dim_problem(lg, flat) is not None:
+        flat = list(example)
+    return ChainMemory.of(compute_costs(lg, flat, store=False), tensor_bytes(flat))
+
+
 def _fits(pred: MemoryPrediction, limits: list[int | None], share: float) -> bool:
     return all(limit is None or p.total <= share * limit
                for p in pred.stages for limit in [limits[p.device]])
@@ -199,9 +215,9 @@ def _nbytes(t: torch.Tensor) -> int:
 def _decode_prediction(steps: Any, exe: Any) -> MemoryPrediction:
     """The decode step's predicted memory with every cache streamed (``kv_cache="host"``),
     over the Program ``exe`` runs: each stage's cache in its ``params``, with its weights,
-    and activations costed for one microbatch of the Program's (``chain_memory``: the
-    layers costed again on fake rows of the first microbatch)."""
-    peaks = program_peaks(exe.program, chain_memory(steps.compiled()[1].layers,
+    and activations costed for one microbatch of the Program's (:func:`_step_memory`)."""
+    lg = steps.compiled()[1].layers
+    peaks = program_peaks(exe.program, _step_memory(lg, lg.example_leaves,
                                                     exe.program.num_microbatches))
     limits = [d.memory_limit for d in steps.pipe.devices if d.memory_limit]
     return MemoryPrediction(peaks, device_peaks(peaks, len(steps.pipe.devices)),

@@ -433,7 +433,7 @@ def test_the_decode_is_re_cut_so_the_caches_fit(monkeypatch):
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_that_fit(monkeypatch):
-    """A 600-token prompt on two 3 MB devices: the whole prefill would not fit (its
+    """Four 600-token prompts on two 4 MB devices: the whole prefill would not fit (its
     attention and MLP activations grow with the prompt; it ran out of memory before), so
     ``kv_placement.prefill_chunk`` splits it into the largest chunks predicted to fit,
     each a prefill call at its cache positions. Tokens equal HF's, the devices stay under
@@ -442,10 +442,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_fit(monkeypatch):
     model = T.LlamaForCausalLM(T.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
-    ids = torch.randint(3, 256, (2, 600))
+    ids = torch.randint(3, 256, (4, 600))
     mask = torch.ones_like(ids)
     ref = hf_generate(model, ids, mask, max_new_tokens=4)
-    limit = 3_000_000
+    limit = 4_000_000
     pipe = compiled(model, ids[:, :8], cuda_sim(memory_limit=limit))
     assert torch.equal(pipe.generate(ids, mask, max_new_tokens=4), ref)
     steps = pipe._generation[0]
@@ -453,6 +453,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_fit(monkeypatch):
     assert max(d.peak_bytes() for d in pipe.devices) <= limit
     assert f"# prefill: the prompts through every stage, in chunks of at most {steps.chunk} " \
         "tokens" in str(pipe.program("generate"))
+    # in microbatches (the cache positions whole, the rows split) with the cache resident
+    assert torch.equal(pipe.generate(ids, mask, max_new_tokens=4, kv_cache="device",
+                                     num_microbatch=2), ref)
+    assert max(d.peak_bytes() for d in pipe.devices) <= limit
     # the whole prompt in one prefill call does not fit
     monkeypatch.setattr(type(pipe), "_prefill_chunk", lambda self, steps, prompt, m: prompt)
     with pytest.raises(fxpipe.DeviceMemoryError, match="exceeds the memory limit"):

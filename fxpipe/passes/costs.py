@@ -527,6 +527,8 @@ def _measured(lg: LayerGraph, flat_inputs: list, failed: dict[int, Exception]) -
         with torch.no_grad():
             for b, saved in backup:
                 b.copy_(saved)
+                if b.grad_fn is not None:   # written in place from a value with grad
+                    b.detach_()
     return {i: counts[i] for i in failed}
 
 
