@@ -537,3 +537,27 @@ def test_llama_7b_on_meta_is_fast_and_exact():  # ~10 s, nearly all of it the ca
     assert last.carried_bytes == 0 < block.carried_bytes  # the tables the next block reads
     assert dataclasses.replace(last, boundary_bytes=block.boundary_bytes,
                                carried_bytes=block.carried_bytes) == block
+
+
+def test_a_layer_costed_on_its_real_inputs_leaves_the_buffers_as_they_were():
+    """A layer that cannot run on fake tensors (``.item()``) is costed by running the chain
+    on the real example; one that updates a buffer in place from a value with grad must
+    leave the buffer as it was: its values, and no autograd history on it."""
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("total", torch.zeros(4))
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.total.add_(y.sum(0))            # a buffer written from a value with grad
+            return y * float(y.abs().max().item() > 0)   # data-dependent: no fake run
+
+    model = nn.Sequential(Counting(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    lg = build_layer_graph(model, (x,))
+    costs = compute_costs(lg, [x])
+    assert costs[0].fwd_flops > 0 and costs[0].fwd_kernels > 0
+    total = model[0].total
+    assert torch.equal(total, torch.zeros(4)) and total.grad_fn is None and not total.requires_grad
