@@ -157,26 +157,43 @@ def cache_plan(steps: Any, num_microbatch: int = 1) -> ExecutePlan | None:
 def prefill_chunk(steps: Any, prompt: int, num_microbatch: int = 1) -> int:
     """The most prompt tokens one prefill call of ``steps`` takes: the whole ``prompt``
     where no device has a ``memory_limit`` or its predicted peak stays within
-    ``AUTO_HEADROOM`` of every limit, else the largest of ``prompt`` halved (rounded up)
-    again and again whose does; at least 1. Each length is predicted with the graph a
+    ``AUTO_HEADROOM`` of every limit; else ``prompt`` is halved (rounded up) until a
+    chunk fits, and the chunk is then bisected up to ``REFINE`` times towards the
+    smallest length that did not; at least 1. Each length is predicted with the graph a
     call of that length runs (captured now if none serves it: the call would capture it)
     and its plan, the layers costed again on fake tensors of its first microbatch
     (:func:`_step_memory`)."""
     limits = [d.memory_limit for d in steps.pipe.devices]
-    chunk = prompt
     if all(limit is None for limit in limits):
-        return chunk
-    while chunk > 1:
+        return prompt
+
+    def fits(chunk: int) -> bool:
         example = steps.module.example(chunk)
         compiled = steps.pipe._compiled_for(example, {})
         exe = steps.pipe._executable("infer", num_microbatch, compiled=compiled)
         peaks = program_peaks(exe.program, _step_memory(compiled.layers, example,
                                                          num_microbatch))
-        if all(limits[p.device] is None or p.total <= AUTO_HEADROOM * limits[p.device]
-               for p in peaks):
-            return chunk
-        chunk = -(-chunk // 2)
-    return 1
+        return all(limits[p.device] is None or p.total <= AUTO_HEADROOM * limits[p.device]
+                   for p in peaks)
+
+    if fits(prompt):
+        return prompt
+    over, chunk = prompt, -(-prompt // 2)   # over: the shortest length known not to fit
+    while chunk > 1 and not fits(chunk):
+        over, chunk = chunk, -(-chunk // 2)
+    if chunk <= 1:
+        return 1
+    for _ in range(REFINE):
+        mid = (chunk + over) // 2
+        if mid <= chunk:
+            break
+        chunk, over = (mid, over) if fits(mid) else (chunk, mid)
+    return chunk
+
+
+REFINE = 3
+"""Bisection steps ``prefill_chunk`` takes between the halved chunk that fits and the
+one that did not (each a costing of the prefill on fake tensors)."""
 
 
 def _decode(steps: Any, num_microbatch: int, plan: ExecutePlan | None):
