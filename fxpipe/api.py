@@ -466,6 +466,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         ``generation.BUCKET`` and microbatch count)."""
         from fxpipe.generation import BUCKET
         from fxpipe.kv_placement import prefill_chunk
+        if prompt <= 1:   # one token: the decode step's graph, planned for it
+            return prompt
         # decided for the prompt rounded up to BUCKET (a chunk that fits it fits the prompt)
         key = (min(-(-prompt // BUCKET) * BUCKET, steps.module.length), num_microbatch)
         if key not in steps.chunks:
