@@ -54,7 +54,7 @@ from fxpipe.plan import layer_costs  # noqa: E402
 from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
 from fxpipe.sim import Hardware, LayerCost  # noqa: E402
 from fxpipe.sim.hardware import H200_HOST  # noqa: E402
-from fxpipe.sim.host_fit import fit_host  # noqa: E402
+from fxpipe.sim.host_fit import fit_host, issue_us_by_kind  # noqa: E402
 from fxpipe.sim.simulate import simulate  # noqa: E402
 
 GiB = 2**30
@@ -89,8 +89,7 @@ def h200_call(gpu: dict):
 def calibrate(gpu: dict) -> dict:
     """Fit the host figures to the H200 run (module docstring)."""
     program, costs = h200_call(gpu)
-    us = {k.split(".", 1)[1]: v for k, v in _flat(gpu["stats"]).items()
-          if k.startswith("host_issue_us.")}
+    us = issue_us_by_kind(gpu["stats"])
     fit = fit_host(program, costs, us)
     fitted = Hardware(**{k: fit[k] for k in H200_HOST})
     return {**fit, "program_actions": sum(len(acts) for _, acts in program.lanes()),  # host lane too
@@ -102,16 +101,6 @@ def calibrate(gpu: dict) -> dict:
             "by_backend_ms": {b: simulate(program, costs, fitted, stage_backend=b).host_issue_ms
                               for b in BACKENDS},
             "recompute_backward_share": us.get("RecomputeBackward", 0.0) / sum(us.values())}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def predict(name: str, gpus: int, seq_len: int, mfu: float = 0.6) -> list[dict]:

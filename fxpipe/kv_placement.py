@@ -79,14 +79,14 @@ def place_cache(steps: Any, kv_cache: str, num_microbatch: int = 1) -> CachePlac
     plan = None
     exe, base, caches = _decode(steps, num_microbatch, None)
     cached = [s for s in caches if caches[s]]
-    if kv_cache != "host" and not _fits(_with_cache(base, exe, caches, set(cached)), limits,
-                                        1.0 if kv_cache == "device" else AUTO_HEADROOM):
+    share = 1.0 if kv_cache == "device" else AUTO_HEADROOM
+    if kv_cache != "host" and not _fits(_with_cache(base, exe, caches, set(cached)).stages,
+                                        limits, share):
         recut = cache_plan(steps, num_microbatch)
         if recut is not None:
             trial = _decode(steps, num_microbatch, recut)
             held = {s for s in trial[2] if trial[2][s]}
-            if _fits(_with_cache(trial[1], trial[0], trial[2], held), limits,
-                     1.0 if kv_cache == "device" else AUTO_HEADROOM):
+            if _fits(_with_cache(trial[1], trial[0], trial[2], held).stages, limits, share):
                 plan, (exe, base, caches), cached = recut, trial, sorted(held)
     resident: set[int] = set()
     if kv_cache == "device":
@@ -171,10 +171,9 @@ def prefill_chunk(steps: Any, prompt: int, num_microbatch: int = 1) -> int:
         example = steps.module.example(chunk)
         compiled = steps.pipe._compiled_for(example, {})
         exe = steps.pipe._executable("infer", num_microbatch, compiled=compiled)
-        peaks = program_peaks(exe.program, _step_memory(compiled.layers, example,
-                                                         num_microbatch))
-        return all(limits[p.device] is None or p.total <= AUTO_HEADROOM * limits[p.device]
-                   for p in peaks)
+        return _fits(program_peaks(exe.program, _step_memory(compiled.layers, example,
+                                                              num_microbatch)),
+                     limits, AUTO_HEADROOM)
 
     if fits(prompt):
         return prompt
@@ -220,9 +219,9 @@ def _step_memory(lg: Any, example: Any, num_microbatch: int) -> ChainMemory:
     return ChainMemory.of(compute_costs(lg, flat, store=False), tensor_bytes(flat))
 
 
-def _fits(pred: MemoryPrediction, limits: list[int | None], share: float) -> bool:
-    return all(limit is None or p.total <= share * limit
-               for p in pred.stages for limit in [limits[p.device]])
+def _fits(peaks: Any, limits: list[int | None], share: float) -> bool:
+    """Whether every stage peak stays within ``share`` of its device's limit (if any)."""
+    return all(limits[p.device] is None or p.total <= share * limits[p.device] for p in peaks)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -42,6 +42,16 @@ def prompts(model, batch: int = 3, length: int = 6):
     return ids, mask, pad
 
 
+def small_llama(hidden: int = 128, intermediate: int = 256, layers: int = 4,
+                positions: int = 512):
+    """A small Llama (vocabulary 256, 4 heads, 2 key-value heads), seeded, in eval mode."""
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=positions)).eval()
+
+
 def hf_generate(model, ids, mask, **kw):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, do_sample=kw.pop("do_sample", False), **kw)
@@ -165,9 +175,7 @@ def test_program_and_code_show_prefill_decode_and_the_cache():
 
 
 def test_predicted_kv_and_decode_memory_match_the_devices():
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    model = small_llama(128, 256, 4)
     ids = torch.randint(3, 256, (4, 100))
     pipe = compiled(model, ids)
     pred = fxpipe.plan.predict_memory(pipe, run_type="generate", batch=4, max_length=256)
@@ -367,9 +375,7 @@ def test_predicted_resident_cache_matches_the_devices():
     from fxpipe.generation import _row_ranges
     from fxpipe.kv_placement import place_cache
     from fxpipe.runtime.scratch import ResidentBuffers, ScratchUse
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    model = small_llama(128, 256, 4)
     ids = torch.randint(3, 256, (4, 100))
     pipe = compiled(model, ids, cuda_sim())
     pred = fxpipe.plan.predict_memory(pipe, run_type="generate", batch=4, max_length=128,
@@ -407,10 +413,7 @@ def test_the_decode_is_re_cut_so_the_caches_fit(monkeypatch):
     from fxpipe.generation import cache_tensors
     from fxpipe.kv_placement import _decode, _with_cache
     monkeypatch.setattr("fxpipe.passes.chain_costs.HOST_MS_PER_ACTION", 1000.0)
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    model = small_llama(128, 512, 8)
     ids = torch.randint(3, 256, (24, 20))
     mask = torch.ones_like(ids)
     ref = hf_generate(model, ids, mask, max_new_tokens=4)
@@ -438,10 +441,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_fit(monkeypatch):
     ``kv_placement.prefill_chunk`` splits it into the largest chunks predicted to fit,
     each a prefill call at its cache positions. Tokens equal HF's, the devices stay under
     their limit, and the printed program says so."""
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)).eval()
+    model = small_llama(64, 128, 4, 1024)
     ids = torch.randint(3, 256, (4, 600))
     mask = torch.ones_like(ids)
     ref = hf_generate(model, ids, mask, max_new_tokens=4)
@@ -467,10 +467,7 @@ def test_a_cache_that_cannot_fit_is_refused_and_auto_keeps_what_fits():
     """16 sequences whose caches outweigh the layers' weights, two devices of 1.6 MB:
     every stage's cache on its device does not fit (refused with the numbers, before
     anything runs); ``"auto"`` keeps some, streams the others and equals HF."""
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    model = small_llama(64, 128, 6)
     ids = torch.randint(3, 256, (16, 20))
     mask = torch.ones_like(ids)
     ref = hf_generate(model, ids, mask, max_new_tokens=8)

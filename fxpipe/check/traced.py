@@ -15,7 +15,7 @@ from fxpipe.check.harness import Kit
 from fxpipe.plan import layer_costs
 from fxpipe.runtime.trace import compute_busy_ms, prefetch_figures
 from fxpipe.sim import Hardware, LayerCost
-from fxpipe.sim.host_fit import fit_host
+from fxpipe.sim.host_fit import fit_host, issue_us_by_kind
 
 
 def traced_step(shape: dict, num_devices: int, dry_run: bool) -> dict[str, Any]:
@@ -99,10 +99,9 @@ def stats(kit: Kit) -> dict[str, Any]:
         issue_ms = tr["stats"]["host_issue_us"] / 1e3
         busy = {d: compute_busy_ms(tr["rec"].timeline.intervals, d) for d in range(kit.num)}
         pipe = tr["pipe"]
-        by_kind = {k.split(".", 1)[1]: v for k, v in tr["stats"].items()
-                   if k.startswith("host_issue_us.")}
         fit = fit_host(pipe.program("fused", tr["M"]),
-                       [LayerCost.of(c, Hardware()) for c in layer_costs(pipe)], by_kind,
+                       [LayerCost.of(c, Hardware()) for c in layer_costs(pipe)],
+                       issue_us_by_kind(tr["stats"]),
                        stage_backend=pipe.config.stage_backend)
         return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"],
                 "host_issue_ms": issue_ms, "compute_busy_ms": busy,

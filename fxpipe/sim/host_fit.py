@@ -38,11 +38,21 @@ from fxpipe.passes.program import Program
 from fxpipe.sim.hardware import LayerCost
 from fxpipe.sim.simulate import StageBackend, action_kernels
 
-__all__ = ["NO_KERNELS", "WITH_GRAD", "action_counts", "fit_host"]
+__all__ = ["NO_KERNELS", "WITH_GRAD", "action_counts", "fit_host", "issue_us_by_kind"]
 
 NO_KERNELS = ("Prefetch", "Upload", "Offload", "Free", "Release", "DownloadGrads")
 NO_GRAD = ("Forward", "Checkpoint")
 WITH_GRAD = ("RecomputeBackward", "FusedBackward")
+
+
+def issue_us_by_kind(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The host's issue time per action kind in ``pipe.stats()`` (its
+    ``host_issue_us.<kind>`` entries).
+
+    >>> issue_us_by_kind({"host_issue_us": 7, "host_issue_us.Forward": 5, "actions": 3})
+    {'Forward': 5}
+    """
+    return {k.split(".", 1)[1]: v for k, v in stats.items() if k.startswith("host_issue_us.")}
 
 
 def action_counts(program: Program, costs: Sequence[LayerCost],
