@@ -4,7 +4,7 @@
     python benchmarks/bench_finetune.py --dry-run    # tiny widths, 2 CPU virtual devices (~1 min)
     python benchmarks/bench_finetune.py --predict    # and the full-size runs predicted (~5 min)
     python benchmarks/bench_finetune.py --json       # the last line printed is the JSON
-    python benchmarks/bench_finetune.py --stage-backends eager,inductor   # each run per backend
+    python benchmarks/bench_finetune.py --stage-backends eager,inductor,cudagraphs   # per backend
 
 Measured (``fxpipe.check.finetune``, also the kit's ``finetune`` section): LoRA r=16 on
 the Llama-3.1-8B shape and a full fine-tune of the Qwen3-4B shape, 16 x 4,096 tokens per
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fxpipe.check import finetune as ft  # noqa: E402
+from fxpipe.config import STAGE_BACKENDS  # noqa: E402
 from fxpipe.check.common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs to do: lora, full, longest (default lora,full)")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager reference out")
     ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
-                    help="fxpipe's RunConfig.stage_backend for each run (eager, inductor, auto)")
+                    help="fxpipe's RunConfig.stage_backend for each run (eager, inductor, "
+                         "auto, cudagraphs)")
     ap.add_argument("--json", action="store_true", help="print the JSON as the last line")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     if not set(modes) <= {"lora", "full", "longest"}:
         ap.error(f"--modes {args.modes!r}: the runs are lora, full and longest")
     backends = tuple(b.strip() for b in args.stage_backends.split(","))
-    if not set(backends) <= {"eager", "inductor", "auto"}:
-        ap.error(f"--stage-backends {args.stage_backends!r}: each is eager, inductor or auto")
+    if not set(backends) <= set(STAGE_BACKENDS):
+        ap.error(f"--stage-backends {args.stage_backends!r}: each is one of "
+                 f"{', '.join(STAGE_BACKENDS)}")
     dry_run = args.dry_run or not torch.cuda.is_available()
     if dry_run and not args.dry_run:
         print("no CUDA GPU visible: the runs at tiny widths on CPU virtual devices (--dry-run)")

@@ -47,6 +47,15 @@ would compute the same step:
   row's): one launch costing the host what one eager op's dispatch does, the compiled
   wrapper's per-segment Python left out (on this CPU, where its C++ code runs, the
   measured row holds it).
+- ``"cudagraphs"`` rows (``--backends ... cudagraphs``): a CUDA graph cannot run here,
+  so the graph's own kernels are elided, not the host work around them: the row runs on
+  ``ElidedGraphs`` devices (``InlineDevice``s whose graphs, once captured, replay by
+  returning their outputs), so the measured time is every action's Python, the graph
+  jobs' copies into the graphs' inputs, output clones, gradient additions and address
+  checks, and the jobs with no graph (the fused tail: inductor's CPU code). To it is
+  added a MODELLED launch per replay (``GRAPH_LAUNCH_US``: the fitted H200 host cost of
+  one eager kernel, ``fxpipe.sim.hardware.H200_HOST``): ``graph_launch_ms_modelled``,
+  inside ``host_issue_ms``; ``host_issue_ms_measured`` is the part measured.
 - ``--compile-time``: inductor's compile time for the Llama-3.1-8B shape at tiny widths
   with 1 and with 32 blocks, each in a fresh process and an empty inductor cache: repeated
   blocks share one compiled artifact, so the 32-block model should cost about the 1-block
@@ -78,7 +87,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
 from bench_memory import CausalLM  # noqa: E402
+from fxpipe.runtime.device_graph import DeviceGraph  # noqa: E402
 from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
+from fxpipe.sim.hardware import H200_HOST  # noqa: E402
 
 GiB = 2**30
 PEAK = {"h100": 989e12, "rtx4090": 165e12}   # bf16 dense FLOP/s
@@ -123,14 +134,38 @@ def full_size(name: str, gpus: int, seq_len: int) -> tuple[fxpipe.ExecutePlan, f
     return plan, flops * MICROBATCHES
 
 
+GRAPH_LAUNCH_US = H200_HOST.host_us_per_kernel
+"""MODELLED host cost of one graph replay's launch (module docstring)."""
+
+
+class _ElidedGraph(DeviceGraph):
+    """Captured (``fn`` run once); a replay returns the outputs, its kernels elided."""
+
+    def __init__(self, fn, inputs, name: str):
+        self.name, self.inputs = name, tuple(inputs)
+        self.outputs = tuple(fn(*self.inputs))
+
+    def replay(self):
+        return self.outputs
+
+
+class ElidedGraphs(InlineDevice):
+    """An ``InlineDevice`` whose device graphs replay with their kernels elided: what the
+    host does around a replay is measured, the replay's launch is not (module docstring)."""
+
+    def capture(self, fn, inputs, name: str = "a device graph") -> _ElidedGraph:
+        return _ElidedGraph(fn, inputs, name)
+
+
 def tiny_pipe(name: str, gpus: int, plan: fxpipe.ExecutePlan | None, backend: str | None = None,
               **override):
     c, qk_norm = config(MODELS[name], **TINY, **override)
     torch.manual_seed(0)
     model = CausalLM(c, qk_norm, chunked=True)
     ids = torch.randint(0, c.vocab_size, (MICROBATCHES, TINY_TOKENS))
+    device = ElidedGraphs if backend == "cudagraphs" else InlineDevice
     pipe = fxpipe.compile(model, example_inputs=(ids, ids),
-                          devices=[InlineDevice() for _ in range(gpus)], plan=plan,
+                          devices=[device() for _ in range(gpus)], plan=plan,
                           config=fxpipe.RunConfig(num_microbatch=MICROBATCHES,
                                                   stage_backend=backend))
     return model, pipe, ids
@@ -278,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384],
                     help="tokens per microbatch")
     ap.add_argument("--quick", action="store_true", help="Llama-3.1-8B on 1 and 8 GPUs at 4K only")
-    ap.add_argument("--backends", nargs="+", choices=["eager", "inductor"],
-                    default=["eager", "inductor"], help="RunConfig.stage_backend of each row")
+    ap.add_argument("--backends", nargs="+", choices=["eager", "inductor", "cudagraphs"],
+                    default=["eager", "inductor", "cudagraphs"],
+                    help="RunConfig.stage_backend of each row")
     ap.add_argument("--compile-time", action="store_true",
                     help="also measure inductor's compile time, 1 vs 32 blocks (fresh processes)")
     ap.add_argument("--json", action="store_true", help="print the result JSON as the last line")
@@ -318,8 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         predicted = {k: flops / (gpus * peak * args.mfu) * 1e3 for k, peak in PEAK.items()}
         for b, (_, pipe, _) in pipes.items():
             stats = pipe.stats()   # its last timed call's
-            kernels = kernels_per_step(steps[b])
+            kernels = kernels_per_step(steps[b]) + stats["graph_replays"]
             per_layer = len(pipe.layers) * MICROBATCHES
+            launches = stats["graph_replays"] * GRAPH_LAUNCH_US / 1e3   # MODELLED
+            measured = list(host[b])
+            host[b] = [t + launches for t in measured]
             row = {"model": name, "gpus": gpus, "seq_len": seq_len, "microbatches": MICROBATCHES,
                    "stage_backend": None if b == "eager" else b,
                    "plan": repr(plan), "fwd_stages": len(plan.fwd_plan),
@@ -338,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                    "ratio": min(host[b]) / predicted["h100"],
                    "predicted_gpu_ms_rtx4090": predicted["rtx4090"],
                    "ratio_rtx4090": min(host[b]) / predicted["rtx4090"]}
-            if b != "eager" and "eager" in pipes:   # MODELLED (module docstring)
+            if b == "cudagraphs":   # the replays' launches MODELLED (module docstring)
+                row.update(host_issue_ms_measured=min(measured), graph_launch_ms_modelled=launches,
+                           graph_replays=stats["graph_replays"],
+                           graph_captures=stats["graph_captures"])   # 0: the timed calls replay
+            if b == "inductor" and "eager" in pipes:   # MODELLED (module docstring)
                 eager_row = next(r for r in rows if r["stage_backend"] is None
                                  and (r["model"], r["gpus"], r["seq_len"]) == (name, gpus, seq_len))
                 modelled = modelled_host_ms(eager_row, kernels / per_layer)
@@ -353,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['predicted_gpu_ms']:>8.1f} {row['ratio']:>6.3f} "
                   f"{row['predicted_gpu_ms_rtx4090']:>8.1f} {row['ratio_rtx4090']:>6.3f}"
                   + (f"  modelled: {row['host_issue_ms_modelled']:.1f} ms, ratio "
-                     f"{row['ratio_modelled']:.3f}" if "ratio_modelled" in row else ""),
+                     f"{row['ratio_modelled']:.3f}" if "ratio_modelled" in row else "")
+                  + (f"  ({row['graph_replays']} replays' launches modelled: "
+                     f"{row['graph_launch_ms_modelled']:.1f} ms)" if b == "cudagraphs" else ""),
                   flush=True)
         for _, pipe, _ in pipes.values():
             pipe.close()

@@ -42,6 +42,7 @@ from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.device import Device
 from fxpipe.runtime.distributed import DataParallel
 from fxpipe.runtime.emulator import VirtualDevice
+from fxpipe.runtime.graphs import StageGraphs
 from fxpipe.runtime.microbatch import (PackedData, batch_rows, check_label_rows, split_input,
                                        split_label)
 from fxpipe.runtime.params import HostParams
@@ -265,6 +266,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._varying: dict[int, set[int]] = {}  # tensor input -> dims seen with other sizes
         self._closed = False
         self._log = ActionLog()
+        self._graphs = StageGraphs()   # stage_backend="cudagraphs": slots and graphs
         self._generation: list = []   # generation.Steps, by batch size and cache length
         self._warned_rows = False     # a batch with fewer rows than microbatches (_fit_rows)
         self._current = self._compiled_for(example_args, example_kwargs)
@@ -518,6 +520,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._closed = True
         for device in self.devices:
             device.stop_workers()
+        self._graphs.close()   # the parameter slots and the graphs' buffers
         pinned.trim()   # the page-locked blocks its activations were offloaded into
         if self._dp is not None:
             self._dp.close()
@@ -583,7 +586,8 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             compiled.runners[key] = Runner(
                 compiled.layers, self.devices, functools.partial(compiled.executable, plan),
                 compiled.differentiable, self._host_params, compiled.timer,
-                param_dtype=self.param_dtype, log=self._log, dp=self._dp, staging=self._staging)
+                param_dtype=self.param_dtype, log=self._log, dp=self._dp, staging=self._staging,
+                graphs=self._graphs)
         return compiled.runners[key]
 
     def _host_params(self) -> HostParams:
@@ -618,9 +622,9 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         if run_type == "fused" and not return_outputs:
             compiled = compiled.fused(self.module)     # what forward_backward runs (_for_loss)
         runner = self._runner(compiled, cfg)
-        return runner.executable(runner.spec(
+        return runner.executable_for(runner.spec(
             run_type, cfg.num_microbatch, cfg, optimizer=spec, outputs=return_outputs,
-            sync=sync_gradients, input_grads=input_grads))
+            sync=sync_gradients, input_grads=input_grads), cfg)
 
 
 @dataclass

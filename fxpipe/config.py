@@ -24,12 +24,7 @@ import torch
 from fxpipe.stage_plan import StagePlan
 
 _GRAINS = ("stage", "layer")
-STAGE_BACKENDS = ("eager", "inductor", "auto")   # fxpipe.runtime.compiled
-_NOT_BUILT = {"cudagraphs": (
-    "stage_backend='cudagraphs' is not built yet: a CUDA graph per stage job needs the "
-    "parameters in the same device buffers every round (fxpipe's device slots move), and "
-    "capture/replay as actions of the Program. Use stage_backend='inductor' (compiled "
-    "stage code, fewer launches) for now")}
+STAGE_BACKENDS = ("eager", "inductor", "auto", "cudagraphs")   # fxpipe.runtime.compiled, .graphs
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,10 @@ class RunConfig:
     - ``stage_backend``: ``None``/``"eager"`` (default), ``"inductor"`` (each layer segment
       of the stage code compiled by inductor, shared across repeated blocks) or ``"auto"``
       (inductor where it compiles, eager where it cannot or where a layer draws random
-      numbers): ``fxpipe.runtime.compiled``. ``"cudagraphs"`` raises ``NotImplementedError``.
+      numbers): ``fxpipe.runtime.compiled``; or ``"cudagraphs"``: inductor's code, and
+      each forward job of a stage that can be captured replayed as a device graph (a CUDA
+      graph), its parameters uploaded to the same device memory every round
+      (``fxpipe.runtime.graphs``; jobs with grad run the compiled code).
     """
 
     requires_grad: bool | None = None
@@ -58,7 +56,7 @@ class RunConfig:
     split_label: Any = None
     merge_output: Any = None
     execute_plan: StagePlan | None = None
-    stage_backend: Literal["eager", "inductor", "auto"] | None = None
+    stage_backend: Literal["eager", "inductor", "auto", "cudagraphs"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("requires_grad", "preserve_rng_state"):
@@ -89,11 +87,9 @@ class RunConfig:
             raise TypeError("RunConfig.split_input must be None, (args_spec, kwargs_spec) or a "
                             f"callable (args, kwargs, n) -> (list[tuple], list[dict]); got {si!r}")
         backend = self.stage_backend
-        if backend in _NOT_BUILT:
-            raise NotImplementedError(_NOT_BUILT[backend])
         if backend is not None and backend not in STAGE_BACKENDS:
-            raise ValueError(f"RunConfig.stage_backend must be None, 'eager', 'inductor' or "
-                             f"'auto', got {backend!r}")
+            raise ValueError(f"RunConfig.stage_backend must be None, 'eager', 'inductor', "
+                             f"'auto' or 'cudagraphs', got {backend!r}")
         if self.execute_plan is not None and not isinstance(self.execute_plan, StagePlan):
             raise TypeError("RunConfig.execute_plan must be an fxpipe.ExecutePlan or None, got "
                             f"{type(self.execute_plan).__name__}")

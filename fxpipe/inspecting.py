@@ -15,6 +15,7 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import Program
 from fxpipe.passes.stage import Stage
 from fxpipe.plan import ExecutePlan
+from fxpipe.runtime.graphs import not_capturable
 from fxpipe.runtime.stage_code import runnable_code
 from fxpipe.runtime.timer import LayerTimer
 from fxpipe.runtime.trace import trace as _trace
@@ -79,7 +80,9 @@ class Inspecting:
             return exe.code()
         says = (f"# run by stage_backend={backend!r}: pipe.code(..., runnable=True) shows its "
                 "compiled layer calls\n")
-        return "\n\n".join(says + st.gm.code.strip("\n") for st in exe.graph_modules()) + "\n"
+        pieces = {id(p) for p in exe.pieces.values()}
+        return "\n\n".join(says + _graph_line(backend, st, id(st) in pieces)
+                           + st.gm.code.strip("\n") for st in exe.graph_modules()) + "\n"
 
     def __str__(self) -> str:
         exe, plan = self._executable("infer"), self._current.base.plan
@@ -201,3 +204,23 @@ class Inspecting:
             rec.timeline.plot("run.png")
         """
         return _trace(self.devices, self._log, path)
+
+
+def _graph_line(backend: str, st: Stage, piece: bool) -> str:
+    """Under ``"cudagraphs"``: whether the stage's jobs replay a device graph
+    (``runtime.graphs``), or why not."""
+    if backend != "cudagraphs":
+        return ""
+    if st.kind == "fused":
+        return ("# its job runs the compiled code, not a device graph: the loss_fn between "
+                "its forward and backward is the caller's Python\n")
+    if piece:
+        return ("# it runs the compiled code, not a device graph: recompute_grain='layer' "
+                "pieces are not captured\n")
+    why = not_capturable(st)
+    if why is not None:
+        return f"# its jobs run the compiled code, not a device graph: {why}\n"
+    what = ("forward job is a device graph (GraphForward)" if st.kind == "fwd" else
+            "recompute and backward are one device graph (GraphRecomputeBackward)")
+    return (f"# its {what}: captured once per device, parameter slot and input shapes, "
+            "then replayed\n")

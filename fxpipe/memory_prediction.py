@@ -33,9 +33,11 @@ from fxpipe.passes.stage_memory import (
     device_peaks,
     human_bytes,
     program_peaks,
+    with_graphs,
 )
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
+from fxpipe.runtime.graphs import graph_jobs
 from fxpipe.stage_plan import RunType, StagePlan
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
@@ -154,6 +156,9 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     it predicts is what the call runs, and ``return_outputs=True`` says what the logits
     cost.
 
+    Under ``RunConfig(stage_backend="cudagraphs")`` each device also holds its parameter
+    slots and its graphs' inputs and outputs (``stage_memory.with_graphs``).
+
     ``.host`` is the host memory the call keeps, by kind: ``params`` (the model's own
     tensors, as they are held), ``grads`` (the trainable ones', in their dtype) and
     ``activations`` (each forward stage's outputs for every microbatch, kept for the
@@ -213,10 +218,13 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
         spec = CallSpec(run_type, M, grain, outputs=False, input_grads=tuple(
             n for n, x in zip(lg.input_names, tensors) if x.requires_grad))
-        program = build_executable(lg, plan, spec, [f"device {d}" for d in range(G)]).program
+        exe = build_executable(lg, plan, spec, [f"device {d}" for d in range(G)])
+        if getattr(config, "stage_backend", None) == "cudagraphs":   # its slots and graphs
+            exe = graph_jobs(exe)
+        program = exe.program
     else:
         program = build_program(plan.fwd_plan, plan.bwd_plan, run_type, G, M, "stage", grain=grain)
-    peaks = program_peaks(program, memory)
+    peaks = with_graphs(program_peaks(program, memory), program, memory)
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
     fwd, _ = stage_ranges(plan, run_type, len(lg))
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M) \

@@ -18,7 +18,8 @@ from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim import Hardware, LayerCost
 from fxpipe.sim.hardware import H200_HOST
-from fxpipe.sim.simulate import INDUCTOR_KERNELS, action_kernels, simulate
+from fxpipe.passes.program import FusedBackward
+from fxpipe.sim.simulate import INDUCTOR_KERNELS, action_kernels, graph_job_kernels, simulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,8 +77,18 @@ def test_grad_kernels_and_stage_backends_price_what_they_launch():
     inductor = simulate(program, costs, hw, stage_backend="inductor").host_issue_ms
     graphs = simulate(program, costs, hw, stage_backend="cudagraphs").host_issue_ms
     assert inductor == pytest.approx(eager * INDUCTOR_KERNELS)
-    no_grad_actions = sum(1 for _, g in kernels.values() if not g)
-    assert graphs == pytest.approx((no_grad_actions * 10 + (len(kernels) - no_grad_actions) * 20) / 1e3)
+    # MODELLED: a Forward or stage RecomputeBackward replays a graph (its launch, the
+    # copies in and out, no grad); a FusedBackward runs inductor's kernels
+    graph_kernels = action_kernels(program, costs, "cudagraphs")
+    expected = 0.0
+    for (d, i), (k, g) in graph_kernels.items():
+        a = program.actions[d][i]
+        if isinstance(a, FusedBackward):
+            assert (k, g) == (kernels[(d, i)][0] * INDUCTOR_KERNELS, True)
+        else:
+            assert (k, g) == (graph_job_kernels(program.stages[a.stage], a), False)
+        expected += k * (20 if g else 10)
+    assert graphs == pytest.approx(expected / 1e3) and graphs < inductor
     with pytest.raises(ValueError, match="stage_backend must be"):
         simulate(program, costs, hw, stage_backend="tensorrt")
 
@@ -93,6 +104,16 @@ def test_fxpipe_simulate_prices_the_pipes_stage_backend():
         times[backend] = fxpipe.simulate(pipe, hw).host_issue_ms
         pipe.close()
     assert times["inductor"] == pytest.approx(times[None] * INDUCTOR_KERNELS)
+    # under "cudagraphs", its Program's graph jobs: a launch each, and their copies
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(),
+                                          nn.Linear(64, 32), nn.Tanh()) for _ in range(4)])
+    for backend in ("inductor", "cudagraphs"):
+        pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"] * 2,
+                              config=fxpipe.RunConfig(stage_backend=backend))
+        times[backend] = fxpipe.simulate(pipe, hw).host_issue_ms
+        assert ("F0g" in str(pipe.program())) == (backend == "cudagraphs")
+        pipe.close()
+    assert times["cudagraphs"] < times["inductor"]
 
 
 def test_the_h200_figures_are_the_fit_to_the_committed_run():

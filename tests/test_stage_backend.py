@@ -70,10 +70,10 @@ def test_stage_backend_values():
     assert fxpipe.RunConfig(stage_backend="inductor").stage_backend == "inductor"
     assert fxpipe.RunConfig.merge(fxpipe.RunConfig(stage_backend="inductor"),
                                   fxpipe.RunConfig(stage_backend="eager")).stage_backend == "eager"
-    with pytest.raises(ValueError, match="stage_backend must be None, 'eager', 'inductor' or 'auto'"):
+    assert fxpipe.RunConfig(stage_backend="cudagraphs").stage_backend == "cudagraphs"
+    with pytest.raises(ValueError, match="stage_backend must be None, 'eager', 'inductor', "
+                                         "'auto' or 'cudagraphs'"):
         fxpipe.RunConfig(stage_backend="tensorrt")
-    with pytest.raises(NotImplementedError, match="'cudagraphs' is not built yet"):
-        fxpipe.RunConfig(stage_backend="cudagraphs")
 
 
 def test_inductor_step_equals_eager_on_strict_cuda_sim():

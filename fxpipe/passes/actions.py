@@ -197,6 +197,15 @@ class Forward:
 
 
 @dataclass(frozen=True, slots=True)
+class GraphForward(Forward):
+    """Forward as a device graph (``RunConfig(stage_backend="cudagraphs")``, ``3F1g``):
+    the stage job captured at its key's first run, replayed after (``runtime.graphs``)."""
+
+    def __str__(self) -> str:
+        return f"{self.stage}F{self.mb}g"
+
+
+@dataclass(frozen=True, slots=True)
 class FusedBackward:
     """Tail forward + loss, then backward, no recompute (``3FB1``)."""
     stage: int
@@ -227,6 +236,15 @@ class RecomputeBackward:
 
     def __str__(self) -> str:
         return f"{self.stage}B{self.mb}" + ("" if self.layer is None else f".{self.layer}")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRecomputeBackward(RecomputeBackward):
+    """A stage's recompute and backward as a device graph (``stage_backend="cudagraphs"``,
+    ``3B1g``): captured at its key's first run, replayed after (``runtime.graphs``)."""
+
+    def __str__(self) -> str:
+        return f"{self.stage}B{self.mb}g"
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,10 +410,11 @@ class QueueUpdate:
         return "Q"
 
 
-Action = Union[Prefetch, Upload, UploadGrad, Forward, FusedBackward, Checkpoint,
-               RecomputeBackward, Offload, Free, DownloadGrads, Release, OptimizerStep,
-               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather,
-               Refresh, Accumulate, ClipGradNorm, ScalerStep, QueueUpdate]
+Action = Union[Prefetch, Upload, UploadGrad, Forward, GraphForward, FusedBackward, Checkpoint,
+               RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
+               Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
+               ReduceScatter, AllGather, Refresh, Accumulate, ClipGradNorm, ScalerStep,
+               QueueUpdate]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
 Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather)
 HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradNorm,
@@ -405,7 +424,8 @@ AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
-_ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?$")
+_GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward}
+_ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)$")
 _HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
 _HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
                                 "RS": ReduceScatter, "AG": AllGather}
@@ -419,18 +439,19 @@ def parse_action(text: str) -> Action:
 
     >>> parse_action("3FB1"), parse_action("S0:4"), parse_action("2B0.5")
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
-    >>> parse_action("AR4:6"), parse_action("BC")
-    (AllReduce(layers=range(4, 6)), BroadcastBuffers())
+    >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g"), parse_action("3B1g")
+    (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1), GraphRecomputeBackward(stage=3, mb=1, layer=None))
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()
     if m := _HOST_RE.match(text):
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
-    if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B"):
+    if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B") \
+            or (m[5] and (m[2] not in "FB" or m[4] is not None)):
         raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
                          "AR0:4, C)")
-    cls = _CODES[m[2]]
+    cls = _GRAPH_CODES[m[2]] if m[5] else _CODES[m[2]]
     if m[3] == "":
         return cls(int(m[1]))
     if m[4] is not None:
@@ -439,6 +460,7 @@ def parse_action(text: str) -> Action:
 
 
 STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
+          GraphForward: "compute", GraphRecomputeBackward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
           OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",

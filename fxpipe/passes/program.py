@@ -47,8 +47,11 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     Upload(s, m)            [sUm]   the values (s, m) reads from the host         h2d
     UploadGrad(s, m)        [sGm]   the host's gradient parts of its values       h2d
     Forward(s, m)           [sFm]   forward of a fwd stage                        compute
+    GraphForward(s, m)      [sFmg]  the same, as a device graph (captured at its  compute
+                                    key's first run, then replayed: cudagraphs)
     FusedBackward(s, m)     [sFBm]  tail forward + loss, then backward            compute
     RecomputeBackward(s, m) [sBm]   recompute, then backward                      compute
+    GraphRecomputeBackward(s, m) [sBmg] the same, as a device graph               compute
     Checkpoint(s, m)        [sKm]   layer grain: forward keeping layer inputs     compute
     RecomputeBackward(s, m, i) [sBm.i] layer grain: recompute + backward, layer i compute
     Offload(s, m)           [sOm]   values (fwd, fused) / input gradients → host  d2h
@@ -141,9 +144,10 @@ from typing import Sequence
 from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exported
     HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
     BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
-    DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
-    OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
-    Release, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, parse_action, stream_of,
+    DownloadGrads, Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward,
+    HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
+    RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, StageKind, StageSpec, Upload,
+    UploadGrad, parse_action, stream_of,
 )
 from fxpipe.passes.dependencies import check_issue_order, dependencies, order
 from fxpipe.passes.program_text import parse_program, program_text

@@ -50,7 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
-from fxpipe.passes.program import Checkpoint, Prefetch, Program
+from fxpipe.passes.program import (
+    Checkpoint, GraphForward, GraphRecomputeBackward, Prefetch, Program,
+)
 from fxpipe.passes.program import StageKind as Kind
 from fxpipe.units import human
 
@@ -344,6 +346,46 @@ def program_peaks(program: Program, m: ChainMemory) -> list[StagePeak]:
                                 residency=res, stage=st.index, device=d,
                                 prefetch=None if nxt is None else program.stages[nxt].layers))
     return peaks
+
+
+GRAPH_SLOTS = 2
+"""Parameter slots per device under ``stage_backend="cudagraphs"`` (``runtime.graphs``)."""
+
+
+def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) -> list[StagePeak]:
+    """``peaks`` as a Program with graph jobs (``GraphForward``, ``GraphRecomputeBackward``:
+    ``stage_backend="cudagraphs"``) holds memory, by device: its parameter slots,
+    ``GRAPH_SLOTS`` x the largest graphed stage's parameters (and gradients, for a
+    backward), under ``params`` (a graphed stage's own parameters and its prefetched
+    one's are in them; another stage's come on top); and each graph's own inputs and
+    outputs, kept between calls, under ``workspace`` (per graphed stage: a forward's input
+    and output boundaries; a backward's input boundary twice, with its gradient, and its
+    output boundary, the gradient coming in). Conservative: a graphed backward's
+    gradients are counted in the slots and under ``gradients`` too."""
+    graphed: dict[int, int] = {}   # stage -> device
+    for d, acts in enumerate(program.actions):
+        graphed |= {a.stage: d for a in acts if isinstance(a, (GraphForward, GraphRecomputeBackward))}
+    if not graphed:
+        return list(peaks)
+    slots: dict[int, int] = {}
+    statics: dict[int, int] = {}
+    for s, d in graphed.items():
+        st = program.stages[s]
+        held = sum(m.params[i] for i in st.layers)
+        if st.kind != "fwd":
+            held += sum(m.grads[i] for i in st.layers)
+        slots[d] = max(slots.get(d, 0), GRAPH_SLOTS * held)
+        into = m.input_bytes if st.layers.start == 0 else m.boundary[st.layers.start - 1]
+        out = m.boundary[st.layers.stop - 1]
+        statics[d] = statics.get(d, 0) + (into + out if st.kind == "fwd" else 2 * into + out)
+    out_peaks = []
+    for p in peaks:
+        b = dict(p.bytes)
+        slot = slots.get(p.device, 0)
+        b["params"] = max(b["params"], slot) if p.stage in graphed else b["params"] + slot
+        b["workspace"] += statics.get(p.device, 0)
+        out_peaks.append(replace(p, bytes=b))
+    return out_peaks
 
 
 def device_peaks(peaks: Sequence[StagePeak], num_devices: int) -> list[StagePeak | None]:

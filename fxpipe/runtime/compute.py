@@ -87,21 +87,57 @@ class StageCompute:
         with torch.no_grad(), reentered(self.call.autocast):
             outs, writebacks = self._run(d, st, [values[n] for n in st.inputs], m,
                                          keep_writebacks=True)
-        self.call.devices[d].keep(outs)   # they outlive the compute: activations
         with self.on_host.lock:
             self.call.writebacks.extend(writebacks)
+        self._made(d, s, m, outs)
+
+    def _made(self, d: int, s: int, m: int, outs: tuple) -> None:
+        self.call.devices[d].keep(outs)   # they outlive the compute: activations
         with self.on[d].lock:
-            for name, value in zip(st.outputs, outs):
+            for name, value in zip(self.call.exe.stages[s].outputs, outs):
                 self.on[d].made[(s, m, name)] = value
+
+    def graph_forward(self, d: int, s: int, m: int) -> None:
+        """``GraphForward``: the forward job as a device graph (``runtime.graphs``),
+        captured at its key's first run; a stage whose parameters found no slot runs
+        its compiled code instead."""
+        call, st = self.call, self.call.exe.stages[s]
+        with self.on[d].lock:
+            params = self.on[d].params[s]
+        if params.slot is None:
+            self.forward(d, s, m)
+            return
+        dev = call.devices[d]
+        device = _torch_device(dev)
+        inputs = [self._inputs(d, s, m)[n] for n in st.inputs]
+        held = [params[f] for f in st.params]
+        where = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        constants = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+
+        def job(*tensors: torch.Tensor) -> tuple:
+            xs = list(constants)
+            for i, t in zip(where, tensors):
+                xs[i] = t
+            with torch.no_grad(), reentered(call.autocast):
+                outs, _ = run_stage(st, xs, dict(zip(st.params, tensors[len(where):])),
+                                    call_seed=None, microbatch=m, device=device,
+                                    keep_writebacks=False, backend=call.stage_backend)
+            return outs
+
+        with torch.no_grad(), reentered(call.autocast):
+            outs = call.graphs.run((id(st.gm), d, *params.slot), inputs, held, dev, job,
+                                   f"the graph of stage {s} on {dev.name}", self.stats)
+        self._made(d, s, m, outs)
 
     def _leaf(self, name: str, x: Any) -> Any:
         """A stage input as backward sees it: a leaf that requires grad if the value may
         have a gradient (``passes.grad_flow``), else the value itself (no gradient work)."""
+        return x.detach().requires_grad_() if self._wants_grad(name, x) else x
+
+    def _wants_grad(self, name: str, x: Any) -> bool:
         wanted = self.call.differentiable
-        if (wanted is None or name in wanted) and isinstance(x, torch.Tensor) \
-                and (x.is_floating_point() or x.is_complex()):
-            return x.detach().requires_grad_()
-        return x
+        return (wanted is None or name in wanted) and isinstance(x, torch.Tensor) \
+            and (x.is_floating_point() or x.is_complex())
 
     def fused(self, d: int, s: int, m: int) -> None:
         """The tail forward, the loss and the backward, no recompute."""
@@ -153,6 +189,67 @@ class StageCompute:
             with self._timed_backward(st.layers, _torch_device(dev)), dev.allocating("gradients"):
                 _backprop(dict(zip(st.outputs, outs)), grads)
         self._give_grads(d, s, m, _grads_of(leaves))
+
+    def graph_recompute_backward(self, d: int, s: int, m: int) -> None:
+        """``GraphRecomputeBackward``: the recompute and the backward as one device graph
+        (``runtime.graphs``). It adds the parameters' gradients into gradient buffers in
+        the stage's parameter slot (zeroed by the stage job's first backward; they are
+        the parameters' ``.grad``, which ``DownloadGrads`` reads) and returns the inputs'
+        gradients (cloned: the next replay overwrites them)."""
+        call, st = self.call, self.call.exe.stages[s]
+        with self.on[d].lock:
+            params = self.on[d].params[s]
+        if params.slot is None:
+            self.recompute_backward(d, s, m)
+            return
+        dev = call.devices[d]
+        device = _torch_device(dev)
+        unique = {id(params[f]): params[f] for f in st.params}   # a tied parameter once
+        trainable = [v for v in {id(v): v for v in params.values()}.values() if v.requires_grad]
+        if params.grads is None:   # the job's first backward: gradients start at zero
+            with torch.no_grad():
+                params.grads = call.store.slot_grads(s, params, params.memory)
+                torch._foreach_zero_(params.grads)
+                for v, g in zip(trainable, params.grads):
+                    v.grad = g
+        values = self._inputs(d, s, m)
+        inputs = [values[n] for n in st.inputs]
+        grads = self._take_grads(d, s, m)
+        reads = [*inputs, *(grads.get(n) for n in st.outputs)]
+        leaf = tuple(self._wants_grad(n, x) for n, x in zip(st.inputs, inputs))
+        at = {f: list(unique).index(id(params[f])) for f in st.params}
+        trained = [list(unique).index(id(v)) for v in trainable]
+        where = [i for i, x in enumerate(reads) if isinstance(x, torch.Tensor)]
+        constants = [None if isinstance(x, torch.Tensor) else x for x in reads]
+        n_in, n_views = len(inputs), len(unique)
+
+        def job(*tensors: torch.Tensor) -> tuple:
+            xs = list(constants)
+            for i, t in zip(where, tensors):
+                xs[i] = t
+            fixed = tensors[len(where):]
+            views, sums = fixed[:n_views], fixed[n_views:]
+            ins = [x.detach().requires_grad_() if want else x for x, want in zip(xs[:n_in], leaf)]
+            ps = [p.detach().requires_grad_() if p.requires_grad else p for p in views]
+            with torch.enable_grad(), reentered(call.autocast):
+                outs, _ = run_stage(st, ins, {f: ps[i] for f, i in at.items()}, call_seed=None,
+                                    microbatch=m, device=device, keep_writebacks=False,
+                                    backend=call.stage_backend, kind="recompute")
+                wrt = [x for x, want in zip(ins, leaf) if want] + [ps[i] for i in trained]
+                got = unfilled.grads_of(zip(outs, xs[n_in:]), wrt)
+            k = sum(leaf)
+            with torch.no_grad():
+                pairs = [(acc, g) for acc, g in zip(sums, got[k:]) if g is not None]
+                if pairs:   # one kernel for every parameter's gradient
+                    torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+            return got[:k]
+
+        with dev.allocating("gradients"):
+            outs = call.graphs.run((id(st.gm), "backward", d, *params.slot, leaf), reads,
+                                   [*unique.values(), *params.grads], dev, job,
+                                   f"the backward graph of stage {s} on {dev.name}", self.stats)
+        given = iter(outs)
+        self._give_grads(d, s, m, {n: next(given) for n, want in zip(st.inputs, leaf) if want})
 
     def checkpoint(self, d: int, s: int, m: int) -> None:
         """``recompute_grain="layer"``: the stage forward without grad, keeping each

@@ -14,6 +14,7 @@ import torch
 from fxpipe.errors import DeviceMemoryError
 from fxpipe.runtime import pinned
 from fxpipe.runtime.device import STREAMS, Device, Record, _check_submit, host_copy
+from fxpipe.runtime.device_graph import DeviceGraph
 from fxpipe.runtime.events import Event
 from fxpipe.runtime.issue_lock import blocking
 
@@ -65,6 +66,7 @@ class CudaDevice(Device):
         self._recording = False
         self._timed: list[tuple[str, str, Any, Any]] = []  # (stream, label, start, end) events
         self._origin: tuple[Any, float] | None = None     # (event, perf_counter) at start
+        self._graph_pool: Any = None   # what this device's graphs allocate in (``capture``)
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
@@ -179,6 +181,20 @@ class CudaDevice(Device):
             pinned.hold(out, current.record_event())
         return out
 
+    def copy_into(self, host_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """On the current stream, non-blocking from pinned memory (as :meth:`to_device`)."""
+        host_copy(out, host_tensor.detach(), self._host_stall(host_tensor))
+        if pinned.pooled(host_tensor):   # its block is not reused before the copy is done
+            pinned.hold(host_tensor, torch.cuda.current_stream(self.device).record_event())
+        return out
+
+    def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
+                name: str = "a device graph") -> CudaGraph:
+        """A ``torch.cuda.CUDAGraph`` of ``fn(*inputs)`` in this device's graph pool."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CudaGraph(self.device, fn, inputs, name, self._graph_pool)
+
     def record_stream(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(torch.cuda.current_stream(self.device))
 
@@ -229,6 +245,35 @@ class CudaDevice(Device):
         if not self._closed:
             self._closed = True
             self.synchronize()
+
+
+class CudaGraph(DeviceGraph):
+    """``fn(*inputs)`` as a ``torch.cuda.CUDAGraph``: run once on a side stream (lazy
+    initialization, cuBLAS workspaces and the first run of compiled code stay out of the
+    graph; its outputs are ``first``, the capturing call's result: the capture itself
+    computes nothing), then captured there in ``pool`` (shared by the device's graphs: they replay
+    one at a time on its compute stream, and their outputs are cloned right after each
+    replay). Capture errors are thread-local: the device's other streams go on."""
+
+    def __init__(self, device: torch.device, fn: Callable[..., Sequence[Any]],
+                 inputs: Sequence[torch.Tensor], name: str, pool: Any):
+        self.name = name
+        self.inputs = tuple(inputs)
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.first = tuple(fn(*self.inputs))   # the warm-up: this call's result
+        current.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=side,
+                              capture_error_mode="thread_local"):
+            self.outputs = tuple(fn(*self.inputs))
+        current.wait_stream(side)
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        self.graph.replay()
+        return self.outputs
 
 
 def _host_waitable(enable_timing: bool = False) -> Any:

@@ -56,6 +56,7 @@ from fxpipe.errors import DeviceMemoryError
 from fxpipe.live_bytes import storage_key
 from fxpipe.passes.program import parse_action
 from fxpipe.runtime import pinned
+from fxpipe.runtime.device_graph import DeviceGraph, EmulatedGraph
 from fxpipe.runtime.events import Event, _complete
 from fxpipe.runtime.issue_lock import blocking
 
@@ -133,6 +134,25 @@ class Device(ABC):
         calling it; ``owner`` (a stage) names it in errors; ``use``: the other streams
         that read it (``record_stream``: its memory is reused only after they passed its
         ``free``)."""
+
+    def empty(self, nbytes: int, kind: str, owner: str) -> torch.Tensor:
+        """``nbytes`` of counted device memory (``uint8``, not written): a parameter slot
+        of ``runtime.graphs``, which uploads write into (:meth:`copy_into`)."""
+        where = getattr(self, "device", torch.device("cpu"))
+        return self._allocate(nbytes, kind, owner,
+                              lambda: torch.empty(nbytes, dtype=torch.uint8, device=where))
+
+    def copy_into(self, host_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy a host tensor into device memory ``out`` holds already (a view of
+        :meth:`empty`), on the stream of the work calling it; returns ``out``."""
+        return out.copy_(host_tensor.detach())
+
+    def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
+                name: str = "a device graph") -> DeviceGraph:
+        """``fn(*inputs)``'s kernels as a device graph (``runtime.device_graph``), inside
+        this device's work: replayed over the same ``inputs``, writing the same outputs.
+        This device has no graphs: an :class:`EmulatedGraph` runs ``fn`` again per replay."""
+        return EmulatedGraph(fn, inputs, name)
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         """``tensor``, made on another of this device's streams, is read by the work being

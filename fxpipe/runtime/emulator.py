@@ -28,6 +28,7 @@ from fxpipe.runtime import pinned
 from fxpipe.runtime.device import (
     Device, _check_kind, _check_submit, _describe, _work, host_allocations,
 )
+from fxpipe.runtime.device_graph import EmulatedGraph
 from fxpipe.runtime.emulator_alloc import _StorageCache
 from fxpipe.runtime.emulator_threads import (
     _HOST_INDICES, _host_part, _live_devices, _run_copies_of, _run_stream, _start_worker,
@@ -301,6 +302,20 @@ class VirtualDevice(Device):
         pool = _work.stream if _work.token is self._token else None
         return self._allocate(nbytes, kind, owner, lambda: self._copy_into(
             source, self._cache.alloc(source, pool, use, lambda _: self._room())))
+
+    def copy_into(self, host_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Into existing device memory; with ``semantics="cuda"`` it lands when the
+        stream reaches it (NaN until then), as :meth:`to_device`'s copies do."""
+        self._device_op("copy_into", "an upload into a parameter slot")
+        source = host_tensor.detach()
+        self._host_stall(source)
+        return self._copy_into(source, out)
+
+    def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
+                name: str = "a device graph") -> EmulatedGraph:
+        """An :class:`EmulatedGraph`; a ``strict`` device (cuda-sim) raises
+        ``GraphReplayError`` on a replay reading device memory freed since the capture."""
+        return EmulatedGraph(fn, inputs, name, self.holds if self.strict else None)
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         if _work.token is self._token and _work.stream is not None:

@@ -50,9 +50,9 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
-    ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, Offload,
-    OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh, Release,
-    ScalerStep, Upload, UploadGrad, stream_of,
+    ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
+    GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
+    ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad, stream_of,
 )
 from fxpipe.runtime.compute import StageCompute
 from fxpipe.runtime.device import Device
@@ -95,6 +95,9 @@ class Execution:
         self.shards_lock = threading.Lock()
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
+        self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
+        self.graphed = {a.stage for acts in self.program.actions for a in acts   # their jobs
+                        if isinstance(a, (GraphForward, GraphRecomputeBackward))}
 
     # -- issuing -------------------------------------------------------------------------
     def run(self) -> None:
@@ -274,24 +277,21 @@ class Execution:
     def _act(self, lane: int, a) -> None:
         match a:
             case Prefetch(stage=s):
-                kind = self.program.stages[s].kind
-                use = self.call.scratch
-                params = self.call.store.upload(s, self.call.devices[lane],
-                                                requires_grad=kind != "fwd",
-                                                resident=use.resident if use else None)
-                self.stats.add("h2d_bytes_params", params.nbytes)
-                with self.on[lane].lock:
-                    self.on[lane].params[s] = params
+                self._prefetch(lane, s)
             case Upload(stage=s, mb=m):
                 self._upload(lane, s, m)
             case UploadGrad(stage=s, mb=m):
                 self._upload_grads(lane, s, m)
+            case GraphForward(stage=s, mb=m):
+                self.compute.graph_forward(lane, s, m)
             case Forward(stage=s, mb=m):
                 self.compute.forward(lane, s, m)
             case FusedBackward(stage=s, mb=m):
                 self.compute.fused(lane, s, m)
             case Checkpoint(stage=s, mb=m):
                 self.compute.checkpoint(lane, s, m)
+            case GraphRecomputeBackward(stage=s, mb=m):
+                self.compute.graph_recompute_backward(lane, s, m)
             case RecomputeBackward(stage=s, mb=m, layer=None):
                 self.compute.recompute_backward(lane, s, m)
             case RecomputeBackward(stage=s, mb=m, layer=layer):
@@ -306,7 +306,7 @@ class Execution:
                 on = self.on[lane]
                 with on.lock:
                     params = on.params.pop(s)
-                self.call.store.release(self.call.devices[lane], params)
+                self._release(lane, params)
             case Refresh():
                 self._refresh()
             case Accumulate(layers=layers):
@@ -344,6 +344,36 @@ class Execution:
                 self.call.optimizer.queue_update()
             case _:
                 raise TypeError(f"the executor has no handler for {type(a).__name__} ({a})")
+
+    def _prefetch(self, d: int, s: int) -> None:
+        """The stage's parameters to device ``d``: for a stage whose jobs are device
+        graphs (``"cudagraphs"``), into a free parameter slot (``runtime.graphs``: the
+        same place every round); else anywhere."""
+        call, dev = self.call, self.call.devices[d]
+        slot = into = None
+        if call.graphs is not None and s in self.graphed:
+            need = lambda s: call.store.slot_nbytes(   # noqa: E731 — its gradients too
+                s, grads=self.program.stages[s].kind != "fwd")
+            if d not in self.slot_size:
+                self.slot_size[d] = max(need(a.stage) for a in self.program.actions[d]
+                                        if isinstance(a, Prefetch) and a.stage in self.graphed)
+            taken = call.graphs.take(d, dev, s, need(s), self.slot_size[d])
+            if taken is None:
+                self.stats.add("graph_fallbacks")
+            else:
+                slot, into = taken
+        use = call.scratch
+        params = call.store.upload(s, dev, requires_grad=self.program.stages[s].kind != "fwd",
+                                   resident=use.resident if use else None, into=into)
+        params.slot, params.memory = slot, into
+        self.stats.add("h2d_bytes_params", params.nbytes)
+        with self.on[d].lock:
+            self.on[d].params[s] = params
+
+    def _release(self, d: int, params) -> None:
+        self.call.store.release(self.call.devices[d], params)
+        if params.slot is not None:
+            self.call.graphs.give(d, params.slot)
 
     def _refresh(self) -> None:
         """``Refresh``: the copies uploads read made current (``ParamStore.refresh``), and
@@ -461,7 +491,7 @@ class Execution:
             dev = self.call.devices[d]
             for params in on.params.values():
                 try:
-                    self.call.store.release(dev, params)
+                    self._release(d, params)
                 except ValueError:
                     pass
             for t in on.tensors():

@@ -62,6 +62,9 @@ class Uploaded(dict):
         super().__init__(views)
         self.runs = runs
         self.nbytes = nbytes
+        self.slot: tuple[int, int] | None = None   # the parameter slot it is in (runtime.graphs)
+        self.memory: torch.Tensor | None = None    # that slot's memory
+        self.grads: list[torch.Tensor] | None = None   # gradient buffers there, once zeroed
 
 
 @dataclass
@@ -132,11 +135,7 @@ class ParamStore:
 
     def nbytes(self, stage: int) -> int:
         """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
-        total = 0
-        for run in self._runs_of(stage):
-            dtype = _upload_dtype(run.slots[0], self.param_dtype)
-            total += (run.stop - run.start) * dtype.itemsize
-        return total
+        return sum(self._run_nbytes(stage))
 
     def grad_nbytes(self, stage: int) -> int:
         """Bytes of the gradients ``stage``'s trainable parameters make on a device (in
@@ -150,32 +149,62 @@ class ParamStore:
         """Before a call (see :meth:`HostParams.refresh`)."""
         self.host.refresh(self.param_dtype, self.snapshot)
 
+    def slot_nbytes(self, stage: int, grads: bool = False) -> int:
+        """Bytes an upload of ``stage`` into a parameter slot takes (:meth:`upload`'s
+        ``into``): each run at a ``SLOT_ALIGN``-byte boundary; with ``grads``, then its
+        trainable parameters' gradients, each at such a boundary (``slot_grads``)."""
+        total = sum(_slot_align(n) for n in self._run_nbytes(stage))
+        if grads:
+            total += sum(_slot_align(slot.numel * _upload_dtype(slot, self.param_dtype).itemsize)
+                         for slot in self._unique(stage)
+                         if not slot.is_buffer and slot.tensor.requires_grad)
+        return total
+
+    def _run_nbytes(self, stage: int) -> list[int]:
+        return [(run.stop - run.start) * _upload_dtype(run.slots[0], self.param_dtype).itemsize
+                for run in self._runs_of(stage)]
+
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False,
-               resident: ResidentBuffers | None = None) -> Uploaded:
+               resident: ResidentBuffers | None = None, into: torch.Tensor | None = None
+               ) -> Uploaded:
         """Copy the stage's runs to ``device`` (counted as ``"params"``).
 
         Returns ``{fqn: device view}`` for every name, tied names sharing one tensor. With
         ``requires_grad``, parameter views are leaves that require grad like their master.
         ``resident``: the stage's scratch buffers it wants are not in the runs: they are
-        served from it (uploaded there the first time, ``runtime.scratch``). Release with
-        :meth:`release`."""
+        served from it (uploaded there the first time, ``runtime.scratch``). ``into``: a
+        parameter slot (``uint8`` device memory of at least :meth:`slot_nbytes`, kept by
+        ``runtime.graphs``): the runs are copied into it, at the same places every time,
+        and :meth:`release` frees nothing. Release with :meth:`release`."""
         kept = self._kept(stage, resident)
         runs = self._runs_of(stage) if not kept else _runs(
             self.host, [slot for slot in self._unique(stage) if id(slot) not in kept])
+        if into is not None and (kept or into.numel() < self.slot_nbytes(stage)):
+            raise ValueError(f"stage {stage}: an upload into a parameter slot takes "
+                             f"{self.slot_nbytes(stage)} B of uint8 and no resident buffers; "
+                             f"got {into.numel()} B{' and resident buffers' if kept else ''}")
         on_device: list[tuple[_Run, torch.Tensor]] = []
-        moved = 0
+        moved = at = 0
         try:
             for run in runs:
                 src = self._source(run)
-                moved += src.numel() * src.element_size()
-                on_device.append((run, device.to_device(src, kind="params", owner=f"stage {stage}")))
+                nbytes = src.numel() * src.element_size()
+                moved += nbytes
+                if into is not None:
+                    place = into[at:at + nbytes].view(src.dtype)
+                    at += _slot_align(nbytes)
+                    on_device.append((run, device.copy_into(src, place)))
+                else:
+                    on_device.append((run, device.to_device(src, kind="params",
+                                                            owner=f"stage {stage}")))
                 if self.host.ring is not None and isinstance(device, CudaDevice) \
                         and pinned.is_pinned(src) and file_backed(run.slots[0].tensor) is not None:
                     # a ring block: reused once this copy (queued on this stream) completes
                     self.host.ring.hold(src, torch.cuda.current_stream(device.device).record_event())
         except BaseException:  # e.g. DeviceMemoryError on the second run: undo the first
-            for _, t in on_device:
-                device.free(t)
+            if into is None:
+                for _, t in on_device:
+                    device.free(t)
             raise
         views: dict[int, torch.Tensor] = {}
         for slot in kept.values():
@@ -190,7 +219,20 @@ class ParamStore:
                     view = view.detach().requires_grad_()
                 views[id(slot)] = view
         return Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
-                        [t for _, t in on_device], moved)
+                        [t for _, t in on_device] if into is None else [], moved)
+
+    def slot_grads(self, stage: int, uploaded: Uploaded, into: torch.Tensor) -> list[torch.Tensor]:
+        """Gradient buffers in a parameter slot ``into`` (after the stage's parameters,
+        as :meth:`slot_nbytes` lays them out), one per trainable view of ``uploaded`` (a
+        tied parameter once), in the views' order: what a device graph of the stage's
+        backward adds the gradients into (``runtime.graphs``). Not zeroed."""
+        at = sum(_slot_align(n) for n in self._run_nbytes(stage))
+        out: list[torch.Tensor] = []
+        for v in {id(v): v for v in uploaded.values() if v.requires_grad}.values():
+            nbytes = v.numel() * v.element_size()
+            out.append(into[at:at + nbytes].view(v.dtype).view(v.shape))
+            at += _slot_align(nbytes)
+        return out
 
     def _unique(self, stage: int) -> list[_Slot]:
         return list({id(x): x for x in self._names[stage].values()}.values())
@@ -282,6 +324,15 @@ class ParamStore:
             raise KeyError(f"stage {stage} has no parameter or buffer {fqn!r} "
                            f"(it has {sorted(slots)[:8]}{' ...' if len(slots) > 8 else ''})")
         return slots[fqn]
+
+
+SLOT_ALIGN = 512
+"""Where each run of an upload into a parameter slot starts (a multiple of it, as the
+CUDA caching allocator aligns its blocks)."""
+
+
+def _slot_align(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:

@@ -39,6 +39,7 @@ from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.device import Device
 from fxpipe.runtime.executor import Call, Execution, apply_writebacks, restore
 from fxpipe.runtime.grad_accum import owned_params
+from fxpipe.runtime.graphs import StageGraphs, graph_jobs
 from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.stage_code import runnables
 from fxpipe.runtime.interrupts import deferred_interrupt
@@ -73,8 +74,11 @@ class Runner:
                  differentiable: Callable[[Collection[str]], frozenset[str]],
                  host: Callable[[], HostParams], timer: LayerTimer | None = None,
                  param_dtype: torch.dtype | None = None, log: ActionLog | None = None,
-                 dp: Any = None, staging: Staging | None = None):
+                 dp: Any = None, staging: Staging | None = None,
+                 graphs: StageGraphs | None = None):
         self.lg, self.devices = lg, devices
+        self.graphs = graphs   # the pipe's device graphs (stage_backend="cudagraphs")
+        self._graphed: dict[int, Executable] = {}
         self.staging = staging
         self.dp = dp   # runtime.distributed.DataParallel, or None
         self.executable = executable
@@ -201,7 +205,7 @@ class Runner:
         spec = self.spec(run_type, len(envs), cfg, outputs=outputs, sync=sync,
                          optimizer=optimizer.spec if optimizer is not None else None,
                          input_grads=inputs)
-        exe = self.executable(spec)
+        exe = self.executable_for(spec, cfg)
         use = scratch.current()
         resident = use.resident if use is not None else None
         key = (id(exe), cfg.stage_backend)   # (Executables are cached: ids stable)
@@ -226,7 +230,18 @@ class Runner:
                     timer=self.timer if self.timer is not None and self.timer.sample() else None,
                     differentiable=self.differentiable(inputs), optimizer=optimizer,
                     record=self.log.actions, dp=dp, stage_backend=cfg.stage_backend,
-                    scratch=use, **kw)
+                    scratch=use, graphs=self.graphs if cfg.stage_backend == "cudagraphs" else None,
+                    **kw)
+
+    def executable_for(self, spec: CallSpec, cfg: RunConfig) -> Executable:
+        """The Executable a call of ``spec`` runs under ``cfg``: under
+        ``stage_backend="cudagraphs"`` with its graph jobs (``runtime.graphs.graph_jobs``)."""
+        exe = self.executable(spec)
+        if cfg.stage_backend != "cudagraphs":
+            return exe
+        if id(exe) not in self._graphed:   # (Executables are cached: ids stable)
+            self._graphed[id(exe)] = graph_jobs(exe)
+        return self._graphed[id(exe)]
 
     def run_call(self, call: Call, results: Callable[[], Any] | None = None,
                 commit_grads: bool = False) -> Any:
@@ -401,7 +416,8 @@ class TrainCall:
         call = Call(exe=fc.exe, layers=r.lg, store=fc.store, devices=r.devices, inputs=fc.host,
                     phase="backward", call_seed=fc.call_seed, out_grads=out_grads,
                     timer=fc.timer, autocast=fc.autocast, differentiable=fc.differentiable,
-                    record=r.log.actions, dp=fc.dp, stage_backend=fc.stage_backend)
+                    record=r.log.actions, dp=fc.dp, stage_backend=fc.stage_backend,
+                    graphs=fc.graphs)
         if fc.dp is not None:
             fc.dp.check_alive()
         r.run_call(call)

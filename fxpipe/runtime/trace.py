@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxpipe.passes.program import (
-    Checkpoint, DownloadGrads, Forward, FusedBackward, Offload, Prefetch, RecomputeBackward,
-    Upload, UploadGrad, parse_action,
+    Checkpoint, DownloadGrads, Forward, FusedBackward, GraphForward, GraphRecomputeBackward,
+    Offload, Prefetch, RecomputeBackward, Upload, UploadGrad, parse_action,
 )
 from fxpipe.runtime.device import Device
 from fxpipe.sim.timeline import Interval, Timeline
@@ -80,8 +80,8 @@ def trace(devices: Sequence[Device], log: ActionLog,
         rec.timeline.to_chrome_trace(path)
 
 
-_KIND = {Forward: "forward", Checkpoint: "forward", FusedBackward: "backward",
-         RecomputeBackward: "backward",
+_KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward", FusedBackward: "backward",
+         RecomputeBackward: "backward", GraphRecomputeBackward: "backward",
          Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
          DownloadGrads: "transfer"}
 

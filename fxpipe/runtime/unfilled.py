@@ -118,12 +118,27 @@ def _is_unwritten(t: Any) -> bool:
 def backprop(pairs: Iterable[tuple[Any, torch.Tensor | None]]) -> None:
     """Back-propagate each ``(value, grad)`` in one autograd call; values without a
     gradient, or that need none, are skipped, and a value listed twice gets the sum."""
+    tensors, grads = _roots(pairs)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def grads_of(pairs: Iterable[tuple[Any, torch.Tensor | None]],
+             inputs: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """:func:`backprop`'s gradients of ``inputs`` returned instead of accumulated into
+    ``.grad`` (``None`` for one the values do not depend on): what a device graph of a
+    backward captures (``runtime.graphs``)."""
+    tensors, grads = _roots(pairs)
+    if not tensors or not inputs:
+        return (None,) * len(inputs)
+    return torch.autograd.grad(tensors, inputs, grads, allow_unused=True)
+
+
+def _roots(pairs: Iterable[tuple[Any, torch.Tensor | None]]) -> tuple[list, list]:
     roots: dict[int, list] = {}  # id(tensor) -> [tensor, summed grad]
     for value, grad in pairs:
         if grad is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
         root = roots.setdefault(id(value), [value, None])
         root[1] = grad if root[1] is None else root[1] + grad
-    if roots:
-        tensors, grads = zip(*roots.values())
-        torch.autograd.backward(list(tensors), list(grads))
+    return [r[0] for r in roots.values()], [r[1] for r in roots.values()]

@@ -56,6 +56,7 @@ class Call:
     record: list[tuple[int, str]] | None = None   # executed (lane, action) pairs, if tracing
     stage_backend: str | None = None         # RunConfig.stage_backend (runtime.compiled)
     scratch: ScratchUse | None = None        # how it uses its scratch buffers (runtime.scratch)
+    graphs: Any = None                       # "cudagraphs": the pipe's StageGraphs (runtime.graphs)
     # results
     host: list[dict[str, Any]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -70,7 +71,7 @@ class Call:
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
-         "host_issue_us")
+         "host_issue_us", "graph_captures", "graph_replays", "graph_fallbacks")
 
 
 class Stats:

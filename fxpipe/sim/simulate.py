@@ -41,7 +41,12 @@ the executor's host waits for a device (before a ``Prefetch`` allocates, for the
 released): where that wait matters, the devices, not the host, are the bottleneck.
 ``stage_backend`` scales what a compute action launches: ``"inductor"`` launches
 ``INDUCTOR_KERNELS`` of the eager kernels (measured, ``benchmarks/bench_issue.py``),
-``"cudagraphs"`` one graph replay per compute action (MODELLED: no CUDA graph has run).
+``"cudagraphs"`` (MODELLED: no CUDA graph has run) a graph job one replay plus
+``graph_job_kernels`` (its inputs copied into the graph's, its outputs cloned, a
+backward's parameter gradients added in one foreach call), the jobs with no graph
+(``FusedBackward``, layer grain) inductor's kernels. A Program with graph actions
+(``GraphForward``, ``GraphRecomputeBackward``: ``runtime.graphs.graph_jobs``) says which
+jobs are graphs; in one without, every ``Forward`` and stage ``RecomputeBackward`` is.
 Host-lane actions run on their own thread and cost no issue time.
 
 ``semantics`` decides where the first part of a two-part compute goes:
@@ -80,6 +85,8 @@ from fxpipe.passes.program import (
     Dep,
     DownloadGrads,
     Forward,
+    GraphForward,
+    GraphRecomputeBackward,
     LABEL,
     Offload,
     OptimizerStep,
@@ -117,6 +124,9 @@ class _StageCosts:
         if len(costs) < n:
             raise ValueError(f"the program's stages cover {n} layers, costs has {len(costs)}")
         self.costs = costs
+        self.program = program
+        self.has_graphs = any(isinstance(a, (GraphForward, GraphRecomputeBackward))
+                              for acts in program.actions for a in acts)
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
         self.inp, self.out, self.grad_in = [], [], []
@@ -162,9 +172,15 @@ class _StageCosts:
             n, grad = _kernels(c, "fwd_kernels") + _kernels(c, "bwd_kernels"), True
         else:
             n, grad = self.fwd_kernels[a.stage] + self.bwd_kernels[a.stage], True
-        if backend == "cudagraphs":
-            return 1.0, grad
-        return (n * INDUCTOR_KERNELS if backend == "inductor" else float(n)), grad
+        if backend == "cudagraphs" and self.graphed(a):
+            return float(graph_job_kernels(self.program.stages[a.stage], a)), False
+        return (n * INDUCTOR_KERNELS if backend in ("inductor", "cudagraphs") else float(n)), grad
+
+    def graphed(self, a) -> bool:
+        """Whether compute action ``a`` replays a device graph under ``"cudagraphs"``."""
+        if self.has_graphs:
+            return isinstance(a, (GraphForward, GraphRecomputeBackward))
+        return type(a) is Forward or (type(a) is RecomputeBackward and a.layer is None)
 
 
 def action_kernels(program: Program, costs: Sequence[LayerCost],
@@ -180,6 +196,17 @@ def action_kernels(program: Program, costs: Sequence[LayerCost],
     sc = _StageCosts(program, costs, 0)
     return {(d, i): sc.kernels(a, stage_backend) for d, acts in program.lanes() if d >= 0
             for i, a in enumerate(acts) if isinstance(a, Compute)}
+
+
+def graph_job_kernels(stage, a) -> int:
+    """What a graph job launches (``runtime.graphs``): the replay, a copy per input (its
+    ``reads``) into the graph's own, and per output a clone (forward) or, for a backward,
+    the output gradients copied in, the input gradients cloned and one ``_foreach_add_``
+    of the parameter gradients."""
+    reads, makes = len(stage.reads), len(stage.makes)
+    if isinstance(a, Forward):
+        return 1 + reads + makes
+    return 1 + reads + makes + reads + 1
 
 
 def _kernels(cost, name: str) -> int:

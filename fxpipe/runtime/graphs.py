@@ -1,0 +1,223 @@
+"""Stage jobs as device graphs: ``RunConfig(stage_backend="cudagraphs")``.
+
+A ``GraphForward`` action (``3F1g`` in the Program, ``passes.graph_jobs``) runs a
+stage's forward job as a device graph (``runtime.device_graph``): its compiled code
+(``runtime.compiled``, as under ``"inductor"``) captured once per *job key*, then
+replayed: one launch for the host to issue instead of one per kernel, no Python per op.
+
+- **Parameters in fixed places.** A graph reads the buffers its capture saw, so a
+  stage's parameters must be uploaded to the same device memory every round. Each device
+  keeps two *parameter slots* (:class:`ParamSlots`: the stage it computes and the one it
+  prefetches, as the planner's memory model has them), each as large as the largest
+  stage the device runs. Under ``"cudagraphs"`` every ``Prefetch`` uploads into a free
+  slot (``ParamStore.upload(into=)``) and its ``Release`` frees the slot, not memory.
+  The Program orders a ``Prefetch`` after the ``Release``s before it, and a ``Release``
+  after its stage's job: a slot is written only once the stage before it is done.
+- **The job key.** (stage, device, slot, the slots' generation, the inputs' signature:
+  grad mode, autocast, each input's shape, strides and dtype, non-tensor inputs by
+  value). A new key is captured (``graph_captures`` in ``pipe.stats()``; the capture's
+  own run is that call's result), a known one replayed (``graph_replays``).
+- **Inputs, outputs.** The capture copies the inputs into *static* buffers it keeps;
+  each replay copies the microbatch's inputs into them first. A replay overwrites the
+  graph's outputs: they are cloned at once (activations, as an eager forward's are).
+- **The static-address rule** is checked at every replay: the stage's parameters now
+  must be the buffers the capture read, else :class:`GraphReplayError` (on a GPU the
+  replay would compute garbage silently). On a strict virtual device (cuda-sim) a
+  replay reading device memory freed since its capture raises too
+  (``device_graph.EmulatedGraph``).
+- **What is not captured** (``passes.graph_jobs``): stages that write buffers back to
+  the host (BatchNorm statistics, a KV cache), draw random numbers, or read a scratch
+  buffer; and jobs with grad (``FusedBackward``, ``RecomputeBackward``: the recompute
+  and backward run the compiled code, not a graph). A ``Prefetch`` that finds no free
+  slot (a Program holding three stages on a device) uploads as usual and its jobs run
+  the compiled code (``graph_fallbacks``).
+- **Memory.** The slots (``"params"``) and the graphs' static inputs and outputs
+  (``"workspace"``) stay on the devices between calls, until ``pipe.close()``.
+
+Not to be confused with ``runtime.device_graph`` (one captured function on one device)
+or ``runtime.compiled`` (the inductor code a graph captures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which stages call
+from fxpipe.passes.program import (
+    Forward, GraphForward, GraphRecomputeBackward, RecomputeBackward,
+)
+from fxpipe.passes.stage import Executable, Stage
+from fxpipe.runtime.compiled import _signature
+from fxpipe.runtime.device import Device
+from fxpipe.runtime.device_graph import DeviceGraph, GraphReplayError
+from fxpipe.runtime.params import is_scratch
+
+SLOTS = 2
+
+
+def not_capturable(stage: Stage) -> str | None:
+    """Why ``stage``'s forward job cannot be a device graph, or None if it can."""
+    if stage.random:
+        return "it draws random numbers (a replay would repeat the capture's)"
+    if any(n.target is torch.ops.fxpipe.writeback.default for n in stage.gm.graph.nodes):
+        return "it writes buffers back to the host (a host copy per run)"
+    if any(is_scratch(operator.attrgetter(f)(stage.gm)) for f in stage.params):
+        return "it reads a scratch buffer (a KV cache: rows and positions change per call)"
+    return None
+
+
+def graph_jobs(exe: Executable) -> Executable:
+    """``exe`` with each job of a stage that can be captured as its graph action: a
+    ``Forward`` as a ``GraphForward`` (``3F1g``), a stage's ``RecomputeBackward`` as a
+    ``GraphRecomputeBackward`` (``3B1g``; at ``recompute_grain="layer"`` the per-layer
+    backward stays as it is): what a call under ``stage_backend="cudagraphs"`` runs and
+    ``pipe.program()`` prints."""
+    graphed = {i for i, st in exe.stages.items() if not_capturable(st) is None}
+
+    def graph(a: Any) -> Any:
+        if a.__class__ is Forward and a.stage in graphed:
+            return GraphForward(a.stage, a.mb)
+        if a.__class__ is RecomputeBackward and a.layer is None and a.stage in graphed:
+            return GraphRecomputeBackward(a.stage, a.mb)
+        return a
+
+    p = exe.program
+    actions = tuple(tuple(map(graph, acts)) for acts in p.actions)
+    return dataclasses.replace(exe, program=dataclasses.replace(p, actions=actions))
+
+
+class ParamSlots:
+    """One device's parameter slots: ``SLOTS`` blocks of ``nbytes`` (counted as
+    ``"params"``), and which stage holds each."""
+
+    def __init__(self, device: Device, nbytes: int, generation: int):
+        self.device = device
+        self.nbytes = nbytes
+        self.generation = generation
+        self.memory = [device.empty(nbytes, "params", f"parameter slot {i} of the stage graphs")
+                       for i in range(SLOTS)]
+        self.holder: list[int | None] = [None] * SLOTS
+
+    def free(self) -> None:
+        for t in self.memory:
+            self.device.free(t)
+        self.memory = []
+
+
+class GraphJob:
+    """A stage job captured as a device graph: its static inputs (tensors the capture
+    copied each input into), the parameters it read, and the graph."""
+
+    def __init__(self, graph: DeviceGraph, statics: Sequence[torch.Tensor],
+                 params: Sequence[torch.Tensor], name: str):
+        self.graph = graph
+        self.statics = tuple(statics)
+        self.params = tuple(params)
+        self.addresses = tuple(p.data_ptr() for p in self.params)
+        self.name = name
+
+    def replay(self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
+        """The job on new inputs (``tensors``: the job's tensor inputs, in order) with
+        the stage's parameters as uploaded now: the outputs, cloned (the next replay
+        overwrites the graph's own)."""
+        for i, (p, at) in enumerate(zip(params, self.addresses)):
+            if p.data_ptr() != at:
+                raise GraphReplayError(
+                    f"{self.name}: parameter {i} ({tuple(p.shape)} {p.dtype}) is at another "
+                    "address than when the graph was captured: a replay would read the old "
+                    "buffer (garbage on a GPU). Under stage_backend='cudagraphs' every upload "
+                    "of a stage goes into the same parameter slot (runtime.graphs)")
+        with torch.no_grad():
+            for static, x in zip(self.statics, tensors):
+                static.copy_(x)
+            outs = self.graph.replay()
+            return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs)
+
+
+class StageGraphs:
+    """A pipe's parameter slots (per device index) and captured jobs (per job key).
+    Thread-safe: each device's issue and stream threads use their own entries."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, ParamSlots] = {}
+        self._jobs: dict[tuple, GraphJob] = {}
+        self._lock = threading.Lock()
+        self._generations = itertools.count()
+
+    # -- parameter slots (Prefetch, Release) ---------------------------------------------
+    def take(self, lane: int, device: Device, stage: int, nbytes: int, size: int
+             ) -> tuple[tuple[int, int], torch.Tensor] | None:
+        """A free slot of ``lane``'s device for ``stage`` (``nbytes`` of parameters):
+        ``((slot, generation), memory)``, or None (none free, or too small while held).
+        Slots too small, or of another device, are made again at ``size`` bytes once
+        none is held (the device's graphs then are dropped: they read the old slots)."""
+        with self._lock:
+            slots = self._slots.get(lane)
+            if slots is None or slots.device is not device or slots.nbytes < nbytes:
+                if slots is not None:
+                    if any(h is not None for h in slots.holder):
+                        return None
+                    self._drop(lane)
+                slots = self._slots[lane] = ParamSlots(device, max(size, nbytes),
+                                                       next(self._generations))
+            for i, holder in enumerate(slots.holder):
+                if holder is None:
+                    slots.holder[i] = stage
+                    return (i, slots.generation), slots.memory[i]
+            return None
+
+    def give(self, lane: int, slot: tuple[int, int]) -> None:
+        """``Release``: the stage in ``slot`` is done with it."""
+        with self._lock:
+            slots = self._slots.get(lane)
+            if slots is not None and slots.generation == slot[1]:
+                slots.holder[slot[0]] = None
+
+    def _drop(self, lane: int) -> None:
+        self._slots.pop(lane).free()
+        for key in [k for k in self._jobs if k[1] == lane]:
+            del self._jobs[key]
+
+    # -- jobs ------------------------------------------------------------------------------
+    def run(self, key: tuple, inputs: Sequence[Any], params: Sequence[torch.Tensor],
+            device: Device, capture: Callable[..., tuple], name: str, stats: Any = None
+            ) -> tuple:
+        """The job ``key`` on ``inputs`` (tensors and constants, as the job reads them)
+        with ``params`` (the tensors in its parameter slot it reads or writes): replayed
+        if captured, else captured first (``capture(*tensors, *params)`` runs the job;
+        the inputs' signature is part of the key)."""
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        key = (*key, _signature(inputs))
+        job = self._jobs.get(key)
+        if job is not None:
+            if stats is not None:
+                stats.add("graph_replays")
+            return job.replay(tensors, params)
+        with device.allocating("workspace"):
+            statics = [x.detach().clone() for x in tensors]
+            graph = device.capture(capture, [*statics, *params], name)
+        with self._lock:
+            self._jobs[key] = GraphJob(graph, statics, params, name)
+        if stats is not None:
+            stats.add("graph_captures")
+        # the capture's own run is this call's (its writes into ``params`` happened once)
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in graph.first)
+
+    def captured(self) -> int:
+        """How many jobs are captured."""
+        with self._lock:
+            return len(self._jobs)
+
+    def close(self) -> None:
+        """Drop every graph and free the slots (``pipe.close()``)."""
+        with self._lock:
+            for lane in list(self._slots):
+                self._drop(lane)
+            self._jobs.clear()

@@ -1,0 +1,241 @@
+"""``RunConfig(stage_backend="cudagraphs")``: forward jobs replayed as device graphs.
+
+A CUDA graph cannot run on these machines. What runs here is everything above
+``Device.capture``: the Program's ``GraphForward`` actions, the parameter slots every
+upload lands in, the job keys, static inputs and cloned outputs, the static-address
+checks; a virtual device's graph (``device_graph.EmulatedGraph``) runs the captured
+function again per replay over the captured buffers, and on strict cuda-sim raises
+where a GPU would compute garbage. Results equal eager within the inductor tolerance
+(the graphs run inductor's code: no bitwise claim, docs/guarantees.md).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+
+import fxpipe
+from fxpipe.errors import StageError
+from fxpipe.runtime.device_graph import EmulatedGraph, GraphReplayError
+from fxpipe.runtime.graphs import StageGraphs, not_capturable
+from fxpipe.runtime.param_store import ParamStore
+from tests.test_stage_backend import ATOL, RTOL, blocks, mse
+
+
+def graph_counts(pipe) -> tuple[int, int, int]:
+    s = pipe.stats()
+    return s["graph_captures"], s["graph_replays"], s["graph_fallbacks"]
+
+
+def strict_devices(n: int = 2, **kw) -> list[fxpipe.VirtualDevice]:
+    return [fxpipe.VirtualDevice(semantics="cuda", strict=True, **kw) for _ in range(n)]
+
+
+def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
+    """Two fused steps and two inference calls on two strict cuda-sim devices: the
+    forward stages' jobs are captured at the first call (one graph per stage, device,
+    slot and input shapes) and replayed after; loss, every gradient and the output equal
+    eager's within the inductor tolerance; ``predict_memory`` holds for the peaks; the
+    slots and graphs stay on the devices until ``close()``."""
+    model = blocks(4, 16)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    devices = strict_devices()
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    for step in range(2):
+        model.zero_grad()
+        for d in devices:
+            d.reset_peak()
+        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+        # the slots and the graphs' own buffers are in the prediction (counted at the
+        # capturing step and at a replaying one alike)
+        pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2,
+                                          loss_fn=mse, label=y)
+        for d, p in zip(devices, pred.devices):
+            assert 0.9 <= p.total / d.peak_bytes() <= 1.25, (p.total, d.peak_bytes())
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+        jobs = [a for acts in pipe.program("fused").actions for a in acts if str(a).endswith("g")]
+        captures, replays, fallbacks = graph_counts(pipe)
+        assert captures + replays == len(jobs) > 0 and fallbacks == 0
+        # the first step captures each stage's job on its device (both microbatches have
+        # one shape: one graph each; the capture's own run is the first microbatch's);
+        # the second replays them
+        assert captures == (len({a.stage for a in jobs}) if step == 0 else 0)
+    with torch.no_grad():
+        expected = ref(x)
+        for call in range(2):
+            torch.testing.assert_close(pipe(x), expected, atol=ATOL, rtol=RTOL)
+            # inference plans its own stages: captured at its first call
+            assert graph_counts(pipe)[:2] == ((len(pipe.stages), len(pipe.stages)) if call == 0
+                                              else (0, 2 * len(pipe.stages)))
+    assert all(d.resident_bytes("params") > 0 for d in devices)   # the slots stay
+    pipe.close()
+    assert [d.resident_bytes() for d in devices] == [0, 0]
+
+
+def test_the_program_and_the_code_say_which_jobs_replay_a_graph():
+    model = blocks(2, 8)
+    x = torch.randn(2, 8)
+    plan = fxpipe.ExecutePlan([range(0, 1), range(1, 3)], [range(1, 3), range(0, 1)])
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"] * 2,
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2,
+                                                  execute_plan=plan))
+    assert_expected_inline(str(pipe.program("infer")), """\
+program devices=2 microbatches=2
+inputs input_1
+outputs linear_4
+stage 0 fwd 0:1 reads=input_1 makes=add
+stage 1 fwd 1:3 reads=add makes=linear_4
+step d0   d1   host
+0    0P   1P   RF
+1    0U0  1U0  C
+2    0F0g 1F0g .
+3    0O0  1O0  .
+4    0X0  1X0  .
+5    0U1  1U1  .
+6    0F1g 1F1g .
+7    0O1  1O1  .
+8    0X1  1X1  .
+9    0R   1R   .""")
+    heads = [line for line in pipe.code("fused").splitlines() if line.startswith("# its")]
+    assert_expected_inline("\n".join(heads), """\
+# its forward job is a device graph (GraphForward): captured once per device, parameter slot and input shapes, then replayed
+# its job runs the compiled code, not a device graph: the loss_fn between its forward and backward is the caller's Python
+# its recompute and backward are one device graph (GraphRecomputeBackward): captured once per device, parameter slot and input shapes, then replayed""")
+    assert fxpipe.passes.program.parse_action("0F1g") == fxpipe.passes.program.GraphForward(0, 1)
+    pipe.close()
+
+
+def test_a_stage_that_writes_buffers_back_is_not_captured():
+    """BatchNorm in training mode updates its running statistics (a writeback to the
+    host per run): its stage's forward runs the compiled code, says why, and the step
+    equals eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"] * 2,
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=1,
+                                                  execute_plan=fxpipe.ExecutePlan(
+                                                      [range(0, 2), range(2, 3), range(3, 4)],
+                                                      [range(3, 4), range(2, 3), range(0, 2)])))
+    exe = pipe._executable("fused")
+    assert not_capturable(exe.stages[0]).startswith("it writes buffers back")
+    assert "writes buffers back" in pipe.code("fused")
+    program = str(exe.program)
+    assert "0F0g" not in program and "1F0g" in program
+    loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(model[1].running_mean, ref[1].running_mean, atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    # stage 1's forward and the backward of its layers: one graph each; the BatchNorm
+    # stage's backward (its recompute drops the writeback) is not captured either
+    assert graph_counts(pipe)[:2] == (2, 0)   # one microbatch: captured, not replayed
+    pipe.close()
+
+
+def test_a_replay_over_parameters_that_moved_raises(monkeypatch):
+    """The static-address rule at every replay: planted, an upload that ignores its
+    parameter slot (the parameters land elsewhere) makes the next replay raise, naming
+    the graph, where a GPU would read the captured (stale) buffer."""
+    model = blocks(2, 8)
+    x = torch.randn(4, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=strict_devices(),
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
+    with torch.no_grad():
+        pipe(x)
+        assert graph_counts(pipe)[0] == 2
+        upload = ParamStore.upload
+        monkeypatch.setattr(ParamStore, "upload",
+                            lambda self, *a, into=None, **kw: upload(self, *a, **kw))
+        with pytest.raises(StageError) as e:
+            pipe(x)
+    assert isinstance(e.value.__cause__, GraphReplayError)
+    assert "is at another address than when the graph was captured" in str(e.value.__cause__)
+    monkeypatch.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), atol=ATOL, rtol=RTOL)
+    pipe.close()
+
+
+def test_cuda_sim_raises_on_a_replay_over_freed_memory():
+    """A strict cuda-sim device's graph checks at each replay that the device memory
+    its capture read is still allocated (a GPU would read whatever is there now)."""
+    d = fxpipe.VirtualDevice(semantics="cuda", strict=True)
+    w = d.submit("h2d", d.to_device, torch.ones(4), "params", "a test").result()
+    x = d.submit("h2d", d.to_device, torch.ones(4), "activations", "a test").result()
+    g = d.submit("compute", d.capture, lambda w, x: (w * x,), (w, x), "a test graph").result()
+    assert isinstance(g, EmulatedGraph)
+    torch.testing.assert_close(d.submit("compute", g.replay).result()[0], torch.ones(4))
+    d.free(w)
+    with pytest.raises(GraphReplayError, match="a test graph: a replay reads a \\(4,\\) "
+                                               "torch.float32 buffer .* freed since"):
+        d.submit("compute", g.replay).result()
+    d.close()
+
+
+def test_parameter_slots_are_taken_and_given_in_program_order():
+    """Two slots per device: a third stage finds none (it uploads as usual and its jobs
+    run the compiled code); a released slot is taken again; slots too small for a stage
+    are made again once none is held, and the device's graphs are dropped with them."""
+    d = fxpipe.VirtualDevice()
+    graphs = StageGraphs()
+    (a, gen), mem_a = graphs.take(0, d, stage=0, nbytes=100, size=512)
+    (b, _), _ = graphs.take(0, d, stage=1, nbytes=100, size=512)
+    assert (a, b) == (0, 1) and mem_a.numel() == 512
+    assert graphs.take(0, d, stage=2, nbytes=100, size=512) is None
+    graphs.give(0, (a, gen))
+    assert graphs.take(0, d, stage=2, nbytes=100, size=512)[0] == (0, gen)
+    assert graphs.take(0, d, stage=3, nbytes=4096, size=512) is None   # held: not remade
+    graphs.give(0, (0, gen))
+    graphs.give(0, (1, gen))
+    (slot, gen2), mem = graphs.take(0, d, stage=3, nbytes=4096, size=512)
+    assert gen2 != gen and mem.numel() == 4096 and d.resident_bytes("params") == 2 * 4096
+    graphs.close()
+    assert d.resident_bytes() == 0
+    d.close()
+
+
+def test_a_hf_llama_under_cudagraphs_equals_eager():
+    """A Hugging Face Llama (rotary, RMSNorm, SwiGLU, tied head) under cudagraphs in bf16
+    mixed precision: the loss and every gradient of a fused step are those of the same
+    pipe under inductor, and its logits are eager's within bf16's tolerance."""
+    pytest.importorskip("transformers")
+    from tests.models import init_like_training, tiny_llama
+    model = init_like_training(tiny_llama(layers=3))
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    kw = {"input_ids": ids, "labels": ids}
+
+    def step(backend):
+        m = copy.deepcopy(model)
+        pipe = fxpipe.compile(m, example_kwargs=kw, devices=strict_devices(),
+                              param_dtype=torch.bfloat16,
+                              config=fxpipe.RunConfig(num_microbatch=2, stage_backend=backend))
+        loss = pipe.forward_backward((), kw, loss_fn=lambda out, _: out.loss)
+        with torch.no_grad():
+            logits = pipe(**kw).logits
+        counts = graph_counts(pipe)
+        pipe.close()
+        return m, loss, logits, counts
+
+    graphed, loss, logits, counts = step("cudagraphs")
+    assert counts[0] > 0 and counts[2] == 0
+    compiled, expected, _, _ = step("inductor")
+    torch.testing.assert_close(loss, expected, atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(graphed.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(logits.float(), model(**kw).logits,
+                                   atol=0.05, rtol=0.05)
