@@ -250,12 +250,12 @@ def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_pat
     monkeypatch.setattr(ft_kit, "run_all", run_all)
     out = tmp_path / "check.json"
     assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
-                       "--stage-backends", "eager,inductor"]) == 0
-    assert seen["backends"] == (None, "inductor")
+                       "--stage-backends", "eager,inductor,cudagraphs"]) == 0
+    assert seen["backends"] == (None, "inductor", "cudagraphs")
     runs = json.loads(out.read_text())["finetune"]["runs"]
-    assert [r["stage_backend"] for r in runs] == [None, "inductor"]
+    assert [r["stage_backend"] for r in runs] == [None, "inductor", "cudagraphs"]
     assert check_cli.main(["--dry-run", "--sections", "finetune", "--stage-backends", "tvm"]) == 2
-    assert "each must be one of eager, inductor, auto" in capsys.readouterr().err
+    assert "each must be one of eager, inductor, auto, cudagraphs" in capsys.readouterr().err
 
 
 def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _threads):

@@ -239,3 +239,38 @@ def test_a_hf_llama_under_cudagraphs_equals_eager():
     with torch.no_grad():
         torch.testing.assert_close(logits.float(), model(**kw).logits,
                                    atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_on_a_gpu_equal_inductors_code():
+    """On a GPU (two logical devices of GPU 0): the jobs are ``torch.cuda.CUDAGraph``s,
+    captured at the first step and replayed at the second; loss and every gradient are
+    those of inductor's code without graphs, and the output is eager's."""
+    from fxpipe.runtime.cuda import CudaGraph
+    model = blocks(4, 64)
+    x, y = torch.randn(8, 32, 64), torch.randn(8, 32, 4)
+
+    def steps(backend):
+        m = copy.deepcopy(model)
+        devices = [fxpipe.CudaDevice(0, name=f"cuda:0/{i}") for i in range(2)]
+        pipe = fxpipe.compile(m, example_inputs=(x,), devices=devices,
+                              config=fxpipe.RunConfig(stage_backend=backend, num_microbatch=2))
+        for _ in range(2):
+            m.zero_grad()
+            loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+        with torch.no_grad():
+            out = pipe(x)
+        counts = graph_counts(pipe)
+        jobs = list(pipe._graphs._jobs.values())
+        pipe.close()
+        return m, loss, out, counts, jobs
+
+    graphed, loss, out, counts, jobs = steps("cudagraphs")
+    assert jobs and all(isinstance(j.graph, CudaGraph) for j in jobs)
+    assert counts[1] > 0 and counts[2] == 0   # the last call replayed
+    compiled, expected, _, _, _ = steps("inductor")
+    torch.testing.assert_close(loss, expected, atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(graphed.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), atol=ATOL, rtol=RTOL)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                     + ",".join(SECTIONS) + ")")
     ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
                     help="finetune: run fxpipe with each RunConfig.stage_backend (eager, "
-                    "inductor, auto; default eager)")
+                    "inductor, auto, cudagraphs; default eager)")
     ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sections = tuple(SECTIONS)

@@ -33,7 +33,9 @@ FLOP/s over the GPU's dense bf16 peak, :data:`PEAK_BF16_TFLOPS`; null on CPU),
 ``peak_device_bytes`` against ``predicted_peak_bytes`` (``fxpipe.plan.predict_memory``;
 ``predicted_host_bytes``: its host bytes),
 ``predicted_step_s`` (``fxpipe.simulate`` with the layer-timed step's layer times and
-the measured link), ``host_issue_ms`` and ``compute_busy_ms`` (a traced timed step),
+the measured link), ``host_issue_ms`` and ``compute_busy_ms`` (a traced timed step;
+under ``stage_backend="cudagraphs"`` its ``graph_captures`` / ``graph_replays`` /
+``graph_fallbacks``),
 ``host_rss_bytes`` and ``host_peak_rss_bytes``, ``vs_eager`` (fxpipe step / eager step).
 
 ``dry_run``: the same code at tiny widths on CPU virtual devices with a GPU's semantics,
@@ -405,6 +407,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             "host_stalls": st.get("host_stalls"), "host_waits": st.get("host_waits"),
             "h2d_bytes_params": st.get("h2d_bytes_params"),
             "d2h_bytes_grads": st.get("d2h_bytes_grads"),
+            **{k: st.get(k) for k in ("graph_captures", "graph_replays", "graph_fallbacks")},
             "timed_calls_sampled": sampling["sampled"]})
         return out
     finally:

@@ -456,7 +456,9 @@ def _check_args(args: Any) -> None:
 
 def _torch_compile(args: Any, config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
     """``TrainingArguments(torch_compile=True)``: fxpipe compiles its stage code with
-    inductor (``RunConfig(stage_backend="inductor")``; a ``stage_backend`` in the
+    inductor (``RunConfig(stage_backend="inductor")``; with
+    ``torch_compile_mode="reduce-overhead"``, torch.compile's CUDA graphs, its stage jobs
+    as device graphs: ``stage_backend="cudagraphs"``; a ``stage_backend`` in the
     trainer's ``fxpipe_config`` wins) instead of transformers wrapping the whole model in
     ``torch.compile`` (which the pipeline's capture would then have to see through)."""
     if args is None or not getattr(args, "torch_compile", False):
@@ -468,12 +470,16 @@ def _torch_compile(args: Any, config: fxpipe.RunConfig | None) -> fxpipe.RunConf
                          "fxpipe compiles its stage code with inductor "
                          "(RunConfig(stage_backend='inductor')); use 'inductor' or drop it")
     mode = getattr(args, "torch_compile_mode", None)
-    if mode not in (None, "default"):
+    stage_backend = {None: "inductor", "default": "inductor",
+                     "reduce-overhead": "cudagraphs"}.get(mode)
+    if stage_backend is None:
         raise NotImplementedError(f"{where}(torch_compile_mode={mode!r}): fxpipe compiles its "
-                                  "stage code with inductor's default mode only (CUDA graphs, "
-                                  "'reduce-overhead', are not built yet); drop torch_compile_mode")
+                                  "stage code with inductor's default mode, or with "
+                                  "'reduce-overhead' as CUDA graphs of its stage jobs "
+                                  "(RunConfig(stage_backend='cudagraphs')); autotuning modes "
+                                  "are not built: use one of those or drop torch_compile_mode")
     args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
-    return fxpipe.RunConfig.merge(fxpipe.RunConfig(stage_backend="inductor"), config)
+    return fxpipe.RunConfig.merge(fxpipe.RunConfig(stage_backend=stage_backend), config)
 
 
 _STREAMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,

@@ -439,8 +439,10 @@ def parse_action(text: str) -> Action:
 
     >>> parse_action("3FB1"), parse_action("S0:4"), parse_action("2B0.5")
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
-    >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g"), parse_action("3B1g")
-    (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1), GraphRecomputeBackward(stage=3, mb=1, layer=None))
+    >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g")
+    (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1))
+    >>> parse_action("3B1g")
+    GraphRecomputeBackward(stage=3, mb=1, layer=None)
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()

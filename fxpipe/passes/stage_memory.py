@@ -364,7 +364,8 @@ def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) ->
     gradients are counted in the slots and under ``gradients`` too."""
     graphed: dict[int, int] = {}   # stage -> device
     for d, acts in enumerate(program.actions):
-        graphed |= {a.stage: d for a in acts if isinstance(a, (GraphForward, GraphRecomputeBackward))}
+        graphed |= {a.stage: d for a in acts
+                    if isinstance(a, (GraphForward, GraphRecomputeBackward))}
     if not graphed:
         return list(peaks)
     slots: dict[int, int] = {}

@@ -111,22 +111,17 @@ class StageCompute:
         device = _torch_device(dev)
         inputs = [self._inputs(d, s, m)[n] for n in st.inputs]
         held = [params[f] for f in st.params]
-        where = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
-        constants = [None if isinstance(x, torch.Tensor) else x for x in inputs]
 
-        def job(*tensors: torch.Tensor) -> tuple:
-            xs = list(constants)
-            for i, t in zip(where, tensors):
-                xs[i] = t
+        def job(xs: list, views: tuple) -> tuple:
             with torch.no_grad(), reentered(call.autocast):
-                outs, _ = run_stage(st, xs, dict(zip(st.params, tensors[len(where):])),
-                                    call_seed=None, microbatch=m, device=device,
-                                    keep_writebacks=False, backend=call.stage_backend)
+                outs, _ = run_stage(st, xs, dict(zip(st.params, views)), call_seed=None,
+                                    microbatch=m, device=device, keep_writebacks=False,
+                                    backend=call.stage_backend)
             return outs
 
         with torch.no_grad(), reentered(call.autocast):
-            outs = call.graphs.run((id(st.gm), d, *params.slot), inputs, held, dev, job,
-                                   f"the graph of stage {s} on {dev.name}", self.stats)
+            outs = call.graphs.run(d, (id(st.gm), "forward", *params.slot), inputs, held, dev,
+                                   job, f"the graph of stage {s} on {dev.name}", self.stats)
         self._made(d, s, m, outs)
 
     def _leaf(self, name: str, x: Any) -> Any:
@@ -219,15 +214,9 @@ class StageCompute:
         leaf = tuple(self._wants_grad(n, x) for n, x in zip(st.inputs, inputs))
         at = {f: list(unique).index(id(params[f])) for f in st.params}
         trained = [list(unique).index(id(v)) for v in trainable]
-        where = [i for i, x in enumerate(reads) if isinstance(x, torch.Tensor)]
-        constants = [None if isinstance(x, torch.Tensor) else x for x in reads]
         n_in, n_views = len(inputs), len(unique)
 
-        def job(*tensors: torch.Tensor) -> tuple:
-            xs = list(constants)
-            for i, t in zip(where, tensors):
-                xs[i] = t
-            fixed = tensors[len(where):]
+        def job(xs: list, fixed: tuple) -> tuple:
             views, sums = fixed[:n_views], fixed[n_views:]
             ins = [x.detach().requires_grad_() if want else x for x, want in zip(xs[:n_in], leaf)]
             ps = [p.detach().requires_grad_() if p.requires_grad else p for p in views]
@@ -240,12 +229,12 @@ class StageCompute:
             k = sum(leaf)
             with torch.no_grad():
                 pairs = [(acc, g) for acc, g in zip(sums, got[k:]) if g is not None]
-                if pairs:   # one kernel for every parameter's gradient
+                if pairs:   # one call for every parameter's gradient
                     torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
             return got[:k]
 
         with dev.allocating("gradients"):
-            outs = call.graphs.run((id(st.gm), "backward", d, *params.slot, leaf), reads,
+            outs = call.graphs.run(d, (id(st.gm), "backward", *params.slot, leaf), reads,
                                    [*unique.values(), *params.grads], dev, job,
                                    f"the backward graph of stage {s} on {dev.name}", self.stats)
         given = iter(outs)

@@ -113,14 +113,14 @@ class ParamSlots:
 
 class GraphJob:
     """A stage job captured as a device graph: its static inputs (tensors the capture
-    copied each input into), the parameters it read, and the graph."""
+    copied each input into), the addresses of the slot's tensors it read and wrote (the
+    stage's parameters, a backward's gradient buffers), and the graph."""
 
     def __init__(self, graph: DeviceGraph, statics: Sequence[torch.Tensor],
                  params: Sequence[torch.Tensor], name: str):
         self.graph = graph
         self.statics = tuple(statics)
-        self.params = tuple(params)
-        self.addresses = tuple(p.data_ptr() for p in self.params)
+        self.addresses = tuple(p.data_ptr() for p in params)
         self.name = name
 
     def replay(self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
@@ -182,27 +182,37 @@ class StageGraphs:
 
     def _drop(self, lane: int) -> None:
         self._slots.pop(lane).free()
-        for key in [k for k in self._jobs if k[1] == lane]:
+        for key in [k for k in self._jobs if k[0] == lane]:
             del self._jobs[key]
 
     # -- jobs ------------------------------------------------------------------------------
-    def run(self, key: tuple, inputs: Sequence[Any], params: Sequence[torch.Tensor],
-            device: Device, capture: Callable[..., tuple], name: str, stats: Any = None
-            ) -> tuple:
-        """The job ``key`` on ``inputs`` (tensors and constants, as the job reads them)
-        with ``params`` (the tensors in its parameter slot it reads or writes): replayed
-        if captured, else captured first (``capture(*tensors, *params)`` runs the job;
-        the inputs' signature is part of the key)."""
+    def run(self, lane: int, key: tuple, inputs: Sequence[Any], params: Sequence[torch.Tensor],
+            device: Device, job: Callable[[list, tuple], Sequence[Any]], name: str,
+            stats: Any = None) -> tuple:
+        """The job ``key`` on device ``lane`` on ``inputs`` (tensors and constants, as the
+        job reads them) with ``params`` (the tensors in its parameter slot it reads or
+        writes): replayed if captured, else captured first (``job(inputs, params)`` runs
+        it, on the graph's own copies of the tensor inputs; the inputs' signature is
+        part of the key)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        key = (*key, _signature(inputs))
-        job = self._jobs.get(key)
-        if job is not None:
+        key = (lane, *key, _signature(inputs))
+        captured = self._jobs.get(key)
+        if captured is not None:
             if stats is not None:
                 stats.add("graph_replays")
-            return job.replay(tensors, params)
+            return captured.replay(tensors, params)
+        where = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        constants = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+
+        def fn(*given: torch.Tensor) -> Sequence[Any]:   # (its closure holds no input)
+            xs = list(constants)
+            for i, t in zip(where, given):
+                xs[i] = t
+            return job(xs, given[len(where):])
+
         with device.allocating("workspace"):
             statics = [x.detach().clone() for x in tensors]
-            graph = device.capture(capture, [*statics, *params], name)
+            graph = device.capture(fn, [*statics, *params], name)
         with self._lock:
             self._jobs[key] = GraphJob(graph, statics, params, name)
         if stats is not None:

@@ -80,7 +80,8 @@ def trace(devices: Sequence[Device], log: ActionLog,
         rec.timeline.to_chrome_trace(path)
 
 
-_KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward", FusedBackward: "backward",
+_KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward",
+         FusedBackward: "backward",
          RecomputeBackward: "backward", GraphRecomputeBackward: "backward",
          Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
          DownloadGrads: "transfer"}
