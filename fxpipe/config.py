@@ -42,9 +42,10 @@ class RunConfig:
       of the stage code compiled by inductor, shared across repeated blocks) or ``"auto"``
       (inductor where it compiles, eager where it cannot or where a layer draws random
       numbers): ``fxpipe.runtime.compiled``; or ``"cudagraphs"``: inductor's code, and
-      each forward job of a stage that can be captured replayed as a device graph (a CUDA
-      graph), its parameters uploaded to the same device memory every round
-      (``fxpipe.runtime.graphs``; jobs with grad run the compiled code).
+      each forward job and stage recompute-and-backward of a stage that can be captured
+      replayed as a device graph (a CUDA graph), its parameters uploaded to the same
+      device memory every round (``fxpipe.runtime.graphs``; the fused tail and
+      layer-grain backward run the compiled code).
     """
 
     requires_grad: bool | None = None

@@ -1,12 +1,14 @@
-"""``RunConfig(stage_backend="cudagraphs")``: forward jobs replayed as device graphs.
+"""``RunConfig(stage_backend="cudagraphs")``: stage jobs replayed as device graphs.
 
 A CUDA graph cannot run on these machines. What runs here is everything above
-``Device.capture``: the Program's ``GraphForward`` actions, the parameter slots every
-upload lands in, the job keys, static inputs and cloned outputs, the static-address
-checks; a virtual device's graph (``device_graph.EmulatedGraph``) runs the captured
-function again per replay over the captured buffers, and on strict cuda-sim raises
-where a GPU would compute garbage. Results equal eager within the inductor tolerance
-(the graphs run inductor's code: no bitwise claim, docs/guarantees.md).
+``Device.capture``: the Program's ``GraphForward`` / ``GraphRecomputeBackward`` actions,
+the parameter slots every upload lands in (and a backward's gradients accumulate in),
+the job keys, static inputs and cloned outputs, the static-address checks; a virtual
+device's graph (``device_graph.EmulatedGraph``) runs the captured function again per
+replay over the captured buffers, and on strict cuda-sim raises where a GPU would
+compute garbage or refuse the capture. Results equal eager within the inductor
+tolerance (the graphs run inductor's code: no bitwise claim, docs/guarantees.md). The
+``torch.cuda.CUDAGraph`` path itself runs in the CUDA-only test at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from expecttest import assert_expected_inline
 
 import fxpipe
 from fxpipe.errors import StageError
-from fxpipe.runtime.device_graph import EmulatedGraph, GraphReplayError
+from fxpipe.runtime.device_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
 from fxpipe.runtime.graphs import StageGraphs, not_capturable
 from fxpipe.runtime.param_store import ParamStore
 from tests.test_stage_backend import ATOL, RTOL, blocks, mse
@@ -37,8 +39,8 @@ def strict_devices(n: int = 2, **kw) -> list[fxpipe.VirtualDevice]:
 
 def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
     """Two fused steps and two inference calls on two strict cuda-sim devices: the
-    forward stages' jobs are captured at the first call (one graph per stage, device,
-    slot and input shapes) and replayed after; loss, every gradient and the output equal
+    forward and backward stages' jobs are captured at the first call (one graph per
+    stage, device, slot and input shapes) and replayed after; loss, every gradient and the output equal
     eager's within the inductor tolerance; ``predict_memory`` holds for the peaks; the
     slots and graphs stay on the devices until ``close()``."""
     model = blocks(4, 16)
@@ -184,6 +186,47 @@ def test_cuda_sim_raises_on_a_replay_over_freed_memory():
                                                "torch.float32 buffer .* freed since"):
         d.submit("compute", g.replay).result()
     d.close()
+
+
+def test_cuda_sim_refuses_a_capture_that_reads_device_values_on_the_host():
+    """A GPU's capture fails on an op whose result the host reads (``.item()``, a
+    data-dependent shape), and a replay would not redo that Python: strict cuda-sim
+    raises ``GraphCaptureError`` there (its emulated replay reruns the Python, so it
+    would otherwise compute what a GPU cannot); a device without the rule captures it."""
+    def routed(x):
+        return (x * x.sum().item(), x[x > 0])
+
+    strict = fxpipe.VirtualDevice(semantics="cuda", strict=True)
+    x = strict.submit("h2d", strict.to_device, torch.ones(4), "activations", "a test").result()
+    with pytest.raises(GraphCaptureError, match=r"a test graph: aten._local_scalar_dense"):
+        strict.submit("compute", strict.capture, routed, (x,), "a test graph").result()
+    strict.close()
+    lax = fxpipe.VirtualDevice()
+    g = lax.submit("compute", lax.capture, routed, (torch.ones(4),), "a test graph").result()
+    assert g.first[0].tolist() == [4.0] * 4
+    lax.close()
+
+
+def test_a_block_run_as_its_module_is_not_captured():
+    """An MoE block captured at block granularity runs as its module, its routing Python
+    branching on tensor values: its stage is not a graph (a replay would keep the
+    capture's routing), the others are, and the outputs equal eager's for two batches
+    routed differently. (In training mode such a block may draw random numbers, which
+    refuses it first.)"""
+    from tests.test_capture_blocks import _moe
+    model, x, scale = _moe()
+    model.eval()
+    pipe = fxpipe.compile(model, (x, scale), devices=strict_devices(),
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
+    assert "runs a block as its module" in pipe.code("infer")
+    exe = pipe._executable("infer")
+    graphed = {a.stage for acts in exe.program.actions for a in acts if str(a).endswith("g")}
+    opaque = {s for s, st in exe.stages.items() if any(pipe.layers[i].opaque for i in st.layers)}
+    assert opaque and not graphed & opaque
+    with torch.no_grad():
+        for batch in (x, torch.randn(8, 8)):
+            torch.testing.assert_close(pipe(batch, scale), model(batch, scale), atol=ATOL, rtol=RTOL)
+    pipe.close()
 
 
 def test_parameter_slots_are_taken_and_given_in_program_order():

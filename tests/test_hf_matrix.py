@@ -14,8 +14,8 @@ the losses agree (fp32: to 1e-5; bf16: within bf16's precision), the masters sta
 and move as the reference's do. In fp32 the first step's gradients equal eager's too.
 
 A subset runs again with ``stage_backend="inductor"`` (the stage code compiled; its fp32
-results agree with eager to 1e-4, not bit for bit); ``FXPIPE_HF_INDUCTOR=all`` runs every
-architecture so.
+results agree with eager to 1e-4, not bit for bit; ``FXPIPE_HF_INDUCTOR=all`` runs every
+architecture so) and with ``"cudagraphs"`` (``FXPIPE_HF_CUDAGRAPHS=all``).
 
 A decoder, an encoder-decoder and an MoE captured at block granularity run again on
 virtual devices with a GPU's semantics (``CUDA_SIM``: strict cuda-sim, copies land when
@@ -70,6 +70,14 @@ INDUCTOR = [(n, p) for n in NAMES for p in ("fp32", "autocast")] \
 if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":   # test_stage_backend runs it there
     INDUCTOR = []
 INDUCTOR_FP32_TOL = 1e-4
+# and under stage_backend="cudagraphs" (``runtime.graphs``: the same compiled code as
+# device graphs, the parameters in fixed slots): an encoder-decoder in fp32 and a
+# decoder in bf16 (param_dtype) in CI; FXPIPE_HF_CUDAGRAPHS=all runs the whole matrix so
+CUDAGRAPHS = [(n, p) for n in NAMES for p in ("fp32", "param_dtype")] \
+    if os.environ.get("FXPIPE_HF_CUDAGRAPHS") == "all" else \
+    [("t5", "fp32"), ("qwen3", "param_dtype")]
+if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":   # test_cudagraphs runs it there
+    CUDAGRAPHS = []
 
 
 def compiled(model, kw, precision, backend=None):
@@ -137,11 +145,18 @@ def test_three_adamw_steps_under_inductor(name, precision):
     three_steps(name, precision, "inductor")
 
 
+@pytest.mark.parametrize("name, precision", CUDAGRAPHS)
+def test_three_adamw_steps_under_cudagraphs(name, precision):
+    """The same steps with the stage jobs replayed as device graphs (the first step
+    captures them; the two after replay them)."""
+    three_steps(name, precision, "cudagraphs")
+
+
 def three_steps(name, precision, backend=None):
     model, kw, label, loss_fn = hf_zoo.setup(name)
     ref = Eager(copy.deepcopy(model), precision)
     pipe = compiled(model, kw, precision, backend)
-    tol = INDUCTOR_FP32_TOL if backend == "inductor" and precision == "fp32" else None
+    tol = INDUCTOR_FP32_TOL if backend is not None and precision == "fp32" else None
     if precision == "autocast" and name in EAGER_AUTOCAST_FAILS:
         with pytest.raises(RuntimeError, match=re.escape(EAGER_AUTOCAST_FAILS[name])):
             ref.step(kw, label, loss_fn)
@@ -186,6 +201,9 @@ def three_steps(name, precision, backend=None):
     print(f"\n{name} {precision} {backend or 'eager'}: loss relative difference {worst:.2e}, "
           f"updates' cosine {c:.5f}")
     assert c >= MIN_COSINE[precision], f"{name} {precision}: updates' cosine {c:.4f}"
+    if backend == "cudagraphs":   # the last step replayed graphs, capturing none
+        stats = pipe.stats()
+        assert stats["graph_replays"] > 0 and stats["graph_captures"] == 0, stats
     pipe.close()
 
 

@@ -110,7 +110,9 @@ class StageCompute:
         dev = call.devices[d]
         device = _torch_device(dev)
         inputs = [self._inputs(d, s, m)[n] for n in st.inputs]
-        held = [params[f] for f in st.params]
+        if params.layout is None:   # once per upload: its microbatches share it
+            params.layout = [params[f] for f in st.params]
+        held = params.layout
 
         def job(xs: list, views: tuple) -> tuple:
             with torch.no_grad(), reentered(call.autocast):
@@ -199,22 +201,22 @@ class StageCompute:
             return
         dev = call.devices[d]
         device = _torch_device(dev)
-        unique = {id(params[f]): params[f] for f in st.params}   # a tied parameter once
-        trainable = [v for v in {id(v): v for v in params.values()}.values() if v.requires_grad]
-        if params.grads is None:   # the job's first backward: gradients start at zero
+        if params.layout is None:   # the job's first backward: gradients start at zero
+            params.layout = _BackwardLayout(st, params, call.store.slot_grads(
+                s, params, params.memory))
             with torch.no_grad():
-                params.grads = call.store.slot_grads(s, params, params.memory)
+                params.grads = params.layout.sums
                 torch._foreach_zero_(params.grads)
-                for v, g in zip(trainable, params.grads):
+                for v, g in zip(params.layout.trainable, params.grads):
                     v.grad = g
+        layout = params.layout
+        at, trained, n_views = layout.at, layout.trained, len(layout.views)
         values = self._inputs(d, s, m)
         inputs = [values[n] for n in st.inputs]
         grads = self._take_grads(d, s, m)
         reads = [*inputs, *(grads.get(n) for n in st.outputs)]
         leaf = tuple(self._wants_grad(n, x) for n, x in zip(st.inputs, inputs))
-        at = {f: list(unique).index(id(params[f])) for f in st.params}
-        trained = [list(unique).index(id(v)) for v in trainable]
-        n_in, n_views = len(inputs), len(unique)
+        n_in = len(inputs)
 
         def job(xs: list, fixed: tuple) -> tuple:
             views, sums = fixed[:n_views], fixed[n_views:]
@@ -235,7 +237,7 @@ class StageCompute:
 
         with dev.allocating("gradients"):
             outs = call.graphs.run(d, (id(st.gm), "backward", *params.slot, leaf), reads,
-                                   [*unique.values(), *params.grads], dev, job,
+                                   layout.fixed, dev, job,
                                    f"the backward graph of stage {s} on {dev.name}", self.stats)
         given = iter(outs)
         self._give_grads(d, s, m, {n: next(given) for n, want in zip(st.inputs, leaf) if want})
@@ -313,6 +315,24 @@ class StageCompute:
             start = time.perf_counter()
             yield
             record((time.perf_counter() - start) * 1e3)
+
+
+class _BackwardLayout:
+    """What a stage's backward graph job reads of its upload, worked out once per upload:
+    the views (a tied parameter once), each name's place among them, the trainable ones
+    and their places, their gradient buffers in the slot (``sums``), and the slot's
+    tensors the job reads and writes (``fixed``: the views, then the buffers)."""
+
+    def __init__(self, st: Any, params: Mapping[str, torch.Tensor], sums: list[torch.Tensor]):
+        unique = {id(params[f]): params[f] for f in st.params}
+        order = list(unique)
+        self.views = list(unique.values())
+        self.at = {f: order.index(id(params[f])) for f in st.params}
+        self.trainable = [v for v in {id(v): v for v in params.values()}.values()
+                          if v.requires_grad]
+        self.trained = [order.index(id(v)) for v in self.trainable]
+        self.sums = sums
+        self.fixed = [*self.views, *sums]
 
 
 def _grads_of(leaves: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:

@@ -12,9 +12,11 @@ computes garbage silently.
 - :class:`EmulatedGraph` (virtual devices): ``capture`` runs ``fn`` once (a GPU's
   warm-up: its result is the capturing call's); ``replay`` runs it again on the captured
   inputs and copies its results into the captured outputs, as the graph's kernels would
-  write them. On a ``strict``
-  device (cuda-sim) a replay whose captured memory was freed since raises
-  :class:`GraphReplayError`, where a GPU would compute garbage.
+  write them. On a ``strict`` device (cuda-sim) a replay whose captured memory was
+  freed since raises :class:`GraphReplayError`, where a GPU would compute garbage, and
+  an op reading a device value on the host during the capture (``HOST_READS``:
+  ``.item()``, ``nonzero``) raises :class:`GraphCaptureError`, as a GPU's capture fails
+  there (the emulated replay reruns the Python, so it would not show the op is not redone).
 - ``fxpipe.runtime.cuda.CudaGraph``: ``torch.cuda.CUDAGraph``, captured on a side stream
   after a warm-up run, in the device's graph memory pool.
 
@@ -35,15 +37,50 @@ tensor([10., 10.])
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class GraphReplayError(RuntimeError):
     """A device graph would replay over buffers that are not the ones it captured (moved
     or freed since): on a GPU it would compute garbage. Names the graph and the buffer."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A function cannot be captured as a device graph: it reads device values on the
+    host (``.item()``, a data-dependent shape), which a GPU refuses during a capture and a
+    replay would not redo. Names the graph and the op."""
+
+
+# ops whose result the host reads from the device (a sync): refused in a capture
+HOST_READS = frozenset({
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default, torch.ops.aten.unique_dim.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+})
+
+
+class _NoHostReads(TorchDispatchMode):
+    """A capture on a strict device: an op in ``HOST_READS`` raises ``GraphCaptureError``
+    (a GPU's capture fails there: ``cudaErrorStreamCaptureUnsupported``)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            raise GraphCaptureError(
+                f"{self.name}: {func} reads a device value on the host (a sync), which a "
+                "CUDA graph capture refuses and a replay would not redo. Such a stage cannot "
+                "run as a device graph: use stage_backend='inductor' (or make the op's "
+                "result not depend on tensor values)")
+        return func(*args, **(kwargs or {}))
 
 
 class DeviceGraph:
@@ -75,7 +112,8 @@ class EmulatedGraph(DeviceGraph):
         self.inputs = tuple(inputs)
         self._check = check
         self._held = tuple(t for t in self.inputs if check is not None and check(t))
-        self.outputs = self.first = tuple(fn(*self.inputs))
+        with _NoHostReads(name) if check is not None else contextlib.nullcontext():
+            self.outputs = self.first = tuple(fn(*self.inputs))
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         for t in self._held:

@@ -352,8 +352,8 @@ class Execution:
         call, dev = self.call, self.call.devices[d]
         slot = into = None
         if call.graphs is not None and s in self.graphed:
-            need = lambda s: call.store.slot_nbytes(   # noqa: E731 — its gradients too
-                s, grads=self.program.stages[s].kind != "fwd")
+            need = lambda t: call.store.slot_nbytes(   # noqa: E731 — its gradients too
+                t, grads=self.program.stages[t].kind != "fwd")
             if d not in self.slot_size:
                 self.slot_size[d] = max(need(a.stage) for a in self.program.actions[d]
                                         if isinstance(a, Prefetch) and a.stage in self.graphed)

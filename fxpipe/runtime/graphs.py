@@ -1,38 +1,47 @@
 """Stage jobs as device graphs: ``RunConfig(stage_backend="cudagraphs")``.
 
-A ``GraphForward`` action (``3F1g`` in the Program, ``passes.graph_jobs``) runs a
-stage's forward job as a device graph (``runtime.device_graph``): its compiled code
-(``runtime.compiled``, as under ``"inductor"``) captured once per *job key*, then
-replayed: one launch for the host to issue instead of one per kernel, no Python per op.
+:func:`graph_jobs` turns each ``Forward`` of a stage that can be captured into a
+``GraphForward`` (``3F1g`` in the Program) and each stage ``RecomputeBackward`` into a
+``GraphRecomputeBackward`` (``3B1g``). Such a job runs as a device graph
+(``runtime.device_graph``) of the stage's compiled code (``runtime.compiled``, as under
+``"inductor"``), captured once per *job key*, then replayed: one launch for the host to
+issue instead of one per kernel, no Python per op (``runtime.compute`` builds the job:
+a forward; a recompute, ``autograd.grad`` and the parameter gradients added into the
+slot's gradient buffers).
 
 - **Parameters in fixed places.** A graph reads the buffers its capture saw, so a
   stage's parameters must be uploaded to the same device memory every round. Each device
   keeps two *parameter slots* (:class:`ParamSlots`: the stage it computes and the one it
   prefetches, as the planner's memory model has them), each as large as the largest
-  stage the device runs. Under ``"cudagraphs"`` every ``Prefetch`` uploads into a free
-  slot (``ParamStore.upload(into=)``) and its ``Release`` frees the slot, not memory.
-  The Program orders a ``Prefetch`` after the ``Release``s before it, and a ``Release``
-  after its stage's job: a slot is written only once the stage before it is done.
-- **The job key.** (stage, device, slot, the slots' generation, the inputs' signature:
-  grad mode, autocast, each input's shape, strides and dtype, non-tensor inputs by
-  value). A new key is captured (``graph_captures`` in ``pipe.stats()``; the capture's
-  own run is that call's result), a known one replayed (``graph_replays``).
+  graphed stage the device runs (with its gradients, for a backward). A graphed stage's
+  ``Prefetch`` uploads into a free slot (``ParamStore.upload(into=)``) and its
+  ``Release`` gives the slot back, freeing nothing. The Program orders a ``Prefetch``
+  after the ``Release``s before it, and a ``Release`` after its stage's job and download:
+  a slot is written only once the stage before it is done with it.
+- **The job key.** (device, stage, forward or backward, slot, the slots' generation, the
+  inputs' signature: grad mode, autocast, each input's shape, strides and dtype,
+  non-tensor inputs by value). A new key is captured (``graph_captures`` in
+  ``pipe.stats()``; the capture's own run is that call's result), a known one replayed
+  (``graph_replays``).
 - **Inputs, outputs.** The capture copies the inputs into *static* buffers it keeps;
   each replay copies the microbatch's inputs into them first. A replay overwrites the
-  graph's outputs: they are cloned at once (activations, as an eager forward's are).
-- **The static-address rule** is checked at every replay: the stage's parameters now
-  must be the buffers the capture read, else :class:`GraphReplayError` (on a GPU the
-  replay would compute garbage silently). On a strict virtual device (cuda-sim) a
-  replay reading device memory freed since its capture raises too
+  graph's outputs: they are cloned at once (activations or input gradients, as an eager
+  job's are).
+- **The static-address rule** is checked at every replay: the slot's tensors the job
+  reads and writes now must be the ones the capture saw, else :class:`GraphReplayError`
+  (on a GPU the replay would compute garbage silently). On a strict virtual device
+  (cuda-sim) a replay reading device memory freed since its capture raises too
   (``device_graph.EmulatedGraph``).
-- **What is not captured** (``passes.graph_jobs``): stages that write buffers back to
-  the host (BatchNorm statistics, a KV cache), draw random numbers, or read a scratch
-  buffer; and jobs with grad (``FusedBackward``, ``RecomputeBackward``: the recompute
-  and backward run the compiled code, not a graph). A ``Prefetch`` that finds no free
-  slot (a Program holding three stages on a device) uploads as usual and its jobs run
-  the compiled code (``graph_fallbacks``).
+- **What is not captured** (:func:`not_capturable`): stages that write buffers back to
+  the host (BatchNorm statistics, a KV cache), draw random numbers, read a scratch
+  buffer, or run a block as its module (an MoE block captured at block granularity:
+  its routing is Python a replay would not run); the fused tail (the caller's ``loss_fn`` runs between its forward and
+  backward); ``recompute_grain="layer"`` pieces. They run the compiled code. A graphed
+  stage's ``Prefetch`` that finds no free slot (a Program holding three stages on a
+  device) uploads as usual and its jobs run the compiled code (``graph_fallbacks``).
 - **Memory.** The slots (``"params"``) and the graphs' static inputs and outputs
-  (``"workspace"``) stay on the devices between calls, until ``pipe.close()``.
+  (``"workspace"``) stay on the devices between calls, until ``pipe.close()``
+  (``predict_memory`` counts them: ``passes.stage_memory.with_graphs``).
 
 Not to be confused with ``runtime.device_graph`` (one captured function on one device)
 or ``runtime.compiled`` (the inductor code a graph captures).
@@ -63,9 +72,12 @@ SLOTS = 2
 
 
 def not_capturable(stage: Stage) -> str | None:
-    """Why ``stage``'s forward job cannot be a device graph, or None if it can."""
+    """Why ``stage``'s jobs cannot be device graphs, or None if they can."""
     if stage.random:
         return "it draws random numbers (a replay would repeat the capture's)"
+    if any("random" in n.meta for n in stage.gm.graph.nodes):   # passes.blocks.call_blocks
+        return ("it runs a block as its module (captured at block granularity: its Python "
+                "may branch on tensor values, which a replay would not redo)")
     if any(n.target is torch.ops.fxpipe.writeback.default for n in stage.gm.graph.nodes):
         return "it writes buffers back to the host (a host copy per run)"
     if any(is_scratch(operator.attrgetter(f)(stage.gm)) for f in stage.params):
@@ -122,11 +134,21 @@ class GraphJob:
         self.statics = tuple(statics)
         self.addresses = tuple(p.data_ptr() for p in params)
         self.name = name
+        self._checked: Sequence[torch.Tensor] | None = None   # the tensors last checked
 
     def replay(self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple:
         """The job on new inputs (``tensors``: the job's tensor inputs, in order) with
         the stage's parameters as uploaded now: the outputs, cloned (the next replay
         overwrites the graph's own)."""
+        if params is not self._checked:   # once per upload (its microbatches share the list)
+            self._check(params)
+        with torch.no_grad():
+            for static, x in zip(self.statics, tensors):
+                static.copy_(x)
+            outs = self.graph.replay()
+            return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs)
+
+    def _check(self, params: Sequence[torch.Tensor]) -> None:
         for i, (p, at) in enumerate(zip(params, self.addresses)):
             if p.data_ptr() != at:
                 raise GraphReplayError(
@@ -134,11 +156,7 @@ class GraphJob:
                     "address than when the graph was captured: a replay would read the old "
                     "buffer (garbage on a GPU). Under stage_backend='cudagraphs' every upload "
                     "of a stage goes into the same parameter slot (runtime.graphs)")
-        with torch.no_grad():
-            for static, x in zip(self.statics, tensors):
-                static.copy_(x)
-            outs = self.graph.replay()
-            return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs)
+        self._checked = params
 
 
 class StageGraphs:

@@ -65,6 +65,7 @@ class Uploaded(dict):
         self.slot: tuple[int, int] | None = None   # the parameter slot it is in (runtime.graphs)
         self.memory: torch.Tensor | None = None    # that slot's memory
         self.grads: list[torch.Tensor] | None = None   # gradient buffers there, once zeroed
+        self.layout: object = None   # what its graph jobs read of it (runtime.compute), once
 
 
 @dataclass
