@@ -584,7 +584,10 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "plan for the full-size model (built on `meta`, 80 GiB devices, 16 microbatches) run on "
      "a model of the same architecture at tiny widths on `InlineDevice`s, beside the same tiny "
      "model run eagerly (the op dispatch any eager step pays) and the predicted GPU time of "
-     "the full-size step. A ratio below 1 means the host keeps up with the GPUs.", _issue),
+     "the full-size step. A ratio below 1 means the host keeps up with the GPUs. The host "
+     "time is this CPU's, whose speed varies between runs on these machines (the eager "
+     "8-GPU 4K row has read from 0.87 to 2.31 with the same actions): compare backends "
+     "within one run.", _issue),
     ("The host in the simulator, calibrated on the H200", "bench_host_model.json", "rows",
      "`fxpipe.simulate` prices the host's issuing (`Hardware.host_us_per_action`, "
      "`host_us_per_kernel`, `host_us_per_grad_kernel`, the kernels the cost pass counts). "
