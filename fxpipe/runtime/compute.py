@@ -202,12 +202,10 @@ class StageCompute:
         dev = call.devices[d]
         device = _torch_device(dev)
         if params.layout is None:   # the job's first backward: gradients start at zero
-            params.layout = _BackwardLayout(st, params, call.store.slot_grads(
-                s, params, params.memory))
+            params.layout = _BackwardLayout(st, params, call.store.slot_grads(s, params))
             with torch.no_grad():
-                params.grads = params.layout.sums
-                torch._foreach_zero_(params.grads)
-                for v, g in zip(params.layout.trainable, params.grads):
+                torch._foreach_zero_(params.layout.sums)
+                for v, g in zip(params.layout.trainable, params.layout.sums):
                     v.grad = g
         layout = params.layout
         at, trained, n_views = layout.at, layout.trained, len(layout.views)

@@ -265,6 +265,9 @@ class CudaGraph(DeviceGraph):
         with torch.cuda.stream(side):
             self.first = tuple(fn(*self.inputs))   # the warm-up: this call's result
         current.wait_stream(side)
+        for t in self.first:   # made on the side stream, read on this one: not reused before
+            if isinstance(t, torch.Tensor):
+                t.record_stream(current)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=side,
                               capture_error_mode="thread_local"):

@@ -96,8 +96,10 @@ class Execution:
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
         self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
-        self.graphed = {a.stage for acts in self.program.actions for a in acts   # their jobs
-                        if isinstance(a, (GraphForward, GraphRecomputeBackward))}
+        # stages whose jobs are device graphs (only looked for under "cudagraphs")
+        self.graphed = {a.stage for acts in self.program.actions for a in acts
+                        if isinstance(a, (GraphForward, GraphRecomputeBackward))} \
+            if call.graphs is not None else set()
 
     # -- issuing -------------------------------------------------------------------------
     def run(self) -> None:

@@ -175,13 +175,16 @@ class StageGraphs:
         """A free slot of ``lane``'s device for ``stage`` (``nbytes`` of parameters):
         ``((slot, generation), memory)``, or None (none free, or too small while held).
         Slots too small, or of another device, are made again at ``size`` bytes once
-        none is held (the device's graphs then are dropped: they read the old slots)."""
+        none is held (the device's graphs then are dropped: they read the old slots; a
+        GPU first finishes what it queued, which may still read them)."""
         with self._lock:
             slots = self._slots.get(lane)
             if slots is None or slots.device is not device or slots.nbytes < nbytes:
                 if slots is not None:
                     if any(h is not None for h in slots.holder):
                         return None
+                    if device.runs_at_issue:   # a GPU: queued work may still read them
+                        device.synchronize()
                     self._drop(lane)
                 slots = self._slots[lane] = ParamSlots(device, max(size, nbytes),
                                                        next(self._generations))

@@ -64,7 +64,6 @@ class Uploaded(dict):
         self.nbytes = nbytes
         self.slot: tuple[int, int] | None = None   # the parameter slot it is in (runtime.graphs)
         self.memory: torch.Tensor | None = None    # that slot's memory
-        self.grads: list[torch.Tensor] | None = None   # gradient buffers there, once zeroed
         self.layout: object = None   # what its graph jobs read of it (runtime.compute), once
 
 
@@ -222,11 +221,12 @@ class ParamStore:
         return Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
                         [t for _, t in on_device] if into is None else [], moved)
 
-    def slot_grads(self, stage: int, uploaded: Uploaded, into: torch.Tensor) -> list[torch.Tensor]:
-        """Gradient buffers in a parameter slot ``into`` (after the stage's parameters,
-        as :meth:`slot_nbytes` lays them out), one per trainable view of ``uploaded`` (a
-        tied parameter once), in the views' order: what a device graph of the stage's
-        backward adds the gradients into (``runtime.graphs``). Not zeroed."""
+    def slot_grads(self, stage: int, uploaded: Uploaded) -> list[torch.Tensor]:
+        """Gradient buffers in the parameter slot ``uploaded`` is in (its ``memory``,
+        after the stage's parameters, as :meth:`slot_nbytes` lays them out), one per
+        trainable view (a tied parameter once), in the views' order: what a device graph
+        of the stage's backward adds the gradients into (``runtime.graphs``). Not zeroed."""
+        into = uploaded.memory
         at = sum(_slot_align(n) for n in self._run_nbytes(stage))
         out: list[torch.Tensor] = []
         for v in {id(v): v for v in uploaded.values() if v.requires_grad}.values():
