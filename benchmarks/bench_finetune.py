@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fxpipe.check import finetune as ft  # noqa: E402
+from fxpipe.check import finetune_predict as fp  # noqa: E402
 from fxpipe.config import STAGE_BACKENDS  # noqa: E402
 from fxpipe.check.common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
 
@@ -76,7 +77,7 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
         flops = 0.6 * 989.4e12
         if eager_s is not None:
             source = "assumed: 60% of 989 TFLOP/s (the calibrating LoRA run was left out)"
-    rates = ft.host_rates()
+    rates = fp.host_rates()
     say(f"host AdamW(fused=True) {rates['optimizer_bytes_per_s'] / 1e9:.2f} GB/s (without fused "
         f"{rates['optimizer_default_bytes_per_s'] / 1e9:.2f}), cast "
         f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (this machine)")
@@ -89,7 +90,7 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
         for gpu, memory in GPUS.items():
             t0 = time.perf_counter()
             calibrate = flops is None and spec["mode"] == "lora"
-            for row in ft.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
+            for row in fp.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
                                   flops=flops, eager_step_s=eager_s if calibrate else None):
                 row.update(gpu=gpu, seconds=time.perf_counter() - t0)
                 rows.append(row)

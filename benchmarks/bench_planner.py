@@ -18,7 +18,7 @@ number of stages (1.000 is optimal). Methods:
   block.
 - ``params``: DeepSpeed-style ``partition_method="parameters"``: the min-max partition of
   parameter counts, judged on time.
-- ``roundpipe``: ``planner.roundpipe_greedy`` (stages up to 1.1 x the slowest layer,
+- ``roundpipe``: ``fxpipe.roundpipe.greedy.roundpipe_greedy`` (stages up to 1.1 x the slowest layer,
   greedy packing, min_stages = k as a hint); compared with the optimum at the number of
   stages it produced.
 
@@ -44,7 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fxpipe.passes.chain_costs import ChainCosts  # noqa: E402
-from fxpipe.passes.planner import min_bottleneck, plan_chains, roundpipe_greedy  # noqa: E402
+from fxpipe.passes.planner import min_bottleneck, plan_chains  # noqa: E402
+from fxpipe.roundpipe.greedy import roundpipe_greedy  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_planner.json"
 METHODS = ["fxpipe", "uniform", "block", "params", "roundpipe"]

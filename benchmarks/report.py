@@ -360,6 +360,17 @@ def _precision(d: dict) -> list[str]:
         over)
 
 
+def _exactness(d: dict) -> list[str]:
+    rows = [[r["model"], r["microbatches"], f"{r['loss_rel_diff']:.1e}", f"{r['grad_rel_diff']:.1e}",
+             f"{r['rows_loss_rel_diff']:.1e}", f"{r['rows_grad_rel_diff']:.1e}"] for r in d["rows"]]
+    timing = [[t["model"], t["microbatches"], f"{t['count_us_min']:,.0f}",
+               f"{t['count_us_median']:,.0f}"] for t in d.get("count_time", [])]
+    return table(["model", "microbatches", "loss: by target tokens", "gradients: by target tokens",
+                  "loss: by rows (before)", "gradients: by rows (before)"], rows) + [
+        "", "The host time counting every microbatch's targets adds to a call:", ""] + table(
+        ["model", "microbatches", "µs, min", "µs, median"], timing)
+
+
 def _sim_vs_measured(d: dict) -> list[str]:
     rows = [[f"{r['measured_ms']:,.1f}", f"{r['simulated_ms']:,.1f}", f"{r['ratio']:.3f}",
              f"{r['measured_bubble']:.1f}%", f"{r['simulated_bubble']:.1f}%"] for r in d["rows"]]
@@ -374,6 +385,50 @@ def _passes(d: dict) -> list[str]:
         ["layers", "hidden", *keys],
         [[r["layers"], r["hidden"], *(f"{r[k]['min']:.3f} ({r[k]['median']:.3f})" for k in keys)]
          for r in d["rows"]])
+
+
+def _zoo(d: dict) -> list[str]:
+    rows = d["architectures"]
+    families = list(dict.fromkeys(r["family"] for r in rows))
+
+    def cell(p: str, f: str) -> str:
+        c = d["counts"][p]["by_family"][f]
+        return f"{c['passed']} / {c['failed']} / {c['skipped']}"
+    out = [f"transformers {d['transformers']}, torch {d['torch']}; {d['devices']} virtual devices, "
+           f"{d['num_microbatch']} microbatches; a loss within {d['rtol']['fp32']:g} (fp32) and "
+           f"{d['rtol']['bf16']:g} (bf16) of the reference's passes.", ""]
+    out += table(["family", "architectures", "fp32 passed / failed / skipped",
+                  "bf16 passed / failed / skipped"],
+                 [[f, sum(r["family"] == f for r in rows), cell("fp32", f), cell("bf16", f)]
+                  for f in families]
+                 + [["all", len(rows), *(" / ".join(str(d["counts"][p][s]) for s in
+                                                   ("passed", "failed", "skipped"))
+                                         for p in ("fp32", "bf16"))]])
+    def why(text: str) -> str:   # a CaptureError: what capture at block granularity hit
+        if text.startswith("CaptureError") and "- blocks: " in text:
+            text = "CaptureError, at block granularity: " + text.split("- blocks: ", 1)[1]
+        return text[:200].replace("|", "/")
+    failed = []
+    for r in rows:
+        ps = [p for p in ("fp32", "bf16") if r[p]["status"] == "failed"]
+        if len(ps) == 2 and r["fp32"]["why"] == r["bf16"]["why"]:
+            ps = ["fp32, bf16"]
+        failed += [[f"{r['family']}/{r['model_type']}", p, why(r[p.split(",")[0]]["why"])]
+                   for p in ps]
+    if failed:
+        out += ["", "Failed:", ""] + table(["architecture", "precision", "why"], failed)
+    kinds: dict[str, list[str]] = {}
+    for r in rows:
+        for p in ("fp32", "bf16"):
+            if r[p]["status"] == "skipped" and (p == "fp32" or r["fp32"]["status"] != "skipped"):
+                kind = r[p]["why"].split(":")[0]
+                kind = "too big after shrinking its config" if kind.startswith("still") else kind
+                kinds.setdefault(f"{kind} ({p})" if p == "bf16" else kind, []).append(
+                    f"{r['family']}/{r['model_type']}")
+    if kinds:
+        out += ["", "Skipped (the reasons per architecture are in the JSON):", ""] + table(
+            ["why", "architectures"], [[k, f"{len(v)}: {', '.join(v)}"] for k, v in sorted(kinds.items())])
+    return out
 
 
 def _capture(d: dict) -> list[str]:
@@ -686,6 +741,14 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "time does not: a CPU without bf16 units runs bf16 matmuls several times slower than "
      "fp32 ones (the time column measures its kernels), where a GPU runs them faster.",
      _precision),
+    ("Exactness on padded batches", "bench_exactness.json", "rows",
+     "Hugging Face Llama, T5 and BERT trained one fused step with their own `labels=` loss on "
+     "a batch of 4 with `-100` labels (a masked prompt, a row cut short, a row with no "
+     "target), 2 virtual devices: the loss's relative difference from eager's and the largest "
+     "gradient difference over the largest gradient (fp32), each microbatch weighted by its "
+     "share of the target tokens (fxpipe) or of the rows (the design before issue 52; where a "
+     "microbatch holds no target, 3 and 4 microbatches here, that design's loss was NaN, "
+     "its mean over no target: shown with today's mean, 0).", _exactness),
     ("Simulator against a real run", "bench_sim_vs_measured.json", "rows",
      "Virtual devices, layer times from the same run.", _sim_vs_measured),
     ("Weights bigger than host RAM", "bench_big_weights.json", "summary",
@@ -712,6 +775,13 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "it prefetches); resident, the caches of all the GPU's layers and two layers' weights; "
      "and the activations. The host cache's write-back (the other link direction) is not "
      "timed.", _generate_simulated),
+    ("Architectures", "bench_zoo.json", "architectures",
+     "`benchmarks/bench_zoo.py`: every transformers causal LM, seq2seq LM, masked LM and image "
+     "classifier whose default config shrinks to a tiny model in code (nothing downloaded), one "
+     "training step with its own `labels=` loss through `fxpipe.compile` in fp32 and with "
+     "`param_dtype=torch.bfloat16`, against eager: fp32 the model itself, bf16 a copy as "
+     "`from_pretrained(..., dtype=torch.bfloat16)` holds it (`tests/hf_zoo.py`, `Eager`). "
+     "Skipped: what cannot be built tiny, or fails eagerly on the batch.", _zoo),
     ("Capture", "bench_capture.json", "seconds",
      "Capturing a tiny Swin and a tiny Qwen3-Next with every dim symbolic, with the batch dim "
      "symbolic only (what `capture=\"auto\"` uses), and at block granularity.", _capture),

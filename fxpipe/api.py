@@ -21,8 +21,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxpipe.call_checks import (check_differentiable, check_loss_scaling,
+                                check_optimizer_holds, digest)
 from fxpipe.checkpointing import Checkpointing
 from fxpipe.config import RunConfig
+from fxpipe.generating import Generating
 from fxpipe.inspecting import Inspecting
 from fxpipe.optim import Overlapped, as_overlapped
 from fxpipe.optim_step import watch_fused_steps
@@ -43,8 +46,8 @@ from fxpipe.runtime.device import Device
 from fxpipe.runtime.distributed import DataParallel
 from fxpipe.runtime.emulator import VirtualDevice
 from fxpipe.runtime.graphs import StageGraphs
-from fxpipe.runtime.microbatch import (PackedData, batch_rows, check_label_rows, split_input,
-                                       split_label)
+from fxpipe.runtime.inputs import check_labels_like_ids
+from fxpipe.runtime.microbatch import batch_rows, check_rows, split_input, split_label
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
 from fxpipe.runtime.pipeline import Runner, TrainCall
@@ -112,8 +115,11 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
 
     ``param_dtype`` (e.g. ``torch.bfloat16``): mixed precision. The model's parameters
     stay the (fp32) master weights; devices get copies cast to ``param_dtype`` (floating
-    buffers and floating inputs too) and compute in it; gradients come back and are
-    added to the masters' ``.grad`` in their own dtype.
+    inputs too) and compute in it; gradients come back and are added to the masters'
+    ``.grad`` in their own dtype. Each floating buffer is held in the dtype the model
+    loaded in ``param_dtype`` holds it: a Hugging Face model as
+    ``from_pretrained(..., dtype=param_dtype)`` gives it (rotary ``inv_freq`` stays
+    fp32), any other module as ``module.to(param_dtype)`` does (docs/optimizer.md).
 
     The host holds the model once: on the first call, the parameters and buffers the
     pipeline uses move into one flat buffer per dtype, laid out in layer order, and the
@@ -230,7 +236,7 @@ def _bad_example(x: Any):
                     f"{type(x).__name__}; write example_inputs=(x,)")
 
 
-class PipelineModule(Inspecting, Checkpointing, nn.Module):
+class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
     """A model compiled into stages. Call it like the model; see ``fxpipe.compile``.
 
     Parameters stay the model's own (``pipe.module``): ``pipe.parameters()``,
@@ -272,7 +278,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
             dp.check_devices(self.devices)
-            dp.check_same(_digest(self._current, param_dtype, dp))
+            dp.check_same(digest(self._current, param_dtype, dp))
             if dp.shard and param_dtype is not None:
                 dp.shard_masters(self._current.layers.params, param_dtype, self._host_params())
 
@@ -330,6 +336,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
         self._check_open()
         cfg = self._fit_rows(self._config(run_config), args, kwargs)
+        self._check_call(args, kwargs, None, cfg)
         compiled = self._compiled_for(args, kwargs)
         self._current = compiled
         runner = self._runner(compiled, cfg)
@@ -339,7 +346,7 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         if not needs_grad:
             with torch.no_grad():
                 return runner.infer(args, kwargs, cfg)
-        _check_differentiable(args, kwargs, cfg)
+        check_differentiable(args, kwargs, cfg)
         inputs = []
         tensor_leaves = iter(compiled.layers.input_names)
         for x in leaves:
@@ -369,9 +376,16 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         detached on the host (and the merged outputs with ``return_outputs=True``).
 
         The tail layers (the first backward stage) run forward, loss and backward in one
-        go and are never recomputed. With ``loss_reduction="mean"`` each microbatch's
-        loss is weighted by its share of the batch, so for a batch-mean ``loss_fn`` the
-        loss and the ``.grad``s equal eager ``loss_fn(model(*args, **kwargs), label).backward()``.
+        go and are never recomputed. ``loss_fn(out, label)`` runs per microbatch and
+        returns a 0-dim loss, or ``(sum, count)``. With ``loss_reduction="mean"`` each
+        microbatch's loss is weighted by its share of the batch, so that the loss and the
+        ``.grad``s equal eager ``loss_fn(model(*args, **kwargs), label).backward()`` for any
+        ``num_microbatch``: its share of the target tokens where ``loss_fn`` returns the
+        model's own mean over them (a Hugging Face model's ``labels=`` loss, ``-100``
+        padding included: ``fxpipe.passes.token_means``), of a ``(sum, count)`` pair's
+        count (the sums divided by the batch's count, which must come from the label
+        alone), else of the rows (``fxpipe.runtime.loss_weights``). ``"sum"`` adds the
+        microbatch losses unweighted.
 
         ``optimizer``: a torch optimizer (or ``fxpipe.optim.overlapped(opt, ...)``) to
         step in this call, each stage's parameters as soon as their gradients are final,
@@ -393,14 +407,14 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         self._check_open()
         kwargs = dict(input_kwargs or {})
         cfg = self._fit_rows(self._config(run_config), input_args, kwargs)
-        if label is not None and cfg.split_input is None and cfg.split_label is None:
-            check_label_rows(input_args, kwargs, label, cfg.num_microbatch)
+        self._check_call(input_args, kwargs, label, cfg)
         compiled = self._for_loss(self._compiled_for(input_args, kwargs), loss_fn, label,
                                   return_outputs)
         self._current = compiled
         if optimizer is not None:
             optimizer = as_overlapped(optimizer)
-            _check_optimizer_holds(optimizer.optimizer, self.module)
+            check_optimizer_holds(optimizer.optimizer, self.module)
+        check_loss_scaling(self.param_dtype, optimizer)
         if sync_gradients not in (None, True, False):
             raise TypeError(f"sync_gradients must be True, False or None, got {sync_gradients!r}")
         sync = self._sync if sync_gradients is None else sync_gradients
@@ -416,95 +430,6 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
             input_args, kwargs, label, loss_fn, loss_reduction, cfg, return_outputs, optimizer,
             sync=sync)
         return (loss, outputs) if return_outputs else loss
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 max_new_tokens: int | None = None, do_sample: bool | None = None,
-                 temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
-                 pad_token_id: int | None = None, generator: torch.Generator | None = None,
-                 streamer: Any = None, kv_cache: Literal["host", "device", "auto"] = "host",
-                 num_microbatch: int | None = None) -> torch.Tensor:
-        """Generate continuations of ``input_ids`` (``[batch, prompt]``, left-padded, with
-        ``attention_mask``) with a KV cache, as ``transformers``' ``model.generate``
-        does for a decoder-only causal LM: returns ``[batch, prompt + new]`` token ids,
-        each sequence padded with ``pad_token_id`` after its EOS; greedy unless
-        ``do_sample`` (then temperature, top-k, top-p, drawn from ``generator``);
-        defaults from ``model.generation_config``. ``streamer`` gets ``put(tokens)`` and
-        ``end()`` as transformers' streamers do.
-
-        The prompt runs through the stages once (prefill), then each new token of the
-        whole batch, split into ``num_microbatch`` microbatches (default one; at most one
-        per sequence) that flow round-robin so several devices compute at once, each
-        stage's weights uploaded once per token for all of them. ``kv_cache``: ``"host"``, each layer's cache lives
-        in host memory, streams in with its layer's weights and only the positions a
-        call wrote go back; ``"device"``, every stage's cache stays on the device that
-        runs it for the whole call (uploaded at the first decode step, never written
-        back; refused with the numbers before anything runs if a device cannot hold
-        its caches, two stages' weights and the activations); ``"auto"``, per stage,
-        the caches that fit stay (``fxpipe.kv_placement``). The weights are the ones
-        training uses (one host copy): after ``forward_backward(..., optimizer=...)`` the
-        next ``generate`` sees the update, with no re-compile. See
-        ``fxpipe.generation`` and docs/generate.md."""
-        from fxpipe.generation import generate
-        self._check_open()
-        return generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                        do_sample=do_sample, temperature=temperature, top_k=top_k,
-                        top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                        generator=generator, streamer=streamer, kv_cache=kv_cache,
-                        num_microbatch=num_microbatch)
-
-    def _place_cache(self, steps: Any, kv_cache: str, num_microbatch: int):
-        """Where ``steps``' decode keeps each stage's KV cache (``kv_placement.place_cache``;
-        decided once per step module, placement and microbatch count)."""
-        from fxpipe.kv_placement import place_cache
-        key = (kv_cache, num_microbatch)
-        if key not in steps.placements:
-            steps.placements[key] = place_cache(steps, kv_cache, num_microbatch)
-        return steps.placements[key]
-
-    def _prefill_chunk(self, steps: Any, prompt: int, num_microbatch: int) -> int:
-        """The most prompt tokens one prefill call of ``steps`` takes
-        (``kv_placement.prefill_chunk``; decided once per prompt length rounded up to
-        ``generation.BUCKET`` and microbatch count)."""
-        from fxpipe.generation import BUCKET
-        from fxpipe.kv_placement import prefill_chunk
-        if prompt <= 1:   # one token: the decode step's graph, planned for it
-            return prompt
-        # decided for the prompt rounded up to BUCKET (a chunk that fits it fits the prompt)
-        key = (min(-(-prompt // BUCKET) * BUCKET, steps.module.length), num_microbatch)
-        if key not in steps.chunks:
-            steps.chunks[key] = prefill_chunk(steps, *key)
-        return min(steps.chunks[key], prompt)
-
-    def _generation_steps(self, batch: int, length: int):
-        """The compiled step module for ``batch`` sequences of up to ``length`` tokens:
-        one made for this batch size whose cache is long enough, else a new one (its
-        length rounded up to ``generation.BUCKET``), compiled on the pipe's devices with
-        the pipe's host copy of the weights."""
-        from fxpipe.generation import BUCKET, StepModule, Steps
-        fits = [s for s in self._generation if s.module.batch == batch and s.module.length >= length]
-        if fits:
-            steps = min(fits, key=lambda s: s.module.length)
-        else:
-            dtype = self.param_dtype or next(
-                (t.dtype for t in self.module.parameters() if t.is_floating_point()), torch.float32)
-            step = StepModule(self.module, batch, -(-length // BUCKET) * BUCKET, dtype)
-            step.train(self.module.training)
-            self._host_params()                      # made now if no call made them yet
-            HostParams.share(step, self.module)      # one host copy of the weights
-            with torch.no_grad():
-                # captured on examples with padding: a model may take a branch on the mask's
-                # values (no padding: no mask), which the capture would bake in
-                pipe = PipelineModule(
-                    step, step.example(1), {}, devices=self.devices, capture=self._capture,
-                    layers=None, config=RunConfig.merge(self.config, RunConfig(num_microbatch=1)),
-                    plan=None, param_dtype=self.param_dtype, pin_memory=self.pin_memory,
-                    infer_only=True)
-                pipe._compiled_for(step.example(3), {})   # prefill: every prompt length > 1
-            steps = Steps(step, pipe)
-            self._generation.append(steps)
-        steps.module.train(self.module.training)
-        return steps
 
     def close(self) -> None:
         """Finish queued work and stop the devices' worker threads; the pipe cannot be
@@ -562,6 +487,15 @@ class PipelineModule(Inspecting, Checkpointing, nn.Module):
         if run_config is not None and not isinstance(run_config, RunConfig):
             raise TypeError(f"run_config must be an fxpipe.RunConfig, got {type(run_config).__name__}")
         return RunConfig.merge(self.config, run_config).resolved(len(self.devices))
+
+    def _check_call(self, args: tuple, kwargs: dict, label: Any, cfg: RunConfig) -> None:
+        """Before anything of a call runs (a capture included): its inputs' (and label's)
+        rows split alike (``check_rows``), and its ``labels=`` shaped like its
+        ``input_ids`` where the example's were (``check_labels_like_ids``)."""
+        if cfg.split_input is None:
+            check_rows(args, kwargs, label if cfg.split_label is None else None,
+                       cfg.num_microbatch)
+        check_labels_like_ids(self._cache[0].layers, self.module, kwargs)
 
     def _fit_rows(self, cfg: RunConfig, args: tuple, kwargs: dict) -> RunConfig:
         """A batch with fewer rows than ``num_microbatch`` (a DataLoader's last batch)
@@ -652,57 +586,3 @@ def _microbatch_example(lg: LayerGraph, config: RunConfig, num_microbatch: int,
         return [x for x in lg.example_leaves if isinstance(x, torch.Tensor)], label
     leaves = pytree.tree_leaves((parts[0][0], parts[1][0]))
     return [x for x in leaves if isinstance(x, torch.Tensor)], None if labels is None else labels[0]
-
-
-def _digest(compiled: CompiledGraph, param_dtype: torch.dtype | None,
-            dp: DataParallel) -> dict[str, Any]:
-    """What must be equal on every rank of a data-parallel pipe (``check_same``): the plan
-    (its collectives must match), the parameters and buffers (names, shapes, dtypes:
-    the buckets must match) and the options that change the Program."""
-    lg, plan = compiled.layers, compiled.plan
-    spans = lambda rs: [f"{r.start}:{r.stop}" for r in rs]  # noqa: E731
-    return {
-        "the number of layers": len(lg),
-        "the plan's forward stages": spans(plan.fwd_plan),
-        "the plan's backward stages": spans(plan.bwd_plan),
-        "the parameters (name, shape, dtype, requires_grad)": [
-            (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in lg.params.items()],
-        "the buffers (name, shape, dtype)": [
-            (n, tuple(b.shape), str(b.dtype)) for n, b in lg.buffers.items()],
-        "param_dtype": str(param_dtype),
-        "shard_optimizer / broadcast_buffers": (dp.shard, dp.broadcast),
-    }
-
-
-def _check_differentiable(args: tuple, kwargs: dict, cfg: RunConfig) -> None:
-    """Refuse what would silently lose gradients: PackedData in and out are not
-    differentiable (their microbatches bypass the merged autograd graph)."""
-    if cfg.merge_output is False:
-        raise NotImplementedError(
-            "merge_output=False (PackedData outputs) is not differentiable yet, and this call "
-            "needs gradients: run it under torch.no_grad() or RunConfig(requires_grad=False) "
-            "for inference, or keep the default merge_output to train through the output")
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, PackedData) and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                             for t in pytree.tree_leaves(list(x))):
-            raise NotImplementedError(
-                "a PackedData input requires grad, but gradients cannot flow back through "
-                "PackedData yet: pass the merged tensor (merge_output=True on the pipe that "
-                "made it) to train through both pipes")
-
-
-def _check_optimizer_holds(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Refuse an ``optimizer=`` that holds none of ``model``'s trainable parameters (built
-    on a copy of the model, or on another one): its step would change nothing and the
-    gradients would keep accumulating in ``.grad``."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable or any(id(p) in held for p in trainable):
-        return
-    n = len(held)
-    raise ValueError(
-        f"optimizer= ({type(optimizer).__name__}) holds none of the trainable parameters of "
-        f"the compiled {type(model).__name__} ({n} tensor{'s' if n != 1 else ''} in its "
-        "param groups, none of them this model's): its step would change nothing while the "
-        "gradients keep accumulating. Build it on the model you compiled, e.g. "
-        "torch.optim.AdamW(model.parameters()) (not on a copy of it).")

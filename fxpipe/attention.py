@@ -26,6 +26,7 @@ the autograd record of one op in the forward; an attention without dropout runs 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -70,3 +71,36 @@ class SameKernelMode(TorchFunctionMode):
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         self.seen = self.seen or bool(dropout)
         return scaled_dot_product_attention(*args, **kwargs)
+
+
+# --- the FLOPs of attention, which FlopCounterMode counts 0 on CPU -------------------
+
+def register_sdpa_flops() -> None:
+    """Teach ``FlopCounterMode`` the attention ops CPU dispatches to (it counts them 0).
+    Registers only what is missing: idempotent, and torch's own formulas win."""
+    from torch.utils import flop_counter
+    aten = torch.ops.aten
+
+    def missing(*names: str) -> list:
+        ops = [getattr(aten, n) for n in names if hasattr(aten, n)]
+        return [op for op in ops if op not in flop_counter.flop_registry]
+
+    fwd = missing("_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention")
+    if fwd:
+        flop_counter.register_flop_formula(fwd)(_sdpa_flops)
+    bwd = missing("_scaled_dot_product_flash_attention_for_cpu_backward")
+    if bwd:
+        flop_counter.register_flop_formula(bwd)(_sdpa_backward_flops)
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """scores = q @ k^T, out = scores @ v, over any leading (batch, head) dims."""
+    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
+    return 2 * batch * s_q * s_k * (d + d_v)
+
+
+def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                         out_shape=None, **kwargs) -> int:
+    """The scores recomputed, then the gradients of scores, v, q and k: five matmuls."""
+    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
+    return 2 * batch * s_q * s_k * (3 * d + 2 * d_v)

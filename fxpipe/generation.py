@@ -366,12 +366,15 @@ def generate(pipe, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     steps.chunk = chunk if chunk < prompt else None
     steps.module.reset()
     resident = ResidentBuffers(placement.kept) if placement.kept else None
+    steps.reset_totals()
     try:
         return _loop(steps, input_ids, mask, prompt, length, opts, generator, streamer,
                      _row_ranges(batch, microbatches), resident, chunk)
     finally:
         if resident is not None:
             resident.close()
+        # pipe.stats(): the whole generation's counters (its step calls', added up)
+        pipe._log.stats = dict(steps.totals)
 
 
 def _loop(steps: Steps, input_ids: torch.Tensor, mask: torch.Tensor, prompt: int,
@@ -430,6 +433,16 @@ class Steps:
         self.chunk: int | None = None   # the last generate's prompt tokens per prefill call,
         # where the prompt did not fit one (kv_placement.prefill_chunk)
         self.chunks: dict[tuple[int, int], int] = {}   # by (prompt length bucket, microbatches)
+        self.totals: dict[str, int] = {}   # the counters of the calls since ``reset_totals``
+
+    def reset_totals(self) -> None:
+        self.totals = {}
+
+    def _add_totals(self, stats: dict[str, int]) -> None:
+        """Add a call's counters (``pipe.stats()``) to the generation's: counts and bytes
+        add up; ``host_pinned_bytes``, what is reserved at the end, is the last call's."""
+        for k, v in stats.items():
+            self.totals[k] = v if k == "host_pinned_bytes" else self.totals.get(k, 0) + v
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position,
                  use: ScratchUse | None = None, plan: Any = None):
@@ -442,8 +455,11 @@ class Steps:
         cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=SPLIT,
                         execute_plan=plan)
         with torch.no_grad(), scratch_use(use):
-            return self.pipe(input_ids, attention_mask, position_ids, cache_position,
-                             run_config=cfg)
+            try:
+                return self.pipe(input_ids, attention_mask, position_ids, cache_position,
+                                 run_config=cfg)
+            finally:
+                self._add_totals(self.pipe.stats())
 
     def compiled(self):
         """The (prefill, decode step) graphs (``graph_cache.CompiledGraph``), in the

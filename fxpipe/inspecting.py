@@ -38,11 +38,12 @@ class Inspecting:
 
     @property
     def plan(self) -> ExecutePlan:
-        """The plan a training step (``forward_backward``) runs. For a Hugging Face
-        model's own loss that is the chain without the logits no loss reads, as
-        ``pipe.code("fused")`` shows it (unless a call's ``loss_fn`` read them); a call
-        that returns the logits, ``pipe(x)`` included, runs the full chain's plan, which
-        ``print(pipe)`` shows. The two differ only where the logits change the plan."""
+        """The plan the next training step (``forward_backward``, the pipe's default run
+        type) runs, before and after the first call. For a Hugging Face model's own loss
+        that is the chain without the logits no loss reads, as ``pipe.code("fused")``
+        shows it (unless a call's ``loss_fn`` read them: from then on, the full chain's);
+        a call that returns the logits, ``pipe(x)`` included, runs the full chain's plan.
+        ``print(pipe)`` shows both where they differ."""
         return self._current.fused(self.module).plan
 
     @property
@@ -86,13 +87,17 @@ class Inspecting:
 
     def __str__(self) -> str:
         exe, plan = self._executable("infer"), self._current.base.plan
-        spans = lambda rs: ", ".join(f"{r.start}:{r.stop}" for r in rs)  # noqa: E731
+        spans = lambda p: f"fwd [{', '.join(f'{r.start}:{r.stop}' for r in p.fwd_plan)}] " \
+            f"bwd [{', '.join(f'{r.start}:{r.stop}' for r in p.bwd_plan)}]"  # noqa: E731
         head = (f"# PipelineModule: {len(self.layers)} layers on "
-                f"{', '.join(d.name for d in self.devices)}; plan fwd [{spans(plan.fwd_plan)}] "
-                f"bwd [{spans(plan.bwd_plan)}]\n"
-                "# what pipe(x) runs: its Program's actions in an order they allow; "
-                "pipe.program(run_type) prints\n# a call's lanes, pipe.code(run_type) its "
-                "stages' code\n")
+                f"{', '.join(d.name for d in self.devices)}; plan {spans(plan)}\n")
+        fused = None if self._infer_only else self.plan
+        if fused is not None and fused != plan:
+            head += (f"# forward_backward runs plan {spans(fused)} (pipe.plan): its chain "
+                     "leaves out the outputs no loss reads\n")
+        head += ("# what pipe(x) runs: its Program's actions in an order they allow; "
+                 "pipe.program(run_type) prints\n# a call's lanes, pipe.code(run_type) its "
+                 "stages' code\n")
         return head + exe.listing([d.name for d in self.devices], self.layers.input_names)
 
     def extra_repr(self) -> str:

@@ -201,6 +201,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         compiled = pipe._for_loss(pipe._current, loss_fn or (lambda out, _: out), label,
                                   return_outputs)
         lg, plan = compiled.layers, plan or compiled.plan
+    elif run_type in ("infer", "train") and hasattr(pipe, "_current"):   # what pipe(x) runs
+        lg, plan = pipe._current.base.layers, plan or pipe._current.base.plan
     plan = plan or getattr(pipe, "plan", None)
     if plan is None:
         raise ValueError("predict_memory(layer_graph, ...) needs plan=ExecutePlan(...)")
@@ -209,10 +211,11 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         raise ValueError("predict_memory: no devices; pass num_devices=")
     M = num_microbatch or getattr(config, "num_microbatch", None) or G + 1
     grain = grain or getattr(config, "recompute_grain", None) or "stage"
-    if run_type is None:
-        covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
-        run_type = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
-    plan.validate(len(lg), run_type)
+    covered = plan.fwd_plan[-1].stop if plan.fwd_plan else 0
+    planned = "infer" if not plan.bwd_plan else "fused" if covered < len(lg) else "train"
+    run_type = run_type or planned
+    # a plan made for training serves inference too (a fused plan's tail runs forward)
+    plan.validate(len(lg), planned if run_type == "infer" else run_type)
     memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label), layers=lg)
     if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
         tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]

@@ -147,6 +147,9 @@ class Overlapped:
         self.threads = threads    # None: optim_step.default_threads() at each call
         self.calls = 0            # calls made with this object
         self.stepped = False      # whether the last call stepped (async: queued its update)
+        # max_grad_norm: the gradients' total norm the last clipping measured, before it
+        # clipped them (what clip_grad_norm_ returns, and a Trainer logs as grad_norm)
+        self.grad_norm: torch.Tensor | None = None
         self._pending: _Update | None = None   # under _lock: the call's host thread queues
         # it, the caller's thread (synchronize, hooks) or the next call applies or drops it
         # shard_optimizer: the state of this rank's pieces of the parameters, by name
@@ -360,10 +363,10 @@ class OptimizerCall:
         if self.spec.scaler:
             ov.scaler.unscale_(opt)
         if not self.spec.streamed:
-            torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
+            ov.grad_norm = torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
             return
         grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
+        total = ov.grad_norm = torch.nn.utils.get_total_norm(grads, ov.norm_type)
         coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
         if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
             for saved in reversed(self.saved):
@@ -389,7 +392,12 @@ class OptimizerCall:
         scaler = self.ov.scaler
         if scaler is None or not scaler.is_enabled():
             return loss_fn
-        return lambda out, label: scaler.scale(loss_fn(out, label))
+        def scaled(out: Any, label: Any) -> Any:
+            value = loss_fn(out, label)
+            if isinstance(value, tuple) and len(value) == 2:   # (sum, count)
+                return scaler.scale(value[0]), value[1]
+            return scaler.scale(value)
+        return scaled
 
     def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scaler = self.ov.scaler

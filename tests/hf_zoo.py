@@ -12,9 +12,11 @@ with, written as the eager code a user could run:
 
 - ``"fp32"``: the model as it is.
 - ``"param_dtype"`` (``fxpipe.compile(..., param_dtype=torch.bfloat16)``): a copy whose
-  floating parameters are bf16 (buffers keep their dtype) runs forward and backward on
-  the inputs with their floating tensors in bf16; its gradients, cast to fp32, become the
-  masters' ``.grad``; the optimizer steps the fp32 masters.
+  floating parameters are bf16 and whose floating buffers have the dtypes
+  ``from_pretrained(..., dtype=torch.bfloat16)`` gives them (``bf16_buffer_dtypes``:
+  bf16, except those the model's code makes in fp32, like rotary ``inv_freq``) runs
+  forward and backward on the inputs with their floating tensors in bf16; its gradients,
+  cast to fp32, become the masters' ``.grad``; the optimizer steps the fp32 masters.
 - ``"autocast"`` (``torch.autocast("cpu", dtype=torch.bfloat16)`` around the call): eager
   autocast around the model and the loss, the backward outside it.
 """
@@ -265,7 +267,46 @@ def setup(name: str) -> tuple[torch.nn.Module, dict, Any, Callable]:
     return model, inputs(), label, loss_fn
 
 
+def sft_batch(name: str) -> dict:
+    """``name``'s inputs with the labels of a real fine-tuning batch: a masked prompt, a
+    row cut short, and a row with no target (a microbatch of it alone has none); for a
+    masked LM, targets only where about 30 % of the tokens were masked."""
+    _, inputs, _, _ = setup(name)
+    labels = inputs["labels"].clone()
+    if name in ("bert", "albert", "roberta", "distilbert", "deberta_v2", "modernbert"):
+        keep = torch.rand(labels.shape, generator=_gen(5)) < 0.3
+        labels[~keep] = -100
+    else:
+        labels[0, :labels.shape[1] // 2] = -100
+        labels[1, -2:] = -100
+    labels[3] = -100
+    return {**inputs, "labels": labels}
+
+
 PRECISIONS = ("fp32", "param_dtype", "autocast")
+
+
+def bf16_buffer_dtypes(model: torch.nn.Module, dtype=torch.bfloat16) -> dict[str, torch.dtype]:
+    """``{name: dtype}`` of the buffers of ``model`` loaded with ``from_pretrained(...,
+    dtype=dtype)``: its class built from its config under that default dtype, on the meta
+    device (as ``from_pretrained`` builds it before loading the weights into it)."""
+    with torch.device("meta"):
+        twin = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+    return {name: b.dtype for name, b in twin.named_buffers()}
+
+
+def low_precision_copy(model: torch.nn.Module, dtype=torch.bfloat16) -> torch.nn.Module:
+    """A copy of ``model`` as ``from_pretrained(..., dtype=dtype)`` would hold it: floating
+    parameters in ``dtype``, floating buffers in :func:`bf16_buffer_dtypes`'s dtypes."""
+    low = copy.deepcopy(model)
+    for p in low.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    made = bf16_buffer_dtypes(model, dtype)
+    for name, b in low.named_buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(made.get(name, dtype))
+    return low
 
 
 class Eager:
@@ -279,10 +320,7 @@ class Eager:
         self.master, self.precision, self.dtype = master, precision, dtype
         self.low = None
         if precision == "param_dtype":
-            self.low = copy.deepcopy(master)
-            for p in self.low.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
+            self.low = low_precision_copy(master, dtype)
 
     def step(self, kw: dict, label: Any, loss_fn: Callable) -> torch.Tensor:
         if self.precision == "fp32":

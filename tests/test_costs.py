@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.passes import cost_cache
 from fxpipe.passes import costs as costs_mod
-from fxpipe.passes.costs import Cost, compute_costs, measure_times, total_param_bytes
+from fxpipe.passes.costs import Cost, compute_costs, total_param_bytes
+from fxpipe.passes.layer_times import measure_times
 from fxpipe.passes.layer_graph import Layer, LayerGraph
 from fxpipe.passes.partition import build_layer_graph
 from tests import models

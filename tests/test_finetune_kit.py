@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fxpipe.check import finetune as ft  # noqa: E402
+from fxpipe.check import finetune_predict as fp  # noqa: E402
 from fxpipe.check.common import link_bandwidth, timed  # noqa: E402
 
 
@@ -93,10 +94,10 @@ def test_the_predicted_host_optimizer_prices_what_trains_only(specs):
     not the frozen base's (the simulator priced every parameter before)."""
     spec = specs["lora"]
     slow = 1e6     # bytes/s
-    rows = {r["host_work"]: r for r in ft.predict(
+    rows = {r["host_work"]: r for r in fp.predict(
         spec, memory=2**30, link=1e9, flops=1e9,
         hosts={"slow": (slow, float("inf")), "free": (float("inf"), float("inf"))})}
-    model = ft.meta_model(spec)
+    model = fp.meta_model(spec)
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     every = sum(p.numel() * p.element_size() for p in model.parameters())
     extra = rows["slow"]["predicted_step_s"] - rows["free"]["predicted_step_s"]
@@ -109,10 +110,10 @@ def test_the_predicted_host_optimizer_prices_what_trains_only(specs):
 def test_the_eager_step_calibrates_the_predicted_flop_rate(specs):
     spec = specs["lora"]
     free = {"free": (float("inf"), float("inf"))}
-    (row,) = ft.predict(spec, memory=2**30, link=float("inf"), hosts=free, eager_step_s=2.0)
+    (row,) = fp.predict(spec, memory=2**30, link=float("inf"), hosts=free, eager_step_s=2.0)
     assert row["flops_per_s"] > 0
     # eager's checkpointed step in the cost pass's FLOPs at that rate takes the 2 s it took
-    (again,) = ft.predict(spec, memory=2**30, link=float("inf"), hosts=free,
+    (again,) = fp.predict(spec, memory=2**30, link=float("inf"), hosts=free,
                           flops=row["flops_per_s"])
     assert again["predicted_step_s"] == pytest.approx(row["predicted_step_s"])
     assert 0.5 < row["predicted_step_s"] / 2.0 < 1.5

@@ -321,10 +321,9 @@ def dropout_cases(draw) -> DropoutCase:
     b = draw(run_specs(net, microbatches=a.microbatches, steps=steps_b))
     if a.steps != steps_b:
         # eager-style and fused losses agree only for a batch-mean loss: "sum" adds the
-        # microbatch losses, and a 0-dim output is averaged over microbatches by pipe(x)
-        # but weighted by rows in a fused loss (uneven microbatches)
-        a = replace(a, reduction="mean",
-                    loss_norm=a.loss_norm and all(a.batch % m == 0 for m in a.microbatches))
+        # microbatch losses (a 0-dim output is weighted by rows both ways: by pipe(x)'s
+        # merge and in a fused loss)
+        a = replace(a, reduction="mean")
     b = replace(b, batch=a.batch, reduction=a.reduction, loss_norm=a.loss_norm,
                 loss_hidden=a.loss_hidden,
                 input_grads=a.input_grads and all(s == "eager" for s in steps_b))
@@ -386,11 +385,14 @@ def split(value, m: int) -> list:
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
 
 
-def merge(outs: list):
-    """The documented auto merge: cat >= 1-dim tensors on dim 0, average 0-dim ones."""
+def merge(outs: list, mbs: list):
+    """The documented auto merge: cat >= 1-dim tensors on dim 0, average 0-dim ones, each
+    microbatch (of ``mbs``, its ``(args, kwargs)``) weighted by its share of the rows."""
     flat = [pytree.tree_flatten(o) for o in outs]
     spec = flat[0][1]
-    merged = [torch.cat(col) if col[0].dim() else torch.stack(col).mean(0)
+    rows = torch.tensor([float(a[0].shape[0]) for a, _ in mbs])
+    merged = [torch.cat(col) if col[0].dim() else
+              (torch.stack(col) * (rows / rows.sum()).to(col[0].dtype)).sum(0)
               for col in zip(*(f[0] for f in flat))]
     return pytree.tree_unflatten(merged, spec)
 
@@ -423,15 +425,15 @@ def reference_step(model, net, run, k, args, kwargs, label, loss_fn):
     mbs = split((args, kwargs), m)
     if style == "infer":
         with torch.no_grad():
-            return merge([model(*a, **kw) for a, kw in mbs]), None
+            return merge([model(*a, **kw) for a, kw in mbs], mbs), None
     outs = [model(*a, **kw) for a, kw in mbs]
     if style == "eager":
-        out = merge(outs)
+        out = merge(outs, mbs)
         loss = loss_fn(out, label)
     else:
         rows = [a[0].shape[0] for a, _ in mbs]
         loss = fused_loss(run, outs, split(label, m), rows, loss_fn)
-        out = merge(outs)
+        out = merge(outs, mbs)
     loss.backward()
     return out, loss
 
@@ -653,7 +655,7 @@ def _layerwise_reference(net: NetSpec, run: RunSpec, seed: int):
         torch.manual_seed(seed)  # the generator as fxpipe leaves it: advanced by the draws
         for _ in range(k + 1):
             rng.draw_call_seed()
-        out = merge(outs)
+        out = merge(outs, mbs)
         loss = None
         if style == "eager":
             loss = loss_fn(out, label)

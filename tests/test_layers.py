@@ -41,10 +41,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.runtime.*",),
     ("fxpipe.optim", "fxpipe.optim_step", "fxpipe.generation"),
     # the compiler, in pass order: capture, partition, costs, lowering
-    ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo"),
-    ("fxpipe.passes.loss", "fxpipe.passes.tiling"),   # rewrites of the captured graph
+    ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo",
+     "fxpipe.passes.buffer_dtypes"),
+    ("fxpipe.passes.loss", "fxpipe.passes.tiling",   # rewrites of the captured graph
+     "fxpipe.passes.token_means"),
     ("fxpipe.passes.partition", "fxpipe.passes.grad_flow"),
-    ("fxpipe.passes.cost_cache", "fxpipe.passes.costs"),
+    ("fxpipe.passes.cost_cache", "fxpipe.passes.costs", "fxpipe.passes.layer_times"),
     ("fxpipe.passes.recompute", "fxpipe.passes.lower"),
     ("fxpipe.passes.executable",),
     # planning above memory: the estimate, the algorithm, what users call
@@ -53,7 +55,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.plan",),
     ("fxpipe.kv_placement",),      # a generation's KV cache, from predictions (and a plan)
     ("fxpipe.graph_cache",),                         # the graphs a pipe compiled
-    ("fxpipe.inspecting", "fxpipe.checkpointing"),   # PipelineModule's bases
+    ("fxpipe.inspecting", "fxpipe.checkpointing",    # PipelineModule's bases, and what it
+     "fxpipe.generating", "fxpipe.call_checks"),      # checks of a call
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),
@@ -65,8 +68,11 @@ VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.acti
                "fxpipe.passes.program_text", "fxpipe.passes.dependencies",
                "fxpipe.passes.program", "fxpipe.passes.stage"}
 # what importing the runtime must not load (nor importing fxpipe)
-COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.loss", "fxpipe.passes.tiling",
+COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.buffer_dtypes", "fxpipe.passes.loss",
+            "fxpipe.passes.tiling",
+            "fxpipe.passes.token_means",
             "fxpipe.passes.partition", "fxpipe.passes.cost_cache", "fxpipe.passes.costs",
+            "fxpipe.passes.layer_times",
             "fxpipe.passes.planner", "fxpipe.passes.lower", "fxpipe.passes.executable",
             "fxpipe.memory_prediction", "fxpipe.plan", "fxpipe.graph_cache", "fxpipe.api")
 

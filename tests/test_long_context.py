@@ -61,10 +61,12 @@ def test_a_causal_lms_loss_runs_chunked_and_its_logits_only_when_asked(name, sho
     pipe = compiled(model, kw)
     fused = pipe.code("fused")
     call = next(line for line in fused.splitlines() if "fxpipe_losses_linear_cross_entropy(" in line)
-    assert "'mean'" in call and "out_dtype = torch.float32" in call and shows in call, call
+    # a mean over the targets: their sum, divided by their count (passes.token_means)
+    assert "'sum'" in call and "out_dtype = torch.float32" in call and shows in call, call
+    assert "linear_cross_entropy_mean = " in fused
     assert "cross_entropy_loss" not in fused   # the (tokens, vocab) loss is gone
     # the default fused call: the tail makes and returns the loss only, no logits
-    assert "return (linear_cross_entropy_host,)" in fused
+    assert "return (linear_cross_entropy_mean_host,)" in fused
     loss = pipe.forward_backward((), kw, loss_fn=own_loss)
     expected = ref(**kw)
     expected.loss.backward()
@@ -90,7 +92,7 @@ def test_the_logits_cost_is_predicted_when_asked_for():
     pipe = compiled(scaled_llama(), {"input_ids": ids, "labels": ids},
                     devices=[fxpipe.VirtualDevice(memory_limit=16 * 2**20) for _ in range(2)])
     assert re.search(r"fxpipe_losses_linear_cross_entropy\(flatten_using_ints, lm_head_weight, "
-                     r"\w+, 32, -100, 'mean'", pipe.code("fused"))
+                     r"\w+, 32, -100, 'sum'", pipe.code("fused"))
     without = fxpipe.plan.predict_memory(pipe, run_type="fused", loss_fn=own_loss)
     with_logits = fxpipe.plan.predict_memory(pipe, run_type="fused", loss_fn=own_loss,
                                              return_outputs=True)

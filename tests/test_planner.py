@@ -9,7 +9,8 @@ import pytest
 
 from fxpipe.errors import PlanError
 from fxpipe.passes.chain_costs import ChainCosts, NominalDevice, chain_costs, estimate_makespan
-from fxpipe.passes.planner import min_bottleneck, plan_chains, roundpipe_greedy, solve_stages
+from fxpipe.passes.planner import min_bottleneck, plan_chains, solve_stages
+from fxpipe.roundpipe.greedy import roundpipe_greedy
 from fxpipe.plan import ExecutePlan
 
 REL = 1e-9

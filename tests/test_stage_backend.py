@@ -247,7 +247,8 @@ def test_a_hf_models_chunked_loss_and_tiled_mlp_under_inductor_equal_eager(froze
     pipe = fxpipe.compile(model, example_kwargs=kw, devices=devices,
                           config=fxpipe.RunConfig(num_microbatch=2, stage_backend="inductor"))
     code = pipe.code("fused")
-    assert re.search(r"linear_cross_entropy\(.*, 16, -100, 'mean'", code)   # 8 chunks of 16
+    assert re.search(r"linear_cross_entropy\(.*, 16, -100, 'sum'", code)   # 8 chunks of 16
+    assert "linear_cross_entropy_mean = " in code   # the sum over the count of targets
     assert "fxpipe_tiling_tiled_mlp(" in code
     assert "stage_backend=inductor" in pipe.code("fused", runnable=True)
     loss = pipe.forward_backward((), kw, loss_fn=lambda out, _: out.loss)

@@ -102,8 +102,7 @@ def test_equals_trainer(tmp_path, ga, clip, stream):
     assert w_err <= TOL
     gn_a = [h["grad_norm"] for h in ref.state.log_history if "grad_norm" in h]
     gn_b = [h["grad_norm"] for h in ours.state.log_history if "grad_norm" in h]
-    if clip and stream is not False:   # streamed: measured after clipping
-        gn_a = [min(g, clip) for g in gn_a]
+    # the norm before clipping, as the plain Trainer logs it (streamed too)
     assert max(abs(x - y) for x, y in zip(gn_a, gn_b)) <= 1e-4 * max(gn_a), (gn_a, gn_b)
     ours.close_pipes()
 
@@ -292,13 +291,16 @@ def test_import_fxpipe_imports_no_hf():
     assert out.returncode == 0, out.stderr + out.stdout
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_trl_sft_trainer(tmp_path, bf16):
+@pytest.mark.parametrize("bf16,completion", [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "bf16", "completion_only"])
+def test_trl_sft_trainer(tmp_path, bf16, completion):
     """TRL's SFTTrainer through fxpipe (``fxpipe_trainer(SFTTrainer)``) equals SFTTrainer:
     its defaults (gradient checkpointing, ``loss_type="chunked_nll"``) map onto fxpipe's
     recompute and the same "nll" math; its metrics are computed per microbatch. In bf16
     (SFTConfig's default): each loss within 5 % of SFTTrainer's (which autocasts; fxpipe
-    computes in bfloat16 copies of the fp32 masters)."""
+    computes in bfloat16 copies of the fp32 masters). ``completion``: a prompt-completion
+    dataset of uneven lengths, the prompts masked (``completion_only_loss``: labels -100
+    on the prompt and the padding), microbatches of different target counts."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     tokenizers = pytest.importorskip("tokenizers")
@@ -310,6 +312,13 @@ def test_trl_sft_trainer(tmp_path, bf16):
     g = torch.Generator().manual_seed(0)
     ds = datasets.Dataset.from_dict({"input_ids": torch.randint(3, V, (16, SEQ - 1),
                                                                 generator=g).tolist()})
+    if completion:
+        words = [[f"t{int(t)}" for t in row] for row in torch.randint(3, V, (16, SEQ), generator=g)]
+        cut = torch.randint(1, SEQ - 2, (16,), generator=g).tolist()
+        end = torch.randint(2, SEQ, (16,), generator=g).tolist()
+        ds = datasets.Dataset.from_dict({
+            "prompt": [" ".join(w[:c]) for w, c in zip(words, cut)],
+            "completion": [" ".join(w[c:max(e, c + 1)]) for w, c, e in zip(words, cut, end)]})
 
     def config(name):
         return trl.SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
@@ -324,6 +333,7 @@ def test_trl_sft_trainer(tmp_path, bf16):
                                           processing_class=ptok, devices=["cpu", "cpu"])
     ours.train()
     assert ours.args.loss_type == "nll"
+    assert ours.completion_only_loss == completion
     a, b = losses(ref), losses(ours)
     assert len(a) == len(b) == 4
     loss_err, w_err = max(abs(x - y) for x, y in zip(a, b)), max_weight_diff(ref.model, ours.model)
@@ -332,7 +342,10 @@ def test_trl_sft_trainer(tmp_path, bf16):
         assert all(abs(x - y) <= 0.05 * abs(x) for x, y in zip(a, b)), (a, b)
         assert next(iter(ours._fxpipe_pipes.values())).param_dtype == torch.bfloat16
     else:
-        assert loss_err <= TOL and w_err <= TOL, (a, b)
+        # masked prompts: microbatches of uneven target counts, each weighted by its count
+        # (the weights after 4 AdamW steps: seen 2.5e-6 apart, Adam's normalization of
+        # gradients whose rounding differs; the losses 5e-7)
+        assert loss_err <= TOL and w_err <= (1e-5 if completion else TOL), (a, b)
     entropy = [h["entropy"] for h in ours.state.log_history if "entropy" in h]
     assert len(entropy) == 4 and all(e > 0 for e in entropy)
     ours.close_pipes()

@@ -26,7 +26,8 @@ How a step maps onto the pipe:
   ``fxpipe.optim.overlapped(opt, max_grad_norm=args.max_grad_norm)``, so each stage is
   stepped as soon as its gradients are final (clipping speculated, redone when the norm
   exceeds the limit); the Trainer's own ``optimizer.step()`` then does nothing, its
-  scheduler steps as usual. The logged ``grad_norm`` is then measured after clipping.
+  scheduler steps as usual. The logged ``grad_norm`` is the norm before clipping, as
+  the plain Trainer logs it (``Overlapped.grad_norm``).
   ``stream_optimizer=False``: the Trainer steps after the call.
 - gradient accumulation: each accumulation step is one ``forward_backward`` call adding
   into ``.grad``; the pipe also splits each batch into ``fxpipe_config.num_microbatch``
@@ -388,7 +389,11 @@ class FxpipeMixin:
         opt.step = stepped_already
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
-        if self._fxpipe_stepped:   # clipped (if needed) and stepped in the pipe: measure only
+        if self._fxpipe_stepped:   # clipped (if needed) and stepped in the pipe
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            step = inner.__dict__.get("_fxpipe_trainer_step")
+            if step is not None and step.grad_norm is not None:
+                return step.grad_norm   # measured before clipping, as the Trainer logs it
             return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
         return super()._clip_grad_norm(model)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import keyword
+import operator
 import re
 import sys
 from collections.abc import Collection, Iterator, Sequence
@@ -53,6 +54,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import CaptureError
 from fxpipe.passes import blocks as opaque
+from fxpipe.passes import buffer_dtypes
 from fxpipe.runtime import amp
 from fxpipe.verbose import is_verbose, warn
 
@@ -70,13 +72,16 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
     ``"blocks"`` method calls opaquely (it is skipped without them).
 
     ``param_dtype`` (mixed precision): capture what the devices compute, the model with
-    its floating parameters in ``param_dtype`` and its floating inputs cast to it
-    (buffers keep their dtype, as the model asks: Hugging Face keeps rotary ``inv_freq``
-    in fp32). A model's code that reads a dtype (``x.to(self.weight.dtype)``,
-    ``torch.finfo(dtype).min``) is traced with the one it runs under, and export's
-    dtype asserts hold on the devices. The parameters are stood in for by ``param_dtype``
-    copies while tracing (:func:`parameters_in`); the graph refers to the model's own
-    tensors afterwards, as without it.
+    its floating parameters in ``param_dtype``, its floating buffers in the dtypes the
+    model loaded in ``param_dtype`` holds them in (``fxpipe.passes.buffer_dtypes``:
+    Hugging Face keeps rotary ``inv_freq`` in fp32, BatchNorm's statistics follow), and
+    its floating inputs cast to it. A model's code that reads a dtype
+    (``x.to(self.weight.dtype)``, ``torch.finfo(dtype).min``) is traced with the one it
+    runs under, and export's dtype asserts hold on the devices. The tensors are stood in
+    for by ``param_dtype`` copies while tracing (:func:`parameters_in`); the graph refers
+    to the model's own tensors afterwards, as without it. A graph whose matrix products or
+    convolutions mix floating dtypes outside autocast is refused, naming the op
+    (``MixedDtypeError``): the model fails so eagerly too.
 
     >>> gm = capture(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [n.op for n in gm.graph.nodes][:2]
@@ -105,6 +110,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
     if method == "blocks" and not blocks:
         raise ValueError("capture='blocks' needs the blocks: pass layers='path.to.blocks'")
     dims = [range(t.dim()) if dynamic is None else dynamic[i] for i, t in enumerate(tensors)]
+    low_buffers = buffer_dtypes.mark(model, param_dtype).values()
 
     tried: dict[str, BaseException] = {}
     for m in (METHODS if method == "auto" else (method,)):
@@ -112,7 +118,8 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             continue
         try:
             # blocks runs the example eagerly: real copies; tracing reads no value
-            with parameters_in(model, param_dtype, values=(m == "blocks")) as masters:
+            with parameters_in(model, param_dtype, values=(m == "blocks"),
+                               buffers=low_buffers) as masters:
                 if m == "fx":
                     gm = _trace_fx(wrapper)
                     out_spec = wrapper.out_spec
@@ -123,6 +130,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                     wrapper.dropped.extend(dict.fromkeys(trace.dropped))
                 else:
                     gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
+            _check_operand_dtypes(gm)
         except Exception as e:  # noqa: BLE001 — every failure is reported below
             tried[m] = e
             continue
@@ -150,16 +158,18 @@ def cast_floating(x: Any, dtype: torch.dtype | None) -> Any:
 
 
 @contextlib.contextmanager
-def parameters_in(model: nn.Module, dtype: torch.dtype | None,
-                  values: bool = True) -> Iterator[dict[int, torch.Tensor]]:
+def parameters_in(model: nn.Module, dtype: torch.dtype | None, values: bool = True,
+                  buffers: Collection[torch.Tensor] = ()) -> Iterator[dict[int, torch.Tensor]]:
     """Within the block, each floating parameter of ``model`` is stood in for by a
     ``dtype`` tensor of its shape (a tied parameter by one, wherever it is registered),
-    as a device holds it under ``param_dtype``; yields ``{id(stand-in): the parameter}``.
-    Buffers are left alone. With ``values`` the stand-ins are copies of the parameters'
+    as a device holds it under ``param_dtype``, and so is each of ``buffers`` (those
+    ``passes.buffer_dtypes`` finds; the others are left alone); yields ``{id(stand-in):
+    the model's tensor}``. With ``values`` the parameters' stand-ins are copies of their
     values (a capture at block granularity runs the model once); else uninitialized
     memory that is never touched (tracing reads no value), so capturing a model bound to
-    a checkpoint (``weights=``) reads none of it into memory. On the parameters' device
-    (``meta`` stays ``meta``); nothing of the model changes after the block.
+    a checkpoint (``weights=``) reads none of it into memory. The buffers' are always
+    copies (a trace may read or update one). On the tensors' device (``meta`` stays
+    ``meta``); nothing of the model changes after the block.
 
     >>> lin = nn.Linear(2, 2)
     >>> with parameters_in(lin, torch.bfloat16) as masters:
@@ -171,9 +181,10 @@ def parameters_in(model: nn.Module, dtype: torch.dtype | None,
     if dtype is None:
         yield {}
         return
-    copies: dict[int, nn.Parameter] = {}
+    copies: dict[int, torch.Tensor] = {}
     masters: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    low = {id(b) for b in buffers}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_floating_point() or p.dtype == dtype:
@@ -184,18 +195,70 @@ def parameters_in(model: nn.Module, dtype: torch.dtype | None,
                         torch.empty(p.shape, dtype=dtype, device=p.device)
                 copies[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
                 masters[id(copies[id(p)])] = p
-            swapped.append((module, name, p))
+            swapped.append((module._parameters, name, p))
             module._parameters[name] = copies[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is None or id(b) not in low:
+                continue
+            if id(b) not in copies:
+                copies[id(b)] = b.detach().to(dtype)
+                masters[id(copies[id(b)])] = b
+            swapped.append((module._buffers, name, b))
+            module._buffers[name] = copies[id(b)]
     try:
         yield masters
     finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
+        for where, name, t in swapped:
+            where[name] = t
+
+
+_aten = torch.ops.aten
+# ops whose two floating operands (at these argument positions) must have one dtype: as
+# export records them, and as fx does
+_SAME_DTYPE_OPERANDS = {
+    _aten.mm.default: (0, 1), _aten.bmm.default: (0, 1), _aten.matmul.default: (0, 1),
+    _aten.mv.default: (0, 1), _aten.dot.default: (0, 1), _aten.linear.default: (0, 1),
+    _aten.addmm.default: (1, 2), _aten.baddbmm.default: (1, 2), _aten.addmv.default: (1, 2),
+    _aten.convolution.default: (0, 1), _aten.conv1d.default: (0, 1),
+    _aten.conv2d.default: (0, 1), _aten.conv3d.default: (0, 1),
+    torch._C._nn.linear: (0, 1), torch.matmul: (0, 1), operator.matmul: (0, 1),
+    torch.mm: (0, 1), torch.bmm: (0, 1), torch.conv1d: (0, 1), torch.conv2d: (0, 1),
+    torch.conv3d: (0, 1),
+}
+
+
+class MixedDtypeError(RuntimeError):
+    """The captured graph multiplies tensors of two dtypes (names the op and module)."""
+
+
+def _check_operand_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse a graph whose matrix products or convolutions mix floating dtypes outside an
+    autocast region: the model's own code does (under ``param_dtype``, an fp32 value it
+    makes explicitly meets a bf16 weight), and a device would fail on it as eager does,
+    only later, as a stage error. Before ``_rebind``: a weight is the tensor a device holds."""
+    if amp.captured():   # autocast casts the operands when the graph runs
+        return
+
+    def value(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return None
+        return _fetch(gm, a.target) if a.op == "get_attr" else a.meta.get("val")
+    for n in gm.graph.nodes:
+        positions = _SAME_DTYPE_OPERANDS.get(n.target) if n.op == "call_function" else None
+        if positions is None:
+            continue
+        vals = [value(n.args[i]) for i in positions if i < len(n.args)]
+        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if len(set(dtypes)) > 1:
+            where = n.meta.get("module_path") or "the model's own forward"
+            op = getattr(getattr(n.target, "overloadpacket", n.target), "__name__", n.target)
+            raise MixedDtypeError(f"{op} ({n.name}) in {where} multiplies a {dtypes[0]} tensor "
+                                  f"by a {dtypes[1]} one, which it cannot mix")
 
 
 def _rebind(gm: fx.GraphModule, masters: dict[int, torch.Tensor]) -> None:
     """Point ``gm``'s attributes that are stand-ins (:func:`parameters_in`) back at the
-    model's own parameters, which the captured graph reads."""
+    model's own parameters and buffers, which the captured graph reads."""
     if not masters:
         return
     for n in gm.graph.nodes:
@@ -204,8 +267,14 @@ def _rebind(gm: fx.GraphModule, masters: dict[int, torch.Tensor]) -> None:
         owner, _, name = n.target.rpartition(".")
         module = gm.get_submodule(owner)
         master = masters.get(id(getattr(module, name)))
-        if master is not None:
+        if master is None:
+            continue
+        if name in module._parameters:
             module._parameters[name] = master
+        elif name in module._buffers:
+            module._buffers[name] = master
+        else:
+            setattr(module, name, master)
 
 
 def _warn_branches(model: nn.Module, tried: dict[str, BaseException]) -> None:
@@ -459,8 +528,9 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[
                   strict: bool):
     wrapper.flatten_output = False
     # the dims asked for stay symbolic where the model allows it (export specializes the
-    # rest), so one graph serves every microbatch size (and sequence length, if asked)
-    dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim()}
+    # rest), so one graph serves every microbatch size (and sequence length, if asked); a
+    # dim of size 0 or 1 is specialized anyway (export warns that it did: not asked)
+    dynamic = tuple({i: torch.export.Dim.AUTO for i in d if i < t.dim() and t.shape[i] > 1}
                     for t, d in zip(tensors, dims))
     try:
         with _partial_graphs_verbose_only(), \
@@ -624,6 +694,12 @@ def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
             "eagerly): call the model on the example yourself, in the same precision, and fix "
             "what fails there first (a model that fails under torch.autocast may work with "
             "fxpipe.compile(..., param_dtype=torch.bfloat16) instead).")
+    elif any(isinstance(e, MixedDtypeError) for e in tried.values()):
+        lines.append(
+            "What to do: the model's own code computes that operation in two dtypes, so it "
+            "fails in this precision without fxpipe too (under param_dtype: the model with "
+            "its parameters in it, run eagerly); train it in fp32, or under torch.autocast "
+            "around the call, or make its code cast the operand.")
     elif isinstance(tried.get("blocks"), opaque.OutsideBlocksError):
         lines.append(
             "What to do: with capture='blocks' each block runs as its module, so data-dependent "

@@ -32,7 +32,8 @@ model's own tensors are never read or written. Per layer it records a ``Cost``:
   host time ``fxpipe.simulate`` prices per kernel (``Hardware.host_us_per_kernel``).
 
 ``meta`` tensors are costed as CPU tensors (attention dispatches to a fused kernel, as on
-a GPU, not to the math fallback that materializes the score matrix). ``measure_times``
+a GPU, not to the math fallback that materializes the score matrix; its FLOPs:
+``fxpipe.attention.register_sdpa_flops``). ``fxpipe.passes.layer_times.measure_times``
 adds wall-clock times measured on the real tensors.
 
 A layer that cannot run on fake tensors (data-dependent code: ``.nonzero()`` or
@@ -53,9 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -64,10 +63,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.attention import register_sdpa_flops
 from fxpipe.passes import cost_cache
 from fxpipe.passes.capture import cast_floating
 from fxpipe.passes.layer_graph import Layer, LayerGraph
@@ -182,7 +181,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
     earlier call in the same precision (``cost_cache``: the chain trimmed of its loss-free
     outputs, another pipe over the same blocks) is not either.
     """
-    _register_sdpa_flops()
+    register_sdpa_flops()
     flat_inputs = _check_inputs(lg, flat_inputs)
     mode = FakeTensorMode()
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, fake)
@@ -264,7 +263,7 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         cost = Cost(
             param_bytes=sum(map(on_device, params)),
             grad_bytes=sum(map(on_device, trainable)), **host,
-            buffer_bytes=sum(map(_nbytes, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
+            buffer_bytes=sum(map(on_device, _unique(_tensors(lg.buffers[b] for b in layer.buffers)))),
             boundary_bytes=_boundary_bytes([env[name] for name in cut]),
             saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd,
             carried_bytes=_boundary_bytes([env[name] for name in cut if name in before]),
@@ -272,51 +271,6 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
         if store:
             layer.node.meta["cost"] = cost
         costs.append(cost)
-    return costs
-
-
-def measure_times(lg: LayerGraph, flat_inputs: Sequence[Any], repeats: int = 3) -> list[Cost]:
-    """Time every layer on the real tensors: forward without grad (``fwd_ms``), forward
-    with grad (``recompute_ms``) and the gradient w.r.t. the parameters and inputs that
-    require grad (``bwd_ms``), each the minimum of ``repeats`` runs after a warm-up run.
-
-    Returns the layers' costs (from ``compute_costs`` if missing) with the times set,
-    and stores them in ``layer.node.meta["cost"]``. Parameters and their ``.grad`` are not
-    touched; buffers (BatchNorm statistics) and the RNG state are restored afterwards.
-    """
-    if repeats < 1:
-        raise ValueError(f"measure_times(repeats={repeats}): need at least one timed run")
-    flat_inputs = _check_inputs(lg, flat_inputs)
-    named = [*zip(lg.input_names, flat_inputs), *lg.params.items(), *lg.buffers.items()]
-    for name, t in named:
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            raise ValueError(f"measure_times runs the layers for real, but {name!r} is on the meta "
-                             "device; load the weights first (compute_costs needs none)")
-    base = [layer.cost for layer in lg]
-    if any(c is None for c in base):
-        base = compute_costs(lg, flat_inputs)
-    cuda = sorted({t.get_device() for _, t in named if isinstance(t, torch.Tensor) and t.is_cuda})
-    backup = [(b, b.detach().clone()) for b in _unique(_tensors(lg.buffers.values()))]
-    times: dict[int, tuple[float, float, float]] = {}
-
-    on_device = _DeviceCopies(lg)
-
-    def run(layer: Layer, args: tuple, kwargs: dict):
-        out, times[layer.index] = _time_layer(layer.gm, on_device(layer.gm), args, kwargs, repeats)
-        return out
-
-    try:
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad():
-            _walk(lg, flat_inputs, run)
-    finally:
-        with torch.no_grad():
-            for b, copy in backup:
-                b.copy_(copy)
-    costs = []
-    for layer, cost in zip(lg, base):
-        fwd, re, bwd = times[layer.index]
-        layer.node.meta["cost"] = dataclasses.replace(cost, fwd_ms=fwd, recompute_ms=re, bwd_ms=bwd)
-        costs.append(layer.node.meta["cost"])
     return costs
 
 
@@ -550,43 +504,6 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
-# --- on real tensors -----------------------------------------------------------------
-
-def _time_layer(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], args: tuple, kwargs: dict,
-                repeats: int):
-    """Run one layer (with ``attrs`` as its parameters and buffers) ``repeats + 1`` times;
-    returns its outputs and the least (fwd, recompute, bwd) milliseconds over all runs but
-    the first (warm-up)."""
-    params = [t for t in _unique(attrs.values()) if t.requires_grad]
-    call = lambda a, k: torch.func.functional_call(gm, attrs, a, k)  # noqa: E731
-    samples = []
-    for _ in range(repeats + 1):
-        a, k, _, _ = _fresh_inputs(args, kwargs, clone=True)
-        with torch.no_grad():
-            fwd = _timed(lambda: call(a, k))[1]
-        a, k, leaves, passed = _fresh_inputs(args, kwargs, clone=True)
-        out, re = _timed(lambda: call(a, k))
-        roots, wrt, bwd = _grad_roots(out), params + leaves, 0.0
-        if roots and wrt:
-            grads = [torch.ones_like(r) for r in roots]
-            bwd = _timed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True))[1]
-        samples.append((fwd, re, bwd))
-    return _detached(out, passed), tuple(min(s[j] for s in samples[1:]) for j in range(3))
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync()
-    start = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, (time.perf_counter() - start) * 1e3
-
-
-def _sync() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 # --- bytes and printing --------------------------------------------------------------
 
 def _check_inputs(lg: LayerGraph, flat_inputs: Sequence[Any]) -> list:
@@ -655,35 +572,3 @@ def _human_ms(ms: float) -> str:
     if ms >= 999.5:
         return f"{ms / 1000:#.3g}".rstrip(".") + " s"
     return f"{ms:#.3g}".rstrip(".") + " ms"
-
-
-# --- FLOP formulas the counter lacks --------------------------------------------------
-
-def _register_sdpa_flops() -> None:
-    """Teach ``FlopCounterMode`` the attention ops CPU dispatches to (it counts them 0).
-    Registers only what is missing: idempotent, and torch's own formulas win."""
-    aten = torch.ops.aten
-
-    def missing(*names: str) -> list:
-        ops = [getattr(aten, n) for n in names if hasattr(aten, n)]
-        return [op for op in ops if op not in flop_counter.flop_registry]
-
-    fwd = missing("_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention")
-    if fwd:
-        flop_counter.register_flop_formula(fwd)(_sdpa_flops)
-    bwd = missing("_scaled_dot_product_flash_attention_for_cpu_backward")
-    if bwd:
-        flop_counter.register_flop_formula(bwd)(_sdpa_backward_flops)
-
-
-def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """scores = q @ k^T, out = scores @ v, over any leading (batch, head) dims."""
-    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
-    return 2 * batch * s_q * s_k * (d + d_v)
-
-
-def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args,
-                         out_shape=None, **kwargs) -> int:
-    """The scores recomputed, then the gradients of scores, v, q and k: five matmuls."""
-    batch, (s_q, d), s_k, d_v = math.prod(query_shape[:-2]), query_shape[-2:], key_shape[-2], value_shape[-1]
-    return 2 * batch * s_q * s_k * (3 * d + 2 * d_v)

@@ -27,12 +27,39 @@ Per-layer costs live in the call node's ``meta["cost"]`` (see ``fxpipe.passes.co
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import TreeSpec
+
+
+
+# Floating buffers a device holds in ``param_dtype`` (mixed precision), as the parameters:
+# those the model loaded in that dtype holds in it (``passes.buffer_dtypes`` marks them
+# when it captures; ``LayerGraph.device_dtype`` and the runtime's uploads read it). The
+# others keep their dtype on the devices.
+_IN_PARAM_DTYPE: dict[int, weakref.ref] = {}
+
+
+def mark_in_param_dtype(*tensors: torch.Tensor) -> None:
+    """Mark buffers as held in ``param_dtype`` on the devices (see ``_IN_PARAM_DTYPE``)."""
+    for t in tensors:
+        _IN_PARAM_DTYPE[id(t)] = weakref.ref(
+            t, lambda _, key=id(t): _IN_PARAM_DTYPE.pop(key, None))
+
+
+def in_param_dtype(t: torch.Tensor) -> bool:
+    """Whether a device holds ``t`` in ``param_dtype``: a floating parameter, or a buffer
+    marked so (:func:`mark_in_param_dtype`)."""
+    if not t.is_floating_point():
+        return False
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    ref = _IN_PARAM_DTYPE.get(id(t))
+    return ref is not None and ref() is t
 
 
 @dataclass
@@ -76,8 +103,9 @@ class LayerGraph:
     example_leaves: list = field(default_factory=list)   # the example's leaves
     static_dims: dict[str, dict[int, int]] = field(default_factory=dict)  # input -> {dim: size}
     training: bool = True          # the module's mode when captured (dropout, BatchNorm)
-    # mixed precision: the dtype devices hold floating parameters in (None: their own);
-    # the graph was captured with them in it, and costs count them in it
+    # mixed precision: the dtype devices hold floating parameters in (None: their own),
+    # and the buffers ``device_dtype`` says; the graph was captured with them in it, and
+    # costs count them in it
     param_dtype: torch.dtype | None = None
     # the torch.autocast regions the graph was captured (and runs) under (runtime.amp)
     autocast: tuple = ()
@@ -87,11 +115,15 @@ class LayerGraph:
     # output leaves (flat indices) no loss reads: the logits beside a fused loss
     # (passes.loss; a chain cut from the graph returning None for them has none)
     loss_free_outputs: tuple[int, ...] = ()
+    # output leaves (flat indices) that are means over target tokens, and the count of
+    # targets each divides by (``passes.token_means``; the runtime weights by it)
+    token_means: dict[int, Any] = field(default_factory=dict)
 
     def device_dtype(self, t: torch.Tensor) -> torch.dtype:
-        """The dtype ``t`` (one of the model's parameters or buffers) has on a device."""
-        if self.param_dtype is not None and t.is_floating_point() \
-                and isinstance(t, torch.nn.Parameter):
+        """The dtype ``t`` (one of the model's parameters or buffers) has on a device:
+        ``param_dtype`` for a floating parameter and the buffers the model loaded in it
+        holds in it (``passes.buffer_dtypes``), else its own."""
+        if self.param_dtype is not None and in_param_dtype(t):
             return self.param_dtype
         return t.dtype
 

@@ -142,6 +142,8 @@ def loss_reads_dropped(lg: Any, loss_fn: Callable[[Any, Any], Any], label: Any) 
                 loss = loss_fn(pytree.tree_unflatten(leaves, lg.out_spec), fake_label)
         except Exception:  # noqa: BLE001 — any failure: it reads them
             return True
+    if isinstance(loss, tuple) and len(loss) == 2:   # (sum, count): fxpipe.runtime.loss_weights
+        loss = loss[0]
     return not isinstance(loss, torch.Tensor)
 
 

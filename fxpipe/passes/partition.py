@@ -33,6 +33,7 @@ from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
 from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
 from fxpipe.passes.tiling import tile_mlps
+from fxpipe.passes.token_means import find_token_means
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 
 
@@ -48,8 +49,10 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
     ``param_dtype``: the devices' dtype for floating parameters (mixed precision: the
     graph is captured in it, ``fxpipe.passes.capture``). A causal LM's head and
     cross-entropy become ``linear_cross_entropy`` (``fxpipe.passes.loss``), chunked for
-    devices of ``device_memory`` bytes (``None``: unknown), and an MLP whose intermediates
-    would not fit its share of them runs in tiles (``fxpipe.passes.tiling``).
+    devices of ``device_memory`` bytes (``None``: unknown), a loss that averages over
+    target tokens divides its sum by a count the runtime weights microbatches by
+    (``fxpipe.passes.token_means``), and an MLP whose intermediates would not fit its
+    share of them runs in tiles (``fxpipe.passes.tiling``).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
@@ -63,6 +66,7 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
         gm = capture_graph(model, args, kwargs, capture, dynamic=dynamic, blocks=blocks,
                            param_dtype=param_dtype)
     fuse_linear_cross_entropy(gm, device_memory)
+    find_token_means(gm)
     tile_mlps(gm, device_memory)
     same_attention_kernels(gm)
     try:
@@ -203,7 +207,8 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
         example_leaves=gm.meta.get("input_leaves", []), static_dims=gm.meta.get("static_dims", {}),
         training=gm.meta.get("training", True), param_dtype=gm.meta.get("param_dtype"),
         autocast=gm.meta.get("autocast", ()), source=gm, containers=tuple(containers),
-        loss_free_outputs=gm.meta.get("loss_free_outputs", ()))
+        loss_free_outputs=gm.meta.get("loss_free_outputs", ()),
+        token_means=gm.meta.get("token_means", {}))
 
 
 def _fetch(gm: fx.GraphModule, target: str):

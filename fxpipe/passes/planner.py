@@ -589,24 +589,3 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
                 best, best_est = stages, est
     assert best is not None
     return best_est, best
-
-
-def roundpipe_greedy(times: Sequence[float], upper_threshold: float = 1.1, min_stages: int = 1,
-                     mem: Sequence[float] | None = None, cap: float | None = None) -> list[range]:
-    """Baseline, reproduced from RoundPipe's documentation: a stage may take up to
-    ``upper_threshold`` x the slowest layer; pack greedily under that cap; if that gives
-    fewer than ``min_stages`` stages, pack under ``max(slowest, total / min_stages)``.
-
-    >>> roundpipe_greedy([1, 1, 1, 1, 2])
-    [range(0, 2), range(2, 4), range(4, 5)]
-    """
-    n = len(times)
-    P = _prefix(times)
-    fit = None if cap is None else _Additive(mem or [0.0] * n, cap)
-    slowest = max(b - a for a, b in zip(P, P[1:]))  # as the prefix sums see it
-    cuts, _, _ = _pack(P, P, fit, fit, n, upper_threshold * slowest, INF)
-    if cuts is not None and len(cuts) < min_stages:
-        cuts, _, _ = _pack(P, P, fit, fit, n, max(slowest, P[-1] / min_stages), INF)
-    if cuts is None:
-        raise PlanError("roundpipe_greedy: a layer does not fit the memory cap")
-    return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]

@@ -149,12 +149,12 @@ class StageCompute:
                 outs, writebacks = self._run(d, st, [leaves[n] for n in st.inputs], m,
                                              keep_writebacks=True)
                 made = dict(zip(st.outputs, outs))
-                out = pytree.tree_unflatten(lg.flat_outputs({**leaves, **made}), lg.out_spec)
-                loss = call.loss_fn(out, label)
+                flat = lg.flat_outputs({**leaves, **made})
+                loss, weight = call.loss_weights.weigh(
+                    m, call.loss_fn(pytree.tree_unflatten(flat, lg.out_spec), label), flat)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError("loss_fn must return a scalar tensor, got "
-                                 f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
-            weight = call.loss_weights[m]
+                raise ValueError("loss_fn must return a scalar tensor (or a pair (sum, count)), "
+                                 f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
             scaled = loss if weight == 1.0 else loss * weight
             with self.on_host.lock:
                 call.writebacks.extend(writebacks)   # the tail's forward is its only one

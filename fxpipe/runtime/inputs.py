@@ -101,3 +101,29 @@ def _structure_message(expected, got) -> str:
     return ("the pipeline was compiled for the example's arguments; this call "
             + "; ".join(problems) + ". Call it with the same arguments as the example "
             "(sizes may differ), or compile again for the new signature.")
+
+
+def check_labels_like_ids(lg: LayerGraph, model: Any, kwargs: dict) -> None:
+    """A token-level LM's ``labels=`` (the example's had ``input_ids``'s shape; a model
+    that is not an encoder-decoder) must have its ``input_ids``'s shape: else a
+    ``ValueError`` before anything runs, instead of a new capture failing inside the
+    model's loss.
+
+    A seq2seq model's labels (the decoder's length) and a classifier's (one per row)
+    may differ from ``input_ids``: the example says which the model is.
+    """
+    ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) \
+            or ids.shape == labels.shape:
+        return
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return
+    example = dict(zip(lg.leaf_names, lg.example_leaves))
+    ex_ids, ex_labels = example.get("input_ids"), example.get("labels")
+    if isinstance(ex_ids, torch.Tensor) and isinstance(ex_labels, torch.Tensor) \
+            and ex_ids.shape == ex_labels.shape:
+        raise ValueError(
+            f"labels has shape {tuple(labels.shape)} and input_ids {tuple(ids.shape)}: "
+            f"{type(model).__name__} takes one label per token (the example's labels had "
+            "input_ids's shape), so they must have the same shape. Pad labels with -100 "
+            "where there is no target.")

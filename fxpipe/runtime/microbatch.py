@@ -11,7 +11,8 @@ every leaf below it.
 Auto rules: tensors with >= 1 dim split along dim 0 (sizes as ``torch.tensor_split``:
 they differ by at most one, first chunks larger); 0-dim tensors and other values are
 replicated; unregistered custom types are leaves. Merging concatenates >= 1-dim tensors on
-dim 0, averages 0-dim tensors and requires everything else to be equal.
+dim 0, averages 0-dim tensors (a pipe's call weights each microbatch by its share of the
+batch: ``fxpipe.runtime.loss_weights``) and requires everything else to be equal.
 
 >>> import torch
 >>> args, kwargs = split_input((torch.arange(5),), {"scale": 2.0}, 2, None)
@@ -24,7 +25,7 @@ dim 0, averages 0-dim tensors and requires everything else to be equal.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -255,38 +256,47 @@ def batch_rows(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> 
     return next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
 
 
-def check_label_rows(args: Sequence[Any], kwargs: Mapping[str, Any] | None, label: Any,
-                     n: int) -> None:
-    """Before a call splits inputs and label into ``n`` microbatches along dim 0 (the
-    default for both): each label tensor's microbatch ``m`` must hold the rows matching
-    the inputs' microbatch ``m`` (the same rows, or a fixed multiple of them, e.g. labels
+def check_rows(args: Sequence[Any], kwargs: Mapping[str, Any] | None, label: Any,
+               n: int) -> None:
+    """Before a call splits its inputs (and ``label``) into ``n`` microbatches along dim 0
+    (the default split): each tensor's microbatch ``m`` must hold the rows matching the
+    batch's microbatch ``m`` (the same rows, or a fixed multiple of them, e.g. labels
     flattened per token), else a ``ValueError`` naming the caller's shapes (not one
-    microbatch's, where a loss would report it).
+    microbatch's, where an op of the model or its loss would report it).
 
-    >>> check_label_rows((torch.zeros(6, 4),), {}, torch.zeros(5), 2)
+    >>> check_rows((torch.zeros(6, 4),), {}, torch.zeros(5), 2)
     Traceback (most recent call last):
     ...
     ValueError: label has 5 rows (shape (5,)) and the inputs 6 (args[0], shape (6, 4)): ...
     """
     rows = batch_rows(args, kwargs)
-    if rows is None or n < 1:
+    if rows is None or n < 2:
         return
     parts = _part_rows(rows, min(n, rows))
     paths = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))[0]
-    where, first = next((p, x) for p, x in paths if isinstance(x, torch.Tensor) and x.dim() > 0)
-    head = f"args[{where[1].idx}]" if where[0].idx == 0 else str(where[1].key)
-    name = head + pytree.keystr(where[2:])
-    for path, t in pytree.tree_flatten_with_path(label)[0]:
+    tensors = [(_input_name(p), x, "split_input") for p, x in paths
+               if isinstance(x, torch.Tensor) and x.dim() > 0]
+    name, first, _ = tensors[0]
+    labels = [("label" + pytree.keystr(p), t, "split_label")
+              for p, t in pytree.tree_flatten_with_path(label)[0]]
+    for what, t, spec in tensors[1:] + labels:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == rows:
             continue
         got = _part_rows(t.shape[0], len(parts))
         if all(g * rows == p * t.shape[0] for g, p in zip(got, parts)):
             continue   # a fixed multiple, split alike (e.g. one label per token)
+        fix = f"split it yourself (RunConfig({spec}=...))"
         raise ValueError(
-            f"label{pytree.keystr(path)} has {t.shape[0]} rows (shape {tuple(t.shape)}) and the "
-            f"inputs {rows} ({name}, shape {tuple(first.shape)}): both are split into "
-            f"{len(parts)} microbatches along dim 0, whose rows would not match. Give the label "
-            "one row per input row, or split it yourself (RunConfig(split_label=...)).")
+            f"{what} has {t.shape[0]} rows (shape {tuple(t.shape)}) and the inputs {rows} "
+            f"({name}, shape {tuple(first.shape)}): both are split into {len(parts)} "
+            f"microbatches along dim 0, whose rows would not match. Give {what} one row per "
+            f"input row, or {fix}.")
+
+
+def _input_name(path: tuple) -> str:
+    """``args[0]``, ``labels``, ``batch['ids']``: a call's input leaf by its pytree path."""
+    head = f"args[{path[1].idx}]" if path[0].idx == 0 else str(path[1].key)
+    return head + pytree.keystr(path[2:])
 
 
 def _part_rows(rows: int, n: int) -> list[int]:
@@ -347,7 +357,8 @@ def _average(values: list[torch.Tensor], weights: Sequence[float] | None) -> tor
     return (stacked * (w / w.sum())).sum(0)
 
 
-def _merge(values: list[Any], spec: Any, path: str, weights: Sequence[float] | None) -> Any:
+def _merge(values: list[Any], spec: Any, path: str,
+           weights: Callable[[str], Sequence[float] | None]) -> Any:
     if spec is None:
         spec = _AUTO
     if isinstance(spec, _CustomReducer):
@@ -361,7 +372,7 @@ def _merge(values: list[Any], spec: Any, path: str, weights: Sequence[float] | N
                 raise ValueError(f"{path}: microbatch 0 returned a tensor but microbatch {i} "
                                  f"returned {_describe(v)}")
         if spec is _AUTO and first.dim() == 0:
-            return _average(values, weights)
+            return _average(values, weights(path))
         dim = 0 if spec is _AUTO else spec.split_dim
         if any(v.dim() == 0 for v in values):
             raise ValueError(f"{path}: cannot concatenate 0-dim tensors along dim {dim}; use "
@@ -405,13 +416,16 @@ def _pack(outputs: list[Any]) -> Any:
 
 
 def merge_output(outputs: Sequence[Any], spec: Any = None, *,
-                 weights: Sequence[float] | None = None) -> Any:
+                 weights: Sequence[float] | None = None,
+                 leaf_weights: Mapping[str, Sequence[float]] | None = None) -> Any:
     """Merge per-microbatch outputs into one value.
 
     ``spec``: ``None``/``True`` (auto), a spec mirroring the output, a callable
     ``(list) -> Any``, or ``False`` (every leaf becomes a ``PackedData``). ``weights``
     (e.g. ``microbatch_weights(sizes)``) makes the auto average of 0-dim tensors a
-    weighted one, so a batch-mean loss over uneven microbatches equals the eager one.
+    weighted one, so a batch-mean loss over uneven microbatches equals the eager one;
+    ``leaf_weights`` gives a leaf (by its path, :func:`leaf_paths`) weights of its own
+    (a mean over target tokens: ``fxpipe.runtime.loss_weights``).
 
     >>> import torch
     >>> merge_output([(torch.ones(1), 3), (torch.ones(1), 3)], False)
@@ -426,9 +440,24 @@ def merge_output(outputs: Sequence[Any], spec: Any = None, *,
         spec = _AUTO
     elif _uses_callable(spec):
         return spec(outputs)
-    if weights is not None and len(weights) != len(outputs):
-        raise ValueError(f"merge_output: {len(weights)} weights for {len(outputs)} microbatches")
-    return _merge(outputs, spec, "output", weights)
+    for w in (weights, *(leaf_weights or {}).values()):
+        if w is not None and len(w) != len(outputs):
+            raise ValueError(f"merge_output: {len(w)} weights for {len(outputs)} microbatches")
+    by_path = dict(leaf_weights or {})
+    return _merge(outputs, spec, "output", lambda path: by_path.get(path, weights))
+
+
+def leaf_paths(value: Any, path: str = "output") -> list[str]:
+    """The path ``merge_output`` names each leaf of ``value`` by, in pytree order.
+
+    >>> leaf_paths({"loss": 1, "logits": (2, 3)})
+    ["output['loss']", "output['logits'][0]", "output['logits'][1]"]
+    """
+    node = _node(value)
+    if node is None:
+        return [path]
+    children, keys, _ = node
+    return [p for child, k in zip(children, keys) for p in leaf_paths(child, path + k)]
 
 
 def microbatch_weights(sizes: Sequence[int]) -> list[float]:

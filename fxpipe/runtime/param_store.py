@@ -40,7 +40,7 @@ from fxpipe.runtime import pinned
 from fxpipe.runtime.cuda import CudaDevice
 from fxpipe.runtime.device import Device
 from fxpipe.runtime.params import (
-    HostParams, _Slot, _align, _upload_dtype, converted, grad_dtype, is_scratch,
+    HostParams, _Slot, _align, _cast, _upload_dtype, converted, grad_dtype, is_scratch,
 )
 from fxpipe.runtime.scratch import ResidentBuffers
 from fxpipe.runtime.weights import file_backed
@@ -84,8 +84,9 @@ class ParamStore:
     tensors; a tensor may appear in several stages, or under several names in one stage).
     A stage uploads the contiguous runs of the flat buffers holding its tensors (usually
     one per dtype). ``param_dtype`` (mixed precision): floating parameters go to the
-    devices in it, from the bf16 copy (buffers in their own dtype); their gradients come
-    back into the masters' dtype.
+    devices in it, from the bf16 copy, and so do the buffers marked so
+    (``layer_graph.in_param_dtype``; the others in their own dtype); the gradients come back
+    into the masters' dtype.
 
     >>> lin = torch.nn.Linear(3, 1)
     >>> store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
@@ -347,6 +348,7 @@ def _runs(host: HostParams, slots: list[_Slot]) -> list[_Run]:
         dtype = host.flats[slot.region].dtype
         last = runs[-1] if runs else None
         if (last is not None and last.region == slot.region
+                and _cast(slot) == _cast(last.slots[0])   # one upload dtype per run
                 and slot.offset <= _align(last.stop, dtype)):
             last.stop = max(last.stop, slot.offset + slot.numel)
             last.slots.append(slot)

@@ -1,17 +1,17 @@
 """Host parameters: the model holds them once, in one flat buffer per dtype.
 
 :class:`HostParams` (one per model) moves the storage of every parameter and buffer a
-pipeline uses into one contiguous host buffer per dtype (parameters and buffers apart:
-under ``param_dtype`` only the parameters' upload copy is cast), laid out in layer order
-(the tensors several layers use first), and makes the model's tensors views of it, as FSDP's
-flat parameter does: ``model.parameters()``, ``state_dict()``, ``load_state_dict()`` and
-any ``torch.optim`` optimizer see the same tensors as before, and every stage of every
-plan is one or a few contiguous slices of that buffer, uploaded without a copy on the
-host. ``p.data = t`` by the user breaks the alias; ``refresh`` (before each call) copies
-the new values in and re-aliases. Gradients have one flat buffer too (per dtype, the
-trainable parameters only), made with the store of a training call
-(:meth:`HostParams.make_grads`, on the caller's thread): a gradient download writes into
-it directly, and the parameters' ``.grad`` become views of it at the commit.
+pipeline uses into one contiguous host buffer per dtype (parameters and buffers apart,
+and the buffers ``param_dtype`` converts apart from those it does not), laid out in layer
+order (the tensors several layers use first), and makes the model's tensors views of it,
+as FSDP's flat parameter does: ``model.parameters()``, ``state_dict()``,
+``load_state_dict()`` and any ``torch.optim`` optimizer see the same tensors as before,
+and every stage of every plan is one or a few contiguous slices of that buffer, uploaded
+without a copy on the host. ``p.data = t`` by the user breaks the alias; ``refresh``
+(before each call) copies the new values in and re-aliases. Gradients have one flat
+buffer too (per dtype, the trainable parameters only), made with the store of a training
+call (:meth:`HostParams.make_grads`, on the caller's thread): a gradient download writes
+into it directly, and the parameters' ``.grad`` become views of it at the commit.
 
 Pinning (``pin=True``; ``HostParams.of`` defaults to it when CUDA is available): every
 buffer here is page-locked at its exact size, rounded up to a page
@@ -31,11 +31,12 @@ upload reads could be registered for DMA (``pinned.register_window``: within
 page-locked ``pinned.Ring`` (at most twice the largest stage's file-backed upload bytes).
 
 Two things keep one more copy, in the same layout: ``param_dtype`` (mixed precision,
-devices compute in bf16: the bf16 copy of the floating parameters they upload; buffers
-keep their dtype, as the model asks) and an asynchronous optimizer
-(``fxpipe.optim`` ``mode="async"``: its update changes the parameters while the devices
-still read the previous ones). ``fxpipe.runtime.param_store.ParamStore`` is one
-Executable's view of it: per stage, the slices it uploads.
+devices compute in bf16: the bf16 copy of the floating parameters they upload, and of
+the buffers the model loaded in bf16 holds in bf16, ``passes.buffer_dtypes``) and an
+asynchronous optimizer (``fxpipe.optim`` ``mode="async"``: its update changes the
+parameters while the devices still read the previous ones).
+``fxpipe.runtime.param_store.ParamStore`` is one Executable's view of it: per stage, the
+slices it uploads.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxpipe.passes.layer_graph import in_param_dtype
 from fxpipe.runtime import pinned
 from fxpipe.runtime.device import host_allocations
 from fxpipe.runtime.issue_lock import blocking
@@ -170,7 +172,8 @@ class HostParams:
                     slot = self.slots.get(id(t))
                     if slot is not None and fqn not in slot.names:
                         slot.names.append(fqn)
-            new: dict[tuple[torch.dtype, bool], list[_Slot]] = {}  # one region per kind
+            # one region per kind: dtype, parameters or buffers, converted by param_dtype
+            new: dict[tuple[torch.dtype, bool, bool], list[_Slot]] = {}
             for fqn, t, is_buffer in order:
                 if id(t) in self.slots:
                     continue
@@ -180,8 +183,8 @@ class HostParams:
                 slot = _Slot(t, [fqn], is_buffer, t.shape)
                 self.slots[id(t)] = slot
                 if _adoptable(t, self.slots.values()):
-                    new.setdefault((t.dtype, is_buffer), []).append(slot)
-            for (dtype, _), slots in new.items():
+                    new.setdefault((t.dtype, is_buffer, _cast(slot)), []).append(slot)
+            for (dtype, _, _), slots in new.items():
                 size = 0
                 for slot in slots:
                     slot.offset = _align(size, dtype)
@@ -383,11 +386,17 @@ def _stamp(t: torch.Tensor) -> tuple:
 
 def _upload_dtype(slot: _Slot, param_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype ``slot``'s tensor has on a device: ``param_dtype`` for a floating
-    parameter (mixed precision), its own for the rest (buffers keep theirs)."""
-    dtype = slot.tensor.dtype
-    if param_dtype is not None and dtype.is_floating_point and not slot.is_buffer:
+    parameter and a buffer marked so (mixed precision: :func:`in_param_dtype`), its own
+    for the rest."""
+    if param_dtype is not None and _cast(slot):
         return param_dtype
-    return dtype
+    return slot.tensor.dtype
+
+
+def _cast(slot: _Slot) -> bool:
+    """Whether ``param_dtype`` converts ``slot``'s tensor on its way to a device."""
+    t = slot.tensor
+    return t.is_floating_point() and (not slot.is_buffer or in_param_dtype(t))
 
 
 def grad_dtype(t: torch.Tensor) -> torch.dtype:

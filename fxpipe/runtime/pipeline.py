@@ -44,6 +44,7 @@ from fxpipe.runtime.inputs import check_inputs
 from fxpipe.runtime.stage_code import runnables
 from fxpipe.runtime.interrupts import deferred_interrupt
 from fxpipe.runtime.issue import outside_program
+from fxpipe.runtime.loss_weights import LossWeights, Shares, shares
 from fxpipe.runtime.param_store import ParamStore
 from fxpipe.runtime.params import HostParams
 from fxpipe.runtime.pinned import Staging
@@ -150,10 +151,14 @@ class Runner:
         return self.host().pinned_bytes + staged
 
     # -- calls ---------------------------------------------------------------------------
-    def split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
-        """Per-microbatch input environments, and each microbatch's rows."""
+    def split(self, args: tuple, kwargs: dict, cfg: RunConfig
+              ) -> tuple[list[dict], list[int], Shares]:
+        """Per-microbatch input environments, each microbatch's rows, and its weights in
+        the merged 0-dim outputs (``runtime.loss_weights``: by rows, or for a mean over
+        target tokens by its targets, counted now)."""
         with outside_program(SPLITTING):
-            return self._split(args, kwargs, cfg)
+            envs, rows = self._split(args, kwargs, cfg)
+            return envs, rows, shares(self.lg, envs, rows)
 
     def _split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
         if not any(isinstance(x, mb.PackedData) for x in (*args, *kwargs.values())):
@@ -306,37 +311,39 @@ class Runner:
                       for (flat, spec), it in zip(leaves, staged)]
         return labels
 
-    def outputs(self, call: Call, cfg: RunConfig) -> Any:
+    def outputs(self, call: Call, cfg: RunConfig, shares_: Shares) -> Any:
+        """The call's outputs merged over its microbatches: a 0-dim leaf weighted by
+        ``shares_``."""
         per_mb = [pytree.tree_unflatten(self.lg.flat_outputs(env), self.lg.out_spec)
                   for env in call.host]
-        merged = mb.merge_output(per_mb, cfg.merge_output)
+        paths = mb.leaf_paths(per_mb[0])
+        merged = mb.merge_output(per_mb, cfg.merge_output, weights=shares_.rows,
+                                 leaf_weights={paths[i]: w for i, w in shares_.tokens.items()})
         if cfg.output_device is not None and torch.device(cfg.output_device).type != "cpu":
             merged = pytree.tree_map_only(torch.Tensor, lambda t: t.to(cfg.output_device), merged)
         return merged
 
     def infer(self, args: tuple, kwargs: dict, cfg: RunConfig) -> Any:
-        envs, _ = self.split(args, kwargs, cfg)
+        envs, _, shares_ = self.split(args, kwargs, cfg)
         call = self.call("infer", envs, cfg)
-        return self.run_call(call, results=lambda: self.outputs(call, cfg))
+        return self.run_call(call, results=lambda: self.outputs(call, cfg, shares_))
 
     def fused(self, args: tuple, kwargs: dict, label: Any, loss_fn: Callable,
               reduction: str, cfg: RunConfig, return_outputs: bool,
               optimizer: Any = None, sync: bool = True) -> tuple[torch.Tensor, Any]:
         """``optimizer``: an ``fxpipe.optim.Overlapped`` whose step this call runs;
         ``sync``: data parallel, whether it synchronizes gradients."""
-        envs, rows = self.split(args, kwargs, cfg)
+        envs, rows, shares_ = self.split(args, kwargs, cfg)
         with outside_program(SPLITTING):
             labels = self._split_label(label, len(envs), cfg)
-        weights = mb.microbatch_weights(rows) if reduction == "mean" else [1.0] * len(envs)
-        if len(envs) == 1:
-            weights = [1.0]
+        weights = LossWeights(self.lg, loss_fn, labels, shares_, reduction)
         opt = optimizer.call() if optimizer is not None else None
         if opt is not None:
             loss_fn = opt.scale_loss(loss_fn)
         call = self.call("fused", envs, cfg, optimizer=opt, outputs=return_outputs, sync=sync,
                          labels=labels, loss_fn=loss_fn, loss_weights=weights)
         try:
-            outputs = self.run_call(call, results=(lambda: self.outputs(call, cfg))
+            outputs = self.run_call(call, results=(lambda: self.outputs(call, cfg, shares_))
                                    if return_outputs else None, commit_grads=True)
         except BaseException as e:
             if opt is not None and not call.committed:
@@ -392,7 +399,7 @@ class TrainCall:
     def __init__(self, runner: Runner, args: tuple, kwargs: dict, cfg: RunConfig,
                  sync: bool = True):
         self.runner, self.cfg, self.sync = runner, cfg, sync
-        self.envs, self.rows = runner.split(args, kwargs, cfg)
+        self.envs, self.rows, self.shares = runner.split(args, kwargs, cfg)
         self.forward_call: Call | None = None
         self.out_leaves: list[list] = []
         self.merged_flat: list = []
@@ -401,7 +408,7 @@ class TrainCall:
     def forward(self) -> Any:
         r = self.runner
         call = r.call("train", self.envs, self.cfg, phase="forward", sync=self.sync)
-        outputs = r.run_call(call, results=lambda: r.outputs(call, self.cfg))
+        outputs = r.run_call(call, results=lambda: r.outputs(call, self.cfg, self.shares))
         self.forward_call = call
         self.out_leaves = [r.lg.flat_outputs(env) for env in call.host]
         return outputs
@@ -438,7 +445,8 @@ class TrainCall:
         for k, g in enumerate(merged_grads):
             if g is None or names[k] is None:
                 continue
-            parts = _unmerge(g, [leaves[k] for leaves in self.out_leaves], leaf_specs[k])
+            parts = _unmerge(g, [leaves[k] for leaves in self.out_leaves], leaf_specs[k],
+                             self.shares.of(k))
             for m, part in enumerate(parts):
                 prev = out_grads[m].get(names[k])
                 out_grads[m][names[k]] = part if prev is None else prev + part
@@ -472,15 +480,17 @@ def _leaf_specs(spec: Any, lg: LayerGraph, host: list[dict]) -> list[Any]:
     return leaves
 
 
-def _unmerge(grad: torch.Tensor, per_mb: list, spec: Any) -> list[torch.Tensor]:
-    """Split the gradient of a merged output leaf back into its microbatches."""
+def _unmerge(grad: torch.Tensor, per_mb: list, spec: Any, shares_: list[float]
+             ) -> list[torch.Tensor]:
+    """Split the gradient of a merged output leaf back into its microbatches (a 0-dim
+    leaf's microbatches were weighted by ``shares_``)."""
     first = per_mb[0]
     if isinstance(spec, TensorChunkSpec):
         dim = spec.split_dim
     elif spec is None and isinstance(first, torch.Tensor) and first.dim() > 0:
         dim = 0
     elif spec is None and isinstance(first, torch.Tensor):
-        return [grad / len(per_mb) for _ in per_mb]  # 0-dim outputs were averaged
+        return [grad * w for w in shares_]  # 0-dim outputs were averaged, weighted
     else:
         raise NotImplementedError(f"cannot split the gradient of an output merged with {spec!r}")
     return list(torch.split(grad, [t.shape[dim] for t in per_mb], dim=dim))

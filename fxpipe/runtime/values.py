@@ -45,7 +45,7 @@ class Call:
     call_seed: int | None = None
     labels: list[Any] | None = None          # fused: per microbatch label
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    loss_weights: list[float] | None = None
+    loss_weights: Any = None                 # fused: runtime.loss_weights.LossWeights
     out_grads: list[dict[str, torch.Tensor]] | None = None   # train backward: output grads
     timer: LayerTimer | None = None
     optimizer: Any = None                    # fxpipe.optim's part of the call (host lane)
