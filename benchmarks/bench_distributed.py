@@ -120,7 +120,7 @@ def part_measured(args: argparse.Namespace) -> dict:
 # -------------------------------------------------------------------------------- memory
 
 def _memory_rank(rank: int, world: int, folder: str, shard: bool, bf16: bool) -> None:
-    from fxpipe.runtime.params import HostParams
+    from fxpipe.runtime.host.params import HostParams
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world)

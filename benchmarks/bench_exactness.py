@@ -8,7 +8,7 @@ rows (``tests/hf_zoo.sft_batch``: a masked prompt, a row cut short, a row with n
 BERT's targets only where 30 % of the tokens were masked), 2 virtual devices, 1 to 4
 microbatches. Per row: the loss's relative difference from eager's, and the largest
 gradient difference over the model's largest gradient, side by side for fxpipe's
-weights (each microbatch by its share of the target tokens: ``fxpipe.runtime.loss_weights``)
+weights (each microbatch by its share of the target tokens: ``fxpipe.runtime.issue.loss_weights``)
 and for the earlier design (by its share of the rows, the model's mean as it is). And the
 host time the count of targets adds to a call (the count graph run on every microbatch's
 inputs before the call), min and median over repeats. Errors are the same on any CPU; the
@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxpipe  # noqa: E402
-from fxpipe.runtime.inputs import check_inputs  # noqa: E402
-from fxpipe.runtime.loss_weights import shares  # noqa: E402
-from fxpipe.runtime.microbatch import split_input  # noqa: E402
+from fxpipe.runtime.issue.inputs import check_inputs  # noqa: E402
+from fxpipe.runtime.issue.loss_weights import shares  # noqa: E402
+from fxpipe.runtime.issue.microbatch import split_input  # noqa: E402
 from tests import hf_zoo  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_exactness.json"

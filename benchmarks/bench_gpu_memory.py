@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxpipe  # noqa: E402
-from fxpipe.runtime.emulator import VirtualDevice  # noqa: E402
+from fxpipe.runtime.devices.emulator import VirtualDevice  # noqa: E402
 from tests.models import MLPBlock  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_gpu_memory.json"

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fxpipe  # noqa: E402
 from fxpipe.demo import TinyLlama  # noqa: E402
 from fxpipe.plan import layer_costs  # noqa: E402
-from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
+from fxpipe.runtime.devices.emulator import InlineDevice  # noqa: E402
 from fxpipe.sim import Hardware, LayerCost  # noqa: E402
 from fxpipe.sim.hardware import H200_HOST  # noqa: E402
 from fxpipe.sim.host_fit import fit_host, issue_us_by_kind  # noqa: E402

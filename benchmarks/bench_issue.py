@@ -87,8 +87,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
 from bench_memory import CausalLM  # noqa: E402
-from fxpipe.runtime.device_graph import DeviceGraph  # noqa: E402
-from fxpipe.runtime.emulator import InlineDevice  # noqa: E402
+from fxpipe.runtime.devices.device_graph import DeviceGraph  # noqa: E402
+from fxpipe.runtime.devices.emulator import InlineDevice  # noqa: E402
 from fxpipe.sim.hardware import H200_HOST  # noqa: E402
 
 GiB = 2**30
@@ -226,9 +226,9 @@ def modelled_host_ms(eager_row: dict, kernels: float) -> float:
 
 def compile_time(blocks: int) -> dict:
     """Run in a fresh process: inductor's compile seconds for a fused step of the
-    Llama-3.1-8B shape at tiny widths with ``blocks`` blocks (``runtime.compiled``'s
+    Llama-3.1-8B shape at tiny widths with ``blocks`` blocks (``runtime.stages.compiled``'s
     artifacts' own clocks), and how many artifacts and signatures it compiled."""
-    from fxpipe.runtime.compiled import artifacts
+    from fxpipe.runtime.stages.compiled import artifacts
     torch.set_num_threads(1)
     _, pipe, ids = tiny_pipe("Llama-3.1-8B", 1, None, "inductor", num_hidden_layers=blocks)
     start = time.perf_counter()

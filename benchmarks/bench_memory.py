@@ -77,7 +77,7 @@ from fxpipe.passes.costs import _attr_tensors, compute_costs  # noqa: E402
 from fxpipe.passes.stage_memory import ChainMemory, Residency, human_bytes, stage_peak  # noqa: E402
 from fxpipe.passes.partition import build_layer_graph  # noqa: E402
 from fxpipe.plan import ExecutePlan, predict_memory  # noqa: E402
-from fxpipe.runtime.microbatch import split_input, split_label  # noqa: E402
+from fxpipe.runtime.issue.microbatch import split_input, split_label  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
 from encoder_decoder import Decoder, Encoder  # noqa: E402

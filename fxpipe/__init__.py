@@ -23,9 +23,9 @@ from fxpipe.config import RunConfig
 from fxpipe.errors import (CaptureError, DeviceMemoryError, DistributedError, PlanError,
                            StageError)
 from fxpipe.losses import linear_cross_entropy
-from fxpipe.runtime.device import Device
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.microbatch import PackedData
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.issue.microbatch import PackedData
 from fxpipe.verbose import set_verbose
 
 if TYPE_CHECKING:

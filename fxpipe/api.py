@@ -2,7 +2,7 @@
 
 ``compile`` checks its arguments and resolves the devices; ``PipelineModule`` captures
 the model (a new capture when no compiled graph serves a call: ``fxpipe.graph_cache``),
-plans it and calls its ``Runner`` (``fxpipe.runtime.pipeline``). What a pipe shows is
+plans it and calls its ``Runner`` (``fxpipe.runtime.issue.pipeline``). What a pipe shows is
 ``fxpipe.inspecting``'s, its checkpoints ``fxpipe.checkpointing``'s.
 """
 
@@ -39,21 +39,21 @@ from fxpipe.passes.partition import build_layer_graph, find_block_lists
 from fxpipe.passes.schedule import optimizer_spec
 from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime import pinned
-from fxpipe.runtime.autograd import train_call
-from fxpipe.runtime.cuda import CudaDevice
-from fxpipe.runtime.device import Device
-from fxpipe.runtime.distributed import DataParallel
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.graphs import StageGraphs
-from fxpipe.runtime.inputs import check_labels_like_ids
-from fxpipe.runtime.microbatch import batch_rows, check_rows, split_input, split_label
-from fxpipe.runtime.params import HostParams
-from fxpipe.runtime.pinned import Staging
-from fxpipe.runtime.pipeline import Runner, TrainCall
-from fxpipe.runtime.resolve import resolve_devices
-from fxpipe.runtime.trace import ActionLog
-from fxpipe.runtime.weights import load as load_weights
+from fxpipe.runtime.devices import pinned
+from fxpipe.runtime.issue.autograd import train_call
+from fxpipe.runtime.devices.cuda import CudaDevice
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.issue.distributed import DataParallel
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.stages.graphs import StageGraphs
+from fxpipe.runtime.issue.inputs import check_labels_like_ids
+from fxpipe.runtime.issue.microbatch import batch_rows, check_rows, split_input, split_label
+from fxpipe.runtime.host.params import HostParams
+from fxpipe.runtime.devices.pinned import Staging
+from fxpipe.runtime.issue.pipeline import Runner, TrainCall
+from fxpipe.runtime.devices.resolve import resolve_devices
+from fxpipe.runtime.issue.trace import ActionLog
+from fxpipe.runtime.host.weights import load as load_weights
 from fxpipe.verbose import warn
 
 
@@ -123,7 +123,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
 
     The host holds the model once: on the first call, the parameters and buffers the
     pipeline uses move into one flat buffer per dtype, laid out in layer order, and the
-    model's tensors become views of it (``fxpipe.runtime.params.HostParams``; the
+    model's tensors become views of it (``fxpipe.runtime.host.params.HostParams``; the
     parameter objects, ``state_dict()`` and optimizers are unchanged). ``pin_memory``:
     whether the pipe's host memory is pinned (page-locked), which lets GPUs copy to and
     from it without blocking the thread issuing the copy: the flat parameter buffers,
@@ -131,7 +131,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     gradient buffers (made at the first training call), a copy of each parameter that
     could not move into them, and a per-call staging copy of the inputs, labels and
     output gradients the call uploads. Each is pinned at its exact size rounded up to a
-    page (``fxpipe.runtime.pinned``), not through torch's caching host allocator, which
+    page (``fxpipe.runtime.devices.pinned``), not through torch's caching host allocator, which
     rounds up to a power of two. Default (``None``): pinned when every device is a GPU
     (``CudaDevice``: registered with CUDA) or a ``VirtualDevice(semantics="cuda")``
     (emulated: recorded as page-locked, no CUDA call), else not. ``True`` with no GPU
@@ -159,7 +159,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how
     long a collective waits for the other ranks; a training call that fails on one rank
     fails on every rank with ``fxpipe.DistributedError`` naming the rank
-    (``fxpipe.runtime.distributed``).
+    (``fxpipe.runtime.issue.distributed``).
     Ranks that compiled different plans or parameter shapes fail here with a
     ``ValueError`` saying where they differ.
 
@@ -173,7 +173,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     stay read-only memory maps of the file: the page cache holds them, never anonymous
     memory, and uploads read them from there (in ``param_dtype``). Trainable ones and
     buffers move into the host buffers at the first call. ``pipe.save_pretrained(dir)``
-    writes sharded safetensors back. See docs/weights.md (``fxpipe.runtime.weights``).
+    writes sharded safetensors back. See docs/weights.md (``fxpipe.runtime.host.weights``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -384,7 +384,7 @@ class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
         model's own mean over them (a Hugging Face model's ``labels=`` loss, ``-100``
         padding included: ``fxpipe.passes.token_means``), of a ``(sum, count)`` pair's
         count (the sums divided by the batch's count, which must come from the label
-        alone), else of the rows (``fxpipe.runtime.loss_weights``). ``"sum"`` adds the
+        alone), else of the rows (``fxpipe.runtime.issue.loss_weights``). ``"sum"`` adds the
         microbatch losses unweighted.
 
         ``optimizer``: a torch optimizer (or ``fxpipe.optim.overlapped(opt, ...)``) to

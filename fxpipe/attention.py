@@ -8,7 +8,7 @@ masks would not be the forward's, and the gradients would be those of another fo
 
 So an attention with dropout runs as it would with grad, always
 (:func:`scaled_dot_product_attention`): the forward and the recompute pick the same
-kernel, and draw the same masks from the layer's seed (``fxpipe.runtime.rng``). It costs
+kernel, and draw the same masks from the layer's seed (``fxpipe.runtime.stages.rng``). It costs
 the autograd record of one op in the forward; an attention without dropout runs as it is.
 
 - Captured graphs call it in place of ``F.scaled_dot_product_attention`` (or ``aten``'s)

@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import CaptureError
-from fxpipe.runtime.device import Device
-from fxpipe.runtime.resolve import resolve_devices
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.resolve import resolve_devices
 from fxpipe.stage_plan import StagePlan
 
 

@@ -1,5 +1,5 @@
 """What a ``PipelineModule`` checks of a call before anything of it runs, beyond its inputs'
-structure (``fxpipe.runtime.inputs``) and rows (``fxpipe.runtime.microbatch``): gradients
+structure (``fxpipe.runtime.issue.inputs``) and rows (``fxpipe.runtime.issue.microbatch``): gradients
 that would be lost, fp16 without loss scaling, an optimizer that holds none of the
 model's parameters; and what every rank of a data-parallel pipe must agree on.
 """
@@ -15,9 +15,9 @@ import torch.utils._pytree as pytree
 from fxpipe.config import RunConfig
 from fxpipe.graph_cache import CompiledGraph
 from fxpipe.optim import Overlapped
-from fxpipe.runtime import amp
-from fxpipe.runtime.distributed import DataParallel
-from fxpipe.runtime.microbatch import PackedData
+from fxpipe.runtime.stages import amp
+from fxpipe.runtime.issue.distributed import DataParallel
+from fxpipe.runtime.issue.microbatch import PackedData
 
 
 def digest(compiled: CompiledGraph, param_dtype: torch.dtype | None,

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from fxpipe.optim import as_overlapped
-from fxpipe.runtime.buckets import reshard
-from fxpipe.runtime.shards import save_pretrained
+from fxpipe.runtime.host.buckets import reshard
+from fxpipe.runtime.host.shards import save_pretrained
 
 
 class Checkpointing:
@@ -55,7 +55,7 @@ class Checkpointing:
         parameters stay views of the host buffers), its fp32 masters and ``optimizer``,
         with the same ``shard_optimizer`` and ``param_dtype``. Sharded optimizer state and
         masters saved by another number of ranks are resharded: each rank reads the
-        pieces of the old ranks that overlap its own (``runtime.buckets.reshard``)."""
+        pieces of the old ranks that overlap its own (``runtime.host.buckets.reshard``)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                              set_optimizer_state_dict)

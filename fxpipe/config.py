@@ -24,7 +24,7 @@ import torch
 from fxpipe.stage_plan import StagePlan
 
 _GRAINS = ("stage", "layer")
-STAGE_BACKENDS = ("eager", "inductor", "auto", "cudagraphs")   # fxpipe.runtime.compiled, .graphs
+STAGE_BACKENDS = ("eager", "inductor", "auto", "cudagraphs")   # fxpipe.runtime.stages.compiled, .graphs
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,15 @@ class RunConfig:
     - ``preserve_rng_state``: replay dropout masks exactly on recompute (default True).
     - ``recompute_grain``: ``"stage"`` or ``"layer"`` (default ``"stage"``).
     - ``num_microbatch``: microbatches per call, >= 1 (default number of devices + 1).
-    - ``split_input`` / ``split_label`` / ``merge_output``: see ``fxpipe.runtime.microbatch``.
+    - ``split_input`` / ``split_label`` / ``merge_output``: see ``fxpipe.runtime.issue.microbatch``.
     - ``execute_plan``: an ``ExecutePlan`` (default: planned automatically).
     - ``stage_backend``: ``None``/``"eager"`` (default), ``"inductor"`` (each layer segment
       of the stage code compiled by inductor, shared across repeated blocks) or ``"auto"``
       (inductor where it compiles, eager where it cannot or where a layer draws random
-      numbers): ``fxpipe.runtime.compiled``; or ``"cudagraphs"``: inductor's code, and
+      numbers): ``fxpipe.runtime.stages.compiled``; or ``"cudagraphs"``: inductor's code, and
       each forward job and stage recompute-and-backward of a stage that can be captured
       replayed as a device graph (a CUDA graph), its parameters uploaded to the same
-      device memory every round (``fxpipe.runtime.graphs``; the fused tail and
+      device memory every round (``fxpipe.runtime.stages.graphs``; the fused tail and
       layer-grain backward run the compiled code).
     """
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.config import RunConfig
-from fxpipe.runtime.params import HostParams
+from fxpipe.runtime.host.params import HostParams
 
 
 class Generating:

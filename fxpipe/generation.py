@@ -38,8 +38,8 @@ import torch.nn as nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from fxpipe.config import RunConfig
-from fxpipe.runtime.params import is_scratch, mark_scratch
-from fxpipe.runtime.scratch import ResidentBuffers, ScratchUse, scratch_use
+from fxpipe.runtime.host.params import is_scratch, mark_scratch
+from fxpipe.runtime.host.scratch import ResidentBuffers, ScratchUse, scratch_use
 
 __all__ = ["StepModule", "generate", "sample_next"]
 
@@ -98,7 +98,7 @@ def _make_cache(config: Any, keys: list[torch.Tensor], values: list[torch.Tensor
 
         def update(self, key_states, value_states, *args, **kwargs):
             # the call's rows: the runtime serves a microbatch its own rows of the cache
-            # (``runtime.scratch``), and the graph stays generic in the batch
+            # (``runtime.host.scratch``), and the graph stays generic in the batch
             rows = key_states.shape[0]
             keys, values = self.keys.narrow(0, 0, rows), self.values.narrow(0, 0, rows)
             positions = self._cache.positions
@@ -448,7 +448,7 @@ class Steps:
                  use: ScratchUse | None = None, plan: Any = None):
         """One call: ``use`` says which rows each microbatch is (the batch split into
         ``len(use.rows)``), which cache positions it writes and which caches stay on the
-        devices (``runtime.scratch``); without it, one microbatch and whole caches.
+        devices (``runtime.host.scratch``); without it, one microbatch and whole caches.
         ``plan``: a decode step's plan cut for its resident caches
         (``kv_placement.cache_plan``), else the step pipe's."""
         use = use or ScratchUse()

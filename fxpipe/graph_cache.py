@@ -8,7 +8,7 @@ layer chain, its plan (planned at first use) and what was built for it: an
 ``Executable`` per (plan, ``CallSpec``), a ``Runner`` per plan (``plan_key``), the
 measured layer times; and the same chain trimmed of the outputs no loss reads.
 
-Not to be confused with ``fxpipe.runtime.compiled``, which compiles a stage's layers
+Not to be confused with ``fxpipe.runtime.stages.compiled``, which compiles a stage's layers
 for a stage backend (inductor); this module caches whole captured chains.
 ``fxpipe.api`` (``fxpipe.compile``, ``PipelineModule``) builds them and calls them.
 """
@@ -33,12 +33,12 @@ from fxpipe.passes.partition import without_loss_free_outputs
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.stage import Executable
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime import amp
-from fxpipe.runtime.inputs import (changed_constant, check_structure, same_constants,
+from fxpipe.runtime.stages import amp
+from fxpipe.runtime.issue.inputs import (changed_constant, check_structure, same_constants,
                                    static_dim_problem)
-from fxpipe.runtime.microbatch import PackedData
-from fxpipe.runtime.pipeline import Runner
-from fxpipe.runtime.timer import LayerTimer
+from fxpipe.runtime.issue.microbatch import PackedData
+from fxpipe.runtime.issue.pipeline import Runner
+from fxpipe.runtime.stages.timer import LayerTimer
 from fxpipe.verbose import is_verbose
 
 

@@ -15,10 +15,10 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.program import Program
 from fxpipe.passes.stage import Stage
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime.graphs import not_capturable
-from fxpipe.runtime.stage_code import runnable_code
-from fxpipe.runtime.timer import LayerTimer
-from fxpipe.runtime.trace import trace as _trace
+from fxpipe.runtime.stages.graphs import not_capturable
+from fxpipe.runtime.stages.stage_code import runnable_code
+from fxpipe.runtime.stages.timer import LayerTimer
+from fxpipe.runtime.issue.trace import trace as _trace
 
 
 class Inspecting:
@@ -60,7 +60,7 @@ class Inspecting:
         backward stages), each starting with its ``# stage ...`` header line.
         ``grain=None``: the pipe's ``recompute_grain`` (``"stage"`` unless its config
         says otherwise). ``runnable=True``: the code the runtime executes for each
-        (``fxpipe.runtime.stage_code.runnable``): the same graph with each transfer node
+        (``fxpipe.runtime.stages.stage_code.runnable``): the same graph with each transfer node
         a plain call serving what the Program's actions moved, layer marks, and for a
         stage with a tail its recompute too, the tail's nodes unfilled.
         ``"generate"``: the prefill's stages, then a decode step's (``pipe.generate``),
@@ -213,7 +213,7 @@ class Inspecting:
 
 def _graph_line(backend: str, st: Stage, piece: bool) -> str:
     """Under ``"cudagraphs"``: whether the stage's jobs replay a device graph
-    (``runtime.graphs``), or why not."""
+    (``runtime.stages.graphs``), or why not."""
     if backend != "cudagraphs":
         return ""
     if st.kind == "fused":

@@ -8,7 +8,7 @@ out of ``params`` and into a ``"cache"`` share that every stage on that device c
 for the whole call. ``"device"`` keeps them all (or refuses with the numbers), ``"auto"``
 what fits under ``AUTO_HEADROOM`` of each device's limit. ``predict_memory(run_type=
 "generate", kv_cache=...)`` is the placement's prediction; the runtime holds the chosen
-caches in a ``runtime.scratch.ResidentBuffers``.
+caches in a ``runtime.host.scratch.ResidentBuffers``.
 
 Where the step pipe's own plan (cut for weights streamed with their caches) cannot hold
 every cache, ``cache_plan`` cuts the decode again for the cache: each device must hold
@@ -37,8 +37,8 @@ from fxpipe.memory_prediction import MemoryPrediction, tensor_bytes
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.stage_memory import ChainMemory, device_peaks, human_bytes, program_peaks
 from fxpipe.plan import MEMORY_FRACTION, ExecutePlan
-from fxpipe.runtime.inputs import static_dim_problem
-from fxpipe.runtime.params import is_scratch
+from fxpipe.runtime.issue.inputs import static_dim_problem
+from fxpipe.runtime.host.params import is_scratch
 
 __all__ = ["AUTO_HEADROOM", "CachePlacement", "cache_plan", "place_cache", "prefill_chunk"]
 
@@ -53,7 +53,7 @@ class CachePlacement:
     """Where a decode step keeps each stage's KV cache: ``resident``, the decode stages
     whose cache stays on their device for the whole ``generate`` call (the others stream
     in with their weights each step); ``kept``, the ids of those caches' host tensors
-    (what ``runtime.scratch.ResidentBuffers`` holds); ``prediction``, the decode step's
+    (what ``runtime.host.scratch.ResidentBuffers`` holds); ``prediction``, the decode step's
     predicted memory with it (``fxpipe.plan.predict_memory``; each stage's ``"cache"``
     bytes: what its device keeps resident for all its stages); ``plan``, the decode's
     plan cut for the cache (:func:`cache_plan`), ``None`` where the step pipe's own plan

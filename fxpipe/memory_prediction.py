@@ -37,7 +37,7 @@ from fxpipe.passes.stage_memory import (
 )
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
-from fxpipe.runtime.graphs import graph_jobs
+from fxpipe.runtime.stages.graphs import graph_jobs
 from fxpipe.stage_plan import RunType, StagePlan
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
@@ -244,7 +244,7 @@ def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
     stage's outputs, kept for its recompute) with the model's inputs, for every
     microbatch (``activations``); and the gradients a backward stage hands the next at
     the largest cut, for every microbatch (``activation_grads``). Page-locked at their
-    size (``fxpipe.runtime.pinned``). Not the optimizer's state (AdamW: twice the
+    size (``fxpipe.runtime.devices.pinned``). Not the optimizer's state (AdamW: twice the
     trainable parameters' bytes in fp32)."""
     tensors = {id(t): t for t in [*lg.params.values(), *lg.buffers.values()]
                if isinstance(t, torch.Tensor)}.values()

@@ -13,7 +13,7 @@ They are real ops (``torch.library.custom_op``) with autograd formulas, so a sta
 is an ordinary differentiable program: called directly (``pipe.stages[1].gm(x)``) it runs
 on the host, each transfer a copy, gradients flowing back through ``prefetch`` to the
 model's own parameters. The runtime executes the same graph node by node
-(``fxpipe.runtime.stage_code``), serving these nodes from what its Program's transfer
+(``fxpipe.runtime.stages.stage_code``), serving these nodes from what its Program's transfer
 actions put on the device.
 """
 

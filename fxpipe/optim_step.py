@@ -145,7 +145,7 @@ def step_groups(opt: torch.optim.Optimizer, groups: list[dict],
 def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[Any],
                 state: dict[str, dict]) -> None:
     """``shard_optimizer``: step this rank's shard of some buckets
-    (``fxpipe.runtime.buckets.Shard``: the averaged gradient of its 1/N, one flat
+    (``fxpipe.runtime.host.buckets.Shard``: the averaged gradient of its 1/N, one flat
     tensor) with ``opt``'s class and each param group's settings ``hyper``: each
     parameter's piece in the shard is stepped in place, as its fp32 master where this
     rank keeps one (``Bucket.masters``), else as a view of the parameter (parameters

@@ -32,7 +32,7 @@ import torch
 # would run as one stage. They are planned as if issuing were free (subprocesses inherit
 # it), so their pipelines keep several stages; the tests of that cost pass it explicitly.
 os.environ.setdefault("FXPIPE_HOST_MS_PER_ACTION", "0")   # before fxpipe is imported
-from fxpipe.runtime import emulator  # noqa: E402
+from fxpipe.runtime.devices import emulator  # noqa: E402
 
 TEST_DEVICE = os.environ.get("FXPIPE_TEST_DEVICE")
 if TEST_DEVICE not in (None, "virtual", "cuda-sim"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe.demo import TinyLlama
 from fxpipe.passes.program import stream_of
-from fxpipe.runtime import compute
+from fxpipe.runtime.issue import compute
 from tests import models
 
 # 6 layers (prefix, 4 blocks, suffix); an asymmetric plan with a fused tail

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe.passes.buffer_dtypes import buffers_in_param_dtype
 from fxpipe.passes.layer_graph import mark_in_param_dtype
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.param_store import ParamStore
-from fxpipe.runtime.params import HostParams, mark_scratch
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.host.param_store import ParamStore
+from fxpipe.runtime.host.params import HostParams, mark_scratch
 from tests import models
 
 T = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import torch
 
 from fxpipe.config import RunConfig
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime.microbatch import TensorChunkSpec
+from fxpipe.runtime.issue.microbatch import TensorChunkSpec
 
 
 def test_every_field_defaults_to_unset():

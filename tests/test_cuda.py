@@ -129,7 +129,7 @@ def test_the_streamed_optimizer_on_gpus():
 
 
 def test_pinned_memory_is_registered_at_its_exact_size():
-    from fxpipe.runtime import pinned
+    from fxpipe.runtime.devices import pinned
 
     account = pinned.Account()
     n = (3 * pinned.PAGE + 8) // 4                      # 3 pages and 8 bytes of fp32
@@ -258,8 +258,8 @@ def test_a_gpu_waiting_for_a_host_event_lets_other_issue_threads_in():
     """#41 item 1: ``CudaDevice.submit`` waiting (at issue, under the issue lock) for a
     host-lane event lets go of the lock while it waits: the thread that completes the event
     needs the lock first. Under the lock this would wait out the timeout."""
-    from fxpipe.runtime.emulator import InlineDevice
-    from fxpipe.runtime.issue_lock import issuing
+    from fxpipe.runtime.devices.emulator import InlineDevice
+    from fxpipe.runtime.devices.issue_lock import issuing
     d, host = fxpipe.CudaDevice(0), fxpipe.VirtualDevice()
     gate = threading.Event()
     host_event = host.submit("compute", lambda: gate.wait(timeout=30))
@@ -284,7 +284,7 @@ def test_two_logical_devices_on_one_gpu_train_equal_to_eager():
     """Two CudaDevices of one GPU under two names: their own streams, events and copies,
     so the cross-device hand-offs run on real CUDA with one GPU (fxpipe.check's
     ``scaling`` also runs them on its model)."""
-    from fxpipe.runtime.cuda import CudaDevice
+    from fxpipe.runtime.devices.cuda import CudaDevice
     half = torch.cuda.get_device_properties(0).total_memory // 2
     devices = [CudaDevice(0, memory_limit=half, name=f"cuda:0/{i}") for i in range(2)]
     assert devices[0].streams["compute"] != devices[1].streams["compute"]

@@ -22,9 +22,9 @@ from expecttest import assert_expected_inline
 
 import fxpipe
 from fxpipe.errors import StageError
-from fxpipe.runtime.device_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
-from fxpipe.runtime.graphs import StageGraphs, not_capturable
-from fxpipe.runtime.param_store import ParamStore
+from fxpipe.runtime.devices.device_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
+from fxpipe.runtime.stages.graphs import StageGraphs, not_capturable
+from fxpipe.runtime.host.param_store import ParamStore
 from tests.test_stage_backend import ATOL, RTOL, blocks, mse
 
 
@@ -289,7 +289,7 @@ def test_cuda_graphs_on_a_gpu_equal_inductors_code():
     """On a GPU (two logical devices of GPU 0): the jobs are ``torch.cuda.CUDAGraph``s,
     captured at the first step and replayed at the second; loss and every gradient are
     those of inductor's code without graphs, and the output is eager's."""
-    from fxpipe.runtime.cuda import CudaGraph
+    from fxpipe.runtime.devices.cuda import CudaGraph
     model = blocks(4, 64)
     x, y = torch.randn(8, 32, 64), torch.randn(8, 32, 4)
 

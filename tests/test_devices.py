@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.runtime.cuda import CudaDevice
-from fxpipe.runtime.device import Device
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.resolve import resolve_devices
+from fxpipe.runtime.devices.cuda import CudaDevice
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.devices.resolve import resolve_devices
 
 TIMEOUT = 10.0  # seconds; a hang fails the test instead of blocking the suite
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -289,9 +289,9 @@ def test_stop_workers_keeps_the_device_usable_and_streams_in_order():
 
 
 def test_import_has_no_side_effects():
-    code = ("import threading, torch; import fxpipe.runtime.events, fxpipe.runtime.device, "
-            "fxpipe.runtime.emulator, fxpipe.runtime.cuda, fxpipe.runtime.resolve, "
-            "fxpipe.runtime.params, fxpipe.runtime.param_store, fxpipe.runtime.grad_accum; "
+    code = ("import threading, torch; import fxpipe.runtime.devices.events, fxpipe.runtime.devices.device, "
+            "fxpipe.runtime.devices.emulator, fxpipe.runtime.devices.cuda, fxpipe.runtime.devices.resolve, "
+            "fxpipe.runtime.host.params, fxpipe.runtime.host.param_store, fxpipe.runtime.host.grad_accum; "
             "print(threading.active_count(), torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "False"]
@@ -455,8 +455,8 @@ def test_torchrun_ranks_take_their_share_of_the_nodes_gpus():
     """``devices=None`` under torchrun: each local rank its contiguous share of the node's
     GPUs (not every GPU for every rank); more ranks than GPUs refused; two ranks naming
     one GPU found (``DataParallel.check_devices`` raises on it)."""
-    from fxpipe.runtime.resolve import local_gpus
-    from fxpipe.runtime.distributed import shared_gpu
+    from fxpipe.runtime.devices.resolve import local_gpus
+    from fxpipe.runtime.issue.distributed import shared_gpu
     assert local_gpus(8, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}) == [3]
     assert local_gpus(7, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == [3, 4, 5]
     assert local_gpus(4, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) == [0, 1, 2, 3]

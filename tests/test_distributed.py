@@ -379,7 +379,7 @@ def check_failure(rank: int, world: int, shard: bool = False,
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
     process group dead: a later call says so."""
-    from fxpipe.runtime.param_store import ParamStore
+    from fxpipe.runtime.host.param_store import ParamStore
 
     model = make_model()
     opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
@@ -739,7 +739,7 @@ def test_reshard_stitches_the_pieces_of_any_number_of_ranks():
     the same error on every rank."""
     from types import SimpleNamespace
 
-    from fxpipe.runtime.buckets import _piece, reshard
+    from fxpipe.runtime.host.buckets import _piece, reshard
 
     def md(t):
         return SimpleNamespace(size=t.shape, properties=SimpleNamespace(dtype=t.dtype))

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 import fxpipe
-from fxpipe.runtime import rng
+from fxpipe.runtime.stages import rng
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 settings.register_profile("fxpipe-fuzz-ci", max_examples=60, derandomize=True, deadline=None,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime.params import HostParams
+from fxpipe.runtime.host.params import HostParams
 
 T = pytest.importorskip("transformers")
 
@@ -374,7 +374,7 @@ def test_predicted_resident_cache_matches_the_devices():
     prefill, which runs with the cache streamed, is left out: peaks reset after it)."""
     from fxpipe.generation import _row_ranges
     from fxpipe.kv_placement import place_cache
-    from fxpipe.runtime.scratch import ResidentBuffers, ScratchUse
+    from fxpipe.runtime.host.scratch import ResidentBuffers, ScratchUse
     model = small_llama(128, 256, 4)
     ids = torch.randint(3, 256, (4, 100))
     pipe = compiled(model, ids, cuda_sim())

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes.program import HOST, Commit, OptimizerStep
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.values import _OnHost
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.issue.values import _OnHost
 from tests import models
 from tests.test_runtime import ce, train_step
 
@@ -551,7 +551,7 @@ def test_stage_code_for_a_gpu_names_it_in_autocast_bodies_too():
     Expected: cpu, Got: cuda:0"): the code a stage runs on a device that is not the host
     names that device, in its graph, in the bodies it calls (copies: the host's code is
     untouched) and as the autocast regions' device type."""
-    from fxpipe.runtime.stage_code import runnable
+    from fxpipe.runtime.stages.stage_code import runnable
     model = torch.nn.Sequential(_AutocastOffRotary(), torch.nn.Linear(8, 8))
     x = torch.randn(2, 5, 8)
     pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"], capture="export",

@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.passes.grad_flow import grad_values, layer_sources
 from fxpipe.passes.partition import build_layer_graph
-from fxpipe.runtime import compute
+from fxpipe.runtime.issue import compute
 from tests import models
 from tests.test_runtime import assert_grads_equal, ce, devices, train_step
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime import emulator
+from fxpipe.runtime.devices import emulator
 
 pytest.importorskip("transformers")
 from tests import hf_zoo  # noqa: E402
@@ -60,7 +60,7 @@ if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":
     NAMES = ["llama", "t5", "dbrx"]
 
 
-# Under stage_backend="inductor" (``runtime.compiled``) a subset runs in CI (inductor
+# Under stage_backend="inductor" (``runtime.stages.compiled``) a subset runs in CI (inductor
 # compiles each distinct layer graph with the C++ compiler: seconds each);
 # FXPIPE_HF_INDUCTOR=all runs the whole matrix so. Inductor reassociates fp32 sums: its
 # fp32 losses and gradients agree with eager's to 1e-4 (seen: 5e-7 on the gradients)
@@ -70,7 +70,7 @@ INDUCTOR = [(n, p) for n in NAMES for p in ("fp32", "autocast")] \
 if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":   # test_stage_backend runs it there
     INDUCTOR = []
 INDUCTOR_FP32_TOL = 1e-4
-# and under stage_backend="cudagraphs" (``runtime.graphs``: the same compiled code as
+# and under stage_backend="cudagraphs" (``runtime.stages.graphs``: the same compiled code as
 # device graphs, the parameters in fixed slots): an encoder-decoder in fp32 and a
 # decoder in bf16 (param_dtype) in CI; FXPIPE_HF_CUDAGRAPHS=all runs the whole matrix so
 CUDAGRAPHS = [(n, p) for n in NAMES for p in ("fp32", "param_dtype")] \

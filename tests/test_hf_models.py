@@ -104,7 +104,7 @@ def test_peft_lora_adapters_train_and_base_weights_stay_frozen(name, monkeypatch
     leaves that require grad (so only they get gradient buffers), only their gradient
     bytes come back, the base weights' .grad stay None, and an optimizer over every
     parameter keeps state for the adapters alone; gradients and steps equal eager."""
-    from fxpipe.runtime.param_store import ParamStore
+    from fxpipe.runtime.host.param_store import ParamStore
     model = lora_model(name)
     ref = copy.deepcopy(model)
     kw = text()
@@ -155,7 +155,7 @@ def test_stage_code_on_a_gpu_names_the_gpu_not_the_capture_host():
     ``_assert_tensor_metadata(device=cpu)`` before the rotary tables): the code a stage
     runs on another device names that device instead (on an H200, every HF model failed
     with "Tensor device mismatch! Expected: cpu, Got: cuda:0" without this)."""
-    from fxpipe.runtime.stage_code import runnable
+    from fxpipe.runtime.stages.stage_code import runnable
     model, _, kw = setup("llama")
     pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu"], param_dtype=torch.bfloat16)
     exe = pipe._executable("fused")

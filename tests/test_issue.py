@@ -20,8 +20,8 @@ from fxpipe.passes.chain_costs import ChainCosts, estimate_makespan
 from fxpipe.passes.planner import plan_chains
 
 HOST_MS_PER_ACTION = 0.05   # the default outside this suite (tests/conftest.py)
-from fxpipe.runtime import unfilled
-from fxpipe.runtime.emulator import InlineDevice
+from fxpipe.runtime.stages import unfilled
+from fxpipe.runtime.devices.emulator import InlineDevice
 from tests.test_recompute import Block
 
 ROOT = Path(__file__).resolve().parents[1]

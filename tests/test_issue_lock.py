@@ -1,4 +1,4 @@
-"""#41 item 1: host work that blocks never holds the issue lock (``runtime.issue_lock``).
+"""#41 item 1: host work that blocks never holds the issue lock (``runtime.devices.issue_lock``).
 
 On a GPU one issue thread at a time runs an action's Python under one process-wide lock.
 A copy from pageable memory, a conversion on the host, a copy into the ring, registering
@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fxpipe.runtime import issue_lock, pinned
-from fxpipe.runtime.device import host_copy
-from fxpipe.runtime.issue_lock import blocking, holding, issuing
-from fxpipe.runtime.params import converted
+from fxpipe.runtime.devices import issue_lock, pinned
+from fxpipe.runtime.devices.device import host_copy
+from fxpipe.runtime.devices.issue_lock import blocking, holding, issuing
+from fxpipe.runtime.host.params import converted
 
 
 class _LockSeen(TorchFunctionMode):

@@ -6,6 +6,9 @@
 - transitively too: following every import, and the package ``__init__`` each import of
   a submodule runs, no module reaches a higher layer; the runtime reaches no pass but
   the values the passes make; the import graph has no cycle;
+- the runtime is in rooms (``fxpipe/runtime/__init__.py``): each of its modules is in one
+  room, named in that room's ``__init__`` docstring (its map), and a room imports only
+  from itself and the rooms below it, directly or through any chain;
 - in a fresh interpreter every module imports, lowest layer first, and importing the
   runtime (or ``fxpipe`` itself) loads none of the compiler, while the public names
   still resolve on first use.
@@ -41,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.runtime.*",),
     ("fxpipe.optim", "fxpipe.optim_step", "fxpipe.generation"),
     # the compiler, in pass order: capture, partition, costs, lowering
+    ("fxpipe.passes.capture_dtypes",),   # a capture in param_dtype
     ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo",
      "fxpipe.passes.buffer_dtypes"),
     ("fxpipe.passes.loss", "fxpipe.passes.tiling",   # rewrites of the captured graph
@@ -63,12 +67,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.demo", "fxpipe.check.*",   # programs built on the package (the GPU kit)
      "fxpipe.roundpipe.*", "fxpipe.integrations.*"),   # and its front doors for other APIs
 ]
+# The runtime's rooms, lowest first (fxpipe/runtime/__init__.py says what each holds).
+ROOMS = ["devices", "host", "stages", "issue"]
 # what the runtime may take from the passes: the values they make, not the passes
 VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",
                "fxpipe.passes.program_text", "fxpipe.passes.dependencies",
                "fxpipe.passes.program", "fxpipe.passes.stage"}
 # what importing the runtime must not load (nor importing fxpipe)
-COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.buffer_dtypes", "fxpipe.passes.loss",
+COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.capture_dtypes", "fxpipe.passes.buffer_dtypes",
+            "fxpipe.passes.loss",
             "fxpipe.passes.tiling",
             "fxpipe.passes.token_means",
             "fxpipe.passes.partition", "fxpipe.passes.cost_cache", "fxpipe.passes.costs",
@@ -114,7 +121,7 @@ def _imports(path: pathlib.Path) -> Iterator[tuple[int, str, str]]:
                 yield node.lineno, a.name, how
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:
-                # `from fxpipe.runtime import unfilled` imports the module fxpipe.runtime.unfilled
+                # `from fxpipe.runtime import unfilled` imports the module fxpipe.runtime.stages.unfilled
                 sub = f"{node.module}.{a.name}"
                 yield node.lineno, sub if _is_module(sub) else node.module, how
         elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
@@ -212,6 +219,40 @@ def test_the_runtime_reaches_no_compiler_pass():
     assert not bad, "\n".join(sorted(bad))
 
 
+def _room(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 4 or parts[:2] != ["fxpipe", "runtime"]:
+        return None
+    return ROOMS.index(parts[2])
+
+
+def test_every_runtime_module_is_in_a_room_and_on_its_map():
+    bad = []
+    for module, path in MODULES.items():
+        parts = module.split(".")
+        if parts[:2] != ["fxpipe", "runtime"] or len(parts) == 2:
+            continue
+        if parts[2] not in ROOMS:
+            bad.append(f"{module} is in no room: move it into one of fxpipe/runtime/{ROOMS}")
+        elif len(parts) == 4:
+            room_map = ast.get_docstring(ast.parse(MODULES[".".join(parts[:3])].read_text())) or ""
+            if f"``{parts[3]}``" not in room_map:
+                bad.append(f"{module} is not on its room's map (fxpipe/runtime/{parts[2]}/__init__.py)")
+    assert not bad, "\n".join(bad)
+
+
+def test_runtime_rooms_import_one_way():
+    bad = []
+    for module in MODULES:
+        if (room := _room(module)) is None:
+            continue
+        seen = _reach(module)
+        for reached in seen:
+            if (other := _room(reached)) is not None and other > room:
+                bad.append(f"room {ROOMS[room]} reaches room {ROOMS[other]}: {_chain(seen, reached)}")
+    assert not bad, "\n".join(sorted(bad))
+
+
 def test_the_import_graph_has_no_cycle():
     graph, state, stack = _graph(), {}, []
 
@@ -258,7 +299,7 @@ print(json.dumps(sorted(m for m in sys.modules if m == "fxpipe" or m.startswith(
 
 
 def test_the_runtime_imports_without_the_compiler_in_a_fresh_interpreter():
-    for module in ("fxpipe.runtime.pipeline", "fxpipe.runtime.executor", "fxpipe"):
+    for module in ("fxpipe.runtime.issue.pipeline", "fxpipe.runtime.issue.executor", "fxpipe"):
         run = _fresh(LOADED.format(module=module))
         assert run.returncode == 0, run.stderr[-3000:]
         loaded = json.loads(run.stdout)

@@ -32,7 +32,7 @@ from fxpipe.plan import (
     max_sequence_length,
     predict_memory,
 )
-from fxpipe.runtime.microbatch import split_input, split_label
+from fxpipe.runtime.issue.microbatch import split_input, split_label
 from tests import test_fuzz
 from tests.memory_harness import chain_values, measure_stage
 from tests.models import MLPBlock

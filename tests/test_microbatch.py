@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.runtime.microbatch import (PackedData, TensorChunkSpec, _CustomReducer, _Replicate,
+from fxpipe.runtime.issue.microbatch import (PackedData, TensorChunkSpec, _CustomReducer, _Replicate,
                                        merge_output, microbatch_weights, split_input, split_label)
 
 

@@ -11,10 +11,10 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from fxpipe.errors import DeviceMemoryError
-from fxpipe.runtime.emulator import VirtualDevice
-from fxpipe.runtime.grad_accum import GradAccumulator
-from fxpipe.runtime.param_store import ParamStore
-from fxpipe.runtime.params import HostParams
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.host.grad_accum import GradAccumulator
+from fxpipe.runtime.host.param_store import ParamStore
+from fxpipe.runtime.host.params import HostParams
 
 TIMEOUT = 10.0
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -364,7 +364,7 @@ def test_stage_job_on_streams_with_gpu_semantics():
 
 @cuda_only
 def test_cuda_round_trip_with_pinned_flat_buffers():
-    from fxpipe.runtime.cuda import CudaDevice
+    from fxpipe.runtime.devices.cuda import CudaDevice
 
     m = _mixed_model()
     store = ParamStore(HostParams.of(m), {0: dict(m.named_parameters())})
@@ -389,7 +389,7 @@ def test_each_trainable_parameter_is_owned_by_the_last_backward_stage_using_it()
     from fxpipe.passes.partition import build_layer_graph
     from fxpipe.passes.program import Program
     from fxpipe.passes.schedule import CallSpec
-    from fxpipe.runtime.grad_accum import owned_params
+    from fxpipe.runtime.host.grad_accum import owned_params
     from fxpipe.stage_plan import StagePlan
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 4))

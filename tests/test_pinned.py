@@ -1,4 +1,4 @@
-"""Page-locked host memory at its exact size (``fxpipe.runtime.pinned``), pinned pipes on
+"""Page-locked host memory at its exact size (``fxpipe.runtime.devices.pinned``), pinned pipes on
 cuda-sim devices (emulated pinning), and the ``host_pinned_bytes`` / ``host_stalls``
 stats: a pinned pipe's copies never block the issuing thread, and it pins about what it
 holds (page rounding only, not torch's power-of-two rounding)."""
@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime import pinned
-from fxpipe.runtime.params import HostParams
+from fxpipe.runtime.devices import pinned
+from fxpipe.runtime.host.params import HostParams
 from tests.test_runtime import assert_grads_equal
 
 PLAN = fxpipe.ExecutePlan(fwd_plan=[range(0, 2), range(2, 4)],

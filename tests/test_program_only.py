@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxpipe
-from fxpipe.runtime import executor, issue
+from fxpipe.runtime.issue import executor, threads as issue
 from tests import models
 
 

@@ -1,4 +1,4 @@
-"""A backward stage's recompute leaves its linear end unfilled (passes.recompute, runtime.unfilled)."""
+"""A backward stage's recompute leaves its linear end unfilled (passes.recompute, runtime.stages.unfilled)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes.recompute import unfilled_nodes
-from fxpipe.runtime import unfilled
+from fxpipe.runtime.stages import unfilled
 
 
 class Functional(nn.Module):

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime import executor
+from fxpipe.runtime.issue import executor
 from tests import models
 from tests.test_runtime import _assert_state, _state, ce, devices
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.api import plan_key
-from fxpipe.runtime import rng
+from fxpipe.runtime.stages import rng
 from tests import models
 
 
@@ -475,7 +475,7 @@ def test_failing_layer_names_stage_and_microbatch_and_pipe_recovers(style):
 def test_cuda_device_skips_cleanly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: covered by the CUDA tests")
-    from fxpipe.runtime.cuda import CudaDevice
+    from fxpipe.runtime.devices.cuda import CudaDevice
     with pytest.raises(RuntimeError, match="CUDA"):
         CudaDevice(0)
 

@@ -1,4 +1,4 @@
-"""``RunConfig(stage_backend=...)``: stage code compiled by inductor (``runtime.compiled``).
+"""``RunConfig(stage_backend=...)``: stage code compiled by inductor (``runtime.stages.compiled``).
 
 A compiled step equals eager within a stated tolerance (inductor fuses and reorders
 floating-point work: no bitwise claim, docs/guarantees.md), repeated blocks share one
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 import fxpipe
-from fxpipe.runtime import compiled as compiled_mod
-from fxpipe.runtime.compiled import CompiledLayer, StageCompileError
-from fxpipe.runtime.stage_code import runnable
+from fxpipe.runtime.stages import compiled as compiled_mod
+from fxpipe.runtime.stages.compiled import CompiledLayer, StageCompileError
+from fxpipe.runtime.stages.stage_code import runnable
 
 # inductor reassociates reductions and fuses elementwise work: fp32 results agree with
 # eager to rounding (seen: 4e-7 relative on the gradients here), not bit for bit

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxpipe.verbose as verbose
-from fxpipe.runtime.timer import LayerTimer
+from fxpipe.runtime.stages.timer import LayerTimer
 
 
 @pytest.fixture(autouse=True)

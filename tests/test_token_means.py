@@ -1,7 +1,7 @@
 """Equal to eager on real batches: padding and ``-100`` labels, any microbatch count.
 
 A loss averaged over target tokens is weighted per microbatch by its targets
-(``fxpipe.passes.token_means``, ``fxpipe.runtime.loss_weights``): a Hugging Face causal LM
+(``fxpipe.passes.token_means``, ``fxpipe.runtime.issue.loss_weights``): a Hugging Face causal LM
 (Llama), seq2seq LM (T5) and masked LM (BERT) trained with their own ``labels=`` loss on a
 batch with masked prompts and a row with no target at all give eager's loss and every
 parameter's gradient for 1 to 4 microbatches, through ``forward_backward`` and through
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import fxpipe
 from fxpipe.passes.capture import capture
 from fxpipe.passes.token_means import find_token_means
-from fxpipe.runtime.loss_weights import count_of
+from fxpipe.runtime.issue.loss_weights import count_of
 from tests import models
 
 pytest.importorskip("transformers")

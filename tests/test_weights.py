@@ -1,4 +1,4 @@
-"""``fxpipe.compile(model, ..., weights=PATH)`` (``fxpipe.runtime.weights``): a model on the
+"""``fxpipe.compile(model, ..., weights=PATH)`` (``fxpipe.runtime.host.weights``): a model on the
 meta device bound to a safetensors checkpoint trains equal to the same model loaded
 eagerly (``from_pretrained``; loss and every gradient), Hugging Face Llama (tied
 embeddings) and Mixtral (experts saved one by one, converted); frozen parameters stay
@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.runtime import pinned
-from fxpipe.runtime.params import HostParams
-from fxpipe.runtime.weights import (WeightsError, file_backed, load, read_checkpoint,
+from fxpipe.runtime.devices import pinned
+from fxpipe.runtime.host.params import HostParams
+from fxpipe.runtime.host.weights import (WeightsError, file_backed, load, read_checkpoint,
                                     save_pretrained)
 from tests.models import init_like_training
 

@@ -75,7 +75,7 @@ after each, failures recorded), ``sections`` lists them in order with their shar
 budget and their one-line summary, ``__main__`` is the command line; the sections are
 ``cuda_tests``, ``step`` (``vs_checkpoint``, ``scaling``), ``traced`` (``hidden_prefetch``,
 ``predicted_vs_measured``, ``stats``: one traced step, its figures from
-``fxpipe.runtime.trace``), ``bigger_than_device``, ``weights``, ``generate`` and
+``fxpipe.runtime.issue.trace``), ``bigger_than_device``, ``weights``, ``generate`` and
 ``finetune`` (also ``benchmarks/bench_finetune.py``'s measurement); ``common`` is what
 they share (timing, the kit's model and devices, JSON-safe records).
 """

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.demo import TinyLlama, progression_batch
-from fxpipe.runtime.timer import KINDS
+from fxpipe.runtime.stages.timer import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]   # the checkout (or site-packages)
 TAIL_LINES = 40
@@ -168,7 +168,7 @@ def capped_devices(cap: int, dry_run: bool,
     if dry_run:
         yield [fxpipe.VirtualDevice(semantics="cuda", memory_limit=cap) for _ in range(virtual)], {}
         return
-    from fxpipe.runtime.cuda import CudaDevice
+    from fxpipe.runtime.devices.cuda import CudaDevice
     settle(False)
     before = torch.cuda.memory_allocated(0)
     fraction = (before + cap) / torch.cuda.get_device_properties(0).total_memory

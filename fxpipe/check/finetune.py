@@ -59,7 +59,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.check.common import error_record, link_bandwidth, say, sync_fn, timed, unsampled
 from fxpipe.check.harness import Kit
-from fxpipe.runtime.trace import compute_busy_ms
+from fxpipe.runtime.issue.trace import compute_busy_ms
 
 TOKENS_PER_MICROBATCH = 4096
 MICROBATCHES = 16

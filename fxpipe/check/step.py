@@ -108,7 +108,7 @@ def logical_devices(kit: Kit, steps: int = 2) -> dict[str, Any]:
     events and copies; in a dry run two VirtualDevices) against one: the cross-device
     ordering code on real CUDA. SGD steps from the same weights; the losses must agree
     within 1e-4 (the same kernels on the same inputs, in another order: equal so far)."""
-    from fxpipe.runtime.cuda import CudaDevice
+    from fxpipe.runtime.devices.cuda import CudaDevice
 
     def two() -> list[Any]:
         if kit.dry_run:

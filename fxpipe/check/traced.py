@@ -3,7 +3,7 @@
 timeline), ``predicted_vs_measured`` (``fxpipe.simulate`` against the step's makespan)
 and ``stats`` (``pipe.stats()``, the host's issue time against each device's compute,
 and the host's figures for ``fxpipe.simulate`` fitted to it).
-The timeline arithmetic is ``fxpipe.runtime.trace``'s."""
+The timeline arithmetic is ``fxpipe.runtime.issue.trace``'s."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import fxpipe
 from fxpipe.check.common import devices, link_bandwidth, loss_fn, model_and_batch, settle, unsampled
 from fxpipe.check.harness import Kit
 from fxpipe.plan import layer_costs
-from fxpipe.runtime.trace import compute_busy_ms, prefetch_figures
+from fxpipe.runtime.issue.trace import compute_busy_ms, prefetch_figures
 from fxpipe.sim import Hardware, LayerCost
 from fxpipe.sim.host_fit import fit_host, issue_us_by_kind
 

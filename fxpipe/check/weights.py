@@ -23,8 +23,8 @@ def weights(kit: Kit, steps: int = 2) -> dict[str, Any]:
 
     from safetensors.torch import save_file
 
-    from fxpipe.runtime import pinned
-    from fxpipe.runtime.weights import file_backed
+    from fxpipe.runtime.devices import pinned
+    from fxpipe.runtime.host.weights import file_backed
 
     shape = kit.shape
 

@@ -70,8 +70,8 @@ except ImportError as e:   # the core depends on torch alone
                       "pip install 'fxpipe[hf]'") from e
 
 import fxpipe
-from fxpipe.runtime.cuda import CudaDevice
-from fxpipe.runtime.microbatch import merge_output
+from fxpipe.runtime.devices.cuda import CudaDevice
+from fxpipe.runtime.issue.microbatch import merge_output
 
 __all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -27,3 +29,9 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def fetch_attr(root: Any, target: str) -> Any:
+    """What a ``get_attr`` node's dotted ``target`` names in ``root`` (a GraphModule, or
+    the module it was traced from): a parameter, buffer, constant or submodule."""
+    return operator.attrgetter(target)(root)

@@ -199,7 +199,7 @@ class Forward:
 @dataclass(frozen=True, slots=True)
 class GraphForward(Forward):
     """Forward as a device graph (``RunConfig(stage_backend="cudagraphs")``, ``3F1g``):
-    the stage job captured at its key's first run, replayed after (``runtime.graphs``)."""
+    the stage job captured at its key's first run, replayed after (``runtime.stages.graphs``)."""
 
     def __str__(self) -> str:
         return f"{self.stage}F{self.mb}g"
@@ -241,7 +241,7 @@ class RecomputeBackward:
 @dataclass(frozen=True, slots=True)
 class GraphRecomputeBackward(RecomputeBackward):
     """A stage's recompute and backward as a device graph (``stage_backend="cudagraphs"``,
-    ``3B1g``): captured at its key's first run, replayed after (``runtime.graphs``)."""
+    ``3B1g``): captured at its key's first run, replayed after (``runtime.stages.graphs``)."""
 
     def __str__(self) -> str:
         return f"{self.stage}B{self.mb}g"

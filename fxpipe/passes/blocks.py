@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.attention import SameKernelMode
-from fxpipe.runtime import amp
+from fxpipe.runtime.stages import amp
 
 # The node a block call is while tracing; ``call_blocks`` replaces it by ``run_block``.
 _lib = torch.library.Library("fxpipe_blocks", "DEF")

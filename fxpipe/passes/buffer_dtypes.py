@@ -8,10 +8,10 @@ rotary ``inv_freq``). Which is which is read off the same model class built from
 of its config under that default dtype on the ``meta`` device (nothing allocated; what
 ``from_pretrained`` builds before loading). Any other module is taken as
 ``module.to(torch.bfloat16)`` would hold it: every floating buffer in it. A generation's
-KV cache (``runtime.params.mark_scratch``) is left as it is made.
+KV cache (``runtime.host.params.mark_scratch``) is left as it is made.
 
 Devices hold the buffers found here in ``param_dtype`` and the capture traces them so
-(``capture.parameters_in``); the host keeps the model's own tensors (a BatchNorm's
+(``capture_dtypes.parameters_in``); the host keeps the model's own tensors (a BatchNorm's
 statistics written back are cast into them).
 
 >>> import torch.nn as nn
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.passes.layer_graph import mark_in_param_dtype
-from fxpipe.runtime.params import is_scratch
+from fxpipe.runtime.host.params import is_scratch
 from fxpipe.verbose import warn
 
 

@@ -20,7 +20,7 @@ Whatever the method, the result has the same form:
   leaves, for the constant check), ``capture`` (the method used), ``training``,
   ``param_dtype`` (the dtype the graph was captured with its floating parameters in;
   ``None``: their own), ``autocast`` (the ``torch.autocast`` regions around the capture,
-  ``fxpipe.runtime.amp.captured()``: export records the dtypes autocast gives, so the
+  ``fxpipe.runtime.stages.amp.captured()``: export records the dtypes autocast gives, so the
   graph runs under these regions only).
 
 Methods: ``"fx"`` (``torch.fx`` symbolic tracing through every submodule; fast, keeps
@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import keyword
-import operator
 import re
 import sys
 from collections.abc import Collection, Iterator, Sequence
@@ -55,8 +54,11 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import CaptureError
 from fxpipe.passes import blocks as opaque
 from fxpipe.passes import buffer_dtypes
-from fxpipe.runtime import amp
+from fxpipe.passes.capture_dtypes import (MixedDtypeError, cast_floating, check_operand_dtypes,
+                                          parameters_in, rebind)
+from fxpipe.runtime.stages import amp
 from fxpipe.verbose import is_verbose, warn
+from fxpipe.passes import fetch_attr
 
 METHODS = ("fx", "export", "dynamo", "blocks")
 _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
@@ -130,11 +132,11 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
                     wrapper.dropped.extend(dict.fromkeys(trace.dropped))
                 else:
                     gm, out_spec = _trace_export(wrapper, tensors, dims, strict=(m == "dynamo"))
-            _check_operand_dtypes(gm)
+            check_operand_dtypes(gm)
         except Exception as e:  # noqa: BLE001 — every failure is reported below
             tried[m] = e
             continue
-        _rebind(gm, masters)
+        rebind(gm, masters)
         if m == "blocks":
             _warn_branches(model, tried)
         _bind_python(gm)
@@ -146,135 +148,6 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             _say_what_changed(model, m, tried, wrapper.dropped)
         return gm
     raise CaptureError(_capture_message(model, tried), tried)
-
-
-def cast_floating(x: Any, dtype: torch.dtype | None) -> Any:
-    """``x`` in ``dtype`` if it is a floating tensor and ``dtype`` is given (how a mixed-
-    precision pipe's floating inputs reach the devices), else ``x``."""
-    if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() \
-            and x.dtype != dtype:
-        return x.detach().to(dtype).requires_grad_(x.requires_grad)
-    return x
-
-
-@contextlib.contextmanager
-def parameters_in(model: nn.Module, dtype: torch.dtype | None, values: bool = True,
-                  buffers: Collection[torch.Tensor] = ()) -> Iterator[dict[int, torch.Tensor]]:
-    """Within the block, each floating parameter of ``model`` is stood in for by a
-    ``dtype`` tensor of its shape (a tied parameter by one, wherever it is registered),
-    as a device holds it under ``param_dtype``, and so is each of ``buffers`` (those
-    ``passes.buffer_dtypes`` finds; the others are left alone); yields ``{id(stand-in):
-    the model's tensor}``. With ``values`` the parameters' stand-ins are copies of their
-    values (a capture at block granularity runs the model once); else uninitialized
-    memory that is never touched (tracing reads no value), so capturing a model bound to
-    a checkpoint (``weights=``) reads none of it into memory. The buffers' are always
-    copies (a trace may read or update one). On the tensors' device (``meta`` stays
-    ``meta``); nothing of the model changes after the block.
-
-    >>> lin = nn.Linear(2, 2)
-    >>> with parameters_in(lin, torch.bfloat16) as masters:
-    ...     lin.weight.dtype, masters[id(lin.weight)] is not lin.weight
-    (torch.bfloat16, True)
-    >>> lin.weight.dtype
-    torch.float32
-    """
-    if dtype is None:
-        yield {}
-        return
-    copies: dict[int, torch.Tensor] = {}
-    masters: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    low = {id(b) for b in buffers}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in copies:
-                with torch.no_grad():
-                    t = p.detach().to(dtype) if values else \
-                        torch.empty(p.shape, dtype=dtype, device=p.device)
-                copies[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-                masters[id(copies[id(p)])] = p
-            swapped.append((module._parameters, name, p))
-            module._parameters[name] = copies[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is None or id(b) not in low:
-                continue
-            if id(b) not in copies:
-                copies[id(b)] = b.detach().to(dtype)
-                masters[id(copies[id(b)])] = b
-            swapped.append((module._buffers, name, b))
-            module._buffers[name] = copies[id(b)]
-    try:
-        yield masters
-    finally:
-        for where, name, t in swapped:
-            where[name] = t
-
-
-_aten = torch.ops.aten
-# ops whose two floating operands (at these argument positions) must have one dtype: as
-# export records them, and as fx does
-_SAME_DTYPE_OPERANDS = {
-    _aten.mm.default: (0, 1), _aten.bmm.default: (0, 1), _aten.matmul.default: (0, 1),
-    _aten.mv.default: (0, 1), _aten.dot.default: (0, 1), _aten.linear.default: (0, 1),
-    _aten.addmm.default: (1, 2), _aten.baddbmm.default: (1, 2), _aten.addmv.default: (1, 2),
-    _aten.convolution.default: (0, 1), _aten.conv1d.default: (0, 1),
-    _aten.conv2d.default: (0, 1), _aten.conv3d.default: (0, 1),
-    torch._C._nn.linear: (0, 1), torch.matmul: (0, 1), operator.matmul: (0, 1),
-    torch.mm: (0, 1), torch.bmm: (0, 1), torch.conv1d: (0, 1), torch.conv2d: (0, 1),
-    torch.conv3d: (0, 1),
-}
-
-
-class MixedDtypeError(RuntimeError):
-    """The captured graph multiplies tensors of two dtypes (names the op and module)."""
-
-
-def _check_operand_dtypes(gm: fx.GraphModule) -> None:
-    """Refuse a graph whose matrix products or convolutions mix floating dtypes outside an
-    autocast region: the model's own code does (under ``param_dtype``, an fp32 value it
-    makes explicitly meets a bf16 weight), and a device would fail on it as eager does,
-    only later, as a stage error. Before ``_rebind``: a weight is the tensor a device holds."""
-    if amp.captured():   # autocast casts the operands when the graph runs
-        return
-
-    def value(a: Any) -> Any:
-        if not isinstance(a, fx.Node):
-            return None
-        return _fetch(gm, a.target) if a.op == "get_attr" else a.meta.get("val")
-    for n in gm.graph.nodes:
-        positions = _SAME_DTYPE_OPERANDS.get(n.target) if n.op == "call_function" else None
-        if positions is None:
-            continue
-        vals = [value(n.args[i]) for i in positions if i < len(n.args)]
-        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        if len(set(dtypes)) > 1:
-            where = n.meta.get("module_path") or "the model's own forward"
-            op = getattr(getattr(n.target, "overloadpacket", n.target), "__name__", n.target)
-            raise MixedDtypeError(f"{op} ({n.name}) in {where} multiplies a {dtypes[0]} tensor "
-                                  f"by a {dtypes[1]} one, which it cannot mix")
-
-
-def _rebind(gm: fx.GraphModule, masters: dict[int, torch.Tensor]) -> None:
-    """Point ``gm``'s attributes that are stand-ins (:func:`parameters_in`) back at the
-    model's own parameters and buffers, which the captured graph reads."""
-    if not masters:
-        return
-    for n in gm.graph.nodes:
-        if n.op != "get_attr":
-            continue
-        owner, _, name = n.target.rpartition(".")
-        module = gm.get_submodule(owner)
-        master = masters.get(id(getattr(module, name)))
-        if master is None:
-            continue
-        if name in module._parameters:
-            module._parameters[name] = master
-        elif name in module._buffers:
-            module._buffers[name] = master
-        else:
-            setattr(module, name, master)
 
 
 def _warn_branches(model: nn.Module, tried: dict[str, BaseException]) -> None:
@@ -435,7 +308,7 @@ def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
     tensor_of: dict[fx.Node, torch.Tensor] = {}
     for n in graph.nodes:
         if n.op == "get_attr":
-            tensor_of[n] = _fetch(wrapper, n.target)
+            tensor_of[n] = fetch_attr(wrapper, n.target)
         elif n.op == "call_module":  # cannot happen with _Tracer; keep the graph flat
             raise RuntimeError(f"fx left a module call {n.target!r} in the graph")
     gm = _normalize(wrapper, graph, tensor_of)
@@ -545,14 +418,14 @@ def _trace_export(wrapper: _FlatCall, tensors: tuple, dims: Sequence[Collection[
     from torch.export.graph_signature import InputKind, OutputKind
     for node, spec in zip(placeholders, sig.input_specs):
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            tensor_of[node] = _fetch(wrapper, spec.target)
+            tensor_of[node] = fetch_attr(wrapper, spec.target)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             tensor_of[node] = ep.constants[spec.target]
         elif spec.kind != InputKind.USER_INPUT:
             raise RuntimeError(f"unsupported exported input {spec.kind.name} ({spec.target})")
     for n in graph.nodes:  # get_attr left by export refers to submodules / constants
         if n.op == "get_attr":
-            tensor_of[n] = _fetch(ep.graph_module, n.target)
+            tensor_of[n] = fetch_attr(ep.graph_module, n.target)
     if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
         kinds = sorted({s.kind.name for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT})
         raise RuntimeError(f"export produced non-user outputs {kinds}; fxpipe expects in-place "
@@ -607,13 +480,6 @@ def _strip_root(path: str) -> str:
     if path == _ROOT:
         return ""
     return path[len(_ROOT) + 1:] if path.startswith(_ROOT + ".") else path
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _normalize(wrapper: _FlatCall, graph: fx.Graph,

@@ -68,9 +68,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.attention import register_sdpa_flops
 from fxpipe.passes import cost_cache
-from fxpipe.passes.capture import cast_floating
+from fxpipe.passes.capture_dtypes import cast_floating
 from fxpipe.passes.layer_graph import Layer, LayerGraph
-from fxpipe.runtime.params import grad_dtype
+from fxpipe.runtime.host.params import grad_dtype
 from fxpipe.live_bytes import LiveBytes
 from fxpipe.live_bytes import storage_key as _storage_key
 from fxpipe.units import human as _human

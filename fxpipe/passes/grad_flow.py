@@ -52,7 +52,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpipe.passes.layer_graph import Layer, LayerGraph
-from fxpipe.passes.partition import _fetch
+from fxpipe.passes import fetch_attr
 
 # (layer input positions, attribute targets) an output depends on
 Sources = tuple[frozenset[int], frozenset[str]]
@@ -100,7 +100,7 @@ def grad_values(lg: LayerGraph, inputs: Iterable[str]) -> frozenset[str]:
     for layer in lg.layers:
         for name, (ins, attrs) in zip(layer.outputs, layer_sources(layer)):
             if any(layer.inputs[i] in carries for i in ins) or any(
-                    getattr(_fetch(layer.gm, a), "requires_grad", False) for a in attrs):
+                    getattr(fetch_attr(layer.gm, a), "requires_grad", False) for a in attrs):
                 carries.add(name)
     return frozenset(carries)
 

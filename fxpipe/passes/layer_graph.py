@@ -107,7 +107,7 @@ class LayerGraph:
     # and the buffers ``device_dtype`` says; the graph was captured with them in it, and
     # costs count them in it
     param_dtype: torch.dtype | None = None
-    # the torch.autocast regions the graph was captured (and runs) under (runtime.amp)
+    # the torch.autocast regions the graph was captured (and runs) under (runtime.stages.amp)
     autocast: tuple = ()
     # the captured flat graph it was cut from, and the block lists it was cut at
     source: fx.GraphModule | None = None

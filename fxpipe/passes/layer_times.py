@@ -3,7 +3,7 @@
 ``measure_times`` runs the chain once more for real and records, per layer, its forward
 without grad (``fwd_ms``), with grad (``recompute_ms``) and its backward (``bwd_ms``) in
 its ``Cost`` (``fxpipe.passes.costs``, which costs everything else on fake tensors).
-A pipe's calls time layers online instead (``fxpipe.runtime.timer``).
+A pipe's calls time layers online instead (``fxpipe.runtime.stages.timer``).
 """
 
 from __future__ import annotations

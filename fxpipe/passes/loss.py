@@ -39,7 +39,6 @@ of fp32 logits.
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +49,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.losses import CHUNK_BYTES, linear_cross_entropy
+from fxpipe.passes import fetch_attr
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -83,7 +83,7 @@ def fuse_linear_cross_entropy(gm: fx.GraphModule, device_memory: int | None = No
         hidden, weight, *rest = head.args
         bias = rest[0] if rest else head.kwargs.get("bias")
         target, reduction, ignore_index = _ce_args(ce)[1:4]
-        vocab = _fetch(gm, weight.target).shape[0]
+        vocab = fetch_attr(gm, weight.target).shape[0]
         with graph.inserting_before(ce):
             flat = graph.call_function(aten.flatten.using_ints, (hidden, 0, -2))
             kwargs = {"bias": bias, "softcap": softcap, "out_dtype": _dtype(ce)}
@@ -142,7 +142,7 @@ def loss_reads_dropped(lg: Any, loss_fn: Callable[[Any, Any], Any], label: Any) 
                 loss = loss_fn(pytree.tree_unflatten(leaves, lg.out_spec), fake_label)
         except Exception:  # noqa: BLE001 — any failure: it reads them
             return True
-    if isinstance(loss, tuple) and len(loss) == 2:   # (sum, count): fxpipe.runtime.loss_weights
+    if isinstance(loss, tuple) and len(loss) == 2:   # (sum, count): fxpipe.runtime.issue.loss_weights
         loss = loss[0]
     return not isinstance(loss, torch.Tensor)
 
@@ -167,7 +167,7 @@ def _match(gm: fx.GraphModule, ce: fx.Node) -> tuple[fx.Node, set[fx.Node], floa
         if x.target is aten.linear.default:
             w = x.args[1]
             if not (isinstance(w, fx.Node) and w.op == "get_attr"
-                    and tuple(_fetch(gm, w.target).shape)[:1] == (vocab,)):
+                    and tuple(fetch_attr(gm, w.target).shape)[:1] == (vocab,)):
                 return None
             chain.add(x)
             return x, chain, softcap
@@ -229,7 +229,3 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
 def _dtype(node: fx.Node) -> torch.dtype | None:
     val = node.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _fetch(gm: fx.GraphModule, target: str):
-    return operator.attrgetter(target)(gm)

@@ -35,6 +35,7 @@ from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
 from fxpipe.passes.tiling import tile_mlps
 from fxpipe.passes.token_means import find_token_means
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
+from fxpipe.passes import fetch_attr
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,
@@ -184,7 +185,7 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
         call.meta["layer_name"] = names[order[i]]
         for j, o in enumerate(outs):
             env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o.name)
-        is_param = {p: isinstance(_fetch(gm, p), nn.Parameter) for p in params}
+        is_param = {p: isinstance(fetch_attr(gm, p), nn.Parameter) for p in params}
         chain.append(Layer(index=i, name=call.meta["layer_name"], node=call, gm=sub,
                            inputs=[env[r].name for r in reads if r.op != "get_attr"],
                            outputs=[o.name for o in outs],
@@ -194,7 +195,7 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
                            opaque=any(n.target is run_block for n in ns)))
     top.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
     top_gm = graph_module(root, top, class_name="LayerChain")
-    tensors = {n.target: _fetch(gm, n.target) for n in nodes if n.op == "get_attr"}
+    tensors = {n.target: fetch_attr(gm, n.target) for n in nodes if n.op == "get_attr"}
     tensors = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     out_names = [a.name for a in fx.node.map_arg(output.args[0], lambda a: env[a])
                  if isinstance(a, fx.Node)]
@@ -209,13 +210,6 @@ def partition(gm: fx.GraphModule, model: nn.Module, containers: str | Sequence[s
         autocast=gm.meta.get("autocast", ()), source=gm, containers=tuple(containers),
         loss_free_outputs=gm.meta.get("loss_free_outputs", ()),
         token_means=gm.meta.get("token_means", {}))
-
-
-def _fetch(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _positions(model: nn.Module, containers: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -313,7 +307,7 @@ def _layer_module(gm: fx.GraphModule, ns: list[fx.Node], reads: list[fx.Node],
         if r.op == "get_attr":
             env[r] = g.create_node("get_attr", r.target, name=r.name)
             env[r].meta = dict(r.meta)
-            root[r.target] = _fetch(gm, r.target)
+            root[r.target] = fetch_attr(gm, r.target)
             if isinstance(root[r.target], torch.Tensor):  # not a higher-order op's body
                 params.append(r.target)
         else:

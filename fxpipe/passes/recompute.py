@@ -11,7 +11,7 @@ This pass finds such nodes: ``linear`` / ``add`` / ``offload`` nodes whose value
 nothing but the stage's output (or other unfilled nodes), and whose derivative formulas read
 only their inputs. It returns the node names; ``Stage.unfilled`` holds them, the stage's code
 says so in a comment above the first, and the interpreter, recomputing for backward,
-runs those nodes under ``runtime.unfilled.Unfilled``: autograd records them as usual (its own
+runs those nodes under ``runtime.stages.unfilled.Unfilled``: autograd records them as usual (its own
 formulas and kernels run in backward), the matmuls and adds themselves do not run. The
 forward, and a fused stage, still run every node.
 
@@ -67,7 +67,7 @@ def unfilled_nodes(graph: fx.Graph) -> tuple[str, ...]:
 
 
 def _has_rule(n: fx.Node) -> bool:
-    """Whether this node's backward reads only its inputs (``runtime.unfilled.SKIPPED``)."""
+    """Whether this node's backward reads only its inputs (``runtime.stages.unfilled.SKIPPED``)."""
     if n.op != "call_function" or n.kwargs:
         return False
     if n.target in LINEAR:

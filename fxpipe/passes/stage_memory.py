@@ -349,7 +349,7 @@ def program_peaks(program: Program, m: ChainMemory) -> list[StagePeak]:
 
 
 GRAPH_SLOTS = 2
-"""Parameter slots per device under ``stage_backend="cudagraphs"`` (``runtime.graphs``)."""
+"""Parameter slots per device under ``stage_backend="cudagraphs"`` (``runtime.stages.graphs``)."""
 
 
 def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) -> list[StagePeak]:

@@ -15,7 +15,7 @@ such a mean (the loss itself, or it cast, viewed or scaled by a constant):
 - it records in ``gm.meta["token_means"]`` the leaf's ``TokenCount``: a small graph from
   the model's inputs to ``(target != ignore_index).sum()``, made of the nodes that make
   the loss's target (the labels' shift, views and casts). The runtime runs it on each
-  microbatch's inputs on the host before a call (``fxpipe.runtime.loss_weights``).
+  microbatch's inputs on the host before a call (``fxpipe.runtime.issue.loss_weights``).
 - it rewrites the mean as ``sum / clamp_min(count, 1)`` in the graph, which is what the stage
   prints and runs. The value is the mean's (the same sum divided by the same count), but a
   microbatch with no target gives 0 and a zero gradient instead of NaN. Its weight is 0,
@@ -59,6 +59,7 @@ from fxpipe.losses import linear_cross_entropy
 from fxpipe.passes.blocks import run_block
 from fxpipe.passes.layer_graph import is_random
 from fxpipe.verbose import is_verbose
+from fxpipe.passes import fetch_attr
 
 aten = torch.ops.aten
 _MEAN = 1            # at::Reduction::Mean (aten's losses take the enum)
@@ -264,13 +265,9 @@ def _host_computable(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "placeholder":
         return True
     if n.op == "get_attr":
-        value = _fetch(gm, n.target)
+        value = fetch_attr(gm, n.target)
         return not isinstance(value, nn.Parameter) and not (
             isinstance(value, torch.Tensor) and value.requires_grad)
     if n.op not in ("call_function", "call_method"):
         return False
     return n.target is not run_block and n.target is not linear_cross_entropy and not is_random(n)
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> Any:
-    return operator.attrgetter(target)(gm)

@@ -53,8 +53,8 @@ import torch.utils._pytree as pytree
 from fxpipe.api import PipelineModule, compile
 from fxpipe.config import RunConfig
 from fxpipe.plan import ExecutePlan
-from fxpipe.runtime import microbatch as mb
-from fxpipe.runtime.microbatch import PackedData
+from fxpipe.runtime.issue import microbatch as mb
+from fxpipe.runtime.issue.microbatch import PackedData
 
 __all__ = ["GradScaler", "ModelExecutePlan", "OptimizerCtx", "RoundPipe", "RoundPipeRunConfig",
            "doing_recompute", "get_recompute_data", "optim", "save_for_recompute",

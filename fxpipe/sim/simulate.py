@@ -45,7 +45,7 @@ released): where that wait matters, the devices, not the host, are the bottlenec
 ``graph_job_kernels`` (its inputs copied into the graph's, its outputs cloned, a
 backward's parameter gradients added in one foreach call), the jobs with no graph
 (``FusedBackward``, layer grain) inductor's kernels. A Program with graph actions
-(``GraphForward``, ``GraphRecomputeBackward``: ``runtime.graphs.graph_jobs``) says which
+(``GraphForward``, ``GraphRecomputeBackward``: ``runtime.stages.graphs.graph_jobs``) says which
 jobs are graphs; in one without, every ``Forward`` and stage ``RecomputeBackward`` is.
 Host-lane actions run on their own thread and cost no issue time.
 
@@ -199,7 +199,7 @@ def action_kernels(program: Program, costs: Sequence[LayerCost],
 
 
 def graph_job_kernels(stage, a) -> int:
-    """What a graph job launches (``runtime.graphs``): the replay, a copy per input (its
+    """What a graph job launches (``runtime.stages.graphs``): the replay, a copy per input (its
     ``reads``) into the graph's own, and per output a clone (forward) or, for a backward,
     the output gradients copied in, the input gradients cloned and one ``_foreach_add_``
     of the parameter gradients."""

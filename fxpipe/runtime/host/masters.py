@@ -1,0 +1,130 @@
+"""The fp32 masters of ``shard_optimizer=True`` with ``param_dtype``: this rank's pieces
+of each trainable floating parameter's master values, kept by name; the parameters
+themselves become their ``param_dtype`` copies. ``DataParallel`` (``runtime.issue.distributed``)
+is a ``ShardedMasters``: its sharded step updates the pieces and its all-gather writes
+them, cast, into every rank's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.errors import warn_user
+from fxpipe.runtime.host.buckets import _piece, _unique
+from fxpipe.runtime.host.params import HostParams
+
+
+class ShardedMasters:
+    """This rank's pieces of the fp32 masters (``masters``, by name), their parameters,
+    and each parameter's version when they last agreed. Needs ``rank``, ``world`` and
+    ``_names`` (``id(parameter) -> name``) from the class that has it as a base."""
+
+    rank: int
+    world: int
+    _names: dict[int, str]
+
+    def __init__(self) -> None:
+        self.masters: dict[str, torch.Tensor] = {}
+        self._mastered: dict[str, torch.Tensor] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}
+        self._host: HostParams | None = None
+
+    def shard_masters(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                      host: HostParams) -> None:
+        """``shard_optimizer`` with ``param_dtype``: keep the master values (the
+        parameters' own dtype, fp32) of only this rank's piece of each trainable floating
+        parameter (``masters``, by name); the parameter itself becomes its ``dtype`` copy,
+        the one the devices upload (its ``grad_dtype`` stays the master's: gradients come
+        back in fp32). The sharded step updates the masters; the all-gather writes them,
+        cast, into every rank's parameters. Nothing is converted unless all can be."""
+        todo = {n: p for n, p in _unique(params).items()
+                if p.requires_grad and p.is_floating_point() and p.dtype != dtype}
+        for name, p in todo.items():
+            if id(p) in host.slots:
+                raise ValueError(
+                    f"shard_optimizer=True with param_dtype={dtype} shards the fp32 masters of "
+                    f"{name!r} and turns the parameters into {dtype} copies, but an earlier "
+                    "pipe of this model already laid them out in its host buffers as they "
+                    "were: compile a freshly built model (or one loaded again) with these "
+                    "options")
+        self._host = host
+        with torch.no_grad():
+            for name, p in todo.items():
+                self._names.setdefault(id(p), name)
+                lo, hi = _piece(p.numel(), self.world, self.rank)
+                self.masters[name] = p.detach().reshape(-1)[lo:hi].clone()
+                self._mastered[name] = p
+                p.grad_dtype = p.dtype
+                p.data = p.detach().to(dtype)
+        self.stamp(self.masters)
+
+    def stamp(self, names: Sequence[str] | Mapping[str, Any]) -> None:
+        """The masters of ``names`` and their parameters agree now."""
+        for n in names:
+            if n in self._mastered:
+                p = self._mastered[n]
+                self._stamps[n] = (p._version, p.data_ptr())
+
+    def _changed(self, n: str, p: torch.Tensor) -> bool:
+        """Whether ``p`` was written (in place: its version) or replaced (``p.data = t``:
+        its memory, other than where the host buffers put it) since its stamp."""
+        version, ptr = self._stamps[n]
+        slot = self._host.slots.get(id(p)) if self._host is not None else None
+        if slot is not None and slot.region is not None:
+            ptr = self._host.address(slot)
+        return p._version != version or p.data_ptr() != ptr
+
+    def check_masters(self) -> None:
+        """Before a training call, a checkpoint or gathering the masters: a parameter
+        changed outside fxpipe (an in-place write, ``p.data = t``,
+        ``model.load_state_dict``) since its master was last written gets its master
+        re-read from the parameter, with a warning (below ``param_dtype``'s precision it
+        is lost: load fp32 weights with ``pipe.load_state_dict`` instead)."""
+        changed = [n for n, p in self._mastered.items() if self._changed(n, p)]
+        if not changed:
+            return
+        warn_user(
+            f"rank {self.rank}: {len(changed)} parameter(s) ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}) changed outside fxpipe since the last "
+            "step; under shard_optimizer=True with param_dtype their fp32 masters are "
+            "sharded, so they are re-read from the parameters' own dtype (the precision "
+            "below it is lost). Load fp32 weights with pipe.load_state_dict(...) or "
+            "pipe.load_checkpoint(...), which set the masters too; change the parameters "
+            "the same way on every rank")
+        self.set_masters({n: self._mastered[n] for n in changed}, params=False)
+
+    def set_masters(self, values: Mapping[str, torch.Tensor], params: bool = True) -> None:
+        """This rank's pieces of the masters := ``values`` (by name, whole tensors), and
+        (``params``) the parameters too, cast."""
+        with torch.no_grad():
+            for n, v in values.items():
+                p = self._mastered[n]
+                lo, hi = _piece(p.numel(), self.world, self.rank)
+                self.masters[n].copy_(v.detach().reshape(-1)[lo:hi])
+                if params:
+                    p.copy_(v)
+        self.stamp(list(values))
+
+    def set_pieces(self, pieces: Mapping[str, torch.Tensor]) -> None:
+        """This rank's pieces of the masters := ``pieces`` (by name, as a checkpoint holds
+        them), every non-empty one; the parameters hold them already."""
+        missing = [n for n, m in self.masters.items() if m.numel() and n not in pieces]
+        if missing:
+            raise ValueError(f"the checkpoint has no fp32 master of {', '.join(missing[:3])}"
+                             f"{', ...' if len(missing) > 3 else ''} for rank {self.rank}: it "
+                             "was saved from another model")
+        with torch.no_grad():
+            for n, m in self.masters.items():
+                if m.numel():
+                    m.copy_(pieces[n])
+        self.stamp(self.masters)
+
+    def master_keys(self, state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        """``key -> master name`` of the entries of ``state`` (a module's
+        ``state_dict(keep_vars=True)``: its own tensors) that are sharded-master parameters
+        (a tied one under each of its keys)."""
+        name_of = {id(p): n for n, p in self._mastered.items()}
+        return {k: name_of[id(t)] for k, t in state.items() if id(t) in name_of}

@@ -1,0 +1,507 @@
+"""Data parallel across processes: the collectives of a Program's host lane.
+
+``fxpipe.compile(model, ..., data_parallel=True)`` on every rank of a ``torch.distributed``
+job: each rank runs its own pipeline on its share of the batch, and the host lane of
+each training call's Program holds the collectives (``passes.program``): ``BC``
+broadcasts the buffers from rank 0, ``AR4:6`` averages the gradients of the parameters
+``S4:6`` steps (one bucket per backward stage, reduced as soon as that stage's
+gradients are downloaded, while the devices back-propagate the shallower stages), and
+with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket and
+gather the stepped shards back. :class:`DataParallel` runs them on host tensors, with
+``torch.distributed`` (gloo).
+
+What is sharded: each parameter is cut in N equal pieces whatever the plan (rank ``r``
+owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``; a bucket lays them out as N chunks,
+one per rank), so the optimizer state of a piece, kept by parameter name, serves every
+plan. With ``param_dtype`` the fp32 masters are sharded the same way
+(:meth:`DataParallel.shard_masters`): the parameters become their ``param_dtype``
+copies, the sharded step updates this rank's fp32 pieces and the all-gather writes
+them, cast, into every rank's parameters.
+
+What is averaged, exactly as ``DistributedDataParallel`` does: the bucket holds each
+parameter's ``.grad`` plus this call's gradient (DDP reduces the accumulated ``.grad``),
+divided by the number of ranks, then summed across ranks; the result becomes the new
+``.grad`` at the commit. Nothing reaches ``.grad`` before the call's ``Commit`` (or a
+streamed ``OptimizerStep``): a call that fails on any rank leaves ``.grad`` as it was
+on every rank. A parameter that gets no gradient on a rank counts as zero there.
+
+Failures: the collectives run on a process group fxpipe makes over the ranks of the
+user's (gloo, ``timeout`` seconds). A rank whose training call fails writes which rank
+and why into the group's store, then completes the collectives of the call it still
+owes the other ranks with zeros (``drain``: gloo cannot cancel a posted collective);
+every rank checks the store after each collective, so the others raise
+:class:`fxpipe.errors.DistributedError` naming the rank that failed first as soon as
+their pending collective completes, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
+they were on every rank (parameters too, without a streamed optimizer or with
+``overlapped(opt, atomic=True)``). A rank that stops answering or dies fails the others
+at the timeout. The pipe cannot train again afterwards: restart every rank
+(``torchrun`` does) and resume from a checkpoint. A rank failing after its last
+collective of a call (in the shallowest stage's optimizer step, or the commit) fails
+alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import DistributedError
+from fxpipe.runtime.host.buckets import Bucket, Shard, _by_dtype, _chunk, _span, first_names
+from fxpipe.runtime.devices.cuda import CudaDevice
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.host.grad_accum import GradAccumulator, owned_params
+from fxpipe.runtime.host.masters import ShardedMasters
+from fxpipe.runtime.host.param_store import ParamStore
+from fxpipe.runtime.host.params import grad_dtype
+
+ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
+_open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every data-parallel pipe's collectives not closed yet: before the
+    interpreter's teardown (``atexit`` runs before it; torch's own groups are destroyed
+    after)."""
+    for dp in list(_open):
+        dp.close()
+
+
+class DataParallel(ShardedMasters):
+    """The collectives of one data-parallel pipe (module docstring). Made by
+    ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
+
+    def __init__(self, process_group: Any = None, *, timeout: float = 300.0,
+                 shard: bool = False, broadcast: bool = True):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized "
+                "on every rank first: torch.distributed.init_process_group('gloo') (torchrun "
+                "sets the rank, world size and address in the environment); see the README, "
+                "'Several machines'")
+        if not timeout > 0:
+            raise ValueError(f"collective_timeout must be > 0 seconds, got {timeout!r}")
+        parent = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(parent)
+        self.rank = dist.get_rank(parent)
+        self.world = len(ranks)
+        self.timeout = float(timeout)
+        self.shard = shard            # shard_optimizer
+        self.broadcast = broadcast    # broadcast_buffers
+        # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
+        # and our store key for failures, without touching the user's group
+        self.group = dist.new_group(ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=self.timeout),
+                                    use_local_synchronization=process_group is not None)
+        self.store = dist.distributed_c10d._get_process_group_store(self.group)
+        self.dead: DistributedError | None = None
+        self._lock = threading.Lock()
+        self._worker: VirtualDevice | None = None
+        # under _lock: built by whichever thread first asks (the caller's plan_ops, the
+        # collective worker's reduces)
+        self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
+        # under _posting: begin (the call's host thread), _post (the collective worker) and
+        # drain (the failing thread) post in the Program's order; held while a collective
+        # is issued, not while it is waited for
+        self._posting = threading.Lock()
+        self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
+        self._posted = 0                                      # how many were posted
+        ShardedMasters.__init__(self)
+        # id(parameter) -> its name for the shard state and masters: the first name it had
+        # in the first layer graph that named it (another capture may order tied names
+        # differently)
+        self._names: dict[int, str] = {}
+        _open.add(self)   # closed at exit if the pipe is not (close_all)
+
+    def collectives(self, run_type: str, sync: bool, mode: str | None,
+                    has_buffers: bool) -> tuple[str | None, bool]:
+        """``(data_parallel, broadcast_buffers)`` of a call's Program (what ``pipe.program()``
+        prints and the call runs): a training call that synchronizes gradients all-reduces
+        them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
+        (``mode="exact"``: the streamed step; None: no step), and first broadcasts the
+        buffers from rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``).
+        Anything else: ``(None, False)``."""
+        if run_type == "infer" or not sync:
+            return None, False
+        if self.shard and mode not in (None, "exact"):
+            raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
+                                      f"step only, not optimizer={mode!r}")
+        return ("shard" if self.shard and mode == "exact" else "allreduce",
+                self.broadcast and has_buffers)
+
+    # -- compile time ----------------------------------------------------------------------
+    def check_same(self, what: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank passes equal ``what`` (the
+        plan, the parameters' names, shapes and dtypes...), naming the first difference."""
+        gathered: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(gathered, dict(what), group=self.group)
+        except Exception as e:  # noqa: BLE001 — e.g. a rank that never compiled: timeout
+            raise DistributedError(
+                f"rank {self.rank}: comparing the compiled pipeline with the other ranks failed "
+                f"({type(e).__name__}: {e}); every rank must call fxpipe.compile(..., "
+                "data_parallel=True) for the same model") from e
+        mine = gathered[self.rank]
+        for r, theirs in enumerate(gathered):
+            for k in mine:
+                if theirs.get(k) != mine[k]:
+                    raise ValueError(
+                        f"fxpipe.compile(data_parallel=True): ranks differ in {k}: rank "
+                        f"{self.rank} has {_first_difference(mine[k], theirs.get(k), r)}. Every "
+                        "rank must compile the same model with the same plan: pass the same "
+                        "plan=fxpipe.ExecutePlan(...) on every rank (ExecutePlan.auto may choose "
+                        "differently where ranks have other devices), and build the model the "
+                        "same way everywhere")
+
+    def check_devices(self, devices: Sequence[Device]) -> None:
+        """Raise ``ValueError`` on every rank if two ranks compute on one GPU (by its UUID:
+        ``CUDA_VISIBLE_DEVICES`` may number it differently in each)."""
+        mine = sorted(str(torch.cuda.get_device_properties(d.device).uuid)
+                      for d in devices if isinstance(d, CudaDevice))
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=self.group)
+        clash = shared_gpu(gathered)
+        if clash is not None:
+            a, b, gpu = clash
+            raise ValueError(
+                f"fxpipe.compile(data_parallel=True): ranks {a} and {b} both compute on GPU "
+                f"{gpu}: every rank needs GPUs of its own. Under torchrun leave devices=None "
+                "(each rank takes its share of the node's GPUs, LOCAL_RANK) or pass each rank "
+                "its own devices=[...]")
+
+    # -- running -----------------------------------------------------------------------------
+    @property
+    def worker(self) -> VirtualDevice:
+        """The host thread the collective stream of the host lane runs on."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = VirtualDevice(name=f"host-collectives-r{self.rank}",
+                                             count_work=False)
+            return self._worker
+
+    def check_alive(self) -> None:
+        """Raise if an earlier call failed (this process group cannot be used again)."""
+        if self.group is None:
+            raise DistributedError(f"rank {self.rank}: this data-parallel pipe was closed "
+                                   "(pipe.close()): compile a new one", rank=self.rank)
+        if self.dead is not None:
+            raise DistributedError(
+                f"rank {self.rank}: an earlier data-parallel call failed ({self.dead}); fxpipe's "
+                "process group cannot be used again: restart every rank and resume from a "
+                "checkpoint", rank=self.dead.rank)
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's call failed: say so in the store (unless another rank failed first
+        and caused it), so that every rank's pending and later collective fails now.
+        Idempotent."""
+        with self._lock:
+            if self.dead is not None:
+                return
+            origin = exc.rank if isinstance(exc, DistributedError) else self.rank
+            self.dead = DistributedError(f"{type(exc).__name__}: {exc}", rank=origin)
+        if not isinstance(exc, DistributedError):
+            try:
+                self.store.compare_set(ORIGIN, "", f"{self.rank}: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 — the store is gone: the others time out
+                pass
+        # the other ranks see it in the store once their next collective completes (this
+        # rank's drain completes it); the group is not destroyed: destroying it under a
+        # collective pending on gloo's threads aborts the process
+
+    # -- posting collectives: every rank posts the same ops in the same order -------------
+    def begin(self, ops: Sequence[tuple[str, int, torch.dtype]]) -> None:
+        """A call starts: ``ops`` (kind, numel, dtype) are the collectives it will post,
+        in order (:meth:`plan_ops`), what :meth:`drain` completes when it fails."""
+        with self._posting:
+            self._ops, self._posted = list(ops), 0
+
+    def _post(self, kind: str, tensor: torch.Tensor, what: str,
+              out: torch.Tensor | None = None) -> None:
+        """Post the call's next collective and wait for it; then raise ``DistributedError``
+        if another rank reported a failure in the store (a failed rank says so first, then
+        completes the collectives it owes with zeros: :meth:`drain`)."""
+        with self._posting:
+            if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
+                raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call "
+                                   f"is {kind}, the Program said {self._ops[self._posted][0]}")
+            work = _issue(kind, tensor, out, self.group)
+            self._posted += 1
+        cause: Exception | None = None
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001
+            cause = e
+        rank, why = self._origin() if cause is not None else self._origin(patience=0)
+        if rank is not None:
+            raise DistributedError(
+                f"rank {self.rank}: the {what} failed because rank {rank} failed: {why}",
+                rank=rank) from cause
+        if cause is not None:
+            raise DistributedError(
+                f"rank {self.rank}: the {what} failed ({type(cause).__name__}: {cause}); no "
+                f"rank reported a failure: one may have stopped answering (timeout "
+                f"{self.timeout:g} s) or died") from cause
+
+    def drain(self) -> None:
+        """The call failed on this rank (its own failure or another's): complete every
+        collective it still owes the other ranks, with zeros, so that no rank waits for
+        it (gloo cannot cancel a posted collective). Bounded by the timeout."""
+        while True:
+            with self._posting:
+                if self._posted >= len(self._ops):
+                    return
+                kind, numel, dtype = self._ops[self._posted]
+                out = torch.zeros(numel * self.world if kind == "all_gather" else
+                                  numel // self.world, dtype=dtype) \
+                    if kind in ("all_gather", "reduce_scatter") else None
+                self._posted += 1
+                try:
+                    work = _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group)
+                except Exception:  # noqa: BLE001
+                    return
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001
+                return
+
+    def plan_ops(self, actions: Sequence[Any], exe: Any, lg: Any, store: ParamStore
+                 ) -> list[tuple[str, int, torch.dtype]]:
+        """The collectives (kind, numel, dtype) the host ``actions`` post, in order."""
+        from fxpipe.passes.program import AllGather, AllReduce, BroadcastBuffers, ReduceScatter
+        reduces = any(isinstance(a, (AllReduce, ReduceScatter, AllGather)) for a in actions)
+        buckets = self.buckets(exe, lg, store) if reduces else {}
+        ops: list[tuple[str, int, torch.dtype]] = []
+        for a in actions:
+            match a:
+                case BroadcastBuffers():
+                    for dtype, tensors in _by_dtype(lg.buffers).items():
+                        ops.append(("broadcast", sum(t.numel() for t in tensors), dtype))
+                case AllReduce(layers=r):
+                    ops += [("all_reduce", b.padded, b.dtype) for b in buckets.get(_span(r), [])]
+                case ReduceScatter(layers=r):
+                    ops += [("reduce_scatter", b.padded, b.dtype)
+                            for b in buckets.get(_span(r), [])]
+                case AllGather(layers=r):
+                    ops += [("all_gather", b.shard_len, b.params[0].dtype)
+                            for b in buckets.get(_span(r), [])]
+        return ops
+
+    def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
+        """The rank that failed first and why, from the store (it writes before it drains,
+        so a short wait suffices after a collective failed)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                if self.store.check([ORIGIN]):
+                    text = self.store.get(ORIGIN).decode(errors="replace")
+                    rank, _, why = text.partition(": ")
+                    return int(rank), why
+            except Exception:  # noqa: BLE001 — the store is unreachable
+                return None, ""
+            if time.monotonic() >= deadline:
+                return None, ""
+            time.sleep(0.05)
+
+    # -- buckets -------------------------------------------------------------------------
+    def buckets(self, exe: Any, lg: Any, store: ParamStore) -> dict[tuple[int, int], list[Bucket]]:
+        """Per backward stage's layers, its buckets (one per gradient and parameter
+        dtype), in the same order on every rank: the parameters it owns (``StageSpec.owns``)
+        in the order of the
+        host buffers (one set per ``store``: per run type)."""
+        key = id(store)
+        with self._lock:
+            return self._buckets_of(key, exe, lg, store)
+
+    def _buckets_of(self, key: int, exe: Any, lg: Any, store: ParamStore
+                    ) -> dict[tuple[int, int], list[Bucket]]:
+        if key not in self._buckets:
+            host = store.host
+            names = {i: self._names.setdefault(i, n) for i, n in first_names(lg.params).items()}
+
+            def order(p: torch.Tensor) -> tuple:   # host buffer order, then by name
+                slot = host.slots.get(id(p))
+                if slot is None or slot.region is None:
+                    return (1, 0, 0, names[id(p)])
+                return (0, slot.region, slot.offset, "")
+
+            out: dict[tuple[int, int], list[Bucket]] = {}
+            for s, params in owned_params(exe.program, lg).items():
+                layers = exe.program.stages[s].layers
+                by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.Tensor]] = {}
+                for p in sorted(params, key=order):
+                    by_dtype.setdefault((grad_dtype(p), p.dtype), []).append(p)
+                out[(layers.start, layers.stop)] = [
+                    self._bucket(layers, dtype, [(names[id(p)], p) for p in ps])
+                    for dtype, ps in by_dtype.items()]
+            self._buckets[key] = (store, out)   # the store kept: its id stays its own
+        return self._buckets[key][1]
+
+    def _bucket(self, layers: range | None, dtypes: tuple[torch.dtype, torch.dtype],
+                named: Sequence[tuple[str, torch.Tensor]], parts: int | None = None) -> Bucket:
+        """A bucket of ``named`` parameters; ``parts``: the number of ranks when sharding
+        (the default under ``shard_optimizer``), else 1."""
+        parts = parts or (self.world if self.shard else 1)
+        sizes = [p.numel() for _, p in named]
+        chunks = [_chunk(n, parts) for n in sizes]
+        offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+        return Bucket(layers, dtypes[0], [p for _, p in named], [n for n, _ in named], sizes,
+                      chunks, offsets, parts, self.rank,
+                      [self.masters.get(n) if parts == self.world else None for n, _ in named])
+
+    def _pack(self, bucket: Bucket, acc: GradAccumulator) -> torch.Tensor:
+        """The bucket's flat gradient: per parameter its ``.grad`` plus this call's sum,
+        divided by the number of ranks (DDP's order: divide, then sum across ranks)."""
+        flat = torch.empty(bucket.padded, dtype=bucket.dtype)
+        with torch.no_grad():
+            for i, (p, new) in enumerate(zip(bucket.params, acc.sums(bucket.params))):
+                bucket.pack(flat, i, new, p.grad)
+            flat.div_(self.world)
+        return flat
+
+    # -- the collectives ---------------------------------------------------------------------
+    def broadcast_buffers(self, store: ParamStore, buffers: Mapping[str, torch.Tensor]) -> None:
+        """``BroadcastBuffers``: rank 0's buffers into every rank's (one flat tensor per
+        dtype), then the upload copies refreshed."""
+        for dtype, tensors in _by_dtype(buffers).items():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self._post("broadcast", flat, "broadcast of the buffers")
+            if self.rank != 0:
+                with torch.no_grad():
+                    n = 0
+                    for t in tensors:
+                        t.copy_(flat[n:n + t.numel()].view_as(t))
+                        n += t.numel()
+        if self.rank != 0:
+            store.refresh()   # the copies devices upload from (param_dtype) see the new values
+
+    def all_reduce(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> None:
+        """``AllReduce``: each bucket averaged across ranks, the result each parameter's
+        new ``.grad`` (``GradAccumulator.replace``)."""
+        for b in buckets:
+            flat = self._pack(b, acc)
+            self._post("all_reduce", flat,
+                       f"all-reduce of layers {b.layers.start}-{b.layers.stop - 1}")
+            for i, p in enumerate(b.params):
+                acc.replace(p, b.unpack(flat, i))
+
+    def reduce_scatter(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> list[Shard]:
+        """``ReduceScatter``: each bucket's average, this rank's shard of it only."""
+        shards = []
+        for b in buckets:
+            flat = self._pack(b, acc)
+            grad = torch.empty(b.shard_len, dtype=b.dtype)
+            self._post("reduce_scatter", flat,
+                       f"reduce-scatter of layers {b.layers.start}-{b.layers.stop - 1}", grad)
+            acc.drop(b.params)   # consumed by the sharded step
+            shards.append(Shard(b, grad))
+        return shards
+
+    def all_gather(self, shards: Sequence[Shard]) -> None:
+        """``AllGather``: every rank's stepped shard into every rank's parameters (from
+        the fp32 masters, cast, where this rank keeps them)."""
+        for sh in shards:
+            b = sh.bucket
+            full = self._gather(b, b.params[0].dtype,
+                                f"all-gather of layers {b.layers.start}-{b.layers.stop - 1}")
+            with torch.no_grad():
+                for i, p in enumerate(b.params):
+                    p.view(-1).copy_(b.unpack(full, i).reshape(-1))
+            self.stamp(b.names)
+
+    def _gather(self, b: Bucket, dtype: torch.dtype, what: str, post: bool = True) -> torch.Tensor:
+        """All-gather ``b`` in ``dtype``: every rank's chunk, from its masters where it
+        keeps them (cast), else from the parameters."""
+        mine = torch.zeros(b.shard_len, dtype=dtype)
+        with torch.no_grad():
+            for i, lo, hi, at in b.pieces():
+                m = b.masters[i]
+                if m is None:
+                    m = b.params[i].detach().view(-1)[lo:hi]
+                mine[at:at + hi - lo].copy_(m)
+        full = torch.empty(b.padded, dtype=dtype)
+        if post:
+            self._post("all_gather", mine, what, full)
+        else:   # outside a call: no failure protocol to follow
+            _issue("all_gather", mine, full, self.group).wait()
+        return full
+
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        """Every sharded master whole, gathered from every rank (a collective: every rank
+        calls it, between training calls), by name."""
+        self.check_alive()
+        self.check_masters()
+        out: dict[str, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for n, p in self._mastered.items():
+            by_dtype.setdefault(self.masters[n].dtype, []).append((n, p))
+        for dtype, named in by_dtype.items():
+            b = self._bucket(None, (dtype, dtype), named, parts=self.world)
+            full = self._gather(b, dtype, "all-gather of the masters", post=False)
+            for i, (n, p) in enumerate(named):
+                out[n] = b.unpack(full, i).clone()
+        return out
+
+    def close(self) -> None:
+        """Stop the collective worker, then destroy fxpipe's group (``PipelineModule.close``,
+        and at interpreter exit for pipes never closed): a finished job leaves no gloo
+        thread for the interpreter's teardown. After a failed call the group may have a
+        collective pending on gloo's threads, which destroying it would abort on: it is
+        left to the process's exit then. Idempotent."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        group, self.group = self.group, None
+        _open.discard(self)
+        if group is not None and self.dead is None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 — the default group already went down with it
+                pass
+
+
+def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
+    """Post one collective on ``group``: ``broadcast`` (from rank 0) and ``all_reduce``
+    (sum) in place, ``reduce_scatter`` (sum) and ``all_gather`` into ``out``."""
+    if kind == "broadcast":
+        return dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, group=group, async_op=True)
+    if kind == "reduce_scatter":
+        return dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
+    if kind == "all_gather":
+        return dist.all_gather_single(out, tensor, group=group, async_op=True)
+    raise ValueError(f"not a collective: {kind!r}")
+
+
+def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:
+    """The first two ranks listing one GPU, and it (``check_devices``), or None.
+
+    >>> shared_gpu([["GPU-a"], ["GPU-b"]]), shared_gpu([["GPU-a", "GPU-b"], ["GPU-b"]])
+    (None, (0, 1, 'GPU-b'))
+    """
+    owner: dict[str, int] = {}
+    for rank, gpus in enumerate(gpus_by_rank):
+        for gpu in gpus:
+            if gpu in owner:
+                return owner[gpu], rank, gpu
+            owner[gpu] = rank
+    return None
+
+
+def _first_difference(mine: Any, theirs: Any, rank: int) -> str:
+    """``"X, rank r has Y"`` for the first entry where two digests differ."""
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        for a, b in zip(mine, theirs):
+            if a != b:
+                return f"{a!r}, rank {rank} has {b!r}"
+        return f"{len(mine)} entries, rank {rank} has {len(theirs)}"
+    return f"{mine!r}, rank {rank} has {theirs!r}"

@@ -1,0 +1,529 @@
+"""The executor: interprets one ``Executable`` (``fxpipe.passes.stage``) for one call.
+
+It is deliberately dumb. Each device's actions are issued, in Program order, by that
+device's own host thread (the host lane's by one more): an action is submitted to the
+stream of its device the Program names, with the events of its dependencies
+(``Program.dependencies()``) as waits, once those were issued. Issuing waits for device
+work in one place only: before a ``Prefetch`` allocates, until the parameters released
+so far are past every stream that read them (``Device.wait_released``: the host stays
+at most the two resident stages ahead of a device's memory; ``issue_waits``). Otherwise
+it queues kernels and copies after ``wait_event``s. The host lane's actions are host
+work: each runs when its issue thread reaches it, after exactly the events it reads (a
+stage's ``Accumulate`` or ``OptimizerStep`` reading downloaded gradients; the
+collectives on their own worker). The caller waits for the end of the call, then runs
+the ``Commit`` and the host actions after it (``ClipGradNorm``, ``ScalerStep``,
+``QueueUpdate``, steps that could not be streamed) on its thread, in lane order. Each
+action kind has one handler (``Execution._act``, a ``match`` on the action class), and
+what a handler moves or drops is what ``Program.flow`` says: the executor decides
+nothing the Program does not show. Stages run through ``runtime.stages.stage_code``: the printed
+stage code, the Executable's own GraphModules.
+
+The host never reads data a copy may still be writing: values and gradient parts that
+come through the host go back to a device as they are (the device sums gradient parts),
+and downloaded parameter gradients are read by host actions only (an ``Accumulate`` or
+``OptimizerStep`` after its downloads' events).
+
+Who owns what: each device's values, gradients and resident parameters live in its
+``_OnDevice`` (only that device's actions touch them; its lock orders its streams);
+the host's per-microbatch values and gradient parts live in ``_OnHost`` (one lock).
+Values are keyed by the compute that made or received them, ``(stage, microbatch,
+name)``, so two actions never write the same slot.
+
+Parameter gradients accumulate on the device over a stage job, go to the host once per
+job (``DownloadGrads``), are added to the call's sums by the stage's ``Accumulate`` and
+reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as ``StageError`` naming stage, layers, device
+and microbatch, after every submitted action has finished and device memory is freed.
+``Execution.stats`` counts what the call did (``pipe.stats()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
+from fxpipe.passes.program import (
+    HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
+    ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
+    GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
+    ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad, stream_of,
+)
+from fxpipe.runtime.issue.compute import StageCompute
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.emulator import emulated_wait
+from fxpipe.runtime.devices.events import Event
+from fxpipe.runtime.host.grad_accum import GradAccumulator
+from fxpipe.runtime.issue.interrupts import deferred_interrupt
+from fxpipe.runtime.issue.threads import (
+    _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
+)
+from fxpipe.runtime.devices.issue_lock import issuing
+from fxpipe.runtime.host.params import is_scratch
+from fxpipe.runtime.issue.values import Call, Stats, _OnDevice, _OnHost
+
+
+class Execution:
+    """One run of a Call (create, ``run()``, read the Call's results)."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.program = call.exe.program
+        self.flow = self.program.flow
+        M = self.program.num_microbatches
+        call.host = [dict(x) for x in call.inputs]
+        if LABEL in self.program.inputs:   # the fused loss's label: uploaded like an input
+            for m, values in enumerate(call.host):
+                values[LABEL] = call.labels[m]
+        call.grads = [{n: [g] for n, g in gs.items()}
+                      for gs in (call.out_grads or [{} for _ in range(M)])]
+        call.accumulator = GradAccumulator(call.store)
+        self.on_host = _OnHost(call)
+        self.on = [_OnDevice() for _ in call.devices]
+        self.stats = call.stats = Stats()
+        self.compute = StageCompute(call, self.on, self.on_host, self.stats)
+        self.downloads: dict[int, list[dict[str, torch.Tensor]]] = {}  # stage -> host grads
+        self.downloads_lock = threading.Lock()
+        # layers -> ReduceScatter's shards: under shards_lock (ReduceScatter writes them on
+        # the collective worker, OptimizerStep and AllGather read them on the host thread)
+        self.shards: dict[tuple[int, int], list] = {}
+        self.shards_lock = threading.Lock()
+        self.cancelled = threading.Event()
+        self.record_lock = threading.Lock()
+        self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
+        # stages whose jobs are device graphs (only looked for under "cudagraphs")
+        self.graphed = {a.stage for acts in self.program.actions for a in acts
+                        if isinstance(a, (GraphForward, GraphRecomputeBackward))} \
+            if call.graphs is not None else set()
+
+    # -- issuing -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Issue every action of the call's phase, one issue thread per lane; wait for the
+        end of the call; then run its ``Commit``. Raise the first failure (after everything
+        submitted ended and device memory is freed)."""
+        p = self.program
+        deps = p.dependencies()
+        phase = self.call.phase
+        keep = p.issued(phase)
+        if self.call.dp is not None:
+            self.call.dp.begin(self.call.dp.plan_ops(
+                [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
+                self.call.exe, self.call.layers, self.call.store))
+        slots: dict[tuple[int, int], _Issued] = {}
+        lanes: list[tuple[int, list[int]]] = []
+        # the Commit and what follows it in the host lane run once the call has ended
+        at = next((i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)),
+                  len(p.host))
+        for lane, acts in p.lanes():
+            idxs = [i for i, a in enumerate(acts) if keep[lane][i]
+                    and not (lane == HOST and i >= at)]
+            slots.update({(lane, i): _Issued() for i in idxs})
+            if idxs:
+                lanes.append((lane, idxs))
+        issuing: list[threading.Event] = []
+        interrupt: BaseException | None = None
+        try:
+            # every lane gets its issue thread (others may wait on its lane); a Ctrl-C held
+            # until then is raised here, and stops them as one arriving later does
+            with deferred_interrupt():
+                for lane, idxs in lanes:
+                    issuing.append(_issue_thread(
+                        f"fxpipe-issue-{'host' if lane == HOST else lane}",
+                        lambda lane=lane, idxs=idxs: self._issue(lane, idxs, deps, keep, slots)))
+            for done in issuing:
+                done.wait()   # until everything is issued: no device work is waited for here
+        except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
+            self._cancel(e)
+            interrupt = e
+        for done in issuing:
+            while not done.is_set():
+                try:
+                    done.wait()
+                except BaseException as e:  # noqa: BLE001 — a second Ctrl-C: still clean up
+                    self._cancel(e)
+                    interrupt = interrupt or e
+        self.stats.add("host_waits")
+        failure = wait_all(slots, self._cancel)
+        if interrupt is not None and not isinstance(failure, KeyboardInterrupt):
+            failure = interrupt
+        if failure is not None:
+            self._cleanup()
+            if self.call.dp is not None:
+                self.call.dp.drain()   # the collectives the other ranks wait for, with zeros
+            raise failure
+        self._check_empty()
+        # the call has ended: what came to the host has landed, the host may read it
+        for i in range(at, len(p.host)):
+            if not keep[HOST][i]:
+                continue
+            if isinstance(p.host[i], Commit):   # the caller's merge raises as it is
+                with _acting(str(p.host[i])):
+                    self._act(HOST, p.host[i])
+                self._recorded(HOST, p.host[i])
+            else:
+                self._work(HOST, p.host[i])()
+
+    def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
+        """Issue ``lane``'s actions in Program order: each once its dependencies were
+        issued, with their events as the stream's waits."""
+        acts = self.program.lane(lane)
+        done = 0
+        try:
+            for i in idxs:
+                a = acts[i]
+                waits: list[Event] = []
+                for dep in deps[lane][i]:
+                    key = (dep.device, dep.step)
+                    if not keep[key[0]][key[1]]:
+                        continue
+                    src = slots[key]
+                    src.ready.wait()
+                    waits.extend([src.event] if dep.on == "end" else src.gate)
+                waits = list({id(e): e for e in waits}.values())
+                if isinstance(a, Prefetch) and self.call.devices[lane].wait_released():
+                    self.stats.add("issue_waits")   # the memory it needs is not free yet
+                slot = slots[(lane, i)]
+                slot.gate = waits
+                if lane == HOST and waits:
+                    self.stats.add("host_waits")  # a host action reads what those events made
+                if lane == HOST:   # host work: run now; collectives on their own thread
+                    worker = self.call.dp.worker if isinstance(a, Collective) else _ON_HOST
+                    slot.event = worker.submit("compute", self._work(lane, a), wait=waits,
+                                               label=str(a))
+                else:
+                    worker = self.call.devices[lane]
+                    with issuing(worker.runs_at_issue):
+                        start, _ = time.perf_counter(), emulated_wait()
+                        slot.event = worker.submit(stream_of(a), self._work(lane, a),
+                                                   wait=waits, label=str(a))
+                        self.stats.issued(type(a).__name__,
+                                          time.perf_counter() - start - emulated_wait())
+                slot.ready.set()
+                done += 1
+        except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
+            self._cancel(e)
+            for i in idxs[done:]:
+                failed = Event(str(acts[i]))
+                failed._finish(exc=e)
+                slots[(lane, i)].event = failed
+                slots[(lane, i)].ready.set()
+
+    def _work(self, lane: int, a) -> Callable[[], None]:
+        def work():
+            # the previous call's update is owed whatever happens to this call
+            if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
+                raise Cancelled(f"{a}: the call was interrupted")
+            try:
+                with _acting(str(a)):
+                    self._act(lane, a)
+            except DistributedError as e:
+                if self.cancelled.is_set():  # this rank's own failure aborted the collective
+                    raise Cancelled(f"{a}: the call was interrupted") from e
+                self._cancel(e)
+                raise
+            except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt) as e:
+                self._cancel(e)  # these already say where, or are the user's
+                traceback.clear_frames(e.__traceback__)
+                raise
+            except BaseException as e:
+                # the traceback stays readable, but its frames no longer hold the action's
+                # tensors: an exception the caller keeps does not keep device memory
+                traceback.clear_frames(e.__traceback__)
+                error = self._stage_error(lane, a, e)
+                self._cancel(error)
+                raise error from e
+            self._recorded(lane, a)
+        return work
+
+    def _cancel(self, exc: BaseException) -> None:
+        """Stop the call: actions that have not started raise ``Cancelled``; with data
+        parallel, every other rank's collectives fail too (``DataParallel.fail``)."""
+        first = not self.cancelled.is_set()
+        self.cancelled.set()
+        if first and self.call.dp is not None and not isinstance(exc, Cancelled):
+            self.call.dp.fail(exc)
+
+    def _recorded(self, lane: int, a) -> None:
+        self.stats.add("actions")
+        if self.call.record is not None:
+            with self.record_lock:
+                self.call.record.append((lane, str(a)))
+
+    def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
+        s = getattr(a, "stage", None)
+        if lane == HOST:   # a host action: name its layers (or what it covers)
+            layers = getattr(a, "layers", None)
+            what = (f" of layers {layers.start}-{layers.stop - 1}" if layers else
+                    " of the buffers" if isinstance(a, Collective) else "")
+            return StageError(f"{type(a).__name__} ({a}){what} on the host, failed: "
+                              f"{type(e).__name__}: {e}", layers=layers, device="host",
+                              action=str(a))
+        st = self.call.exe.stages.get(s) if s is not None else None
+        mb = getattr(a, "mb", None)
+        names = ", ".join(self.call.layers.layers[i].name for i in st.layers) if st else "?"
+        span = f"layers {st.layers.start}-{st.layers.stop - 1} ({names})" if st else ""
+        where = f"microbatch {mb}" if mb is not None else "the stage job"
+        device = "host" if lane == HOST else self.call.devices[lane].name
+        return StageError(
+            f"{type(a).__name__} of stage {s if s is not None else '?'} [{span}] on "
+            f"{device}, {where}, failed: {type(e).__name__}: {e}",
+            stage=s, layers=st.layers if st else None, device=device, microbatch=mb,
+            action=str(a))
+
+    # -- actions: one handler per kind ----------------------------------------------------
+    def _act(self, lane: int, a) -> None:
+        match a:
+            case Prefetch(stage=s):
+                self._prefetch(lane, s)
+            case Upload(stage=s, mb=m):
+                self._upload(lane, s, m)
+            case UploadGrad(stage=s, mb=m):
+                self._upload_grads(lane, s, m)
+            case GraphForward(stage=s, mb=m):
+                self.compute.graph_forward(lane, s, m)
+            case Forward(stage=s, mb=m):
+                self.compute.forward(lane, s, m)
+            case FusedBackward(stage=s, mb=m):
+                self.compute.fused(lane, s, m)
+            case Checkpoint(stage=s, mb=m):
+                self.compute.checkpoint(lane, s, m)
+            case GraphRecomputeBackward(stage=s, mb=m):
+                self.compute.graph_recompute_backward(lane, s, m)
+            case RecomputeBackward(stage=s, mb=m, layer=None):
+                self.compute.recompute_backward(lane, s, m)
+            case RecomputeBackward(stage=s, mb=m, layer=layer):
+                self.compute.layer_backward(lane, s, m, layer)
+            case Offload(stage=s, mb=m):
+                self._offload(lane, s, m)
+            case Free(stage=s, mb=m):
+                self._free(lane, s, m)
+            case DownloadGrads(stage=s):
+                self._download_grads(lane, s)
+            case Release(stage=s):
+                on = self.on[lane]
+                with on.lock:
+                    params = on.params.pop(s)
+                self._release(lane, params)
+            case Refresh():
+                self._refresh()
+            case Accumulate(layers=layers):
+                self._take_downloads([self.program.backward_stage_of[(layers.start,
+                                                                      layers.stop)]])
+            case AsyncUpdate():
+                self.call.optimizer.apply_pending()
+            case OptimizerStep(layers=layers):
+                self._take_downloads(self.program.step_stages(a))  # their events have ended
+                with self.shards_lock:
+                    shards = self.shards.get((layers.start, layers.stop))
+                self.call.optimizer.step(layers, self.call.accumulator, shards)
+            case BroadcastBuffers():
+                self.call.dp.broadcast_buffers(self.call.store, self.call.layers.buffers)
+            case AllReduce(layers=layers):
+                self._take_downloads(self.program.step_stages(a))
+                self.call.dp.all_reduce(self._buckets(layers), self.call.accumulator)
+            case ReduceScatter(layers=layers):
+                self._take_downloads(self.program.step_stages(a))
+                shards = self.call.dp.reduce_scatter(self._buckets(layers), self.call.accumulator)
+                with self.shards_lock:
+                    self.shards[(layers.start, layers.stop)] = shards
+            case AllGather(layers=layers):
+                with self.shards_lock:
+                    shards = self.shards.pop((layers.start, layers.stop))
+                self.call.dp.all_gather(shards)
+            case Commit():
+                if self.call.commit is not None:
+                    self.call.commit()
+            case ClipGradNorm():
+                self.call.optimizer.clip()
+            case ScalerStep():
+                self.call.optimizer.scaler_step()
+            case QueueUpdate():
+                self.call.optimizer.queue_update()
+            case _:
+                raise TypeError(f"the executor has no handler for {type(a).__name__} ({a})")
+
+    def _prefetch(self, d: int, s: int) -> None:
+        """The stage's parameters to device ``d``: for a stage whose jobs are device
+        graphs (``"cudagraphs"``), into a free parameter slot (``runtime.stages.graphs``: the
+        same place every round); else anywhere."""
+        call, dev = self.call, self.call.devices[d]
+        slot = into = None
+        if call.graphs is not None and s in self.graphed:
+            need = lambda t: call.store.slot_nbytes(   # noqa: E731 — its gradients too
+                t, grads=self.program.stages[t].kind != "fwd")
+            if d not in self.slot_size:
+                self.slot_size[d] = max(need(a.stage) for a in self.program.actions[d]
+                                        if isinstance(a, Prefetch) and a.stage in self.graphed)
+            taken = call.graphs.take(d, dev, s, need(s), self.slot_size[d])
+            if taken is None:
+                self.stats.add("graph_fallbacks")
+            else:
+                slot, into = taken
+        use = call.scratch
+        params = call.store.upload(s, dev, requires_grad=self.program.stages[s].kind != "fwd",
+                                   resident=use.resident if use else None, into=into)
+        params.slot, params.memory = slot, into
+        self.stats.add("h2d_bytes_params", params.nbytes)
+        with self.on[d].lock:
+            self.on[d].params[s] = params
+
+    def _release(self, d: int, params) -> None:
+        self.call.store.release(self.call.devices[d], params)
+        if params.slot is not None:
+            self.call.graphs.give(d, params.slot)
+
+    def _refresh(self) -> None:
+        """``Refresh``: the copies uploads read made current (``ParamStore.refresh``), and
+        the buffers saved, which a call failing before its ``Commit`` puts back."""
+        self.call.store.refresh()
+        self.call.snapshot = {k: v.detach().clone() for k, v in self.call.layers.buffers.items()
+                              if not is_scratch(v)}
+
+    def _buckets(self, layers: range) -> list:
+        """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""
+        call = self.call
+        buckets = call.dp.buckets(call.exe, call.layers, call.store)
+        return buckets.get((layers.start, layers.stop), [])
+
+    def _upload(self, d: int, s: int, m: int) -> None:
+        """Copy the host values ``(s, m)`` reads to the device: each tensor of them (a
+        label may be a structure of tensors); other values are read as they are."""
+        dev, on = self.call.devices[d], self.on[d]
+        for name in self.flow.upload.get((s, m), ()):
+            what = "the label" if name == LABEL else repr(name)
+
+            def up(t: torch.Tensor) -> torch.Tensor:
+                t = dev.to_device(t, "activations", f"{what} for stage {s}, microbatch {m}")
+                self.stats.add("h2d_bytes_activations", _nbytes(t))
+                return t
+
+            value = self.on_host.value(m, name)
+            value = up(value) if isinstance(value, torch.Tensor) else \
+                pytree.tree_map_only(torch.Tensor, up, value)
+            with on.lock:
+                on.uploaded[(s, m, name)] = value
+
+    def _upload_grads(self, d: int, s: int, m: int) -> None:
+        """Each host gradient part of ``(s, m)``'s values, as it came (the device adds them)."""
+        dev, on = self.call.devices[d], self.on[d]
+        for name in self.flow.upload_grads.get((s, m), ()):
+            parts = [dev.to_device(g, "activations",
+                                   f"the gradient of {name!r} for stage {s}, microbatch {m}")
+                     for g in self.on_host.take_grads(m, name)]
+            self.stats.add("h2d_bytes_activations", sum(_nbytes(g) for g in parts))
+            if parts:   # none: a value with no gradient (nothing trainable behind it)
+                with on.lock:
+                    on.host_grads[(s, m, name)] = parts
+
+    def _offload(self, d: int, s: int, m: int) -> None:
+        """The values ``(s, m)`` made that the host needs, and the gradients it made
+        that go through the host (copies: they land when the stream gets to them)."""
+        dev, on, key = self.call.devices[d], self.on[d], (s, m)
+        for name in self.flow.offload.get(key, ()):
+            with on.lock:
+                value = on.made[(s, m, name)]
+            if isinstance(value, torch.Tensor):
+                self.stats.add("d2h_bytes_activations", _nbytes(value))
+                value = dev.to_host(value)
+            self.on_host.put(m, name, value)
+        for name in self.flow.offload_grads.get(key, ()):
+            with on.lock:
+                g = on.parts.get((s, m, name))
+            if g is not None:
+                self.stats.add("d2h_bytes_activations", _nbytes(g))
+                self.on_host.add_grad(m, name, dev.to_host(g))
+
+    def _free(self, d: int, s: int, m: int) -> None:
+        """Drop what ``(s, m)`` was the last to use on the device."""
+        on, key, flow = self.on[d], (s, m), self.flow
+        with on.lock:
+            dropped = [on.uploaded.pop((s, m, n)) for n in flow.upload.get(key, ())]
+            dropped += [on.made.pop((flow.maker[n], m, n)) for n in flow.free.get(key, ())]
+            dropped += [on.parts.pop((s, m, n), None) for n in flow.offload_grads.get(key, ())]
+            dropped += on.consumed.pop(key, [])
+        for t in pytree.tree_leaves(dropped):
+            _free_quietly(self.call.devices[d], t)
+
+    def _download_grads(self, d: int, s: int) -> None:
+        """The stage's accumulated parameter gradients to the host, then their device
+        buffers dropped. The copies land when the stream gets to them: host actions read
+        them (``_take_downloads``) once this action's event has ended."""
+        with self.on[d].lock:
+            params = self.on[d].params[s]
+        grads = {f: t.grad for f, t in params.items() if t.requires_grad}
+        host = self.call.store.download_grads(s, self.call.devices[d], grads,
+                                              self.call.accumulator)
+        self.stats.add("d2h_bytes_grads", sum(_nbytes(g) for g in host.values()))
+        with self.downloads_lock:
+            self.downloads.setdefault(s, []).append(host)
+        for t in params.values():
+            t.grad = None
+
+    def _take_downloads(self, stages) -> None:
+        """Add the downloaded gradients of ``stages`` to the call's sums. Only from a host
+        action whose waits include those downloads (or after the call's end)."""
+        with self.downloads_lock:
+            taken = [(s, host) for s in stages for host in self.downloads.pop(s, [])]
+        for s, host in taken:
+            self.call.accumulator.add(s, host, own=True)
+
+    # -- end of call -----------------------------------------------------------------------
+    def _check_empty(self) -> None:
+        """A complete Program leaves nothing on a device: say so loudly if one did."""
+        if self.downloads:
+            raise RuntimeError(f"fxpipe internal error: the Program took no downloaded "
+                               f"gradients of stages {sorted(self.downloads)} (no Accumulate, "
+                               "OptimizerStep or collective)")
+        for d, on in enumerate(self.on):
+            left = [k for table in (on.uploaded, on.made, on.parts, on.host_grads)
+                    for k in table] + list(on.params) + list(on.checkpoints)
+            if left:
+                self._cleanup()
+                raise RuntimeError(f"fxpipe internal error: the Program left {left[:4]} on "
+                                   f"{self.call.devices[d].name}")
+
+    def _cleanup(self) -> None:
+        """Free what a failed call left on devices."""
+        for d, on in enumerate(self.on):
+            dev = self.call.devices[d]
+            for params in on.params.values():
+                try:
+                    self._release(d, params)
+                except ValueError:
+                    pass
+            for t in on.tensors():
+                _free_quietly(dev, t)
+            self.on[d] = _OnDevice()
+
+
+
+def _nbytes(x: Any) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+
+def _free_quietly(device: Device, t: Any) -> None:
+    if isinstance(t, torch.Tensor):
+        try:
+            device.free(t)
+        except ValueError:  # not an allocation the device counted (made by compute)
+            pass
+
+
+
+
+def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, v in snapshot.items():
+            buffers[k].copy_(v)
+
+
+def apply_writebacks(writebacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for host, value in writebacks:
+            host.copy_(value)

@@ -1,0 +1,152 @@
+"""Issuing a call's actions: the issue threads (one per lane, kept between calls), what
+each thread is doing for a call (``WHERE``), and stopping a call (``Cancelled``). The
+lock one issue thread at a time holds while it runs an action's Python is
+``runtime.devices.issue_lock``'s.
+
+The executor (``runtime.issue.executor``) owns the calls; this module owns the threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+
+import torch
+
+from fxpipe.runtime.devices.emulator import InlineDevice
+from fxpipe.runtime.devices.events import Event
+
+
+class _IssueThread:
+    """A thread that issues one lane's actions per call, kept between calls (starting a
+    thread costs the caller about a millisecond)."""
+
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="fxpipe-issue-idle").start()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            name, fn, done, threads = self.work.get()
+            me.name = name
+            if torch.get_num_threads() != threads:   # as a thread started now would
+                torch.set_num_threads(threads)
+            try:
+                fn()   # catches what stops issuing itself (``Execution._issue``)
+            except BaseException:  # noqa: BLE001 — never lose the thread: it is reused
+                traceback.print_exc()
+            finally:
+                fn = None
+                me.name = "fxpipe-issue-idle"
+                with _idle_lock:
+                    _idle.append(self)
+                done.set()
+
+
+_idle: list[_IssueThread] = []
+_idle_lock = threading.Lock()
+
+
+def _issue_thread(name: str, fn: Callable[[], None]) -> threading.Event:
+    """Run ``fn`` on an idle issue thread (a new one if none is idle), named ``name``
+    while it runs, with the caller's intra-op thread count (what a thread started now
+    would take); the event is set once it returned."""
+    with _idle_lock:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
+        worker = _IssueThread()
+    done = threading.Event()
+    worker.work.put((name, fn, done, torch.get_num_threads()))
+    return done
+
+
+def _forget_issue_threads() -> None:
+    """In a forked child the issue threads are gone: start afresh."""
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_issue_threads)
+
+
+# The host lane's ``host`` stream: its actions run when they are issued, on the host
+# lane's issue thread (a host action is host work: there is nothing to queue).
+_ON_HOST = InlineDevice(name="host")
+
+
+class _Where(threading.local):
+    """What this thread is doing for a call: the action whose work it runs, or the
+    documented work a call does outside its Program (``outside_program``)."""
+
+    action: str | None = None
+    outside: str | None = None
+
+
+WHERE = _Where()
+
+
+@contextlib.contextmanager
+def _where(field: str, value: str) -> Iterator[None]:
+    was = getattr(WHERE, field)
+    setattr(WHERE, field, value)
+    try:
+        yield
+    finally:
+        setattr(WHERE, field, was)
+
+
+def _acting(label: str) -> contextlib.AbstractContextManager:
+    """This thread runs the work of the action ``label``."""
+    return _where("action", label)
+
+
+def outside_program(why: str) -> contextlib.AbstractContextManager:
+    """Mark tensor work a call does outside its Program's actions, and why. Only two
+    kinds exist: splitting the caller's inputs (and labels, output gradients) into
+    microbatches before the Program runs, and summing the microbatches' losses (or
+    input gradients) for the caller after it ended. Everything else a call does to
+    tensors is an action's work (``tests/test_program_only.py`` checks it)."""
+    return _where("outside", why)
+
+
+class Cancelled(RuntimeError):
+    """Raised inside actions once a call has been interrupted."""
+
+
+class _Issued:
+    """One action as its issue thread submitted it: the event it completes, and what its
+    start waited for (a ``Dep`` on its start waits for the same)."""
+
+    __slots__ = ("ready", "event", "gate")
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.event: Event | None = None
+        self.gate: list[Event] = []
+
+
+def wait_all(slots: dict[tuple[int, int], _Issued],
+             cancel: Callable[[BaseException], None]) -> BaseException | None:
+    """The end of the call: wait for every action; the failure to raise is the cause,
+    not the ``Cancelled`` of actions that started after it (whatever their order).
+    ``cancel``: stops the call when waiting itself is interrupted."""
+    events = [slot.event for slot in slots.values() if slot.event is not None]
+    failures = []
+    # latest first: those end last, so the caller wakes once, not once per action
+    for ev in reversed(events):
+        try:
+            exc = ev.exception()
+        except BaseException as e:  # noqa: BLE001 — e.g. KeyboardInterrupt while waiting
+            cancel(e)
+            exc = e
+        if exc is not None:
+            failures.insert(0, exc)  # in issue order
+    if not failures:
+        return None
+    for ev in events:  # everything submitted has finished; make sure of it
+        ev._done.wait()
+    return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
