@@ -18,6 +18,7 @@ import argparse
 import difflib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- report:headline -->", "<!-- /report:headline -->"
+GUARANTEES = ROOT / "docs" / "guarantees.md"
+STATUS_BEGIN, STATUS_END = "<!-- report:status -->", "<!-- /report:status -->"
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -463,7 +466,8 @@ def _gpu_check(d: dict) -> list[str]:
     m = d["model"]
     hidden = ", ".join(f"{v['hidden_fraction']:.3f}" for v in hp["devices"].values())
     rows = [
-        ["fused training step / eager with `torch.utils.checkpoint` per block, same GPU",
+        ["fused training step time / eager with `torch.utils.checkpoint` per block, same GPU "
+         "(lower is better)",
          f"{vc['ratio_min']:.3f} ({vc['ratio_median']:.3f})",
          f"{vc['params'] / 1e9:.2f}B fp32 parameters streamed from host memory every step; "
          f"eager holds them on the GPU"],
@@ -533,7 +537,8 @@ def _finetune(d: dict) -> list[str]:
             [r["mode"], r["model"], "FAILED", "", "", "", "", "", "", ""] for r in m["runs"]]
     out = [f"Measured: {where}.", ""] + table(
         ["run", "shape", "parameters", "tokens/step", "step s", "tokens/s", "MFU",
-         "/ eager", "peak predicted / counted", "step predicted / measured"], rows)
+         "step time / eager (lower is better)", "peak predicted / counted",
+         "step predicted / measured"], rows)
     p = d.get("predicted")
     if p:
         prow = [[r["mode"], r["model"], r["gpu"], r["host_work"], f"{r['predicted_step_s']:.2f}",
@@ -732,7 +737,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "the blocks' recompute, the input gradients and the trainable ones' weight gradients; "
      "causal attention's two products, forward, backward twice, recompute once; S the "
      "sequence, d_attn heads × head dim); MFU = model FLOPs / step / the GPU's dense bf16 "
-     "peak; `/ eager` = fxpipe's step over eager transformers' (gradient checkpointing, bf16 "
+     "peak; `step time / eager` = fxpipe's step time over eager transformers' (below 1: "
+     "fxpipe faster; gradient checkpointing, bf16 "
      "autocast, the microbatches accumulated, fused AdamW) on the same GPU.", _finetune),
     ("Mixed precision", "bench_precision.json", "variants",
      "A Llama-style model from a config trained in fp32, with `param_dtype=torch.bfloat16` "
@@ -840,12 +846,140 @@ def benchmarks_md() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+# --------------------------------------------------------------------------------- status
+
+# Each capability and its evidence, strongest first: a GPU run (a section of
+# gpu_check.json, or one of its finetune runs by mode and stage backend), else a CPU or
+# cuda-sim measurement (file, key), else a model (file, key: simulated or predicted).
+STATUS: list[tuple[str, Any, tuple[str, str] | None, tuple[str, str] | None]] = [
+    ("the CUDA backend's tests (one GPU; those needing two GPUs skip)", "cuda_tests", None, None),
+    ("a fused training step, parameters streamed from the host, against eager + checkpointing",
+     "vs_checkpoint", ("bench_sim_vs_measured.json", "rows"), None),
+    ("prefetch hidden behind compute", "hidden_prefetch", None, ("bench_schedule.json", "models")),
+    ("the simulator's step time against a measured step", "predicted_vs_measured",
+     ("bench_sim_vs_measured.json", "rows"), None),
+    ("a model bigger than the device's memory (bf16, streamed AdamW)", "bigger_than_device",
+     ("bench_gpu_memory.json", "bigger"), None),
+    ("`weights=`: a frozen base memory-mapped from safetensors", "weights",
+     ("bench_big_weights.json", "summary"), None),
+    ("two logical devices on one GPU", "scaling", None, None),
+    ("`pipe.generate` with a KV cache", "generate", ("bench_generate.json", "measured"), None),
+    ("bf16 LoRA fine-tune, Llama-3.1-8B shape, eager stage code", ("lora", None),
+     None, ("bench_finetune.json", "predicted")),
+    ("bf16 full fine-tune, Qwen3-4B shape, eager stage code", ("full", None),
+     None, ("bench_finetune.json", "predicted")),
+    ("the longest sequence, Llama-3.1-8B LoRA on one GPU", ("longest", None),
+     None, ("bench_memory.json", "longest_sequence_lora")),
+    ("`stage_backend=\"inductor\"` training", ("lora", "inductor"),
+     ("bench_issue.json", "rows"), None),
+    ("`stage_backend=\"cudagraphs\"` (CUDA graphs)", None, ("bench_issue.json", "rows"),
+     ("bench_host_model.json", "rows")),
+    ("several GPUs in one pipeline", None, ("bench_memory_cuda_sim.json", "predicted_vs_measured"),
+     ("bench_schedule.json", "models")),
+    ("data parallel across processes", None, ("bench_distributed.json", "measured"),
+     ("bench_distributed.json", "sim")),
+    ("losses and gradients equal to eager on padded batches", None,
+     ("bench_exactness.json", "rows"), None),
+    ("transformers architectures training through `fxpipe.compile` (fp32, bf16)", None,
+     ("bench_zoo.json", "counts"), None),
+]
+
+
+def _run_of(data: dict, key: str) -> dict:
+    """The latest recorded run that wrote ``key`` (its command, date, machine), else the
+    file's latest run."""
+    runs = runs_for(data, key) or data.get("runs", [])
+    return runs[-1] if runs else {}
+
+
+def _torch_of(data: dict, run: dict) -> str:
+    found = re.search(r"torch ([\w.+]+)", run.get("machine", "")) or \
+        re.search(r"^([\w.+]+)", str(data.get("torch", "")))
+    return f"torch {found.group(1)}" if found else "torch not recorded"
+
+
+def _gpu_where(gpu: dict, key: str) -> str:
+    run = _run_of(gpu, key)
+    device = gpu["devices"][0].replace("NVIDIA ", "")
+    return f"one {device}, {_torch_of(gpu, run)}, {run.get('date', 'undated')}, `gpu_check.json` `{key}`"
+
+
+def _gpu_evidence(gpu: dict | None, what: Any) -> tuple[bool, str] | None:
+    """``(ran, where)`` for a GPU section or finetune run recorded in gpu_check.json, or None."""
+    if gpu is None or what is None:
+        return None
+    if isinstance(what, str):
+        section = gpu.get(what)
+        if not isinstance(section, dict):
+            return None
+        return bool(section.get("ok", True)), _gpu_where(gpu, what)
+    mode, backend = what
+    for i, r in enumerate(gpu.get("finetune", {}).get("runs", [])):
+        if r.get("mode") == mode and r.get("stage_backend") == backend:
+            key = f"finetune.runs[{i}]"
+            where = _gpu_where(gpu, key if runs_for(gpu, key) else "finetune").replace(
+                "`finetune`", f"`{key}`")
+            return bool(r.get("ok")), where
+    return None
+
+
+def _file_evidence(ref: tuple[str, str] | None) -> str | None:
+    if ref is None:
+        return None
+    data = load(ref[0])
+    if data is None or ref[1] not in data:
+        return None
+    run = _run_of(data, ref[1])
+    machine = run.get("machine", "").split(",")[0] or "a CPU"
+    return (f"{machine}, {_torch_of(data, run)}, {run.get('date', 'undated')}, "
+            f"`{ref[0]}` `{ref[1]}`")
+
+
+def status_rows() -> list[list[str]]:
+    gpu = load("gpu_check.json")
+    rows = []
+    for what, gpu_ref, cpu_ref, model_ref in STATUS:
+        ran = _gpu_evidence(gpu, gpu_ref)
+        cpu, model = _file_evidence(cpu_ref), _file_evidence(model_ref)
+        if ran and ran[0]:
+            status, where = "ran on a GPU", ran[1]
+        elif cpu:
+            status, where = "CPU / cuda-sim only", cpu
+        elif model:
+            status, where = "modelled only (simulated or predicted)", model
+        else:
+            status, where = "not measured", "no recorded result"
+        if ran and not ran[0]:
+            status += "; failed on a GPU"
+            where += f"; the GPU run: {ran[1]}"
+        elif not (ran and ran[0]) and (cpu and model):
+            where += f"; modelled: {model}"
+        rows.append([what, status, where])
+    return rows
+
+
+def status() -> list[str]:
+    return [STATUS_BEGIN, "<!-- generated by python benchmarks/report.py from benchmarks/results/*.json -->",
+            *table(["capability", "status", "evidence (machine, torch, date, result)"], status_rows()),
+            STATUS_END]
+
+
 # -------------------------------------------------------------------------------- headline
+
+def cpu_on(data: dict, key: str) -> str:
+    """Where a CPU figure was measured: "a 2-CPU VM, torch 2.13" from its recorded run."""
+    run = _run_of(data, key)
+    cpus = re.search(r"(\d+) CPUs", run.get("machine", ""))
+    torch_v = _torch_of(data, run)
+    return f"{cpus.group(1) + '-CPU' if cpus else 'a CPU'} VM" + \
+        ("" if torch_v.endswith("not recorded") else f", {torch_v}")
+
 
 def headline() -> list[str]:
     """The README's figures: each from a JSON file, or left out when it is missing."""
     rows = []
     gpu = load("gpu_check.json")
+    gpu_on = f"one {gpu['devices'][0].replace('NVIDIA ', '')}, {_torch_of(gpu, {})}" if gpu else ""
     if gpu and "vs_checkpoint" in gpu:
         rows.append([f"fused training step on one {gpu['devices'][0].replace('NVIDIA ', '')}, "
                      f"{gpu['vs_checkpoint']['params'] / 1e9:.1f}B parameters streamed from the host "
@@ -853,7 +987,7 @@ def headline() -> list[str]:
                      f"{gpu['vs_checkpoint']['ratio_min']:.3f}; prefetch "
                      f"{min(v['hidden_fraction'] for v in gpu['hidden_prefetch']['devices'].values()):.0%} "
                      f"hidden; simulated / measured step {gpu['predicted_vs_measured']['predicted_over_measured']:.3f}",
-                     "gpu-acceptance-check"])
+                     gpu_on, "time, fxpipe / eager: lower is better", "gpu-acceptance-check"])
     issue = load("bench_issue.json")
     if issue:
         r = {(x["model"], x["gpus"], x["seq_len"], x.get("stage_backend")): x
@@ -869,68 +1003,73 @@ def headline() -> list[str]:
                          "their launches modelled)" if g else "")
             rows.append(["host time to issue a training step / predicted H100 step, Llama-3.1-8B on 8 GPUs",
                          f"{a['ratio']:.2f} at 4K tokens, {b['ratio']:.2f} at 16K{compiled}",
-                         "host-issue-cost"])
+                         cpu_on(issue, "rows") + " (host, measured); H100 step predicted", "host / GPU time: below 1 the host keeps up", "host-issue-cost"])
     host = load("bench_host_model.json")
     if host:
         r = {(x["gpus"], x["seq_len"], x["stage_backend"]): x for x in host["rows"]
              if x["model"] == "Llama-3.1-8B"}
         if all((8, 4096, b) in r for b in ("eager", "inductor", "cudagraphs")):
+            c = host["calibration"]
             rows.append(["SIMULATED with the host fitted to the H200 run: host issue / GPU step, "
-                         "Llama-3.1-8B on 8 H100s at 4K tokens",
+                         "Llama-3.1-8B on 8 H100s at 4K tokens (the row above issues to tiny CPU "
+                         "ops; a GPU's host pays "
+                         f"{c['host_us_per_kernel']:.1f}–{c['host_us_per_grad_kernel']:.1f} µs per "
+                         f"kernel launch and {c['host_us_per_action']:.0f} µs per action, as fitted: "
+                         "this row is the one for GPUs)",
                          ", ".join(f"{b} {r[(8, 4096, b)]['host_over_gpu']:.2f}"
                                    for b in ("eager", "inductor")) +
                          f", cudagraphs {r[(8, 4096, 'cudagraphs')]['host_over_gpu']:.2f} (modelled)",
-                         "the-host-in-the-simulator-calibrated-on-the-h200"])
+                         "simulated (the H200 host's costs per action and kernel launch, fitted)", "host / GPU time: below 1 the host keeps up", "the-host-in-the-simulator-calibrated-on-the-h200"])
     sched = load("bench_schedule.json")
     if sched:
         ratios = [m["makespan_ratio"] for m in sched["models"].values()]
         rows.append([f"simulated makespan against RoundPipe's published schedules ({len(ratios)} models, 8 GPUs)",
-                     f"{span(ratios, 3)}× (exact optimizer semantics)", "schedules"])
+                     f"{span(ratios, 3)}× (exact optimizer semantics)", "simulated", "time, fxpipe / RoundPipe: lower is better", "schedules"])
     opt = load("bench_optimizer.json")
     if opt and "sim" in opt and "measured" in opt["sim"]["by_rate"]:
         rel = [m["relative_throughput"] for m in opt["sim"]["by_rate"]["measured"]["models"].values()]
         rows.append(["simulated step throughput with a host AdamW, exact streamed step / RoundPipe's sync step",
                      f"{span([r['fxpipe_exact'] for r in rel])}× (RoundPipe's stale step: "
-                     f"{span([r['roundpipe_async'] for r in rel])}×)", "host-optimizer-in-the-simulator"])
+                     f"{span([r['roundpipe_async'] for r in rel])}×)", "simulated", "throughput: higher is better", "host-optimizer-in-the-simulator"])
     mem = load("bench_memory.json")
     if mem and "predicted_vs_measured" in mem:
         errs = [r["predicted_total"] / r["measured"]["total"] - 1 for r in mem["predicted_vs_measured"]]
         rows.append([f"predicted device memory peak against a replay of the run ({len(errs)} device peaks, 3 models)",
-                     f"{pct(min(errs))} to {pct(max(errs))}", "device-memory"])
+                     f"{pct(min(errs))} to {pct(max(errs))}", cpu_on(mem, "predicted_vs_measured") + " (virtual devices)", "error: nearer 0 is better", "device-memory"])
     cs = load("bench_memory_cuda_sim.json")
     if cs and "predicted_vs_measured" in cs:
         rr = [r["measured"]["reserved"] / r["predicted_total"] for r in cs["predicted_vs_measured"]]
         rows.append(["reserved by a GPU-like caching allocator / predicted peak",
-                     f"{span(rr)}", "device-memory-reserved-by-a-gpu-like-allocator"])
+                     f"{span(rr)}", cpu_on(cs, "predicted_vs_measured") + " (cuda-sim)", "about 1: the prediction holds", "device-memory-reserved-by-a-gpu-like-allocator"])
     gm = load("bench_gpu_memory.json")
     if gm:
         b = gm["bigger"]
         rows.append([f"a model whose parameters are {b['params_over_limit']:.0f}× one device's memory: "
                      "reserved / limit", f"{' and '.join(num(x) for x in b['reserved_over_limit'])}, "
-                     f"loss within {b['max_loss_diff']:.1e} of eager", "gpu-allocator-emulation"])
+                     f"loss within {b['max_loss_diff']:.1e} of eager", cpu_on(gm, "bigger") + " (cuda-sim)", "below 1: within the limit", "gpu-allocator-emulation"])
     if mem and "longest_sequence" in mem:
         for r in mem["longest_sequence"]:
             if r["model"] == "Llama-3.1-8B" and r.get("hf_labels_tokens"):
                 rows.append([f"longest trainable sequence, transformers' Llama-3.1-8B with `labels=`, "
                              f"8 x {r['device_gib']} GiB (predicted)",
                              f"{r['hf_labels_tokens'] // 1024}K tokens (RoundPipe: {r['roundpipe_k']}K)",
-                             "longest-sequence"])
+                             "predicted", "higher is better", "longest-sequence"])
         for r in mem.get("longest_sequence_lora", []):
             if r["host_gib"] is not None:
                 rows.append([f"longest sequence, transformers' Llama-3.1-8B, LoRA, 1 x {r['device_gib']} GiB, "
                              f"host <= {r['host_gib']} GiB (predicted)",
                              f"{r['hf_labels_tokens'] // 1024}K tokens (Unsloth: {r['unsloth_k']}K)",
-                             "longest-sequence"])
+                             "predicted", "higher is better", "longest-sequence"])
     dist = load("bench_distributed.json")
     if dist and "sim" in dist:
         nets = dist["sim"]["networks"]
         for net in nets:
             effs = [m["16"]["efficiency"] for m in nets[net]["models"].values() if "16" in m]
-            rows.append([f"simulated data-parallel efficiency on 16 nodes, {net}", span(effs), "data-parallel"])
+            rows.append([f"simulated data-parallel efficiency on 16 nodes, {net}", span(effs), "simulated", "higher is better (1: linear)", "data-parallel"])
     peft = load("bench_peft.json")
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
-                     f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", "peft-lora"])
+                     f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", cpu_on(peft, "lora_over_full") + " (bytes counted)", "lower is better", "peft-lora"])
     ft = load("bench_finetune.json")
     if ft and ft.get("predicted"):
         by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]}
@@ -942,7 +1081,7 @@ def headline() -> list[str]:
                              "(host AdamW at this 2-core machine's rate; free)",
                              f"{a['tokens_per_s']:,.0f}; {b['tokens_per_s']:,.0f} tokens/s "
                              f"(MFU {a['model_tflops'] / 989.4:.0%}; {b['model_tflops'] / 989.4:.0%})",
-                             "fine-tuning-in-bf16"])
+                             "predicted", "throughput: higher is better", "fine-tuning-in-bf16"])
     gpu_ft = (gpu or {}).get("finetune", {}).get("runs", [])
     for r in gpu_ft:
         if r.get("ok") and r.get("eager", {}).get("ran") and not r.get("stage_backend"):
@@ -952,14 +1091,14 @@ def headline() -> list[str]:
                          "tokens/step, parameters streamed from the host / eager transformers + "
                          "checkpointing holding them", f"{r['tokens_per_s']:,.0f} tokens/s (MFU "
                          f"{r['mfu']:.1%}) / {r['tokens_per_step'] / e['step_s']:,.0f}: "
-                         f"{e['step_s'] / r['step_s']:.2f}×", "gpu-acceptance-check"])
+                         f"{e['step_s'] / r['step_s']:.2f}×", gpu_on, "throughput, fxpipe / eager: higher is better", "gpu-acceptance-check"])
     prec = load("bench_precision.json")
     if prec and "over_fp32" in prec:
         o = prec["over_fp32"]["param_dtype"]
         rows.append(["`param_dtype=torch.bfloat16` / fp32: parameter bytes uploaded per step, "
                      "device peak (predicted, measured)", f"{o['h2d_bytes_params']:.2f}; "
                      f"{o['predicted_peak_bytes']:.2f}, {o['measured_peak_bytes']:.2f}",
-                     "mixed-precision"])
+                     cpu_on(prec, "over_fp32") + " (virtual devices)", "lower is better", "mixed-precision"])
     gen = load("bench_generate.json")
     if gen and "measured" in gen:
         measured = gen["measured"]["rows"]
@@ -971,26 +1110,32 @@ def headline() -> list[str]:
                      f"(cache on the host), {device['over_transformers_median']:.2f} (resident)"
                      f"{'; same tokens' if same else '; TOKENS DIFFER'}; "
                      f"{host['tokens_per_s_median'] / uncached['tokens_per_s_median']:.1f}× "
-                     "fxpipe without a cache", "generation"])
+                     "fxpipe without a cache", cpu_on(gen, "measured") + " (virtual devices)", "throughput, fxpipe / transformers: higher is better", "generation"])
     big = load("bench_big_weights.json")
     if big and "summary" in big:
         w, f = big["summary"]["weights"], big["summary"]["from_pretrained"]
         rows.append(["anonymous memory growth training a LoRA on a frozen base / its bytes, "
                      "loaded with `weights=`", f"{max(w['anon_growth_over_frozen']):.2f} "
                      f"(`from_pretrained`: {max(f['anon_growth_over_frozen']):.2f})",
-                     "weights-bigger-than-host-ram"])
-    out = table(["", "figure", "details"],
-                [[w, f, f"[benchmarks](docs/benchmarks.md#{a})"] for w, f, a in rows])
+                     cpu_on(big, "summary"), "lower is better", "weights-bigger-than-host-ram"])
+    out = table(["", "figure", "measured on", "how to read it", "details"],
+                [[w, f, on, reads, f"[benchmarks](docs/benchmarks.md#{a})"]
+                 for w, f, on, reads, a in rows])
     return [BEGIN, "<!-- generated by python benchmarks/report.py from benchmarks/results/*.json -->",
             *out, END]
 
 
+def with_block(text: str, name: str, begin: str, end: str, lines: list[str]) -> str:
+    """``text`` with its generated block from ``begin`` to ``end`` replaced by ``lines``."""
+    if begin not in text or end not in text:
+        raise SystemExit(f"{name} has no {begin} ... {end} block")
+    pre, rest = text.split(begin, 1)
+    _, post = rest.split(end, 1)
+    return pre + "\n".join(lines) + post
+
+
 def readme_with_headline(text: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
-    pre, rest = text.split(BEGIN, 1)
-    _, post = rest.split(END, 1)
-    return pre + "\n".join(headline()) + post
+    return with_block(text, "README.md", BEGIN, END, headline())
 
 
 # ------------------------------------------------------------------------------------ main
@@ -1000,7 +1145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="regenerate in memory; exit 1 with a diff if a file differs")
     args = ap.parse_args(argv)
-    want = {DOC: benchmarks_md(), README: readme_with_headline(README.read_text())}
+    want = {DOC: benchmarks_md(), README: readme_with_headline(README.read_text()),
+            GUARANTEES: with_block(GUARANTEES.read_text(), "docs/guarantees.md", STATUS_BEGIN,
+                                   STATUS_END, status())}
     if not args.check:
         for path, text in want.items():
             path.write_text(text)
@@ -1018,7 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nreport --check: {bad} file(s) differ from benchmarks/results/*.json; "
               "run `python benchmarks/report.py` and commit the result", file=sys.stderr)
         return 1
-    print("report --check: docs/benchmarks.md and README.md's figures match benchmarks/results/*.json")
+    print("report --check: docs/benchmarks.md, README.md's figures and docs/guarantees.md's status "
+          "match benchmarks/results/*.json")
     return 0
 
 

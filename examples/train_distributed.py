@@ -4,6 +4,7 @@
     torchrun --nnodes=2 --node-rank=0 --nproc-per-node=1 \\
         --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 examples/train_distributed.py  # node 0
     python examples/train_distributed.py                 # no torchrun: spawns 2 ranks itself
+    python examples/train_distributed.py --small         # quick run (or FXPIPE_EXAMPLE_SMALL=1)
 
 Every rank compiles the same model with ``data_parallel=True`` and trains on its own
 share of each batch, on its own devices (here two virtual CPU devices per rank; on GPUs
@@ -19,7 +20,7 @@ parameters become the bf16 copies they upload), ``--bf16`` (``param_dtype=bfloat
 ``--checkpoint DIR`` (resume from DIR if it holds a checkpoint, save there at the end:
 ``torch.distributed.checkpoint``, every rank writing its part),
 ``--fail-rank R --fail-step S`` (rank R raises inside step S: every rank stops with an
-error naming rank R, nothing half-written), ``--steps``, ``--accum``.
+error naming rank R, nothing half-written), ``--steps``, ``--accum``, ``--small``.
 
 At the end every rank checks that its parameters equal rank 0's, and rank 0 prints the
 loss curve; the script exits non-zero otherwise.
@@ -149,9 +150,10 @@ def _spawned(rank: int, world: int, store: str, args: argparse.Namespace) -> Non
 
 
 def parse() -> argparse.Namespace:
-    small = os.environ.get("FXPIPE_EXAMPLE_SMALL") == "1"
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6 if small else 40)
+    p.add_argument("--small", action="store_true", default=os.environ.get("FXPIPE_EXAMPLE_SMALL") == "1",
+                   help="a quick run: 6 steps unless --steps says otherwise (or FXPIPE_EXAMPLE_SMALL=1)")
+    p.add_argument("--steps", type=int, default=None, help="default 40 (6 with --small)")
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--rows-per-rank", type=int, default=8)
     p.add_argument("--shard-optimizer", action="store_true")
@@ -160,7 +162,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.steps is None:
+        args.steps = 6 if args.small else 40
+    return args
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from fxpipe.config import RunConfig
 from fxpipe.errors import (CaptureError, DeviceMemoryError, DistributedError, PlanError,
                            StageError)
 from fxpipe.losses import linear_cross_entropy
+from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.issue.microbatch import PackedData
@@ -97,7 +98,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
 
 
 __all__ = [
-    "CaptureError", "Device", "DeviceMemoryError", "DistributedError", "ExecutePlan",
+    "CaptureError", "CudaDevice", "Device", "DeviceMemoryError", "DistributedError", "ExecutePlan",
     "PackedData", "PipelineModule", "PlanError", "RunConfig", "StageError", "VirtualDevice",
     "backend", "compile", "linear_cross_entropy",
     "optim", "set_verbose", "sim", "simulate",

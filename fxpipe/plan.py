@@ -67,7 +67,7 @@ class ExecutePlan(StagePlan):
         parameters and those of the stage its device prefetches meanwhile, gradients,
         activations, saved tensors and workspace, for one microbatch of
         ``num_microbatch``, default devices + 1, at ``recompute_grain``) fits
-        ``model_memory_limit`` GB (2**30 bytes; default ``MEMORY_FRACTION`` = 90% of the
+        ``model_memory_limit`` GiB (2**30 bytes; default ``MEMORY_FRACTION`` = 90% of the
         smallest device limit, no limit when no device has one). A pipe whose ``layers``
         is a ``LayerGraph`` is costed again on fake tensors shaped like one microbatch;
         other costs are taken as one microbatch's.
@@ -98,7 +98,7 @@ class ExecutePlan(StagePlan):
             limit = MEMORY_FRACTION * min(limits) if limits else None
         else:
             if model_memory_limit <= 0:
-                raise ValueError(f"model_memory_limit must be > 0 GB, got {model_memory_limit}")
+                raise ValueError(f"model_memory_limit must be > 0 GiB, got {model_memory_limit}")
             limit = model_memory_limit * 2**30
         M = num_microbatch or num_devices + 1
         cost_lists = [layer_costs(p) for p in pipes]

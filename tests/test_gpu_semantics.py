@@ -252,7 +252,7 @@ def test_stages_run_as_generated_code_timed_or_skipping_a_tail_too():
     code = pipe.code("fused", runnable=True)
     bwd = pipe._executable("fused", 2).stages[2]
     assert bwd.unfilled and "torch.ops.fxpipe" not in code and "stage_code_layer(3)" in code
-    assert all(f"{name} = fxpipe_runtime_stage_code_unfilled_" in code for name in bwd.unfilled
+    assert all(f"{name} = fxpipe_runtime_stages_stage_code_unfilled_" in code for name in bwd.unfilled
                if not name.endswith("_host"))
     # the sampled call timed each layer of the recomputed stage at its layer marks
     assert [pipe.timings.count(i, "recompute") - b for i, b in enumerate(before)] == [2, 2, 0, 0]

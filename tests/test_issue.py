@@ -48,19 +48,19 @@ def test_runnable_code_serves_transfers_with_plain_calls_and_leaves_nodes_unfill
     assert_expected_inline(recompute, """\
 def forward(self, input_1):
     # runnable recompute, unfilled: stage 2 bwd | layer 0 (0) | vcpu:0 | params 304 B | saved 960 B | out 192 B | fwd 1.54 kFLOP | bwd 2.30 kFLOP
-    params = fxpipe_runtime_stage_code_resident(2)
+    params = fxpipe_runtime_stages_stage_code_resident(2)
     _0_up_weight = params[0]
     _0_up_bias = params[1]
     _0_down_weight = params[2]
     _0_down_bias = params[3];  params = None
-    input_1_dev = fxpipe_runtime_stage_code_uploaded(input_1, 0);  input_1 = None
-    layer_0_starts = fxpipe_runtime_stage_code_layer(0);  layer_0_starts = None
+    input_1_dev = fxpipe_runtime_stages_stage_code_uploaded(input_1, 0);  input_1 = None
+    layer_0_starts = fxpipe_runtime_stages_stage_code_layer(0);  layer_0_starts = None
     linear = torch._C._nn.linear(input_1_dev, _0_up_weight, _0_up_bias);  _0_up_weight = _0_up_bias = None
     gelu = torch._C._nn.gelu(linear);  linear = None
-    linear_1 = fxpipe_runtime_stage_code_unfilled_linear(gelu, _0_down_weight, _0_down_bias);  gelu = _0_down_weight = _0_down_bias = None
-    add = fxpipe_runtime_stage_code_unfilled_add(input_1_dev, linear_1);  input_1_dev = linear_1 = None
-    add_host = fxpipe_runtime_stage_code_offloaded(add);  add = None
-    release = fxpipe_runtime_stage_code_released(2);  release = None
+    linear_1 = fxpipe_runtime_stages_stage_code_unfilled_linear(gelu, _0_down_weight, _0_down_bias);  gelu = _0_down_weight = _0_down_bias = None
+    add = fxpipe_runtime_stages_stage_code_unfilled_add(input_1_dev, linear_1);  input_1_dev = linear_1 = None
+    add_host = fxpipe_runtime_stages_stage_code_offloaded(add);  add = None
+    release = fxpipe_runtime_stages_stage_code_released(2);  release = None
     return (add_host,)
     
 """)

@@ -32,12 +32,14 @@ def run_report(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def copy(tmp_path: Path) -> Path:
-    """What report.py reads and writes, copied: the script, the results, the page, the
-    README and the benchmark scripts (it lists those without a result)."""
+    """What report.py reads and writes, copied: the script, the results, the pages
+    (benchmarks, guarantees' status), the README and the benchmark scripts (it lists
+    those without a result)."""
     (tmp_path / "docs").mkdir()
     shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks",
                     ignore=shutil.ignore_patterns("__pycache__", "*.png"))
-    shutil.copy(ROOT / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks.md")
+    for page in ("benchmarks.md", "guarantees.md"):
+        shutil.copy(ROOT / "docs" / page, tmp_path / "docs" / page)
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     return tmp_path
 
@@ -182,3 +184,28 @@ def test_record_stamps_the_command_and_keeps_one_run_per_result(copy: Path):
     failed = subprocess.run([*record, sys.executable, "-c", "raise SystemExit(3)"], cwd=copy,
                             capture_output=True, text=True, timeout=60)
     assert failed.returncode == 3 and "nothing recorded" in failed.stderr
+
+
+def test_check_fails_when_a_status_row_disagrees_with_the_results(copy: Path):
+    """A GPU run recorded as failed turns its row from "ran on a GPU"; the committed page
+    still says it ran, and the check fails on that row."""
+    path = copy / "benchmarks" / "results" / "gpu_check.json"
+    data = json.loads(path.read_text())
+    lora = next(r for r in data["finetune"]["runs"]
+                if r["mode"] == "lora" and r.get("stage_backend") is None)
+    assert lora["ok"]
+    lora["ok"] = False
+    path.write_text(json.dumps(data))
+    r = run_report(copy, "--check")
+    assert r.returncode == 1 and "docs/guarantees.md" in r.stdout
+    assert re.search(r"^-\| bf16 LoRA fine-tune.*\| ran on a GPU \|", r.stdout, re.M)
+    assert re.search(r"^\+\| bf16 LoRA fine-tune.*failed on a GPU", r.stdout, re.M)
+
+
+def test_check_fails_when_a_status_row_is_edited(copy: Path):
+    page = copy / "docs" / "guarantees.md"
+    text = page.read_text()
+    assert "| CPU / cuda-sim only |" in text
+    page.write_text(text.replace("| CPU / cuda-sim only |", "| ran on a GPU |", 1))
+    r = run_report(copy, "--check")
+    assert r.returncode == 1 and "docs/guarantees.md" in r.stdout

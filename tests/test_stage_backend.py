@@ -131,7 +131,7 @@ def test_printed_code_says_which_backend_runs_each_layer():
     assert_expected_inline(code, """\
 def forward(self, input_1):
     # runnable [stage_backend=inductor: 2 layer segment(s) compiled, 1 distinct]: stage 0 fwd | layers 0-1 (0, 1) | vcpu:0 | ...
-    params = fxpipe_runtime_stage_code_resident(0)
+    params = fxpipe_runtime_stages_stage_code_resident(0)
     _0_norm_weight = params[0]
     _0_norm_bias = params[1]
     _0_up_weight = params[2]
@@ -144,29 +144,29 @@ def forward(self, input_1):
     _1_up_bias = params[9]
     _1_down_weight = params[10]
     _1_down_bias = params[11];  params = None
-    input_1_dev = fxpipe_runtime_stage_code_uploaded(input_1, 0);  input_1 = None
-    layer_0_starts = fxpipe_runtime_stage_code_layer(0);  layer_0_starts = None
-    layer_0 = fxpipe_runtime_compiled_inductor_<digest>(input_1_dev, _0_norm_weight, _0_norm_bias, _0_up_weight, _0_up_bias, _0_down_weight, _0_down_bias);  input_1_dev = _0_norm_weight = _0_norm_bias = _0_up_weight = _0_up_bias = _0_down_weight = _0_down_bias = None
+    input_1_dev = fxpipe_runtime_stages_stage_code_uploaded(input_1, 0);  input_1 = None
+    layer_0_starts = fxpipe_runtime_stages_stage_code_layer(0);  layer_0_starts = None
+    layer_0 = fxpipe_runtime_stages_compiled_inductor_<digest>(input_1_dev, _0_norm_weight, _0_norm_bias, _0_up_weight, _0_up_bias, _0_down_weight, _0_down_bias);  input_1_dev = _0_norm_weight = _0_norm_bias = _0_up_weight = _0_up_bias = _0_down_weight = _0_down_bias = None
     add = layer_0[0];  layer_0 = None
-    layer_1_starts = fxpipe_runtime_stage_code_layer(1);  layer_1_starts = None
-    layer_1 = fxpipe_runtime_compiled_inductor_<digest>(add, _1_norm_weight, _1_norm_bias, _1_up_weight, _1_up_bias, _1_down_weight, _1_down_bias);  add = _1_norm_weight = _1_norm_bias = _1_up_weight = _1_up_bias = _1_down_weight = _1_down_bias = None
+    layer_1_starts = fxpipe_runtime_stages_stage_code_layer(1);  layer_1_starts = None
+    layer_1 = fxpipe_runtime_stages_compiled_inductor_<digest>(add, _1_norm_weight, _1_norm_bias, _1_up_weight, _1_up_bias, _1_down_weight, _1_down_bias);  add = _1_norm_weight = _1_norm_bias = _1_up_weight = _1_up_bias = _1_down_weight = _1_down_bias = None
     add_1 = layer_1[0];  layer_1 = None
-    add_1_host = fxpipe_runtime_stage_code_offloaded(add_1);  add_1 = None
-    release = fxpipe_runtime_stage_code_released(0);  release = None
+    add_1_host = fxpipe_runtime_stages_stage_code_offloaded(add_1);  add_1 = None
+    release = fxpipe_runtime_stages_stage_code_released(0);  release = None
     return (add_1_host,)
     
 
 def forward(self, add_1):
     # runnable [stage_backend=inductor: 1 layer segment(s) compiled, 1 distinct]: stage 1 fwd | layer 2 (2) | vcpu:0 | ...
-    params = fxpipe_runtime_stage_code_resident(1)
+    params = fxpipe_runtime_stages_stage_code_resident(1)
     _2_weight = params[0]
     _2_bias = params[1];  params = None
-    add_1_dev = fxpipe_runtime_stage_code_uploaded(add_1, 0);  add_1 = None
-    layer_2_starts = fxpipe_runtime_stage_code_layer(2);  layer_2_starts = None
-    layer_2 = fxpipe_runtime_compiled_inductor_<digest>(add_1_dev, _2_weight, _2_bias);  add_1_dev = _2_weight = _2_bias = None
+    add_1_dev = fxpipe_runtime_stages_stage_code_uploaded(add_1, 0);  add_1 = None
+    layer_2_starts = fxpipe_runtime_stages_stage_code_layer(2);  layer_2_starts = None
+    layer_2 = fxpipe_runtime_stages_compiled_inductor_<digest>(add_1_dev, _2_weight, _2_bias);  add_1_dev = _2_weight = _2_bias = None
     linear_4 = layer_2[0];  layer_2 = None
-    linear_4_host = fxpipe_runtime_stage_code_offloaded(linear_4);  linear_4 = None
-    release = fxpipe_runtime_stage_code_released(1);  release = None
+    linear_4_host = fxpipe_runtime_stages_stage_code_offloaded(linear_4);  linear_4 = None
+    release = fxpipe_runtime_stages_stage_code_released(1);  release = None
     return (linear_4_host,)
     
 """)
