@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from fxpipe.config import RunConfig
 from fxpipe.runtime.host.params import is_scratch, mark_scratch
@@ -43,9 +42,12 @@ from fxpipe.runtime.host.scratch import ResidentBuffers, ScratchUse, scratch_use
 
 __all__ = ["StepModule", "generate", "sample_next"]
 
-SPLIT = ((TensorChunkSpec(0), TensorChunkSpec(0), TensorChunkSpec(0), _Replicate), None)
-"""How a step call splits into microbatches: the ids, the mask and the positions by row,
-the cache positions (the same for every row) whole."""
+def split_spec() -> tuple:
+    """How a step call splits into microbatches: the ids, the mask and the positions by row,
+    the cache positions (the same for every row) whole. (Its spec types are imported here:
+    torch.distributed.pipelining takes 1.5 s to import.)"""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+    return ((TensorChunkSpec(0), TensorChunkSpec(0), TensorChunkSpec(0), _Replicate), None)
 KV_CACHE = ("host", "device", "auto")
 
 BUCKET = 64
@@ -452,7 +454,7 @@ class Steps:
         ``plan``: a decode step's plan cut for its resident caches
         (``kv_placement.cache_plan``), else the step pipe's."""
         use = use or ScratchUse()
-        cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=SPLIT,
+        cfg = RunConfig(num_microbatch=len(use.rows) if use.rows else 1, split_input=split_spec(),
                         execute_plan=plan)
         with torch.no_grad(), scratch_use(use):
             try:

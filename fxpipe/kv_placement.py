@@ -206,7 +206,7 @@ def _decode(steps: Any, num_microbatch: int, plan: ExecutePlan | None):
 def _step_memory(lg: Any, example: Any, num_microbatch: int) -> ChainMemory:
     """A step graph's memory for the first of ``num_microbatch`` microbatches of
     ``example`` (``input_ids, attention_mask, position_ids, cache_position``), its layers
-    costed again on fake tensors: the rows ``generation.SPLIT`` gives it, the cache
+    costed again on fake tensors: the rows ``generation.split_spec()`` gives it, the cache
     positions whole. A graph the capture specialized on the whole batch (export may tie
     the batch to a cache dimension of the same size; the runtime serves each microbatch
     its rows of the cache, the costing cannot) is costed for the whole batch, an upper

@@ -65,10 +65,14 @@ def _one_thread_for_bitwise(request):
         torch.set_num_threads(threads)
 
 
-_SUITES_AGAIN = ("test_kernel_variants.py",)   # the longest first
+# The files holding the longest tests (`pytest --durations`), longest first: run first, so
+# that no worker is left running a long test alone at the end of the suite.
+_LONGEST_FIRST = ("test_kernel_variants.py", "test_check.py", "test_hf_matrix.py",
+                  "test_generate.py", "test_examples.py", "test_trainer.py", "test_distributed.py",
+                  "test_fuzz.py", "test_docs.py", "test_reliability.py", "test_cudagraphs.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: next((k for k, f in enumerate(_SUITES_AGAIN)
-                                      if item.nodeid.startswith(f"tests/{f}")), len(_SUITES_AGAIN)))
+    items.sort(key=lambda item: next((k for k, f in enumerate(_LONGEST_FIRST)
+                                      if item.nodeid.startswith(f"tests/{f}")), len(_LONGEST_FIRST)))
 

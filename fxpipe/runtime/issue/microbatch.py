@@ -25,15 +25,43 @@ batch: ``fxpipe.runtime.issue.loss_weights``) and requires everything else to be
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 from torch.utils import _pytree as pytree
 
-__all__ = ["PackedData", "TensorChunkSpec", "_CustomReducer", "_Replicate", "merge_output",
+__all__ = ["PackedData", "merge_output",
            "microbatch_weights", "split_input", "split_label"]
+
+# The spec types live in torch.distributed.pipelining, whose import takes 1.5 s (DTensor,
+# dynamo): fxpipe does not import it. A spec object exists only once its caller has.
+_SPECS = "torch.distributed.pipelining.microbatch"
+
+
+def __getattr__(name: str) -> Any:
+    """``TensorChunkSpec``, ``_CustomReducer``, ``_Replicate``: imported on first use."""
+    if name in ("TensorChunkSpec", "_CustomReducer", "_Replicate"):
+        return getattr(importlib.import_module(_SPECS), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _spec_type(name: str) -> type | None:
+    module = sys.modules.get(_SPECS)
+    return None if module is None else getattr(module, name)
+
+
+def is_chunk_spec(spec: Any) -> bool:
+    """Whether ``spec`` is a ``TensorChunkSpec``."""
+    kind = _spec_type("TensorChunkSpec")
+    return kind is not None and isinstance(spec, kind)
+
+
+def _is_reducer(spec: Any) -> bool:
+    kind = _spec_type("_CustomReducer")
+    return kind is not None and isinstance(spec, kind)
 
 _AUTO = object()  # "no spec here": apply the auto rules
 
@@ -81,11 +109,12 @@ class PackedData(list):
 
 
 def _is_replicate(spec: Any) -> bool:
-    return spec is _Replicate or isinstance(spec, _Replicate)
+    kind = _spec_type("_Replicate")
+    return kind is not None and (spec is kind or isinstance(spec, kind))
 
 
 def _is_spec_leaf(spec: Any) -> bool:
-    return _is_replicate(spec) or isinstance(spec, (TensorChunkSpec, _CustomReducer))
+    return _is_replicate(spec) or is_chunk_spec(spec) or _is_reducer(spec)
 
 
 def _node(x: Any) -> tuple[list[Any], list[str], pytree.TreeSpec] | None:
@@ -170,11 +199,11 @@ def _split(value: Any, spec: Any, n: int, path: str) -> list[Any]:
         return list(value.synchronize())
     if _is_replicate(spec):
         return [value] * n
-    if isinstance(spec, _CustomReducer):
+    if _is_reducer(spec):
         raise TypeError(f"{path}: _CustomReducer only merges outputs; split with "
                         f"TensorChunkSpec(dim) or _Replicate")
     node = _node(value)
-    if spec is _AUTO or isinstance(spec, TensorChunkSpec):
+    if spec is _AUTO or is_chunk_spec(spec):
         if isinstance(value, torch.Tensor):
             if spec is _AUTO:
                 return [value] * n if value.dim() == 0 else _split_tensor(value, 0, n, path)
@@ -212,6 +241,7 @@ def split_input(args: Sequence[Any], kwargs: Mapping[str, Any] | None, n: int,
     callable ``(args, kwargs, n) -> (list[tuple], list[dict])``.
 
     >>> import torch
+    >>> from torch.distributed.pipelining.microbatch import TensorChunkSpec
     >>> a, k = split_input((torch.zeros(4, 6),), {}, 3, ((TensorChunkSpec(1),), None))
     >>> [x[0].shape[1] for x in a]
     [2, 2, 2]
@@ -310,6 +340,7 @@ def split_label(label: Any, n: int, spec: Any = None) -> list[Any]:
     the label, or a callable ``(label, n) -> list``.
 
     >>> import torch
+    >>> from torch.distributed.pipelining.microbatch import TensorChunkSpec
     >>> [t.shape for t in split_label(torch.zeros(2, 5), 2, TensorChunkSpec(1))]
     [torch.Size([2, 3]), torch.Size([2, 2])]
     """
@@ -361,12 +392,12 @@ def _merge(values: list[Any], spec: Any, path: str,
            weights: Callable[[str], Sequence[float] | None]) -> Any:
     if spec is None:
         spec = _AUTO
-    if isinstance(spec, _CustomReducer):
+    if _is_reducer(spec):
         return functools.reduce(spec.reduce_fn, values, spec.init_value)
     if _is_replicate(spec):
         return _check_equal(values, path)
     first = values[0]
-    if isinstance(first, torch.Tensor) and (spec is _AUTO or isinstance(spec, TensorChunkSpec)):
+    if isinstance(first, torch.Tensor) and (spec is _AUTO or is_chunk_spec(spec)):
         for i, v in enumerate(values):
             if not isinstance(v, torch.Tensor):
                 raise ValueError(f"{path}: microbatch 0 returned a tensor but microbatch {i} "
@@ -382,13 +413,13 @@ def _merge(values: list[Any], spec: Any, path: str,
     if node is None:
         if spec is _AUTO:
             return _check_equal(values, path)
-        if isinstance(spec, TensorChunkSpec):
+        if is_chunk_spec(spec):
             raise TypeError(f"{path}: {spec} given for {_describe(first)}; only tensors can "
                             f"be concatenated")
         raise ValueError(f"{path}: spec {spec!r} is a container but the output is "
                          f"{_describe(first)}")
     children, keys, treespec = node
-    child_specs = [spec] * len(children) if spec is _AUTO or isinstance(spec, TensorChunkSpec) \
+    child_specs = [spec] * len(children) if spec is _AUTO or is_chunk_spec(spec) \
         else _match_spec(node, spec, path)
     columns = [children]
     for i, v in enumerate(values[1:], 1):

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import DeviceMemoryError
@@ -474,7 +473,7 @@ def _leaf_specs(spec: Any, lg: LayerGraph, host: list[dict]) -> list[Any]:
             "backward through pipe(...) with a callable or False merge_output cannot split the "
             "output gradient into microbatches; use pipe.forward_backward(...) or the default "
             "merge_output")
-    leaves = pytree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, TensorChunkSpec) or x is None)
+    leaves = pytree.tree_leaves(spec, is_leaf=lambda x: mb.is_chunk_spec(x) or x is None)
     if len(leaves) != n:
         raise NotImplementedError("merge_output spec must give one entry per output leaf for "
                                   "eager-style backward")
@@ -486,7 +485,7 @@ def _unmerge(grad: torch.Tensor, per_mb: list, spec: Any, shares_: list[float]
     """Split the gradient of a merged output leaf back into its microbatches (a 0-dim
     leaf's microbatches were weighted by ``shares_``)."""
     first = per_mb[0]
-    if isinstance(spec, TensorChunkSpec):
+    if mb.is_chunk_spec(spec):
         dim = spec.split_dim
     elif spec is None and isinstance(first, torch.Tensor) and first.dim() > 0:
         dim = 0
