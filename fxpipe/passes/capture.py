@@ -54,11 +54,11 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import CaptureError
 from fxpipe.passes import blocks as opaque
 from fxpipe.passes import buffer_dtypes
+from fxpipe.passes import fetch_attr
 from fxpipe.passes.capture_dtypes import (MixedDtypeError, cast_floating, check_operand_dtypes,
                                           parameters_in, rebind)
 from fxpipe.runtime.stages import amp
 from fxpipe.verbose import is_verbose, warn
-from fxpipe.passes import fetch_attr
 
 METHODS = ("fx", "export", "dynamo", "blocks")
 _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper

@@ -51,8 +51,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxpipe.passes.layer_graph import Layer, LayerGraph
 from fxpipe.passes import fetch_attr
+from fxpipe.passes.layer_graph import Layer, LayerGraph
 
 # (layer input positions, attribute targets) an output depends on
 Sources = tuple[frozenset[int], frozenset[str]]

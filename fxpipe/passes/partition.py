@@ -29,13 +29,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxpipe import attention
+from fxpipe.passes import fetch_attr
 from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
+from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
 from fxpipe.passes.tiling import tile_mlps
 from fxpipe.passes.token_means import find_token_means
-from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
-from fxpipe.passes import fetch_attr
 
 
 def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *,

@@ -56,10 +56,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpipe.losses import linear_cross_entropy
+from fxpipe.passes import fetch_attr
 from fxpipe.passes.blocks import run_block
 from fxpipe.passes.layer_graph import is_random
 from fxpipe.verbose import is_verbose
-from fxpipe.passes import fetch_attr
 
 aten = torch.ops.aten
 _MEAN = 1            # at::Reduction::Mean (aten's losses take the enum)
@@ -103,7 +103,7 @@ def find_token_means(gm: fx.GraphModule) -> int:
         if loss is None:
             continue
         if loss not in counts:
-            target, ignore_index = _target(gm, loss)
+            target, ignore_index = _target(loss)
             count = _count_graph(gm, target, ignore_index)
             if count is None:
                 if is_verbose():
@@ -171,7 +171,7 @@ def _loss_args(node: fx.Node) -> dict[str, Any] | None:
     return None
 
 
-def _target(gm: fx.GraphModule, loss: fx.Node) -> tuple[fx.Node, int]:
+def _target(loss: fx.Node) -> tuple[fx.Node, int]:
     args = _loss_args(loss)
     return args["target"], int(args["ignore_index"])
 

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.layer_graph import LayerGraph
+from fxpipe.runtime.issue.microbatch import microbatch_weights
 
 
 @dataclass
@@ -69,8 +70,8 @@ def shares(lg: LayerGraph, envs: list[dict], rows: list[int]) -> Shares:
 
 
 def _normalized(sizes: Sequence[int]) -> list[float] | None:
-    total = sum(sizes)
-    return [s / total for s in sizes] if total else None
+    """Each size's share of their total; None where the total is 0 (no target at all)."""
+    return microbatch_weights(sizes) if sum(sizes) else None
 
 
 class LossWeights:

@@ -107,8 +107,10 @@ def _acting(label: str) -> contextlib.AbstractContextManager:
 def outside_program(why: str) -> contextlib.AbstractContextManager:
     """Mark tensor work a call does outside its Program's actions, and why. Only two
     kinds exist: splitting the caller's inputs (and labels, output gradients) into
-    microbatches before the Program runs, and summing the microbatches' losses (or
-    input gradients) for the caller after it ended. Everything else a call does to
+    microbatches before the Program runs (with it, counting each microbatch's target
+    tokens on the host, ``loss_weights.shares``: ``print(pipe.layers.token_means[i])``
+    shows output leaf i's count graph; ``pipe.program()`` does not), and summing the
+    microbatches' losses (or input gradients) for the caller after it ended. Everything else a call does to
     tensors is an action's work (``tests/test_program_only.py`` checks it)."""
     return _where("outside", why)
 

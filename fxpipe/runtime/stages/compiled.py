@@ -48,8 +48,8 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxpipe.passes.layer_graph import is_random
 from fxpipe.passes import fetch_attr
+from fxpipe.passes.layer_graph import is_random
 
 
 class StageCompileError(RuntimeError):
