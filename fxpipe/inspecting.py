@@ -188,8 +188,12 @@ class Inspecting:
         memory, and ``allocator_flushes``, the times a device's allocator gave its cache
         back at its limit; ``host_issue_us``, the host time the issue threads spent
         submitting actions (on a GPU: the Python that queues their kernels and copies),
-        and per action kind ``host_issue_us.<Kind>`` (e.g. ``host_issue_us.Prefetch``). An
-        eager-style step is two calls: ``pipe(x)`` and ``.backward()``.
+        and per action kind ``host_issue_us.<Kind>`` (e.g. ``host_issue_us.Prefetch``);
+        ``stage_compiles`` and ``stage_compile_us``, what the stage backend compiled during
+        the call and the time it took (``RunConfig.stage_backend``: 0 for eager stage code,
+        and for a call whose every layer segment an earlier call or pipe in this process
+        compiled already: ``runtime.stages.compiled.compile_totals``). An eager-style step
+        is two calls: ``pipe(x)`` and ``.backward()``.
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

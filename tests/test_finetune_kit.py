@@ -119,16 +119,26 @@ def test_the_eager_step_calibrates_the_predicted_flop_rate(specs):
     assert 0.5 < row["predicted_step_s"] / 2.0 < 1.5
 
 
-def test_a_lora_run_under_inductor(specs):
-    """The kit's LoRA run with its stage code compiled by inductor (what a lent GPU runs
-    with ``--stage-backends eager,inductor``), at tiny widths on virtual devices: the row
-    says its backend, and the losses are the eager stage code's within bf16's rounding."""
+def test_a_lora_run_under_inductor(specs, monkeypatch):
+    """The kit's LoRA run with its stage code compiled by inductor between two runs of
+    eager stage code (a lent GPU runs cudagraphs, inductor, eager), at tiny widths on
+    virtual devices: the model is built once and each backend starts from the same
+    weights (the runs before it are undone: the two eager runs' losses are the same
+    bits); each row says its backend and what it compiled; inductor's losses are the
+    eager stage code's within bf16's rounding."""
     sync = lambda: None   # noqa: E731
     ctx = ft.context(True, 2, lambda fn, warmup, repeats: timed(fn, warmup, repeats, sync), sync,
                      link_bandwidth(True))
-    rows = {b: ft.run_all(ctx, modes=("lora",), eager=False, steps=1, backends=(b,),
-                          say=lambda line: None)[0] for b in (None, "inductor")}
-    for b, row in rows.items():
+    built = []
+    host_model = ft.host_model
+    monkeypatch.setattr(ft, "host_model", lambda *args: built.append(args) or host_model(*args))
+    first, compiled, again = ft.run_all(ctx, modes=("lora",), eager=False, steps=1,
+                                        backends=(None, "inductor", None), say=lambda line: None)
+    assert len(built) == 1
+    for b, row in zip((None, "inductor", None), (first, compiled, again)):
         assert row["stage_backend"] == b and "error" not in row, row.get("error")
-    eager, compiled = rows[None]["losses"], rows["inductor"]["losses"]
+    assert first["stage_compiles"] == 0 and first["stage_compile_s"] == 0
+    assert compiled["stage_compile_s"] >= 0 and compiled["warmup_s"] > 0
+    assert len(first["losses"]) >= 2 and first["losses"] == again["losses"]
+    eager, compiled = first["losses"], compiled["losses"]
     assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(eager, compiled)), (eager, compiled)

@@ -260,3 +260,55 @@ def test_autocast_around_the_call_is_reentered_in_the_workers(style, num_microba
     # without autocast the same pipe computes in fp32 again
     plain = pipe.forward_backward((ids,), label=y, loss_fn=ce)
     assert abs(plain.item() - ce(ref(ids), y).item()) < 1e-4
+
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize("tie,tol", [(False, 0.0), (True, 5e-3)])
+def test_bf16_gradients_cross_the_link_in_bf16_and_are_widened_on_the_host(tie, tol):
+    """Under ``param_dtype=bf16`` each stage downloads its gradients as the device made
+    them (bf16: half the bytes of fp32) and the host widens them into the fp32 sums, in
+    the flat gradient buffer: a widening rounds nothing, so the gradients are the ones a
+    cast on the device gives (bitwise the reference's, untied, one microbatch; a tied
+    weight's two widened gradients summed in fp32, as before)."""
+    torch.manual_seed(0)
+    model = gpt(tie=tie, depth=4).eval()
+    fp32_model, ref = copy.deepcopy(model), Reference(copy.deepcopy(model), torch.bfloat16)
+    ids, y = batches(1)[0]
+    pipe, fp32 = compiled(model, 1), compiled(fp32_model, 1, dtype=None)
+    pipe.forward_backward((ids,), label=y, loss_fn=ce)
+    fp32.forward_backward((ids,), label=y, loss_fn=ce)
+    ref.backward(ids, y)
+    # the same downloads (a tied weight from each stage holding it), in half the bytes
+    assert pipe.stats()["d2h_bytes_grads"] * 2 == fp32.stats()["d2h_bytes_grads"] > 0
+    store = pipe._runner(pipe._current, pipe._config(None)).store(pipe._executable("fused", 1))
+    assert {t.dtype for t in store.host.grad_flats} == {torch.float32}
+    flats = {t.untyped_storage().data_ptr() for t in store.host.grad_flats}
+    for (name, p), r in zip(model.named_parameters(), ref.master.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert p.grad.untyped_storage().data_ptr() in flats, name   # widened in place
+        assert rel_diff(p.grad, r.grad) <= tol, (name, rel_diff(p.grad, r.grad))
+
+
+def test_a_gradient_wider_than_its_masters_is_narrowed_on_the_device():
+    """The download moves the narrower dtype: an fp32 gradient of a bf16 master is cast
+    on the device (what crosses is bf16), a bf16 gradient of an fp32 master crosses as
+    bf16 and is widened by the accumulator."""
+    from fxpipe.runtime.devices.emulator import VirtualDevice
+    from fxpipe.runtime.host.grad_accum import GradAccumulator
+    from fxpipe.runtime.host.param_store import ParamStore
+    from fxpipe.runtime.host.params import HostParams
+    lin = nn.Linear(4, 4)
+    lin.bias.data = lin.bias.data.to(torch.bfloat16)   # a bf16 master
+    store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
+    store.refresh()
+    dev, acc = VirtualDevice(semantics="sync"), GradAccumulator(store)
+    w = torch.randn(4, 4).to(torch.bfloat16)
+    b = torch.randn(4)                                  # fp32 for the bf16 bias
+    up = lambda t: dev.to_device(t, "activations", "a gradient")   # noqa: E731
+    host = store.download_grads(0, dev, {"weight": up(w), "bias": up(b)}, acc)
+    assert host["weight"].dtype == host["bias"].dtype == torch.bfloat16
+    acc.add(0, host, own=True)
+    acc.commit()
+    assert lin.weight.grad.dtype == torch.float32 and torch.equal(lin.weight.grad, w.float())
+    assert lin.bias.grad.dtype == torch.bfloat16 and torch.equal(lin.bias.grad, b.bfloat16())

@@ -92,8 +92,13 @@ def test_inductor_step_equals_eager_on_strict_cuda_sim():
                               config=fxpipe.RunConfig(stage_backend=backend, num_microbatch=2))
         return pipe, pipe.forward_backward((x,), label=y, loss_fn=mse), devices
 
-    _, _, eager_devices = run(copy.deepcopy(model), None)
+    eager_pipe, _, eager_devices = run(copy.deepcopy(model), None)
+    assert eager_pipe.stats()["stage_compiles"] == eager_pipe.stats()["stage_compile_us"] == 0
+    compiles = sum(a.compiles for a in compiled_mod.artifacts())
     pipe, loss, devices = run(model, "inductor")
+    # what the call compiled (none where an earlier test compiled the same segments)
+    assert pipe.stats()["stage_compiles"] == sum(a.compiles for a in compiled_mod.artifacts()) \
+        - compiles
     # inductor's buffers are allocated where the devices count them: the peaks are eager's
     # within what fusion saves or costs
     for d, e in zip(devices, eager_devices):

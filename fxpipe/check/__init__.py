@@ -38,9 +38,13 @@ what came before (``in_progress`` names the section that was running):
     step) against eager ``transformers`` with gradient checkpointing on the same GPU:
     tokens/s, model and hardware TFLOP/s, MFU, peaks predicted and measured, the
     simulator's step against the measured one (``fxpipe.check.finetune``); the JSON is
-    written after each run. ``--stage-backends eager,inductor,cudagraphs`` runs fxpipe's
-    side once per ``RunConfig.stage_backend`` (each row's ``stage_backend``; its tokens/s
-    and ``host_issue_ms`` against ``compute_busy_ms``).
+    written after each run. Each run's model is built once and eager timed once; fxpipe's
+    side runs once per ``RunConfig.stage_backend`` of ``--stage-backends`` (default on a
+    GPU ``cudagraphs,inductor,eager``: the backends with the fewest GPU runs first; in a
+    dry run ``eager``), from the same weights: each row's ``stage_backend``, its
+    ``vs_eager``, ``mfu``, ``first_loss_rel_diff`` (against eager's first loss),
+    ``compile_s`` / ``warmup_s`` / ``stage_compile_s``, and ``host_issue_ms`` against
+    ``compute_busy_ms``.
 
 ``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
 10-minute command: a lent GPU runs it as two).

@@ -18,6 +18,7 @@ import torch
 
 import fxpipe.check
 from fxpipe.check.common import ROOT, model_shape, say
+from fxpipe.check.finetune import GPU_STAGE_BACKENDS
 from fxpipe.check.harness import Kit, SectionTimeout, run_sections, write
 from fxpipe.check.sections import SECTIONS
 from fxpipe.config import STAGE_BACKENDS
@@ -38,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=None, metavar="NAME,...",
                     help="run only these sections, in this order (default: all: "
                     + ",".join(SECTIONS) + ")")
-    ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
+    ap.add_argument("--stage-backends", default=None, metavar="NAME,...",
                     help="finetune: run fxpipe with each RunConfig.stage_backend (eager, "
-                    "inductor, auto, cudagraphs; default eager)")
+                    "inductor, auto, cudagraphs), in this order; default on a GPU: "
+                    "cudagraphs,inductor,eager, in a dry run: eager")
     ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sections = tuple(SECTIONS)
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(args.budget_s + 30, exit=False)
     except (OSError, ValueError):   # a stderr without a file descriptor
         pass
+    if args.stage_backends is None:
+        args.stage_backends = "eager" if args.dry_run else ",".join(
+            b or "eager" for b in GPU_STAGE_BACKENDS)
     backends = tuple(b.strip() for b in args.stage_backends.split(",") if b.strip())
     if not backends or any(b not in STAGE_BACKENDS for b in backends):
         print(f"fxpipe.check: --stage-backends {args.stage_backends!r}: each must be one of "

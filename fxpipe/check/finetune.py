@@ -35,7 +35,9 @@ FLOP/s over the GPU's dense bf16 peak, :data:`PEAK_BF16_TFLOPS`; null on CPU),
 ``predicted_step_s`` (``fxpipe.simulate`` with the layer-timed step's layer times and
 the measured link), ``host_issue_ms`` and ``compute_busy_ms`` (a traced timed step;
 under ``stage_backend="cudagraphs"`` its ``graph_captures`` / ``graph_replays`` /
-``graph_fallbacks``),
+``graph_fallbacks``), ``compile_s`` (``fxpipe.compile``), ``warmup_s`` (the first step)
+and ``stage_compiles`` / ``stage_compile_s`` (what the stage backend compiled over the
+run),
 ``host_rss_bytes`` and ``host_peak_rss_bytes``, ``vs_eager`` (fxpipe step / eager step).
 
 ``dry_run``: the same code at tiny widths on CPU virtual devices with a GPU's semantics,
@@ -60,10 +62,14 @@ import fxpipe
 from fxpipe.check.common import error_record, link_bandwidth, say, sync_fn, timed, unsampled
 from fxpipe.check.harness import Kit
 from fxpipe.runtime.issue.trace import compute_busy_ms
+from fxpipe.runtime.stages.compiled import compile_totals
 
 TOKENS_PER_MICROBATCH = 4096
 MICROBATCHES = 16
 TIMED_STEPS = 3
+GPU_STAGE_BACKENDS = ("cudagraphs", "inductor", None)
+"""The stage backends a GPU's ``finetune`` runs by default (``--stage-backends``): the
+ones with the fewest GPU runs behind them first, eager stage code (``None``) last."""
 
 # dense bf16 tensor-core peak (TFLOP/s, no sparsity), by a substring of
 # torch.cuda.get_device_name(); the longest match wins
@@ -355,6 +361,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
     from fxpipe.sim import Hardware
     M = ids.shape[0]
     batch = dict(input_ids=ids, labels=ids)
+    compiles, compile_s = compile_totals()
     t0 = time.perf_counter()
     pipe = fxpipe.compile(model, example_kwargs=batch, devices=ctx["devices"](),
                           param_dtype=torch.bfloat16,
@@ -408,6 +415,9 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             "h2d_bytes_params": st.get("h2d_bytes_params"),
             "d2h_bytes_grads": st.get("d2h_bytes_grads"),
             **{k: st.get(k) for k in ("graph_captures", "graph_replays", "graph_fallbacks")},
+            # what the stage backend compiled over the run (the warm-up, mostly)
+            "stage_compiles": compile_totals()[0] - compiles,
+            "stage_compile_s": compile_totals()[1] - compile_s,
             "timed_calls_sampled": sampling["sampled"]})
         return out
     finally:
@@ -420,37 +430,65 @@ def _predicted_bytes(pipe: Any) -> dict[str, int]:
     return {"predicted_peak_bytes": p.peak, "predicted_host_bytes": p.host_total}
 
 
-def measure(spec: dict[str, Any], ctx: dict[str, Any], row: dict[str, Any], *,
-            eager: bool = True, steps: int = TIMED_STEPS, backend: str | None = None) -> None:
-    """One run (``spec`` from :func:`run_specs`) into ``row`` (what it measured stays
-    there should a later part fail): the model built on the host, eager first (from the
-    same weights), then fxpipe with its stage code run by ``backend``."""
+def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | None, ...], *,
+            eager: bool = True, steps: int = TIMED_STEPS) -> Iterator[dict[str, Any]]:
+    """One run (``spec`` from :func:`run_specs`), one row per stage backend in
+    ``backends``, each yielded as it ends: the model built on the host once and eager run
+    once (from the same weights), then fxpipe with its stage code run by each backend,
+    the trainable weights put back between them (each backend's first step starts from
+    the weights eager's did: its first loss is comparable). What a row measured stays
+    there should a later part fail; a failure before fxpipe runs is every row's."""
     cfg, mode = spec["config"], spec["mode"]
     t0 = time.perf_counter()
-    if mode == "longest":   # one sequence as long as fits: no eager run can hold it
-        seq, asked = longest_sequence(spec, ctx)
-        spec = dict(spec, seq=seq)
-        row.update(longest_asked=asked, planning_s=time.perf_counter() - t0)
-        eager, steps = False, 0
-    base_dtype = torch.float32 if mode == "full" else torch.bfloat16
-    model = host_model(cfg, base_dtype, ctx["gen"])
-    if mode != "full":
-        model = with_lora(model)
-    ids = _batch(spec)
-    tokens = ids.numel()
-    row.update({
-        "params": sum(p.numel() for p in model.parameters()),
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
-        "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
-        "build_s": time.perf_counter() - t0})
-    flops = step_flops(model, cfg, tokens, spec["seq"])
-    row["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
-        {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
-         else "left out (--no-eager or no time)"}
-    fx = fxpipe_run(model, spec, ids, ctx, steps, backend)
+    base: dict[str, Any] = {"model": spec["model"], "mode": mode}
+    try:
+        if mode == "longest":   # one sequence as long as fits: no eager run can hold it
+            seq, asked = longest_sequence(spec, ctx)
+            spec = dict(spec, seq=seq)
+            base.update(longest_asked=asked, planning_s=time.perf_counter() - t0)
+            eager, steps = False, 0
+        base_dtype = torch.float32 if mode == "full" else torch.bfloat16
+        model = host_model(cfg, base_dtype, ctx["gen"])
+        if mode != "full":
+            model = with_lora(model)
+        ids = _batch(spec)
+        tokens = ids.numel()
+        base.update({
+            "params": sum(p.numel() for p in model.parameters()),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
+            "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
+            "build_s": time.perf_counter() - t0})
+        flops = step_flops(model, cfg, tokens, spec["seq"])
+        base["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
+            {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
+             else "left out (--no-eager or no time)"}
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    except Exception as e:   # noqa: BLE001 - every row says it
+        for backend in backends:
+            yield {**base, "stage_backend": backend, "ok": False, "error": error_record(e)}
+        return
+    for backend in backends:
+        t0 = time.perf_counter()
+        row = {**base, "stage_backend": backend}
+        try:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in start:
+                        p.copy_(start[n])
+            _measured(row, fxpipe_run(model, spec, ids, ctx, steps, backend), flops,
+                      ctx["peak_tflops"])
+        except Exception as e:   # noqa: BLE001 - a backend's failure is its row
+            row.update(ok=False, error=error_record(e))
+        row["fxpipe_s"] = time.perf_counter() - t0
+        yield row
+
+
+def _measured(row: dict[str, Any], fx: dict[str, Any], flops: dict[str, float],
+              peak: float | None) -> None:
+    """``row`` with fxpipe's figures ``fx`` and what follows from them and eager's."""
     step_s = fx.pop("step_s")
-    peak = ctx["peak_tflops"]
+    tokens = row["tokens_per_step"]
     row.update({
         "step_s": step_s, "tokens_per_s": tokens / step_s,
         "model_tflops": flops["model"] / step_s / 1e12,
@@ -512,30 +550,25 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "l
             backends: tuple[str | None, ...] = (None,),
             on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
             say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Every run in ``modes``, once per stage backend in ``backends`` (each row's
-    ``stage_backend``: ``None`` for eager stage code); ``on_row(rows)`` after each (the
-    JSON is written there). A run's failure is its row (``ok: false``, the error) and the
-    next one runs."""
+    """Every run in ``modes``, its model built once, then once per stage backend in
+    ``backends``, in that order (each row's ``stage_backend``: ``None`` for eager stage
+    code; :func:`measure`); ``on_row(rows)`` after each (the JSON is written there). A
+    run's failure is its row (``ok: false``, the error) and the next one runs."""
     rows: list[dict[str, Any]] = []
-    for spec, backend in ((s, b) for s in run_specs(ctx["dry_run"]) for b in backends):
+    for spec in run_specs(ctx["dry_run"]):
         if spec["mode"] not in modes:
             continue
         t0 = time.perf_counter()
-        row: dict[str, Any] = {"model": spec["model"], "mode": spec["mode"],
-                               "stage_backend": backend}
-        try:
-            measure(spec, ctx, row, eager=eager, steps=steps, backend=backend)
-        except Exception as e:   # noqa: BLE001 - a run's failure is its row
-            row.update(ok=False, error=error_record(e))
-        row["seconds"] = time.perf_counter() - t0
-        rows.append(row)
-        gc.collect()
-        if not ctx["dry_run"]:
-            torch.cuda.empty_cache()
-        say(summary(row))
-        on_row(rows)
+        for row in measure(spec, ctx, backends, eager=eager, steps=steps):
+            row["seconds"] = time.perf_counter() - t0   # the first row's: its build, eager
+            t0 = time.perf_counter()
+            rows.append(row)
+            gc.collect()
+            if not ctx["dry_run"]:
+                torch.cuda.empty_cache()
+            say(summary(row))
+            on_row(rows)
     return rows
-
 
 def summary(row: dict[str, Any]) -> str:
     """One line about a run's row."""

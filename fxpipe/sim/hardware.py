@@ -165,7 +165,9 @@ class LayerCost:
     - ``param_bytes``, ``grad_bytes`` (default ``param_bytes``): on a device.
     - ``host_param_bytes``, ``host_grad_bytes`` (default: as on a device): on the host,
       where they differ (mixed precision: the fp32 masters, which the optimizer steps, and
-      their gradients, which a download moves and a collective sums).
+      their gradients, which a collective sums). A download moves the narrower of the
+      two (``downloaded_grads``: bf16 gradients cross the link as they are and are
+      widened on the host).
     - ``boundary_bytes``: activations leaving the layer (live across the cut after it);
       also the size of their gradient.
     - ``saved_bytes``: activations one microbatch keeps for this layer's backward.
@@ -195,6 +197,15 @@ class LayerCost:
     @property
     def host_grads(self) -> int:
         return self.grads if self.host_grad_bytes is None else self.host_grad_bytes
+
+    @property
+    def downloaded_grads(self) -> int:
+        """The gradient bytes a download moves: the device's, unless the host's are fewer.
+
+        >>> LayerCost(1, 2, param_bytes=2, host_grad_bytes=4).downloaded_grads
+        2
+        """
+        return min(self.grads, self.host_grads)
 
     @property
     def recompute(self) -> float:

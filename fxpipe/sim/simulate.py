@@ -15,14 +15,17 @@ Durations come from per-layer ``LayerCost``:
   nothing for the gradient buffer, allocated on device); ``Upload``: the boundary
   entering the stage; ``UploadGrad``: the boundary leaving it; ``Offload``: a fwd stage's
   output plus any saved inputs of bwd stages inside it, a bwd stage's input gradient;
-  ``DownloadGrads``: gradient bytes on the host (the masters' gradient dtype, which the
-  device casts to before the copy); ``OptimizerStep``: the bytes of the layers' trainable
-  masters on the host (their gradients' bytes: a frozen parameter is not stepped) at
-  ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
+  ``DownloadGrads``: the gradient bytes a download moves (``LayerCost.downloaded_grads``:
+  the narrower of the device's and the masters' gradient dtype); ``OptimizerStep``: the
+  bytes of the layers' trainable masters on the host (their gradients' bytes: a frozen
+  parameter is not stepped) at ``cpu_optimizer_bytes_per_s`` (``AsyncUpdate`` and
+  ``ScalerStep``: every layer's); ``Refresh``: ``refresh_bytes`` at
   ``host_copy_bytes_per_s``; ``ClipGradNorm`` and ``QueueUpdate``: every layer's host
   gradient bytes at ``host_copy_bytes_per_s`` (the norm reads each once, the queued
-  update copies each); ``Accumulate`` (a download lands in its place in the flat
-  gradient buffer), ``Free``, ``Release`` and ``Commit`` take no time.
+  update copies each); ``Accumulate`` (and an ``OptimizerStep``, which takes its stage's
+  downloads itself): the host gradient bytes it widens (downloaded narrower than the
+  masters' dtype) at ``host_copy_bytes_per_s``, else nothing (a download lands in its
+  place in the flat gradient buffer); ``Free``, ``Release`` and ``Commit`` take no time.
 - Data parallel (the host's ``collective`` stream, one collective at a time):
   ``AllReduce`` / ``ReduceScatter`` / ``AllGather``: the layers' gradient bytes
   on the host (``LayerCost.host_grads``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
@@ -139,8 +142,8 @@ class _StageCosts:
             self.pre.append(sum(c.recompute if st.kind == "bwd" else c.fwd_ms for c in lc))
             self.bwd.append(sum(c.bwd_ms for c in lc))
             self.params.append(sum(c.param_bytes for c in lc))
-            # downloaded in the masters' gradient dtype (the device casts before the copy)
-            self.grads.append(0 if st.kind == "fwd" else sum(c.host_grads for c in lc))
+            # downloaded in the narrower of the device's and the masters' gradient dtype
+            self.grads.append(0 if st.kind == "fwd" else sum(c.downloaded_grads for c in lc))
             self.inp.append(boundary(st.layers.start - 1))
             self.grad_in.append(boundary(st.layers.stop - 1))
             if st.kind == "fwd":
@@ -211,6 +214,12 @@ def graph_job_kernels(stage, a) -> int:
 
 def _kernels(cost, name: str) -> int:
     return getattr(cost, name, None) or 0
+
+
+def _widened(cost: LayerCost) -> int:
+    """The host gradient bytes of ``cost``'s layer that the host widens once they land
+    (downloaded in a narrower dtype than the masters' gradients); 0 if none."""
+    return cost.host_grads if cost.downloaded_grads < cost.host_grads else 0
 
 
 def _issue(nodes: list, dep_ids: list, sc: _StageCosts, hardware: Hardware,
@@ -336,7 +345,10 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             case DownloadGrads(stage=s):
                 return hardware.transfer_ms(sc.grads[s], "d2h", x)
             case OptimizerStep(layers=layers):
-                return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers))
+                return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers)) + \
+                    hardware.host_copy_ms(sum(map(_widened, (costs[i] for i in layers))))
+            case Accumulate(layers=layers):
+                return hardware.host_copy_ms(sum(map(_widened, (costs[i] for i in layers))))
             case AsyncUpdate() | ScalerStep():
                 return hardware.optimizer_ms(sum(c.host_grads for c in costs))
             case Refresh():

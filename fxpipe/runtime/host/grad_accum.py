@@ -73,10 +73,14 @@ class GradAccumulator:
 
         ``own``: the tensors are the accumulator's to keep (fresh from ``download_grads``):
         a flat-buffer view it claimed, or one laid out like its parameter in its grad
-        dtype, becomes the sum itself instead of being copied."""
+        dtype, becomes the sum itself instead of being copied. A gradient in another
+        dtype (bf16 downloaded for fp32 masters) is widened into the parameter's flat
+        gradient view where it can have one, else into a new tensor: the sum is in the
+        grad dtype from the first gradient on."""
         with self._lock, torch.no_grad():
             for fqn, g in host_grads.items():
-                master = self._store._slot(stage, fqn).tensor
+                slot = self._store._slot(stage, fqn)
+                master = slot.tensor
                 if g.shape != master.shape:
                     raise ValueError(f"stage {stage}: gradient of {fqn!r} has shape {tuple(g.shape)}, "
                                      f"the parameter {tuple(master.shape)}")
@@ -92,7 +96,9 @@ class GradAccumulator:
                     continue
                 dtype = grad_dtype(master)
                 if not (own and g.dtype == dtype and g.stride() == master.stride()):
-                    g = torch.empty_like(master, dtype=dtype).copy_(g)
+                    into = self._claim(slot) if claimed is None and g.dtype != dtype else None
+                    g = (into if into is not None else
+                         torch.empty_like(master, dtype=dtype)).copy_(g)
                 self._sums[id(master)] = (master, g)  # the accumulator's own tensor now
 
     def sums(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -4,9 +4,9 @@ the model's :class:`~fxpipe.runtime.host.params.HostParams`.
 A stage uploads the contiguous runs of the flat host buffers holding its tensors
 (:meth:`ParamStore.upload`, counted as ``"params"`` on the device), hands the device
 views to its code, frees them (:meth:`ParamStore.release`) and brings its gradients back
-into the masters' gradient dtype (:meth:`ParamStore.download_grads`), straight into the
-flat gradient buffer where a :class:`~fxpipe.runtime.host.grad_accum.GradAccumulator` claims
-the place.
+(:meth:`ParamStore.download_grads`: in the device's dtype where the masters' gradient dtype
+holds it exactly, bf16 for fp32 masters, the host widening them), into the flat gradient
+buffer where a :class:`~fxpipe.runtime.host.grad_accum.GradAccumulator` claims the place.
 
 >>> import torch.nn as nn
 >>> from fxpipe.runtime.devices.emulator import VirtualDevice
@@ -41,6 +41,7 @@ from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.host.params import (
     HostParams, _Slot, _align, _cast, _upload_dtype, converted, grad_dtype, is_scratch,
+    widens_exactly,
 )
 from fxpipe.runtime.host.scratch import ResidentBuffers
 from fxpipe.runtime.host.weights import file_backed
@@ -273,11 +274,17 @@ class ParamStore:
     def download_grads(self, stage: int, device: Device,
                        device_grads: Mapping[str, torch.Tensor | None],
                        accumulator: _Claims | None = None) -> dict[str, torch.Tensor]:
-        """Bring ``{fqn: device gradient}`` to the host, in the masters' gradient dtype.
+        """Bring ``{fqn: device gradient}`` to the host, in the narrower of the device's
+        dtype and the masters' gradient dtype.
 
         Give a tied parameter's gradient once, under any of its names. Returns
-        ``{fqn: host gradient}``. With an ``accumulator``, a gradient whose parameter has
-        no ``.grad`` yet is copied straight into its place in the flat gradient buffer
+        ``{fqn: host gradient}``. A gradient the masters' dtype holds exactly (bf16 under
+        ``param_dtype``, fp32 masters) crosses the link as it is, half the bytes: the host
+        widens it when it adds it up (``GradAccumulator.add``), which rounds nothing, so
+        the result is the one a cast on the device gives. A wider one (an fp32 gradient of
+        a weight a module converts in forward, bf16 masters) is cast on the device first.
+        With an ``accumulator``, a gradient in the masters' dtype whose parameter has no
+        ``.grad`` yet is copied straight into its place in the flat gradient buffer
         (``HostParams.claim_grad``), others into new host tensors. Call it inside work on
         one of the device's streams: the values are there when that work's event has
         completed (a GPU's copies are queued)."""
@@ -304,12 +311,14 @@ class ParamStore:
         out: dict[str, torch.Tensor] = {}
         for fqn, slot, g in items:
             dtype = grad_dtype(slot.tensor)
-            if g.dtype != dtype:
-                # on the device: the download moves the gradient's own dtype. The cast reads
-                # g, made on the compute stream, on this one: its memory must wait for it
+            if g.dtype != dtype and not widens_exactly(g.dtype, dtype):
+                # narrowed on the device: the download moves the gradient's own dtype. The
+                # cast reads g, made on the compute stream, on this one: its memory must
+                # wait for it
                 device.record_stream(g)
                 g = g.to(dtype)
-            dest = accumulator.claim(slot) if accumulator is not None else None
+            dest = accumulator.claim(slot) if accumulator is not None and g.dtype == dtype \
+                else None
             out[fqn] = device.to_host(g) if dest is None else device.copy_to_host(g, dest)
         return out
 

@@ -399,6 +399,19 @@ def _cast(slot: _Slot) -> bool:
     return t.is_floating_point() and (not slot.is_buffer or in_param_dtype(t))
 
 
+def widens_exactly(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` is a value of ``dst`` (a cast from ``src`` to
+    ``dst`` rounds nothing: bf16 or fp16 to fp32).
+
+    >>> widens_exactly(torch.bfloat16, torch.float32), widens_exactly(torch.float32, torch.bfloat16)
+    (True, False)
+    >>> widens_exactly(torch.float16, torch.bfloat16)
+    False
+    """
+    return src == dst or (src.is_floating_point and dst.is_floating_point
+                          and torch.promote_types(src, dst) == dst)
+
+
 def grad_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype of ``t``'s ``.grad`` (its ``grad_dtype`` where set)."""
     return (t.grad_dtype if t.is_leaf else None) or t.dtype

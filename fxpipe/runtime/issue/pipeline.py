@@ -39,6 +39,7 @@ from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.issue.executor import Call, Execution, apply_writebacks, restore
 from fxpipe.runtime.host.grad_accum import owned_params
+from fxpipe.runtime.stages.compiled import compile_totals
 from fxpipe.runtime.stages.graphs import StageGraphs, graph_jobs
 from fxpipe.runtime.issue.inputs import check_inputs
 from fxpipe.runtime.stages.stage_code import runnables
@@ -261,6 +262,7 @@ class Runner:
         value = None
         stalls = sum(d.host_stalls for d in self.devices)
         flushes = sum(d.allocator_flushes for d in self.devices)
+        compiles, compile_s = compile_totals()
 
         def commit() -> None:
             nonlocal value
@@ -294,6 +296,9 @@ class Runner:
                 call.stats.add("host_pinned_bytes", self.pinned_bytes())
                 call.stats.add("allocator_flushes",
                                sum(d.allocator_flushes for d in self.devices) - flushes)
+                n, seconds = compile_totals()   # the stage backend's compiles in the call
+                call.stats.add("stage_compiles", n - compiles)
+                call.stats.add("stage_compile_us", round((seconds - compile_s) * 1e6))
             self.log.stats = call.stats.as_dict() if call.stats is not None else {}
             call.commit = None   # the closure refers to the call: no cycle keeps its tensors
         if call.timer is not None:

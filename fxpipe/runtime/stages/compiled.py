@@ -74,6 +74,17 @@ class Artifact:
 _artifacts: dict[tuple, Artifact] = {}
 _artifacts_lock = threading.Lock()
 _compile_lock = threading.Lock()   # inductor compiles one graph at a time
+_totals = [0, 0.0]   # signatures compiled in this process, seconds spent (under _compile_lock)
+
+
+def compile_totals() -> tuple[int, float]:
+    """(signatures compiled, seconds spent compiling, failed tries included) by every
+    artifact of this process so far: a call's ``stage_compiles`` and ``stage_compile_us``
+    in ``pipe.stats()`` are what it adds. An artifact is shared by every pipe whose
+    segments have its code (repeated blocks, another pipe over the same model): a pipe
+    compiles what no earlier one did."""
+    with _compile_lock:
+        return _totals[0], _totals[1]
 
 
 def artifacts() -> list[Artifact]:
@@ -142,8 +153,10 @@ class CompiledLayer:
                 return None
             finally:
                 art.compile_s += time.perf_counter() - start
+                _totals[1] += time.perf_counter() - start
             art.compiled[sig] = entry
             art.compiles += 1
+            _totals[0] += 1
             return entry
 
 
