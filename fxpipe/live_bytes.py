@@ -53,9 +53,11 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.kernels += launches_kernel(func)
-        self._sweep()
-        for t in new_storages(args, kwargs, out):
-            self.track(t)
+        made = new_storages(args, kwargs, out)
+        if made:   # the dead are swept before the new count toward a peak (only then)
+            self._sweep()
+            for t in made:
+                self.track(t)
         return out
 
     @property
