@@ -463,7 +463,9 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
         base["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
             {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
              else "left out (--no-eager or no time)"}
-        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        # what each backend's run starts from (a copy only when another run follows)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()
+                 if p.requires_grad} if len(backends) > 1 else {}
     except Exception as e:   # noqa: BLE001 - every row says it
         for backend in backends:
             yield {**base, "stage_backend": backend, "ok": False, "error": error_record(e)}
