@@ -471,7 +471,6 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
             yield {**base, "stage_backend": backend, "ok": False, "error": error_record(e)}
         return
     for backend in backends:
-        t0 = time.perf_counter()
         row = {**base, "stage_backend": backend}
         try:
             with torch.no_grad():
@@ -482,7 +481,6 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
                       ctx["peak_tflops"])
         except Exception as e:   # noqa: BLE001 - a backend's failure is its row
             row.update(ok=False, error=error_record(e))
-        row["fxpipe_s"] = time.perf_counter() - t0
         yield row
 
 
@@ -562,7 +560,7 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "l
             continue
         t0 = time.perf_counter()
         for row in measure(spec, ctx, backends, eager=eager, steps=steps):
-            row["seconds"] = time.perf_counter() - t0   # the first row's: its build, eager
+            row["seconds"] = time.perf_counter() - t0   # the first row's: its build, eager too
             t0 = time.perf_counter()
             rows.append(row)
             gc.collect()
@@ -571,6 +569,7 @@ def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "l
             say(summary(row))
             on_row(rows)
     return rows
+
 
 def summary(row: dict[str, Any]) -> str:
     """One line about a run's row."""

@@ -152,8 +152,9 @@ class CompiledLayer:
                               f"not compile it ({why})", stacklevel=2)
                 return None
             finally:
-                art.compile_s += time.perf_counter() - start
-                _totals[1] += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                art.compile_s += spent
+                _totals[1] += spent
             art.compiled[sig] = entry
             art.compiles += 1
             _totals[0] += 1
