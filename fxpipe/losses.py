@@ -112,11 +112,18 @@ def _check(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None) 
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype ``F.linear(hidden, weight)`` computes in here (autocast's when it is on)."""
+    """The dtype the head's matmuls compute in: autocast's when it is on; else, where
+    ``hidden`` and ``weight`` differ (a matmul of two dtypes, which ``F.linear`` refuses),
+    the narrower one: what autocast chose when the code around the op was traced (stage
+    code compiled under autocast runs with its casts in the graph and autocast off:
+    ``runtime.stages.compiled``, so the op meets bf16 hidden states and fp32 weights)."""
     device = hidden.device.type
     if device != "meta" and hidden.is_floating_point() and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
-    return torch.promote_types(hidden.dtype, weight.dtype)
+    wide = torch.promote_types(hidden.dtype, weight.dtype)
+    if hidden.dtype != weight.dtype and hidden.is_floating_point() and weight.is_floating_point():
+        return weight.dtype if wide == hidden.dtype else hidden.dtype
+    return wide
 
 
 def _starts(h: Tensor, weight: Tensor, chunk: int, matmuls: int) -> tuple[int, list[int]]:
@@ -150,8 +157,11 @@ def _loss(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, c
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     rows, starts = _starts(h, weight, chunk, 1)
     total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    cd = _compute_dtype(hidden, weight)   # autocast's cast, made here (as in _grads)
+    w, b = weight.to(cd), None if bias is None else bias.to(cd)
     for s in starts:
-        logits, _ = _chunk_logits(h[s:s + rows], weight, bias, softcap)
+        with torch.autocast(h.device.type, enabled=False):
+            logits, _ = _chunk_logits(h[s:s + rows].to(cd), w, b, softcap)
         yc = y[s:s + rows]
         picked = logits.gather(1, yc.clamp(min=0).unsqueeze(1)).squeeze(1)
         nll = torch.logsumexp(logits, dim=1) - picked

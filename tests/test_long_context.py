@@ -276,3 +276,20 @@ def test_the_passes_keep_every_architecture_equal_to_eager(name):
     if lg.loss_free_outputs:
         assert "fxpipe_losses_linear_cross_entropy(" in code, name
 
+
+
+def test_the_loss_op_outside_autocast_computes_as_autocast_did():
+    """Stage code compiled under autocast runs with its casts in the graph and autocast
+    off: the loss op then meets bf16 hidden states and fp32 head weights. It computes in
+    the narrower dtype, what autocast gave when the code was traced (its backward's
+    ``compute_dtype``), bit for bit the op under autocast; a matmul of two dtypes used
+    to fail there (the kit's HF matrix under inductor, autocast: ``mat1 and mat2 must
+    have the same dtype``)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 12, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 16, generator=g)
+    y = torch.randint(0, 40, (2, 12), generator=g)
+    op = torch.ops.fxpipe.linear_cross_entropy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = op(h, w, y, None, 5, -100, "sum", None, torch.float32)
+    assert torch.equal(op(h, w, y, None, 5, -100, "sum", None, torch.float32), expected)
