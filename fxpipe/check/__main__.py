@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError):   # a stderr without a file descriptor
         pass
     if args.stage_backends is None:
-        args.stage_backends = "eager" if args.dry_run else ",".join(
-            b or "eager" for b in GPU_STAGE_BACKENDS)
+        args.stage_backends = "eager" if args.dry_run else ",".join(GPU_STAGE_BACKENDS)
     backends = tuple(b.strip() for b in args.stage_backends.split(",") if b.strip())
     if not backends or any(b not in STAGE_BACKENDS for b in backends):
         print(f"fxpipe.check: --stage-backends {args.stage_backends!r}: each must be one of "

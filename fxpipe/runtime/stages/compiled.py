@@ -74,7 +74,8 @@ class Artifact:
 _artifacts: dict[tuple, Artifact] = {}
 _artifacts_lock = threading.Lock()
 _compile_lock = threading.Lock()   # inductor compiles one graph at a time
-_totals = [0, 0.0]   # signatures compiled in this process, seconds spent (under _compile_lock)
+_totals = [0, 0.0]   # signatures compiled in this process, seconds spent
+_totals_lock = threading.Lock()   # not _compile_lock: a call reads them while another compiles
 
 
 def compile_totals() -> tuple[int, float]:
@@ -83,7 +84,7 @@ def compile_totals() -> tuple[int, float]:
     in ``pipe.stats()`` are what it adds. An artifact is shared by every pipe whose
     segments have its code (repeated blocks, another pipe over the same model): a pipe
     compiles what no earlier one did."""
-    with _compile_lock:
+    with _totals_lock:
         return _totals[0], _totals[1]
 
 
@@ -154,10 +155,12 @@ class CompiledLayer:
             finally:
                 spent = time.perf_counter() - start
                 art.compile_s += spent
-                _totals[1] += spent
+                with _totals_lock:
+                    _totals[1] += spent
             art.compiled[sig] = entry
             art.compiles += 1
-            _totals[0] += 1
+            with _totals_lock:
+                _totals[0] += 1
             return entry
 
 
