@@ -91,10 +91,13 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
             t0 = time.perf_counter()
             calibrate = flops is None and spec["mode"] == "lora"
             for row in fp.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
-                                  flops=flops, eager_step_s=eager_s if calibrate else None):
+                                  flops=flops, eager_step_s=eager_s if calibrate else None,
+                                  recompute=("auto", "full")):
                 row.update(gpu=gpu, seconds=time.perf_counter() - t0)
                 rows.append(row)
-                say(f"  {row['mode']:>4} {row['model']:<13} {gpu} host work {row['host_work']:<12}: "
+                say(f"  {row['mode']:>4} {row['model']:<13} {gpu} host work {row['host_work']:<12} "
+                    f"recompute {row['recompute']} ({row['recomputed']:.0%} of the blocks; "
+                    f"hardware/model FLOPs {row['flops_ratio']:.2f}): "
                     f"{row['predicted_step_s']:6.2f} s/step, {row['tokens_per_s']:7,.0f} tokens/s, "
                     f"{row['model_tflops']:5.0f} model TFLOP/s, MFU {row['model_tflops'] / 989.4:.1%} "
                     f"(at {row['flops_per_s'] / 1e12:.0f} TFLOP/s)")

@@ -541,7 +541,10 @@ def _finetune(d: dict) -> list[str]:
          "step predicted / measured"], rows)
     p = d.get("predicted")
     if p:
-        prow = [[r["mode"], r["model"], r["gpu"], r["host_work"], f"{r['predicted_step_s']:.2f}",
+        prow = [[r["mode"], r["model"], r["gpu"], r["host_work"], r.get("recompute", "full"),
+                 f"{r['recomputed']:.0%}" if "recomputed" in r else "–",
+                 f"{r['flops_ratio']:.2f}" if "flops_ratio" in r else "–",
+                 f"{r['predicted_step_s']:.2f}",
                  f"{r['tokens_per_s']:,.0f}", f"{r['model_tflops']:.0f}",
                  f"{r['model_tflops'] / 989.4:.1%}", f"{r['predicted_peak_bytes'] / 1e9:.1f}"]
                 for r in p["rows"]]
@@ -551,9 +554,13 @@ def _finetune(d: dict) -> list[str]:
                 f"{p['link_bytes_per_s'] / 1e9:.0f} GB/s each way (the H200's, measured), the "
                 f"host's AdamW at {hr['optimizer_bytes_per_s'] / 1e9:.2f} GB/s and casts at "
                 f"{hr['copy_bytes_per_s'] / 1e9:.1f} GB/s ({p['host_rates_source']}) or free. "
-                "MFU against 989.4 TFLOP/s (H100 SXM and H200 dense bf16).", ""] + table(
-            ["run", "shape", "GPU", "host work", "step s", "tokens/s", "model TFLOP/s", "MFU",
-             "peak GB"], prow)
+                "MFU against 989.4 TFLOP/s (H100 SXM and H200 dense bf16). Recompute `auto` "
+                "(the default): the fused tail keeps the layers that fit and pay, planned for "
+                "each row's machine; `full`: every block recomputed; recomputed: the share of "
+                "the blocks' forward FLOPs recomputed; hardware / model: the cost pass's FLOPs "
+                "of the plan that runs over the model's forward and backward.", ""] + table(
+            ["run", "shape", "GPU", "host work", "recompute", "recomputed", "hardware / model",
+             "step s", "tokens/s", "model TFLOP/s", "MFU", "peak GB"], prow)
     return out
 
 
@@ -1072,7 +1079,8 @@ def headline() -> list[str]:
                      f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", cpu_on(peft, "lora_over_full") + " (bytes counted)", "lower is better", "peft-lora"])
     ft = load("bench_finetune.json")
     if ft and ft.get("predicted"):
-        by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]}
+        by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]
+              if r.get("recompute", "auto") == "auto"}
         for mode, what in (("lora", "LoRA r=16, Llama-3.1-8B shape"),
                            ("full", "full fine-tune, Qwen3-4B shape, fp32 masters")):
             a, b = by.get((mode, "this machine")), by.get((mode, "free"))
@@ -1080,7 +1088,9 @@ def headline() -> list[str]:
                 rows.append([f"PREDICTED, one {a['gpu']}: bf16 {what}, 16 × 4,096 tokens/step "
                              "(host AdamW at this 2-core machine's rate; free)",
                              f"{a['tokens_per_s']:,.0f}; {b['tokens_per_s']:,.0f} tokens/s "
-                             f"(MFU {a['model_tflops'] / 989.4:.0%}; {b['model_tflops'] / 989.4:.0%})",
+                             f"(MFU {a['model_tflops'] / 989.4:.0%}; {b['model_tflops'] / 989.4:.0%})"
+                             + (f"; hardware / model FLOPs {a['flops_ratio']:.2f}; "
+                                f"{b['flops_ratio']:.2f}" if "flops_ratio" in a else ""),
                              "predicted", "throughput: higher is better", "fine-tuning-in-bf16"])
     gpu_ft = (gpu or {}).get("finetune", {}).get("runs", [])
     for r in gpu_ft:

@@ -55,7 +55,9 @@ class ExecutePlan(StagePlan):
              upper_threshold: float = 1.1, model_memory_limit: float | None = None,
              num_devices: int | None = None, num_microbatch: int | None = None,
              recompute_grain: Literal["stage", "layer"] = "stage",
-             host_ms_per_action: float | None = None) -> ExecutePlan | list[ExecutePlan]:
+             host_ms_per_action: float | None = None,
+             recompute: Literal["auto", "full"] = "auto",
+             device: chain_costs.NominalDevice | None = None) -> ExecutePlan | list[ExecutePlan]:
         """Plan stages from per-layer costs (see ``fxpipe.passes.planner.plan_chains``).
 
         A pipe has ``.layers`` (a ``LayerGraph``, or items with ``.cost``), ``.devices``
@@ -84,7 +86,23 @@ class ExecutePlan(StagePlan):
         stage costs it per microbatch and action, and one host issues every device's actions,
         so layers too small to pay for their issuing share a stage. ``0`` plans as if
         issuing were free.
+
+        ``recompute``: ``"auto"`` (default) recomputes only what does not fit: where a
+        device limit is known, a ``"fused"`` plan's tail (the first backward stage, which
+        runs forward, loss and backward without recompute) takes every layer whose
+        activations fit the device beside it, one microbatch at a time, while the
+        estimated makespan falls; the other layers are recomputed in their backward stage.
+        ``"full"``: the tail is only as long as balancing the stages' times makes it.
+        The plan shows the choice (``bwd_plan[0]`` of a fused plan: layers kept;
+        :meth:`StagePlan.recomputed`: the others).
+
+        ``device``: the device model (``chain_costs.NominalDevice``: FLOP rate, link and
+        host rates) that times layers without measured times and prices what a long tail
+        leaves exposed; default ``chain_costs.NOMINAL_DEVICE``;
+        ``fxpipe.sim.Hardware.nominal_device()`` plans for a simulated machine.
         """
+        if recompute not in ("auto", "full"):
+            raise ValueError(f"ExecutePlan.auto: recompute must be 'auto' or 'full', got {recompute!r}")
         check_run_type(run_type)
         if not pipes:
             raise ValueError("ExecutePlan.auto needs at least one pipe")
@@ -107,12 +125,14 @@ class ExecutePlan(StagePlan):
                 if cost is None:
                     raise PlanError(f"pipe {k} layer {i} has no cost; run the cost pass "
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
-        chains = chain_costs.chain_costs(cost_lists, need_backward=run_type != "infer")
+        device = chain_costs.NOMINAL_DEVICE if device is None else device
+        chains = chain_costs.chain_costs(cost_lists, device, need_backward=run_type != "infer")
         memory = None if limit is None else [chain_memory(p, M) for p in pipes]
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory=memory, memory_limit=limit,
-                                      recompute_grain=recompute_grain,
+                                      recompute_grain=recompute_grain, recompute=recompute,
+                                      device=device,
                                       host_ms_per_action=chain_costs.HOST_MS_PER_ACTION
                                       if host_ms_per_action is None else host_ms_per_action)
         plans = [cls(fwd, bwd) for fwd, bwd in planned]

@@ -114,6 +114,20 @@ class StagePlan:
                           f"(the tail {_layers(tail.start, tail.stop)} runs only in the fused "
                           f"first backward stage bwd_plan[0] = {_fmt(tail)})")
 
+    def recomputed(self, run_type: RunType) -> range:
+        """The layers a call of ``run_type`` recomputes for backward: every layer for
+        ``"train"``, none for ``"infer"``, and for ``"fused"`` those before the tail
+        (``bwd_plan[0]`` runs forward and backward in one stage, its activations kept).
+
+        >>> StagePlan([range(0, 3)], [range(3, 6), range(0, 3)]).recomputed("fused")
+        range(0, 3)
+        """
+        check_run_type(run_type)
+        if run_type == "infer" or not self.bwd_plan:
+            return range(0)
+        stop = max(r.stop for r in self.bwd_plan)
+        return range(0, self.bwd_plan[0].start if run_type == "fused" else stop)
+
     # --- constructors ------------------------------------------------------------------
 
     @classmethod

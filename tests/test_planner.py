@@ -177,8 +177,10 @@ def test_plan_chains_is_valid_optimal_for_its_count_and_respects_memory():
         chains = [random_chain(rng, rng.randint(1, 12)) for _ in range(rng.choice([1, 2]))]
         cap = single_layer_need(chains) + 4
         G = rng.randint(1, 5)
-        plans = plan_chains(run_type, chains, num_devices=G, memory_cap=cap,
-                            upper_threshold=rng.choice([1.0, 1.1, 2.0]))
+        # recompute="full": the exact bottleneck for the count (a grown tail trades it)
+        granularity = rng.choice([1.0, 1.1, 2.0])
+        plans = plan_chains(run_type, chains, num_devices=G, memory_cap=cap, recompute="full",
+                            upper_threshold=granularity)
         count = sum(len(f) + len(b) for f, b in plans)
         worst = max(plan_bottleneck(run_type, c, f, b) if f or b else 0.0 for c, (f, b) in zip(chains, plans))
         assert worst == pytest.approx(solve_stages(run_type, chains, count, cap)[0], rel=REL, abs=1e-12)
@@ -190,6 +192,16 @@ def test_plan_chains_is_valid_optimal_for_its_count_and_respects_memory():
                 assert sum(c.param_bytes[i] + c.grad_bytes[i] + c.act_bytes[i] for i in r) <= cap
             for r in fwd:
                 assert sum(c.param_bytes[i] + c.fwd_act_bytes[i] for i in r) <= cap
+        # recompute="auto" (the default): a valid plan within the cap, its fused tails at
+        # least as long as full recompute's
+        auto = plan_chains(run_type, chains, num_devices=G, memory_cap=cap,
+                           upper_threshold=granularity)
+        for c, (fwd, bwd), full in zip(chains, auto, plans):
+            ExecutePlan(fwd, bwd).validate(len(c), run_type)
+            for r in bwd:
+                assert sum(c.param_bytes[i] + c.grad_bytes[i] + c.act_bytes[i] for i in r) <= cap
+            if run_type == "fused":
+                assert len(bwd[0]) >= len(full[1][0])
 
 
 # --- shapes ------------------------------------------------------------------------------
@@ -329,3 +341,44 @@ def test_many_layers_stay_exact_and_fast_enough():
             acc += t
     assert stages > 8
     assert list(itertools.chain.from_iterable(parts)) == list(range(1000))
+
+
+# --- recompute only what does not fit: the fused tail keeps what the device holds ----------
+
+def _tail_case(n=8):
+    # equal layers: forward 1, recompute 1, backward 2 ms; 1 byte of parameters,
+    # gradients and activations each
+    return [ChainCosts.from_times([1.0] * n, param_bytes=[1.0] * n, act_bytes=[1.0] * n)]
+
+
+def test_the_tail_grows_as_far_as_memory_allows_and_no_further():
+    c = _tail_case()
+    tails = {}
+    for cap in (6, 9, 12, 15):
+        fwd, bwd = plan_chains("fused", c, num_devices=1, memory_cap=cap)[0]
+        ExecutePlan(fwd, bwd).validate(8, "fused")
+        tails[cap] = len(bwd[0])
+        assert 3 * len(bwd[0]) <= cap          # the tail's bytes fit the cap
+    assert tails == {6: 2, 9: 3, 12: 4, 15: 5}
+    fwd, bwd = plan_chains("fused", c, num_devices=1, memory_cap=15, recompute="full")[0]
+    assert len(bwd[0]) == 1                   # balance alone keeps the tail one layer long
+
+
+def test_without_a_memory_bound_auto_plans_as_full():
+    c = _tail_case()
+    assert plan_chains("fused", c, num_devices=1) == \
+        plan_chains("fused", c, num_devices=1, recompute="full")
+
+
+def test_a_tail_the_host_cannot_take_in_stays_short():
+    c = _tail_case()
+    quick = plan_chains("fused", c, num_devices=1, memory_cap=15)[0][1][0]
+    # gradients taken in at 1 byte per 10 ms: a long tail hands them over all at once
+    slow = NominalDevice(host_grad_bytes_per_s=100.0)
+    held = plan_chains("fused", c, num_devices=1, memory_cap=15, device=slow)[0][1][0]
+    assert len(held) < len(quick)
+
+
+def test_recompute_must_be_auto_or_full():
+    with pytest.raises(ValueError, match="recompute must be 'auto' or 'full'"):
+        plan_chains("fused", _tail_case(), num_devices=1, recompute="selective")

@@ -178,3 +178,40 @@ def test_pipelines_skip_the_tail_and_match_eager(grain):
     torch.testing.assert_close(loss, ref_loss.detach())
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad, msg=n)
+
+
+def test_the_tail_keeps_what_fits_recomputes_the_rest_and_matches_eager():
+    """``recompute="auto"``: the fused tail takes the layers whose activations fit the
+    device (forward and backward in one stage, nothing recomputed); the tighter the
+    device, the more is recomputed; the step equals eager's either way."""
+    from fxpipe.demo import TinyLlama
+    torch.manual_seed(0)
+    model = TinyLlama(vocab=256, dim=64, depth=6)
+    ref = copy.deepcopy(model)
+    x, y = torch.randint(0, 256, (4, 512)), torch.randint(0, 256, (4, 512))
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=[fxpipe.VirtualDevice()],
+                          config=fxpipe.RunConfig(num_microbatch=2))
+
+    def plan(mib, recompute="auto"):   # issuing free: the layers are tiny
+        return fxpipe.ExecutePlan.auto("fused", pipe, num_microbatch=2, host_ms_per_action=0,
+                                       model_memory_limit=mib / 1024, recompute=recompute)
+    recomputed = {mib: len(plan(mib).recomputed("fused")) for mib in (64, 32, 16, 12)}
+    full = len(plan(64, "full").recomputed("fused"))
+    assert recomputed[64] < full and recomputed[12] == full   # 8 layers: 7 recomputed
+    assert list(recomputed.values()) == sorted(recomputed.values())
+    kept = plan(32)
+    assert kept.bwd_plan[0] != plan(32, "full").bwd_plan[0]
+    assert fxpipe.plan.predict_memory(pipe, kept, run_type="fused", num_microbatch=2).peak \
+        <= 32 * 2**20
+    run = fxpipe.compile(model, example_inputs=(x,), plan=kept,
+                         devices=[fxpipe.VirtualDevice(memory_limit=40 * 2**20)],
+                         config=fxpipe.RunConfig(num_microbatch=2))
+    tail = kept.bwd_plan[0]    # the Program prints the choice: the kept layers' fused stage
+    assert f" fused {tail.start}:{tail.stop} " in str(run.program("fused"))
+    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    loss = run.forward_backward((x,), label=y, loss_fn=loss_fn)
+    ref_loss = loss_fn(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, msg=n)

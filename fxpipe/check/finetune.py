@@ -240,19 +240,36 @@ def _linear_params(model: nn.Module) -> tuple[int, int, int]:
     return total, trainable, head
 
 
-def step_flops(model: nn.Module, config: Any, tokens: int, seq: int) -> dict[str, float]:
+def step_flops(model: nn.Module, config: Any, tokens: int, seq: int,
+               recomputed: float = 1.0) -> dict[str, float]:
     """One step's FLOPs: ``model`` (6·N·T, N every parameter) and ``hardware``: the
-    matmuls' forward, the recompute of the blocks' forward, the input gradients, the
-    weight gradients of trainable weights only; causal attention (score and value
-    products: 2·S·T·d per layer forward, twice that backward, once more recomputed)."""
+    matmuls' forward, the recompute of the blocks' forward (the share ``recomputed`` of
+    it: 1 for eager's gradient checkpointing, :func:`recompute_share` for a fxpipe plan),
+    the input gradients, the weight gradients of trainable weights only; causal attention
+    (score and value products: 2·S·T·d per layer forward, twice that backward, once more
+    where recomputed)."""
     n_all = sum(p.numel() for p in model.parameters())
     lin, trainable, head = _linear_params(model)
     layers = config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     d_attn = config.num_attention_heads * head_dim
-    matmul = tokens * (2 * lin + 2 * (lin - head) + 2 * lin + 2 * trainable)
-    attention = layers * 2 * seq * tokens * d_attn * (1 + 1 + 2)
+    matmul = tokens * (2 * lin + recomputed * 2 * (lin - head) + 2 * lin + 2 * trainable)
+    attention = layers * 2 * seq * tokens * d_attn * (1 + recomputed + 2)
     return {"model": 6.0 * n_all * tokens, "hardware": float(matmul + attention)}
+
+
+def recompute_share(layers: Any, plan: Any) -> dict[str, float]:
+    """What a fused ``plan`` of ``layers`` (``pipe.layers``, costed) recomputes, by the
+    cost pass's FLOPs: ``recomputed``, the recomputed layers' share of the forward FLOPs
+    of every layer but the last (the head, never recomputed); ``flops_ratio``, hardware
+    over model FLOPs (forward and backward, plus the recompute): 1.0 when nothing is
+    recomputed, about 4/3 when every block is."""
+    costs = [layer.cost for layer in layers]
+    rec = plan.recomputed("fused")
+    fwd = [c.fwd_flops for c in costs]
+    model = sum(c.fwd_flops + c.bwd_flops for c in costs)
+    return {"recomputed": sum(fwd[i] for i in rec) / (sum(fwd[:-1]) or 1.0),
+            "flops_ratio": (model + sum(fwd[i] for i in rec)) / model}
 
 
 # ---------------------------------------------------------------------------- host facts
@@ -367,6 +384,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
                           param_dtype=torch.bfloat16,
                           config=fxpipe.RunConfig(num_microbatch=M, stage_backend=backend))
     out: dict[str, Any] = {"compile_s": time.perf_counter() - t0, "plan": repr(pipe.plan),
+                           **recompute_share(pipe.layers, pipe.plan),
                            "devices": [d.name for d in pipe.devices]}
     try:
         # torch's defaults: the streamed step runs them as fused=True (docs/optimizer.md)
@@ -459,7 +477,6 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
             "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
             "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
             "build_s": time.perf_counter() - t0})
-        flops = step_flops(model, cfg, tokens, spec["seq"])
         base["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
             {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
              else "left out (--no-eager or no time)"}
@@ -477,7 +494,8 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
                 for n, p in model.named_parameters():
                     if n in start:
                         p.copy_(start[n])
-            _measured(row, fxpipe_run(model, spec, ids, ctx, steps, backend), flops,
+            fx = fxpipe_run(model, spec, ids, ctx, steps, backend)
+            _measured(row, fx, step_flops(model, cfg, tokens, spec["seq"], fx["recomputed"]),
                       ctx["peak_tflops"])
         except Exception as e:   # noqa: BLE001 - a backend's failure is its row
             row.update(ok=False, error=error_record(e))

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.check.finetune import step_flops, with_lora
+from fxpipe.check.finetune import recompute_share, step_flops, with_lora
 
 
 def host_rates(numel: int = 1 << 24) -> dict[str, float]:
@@ -67,15 +67,20 @@ def costed_step_flops(pipe: Any, num_microbatch: int) -> float:
 
 def predict(spec: dict[str, Any], *, memory: float, link: float,
             hosts: dict[str, tuple[float, float]], flops: float | None = None,
-            eager_step_s: float | None = None, num_devices: int = 1) -> list[dict[str, Any]]:
+            eager_step_s: float | None = None, num_devices: int = 1,
+            recompute: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
     """The run's step as ``fxpipe.simulate`` predicts it: fxpipe's own plan for
     ``num_devices`` devices of ``memory`` bytes, its layers' FLOPs at ``flops`` per
     second (or, given a measured eager checkpointed step of this run,
     :func:`costed_step_flops` over it: the rate eager reached, in the cost pass's own
     FLOP counting), ``link`` bytes/s each way; one row per ``hosts`` entry, ``name:
     (optimizer bytes/s, copy bytes/s)``: the streamed AdamW and the upload copies'
-    refresh on the host at those rates."""
-    from fxpipe.plan import chain_memory, layer_costs
+    refresh on the host at those rates. Each row is planned for its machine
+    (``ExecutePlan.auto(device=hardware.nominal_device())``) under each of ``recompute``
+    (``"auto"``: the fused tail keeps what fits and pays; ``"full"``: every block but the
+    head recomputed): how much the tail keeps depends on what the host and the link can
+    hide."""
+    from fxpipe.plan import ExecutePlan, chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost, simulate
     if (flops is None) == (eager_step_s is None):
         raise ValueError("predict: pass flops= (FLOP/s) or eager_step_s= (a measured eager "
@@ -85,30 +90,46 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")   # one microbatch: its FLOPs
     devices = [fxpipe.VirtualDevice(semantics="cuda", memory_limit=int(memory))
                for _ in range(num_devices)]
-    pipe = fxpipe.compile(model, example_kwargs=dict(input_ids=ids, labels=ids), devices=devices,
-                          param_dtype=torch.bfloat16, config=fxpipe.RunConfig(num_microbatch=M))
+    pipes: dict[str, Any] = {}
+
+    def pipe_for(plan: ExecutePlan | None) -> Any:   # one capture per plan
+        if repr(plan) not in pipes:
+            pipes[repr(plan)] = fxpipe.compile(
+                model, example_kwargs=dict(input_ids=ids, labels=ids), devices=devices,
+                param_dtype=torch.bfloat16,
+                config=fxpipe.RunConfig(num_microbatch=M, execute_plan=plan))
+        return pipes[repr(plan)]
+
     try:
+        costed = pipe_for(None)
         if flops is None:
-            flops = costed_step_flops(pipe, M) / eager_step_s
-        program = pipe.program("fused", M, optimizer=True)
+            flops = costed_step_flops(costed, M) / eager_step_s
         tokens = M * seq
-        f = step_flops(model, spec["config"], tokens, seq)
         rows = []
         for host, (optimizer_rate, copy_rate) in hosts.items():
             hw = Hardware(flops=flops, memory=memory, h2d_bandwidth=link, d2h_bandwidth=link,
                           cpu_optimizer_bytes_per_s=optimizer_rate,
                           host_copy_bytes_per_s=copy_rate)
-            t = simulate(program, [LayerCost.of(c, hw) for c in layer_costs(pipe)], hw,
-                         memory=chain_memory(pipe, M))
-            step_s = t.makespan / 1e3
-            rows.append({"model": spec["model"], "mode": spec["mode"], "devices": num_devices,
-                         "host_work": host, "params": sum(p.numel() for p in model.parameters()),
-                         "tokens_per_step": tokens, "plan": repr(pipe.plan),
-                         "predicted_step_s": step_s, "tokens_per_s": tokens / step_s,
-                         "model_tflops": f["model"] / step_s / 1e12,
-                         "hardware_tflops": f["hardware"] / step_s / 1e12,
-                         "predicted_peak_bytes": max(t.peak_memory), "flops_per_s": flops,
-                         "bubble_ratio": t.bubble_ratio})
+            for policy in recompute:
+                plan = ExecutePlan.auto("fused", costed, num_microbatch=M, recompute=policy,
+                                        device=hw.nominal_device())
+                pipe = pipe_for(plan)   # its program runs the plan (pipe.plan: the one compiled)
+                t = simulate(pipe.program("fused", M, optimizer=True),
+                             [LayerCost.of(c, hw) for c in layer_costs(pipe)], hw,
+                             memory=chain_memory(pipe, M))
+                step_s = t.makespan / 1e3
+                share = recompute_share(pipe.layers, plan)
+                f = step_flops(model, spec["config"], tokens, seq, share["recomputed"])
+                rows.append({"model": spec["model"], "mode": spec["mode"], "devices": num_devices,
+                             "host_work": host, "recompute": policy,
+                             "params": sum(p.numel() for p in model.parameters()),
+                             "tokens_per_step": tokens, "plan": repr(plan), **share,
+                             "predicted_step_s": step_s, "tokens_per_s": tokens / step_s,
+                             "model_tflops": f["model"] / step_s / 1e12,
+                             "hardware_tflops": f["hardware"] / step_s / 1e12,
+                             "predicted_peak_bytes": max(t.peak_memory), "flops_per_s": flops,
+                             "bubble_ratio": t.bubble_ratio})
         return rows
     finally:
-        pipe.close()
+        for pipe in pipes.values():
+            pipe.close()

@@ -33,11 +33,20 @@ class NominalDevice:
     """The device model used when a layer has no measured times: a 24 GB consumer GPU
     running bf16 matmuls at a sustained 50 TFLOP/s with 800 GB/s of memory bandwidth, plus
     a fixed per-layer launch overhead. A layer's time is ``max(flops / flops_per_s,
-    bytes / bytes_per_s) + layer_overhead_ms``."""
+    bytes / bytes_per_s) + layer_overhead_ms``.
+
+    The host side, for what a plan leaves exposed (``fxpipe.passes.planner``'s tail):
+    ``link_bytes_per_s``, a PCIe 4.0 x16 link each way; ``host_grad_bytes_per_s``, the
+    gradient bytes (device dtype) the host takes in per second: widened into the fp32
+    buffer and stepped by a streamed AdamW (``torch.optim.AdamW(fused=True)`` ran 5.1 GB/s
+    of fp32 parameters on a 2-core VM, ``host_rates`` in
+    ``benchmarks/results/bench_finetune.json``: 2.5 GB/s of bf16 gradients)."""
 
     flops_per_s: float = 50e12
     bytes_per_s: float = 800e9
     layer_overhead_ms: float = 0.02
+    link_bytes_per_s: float = 25e9
+    host_grad_bytes_per_s: float = 2.5e9
 
     def ms(self, flops: float, nbytes: float) -> float:
         return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) * 1e3 + self.layer_overhead_ms

@@ -76,7 +76,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import PlanError
-from fxpipe.passes.chain_costs import ACTIONS_PER_MICROBATCH, ChainCosts, estimate_makespan
+from fxpipe.passes.chain_costs import (ACTIONS_PER_MICROBATCH, NOMINAL_DEVICE, ChainCosts,
+                                      NominalDevice, estimate_makespan)
 from fxpipe.passes.stage_memory import ChainMemory, Growth, Residency, human_bytes
 
 INF = math.inf
@@ -202,6 +203,7 @@ class _Chain:
         fb = [f + b for f, b in zip(c.fwd_ms, c.bwd_ms)][::-1]
         self.B = _prefix(rb)
         self.B1 = _prefix(fb) if self.fused else self.B
+        self.PB, self.GB = _prefix(c.param_bytes[::-1]), _prefix(c.grad_bytes[::-1])
         self.ffit = self.bfit = self.bfit1 = None
         if peak is not None:
             memory, grain, residency, pcap, reserve = peak
@@ -449,7 +451,8 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
                 num_microbatch: int | None = None, min_stages: int | None = None,
                 upper_threshold: float = 1.1, memory_cap: float | None = None,
                 memory: Sequence[ChainMemory] | None = None, memory_limit: float | None = None,
-                recompute_grain: str = "stage", host_ms_per_action: float = 0.0
+                recompute_grain: str = "stage", host_ms_per_action: float = 0.0,
+                recompute: str = "auto", device: NominalDevice = NOMINAL_DEVICE
                 ) -> list[tuple[list[range], list[range]]]:
     """Plan every chain with one common bottleneck; returns ``(fwd_plan, bwd_plan)`` per
     chain (layer ranges; ``bwd_plan`` deep to shallow, empty for ``"infer"``).
@@ -472,9 +475,28 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     at least its stages' host time (``estimate_makespan`` with ``host_ms``): layers too
     small to pay for their issuing are not cut into stages of their own.
 
+    ``recompute``: ``"auto"`` (default) — where memory is bounded (``memory_cap`` or
+    ``memory``), a fused chain's tail grows while it fits the device and the estimate
+    falls: its layers keep their activations (forward and backward in one stage, one
+    microbatch at a time) instead of being recomputed, counting what its transfers leave
+    exposed at ``device``'s link and host rates; ``"full"`` — the tail is only as long as
+    the balance of stage times makes it. Without a memory bound there is no room to
+    decide from, and both plan alike.
+
     >>> plan_chains("train", [ChainCosts.from_times([1] * 6)], num_devices=2, min_stages=2)[0][0]
     [range(0, 3), range(3, 6)]
+    >>> c = [ChainCosts.from_times([1.0] * 6, param_bytes=[1.0] * 6, act_bytes=[1.0] * 6)]
+    >>> fwd, bwd = plan_chains("fused", c, num_devices=1, memory_cap=9, recompute="full")[0]
+    >>> fwd, bwd[0]
+    ([range(0, 3), range(3, 5)], range(5, 6))
+    >>> fwd, bwd = plan_chains("fused", c, num_devices=1, memory_cap=9)[0]
+    >>> fwd, bwd[0]          # a tail of 3 layers fits 9 bytes: they are not recomputed
+    ([range(0, 3)], range(3, 6))
     """
+    if recompute not in ("auto", "full"):
+        raise ValueError(f"recompute must be 'auto' or 'full', got {recompute!r}")
+    keep = (device.link_bytes_per_s / 1e3, device.host_grad_bytes_per_s / 1e3) \
+        if recompute == "auto" else None
     for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch),
                     ("min_stages", min_stages)):
         if (v is not None or name == "num_devices") and \
@@ -492,7 +514,8 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
     if memory is None:
         cs = _chains(run_type, chains, memory_cap)
         _check_memory(cs)
-        return _ranges(cs, _plan(cs, G, M, want, upper_threshold, host)[1])
+        return _ranges(cs, _plan(cs, G, M, want, upper_threshold, host,
+                                 keep=keep if memory_cap is not None else None)[1])
     if memory_limit is None or len(memory) != len(chains):
         raise ValueError("plan_chains(memory=...) needs one ChainMemory per chain and memory_limit")
     largest = max(p for m in memory for p in m.params)
@@ -507,7 +530,7 @@ def plan_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], *, 
             if best is None:
                 raise
             continue
-        est, stages = _plan(cs, G, M, want, upper_threshold, host)
+        est, stages = _plan(cs, G, M, want, upper_threshold, host, keep=keep)
         if best is None or est < best[0] * (1 - 1e-12) or \
                 (est <= best[0] * (1 + 1e-12) and len(stages) < len(best[2])):  # ties: fewer stages
             best = est, cs, stages
@@ -546,9 +569,11 @@ def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
 
 
 def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
-          host: float = 0.0) -> tuple[float, list[list]]:
+          host: float = 0.0, keep: tuple[float, float] | None = None) -> tuple[float, list[list]]:
     """The stage count and plan of ``plan_chains`` for these chains (memory checked):
-    (estimated makespan, stages). ``host``: the host ms each stage costs per microbatch."""
+    (estimated makespan, stages). ``host``: the host ms each stage costs per microbatch.
+    ``keep``: (link, host gradient) bytes per ms: fused tails then grow where they fit
+    and gain (``_keep_activations``)."""
     max_count = sum(ch.max_stages for ch in cs)
     lower = max(ch.lower for ch in cs)
     finest = _solve(cs, max_count, lower)
@@ -588,4 +613,81 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
             if est <= best_est * (1 + 1e-12):   # ties: the later (fewer stages) wins
                 best, best_est = stages, est
     assert best is not None
-    return best_est, best
+    if keep is None or not any(ch.fused for ch in cs):
+        return best_est, best
+    return _keep_activations(cs, best, best_est, G, M, host, keep)
+
+
+def _keep_activations(cs: list[_Chain], stages: list[list], est: float, G: int, M: int,
+                      host: float, rates: tuple[float, float]) -> tuple[float, list[list]]:
+    """Grow each fused chain's tail while it fits and the estimate falls: a layer in the
+    tail runs forward and backward in one stage with its activations kept (one microbatch
+    at a time), so it costs ``fwd + bwd`` instead of a forward stage's ``fwd`` and a
+    backward stage's ``recompute + bwd``. The stages the tail reaches into lose those
+    layers (a forward stage its end, a backward stage its start). What a long tail leaves
+    exposed counts against it (``_exposed``)."""
+    def score(st: list[list]) -> float:
+        return estimate_makespan([s[0] for s in st], G, M, host_ms=host) + \
+            _exposed(cs, st, G, M, rates)
+    est = score(stages)
+    for k, ch in enumerate(cs):
+        if not ch.fused:
+            continue
+        base = stages
+        first = next(st[4] for st in base if st[1] == k and st[2] == "b" and st[3] == 0)
+        reach = ch.n if ch.bfit1 is None else ch.bfit1.reach(0, ch.n)
+        for t in range(first + 1, reach + 1):
+            grown = _with_tail(ch, k, base, t)
+            if grown is None:
+                continue
+            e = score(grown)
+            if e < est * (1 - 1e-12):
+                stages, est = grown, e
+    return est, stages
+
+
+def _exposed(cs: list[_Chain], stages: list[list], G: int, M: int,
+             rates: tuple[float, float]) -> float:
+    """What the transfers of a plan leave its step waiting on, beyond the stage-time
+    estimate (per microbatch, as stage times are: a step's bytes move once, so their time
+    is divided by ``M``). ``rates``: link and host-gradient bytes per ms.
+
+    * A fused tail's parameters upload while the stage before it on its device computes.
+    * Each backward stage's gradients download when it ends, and the host takes them in
+      one stage after another: the host's queue ends after the devices by what it could
+      not hide. A long tail hands its gradients over late, and all at once.
+    """
+    link, host_rate = rates
+    busy, queue, wait = [0.0] * G, 0.0, 0.0
+    for s, (t, k, d, a, b) in enumerate(stages):
+        ch = cs[k]
+        if d == "b" and a == 0 and ch.fused:
+            before = stages[s - G][0] if s >= G else 0.0
+            wait += max(0.0, (ch.PB[b] - ch.PB[a]) / link / M - before)
+        busy[s % G] += t
+        if d == "b":
+            grads = (ch.GB[b] - ch.GB[a]) / M
+            queue = max(queue, busy[s % G] + grads / link) + grads / host_rate
+    return wait + max(0.0, queue - max(busy))
+
+
+def _with_tail(ch: _Chain, k: int, stages: list[list], t: int) -> list[list] | None:
+    """``stages`` with chain ``k``'s fused tail over processing positions [0, t) (None when
+    a backward stage cut short no longer fits: its peak need not shrink)."""
+    out = []
+    for st in stages:
+        _, kk, d, a, b = st
+        if kk != k:
+            out.append(st)
+        elif d == "f":
+            b = min(b, ch.n - t)
+            if a < b:
+                out.append([ch.F[b] - ch.F[a], k, d, a, b])
+        elif a == 0:
+            out.append([ch.B1[t], k, d, 0, t])
+        elif b > t:
+            a = max(a, t)
+            if ch.bfit is not None and ch.bfit.reach(a, b) < b:
+                return None
+            out.append([ch.B[b] - ch.B[a], k, d, a, b])
+    return out

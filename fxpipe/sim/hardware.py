@@ -155,6 +155,24 @@ class Hardware:
         """Time for ``flops`` floating-point operations on one device."""
         return flops / self.flops * 1e3
 
+    def nominal_device(self, host_grad_bytes_per_param: float = 2.0):
+        """This machine as the planner's device model (``ExecutePlan.auto(device=...)``):
+        the layers' FLOPs at ``flops`` as the simulator times them, the host link, and
+        the gradient bytes the host takes in per second: the optimizer's fp32 bytes per
+        second over ``4 / host_grad_bytes_per_param`` (bf16 gradients: 2 bytes per
+        parameter). What this machine leaves free (infinite) stays free; infinite
+        ``flops`` keep the nominal device's.
+
+        >>> Hardware(flops=400e12, h2d_bandwidth=50e9, cpu_optimizer_bytes_per_s=8e9).nominal_device()
+        NominalDevice(flops_per_s=400000000000000.0, bytes_per_s=inf, layer_overhead_ms=0.0, link_bytes_per_s=50000000000.0, host_grad_bytes_per_s=4000000000.0)
+        """
+        from fxpipe.passes.chain_costs import NOMINAL_DEVICE, NominalDevice
+        return NominalDevice(flops_per_s=self.flops if self.flops < INF else NOMINAL_DEVICE.flops_per_s,
+                             bytes_per_s=INF, layer_overhead_ms=0.0,
+                             link_bytes_per_s=min(self.h2d_bandwidth, self.d2h_bandwidth),
+                             host_grad_bytes_per_s=self.cpu_optimizer_bytes_per_s
+                             * host_grad_bytes_per_param / 4)
+
 
 @dataclass(frozen=True)
 class LayerCost:
