@@ -158,20 +158,27 @@ class Hardware:
     def nominal_device(self, host_grad_bytes_per_param: float = 2.0):
         """This machine as the planner's device model (``ExecutePlan.auto(device=...)``):
         the layers' FLOPs at ``flops`` as the simulator times them, the host link, and
-        the gradient bytes the host takes in per second: the optimizer's fp32 bytes per
-        second over ``4 / host_grad_bytes_per_param`` (bf16 gradients: 2 bytes per
-        parameter). What this machine leaves free (infinite) stays free; infinite
-        ``flops`` keep the nominal device's.
+        the gradient bytes the host takes in per second as the simulator prices a
+        streamed ``OptimizerStep``: each parameter's fp32 master stepped at
+        ``cpu_optimizer_bytes_per_s`` and, for gradients downloaded narrower
+        (``host_grad_bytes_per_param`` < 4; bf16: 2), widened at ``host_copy_bytes_per_s``.
+        What this machine leaves free (infinite) stays free; infinite ``flops`` keep the
+        nominal device's.
 
-        >>> Hardware(flops=400e12, h2d_bandwidth=50e9, cpu_optimizer_bytes_per_s=8e9).nominal_device()
-        NominalDevice(flops_per_s=400000000000000.0, bytes_per_s=inf, layer_overhead_ms=0.0, link_bytes_per_s=50000000000.0, host_grad_bytes_per_s=4000000000.0)
+        >>> hw = Hardware(flops=400e12, h2d_bandwidth=50e9, cpu_optimizer_bytes_per_s=8e9,
+        ...               host_copy_bytes_per_s=8e9)
+        >>> d = hw.nominal_device()
+        >>> d.flops_per_s, d.link_bytes_per_s, round(d.host_grad_bytes_per_s)   # 1 ns a byte
+        (400000000000000.0, 50000000000.0, 2000000000)
         """
         from fxpipe.passes.chain_costs import NOMINAL_DEVICE, NominalDevice
+        widen = 4 / self.host_copy_bytes_per_s if host_grad_bytes_per_param < 4 else 0.0
+        per_param = 4 / self.cpu_optimizer_bytes_per_s + widen   # host seconds
         return NominalDevice(flops_per_s=self.flops if self.flops < INF else NOMINAL_DEVICE.flops_per_s,
                              bytes_per_s=INF, layer_overhead_ms=0.0,
                              link_bytes_per_s=min(self.h2d_bandwidth, self.d2h_bandwidth),
-                             host_grad_bytes_per_s=self.cpu_optimizer_bytes_per_s
-                             * host_grad_bytes_per_param / 4)
+                             host_grad_bytes_per_s=host_grad_bytes_per_param / per_param
+                             if per_param > 0 else INF)
 
 
 @dataclass(frozen=True)
