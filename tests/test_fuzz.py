@@ -694,7 +694,7 @@ def _check_dropout(case: DropoutCase) -> None:
         assert_state_close(model_a, model_o, f"vs {name}")
 
 
-@budget(20)
+@budget(12)
 @given(case=dropout_cases())
 def test_dropout_masks_follow_seed_layer_and_microbatch_only(case):
     run_dropout(case)

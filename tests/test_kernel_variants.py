@@ -45,12 +45,19 @@ def bitwise_files() -> list[str]:
                   if p.name != pathlib.Path(__file__).name and "mark.bitwise" in p.read_text())
 
 
+# and, in CI, the streamed optimizer step's claim on 2 devices only (its kernels are the
+# same on 1, 2 or 3; the main run checks all three)
+CI_DESELECT = "streamed_step_equals_step_after_the_call and not 2-"
+
+
 @pytest.mark.parametrize("variant", RUN)
 def test_bitwise_claims_hold_under_other_kernels(variant):
     env = {**os.environ, **VARIANTS[variant]}
+    subset = [] if os.environ.get("FXPIPE_KERNEL_VARIANTS") == "all" else \
+        ["-k", f"not ({CI_DESELECT})"]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", *bitwise_files(), "-q", "-p", "no:logging", "-m",
-         "bitwise"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+         "bitwise", *subset], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     report = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, (
         f"a bitwise claim does not hold under {VARIANTS[variant]}: the two sides run different "
