@@ -101,7 +101,7 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
         return pipes[repr(plan)]
 
     try:
-        costed = pipe_for(None)
+        costed = pipes.setdefault(repr(pipe_for(None).plan), pipe_for(None))   # its own plan
         if flops is None:
             flops = costed_step_flops(costed, M) / eager_step_s
         tokens = M * seq
@@ -131,5 +131,5 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
                              "bubble_ratio": t.bubble_ratio})
         return rows
     finally:
-        for pipe in pipes.values():
+        for pipe in {id(p): p for p in pipes.values()}.values():   # one pipe, two keys
             pipe.close()
