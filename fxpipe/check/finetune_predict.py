@@ -101,7 +101,8 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
         return pipes[repr(plan)]
 
     try:
-        costed = pipes.setdefault(repr(pipe_for(None).plan), pipe_for(None))   # its own plan
+        costed = pipe_for(None)
+        pipes.setdefault(repr(costed.plan), costed)   # it also serves its own plan
         if flops is None:
             flops = costed_step_flops(costed, M) / eager_step_s
         tokens = M * seq

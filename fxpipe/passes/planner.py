@@ -615,11 +615,11 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
     assert best is not None
     if keep is None or not any(ch.fused for ch in cs):
         return best_est, best
-    return _keep_activations(cs, best, best_est, G, M, host, keep)
+    return _keep_activations(cs, best, G, M, host, keep)
 
 
-def _keep_activations(cs: list[_Chain], stages: list[list], est: float, G: int, M: int,
-                      host: float, rates: tuple[float, float]) -> tuple[float, list[list]]:
+def _keep_activations(cs: list[_Chain], stages: list[list], G: int, M: int, host: float,
+                      rates: tuple[float, float]) -> tuple[float, list[list]]:
     """Grow each fused chain's tail while it fits and the estimate falls: a layer in the
     tail runs forward and backward in one stage with its activations kept (one microbatch
     at a time), so it costs ``fwd + bwd`` instead of a forward stage's ``fwd`` and a
