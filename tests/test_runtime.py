@@ -360,6 +360,38 @@ def test_at_most_two_stages_resident_per_device():
         assert store.nbytes(0) <= d.peak_bytes("params") <= 2 * store.nbytes(0)
 
 
+class ConstantOut(nn.Module):
+    """Each block adds a plain tensor attribute (export lifts it as a constant the stage
+    uploads with its parameters); ``.to(x.dtype)`` of it returns the uploaded tensor
+    itself, a value the next layer reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.shift = torch.linspace(-1, 1, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) + self.shift.to(x.dtype)
+        return x
+
+
+def test_a_value_that_is_a_resident_parameter_is_freed_once_by_release():
+    torch.manual_seed(0)
+    model, x = ConstantOut(), torch.randn(6, 8)
+    ref = copy.deepcopy(model)
+    devs = [fxpipe.VirtualDevice(semantics="cuda", strict=True) for _ in range(2)]
+    with fxpipe.compile(model, example_inputs=(x,), capture="export", devices=devs) as pipe:
+        loss = pipe.forward_backward((x,), label=None, loss_fn=lambda out, _: out.square().mean(),
+                                     run_config=fxpipe.RunConfig(num_microbatch=3))
+    expected = ref(x).square().mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    assert all(d.resident_bytes() == 0 for d in devs)
+
+
 # -- failures --------------------------------------------------------------------------------
 
 def _state(model):

@@ -55,10 +55,11 @@ from fxpipe.errors import CaptureError
 from fxpipe.passes import blocks as opaque
 from fxpipe.passes import buffer_dtypes
 from fxpipe.passes import fetch_attr
-from fxpipe.passes.capture_dtypes import (MixedDtypeError, cast_floating, check_operand_dtypes,
-                                          parameters_in, rebind)
+from fxpipe.passes import capture_cache
+from fxpipe.passes.capture_dtypes import cast_floating, check_operand_dtypes, parameters_in, rebind
+from fxpipe.passes.capture_messages import failure_message, say_what_changed, warn_branches
 from fxpipe.runtime.stages import amp
-from fxpipe.verbose import is_verbose, warn
+from fxpipe.verbose import is_verbose
 
 METHODS = ("fx", "export", "dynamo", "blocks")
 _ROOT = "fxpipe_root"  # attribute name of the model inside the tracing wrapper
@@ -113,6 +114,10 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         raise ValueError("capture='blocks' needs the blocks: pass layers='path.to.blocks'")
     dims = [range(t.dim()) if dynamic is None else dynamic[i] for i, t in enumerate(tensors)]
     low_buffers = buffer_dtypes.mark(model, param_dtype).values()
+    key = capture_cache.key(model, leaves, in_spec, names, method, dims, blocks, param_dtype)
+    gm = capture_cache.rebuild(key, model, leaves)
+    if gm is not None:   # captured before: the same model code, structure and call
+        return gm
 
     tried: dict[str, BaseException] = {}
     for m in (METHODS if method == "auto" else (method,)):
@@ -138,54 +143,17 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
             continue
         rebind(gm, masters)
         if m == "blocks":
-            _warn_branches(model, tried)
+            warn_branches(model, tried)
         _bind_python(gm)
         gm.meta.update(in_spec=in_spec, out_spec=out_spec, input_leaves=leaves, leaf_names=names,
                        capture=m, training=model.training, dropped_outputs=list(wrapper.dropped),
                        param_dtype=param_dtype, autocast=amp.captured(),
                        static_dims={} if m == "fx" else _static_dims(gm))
         if is_verbose():
-            _say_what_changed(model, m, tried, wrapper.dropped)
+            say_what_changed(model, m, tried, wrapper.dropped)
+        capture_cache.store(key, gm, model)
         return gm
-    raise CaptureError(_capture_message(model, tried), tried)
-
-
-def _warn_branches(model: nn.Module, tried: dict[str, BaseException]) -> None:
-    """Captured at block granularity because a block branches on tensor values (the
-    whole-graph methods hit a data-dependent guard): warn, naming the line. Each
-    microbatch takes that branch on its own rows, so the result equals eager only where
-    the condition depends on each row alone (an MoE router's choice per token does;
-    ``if x.mean() > 0:`` does not)."""
-    e = tried.get("export") or tried.get("dynamo")
-    if e is None or not _data_dependent(e):
-        return
-    where = opaque.user_line(e) or " (the line was not found)"
-    warn(
-        f"fxpipe: {type(model).__name__} is captured at block granularity: a block's Python "
-        f"branches on tensor values{where}. Each block runs as its module on each microbatch, "
-        "so that branch is taken per microbatch: results equal eager only if the condition "
-        "depends on each row alone (a router's choice per token), not on the whole batch "
-        "(a mean or max over rows). Make it graph-friendly (torch.where) to be exact, or "
-        "use RunConfig(num_microbatch=1).")
-
-
-def _data_dependent(e: BaseException) -> bool:
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    return isinstance(e, GuardOnDataDependentSymNode) or "data-dependent" in str(e)
-
-
-def _say_what_changed(model: nn.Module, method: str, tried: dict[str, BaseException],
-                      dropped: list[str]) -> None:
-    name = type(model).__name__
-    if method == "blocks":
-        print(f"fxpipe: captured {name} at block granularity: the whole model could not be "
-              f"one graph ({'; '.join(f'{m}: {type(e).__name__}' for m, e in tried.items())}); "
-              "each block runs as its module, with all of its parameters uploaded", file=sys.stderr)
-    for leaf in dropped:
-        what = leaf if leaf.startswith("block ") else f"{name} returns {leaf}"
-        print(f"fxpipe: {what}, which a pipeline cannot split into microbatches or carry "
-              "between layers; None is used there (for a Hugging Face cache, pass "
-              "use_cache=False so it is not built)", file=sys.stderr)
+    raise CaptureError(failure_message(model, tried), tried)
 
 
 def _bind_python(gm: fx.GraphModule) -> None:
@@ -563,37 +531,3 @@ def _leaf_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
         seen.add(name)
         out.append(name)
     return out
-
-
-def _capture_message(model: nn.Module, tried: dict[str, BaseException]) -> str:
-    lines = [f"fxpipe could not capture {type(model).__name__} as a graph. What each method hit:"]
-    for m, e in tried.items():
-        first = (str(e).strip().splitlines() or [""])[0][:400]
-        lines.append(f"  - {m}: {type(e).__name__}: {first}")
-    if isinstance(tried.get("blocks"), opaque.EagerFailureError):
-        lines.append(
-            "What to do: the model fails on this example without fxpipe too (blocks ran it "
-            "eagerly): call the model on the example yourself, in the same precision, and fix "
-            "what fails there first (a model that fails under torch.autocast may work with "
-            "fxpipe.compile(..., param_dtype=torch.bfloat16) instead).")
-    elif any(isinstance(e, MixedDtypeError) for e in tried.values()):
-        lines.append(
-            "What to do: the model's own code computes that operation in two dtypes, so it "
-            "fails in this precision without fxpipe too (under param_dtype: the model with "
-            "its parameters in it, run eagerly); train it in fp32, or under torch.autocast "
-            "around the call, or make its code cast the operand.")
-    elif isinstance(tried.get("blocks"), opaque.OutsideBlocksError):
-        lines.append(
-            "What to do: with capture='blocks' each block runs as its module, so data-dependent "
-            "code inside the blocks is fine; the line it names is in the model's own forward "
-            "outside the blocks. Make that line graph-friendly (torch.where or torch._check "
-            "instead of `if tensor:`), move it out of forward (e.g. compute the loss in loss_fn "
-            "rather than passing labels=), or pass layers= naming blocks that contain it. "
-            "See docs/troubleshooting.md.")
-    else:
-        lines.append(
-            "What to do: try another capture= ('fx', 'export', 'dynamo', 'blocks'); make "
-            "data-dependent Python control flow in forward() graph-friendly (e.g. torch.where "
-            "instead of `if tensor:`); or pass layers='path.to.blocks' if the failure is in "
-            "block detection. See docs/troubleshooting.md.")
-    return "\n".join(lines)

@@ -124,7 +124,8 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     # 4. buffers the stage updated go back; outputs go to the host; parameters are released
     for f in mutated:
         g.call_function(_op.writeback.default, (host[f], resident[f]))
-    results = [g.create_node("call_function", _op.offload.default, (env[o],), name=f"{o}_host")
+    results = [g.create_node("call_function", _op.offload.default,
+                             (_unaliased(g, env[o], set(resident.values())),), name=f"{o}_host")
                if _is_tensor_value(env[o]) else env[o] for o in outs]
     if fetched is not None:
         g.create_node("call_function", _op.release.default, (fetched, index), name="release")
@@ -138,6 +139,7 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     if unfilled:
         next(n for n in g.nodes if n.name == unfilled[0]).meta["comment"] = (
             f"a recompute for backward skips {', '.join(unfilled)}: backward needs only their inputs")
+    if any("comment" in n.meta for n in g.nodes):
         _comment_before_nodes(g)
     gm = graph_module(root, g, class_name=f"Stage{index}" + (f"Layer{r.start}" if piece else ""))
     return Stage(index=index, layers=r, device=device, gm=gm, inputs=reads, outputs=outs,
@@ -166,6 +168,21 @@ def _sum_costs(costs) -> str | None:
     if not costs or any(c is None for c in costs):
         return None
     return str(Cost.sum(costs))
+
+
+def _unaliased(g: fx.Graph, n: fx.Node, resident: set[fx.Node]) -> fx.Node:
+    """``n``, or a copy of it where it is a parameter of the stage or a view of one
+    (``x.to(x.dtype)`` returns ``x``): an output outlives the stage, whose parameters'
+    device memory ``release`` gives back."""
+    a = n
+    while a not in resident and _is_view(a) and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    if a not in resident:
+        return n
+    copy = g.create_node("call_function", torch.ops.aten.clone.default, (n,), name=f"{n.name}_copy")
+    copy.meta.update({k: v for k, v in n.meta.items() if k in ("val", "layer")})
+    copy.meta["comment"] = f"{n.name} is (a view of) a parameter released at the stage's end"
+    return copy
 
 
 def _is_tensor_value(n: fx.Node) -> bool:
