@@ -150,3 +150,12 @@ def test_the_cache_keeps_no_model_alive():
 def test_it_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FXPIPE_CAPTURE_CACHE", "0")
     assert traced(Net()) and traced(Net())
+
+
+def test_a_scalar_tensor_attribute_is_compared_by_value():
+    def key_with(step):
+        model = Net()
+        model.step = torch.tensor(step)   # 0-dim (a generation's position counter, say)
+        return capture_cache.key(model, [torch.randn(4, 8)], None, ["x"], "export", [[0]], (),
+                                 None)
+    assert key_with(1) is not None and key_with(1) == key_with(1) != key_with(2)

@@ -45,8 +45,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.optim", "fxpipe.optim_step", "fxpipe.generation"),
     # the compiler, in pass order: capture, partition, costs, lowering
     ("fxpipe.passes.capture_dtypes",),   # a capture in param_dtype
-    ("fxpipe.passes.blocks", "fxpipe.passes.capture", "fxpipe.passes.from_dynamo",
-     "fxpipe.passes.buffer_dtypes"),
+    ("fxpipe.passes.capture_cache", "fxpipe.passes.blocks"),   # captures remembered
+    ("fxpipe.passes.capture_messages",),  # what capture tells the user
+    ("fxpipe.passes.capture", "fxpipe.passes.from_dynamo", "fxpipe.passes.buffer_dtypes"),
     ("fxpipe.passes.loss", "fxpipe.passes.tiling",   # rewrites of the captured graph
      "fxpipe.passes.token_means"),
     ("fxpipe.passes.partition", "fxpipe.passes.grad_flow"),
@@ -75,6 +76,7 @@ VALUE_TYPES = {"fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.acti
                "fxpipe.passes.program", "fxpipe.passes.stage"}
 # what importing the runtime must not load (nor importing fxpipe)
 COMPILER = ("fxpipe.passes.capture", "fxpipe.passes.capture_dtypes", "fxpipe.passes.buffer_dtypes",
+            "fxpipe.passes.capture_cache", "fxpipe.passes.capture_messages",
             "fxpipe.passes.loss",
             "fxpipe.passes.tiling",
             "fxpipe.passes.token_means",

@@ -270,5 +270,5 @@ class _Describer:
             return head
         if t.numel() * t.element_size() > TENSOR_BYTES or type(t) is not torch.Tensor:
             raise _Uncacheable("a large tensor attribute")
-        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return head + (hashlib.sha1(data).hexdigest(),)
