@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.check.finetune import recompute_share, step_flops, with_lora
+from fxpipe.check.finetune_models import recompute_share, step_flops, with_lora
 
 
 def host_rates(numel: int = 1 << 24) -> dict[str, float]:

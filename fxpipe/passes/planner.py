@@ -27,6 +27,8 @@ microbatches. Costs per layer: forward / recompute / backward ms, and bytes.
 
 Algorithm (``plan_chains``):
 
+Steps 1 and 2 are ``fxpipe.passes.packing``'s.
+
 1. ``_pack`` — for a bound B, greedy packing (each stage takes as many layers as fit under
    B and the cap) uses the fewest stages. Greedy is never behind: if greedy's k-th stage
    ends at g(k) >= p(k), where any feasible plan's k-th stage ends, then that plan's stage
@@ -35,7 +37,7 @@ Algorithm (``plan_chains``):
    the backward chain is packed first from the deep end (the tail stage uses its own
    cost vector); the longest tail both minimises the backward count and leaves the
    shortest forward chain, so greedy is exact there too.
-2. ``_solve`` — the smallest common bound B*(S) whose greedy needs at most S stages:
+2. ``solve`` — the smallest common bound B*(S) whose greedy needs at most S stages:
    bisection on B where each probe snaps both ends to real stage sums — a feasible probe
    lowers ``hi`` to the bottleneck it achieved, an infeasible probe raises ``lo`` to the
    smallest bound that would change any greedy stage (a stage's sum plus its next layer).
@@ -70,259 +72,20 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from fxpipe.errors import PlanError
 from fxpipe.passes.chain_costs import (ACTIONS_PER_MICROBATCH, NOMINAL_DEVICE, ChainCosts,
                                       NominalDevice, estimate_makespan)
-from fxpipe.passes.stage_memory import ChainMemory, Growth, Residency, human_bytes
-
-INF = math.inf
-
+from fxpipe.passes.packing import INF, Chain, probe_all, rebalance, solve
+from fxpipe.passes.stage_memory import ChainMemory, Residency
 
 HOST_BOUND = 0.25
 """A plan is host-bound when issuing its stages costs the host more than this share of
 the time its devices compute: the planner then also tries coarser cuts."""
 
 
-# --- exact packing -------------------------------------------------------------------
-
-
-def _prefix(xs: Sequence[float]) -> list[float]:
-    out, acc = [0.0], 0.0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out
-
-
-def _pack(P1: list[float], P: list[float], fit1: Any, fit: Any, end: int, bound: float,
-          limit: float, start: int = 0) -> tuple[list[int] | None, float, float]:
-    """Greedy over positions [start, end): stage 0 uses prefix sums ``P1`` and memory
-    ``fit1``, later ones ``P`` and ``fit`` (``None``: no memory limit; else
-    ``fit.reach(i, end)`` is where a stage from ``i`` must end to fit). Returns (stage
-    ends, or None if more than ``limit`` stages are needed; worst stage time; smallest
-    bound that changes a stage)."""
-    cuts: list[int] = []
-    i, worst, nxt, T, F = start, 0.0, INF, P1, fit1
-    right = bisect.bisect_right
-    while i < end:
-        if len(cuts) >= limit:
-            return None, worst, nxt
-        Ti = T[i]
-        j = right(T, Ti + bound, i + 1, end + 1) - 1
-        while j > i and T[j] - Ti > bound:           # compare stage sums exactly as they
-            j -= 1                                   # are reported, despite rounding
-        while j < end and T[j + 1] - Ti <= bound:
-            j += 1
-        jm = end if F is None else F.reach(i, min(end, j + 1))  # j + 1: enough to compare
-        if jm < j:                                   # memory-limited: a larger bound
-            j = jm                                   # changes nothing here
-        elif j < end and j < jm and T[j + 1] - Ti < nxt:
-            nxt = T[j + 1] - Ti                      # the bound that would take layer j
-        if j == i:                                   # one layer alone is over the bound
-            return None, worst, nxt
-        if T[j] - Ti > worst:
-            worst = T[j] - Ti
-        cuts.append(j)
-        i, T, F = j, P, fit
-    return cuts, worst, nxt
-
-
-class _Additive:
-    """Stage memory as the sum of per-layer bytes, under ``cap`` (bytes per stage)."""
-
-    def __init__(self, mem: Sequence[float], cap: float):
-        self.mem, self.Q, self.cap = list(mem), _prefix(mem), cap
-
-    def reach(self, i: int, end: int) -> int:
-        Q, cap = self.Q, self.cap
-        jm = bisect.bisect_right(Q, Q[i] + cap, i + 1, end + 1) - 1
-        while jm > i and Q[jm] - Q[i] > cap:
-            jm -= 1
-        while jm < end and Q[jm + 1] - Q[i] <= cap:
-            jm += 1
-        return jm
-
-    def refusal(self, position: int, kind: str) -> str:
-        m = self.mem[position]
-        return (f"needs {m:.0f} bytes ({m / 2**30:.2f} GB) in a {kind} stage, over the "
-                f"per-stage limit of {self.cap:.0f} bytes ({self.cap / 2**30:.2f} GB)")
-
-
-class _Peak:
-    """Stage memory as its predicted peak (``fxpipe.passes.stage_memory``): every stage's own
-    bytes fit ``cap`` and its parameters fit ``reserve``, the room kept for the next
-    stage's parameters, which its device prefetches meanwhile (``cap + reserve`` is the
-    device limit). Backward positions run deep to shallow."""
-
-    def __init__(self, memory: ChainMemory, kind: str, grain: str, residency: Residency,
-                 cap: float, reserve: float):
-        self.m, self.kind, self.grain, self.res = memory, kind, grain, residency
-        self.cap, self.reserve, self.backward = cap, reserve, kind != "fwd"
-
-    def _growth(self, i: int) -> Growth:
-        return Growth(self.m, self.kind, len(self.m) - i if self.backward else i,
-                      grain=self.grain, residency=self.res)
-
-    def reach(self, i: int, end: int) -> int:
-        g, j = self._growth(i), i
-        while j < end:
-            g.add()
-            if g.params > self.reserve or g.own() > self.cap:
-                break
-            j += 1
-        return j
-
-    def refusal(self, position: int, kind: str) -> str:
-        g = self._growth(position)
-        g.add()
-        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in g.bytes().items())
-        return (f"needs {g.own():.0f} bytes ({human_bytes(g.own())}: {parts}) in a {kind} stage, "
-                f"over the per-stage limit of {self.cap:.0f} bytes (the device limit "
-                f"{human_bytes(self.cap + self.reserve)} less {human_bytes(self.reserve)} for the "
-                f"parameters of the stage its device prefetches meanwhile); its parameters "
-                f"alone: {human_bytes(g.params)}")
-
-
-class _Chain:
-    """One chain's prefix sums in processing order (backward: deep to shallow), and its
-    memory fits (``ffit`` forward, ``bfit1`` the first backward stage, ``bfit`` the
-    others; ``None``: no limit): additive bytes under ``cap``, or with ``peak`` =
-    ``(ChainMemory, grain, Residency, cap, reserve)`` the predicted peak."""
-
-    def __init__(self, c: ChainCosts, run_type: str, cap: float | None = None,
-                 peak: tuple | None = None):
-        n = self.n = len(c)
-        self.fused, self.has_bwd = run_type == "fused", run_type != "infer"
-        self.F = _prefix(c.fwd_ms)
-        rb = [r + b for r, b in zip(c.recompute_ms, c.bwd_ms)][::-1]
-        fb = [f + b for f, b in zip(c.fwd_ms, c.bwd_ms)][::-1]
-        self.B = _prefix(rb)
-        self.B1 = _prefix(fb) if self.fused else self.B
-        self.PB, self.GB = _prefix(c.param_bytes[::-1]), _prefix(c.grad_bytes[::-1])
-        self.ffit = self.bfit = self.bfit1 = None
-        if peak is not None:
-            memory, grain, residency, pcap, reserve = peak
-            if len(memory) != n:
-                raise ValueError(f"the chain has {n} layers, its memory {len(memory)}")
-            self.ffit, self.bfit = (_Peak(memory, k, grain, residency, pcap, reserve)
-                                    for k in ("fwd", "bwd"))
-            self.bfit1 = _Peak(memory, "fused", grain, residency, pcap, reserve) \
-                if self.fused else self.bfit
-        elif cap is not None:
-            fact = c.fwd_act_bytes if c.fwd_act_bytes is not None else c.act_bytes
-            self.ffit = _Additive([p + a for p, a in zip(c.param_bytes, fact)], cap)
-            self.bfit = self.bfit1 = _Additive(
-                [p + g + a for p, g, a in zip(c.param_bytes, c.grad_bytes, c.act_bytes)][::-1], cap)
-        if not self.has_bwd:
-            self.lower = max(c.fwd_ms)
-            self.work = sum(c.fwd_ms)
-        elif not self.fused:
-            self.lower = max(max(c.fwd_ms), max(rb))
-            self.work = sum(c.fwd_ms) + sum(rb)
-        else:  # layer k < L-1 runs in the tail (with layer L-1) or in a fwd and a bwd stage
-            f, r, t, last = c.fwd_ms[:-1], rb[::-1][:-1], fb[::-1][:-1], fb[0]  # layer order
-            self.lower = max([last] + [min(max(a, b), x + last) for a, b, x in zip(f, r, t)])
-            self.work = last + sum(min(a + b, x) for a, b, x in zip(f, r, t))
-        self.max_stages = n + (n - (1 if self.fused else 0) if self.has_bwd else 0)
-
-
-@dataclass
-class _Probe:
-    ok: bool
-    parts: list[tuple[list[int], list[int]]]   # per chain: (fwd ends, bwd ends)
-    worst: float
-    next_bound: float
-    count: int
-
-
-def _probe(chains: list[_Chain], bound: float, limit: float) -> _Probe:
-    parts, total, worst, nxt = [], 0, 0.0, INF
-    for ch in chains:
-        bcuts: list[int] = []
-        fend = ch.n
-        if ch.has_bwd:
-            cuts, w, x = _pack(ch.B1, ch.B, ch.bfit1, ch.bfit, ch.n, bound, limit - total)
-            worst, nxt = max(worst, w), min(nxt, x)
-            if cuts is None:
-                return _Probe(False, parts, worst, nxt, total)
-            bcuts, total = cuts, total + len(cuts)
-            if ch.fused:
-                fend = ch.n - bcuts[0]
-        cuts, w, x = _pack(ch.F, ch.F, ch.ffit, ch.ffit, fend, bound, limit - total)
-        worst, nxt = max(worst, w), min(nxt, x)
-        if cuts is None:
-            return _Probe(False, parts, worst, nxt, total)
-        total += len(cuts)
-        parts.append((cuts, bcuts))
-    return _Probe(True, parts, worst, nxt, total)
-
-
-def _search(probe: Any, lo: float, best: _Probe) -> _Probe:
-    """The feasible probe at the smallest bound, given a feasible ``best`` and ``lo`` <=
-    that bound. Gallops up from ``lo`` (the answer is usually just above it), then
-    bisects; every probe snaps ``lo`` / ``hi`` to real stage sums (module docstring)."""
-    lo, hi = lo * (1 - 1e-12), best.worst  # guard the lower bound against rounding
-    step, galloping = 0.0, True
-    while lo < hi:
-        bound = lo + step if galloping else lo + (hi - lo) / 2
-        if galloping and bound >= hi:
-            galloping = False
-            continue
-        p = probe(bound if lo <= bound < hi else lo)
-        if p.ok:
-            best, hi, galloping = p, p.worst, False
-        else:
-            lo = max(p.next_bound, math.nextafter(bound, INF))
-            step = max(4 * step, 1e-3 * lo)
-    return best
-
-
-def _solve(chains: list[_Chain], limit: int, lo: float = 0.0,
-           start: _Probe | None = None) -> _Probe | None:
-    """The greedy plan at the smallest common bound needing at most ``limit`` stages
-    (``None`` when memory alone needs more); ``start``: a feasible probe, if known."""
-    best = start if start is not None and start.ok and start.count <= limit else \
-        _probe(chains, INF, limit)
-    if not best.ok:
-        return None
-    return _search(lambda bound: _probe(chains, bound, limit), lo, best)
-
-
-def _segment(P: list[float], fit: Any, a: int, b: int, count: int, hi: float) -> list[int]:
-    """Positions [a, b) in at most ``count`` stages with the smallest bottleneck (``hi``
-    is a feasible bound)."""
-    def probe(bound: float) -> _Probe:
-        cuts, worst, nxt = _pack(P, P, fit, fit, b, bound, count, a)
-        return _Probe(cuts is not None, [(cuts or [], [])], worst, nxt, len(cuts or []))
-    start = probe(hi)
-    if not start.ok:  # cannot happen for the bound the segment was packed under
-        raise AssertionError(f"segment {a}:{b} does not fit {count} stages at {hi}")
-    lo = max(max(P[i + 1] - P[i] for i in range(a, b)), (P[b] - P[a]) / count)
-    return _search(probe, lo, start).parts[0][0]
-
-
-def _rebalance(chains: list[_Chain], parts: list[tuple[list[int], list[int]]],
-               bound: float) -> list[tuple[list[int], list[int]]]:
-    """Keep each segment's stage count (and a fused tail), but re-cut every segment for
-    its own smallest bottleneck: the common bottleneck stays, the other stages even out."""
-    out = []
-    for ch, (fcuts, bcuts) in zip(chains, parts):
-        if fcuts:
-            fcuts = _segment(ch.F, ch.ffit, 0, fcuts[-1], len(fcuts), bound)
-        head = bcuts[:1] if ch.fused else []
-        if len(bcuts) > len(head):
-            bcuts = head + _segment(ch.B, ch.bfit, head[0] if head else 0, ch.n,
-                                    len(bcuts) - len(head), bound)
-        out.append((fcuts, bcuts))
-    return out
-
-
-def _check_memory(chains: list[_Chain]) -> None:
+def _check_memory(chains: list[Chain]) -> None:
     """Every layer fits alone in each kind of stage it can run in (the last layer of a
     fused chain: the tail)."""
     for k, ch in enumerate(chains):
@@ -354,9 +117,9 @@ def min_bottleneck(times: Sequence[float], k: int, mem: Sequence[float] | None =
         raise ValueError(f"k must be >= 1, got {k}")
     n = len(times)
     c = ChainCosts(times, times, times, mem or [0.0] * n, [0.0] * n, [0.0] * n)
-    ch = _Chain(c, "infer", cap)
+    ch = Chain(c, "infer", cap)
     _check_memory([ch])
-    p = _solve([ch], k, max(ch.lower, ch.work / k))
+    p = solve([ch], k, max(ch.lower, ch.work / k))
     if p is None:
         raise PlanError(f"no partition into at most {k} stages fits {cap} bytes per stage")
     ends = p.parts[0][0]
@@ -374,15 +137,15 @@ def solve_stages(run_type: str | Sequence[str], chains: Sequence[ChainCosts], nu
     cs = _chains(run_type, chains, memory_cap)
     _check_memory(cs)
     lo = max(max(ch.lower for ch in cs), sum(ch.work for ch in cs) / max(num_stages, 1))
-    p = _solve(cs, num_stages, lo)
+    p = solve(cs, num_stages, lo)
     if p is None:
-        need = _probe(cs, INF, INF).count
+        need = probe_all(cs, INF, INF).count
         why = f" under the memory cap of {memory_cap:.0f} bytes" if memory_cap is not None else ""
         raise PlanError(f"{num_stages} stages are too few: the plan needs at least {need}{why}")
     return p.worst, _ranges(cs, _stages(cs, p.parts))
 
 
-def _ranges(cs: list[_Chain], stages: list[list]) -> list[tuple[list[range], list[range]]]:
+def _ranges(cs: list[Chain], stages: list[list]) -> list[tuple[list[range], list[range]]]:
     out: list[tuple[list[range], list[range]]] = [([], []) for _ in cs]
     for _, k, d, a, b in stages:
         n = cs[k].n
@@ -391,9 +154,9 @@ def _ranges(cs: list[_Chain], stages: list[list]) -> list[tuple[list[range], lis
 
 
 def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], cap: float | None = None,
-            peaks: Sequence[tuple] | None = None) -> list[_Chain]:
+            peaks: Sequence[tuple] | None = None) -> list[Chain]:
     """One run type for every chain, or one per chain; memory: additive under ``cap``, or
-    one ``_Chain`` peak tuple per chain."""
+    one ``Chain`` peak tuple per chain."""
     if not chains:
         raise ValueError("the planner needs at least one chain")
     types = [run_type] * len(chains) if isinstance(run_type, str) else list(run_type)
@@ -403,13 +166,13 @@ def _chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts], cap: fl
         if t not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {t!r}")
     peaks = peaks or [None] * len(chains)
-    return [_Chain(c, t, cap, p) for c, t, p in zip(chains, types, peaks)]
+    return [Chain(c, t, cap, p) for c, t, p in zip(chains, types, peaks)]
 
 
 # --- stage count -----------------------------------------------------------------------
 
 
-def _stages(chains: list[_Chain], parts: list[tuple[list[int], list[int]]]) -> list[list]:
+def _stages(chains: list[Chain], parts: list[tuple[list[int], list[int]]]) -> list[list]:
     """Stages as [time, chain, "f"|"b", start, stop] in processing positions, run order."""
     fwd, bwd = [], []
     for k, (ch, (fcuts, bcuts)) in enumerate(zip(chains, parts)):
@@ -423,7 +186,7 @@ def _stages(chains: list[_Chain], parts: list[tuple[list[int], list[int]]]) -> l
     return fwd + bwd
 
 
-def _split_to(chains: list[_Chain], stages: list[list], count: int) -> list[list]:
+def _split_to(chains: list[Chain], stages: list[list], count: int) -> list[list]:
     """Split the slowest splittable stage at its balance point until there are ``count``
     stages (a fused tail stage is never split). The bottleneck does not rise."""
     keyed = {(n, st[3]): st for n, st in enumerate(stages)}   # (run-order slot, start)
@@ -562,13 +325,13 @@ def check_memory(run_type: str | Sequence[str], memory: Sequence[ChainMemory], m
 
 def _peak_chains(run_type: str | Sequence[str], chains: Sequence[ChainCosts],
                  memory: Sequence[ChainMemory], limit: float, reserve: float, G: int, M: int,
-                 grain: str) -> list[_Chain]:
+                 grain: str) -> list[Chain]:
     residency = Residency.worst(M, G)
     return _chains(run_type, chains, peaks=[(m, grain, residency, limit - reserve, reserve)
                                             for m in memory])
 
 
-def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
+def _plan(cs: list[Chain], G: int, M: int, want: int, upper_threshold: float,
           host: float = 0.0, keep: tuple[float, float] | None = None) -> tuple[float, list[list]]:
     """The stage count and plan of ``plan_chains`` for these chains (memory checked):
     (estimated makespan, stages). ``host``: the host ms each stage costs per microbatch.
@@ -576,10 +339,10 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
     and gain (``_keep_activations``)."""
     max_count = sum(ch.max_stages for ch in cs)
     lower = max(ch.lower for ch in cs)
-    finest = _solve(cs, max_count, lower)
+    finest = solve(cs, max_count, lower)
     assert finest is not None  # every layer fits alone (checked before)
     # within upper_threshold x the best bottleneck, each stage's host cost counted
-    coarse = _probe(cs, upper_threshold * (finest.worst + host) - host, max_count)
+    coarse = probe_all(cs, upper_threshold * (finest.worst + host) - host, max_count)
     top = min(max(coarse.count, want), max_count)
     bottom = max(min(want, top), top - G + 1)
     best, best_est = None, INF
@@ -600,11 +363,11 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
 
     least = 0   # fewer stages than want only where the finest plan has fewer
     for S in counts():   # B*(S) >= B*(S + 1): each solve starts from the previous one
-        p = _solve(cs, S, lo := max(lo, work / S), coarse)
+        p = solve(cs, S, lo := max(lo, work / S), coarse)
         if p is None:
             break
         lo = p.worst
-        for parts in (p.parts, _rebalance(cs, p.parts, p.worst)):
+        for parts in (p.parts, rebalance(cs, p.parts, p.worst)):
             stages = _split_to(cs, _stages(cs, parts), S)
             least = least or min(want, len(stages))
             if len(stages) < least:
@@ -618,7 +381,7 @@ def _plan(cs: list[_Chain], G: int, M: int, want: int, upper_threshold: float,
     return _keep_activations(cs, best, G, M, host, keep)
 
 
-def _keep_activations(cs: list[_Chain], stages: list[list], G: int, M: int, host: float,
+def _keep_activations(cs: list[Chain], stages: list[list], G: int, M: int, host: float,
                       rates: tuple[float, float]) -> tuple[float, list[list]]:
     """Grow each fused chain's tail while it fits and the estimate falls: a layer in the
     tail runs forward and backward in one stage with its activations kept (one microbatch
@@ -646,7 +409,7 @@ def _keep_activations(cs: list[_Chain], stages: list[list], G: int, M: int, host
     return est, stages
 
 
-def _exposed(cs: list[_Chain], stages: list[list], G: int, M: int,
+def _exposed(cs: list[Chain], stages: list[list], G: int, M: int,
              rates: tuple[float, float]) -> float:
     """What the transfers of a plan leave its step waiting on, beyond the stage-time
     estimate (per microbatch, as stage times are: a step's bytes move once, so their time
@@ -671,7 +434,7 @@ def _exposed(cs: list[_Chain], stages: list[list], G: int, M: int,
     return wait + max(0.0, queue - max(busy))
 
 
-def _with_tail(ch: _Chain, k: int, stages: list[list], t: int) -> list[list] | None:
+def _with_tail(ch: Chain, k: int, stages: list[list], t: int) -> list[list] | None:
     """``stages`` with chain ``k``'s fused tail over processing positions [0, t) (None when
     a backward stage cut short no longer fits: its peak need not shrink)."""
     out = []
