@@ -11,6 +11,7 @@ model alive.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -44,6 +45,28 @@ class Net(nn.Module):
         for block in self.blocks:
             x = act(block(x)) * self.scale + self.shift.to(x.dtype)
         return self.head(x)
+
+
+def relu(x):
+    return F.relu(x)
+
+
+def passed_through(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class Decorated(Net):
+    """A decorated forward (as Hugging Face's often are) that calls a function nested in it,
+    which calls a module-level one."""
+
+    @passed_through
+    def forward(self, x):
+        def inner(y):
+            return relu(y)
+        return self.head(inner(self.blocks[0](x)))
 
 
 def traced(model, x=None, **kw):
@@ -128,6 +151,12 @@ def test_what_tracing_reads_differs_so_it_traces_again(change, monkeypatch):
             assert traced(model, x, **kw)
     else:
         assert traced(model, x, **kw)
+
+
+def test_a_function_patched_behind_a_decorator_and_a_nested_function_is_seen(monkeypatch):
+    assert traced(Decorated()) and not traced(Decorated(seed=1))
+    monkeypatch.setitem(globals(), "relu", torch.tanh)
+    assert traced(Decorated())
 
 
 def test_a_hooked_model_is_never_cached():

@@ -105,7 +105,9 @@ def key(model: nn.Module, leaves: Sequence[Any], in_spec: Any, names: Sequence[s
         code = tuple(_code(cls) for cls in dict.fromkeys(type(m) for m in model.modules()))
         tensors = _tensors(model)
         call = tuple(describe.value(x, 0) if not isinstance(x, torch.Tensor) else
-                     ("input", type(x), tuple(x.shape), x.dtype, x.device, x.requires_grad)
+                     ("input", type(x), tuple(x.shape),
+                      x.stride() if x.layout == torch.strided else x.layout, x.dtype, x.device,
+                      x.requires_grad)
                      for x in leaves)
     except _Uncacheable:
         return None
@@ -209,11 +211,21 @@ def _code(cls: type) -> tuple:
             fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
             if not inspect.isfunction(fn):
                 continue
-            named = tuple((n, g) for n in fn.__code__.co_names
-                          if (inspect.isfunction(g := fn.__globals__.get(n))
+            body = inspect.unwrap(fn)   # a decorated forward: the decorator's and its own
+            named = tuple((n, g) for f in dict.fromkeys((fn, body)) for n in _names(f.__code__)
+                          if (inspect.isfunction(g := f.__globals__.get(n))
                               or inspect.isclass(g) or inspect.isbuiltin(g)))
-            out.append((klass, name, fn, named))
+            out.append((klass, name, fn, body, named))
     return tuple(out)
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global names ``code`` and the functions nested in it may read."""
+    out = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out += _names(const)
+    return out
 
 
 class _Describer:
