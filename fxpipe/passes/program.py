@@ -353,6 +353,18 @@ class Program:
         return [*enumerate(self.actions), (HOST, self.host)]
 
     @cached_property
+    def waited_across(self) -> frozenset[tuple[int, int]]:
+        """``(lane, step)`` of the actions an action of another lane depends on: only
+        their issue is waited for across issue threads (a lane issues in order)."""
+        return frozenset((dep.device, dep.step) for lane, steps in self.dependencies().items()
+                         for deps in steps for dep in deps if dep.device != lane)
+
+    @cached_property
+    def labels(self) -> dict[int, tuple[str, ...]]:
+        """Each lane's actions as the runtime labels them (``str(action)``), made once."""
+        return {lane: tuple(map(str, acts)) for lane, acts in self.lanes()}
+
+    @cached_property
     def backward_stage_of(self) -> dict[tuple[int, int], int]:
         """The backward (or fused) stage of each ``(start, stop)`` of layers."""
         return {(st.layers.start, st.layers.stop): st.index for st in self.stages

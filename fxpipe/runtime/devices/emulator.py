@@ -473,7 +473,6 @@ class InlineDevice(Device):
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
         wait = _check_submit(self, stream, wait)
-        event = Event(label if label is not None else getattr(fn, "__name__", "work"))
         exc = next((e for e in map(Event.exception, wait) if e is not None), None)
         result = None
         if exc is None:
@@ -481,8 +480,8 @@ class InlineDevice(Device):
                 result = fn(*args)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the event
                 exc = e
-        event._finish(result, exc)
-        return event
+        return Event.finished(label if label is not None else getattr(fn, "__name__", "work"),
+                              result, exc)
 
     def to_device(self, host_tensor: torch.Tensor, kind: str, owner: str,
                   use: Sequence[str] = ("compute",)) -> torch.Tensor:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+_FINISHED = threading.Event()   # the done flag of every Event.finished(): always set
+_FINISHED.set()
+
 
 class Event:
     """Completion of one submitted piece of work: its result, or the exception it raised.
@@ -31,6 +34,15 @@ class Event:
         # work issued on the host at once (``VirtualDevice``, ``semantics="cuda"``): the
         # event of what it queued, done when its stream has run it
         self._stream: Event | None = None
+
+    @classmethod
+    def finished(cls, label: str, result: Any = None, exc: BaseException | None = None) -> Event:
+        """An event for work that already ran (an ``InlineDevice``'s): no wait primitive
+        of its own, as nothing can wait for it before it exists."""
+        event = cls.__new__(cls)
+        event.label, event._done, event._result, event._exc = label, _FINISHED, result, exc
+        event._cuda_event = event._stream = None
+        return event
 
     def done(self) -> bool:
         """True once the work ran on the host (CUDA kernels it queued may still run)."""
@@ -60,7 +72,8 @@ class Event:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until complete and return the exception it raised, or None."""
-        self._host_wait(timeout)
+        if not self._done.is_set():
+            self._host_wait(timeout)
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
         if self._stream is not None:

@@ -122,7 +122,7 @@ class Execution:
         for lane, acts in p.lanes():
             idxs = [i for i, a in enumerate(acts) if keep[lane][i]
                     and not (lane == HOST and i >= at)]
-            slots.update({(lane, i): _Issued() for i in idxs})
+            slots.update({(lane, i): _Issued((lane, i) in p.waited_across) for i in idxs})
             if idxs:
                 lanes.append((lane, idxs))
         issuing: list[threading.Event] = []
@@ -166,43 +166,50 @@ class Execution:
                     self._act(HOST, p.host[i])
                 self._recorded(HOST, p.host[i])
             else:
-                self._work(HOST, p.host[i])()
+                self._work(HOST, p.host[i], p.labels[HOST][i])()
 
     def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
         """Issue ``lane``'s actions in Program order: each once its dependencies were
         issued, with their events as the stream's waits."""
-        acts = self.program.lane(lane)
+        acts, labels = self.program.lane(lane), self.program.labels[lane]
+        device = self.call.devices[lane] if lane != HOST else None
+        lock = issuing(device is not None and device.runs_at_issue)
+        issued: dict[str, float] = {}   # seconds issuing, by kind: counted once at the end
         done = 0
         try:
             for i in idxs:
-                a = acts[i]
+                a, label = acts[i], labels[i]
                 waits: list[Event] = []
                 for dep in deps[lane][i]:
-                    key = (dep.device, dep.step)
-                    if not keep[key[0]][key[1]]:
+                    if not keep[dep.device][dep.step]:
                         continue
-                    src = slots[key]
-                    src.ready.wait()
-                    waits.extend([src.event] if dep.on == "end" else src.gate)
-                waits = list({id(e): e for e in waits}.values())
-                if isinstance(a, Prefetch) and self.call.devices[lane].wait_released():
+                    src = slots[(dep.device, dep.step)]
+                    if not src.ready.is_set():   # another lane's action, not issued yet
+                        src.ready.wait()
+                    if dep.on == "end":
+                        waits.append(src.event)
+                    else:
+                        waits.extend(src.gate)
+                if len(waits) > 1:
+                    waits = list(dict.fromkeys(waits))
+                if isinstance(a, Prefetch) and device.wait_released():
                     self.stats.add("issue_waits")   # the memory it needs is not free yet
                 slot = slots[(lane, i)]
                 slot.gate = waits
-                if lane == HOST and waits:
-                    self.stats.add("host_waits")  # a host action reads what those events made
-                if lane == HOST:   # host work: run now; collectives on their own thread
+                if device is None:   # host work: run now; collectives on their own thread
+                    if waits:
+                        self.stats.add("host_waits")  # it reads what those events made
                     worker = self.call.dp.worker if isinstance(a, Collective) else _ON_HOST
-                    slot.event = worker.submit("compute", self._work(lane, a), wait=waits,
-                                               label=str(a))
+                    slot.event = worker.submit("compute", self._work(lane, a, label), wait=waits,
+                                               label=label)
                 else:
-                    worker = self.call.devices[lane]
-                    with issuing(worker.runs_at_issue):
+                    with lock:
                         start, _ = time.perf_counter(), emulated_wait()
-                        slot.event = worker.submit(stream_of(a), self._work(lane, a),
-                                                   wait=waits, label=str(a))
-                        self.stats.issued(type(a).__name__,
-                                          time.perf_counter() - start - emulated_wait())
+                        slot.event = device.submit(stream_of(a), self._work(lane, a, label),
+                                                   wait=waits, label=label)
+                        kind = type(a).__name__
+                        issued[kind] = issued.get(kind, 0.0) + (
+                            time.perf_counter() - start - emulated_wait())
                 slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
@@ -212,14 +219,16 @@ class Execution:
                 failed._finish(exc=e)
                 slots[(lane, i)].event = failed
                 slots[(lane, i)].ready.set()
+        finally:
+            self.stats.issued(issued)
 
-    def _work(self, lane: int, a) -> Callable[[], None]:
+    def _work(self, lane: int, a, label: str) -> Callable[[], None]:
         def work():
             # the previous call's update is owed whatever happens to this call
             if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
                 raise Cancelled(f"{a}: the call was interrupted")
             try:
-                with _acting(str(a)):
+                with _acting(label):
                     self._act(lane, a)
             except DistributedError as e:
                 if self.cancelled.is_set():  # this rank's own failure aborted the collective

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -89,14 +89,20 @@ class _Where(threading.local):
 WHERE = _Where()
 
 
-@contextlib.contextmanager
-def _where(field: str, value: str) -> Iterator[None]:
-    was = getattr(WHERE, field)
-    setattr(WHERE, field, value)
-    try:
-        yield
-    finally:
-        setattr(WHERE, field, was)
+class _where:   # noqa: N801 — used as a function: ``with _where(field, value):``
+    """``WHERE.<field>`` is ``value`` within the block (a class: one per action)."""
+
+    __slots__ = ("field", "value", "was")
+
+    def __init__(self, field: str, value: str):
+        self.field, self.value = field, value
+
+    def __enter__(self) -> None:
+        self.was = getattr(WHERE, self.field)
+        setattr(WHERE, self.field, self.value)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(WHERE, self.field, self.was)
 
 
 def _acting(label: str) -> contextlib.AbstractContextManager:
@@ -119,14 +125,20 @@ class Cancelled(RuntimeError):
     """Raised inside actions once a call has been interrupted."""
 
 
+_ISSUED = threading.Event()
+_ISSUED.set()
+
+
 class _Issued:
     """One action as its issue thread submitted it: the event it completes, and what its
-    start waited for (a ``Dep`` on its start waits for the same)."""
+    start waited for (a ``Dep`` on its start waits for the same). ``ready`` is set once it
+    was issued; with ``across=False`` (no other lane waits for it: its own lane issues in
+    order) it is a shared event that is always set."""
 
     __slots__ = ("ready", "event", "gate")
 
-    def __init__(self) -> None:
-        self.ready = threading.Event()
+    def __init__(self, across: bool = True) -> None:
+        self.ready = threading.Event() if across else _ISSUED
         self.event: Event | None = None
         self.gate: list[Event] = []
 

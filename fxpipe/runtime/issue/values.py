@@ -91,13 +91,14 @@ class Stats:
         with self._lock:
             self._counts[name] += n
 
-    def issued(self, kind: str, seconds: float) -> None:
-        """``seconds`` of host time issuing one action of ``kind``."""
-        us = round(seconds * 1e6)
+    def issued(self, seconds: dict[str, float]) -> None:
+        """Host time issuing actions, in seconds by action kind (an issue thread's sums)."""
         with self._lock:
-            self._counts["host_issue_us"] += us
-            key = f"host_issue_us.{kind}"
-            self._counts[key] = self._counts.get(key, 0) + us
+            for kind, s in seconds.items():
+                us = round(s * 1e6)
+                self._counts["host_issue_us"] += us
+                key = f"host_issue_us.{kind}"
+                self._counts[key] = self._counts.get(key, 0) + us
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:
