@@ -317,3 +317,38 @@ def test_cuda_graphs_on_a_gpu_equal_inductors_code():
         torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), atol=ATOL, rtol=RTOL)
+
+
+def test_each_job_keeps_a_bounded_number_of_graphs_and_cycling_lengths_only_replay(monkeypatch):
+    """Lengths that alternate are captured once each (per slot), then only replayed; ever
+    new lengths do not grow the graphs without bound: each job (device, stage, forward
+    or backward) keeps its ``GRAPHS_PER_JOB`` most recently used (4 here, for the test's
+    time), and the step still equals eager's."""
+    from fxpipe.runtime.stages import graphs as stage_graphs
+    monkeypatch.setattr(stage_graphs, "GRAPHS_PER_JOB", 4)   # two slots x two lengths
+    model = blocks(2, 8)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, example_inputs=(torch.randn(4, 8, 8),), devices=strict_devices(),
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
+
+    def step(length: int) -> int:
+        x, y = torch.randn(4, length, 8), torch.randn(4, length, 4)
+        model.zero_grad()
+        ref.zero_grad()
+        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+        expected = mse(ref(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+        return pipe.stats()["graph_captures"]
+
+    captures = [step(length) for length in (8, 12) * 3]
+    assert captures[0] > 0 and captures[-2:] == [0, 0], captures
+    for length in (5, 6, 7):
+        step(length)
+    graphs = pipe._graphs
+    jobs = {key[:3] for key in graphs._jobs}   # (device, stage, forward or backward)
+    assert graphs.captured() <= 4 * len(jobs), (graphs.captured(), len(jobs))
+    assert max(len(graphs._recent[job]) for job in jobs) == 4
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+    pipe.close()

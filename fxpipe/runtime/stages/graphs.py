@@ -22,7 +22,10 @@ slot's gradient buffers).
   inputs' signature: grad mode, autocast, each input's shape, strides and dtype,
   non-tensor inputs by value). A new key is captured (``graph_captures`` in
   ``pipe.stats()``; the capture's own run is that call's result), a known one replayed
-  (``graph_replays``).
+  (``graph_replays``). Each job (device, stage, forward or backward) keeps at most
+  ``GRAPHS_PER_JOB`` graphs, the least recently replayed dropped: data whose lengths
+  cycle through a few values captures each once (per slot) and then only replays, and
+  data of ever new lengths does not grow the devices' graph memory without bound.
 - **Inputs, outputs.** The capture copies the inputs into *static* buffers it keeps;
   each replay copies the microbatch's inputs into them first. A replay overwrites the
   graph's outputs: they are cloned at once (activations or input gradients, as an eager
@@ -123,6 +126,11 @@ class ParamSlots:
         self.memory = []
 
 
+GRAPHS_PER_JOB = 8
+"""Graphs kept per job (device, stage, forward or backward): two parameter slots times
+four input signatures (sequence lengths, say)."""
+
+
 class GraphJob:
     """A stage job captured as a device graph: its static inputs (tensors the capture
     copied each input into), the addresses of the slot's tensors it read and wrote (the
@@ -166,6 +174,8 @@ class StageGraphs:
     def __init__(self) -> None:
         self._slots: dict[int, ParamSlots] = {}
         self._jobs: dict[tuple, GraphJob] = {}
+        # per job (device, stage, kind): its keys, least recently used first
+        self._recent: dict[tuple, dict[tuple, None]] = {}
         self._lock = threading.Lock()
         self._generations = itertools.count()
 
@@ -204,7 +214,25 @@ class StageGraphs:
     def _drop(self, lane: int) -> None:
         self._slots.pop(lane).free()
         for key in [k for k in self._jobs if k[0] == lane]:
-            del self._jobs[key]
+            self._forget(key)
+
+    def _forget(self, key: tuple) -> None:
+        """Drop the graph of ``key`` (hold ``_lock``): its memory is freed once no
+        replay holds it."""
+        del self._jobs[key]
+        recent = self._recent[key[:3]]
+        del recent[key]
+        if not recent:
+            del self._recent[key[:3]]
+
+    def _used(self, key: tuple) -> None:
+        """``key`` was just replayed or captured (hold ``_lock``): the job's most recent,
+        and its least recent dropped beyond ``GRAPHS_PER_JOB``."""
+        recent = self._recent.setdefault(key[:3], {})
+        recent.pop(key, None)
+        recent[key] = None
+        while len(recent) > GRAPHS_PER_JOB:
+            self._forget(next(iter(recent)))
 
     # -- jobs ------------------------------------------------------------------------------
     def run(self, lane: int, key: tuple, inputs: Sequence[Any], params: Sequence[torch.Tensor],
@@ -217,7 +245,10 @@ class StageGraphs:
         part of the key)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         key = (lane, *key, _signature(inputs))
-        captured = self._jobs.get(key)
+        with self._lock:
+            captured = self._jobs.get(key)
+            if captured is not None:
+                self._used(key)
         if captured is not None:
             if stats is not None:
                 stats.add("graph_replays")
@@ -236,6 +267,7 @@ class StageGraphs:
             graph = device.capture(fn, [*statics, *params], name)
         with self._lock:
             self._jobs[key] = GraphJob(graph, statics, params, name)
+            self._used(key)
         if stats is not None:
             stats.add("graph_captures")
         # the capture's own run is this call's (its writes into ``params`` happened once)
@@ -252,3 +284,4 @@ class StageGraphs:
             for lane in list(self._slots):
                 self._drop(lane)
             self._jobs.clear()
+            self._recent.clear()
