@@ -176,6 +176,17 @@ def test_the_cache_keeps_no_model_alive():
     assert gone() is None
 
 
+def test_verbose_mode_says_a_capture_was_reused(capsys):
+    fxpipe.set_verbose(True)   # part of the key: verbose graphs keep their stack traces
+    try:
+        capture(Net(), (torch.randn(4, 8),), method="export")
+        assert "reuses" not in capsys.readouterr().err
+        capture(Net(seed=1), (torch.randn(4, 8),), method="export")
+    finally:
+        fxpipe.set_verbose(None)
+    assert "Net reuses an earlier capture" in capsys.readouterr().err
+
+
 def test_it_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("FXPIPE_CAPTURE_CACHE", "0")
     assert traced(Net()) and traced(Net())

@@ -117,6 +117,9 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
     key = capture_cache.key(model, leaves, in_spec, names, method, dims, blocks, param_dtype)
     gm = capture_cache.rebuild(key, model, leaves)
     if gm is not None:   # captured before: the same model code, structure and call
+        if is_verbose():
+            print(f"fxpipe: {type(model).__name__} reuses an earlier capture (the same code, "
+                  "structure and call; FXPIPE_CAPTURE_CACHE=0 traces every time)", file=sys.stderr)
         return gm
 
     tried: dict[str, BaseException] = {}
