@@ -437,12 +437,15 @@ class _Work(threading.local):
 _work = _Work()
 
 
-@contextlib.contextmanager
-def host_allocations():
+class host_allocations:   # noqa: N801 — a context used as a function
     """Allocations made in the block are host memory, not the device's whose work runs
-    them (host copies, the flat gradient buffer made on first use, counted transfers)."""
-    was, _work.paused = _work.paused, True
-    try:
-        yield
-    finally:
-        _work.paused = was
+    them (host copies, the flat gradient buffer made on first use, counted transfers).
+    A class, not a generator: every counted transfer enters it."""
+
+    __slots__ = ("was",)
+
+    def __enter__(self) -> None:
+        self.was, _work.paused = _work.paused, True
+
+    def __exit__(self, *exc: object) -> None:
+        _work.paused = self.was
