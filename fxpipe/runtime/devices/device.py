@@ -214,6 +214,14 @@ class Device(ABC):
                              "track each allocation once")
         return self._allocate(storage.nbytes(), kind, owner, lambda: tensor)
 
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether this device counts ``tensor``'s allocation (``free`` would stop it):
+        one ``to_device`` / ``track`` made, not yet freed."""
+        if not tensor.untyped_storage().nbytes():
+            return False
+        with self._mem_lock:
+            return tensor.untyped_storage().data_ptr() in self._live
+
     def free(self, tensor: torch.Tensor) -> str | None:
         """Stop counting the allocation ``tensor`` belongs to (its whole storage); returns
         its kind (None for an empty tensor)."""
@@ -334,6 +342,8 @@ class Device(ABC):
         autograd graph for backward: ``saved``. (A saved-tensors hook would tell the same,
         but holding a tensor from its own graph makes a cycle no collector sees.)"""
         made, _work.made = _work.made, []
+        if not self._made:   # nothing made by work is counted (a GPU, an InlineDevice)
+            return
         with self._mem_lock:
             for t in pytree.tree_leaves(values):
                 if isinstance(t, torch.Tensor):

@@ -517,13 +517,12 @@ def _nbytes(x: Any) -> int:
 
 
 def _free_quietly(device: Device, t: Any) -> None:
-    if isinstance(t, torch.Tensor):
+    """Free ``t`` if the device counts it (compute's own outputs it does not count)."""
+    if isinstance(t, torch.Tensor) and device.counts(t):
         try:
             device.free(t)
-        except ValueError:  # not an allocation the device counted (made by compute)
+        except ValueError:  # freed meanwhile
             pass
-
-
 
 
 def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
