@@ -111,7 +111,7 @@ from fxpipe.stage_plan import RunType
 
 Semantics = Literal["fxpipe", "roundpipe"]
 StageBackend = Literal["eager", "inductor", "cudagraphs"]
-INDUCTOR_KERNELS = 0.31
+INDUCTOR_KERNELS = 0.32
 """Kernels inductor's stage code launches per eager kernel: 41.5 of 135.9 per layer and
 microbatch in ``benchmarks/results/bench_issue.json`` (Llama-3.1-8B's block, fused step;
 the profiler's count of its generated kernels and the aten ops its wrapper calls)."""
