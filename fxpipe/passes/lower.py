@@ -124,8 +124,9 @@ def lower_stage(lg: LayerGraph, r: range, index: int, device: int,
     # 4. buffers the stage updated go back; outputs go to the host; parameters are released
     for f in mutated:
         g.call_function(_op.writeback.default, (host[f], resident[f]))
+    params = set(resident.values())
     results = [g.create_node("call_function", _op.offload.default,
-                             (_unaliased(g, env[o], set(resident.values())),), name=f"{o}_host")
+                             (_unaliased(g, env[o], params),), name=f"{o}_host")
                if _is_tensor_value(env[o]) else env[o] for o in outs]
     if fetched is not None:
         g.create_node("call_function", _op.release.default, (fetched, index), name="release")
