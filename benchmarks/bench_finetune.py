@@ -44,6 +44,7 @@ OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
 GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"
 GPUS = {"H100": 80e9}     # an H200 predicts the same: the same FLOP rate and link
 H200_LINK = 55e9
+H100_HBM = 3.35e12        # bytes/s of device memory: prices a qlora run's dequantizes
 
 
 def measured(dry_run: bool, modes: tuple[str, ...], eager: bool,
@@ -92,7 +93,7 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
             calibrate = flops is None and spec["mode"] == "lora"
             for row in fp.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
                                   flops=flops, eager_step_s=eager_s if calibrate else None,
-                                  recompute=("auto", "full")):
+                                  recompute=("auto", "full"), device_bytes_per_s=H100_HBM):
                 row.update(gpu=gpu, seconds=time.perf_counter() - t0)
                 rows.append(row)
                 say(f"  {row['mode']:>4} {row['model']:<13} {gpu} host work {row['host_work']:<12} "
@@ -102,10 +103,82 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
                     f"{row['model_tflops']:5.0f} model TFLOP/s, MFU {row['model_tflops'] / 989.4:.1%} "
                     f"(at {row['flops_per_s'] / 1e12:.0f} TFLOP/s)")
             flops = rows[-1]["flops_per_s"]
-    return {"label": "PREDICTED (fxpipe.simulate), not measured", "flops_per_s": flops,
-            "flops_source": source, "link_bytes_per_s": H200_LINK, "host_rates": rates,
-            "host_rates_source": "measured on the machine that ran this benchmark",
-            "rows": rows}
+    out = {"label": "PREDICTED (fxpipe.simulate), not measured", "flops_per_s": flops,
+           "flops_source": source, "link_bytes_per_s": H200_LINK, "host_rates": rates,
+           "host_rates_source": "measured on the machine that ran this benchmark",
+           "rows": rows}
+    if "qlora" in modes:
+        out["qlora"] = predicted_qlora(rates, say)
+    return out
+
+
+# --predict with qlora: the large LoRA runs on 24 GiB cards, bf16 base against NF4
+QLORA_MODELS = {
+    "Llama-3.1-70B": dict(cls="LlamaConfig", vocab_size=128256, hidden_size=8192,
+                          intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, max_position_embeddings=131072,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "Qwen3-32B": dict(cls="Qwen3Config", vocab_size=151936, hidden_size=5120,
+                      intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)}
+RTX4090 = dict(memory=24 * 2**30, link=25e9, flops=0.6 * 165e12, hbm=1008e9)
+QLORA_MACHINES = {1: 64 * 2**30, 8: 256 * 2**30}   # GPUs: the host memory a plan may use
+QLORA_SEQ, QLORA_MICROBATCHES = 4096, 8
+QLORA_SHORT = 1024   # and on 8 GPUs, 8 x 1,024 tokens a step: where the link binds
+
+
+def predicted_qlora(rates: dict, say=print) -> list[dict]:
+    """Llama-3.1-70B and Qwen3-32B LoRA (r=16, every linear of the blocks) with a bf16
+    base and an NF4 one, on 1 and 8 RTX 4090s (24 GiB, PCIe 4.0 at 25 GB/s each way,
+    1,008 GB/s of device memory; the FLOPs at 60% of 165 TFLOP/s, assumed): each run
+    ``QLORA_MICROBATCHES`` x ``QLORA_SEQ`` tokens a step, planned and simulated
+    (``fp.predict``: tokens/s, the host bytes its plan keeps), and the longest sequence
+    (``fxpipe.plan.max_sequence_length``, one sequence a step) within
+    ``QLORA_MACHINES``' host memory; on 8 GPUs also ``QLORA_SHORT``-token sequences,
+    a step short enough for the link to bind (no longest-sequence search)."""
+    import transformers
+    import fxpipe
+    rows = []
+    for name, cfg in QLORA_MODELS.items():
+        cfg = dict(cfg)
+        config = getattr(transformers, cfg.pop("cls"))(**cfg, use_cache=False)
+        runs = [(gpus, host, QLORA_SEQ) for gpus, host in QLORA_MACHINES.items()]
+        runs.append((8, QLORA_MACHINES[8], QLORA_SHORT))
+        for gpus, host, seq in runs:
+            for mode in ("lora", "qlora"):
+                t0 = time.perf_counter()
+                spec = dict(mode=mode, model=name, config=config, seq=seq,
+                            microbatches=QLORA_MICROBATCHES)
+                row = fp.predict(spec, memory=RTX4090["memory"], link=RTX4090["link"],
+                                 hosts={"this machine": (rates["optimizer_bytes_per_s"],
+                                                         rates["copy_bytes_per_s"])},
+                                 flops=RTX4090["flops"], num_devices=gpus,
+                                 device_bytes_per_s=RTX4090["hbm"])[0]
+                model = fp.meta_model(spec)
+                row["host_param_bytes"] = sum(t.nbytes for t in (*model.parameters(),
+                                                                  *model.buffers()))
+
+                def batch(n):
+                    ids = torch.zeros(1, n, dtype=torch.long, device="meta")
+                    return {"input_ids": ids, "labels": ids}
+                try:
+                    row["longest"] = fxpipe.plan.max_sequence_length(
+                        model, batch, device_memory=RTX4090["memory"], num_devices=gpus,
+                        num_microbatch=1, host_memory=host, step=4096,
+                        max_length=1 << 20) if seq == QLORA_SEQ else None
+                except fxpipe.PlanError as e:
+                    row["longest"], row["longest_why"] = None, str(e)
+                row.update(gpus=gpus, host_memory=host, seq=seq, seconds=time.perf_counter() - t0)
+                rows.append(row)
+                longest = f"{row['longest']:,}" if row["longest"] else \
+                    "none fits" if seq == QLORA_SEQ else "not searched"
+                say(f"  {mode:>5} {name:<13} {gpus} x 4090, {seq:,} tokens: host "
+                    f"{row['predicted_host_bytes'] / 2**30:6.1f} GiB "
+                    f"(params {row['host_param_bytes'] / 2**30:6.1f} GiB), "
+                    f"{row['tokens_per_s']:7,.0f} tokens/s, longest {longest} tokens "
+                    f"(host <= {host / 2**30:.0f} GiB)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny widths on CPU virtual devices")
     ap.add_argument("--predict", action="store_true", help="also the full-size runs, predicted")
     ap.add_argument("--modes", default="lora,full",
-                    help="runs to do: lora, full, longest (default lora,full)")
+                    help="runs to do: lora, qlora, full, longest (default lora,full)")
     ap.add_argument("--no-eager", action="store_true", help="leave the eager reference out")
     ap.add_argument("--stage-backends", default="eager", metavar="NAME,...",
                     help="fxpipe's RunConfig.stage_backend for each run (eager, inductor, "
@@ -122,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not set(modes) <= {"lora", "full", "longest"}:
-        ap.error(f"--modes {args.modes!r}: the runs are lora, full and longest")
+    if not set(modes) <= {"lora", "qlora", "full", "longest"}:
+        ap.error(f"--modes {args.modes!r}: the runs are lora, qlora, full and longest")
     backends = tuple(b.strip() for b in args.stage_backends.split(","))
     if not set(backends) <= set(STAGE_BACKENDS):
         ap.error(f"--stage-backends {args.stage_backends!r}: each is one of "

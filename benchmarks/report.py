@@ -561,6 +561,42 @@ def _finetune(d: dict) -> list[str]:
                 "of the plan that runs over the model's forward and backward.", ""] + table(
             ["run", "shape", "GPU", "host work", "recompute", "recomputed", "hardware / model",
              "step s", "tokens/s", "model TFLOP/s", "MFU", "peak GB"], prow)
+    if p and p.get("qlora"):
+        q = p["qlora"]
+        qrow = [[r["mode"], r["model"], f"{r['gpus']} × 24 GiB", f"8 × {r['seq']:,}",
+                 f"{r['host_param_bytes'] / 2**30:.1f}", f"{r['predicted_host_bytes'] / 2**30:.1f}",
+                 f"{r['tokens_per_s']:,.0f}", f"{r['bubble_ratio']:.0f}%",
+                 f"{r['longest']:,}" if r["longest"] else
+                 "none fits" if r.get("longest_why") else "not searched",
+                 f"{r['host_memory'] / 2**30:.0f}"] for r in q]
+        out += ["", f"**{p['label']}**, LoRA r=16 on every block linear of Llama-3.1-70B and "
+                "Qwen3-32B, its frozen base in bf16 (`lora`) or NF4 (`qlora`, "
+                "`frozen_dtype=\"nf4\"`: embeddings and head in bf16), on RTX 4090s (24 GiB, "
+                "PCIe 4.0 at 25 GB/s each way, 1,008 GB/s device memory pricing the "
+                "dequantizes; FLOPs at 60% of 165 TFLOP/s, assumed), 8 × 4,096 tokens a step "
+                "(and, on 8 GPUs, 8 × 1,024: a step short enough for the link to bind); "
+                "host GiB: the parameters as held, and what the plan keeps "
+                "(`predict_memory(...).host_total`: parameters, gradients, the kept "
+                "activations; the optimizer's state not in it); the longest sequence: one "
+                "sequence a step, within the host memory given.", ""] + table(
+            ["run", "model", "GPUs", "tokens/step", "host params GiB", "host total GiB", "tokens/s",
+             "bubble", "longest sequence", "host limit GiB"], qrow)
+    return out
+
+
+def _quant(d: dict) -> list[str]:
+    rows = [[r["variant"], f"{r['host_param_bytes'] / 1e9:.2f}", f"{r.get('host_cut', 1):.2f}×",
+             f"{r['h2d_bytes_params'] / 1e9:.2f}", f"{r.get('h2d_cut', 1):.2f}×",
+             "–" if r["bytes_per_quantized_weight"] is None else f"{r['bytes_per_quantized_weight']:.4f}",
+             f"{r['quantize_s']:.1f}", f"{r['loss']:.4f}"] for r in d["rows"]]
+    out = table(["variant", "host params GB", "÷ (bf16 / this)", "h2d params GB / step",
+                 "÷ (bf16 / this)", "bytes / quantized weight", "quantize s", "loss"], rows)
+    c = d.get("computed") or {}
+    if c:
+        out += ["", f"Computed, not run: the embedding table in NF4 too, "
+                f"{c['nf4_everything_h2d_cut']:.2f}× fewer parameter bytes up than bf16; its "
+                f"rows gathered on the host instead (no table upload), "
+                f"{c['nf4_head_embedding_on_host_h2d_cut']:.2f}×."]
     return out
 
 
@@ -747,6 +783,13 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "peak; `step time / eager` = fxpipe's step time over eager transformers' (below 1: "
      "fxpipe faster; gradient checkpointing, bf16 "
      "autocast, the microbatches accumulated, fused AdamW) on the same GPU.", _finetune),
+    ("Quantized frozen weights", "bench_quant.json", "rows",
+     "`benchmarks/bench_quant.py`: the Llama-3.1-8B shape (32 blocks, its vocabulary), peft "
+     "LoRA r=16 on every block linear, the frozen base held in bf16 or quantized by "
+     "`frozen_dtype` (`nf4+head`: the output head too), one training step on one device "
+     "(a 3 GiB cuda-sim virtual device here) with bf16 device copies: the host's parameter "
+     "bytes and the bytes the step's uploads carried (`pipe.stats()[\"h2d_bytes_params\"]`), "
+     "each variant in a fresh process. Bytes carry over to a GPU as they are.", _quant),
     ("Mixed precision", "bench_precision.json", "variants",
      "A Llama-style model from a config trained in fp32, with `param_dtype=torch.bfloat16` "
      "and under `torch.autocast` (bf16) around the call; bytes per step from `pipe.stats()`, "
@@ -887,6 +930,8 @@ STATUS: list[tuple[str, Any, tuple[str, str] | None, tuple[str, str] | None]] = 
      ("bench_schedule.json", "models")),
     ("data parallel across processes", None, ("bench_distributed.json", "measured"),
      ("bench_distributed.json", "sim")),
+    ("QLoRA: the frozen base held and streamed in NF4, Llama-3.1-8B shape", ("qlora", None),
+     ("bench_quant.json", "rows"), ("bench_finetune.json", "predicted")),
     ("losses and gradients equal to eager on padded batches", None,
      ("bench_exactness.json", "rows"), None),
     ("transformers architectures training through `fxpipe.compile` (fp32, bf16)", None,
@@ -1079,7 +1124,29 @@ def headline() -> list[str]:
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
                      f"{peft['lora_over_full']['d2h_bytes_grads']:.4f}", cpu_on(peft, "lora_over_full") + " (bytes counted)", "lower is better", "peft-lora"])
+    quant_d = load("bench_quant.json")
+    if quant_d:
+        q = {r["variant"]: r for r in quant_d["rows"]}
+        if "bf16" in q and "nf4" in q and q["bf16"]["layers"] == 32:
+            rows.append(["QLoRA, Llama-3.1-8B shape, LoRA r=16: an NF4 frozen base (embeddings and "
+                         "head bf16) / bf16, host parameter bytes; parameter bytes uploaded per step",
+                         f"{1 / q['nf4']['host_cut']:.2f}; {1 / q['nf4']['h2d_cut']:.2f} "
+                         f"({q['nf4']['bytes_per_quantized_weight']:.4f} bytes per quantized weight)",
+                         cpu_on(quant_d, "rows") + " (bytes counted)", "lower is better",
+                         "quantized-frozen-weights"])
     ft = load("bench_finetune.json")
+    if ft and (ft.get("predicted") or {}).get("qlora"):
+        by = {(r["mode"], r["model"], r["gpus"], r["seq"]): r for r in ft["predicted"]["qlora"]}
+        r, b = by.get(("qlora", "Llama-3.1-70B", 1, 4096)), by.get(("lora", "Llama-3.1-70B", 1, 4096))
+        if r and b:
+            rows.append(["PREDICTED: Llama-3.1-70B LoRA, NF4 base, one 24 GiB GPU (PCIe 4.0), "
+                         "8 × 4,096 tokens/step: host bytes the plan keeps; longest sequence "
+                         "with host ≤ 64 GiB",
+                         f"{r['predicted_host_bytes'] / 2**30:.1f} GiB (bf16 base: "
+                         f"{b['predicted_host_bytes'] / 2**30:.1f} GiB); "
+                         + (f"{r['longest'] // 1024}K tokens" if r["longest"] else "none fits"),
+                         "predicted", "lower host bytes, longer sequence are better",
+                         "fine-tuning-in-bf16"])
     if ft and ft.get("predicted"):
         by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]
               if r.get("recompute", "auto") == "auto"}

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.call_checks import (check_differentiable, check_loss_scaling,
                                 check_optimizer_holds, digest)
+from fxpipe import quant
 from fxpipe.checkpointing import Checkpointing
 from fxpipe.config import RunConfig
 from fxpipe.generating import Generating
@@ -75,6 +76,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     broadcast_buffers: bool = True,
     collective_timeout: float = 300.0,
     weights: str | os.PathLike | None = None,
+    frozen_dtype: Literal["nf4", "int8", "fp8"] | None = None,
 ) -> PipelineModule:
     """Compile ``model`` into a pipeline of stages (capture → partition → costs → plan → lower).
 
@@ -174,6 +176,12 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     memory, and uploads read them from there (in ``param_dtype``). Trainable ones and
     buffers move into the host buffers at the first call. ``pipe.save_pretrained(dir)``
     writes sharded safetensors back. See docs/weights.md (``fxpipe.runtime.host.weights``).
+
+    ``frozen_dtype`` (``"nf4"``, ``"int8"``, ``"fp8"``): the weight of each frozen
+    ``nn.Linear`` (a LoRA base), the output head excepted, is quantized in place (as it is
+    read, with ``weights=``); the host holds, and uploads carry, those bytes (0.5625 a
+    weight in NF4), and each stage dequantizes them on its device (``fxpipe.quant``). A
+    model loaded with bitsandbytes' NF4 ``Linear4bit`` is adopted as it is, either way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
@@ -210,6 +218,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     find_block_lists(model, layers)  # a bad layers= fails before anything slow runs
     if weights is not None:
         load_weights(model, weights)   # before capture: the model is real from here on
+    quant.prepare(model, frozen_dtype)
     dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
                       broadcast=bool(broadcast_buffers)) if data_parallel else None
     resolved = resolve_devices(devices)

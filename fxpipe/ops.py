@@ -7,6 +7,8 @@
 ``writeback(host, value)``              a buffer the stage updated (BatchNorm stats) → host
 ``release(params, stage)``              the device may free the stage's parameters
 ``rng(layer)``                          a layer drawing random numbers starts here
+``dequantize(blob, fmt, shape, dtype)``  a quantized frozen weight's values, on the device
+                                       (``fxpipe.quant``; ``frozen_dtype=``)
 =====================================  =================================================
 
 They are real ops (``torch.library.custom_op``) with autograd formulas, so a stage graph

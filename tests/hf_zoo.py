@@ -289,10 +289,13 @@ PRECISIONS = ("fp32", "param_dtype", "autocast")
 def bf16_buffer_dtypes(model: torch.nn.Module, dtype=torch.bfloat16) -> dict[str, torch.dtype]:
     """``{name: dtype}`` of the buffers of ``model`` loaded with ``from_pretrained(...,
     dtype=dtype)``: its class built from its config under that default dtype, on the meta
-    device (as ``from_pretrained`` builds it before loading the weights into it)."""
+    device (as ``from_pretrained`` builds it before loading the weights into it); a peft
+    model's by its base model's."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = next(f"{n}." if n else "" for n, m in model.named_modules() if m is inner)
     with torch.device("meta"):
-        twin = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
-    return {name: b.dtype for name, b in twin.named_buffers()}
+        twin = type(inner)._from_config(copy.deepcopy(inner.config), dtype=dtype)
+    return {prefix + name: b.dtype for name, b in twin.named_buffers()}
 
 
 def low_precision_copy(model: torch.nn.Module, dtype=torch.bfloat16) -> torch.nn.Module:

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors",),
     # leaves: plain data and tools (they import fxpipe.errors at most)
     ("fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.tiling", "fxpipe.live_bytes",
-     "fxpipe.units", "fxpipe.stage_plan", "fxpipe.attention"),
+     "fxpipe.units", "fxpipe.stage_plan", "fxpipe.attention", "fxpipe.quant"),
     ("fxpipe.config",),
     # the values the passes make and the runtime reads
     ("fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",

@@ -1,7 +1,7 @@
 """bf16 fine-tuning of Hugging Face models from host memory, measured: the ``finetune``
 section of ``python -m fxpipe.check`` (:func:`finetune`) and ``benchmarks/bench_finetune.py``.
 
-Three runs, each an element of ``finetune.runs``:
+Four runs, each an element of ``finetune.runs``:
 
 - ``lora``: the Llama-3.1-8B shape (its published sizes in a ``LlamaConfig``; rope
   scaling left out, it costs nothing), peft LoRA r=16 on every linear layer of the
@@ -10,11 +10,16 @@ Three runs, each an element of ``finetune.runs``:
   device copies (``param_dtype``), AdamW streamed into the backward
   (``forward_backward(optimizer=)``, exact: equal to ``backward(); step()``).
 
+- ``qlora``: the ``lora`` model with its frozen linears quantized to NF4 on the host
+  (``fxpipe.quant.quantize_frozen``; embeddings and head in bf16, QLoRA's default): the
+  host holds and the link carries 0.5625 bytes per weight of them, each stage dequantizes
+  on the GPU; no eager run (compare ``host_param_bytes``, ``h2d_bytes_params`` and
+  tokens/s with the ``lora`` row's);
 - ``longest``: the ``lora`` model, one sequence as long as ``fxpipe.plan.max_sequence_length``
   predicts to fit the GPU (and 80 % of the host's available memory): one step after a
   warm-up, no eager run (none could hold it); ``longest_asked`` is what was asked.
 
-The first two: 16 microbatches of 4,096 tokens per step (RoundPipe's setup), the model's own
+The first three: 16 microbatches of 4,096 tokens per step (RoundPipe's setup), the model's own
 ``labels=`` loss, random weights created straight into host memory (parameters built on
 ``meta``, then each allocated on the host and filled: generated on the GPU and copied
 where there is one, norms at one), never twice and never on the device first.
@@ -57,6 +62,8 @@ import torch
 import torch.nn as nn
 
 import fxpipe
+from fxpipe import quant
+from fxpipe.units import human
 from fxpipe.check.common import error_record, link_bandwidth, say, sync_fn, timed, unsampled
 from fxpipe.check.finetune_models import (device_copy, host_model, recompute_share, step_flops,
                                           with_lora)
@@ -117,6 +124,7 @@ def run_specs(dry_run: bool) -> list[dict[str, Any]]:
     for cfg in (llama, qwen):
         cfg.use_cache = False
     return [dict(mode="lora", model="Llama-3.1-8B", config=llama, seq=seq, microbatches=micro),
+            dict(mode="qlora", model="Llama-3.1-8B", config=llama, seq=seq, microbatches=micro),
             dict(mode="full", model="Qwen3-4B", config=qwen, seq=seq, microbatches=micro),
             # one sequence, as long as predicted to fit the device (longest_sequence)
             dict(mode="longest", model="Llama-3.1-8B", config=llama, seq=None, microbatches=1)]
@@ -353,17 +361,24 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
         model = host_model(cfg, base_dtype, ctx["gen"])
         if mode != "full":
             model = with_lora(model)
+        if mode == "qlora":   # its frozen linears in NF4 on the host (the head kept in bf16)
+            quant.quantize_frozen(model, "nf4")
+            gc.collect()
+            eager = False
         ids = _batch(spec)
         tokens = ids.numel()
         base.update({
-            "params": sum(p.numel() for p in model.parameters()),
+            "params": quant.parameter_count(model),
+            "host_param_bytes": sum(t.nbytes for t in (*model.parameters(), *model.buffers())),
+            "frozen_dtype": "nf4" if mode == "qlora" else None,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],
             "host_dtype": str(base_dtype).removeprefix("torch."), "param_dtype": "bfloat16",
             "build_s": time.perf_counter() - t0})
         base["eager"] = eager_run(model, spec, ids, ctx, steps) if eager else \
-            {"ran": False, "why": "not run for the longest sequence fxpipe fits" if mode == "longest"
-             else "left out (--no-eager or no time)"}
+            {"ran": False, "why": {"longest": "not run for the longest sequence fxpipe fits",
+                                   "qlora": "compared with the lora run (its base in bf16)"}.get(
+                                       mode, "left out (--no-eager or no time)")}
         # what each backend's run starts from (a copy only when another run follows)
         start = {n: p.detach().clone() for n, p in model.named_parameters()
                  if p.requires_grad} if len(backends) > 1 else {}
@@ -484,7 +499,8 @@ def summary(row: dict[str, Any]) -> str:
         f"eager: {row['eager'].get('why')}"
     return (f"  {row['mode']} {row['model']} ({row['params'] / 1e9:.2f} B): "
             f"{row['step_s']:.2f} s/step, {row['tokens_per_s']:.0f} tokens/s, "
-            f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, {eager}")
+            f"{row['model_tflops']:.1f} model TFLOP/s, MFU {mfu}, {eager}; host params "
+            f"{human(row['host_param_bytes'], 'B')}, h2d params {human(row['h2d_bytes_params'] or 0, 'B')}")
 
 
 # ---------------------------------------------------------------------------- the kit's section

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fxpipe import quant
+
 
 @contextmanager
 def _parameters_on_meta() -> Iterator[None]:
@@ -94,22 +96,23 @@ def _linear_params(model: nn.Module) -> tuple[int, int, int]:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            n = m.weight.numel()
+            n = quant.weight_numel(m)
             total += n
-            trainable += n if m.weight.requires_grad else 0
+            trainable += n if quant.quantized_weight(m) is None and m.weight.requires_grad else 0
             head += n if m is out else 0
     return total, trainable, head
 
 
 def step_flops(model: nn.Module, config: Any, tokens: int, seq: int,
                recomputed: float = 1.0) -> dict[str, float]:
-    """One step's FLOPs: ``model`` (6·N·T, N every parameter) and ``hardware``: the
+    """One step's FLOPs: ``model`` (6·N·T, N every parameter, a quantized weight counted
+    as its elements) and ``hardware``: the
     matmuls' forward, the recompute of the blocks' forward (the share ``recomputed`` of
     it: 1 for eager's gradient checkpointing, :func:`recompute_share` for a fxpipe plan),
     the input gradients, the weight gradients of trainable weights only; causal attention
     (score and value products: 2·S·T·d per layer forward, twice that backward, once more
     where recomputed)."""
-    n_all = sum(p.numel() for p in model.parameters())
+    n_all = quant.parameter_count(model)
     lin, trainable, head = _linear_params(model)
     layers = config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import fxpipe
+from fxpipe import quant
 from fxpipe.check.finetune_models import recompute_share, step_flops, with_lora
 
 
@@ -46,14 +47,18 @@ def host_rates(numel: int = 1 << 24) -> dict[str, float]:
 
 
 def meta_model(spec: dict[str, Any]) -> nn.Module:
-    """The run's model on ``meta`` (no weights), LoRA-wrapped for ``lora``, in its host
-    dtype: what the planner and the simulator read."""
+    """The run's model on ``meta`` (no weights), LoRA-wrapped for ``lora`` and ``qlora``
+    (its frozen linears then quantized to NF4), in its host dtype: what the planner and
+    the simulator read."""
     from transformers import AutoModelForCausalLM
+    lora = spec["mode"] in ("lora", "qlora")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(spec["config"])
-        model = model.to(torch.bfloat16 if spec["mode"] == "lora" else torch.float32)
-        if spec["mode"] == "lora":
+        model = model.to(torch.bfloat16 if lora else torch.float32)
+        if lora:
             model = with_lora(model)
+    if spec["mode"] == "qlora":
+        quant.quantize_frozen(model, "nf4")
     return model.train()
 
 
@@ -68,7 +73,8 @@ def costed_step_flops(pipe: Any, num_microbatch: int) -> float:
 def predict(spec: dict[str, Any], *, memory: float, link: float,
             hosts: dict[str, tuple[float, float]], flops: float | None = None,
             eager_step_s: float | None = None, num_devices: int = 1,
-            recompute: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
+            recompute: tuple[str, ...] = ("auto",),
+            device_bytes_per_s: float = math.inf) -> list[dict[str, Any]]:
     """The run's step as ``fxpipe.simulate`` predicts it: fxpipe's own plan for
     ``num_devices`` devices of ``memory`` bytes, its layers' FLOPs at ``flops`` per
     second (or, given a measured eager checkpointed step of this run,
@@ -79,7 +85,9 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
     (``ExecutePlan.auto(device=hardware.nominal_device())``) under each of ``recompute``
     (``"auto"``: the fused tail keeps what fits and pays; ``"full"``: every block but the
     head recomputed): how much the tail keeps depends on what the host and the link can
-    hide."""
+    hide. ``device_bytes_per_s``: the device's memory bandwidth, which prices a
+    ``qlora`` run's dequantizes (``Hardware.device_bytes_per_s``). Each row has the
+    plan's ``predicted_host_bytes`` (``predict_memory(...).host_total``)."""
     from fxpipe.plan import ExecutePlan, chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost, simulate
     if (flops is None) == (eager_step_s is None):
@@ -110,7 +118,7 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
         for host, (optimizer_rate, copy_rate) in hosts.items():
             hw = Hardware(flops=flops, memory=memory, h2d_bandwidth=link, d2h_bandwidth=link,
                           cpu_optimizer_bytes_per_s=optimizer_rate,
-                          host_copy_bytes_per_s=copy_rate)
+                          host_copy_bytes_per_s=copy_rate, device_bytes_per_s=device_bytes_per_s)
             for policy in recompute:
                 plan = ExecutePlan.auto("fused", costed, num_microbatch=M, recompute=policy,
                                         device=hw.nominal_device())
@@ -123,12 +131,14 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
                 f = step_flops(model, spec["config"], tokens, seq, share["recomputed"])
                 rows.append({"model": spec["model"], "mode": spec["mode"], "devices": num_devices,
                              "host_work": host, "recompute": policy,
-                             "params": sum(p.numel() for p in model.parameters()),
+                             "params": quant.parameter_count(model),
                              "tokens_per_step": tokens, "plan": repr(plan), **share,
                              "predicted_step_s": step_s, "tokens_per_s": tokens / step_s,
                              "model_tflops": f["model"] / step_s / 1e12,
                              "hardware_tflops": f["hardware"] / step_s / 1e12,
                              "predicted_peak_bytes": max(t.peak_memory), "flops_per_s": flops,
+                             "predicted_host_bytes": fxpipe.plan.predict_memory(
+                                 pipe, run_type="fused", loss_fn=lambda o, _: o.loss).host_total,
                              "bubble_ratio": t.bubble_ratio})
         return rows
     finally:

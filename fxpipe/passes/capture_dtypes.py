@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe import quant
 from fxpipe.passes import fetch_attr
 from fxpipe.runtime.stages import amp
 
@@ -41,8 +42,9 @@ def parameters_in(model: nn.Module, dtype: torch.dtype | None, values: bool = Tr
     values (a capture at block granularity runs the model once); else uninitialized
     memory that is never touched (tracing reads no value), so capturing a model bound to
     a checkpoint (``weights=``) reads none of it into memory. The buffers' are always
-    copies (a trace may read or update one). On the tensors' device (``meta`` stays
-    ``meta``); nothing of the model changes after the block.
+    copies (a trace may read or update one). Quantized weights (``fxpipe.quant``)
+    dequantize to ``dtype``. On the tensors' device (``meta`` stays ``meta``); nothing
+    of the model changes after the block.
 
     >>> lin = nn.Linear(2, 2)
     >>> with parameters_in(lin, torch.bfloat16) as masters:
@@ -54,6 +56,13 @@ def parameters_in(model: nn.Module, dtype: torch.dtype | None, values: bool = Tr
     if dtype is None:
         yield {}
         return
+    with quant.dequantizing_to(model, dtype), _swapped(model, dtype, values, buffers) as m:
+        yield m
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, dtype: torch.dtype, values: bool,
+             buffers: Collection[torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
     copies: dict[int, torch.Tensor] = {}
     masters: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, torch.Tensor]] = []

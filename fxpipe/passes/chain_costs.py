@@ -143,7 +143,9 @@ def chain_costs(cost_lists: Sequence[Sequence[Any]], device: NominalDevice = NOM
         else:
             ff = [g(c, "fwd_flops") for c in costs]
             bf = [g(c, "bwd_flops") or 2.0 * x for c, x in zip(costs, ff)]
-            f = [device.ms(x, p[i] + sv[i] + bd[i]) for i, x in enumerate(ff)]
+            # a dequantize (fxpipe.quant) is a kernel of its own: its traffic adds
+            f = [device.ms(x, p[i] + sv[i] + bd[i]) + g(costs[i], "dequant_bytes")
+                 / device.bytes_per_s * 1e3 for i, x in enumerate(ff)]
             r = f
             b = [device.ms(x, p[i] + gr[i] + sv[i] + 2 * bd[i]) for i, x in enumerate(bf)]
         out.append(ChainCosts(f, r, b, p, gr, [s + x for s, x in zip(sv, bd)], bd))

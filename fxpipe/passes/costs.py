@@ -66,6 +66,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe import quant
 from fxpipe.attention import register_sdpa_flops
 from fxpipe.passes import cost_cache
 from fxpipe.passes.capture_dtypes import cast_floating
@@ -101,6 +102,7 @@ class Cost:
     loss_bytes: int | None = None
     fwd_kernels: int | None = None   # ops launching a kernel in forward (a recompute: as many)
     bwd_kernels: int | None = None   # and in backward
+    dequant_bytes: int = 0   # device memory traffic of its dequantizes, per forward (fxpipe.quant)
     # on the host, where they differ (mixed precision: the fp32 masters, and their gradients
     # as downloaded, in the masters' gradient dtype); None: as on a device
     host_param_bytes: int | None = None
@@ -267,7 +269,8 @@ def compute_costs(lg: LayerGraph, flat_inputs: Sequence[Any], *, store: bool = T
             boundary_bytes=_boundary_bytes([env[name] for name in cut]),
             saved_bytes=saved, fwd_flops=fwd, bwd_flops=bwd,
             carried_bytes=_boundary_bytes([env[name] for name in cut if name in before]),
-            loss_bytes=loss_bytes if last else None, **profile)
+            loss_bytes=loss_bytes if last else None,
+            dequant_bytes=quant.dequantize_traffic(layer.gm), **profile)
         if store:
             layer.node.meta["cost"] = cost
         costs.append(cost)

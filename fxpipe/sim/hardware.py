@@ -57,6 +57,9 @@ class Hardware:
       default ``host_us_per_kernel``). An action starts on its device no earlier than it
       was issued. All 0 by default (issuing free); :data:`H200_HOST` are the figures
       calibrated on the H200 kit run (``benchmarks/bench_host_model.py``).
+    - ``device_bytes_per_s``: a device's memory bandwidth, at which a layer's dequantizes
+      of quantized frozen weights (``LayerCost.dequant_bytes``, ``fxpipe.quant``) add to
+      its forward and recompute times when those come from FLOPs.
     """
 
     flops: float = INF
@@ -77,6 +80,7 @@ class Hardware:
     host_us_per_action: float = 0.0
     host_us_per_kernel: float = 0.0
     host_us_per_grad_kernel: float | None = None
+    device_bytes_per_s: float = INF
 
     def issue_us(self, kernels: float, grad: bool) -> float:
         """The host's time to issue one action that launches ``kernels`` kernels.
@@ -90,12 +94,14 @@ class Hardware:
 
     @classmethod
     def rtx4090_pcie4(cls, **overrides) -> "Hardware":
-        """RTX 4090 on PCIe 4.0 x16: 165 dense bf16 TFLOP/s, 24 GiB, ~25 GB/s each way.
+        """RTX 4090 on PCIe 4.0 x16: 165 dense bf16 TFLOP/s, 24 GiB, ~25 GB/s each way,
+        1,008 GB/s of device memory bandwidth.
 
         >>> Hardware.rtx4090_pcie4(shared_bus=True).shared_bus
         True
         """
-        base = dict(flops=165e12, memory=24 * 2**30, h2d_bandwidth=25e9, d2h_bandwidth=25e9)
+        base = dict(flops=165e12, memory=24 * 2**30, h2d_bandwidth=25e9, d2h_bandwidth=25e9,
+                    device_bytes_per_s=1008e9)
         return cls(**{**base, **overrides})
 
     def transfer_ms(self, nbytes: float, direction: Literal["h2d", "d2h"],
@@ -198,6 +204,8 @@ class LayerCost:
     - ``saved_bytes``: activations one microbatch keeps for this layer's backward.
     - ``fwd_kernels``, ``bwd_kernels``: the kernels its forward and its backward launch
       (what the host pays per kernel to issue, ``Hardware.host_us_per_kernel``).
+    - ``dequant_bytes``: the device memory traffic of the dequantizes its forward (and a
+      recompute) runs (``fxpipe.quant``); :meth:`of` prices it.
 
     >>> LayerCost(7.4, 15.8).recompute
     7.4
@@ -214,6 +222,7 @@ class LayerCost:
     host_grad_bytes: int | None = None
     fwd_kernels: int = 0
     bwd_kernels: int = 0
+    dequant_bytes: int = 0
 
     @property
     def host_params(self) -> int:
@@ -252,12 +261,17 @@ class LayerCost:
         >>> lc.fwd_ms, lc.bwd_ms, lc.recompute, lc.param_bytes
         (1.0, 2.0, 1.0, 8)
         """
+        dequant = getattr(cost, "dequant_bytes", 0)
         ms = lambda t, flops: hardware.compute_ms(flops) if t is None else t  # noqa: E731
-        return cls(ms(cost.fwd_ms, cost.fwd_flops), ms(cost.bwd_ms, cost.bwd_flops),
+        fwd = ms(cost.fwd_ms, cost.fwd_flops)
+        if cost.fwd_ms is None:   # a measured time has the dequantizes in it
+            fwd += dequant / hardware.device_bytes_per_s * 1e3
+        return cls(fwd, ms(cost.bwd_ms, cost.bwd_flops),
                    cost.recompute_ms, cost.param_bytes, cost.grad_bytes, cost.boundary_bytes,
                    cost.saved_bytes, getattr(cost, "host_param_bytes", None),
                    getattr(cost, "host_grad_bytes", None),
-                   getattr(cost, "fwd_kernels", None) or 0, getattr(cost, "bwd_kernels", None) or 0)
+                   getattr(cost, "fwd_kernels", None) or 0, getattr(cost, "bwd_kernels", None) or 0,
+                   dequant)
 
     @classmethod
     def from_flops(cls, fwd_flops: float, hardware: Hardware, bwd_flops: float | None = None,
