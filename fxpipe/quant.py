@@ -343,8 +343,8 @@ def _bnb_nf4_blob(w: Tensor) -> Tensor:
 def adopt_quantized(model: nn.Module) -> list[str]:
     """Convert, in place, a model a user loaded quantized: each bitsandbytes NF4
     ``Linear4bit`` (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``)
-    becomes fxpipe's NF4 linear holding the same bytes (nothing is dequantized; it
-    dequantizes to the ``bnb_4bit_quant_storage``'s original dtype outside a pipe).
+    becomes fxpipe's NF4 linear holding the same bytes (nothing is dequantized; outside a
+    pipe it dequantizes to the dtype bitsandbytes recorded for the weight).
     Returns the names converted. Any other bitsandbytes or torchao tensor (8-bit, FP4,
     torchao's layouts) raises ``NotImplementedError`` naming the route that works here."""
     done = []
@@ -372,11 +372,11 @@ def adopt_quantized(model: nn.Module) -> list[str]:
 def prepare(model: nn.Module, frozen_dtype: str | None) -> None:
     """What ``fxpipe.compile`` does before capture: adopt a model loaded quantized
     (:func:`adopt_quantized`), then quantize its frozen linears to ``frozen_dtype``."""
-    adopted = adopt_quantized(model)
+    adopt_quantized(model)
     if frozen_dtype is None:
         return
-    done = quantize_frozen(model, frozen_dtype)
-    if not done and not adopted and not any(quantized_weight(m) for m in model.modules()):
+    quantize_frozen(model, frozen_dtype)
+    if not any(quantized_weight(m) for m in model.modules()):
         raise ValueError(
             f"frozen_dtype={frozen_dtype!r} found no frozen nn.Linear weight to quantize: it "
             "quantizes the weights that do not train (requires_grad=False, as peft's "
