@@ -39,6 +39,7 @@ from fxpipe.check import finetune as ft  # noqa: E402
 from fxpipe.check import finetune_predict as fp  # noqa: E402
 from fxpipe.config import STAGE_BACKENDS  # noqa: E402
 from fxpipe.check.common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
+from fxpipe.check.finetune_models import host_bytes  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
 GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -156,8 +157,7 @@ def predicted_qlora(rates: dict, say=print) -> list[dict]:
                                  flops=RTX4090["flops"], num_devices=gpus,
                                  device_bytes_per_s=RTX4090["hbm"])[0]
                 model = fp.meta_model(spec)
-                row["host_param_bytes"] = sum(t.nbytes for t in (*model.parameters(),
-                                                                  *model.buffers()))
+                row["host_param_bytes"] = host_bytes(model)
 
                 def batch(n):
                     ids = torch.zeros(1, n, dtype=torch.long, device="meta")

@@ -43,7 +43,7 @@ def child(variant: str, layers: int) -> dict:
     import fxpipe
     from fxpipe import quant
     from fxpipe.check.finetune import run_specs
-    from fxpipe.check.finetune_models import host_model, with_lora
+    from fxpipe.check.finetune_models import host_bytes, host_model, with_lora
     torch.manual_seed(0)
     config = next(s for s in run_specs(False) if s["mode"] == "lora")["config"]
     config.num_hidden_layers = layers
@@ -71,7 +71,7 @@ def child(variant: str, layers: int) -> dict:
     uploads = sum(at in r for r in (*pipe.plan.fwd_plan, *pipe.plan.bwd_plan))
     return {"variant": variant, "layers": layers, "device": "cuda:0" if gpu else "virtual (cpu)",
             "params": quant.parameter_count(model),
-            "host_param_bytes": sum(t.nbytes for t in (*model.parameters(), *model.buffers())),
+            "host_param_bytes": host_bytes(model),
             "quantized_bytes": held, "quantized_weight_bytes_bf16": weights,
             "bytes_per_quantized_weight": held / (weights / 2) if weights else None,
             "embedding_bytes": embed.nbytes, "embedding_weights": embed.numel(),

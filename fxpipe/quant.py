@@ -87,6 +87,8 @@ def _nf4_pairs(device: torch.device) -> Tensor:
         levels = torch.tensor(NF4_LEVELS, dtype=torch.float32)
         table = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], 1)
         table = _TABLES[device] = table.to(device)
+        if device.type == "cuda":   # written on this stream, read from any stream later
+            torch.cuda.current_stream(device).synchronize()
     return table
 
 
@@ -143,6 +145,8 @@ def quantize(w: Tensor, fmt: str) -> Tensor:
     codes, scales = blob[:n], blob[n:].view(torch.float32)
     flat = w.detach().reshape(-1)
     per_code = numel // n
+    levels = torch.tensor(NF4_LEVELS, device=w.device)
+    midpoints = (levels[1:] + levels[:-1]) / 2
     for start in range(0, numel, _CHUNK):
         x = flat[start:start + _CHUNK].float().view(-1, BLOCK)
         absmax = x.abs().amax(1)
@@ -150,8 +154,7 @@ def quantize(w: Tensor, fmt: str) -> Tensor:
         if fmt == "nf4":
             scales[blocks] = absmax
             unit = x / torch.where(absmax > 0, absmax, 1.0)[:, None]
-            mid = torch.tensor(NF4_LEVELS, device=x.device)
-            idx = torch.bucketize(unit, (mid[1:] + mid[:-1]) / 2).to(torch.uint8).view(-1, 2)
+            idx = torch.bucketize(unit, midpoints).to(torch.uint8).view(-1, 2)
             c = (idx[:, 0] << 4) | idx[:, 1]
         else:
             scale = torch.where(absmax > 0, absmax / _CODE_MAX[fmt], 1.0)

@@ -65,8 +65,8 @@ import fxpipe
 from fxpipe import quant
 from fxpipe.units import human
 from fxpipe.check.common import error_record, link_bandwidth, say, sync_fn, timed, unsampled
-from fxpipe.check.finetune_models import (device_copy, host_model, recompute_share, step_flops,
-                                          with_lora)
+from fxpipe.check.finetune_models import (device_copy, host_bytes, host_model, recompute_share,
+                                          step_flops, with_lora)
 from fxpipe.check.harness import Kit
 from fxpipe.runtime.issue.trace import compute_busy_ms
 from fxpipe.runtime.stages.compiled import compile_totals
@@ -369,7 +369,7 @@ def measure(spec: dict[str, Any], ctx: dict[str, Any], backends: tuple[str | Non
         tokens = ids.numel()
         base.update({
             "params": quant.parameter_count(model),
-            "host_param_bytes": sum(t.nbytes for t in (*model.parameters(), *model.buffers())),
+            "host_param_bytes": host_bytes(model),
             "frozen_dtype": "nf4" if mode == "qlora" else None,
             "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "tokens_per_step": tokens, "microbatches": ids.shape[0], "seq": spec["seq"],

@@ -77,6 +77,12 @@ def with_lora(model: nn.Module, rank: int = 16) -> nn.Module:
         r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0))
 
 
+def host_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers as the host holds them (a quantized
+    weight as its blob)."""
+    return sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+
+
 def device_copy(model: nn.Module, device: torch.device | str) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are copied to ``device`` one by
     one (no second host copy): ``deepcopy`` with the tensors pre-seeded in its memo."""
