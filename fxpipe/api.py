@@ -21,13 +21,14 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from fxpipe.call_checks import (check_differentiable, check_loss_scaling,
+from fxpipe.call_checks import (as_example_tuple, check_differentiable, check_loss_scaling,
                                 check_optimizer_holds, digest)
 from fxpipe import quant
 from fxpipe.checkpointing import Checkpointing
 from fxpipe.config import RunConfig
 from fxpipe.generating import Generating
 from fxpipe.inspecting import Inspecting
+from fxpipe.sequence_chunks import SequenceChunking
 from fxpipe.optim import Overlapped, as_overlapped
 from fxpipe.optim_step import watch_fused_steps
 from fxpipe.graph_cache import (CompiledGraph, dynamic_dims, find, first_microbatch, plan_key,
@@ -185,9 +186,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.compile expects an nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else \
-            _bad_example(example_inputs)
+    example_inputs = as_example_tuple(example_inputs)
     if not example_inputs and not example_kwargs:
         raise ValueError(
             "fxpipe.compile needs example inputs to capture the model: "
@@ -240,21 +239,15 @@ def _pinning(pin_memory: bool | None, devices: Sequence[Device]) -> tuple[bool, 
     return pin, pin and not any(isinstance(d, CudaDevice) for d in devices)
 
 
-def _bad_example(x: Any):
-    raise TypeError(f"example_inputs must be a tuple of positional arguments, got "
-                    f"{type(x).__name__}; write example_inputs=(x,)")
-
-
-class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
+class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn.Module):
     """A model compiled into stages. Call it like the model; see ``fxpipe.compile``.
 
     Parameters stay the model's own (``pipe.module``): ``pipe.parameters()``,
     ``state_dict()`` and any ``torch.optim`` optimizer work on them directly.
 
-    This class compiles and calls; what a pipe shows (``code``, ``program``, ``stats``,
-    ``trace``...) is :class:`fxpipe.inspecting.Inspecting`'s, its checkpoints and state
-    dicts :class:`fxpipe.checkpointing.Checkpointing`'s.
-    """
+    This class compiles and calls; what a pipe shows (``code``, ``program``, ``stats``...)
+    is ``fxpipe.inspecting``'s, its checkpoints ``fxpipe.checkpointing``'s, its chunked
+    calls ``fxpipe.sequence_chunks``'."""
 
     def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, *,
                  devices: list[Device], capture: str | Callable[[], fx.GraphModule],
@@ -344,7 +337,9 @@ class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
     # -- calling -----------------------------------------------------------------------
     def forward(self, *args: Any, run_config: RunConfig | None = None, **kwargs: Any) -> Any:
         self._check_open()
-        cfg = self._fit_rows(self._config(run_config), args, kwargs)
+        if self._chunked_call(cfg := self._config(run_config)):
+            return self._chunked(args, kwargs, cfg)
+        cfg = self._fit_rows(cfg, args, kwargs)
         self._check_call(args, kwargs, None, cfg)
         compiled = self._compiled_for(args, kwargs)
         self._current = compiled
@@ -415,7 +410,11 @@ class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self._check_open()
         kwargs = dict(input_kwargs or {})
-        cfg = self._fit_rows(self._config(run_config), input_args, kwargs)
+        if self._chunked_call(cfg := self._config(run_config)):
+            return self._chunked(input_args, kwargs, cfg, dict(
+                label=label, loss_fn=loss_fn, loss_reduction=loss_reduction, optimizer=optimizer,
+                return_outputs=return_outputs, sync_gradients=sync_gradients))
+        cfg = self._fit_rows(cfg, input_args, kwargs)
         self._check_call(input_args, kwargs, label, cfg)
         compiled = self._for_loss(self._compiled_for(input_args, kwargs), loss_fn, label,
                                   return_outputs)
@@ -547,10 +546,11 @@ class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
                     optimizer: Any = False, grain: str | None = None,
                     return_outputs: bool = False, sync_gradients: bool = True,
                     input_grads: Sequence[str] = (), compiled: CompiledGraph | None = None,
-                    plan: ExecutePlan | None = None) -> Executable:
+                    plan: ExecutePlan | None = None, chunks: int | None = None) -> Executable:
         """The (cached) Executable a call of this kind runs with the pipe's config: the
         call's own ``CallSpec`` (``Runner.spec``) built from these arguments, for the
-        graph of the last call (or ``compiled``), under its plan (or ``plan``)."""
+        graph of the last call (or ``compiled``), under its plan (or ``plan``); ``chunks``:
+        a chunk step pipe's call of that many sequence chunks."""
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if grain not in (None, "stage", "layer"):
@@ -560,7 +560,7 @@ class PipelineModule(Inspecting, Checkpointing, Generating, nn.Module):
         else:
             spec = optimizer_spec(optimizer)
         cfg = self._config(RunConfig(num_microbatch=num_microbatch, recompute_grain=grain,
-                                     execute_plan=plan))
+                                     execute_plan=plan, sequence_chunks=chunks))
         compiled = (compiled or self._current).base
         if run_type == "fused" and not return_outputs:
             compiled = compiled.fused(self.module)     # what forward_backward runs (_for_loss)

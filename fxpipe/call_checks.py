@@ -87,3 +87,13 @@ def check_optimizer_holds(optimizer: torch.optim.Optimizer, model: nn.Module) ->
         "param groups, none of them this model's): its step would change nothing while the "
         "gradients keep accumulating. Build it on the model you compiled, e.g. "
         "torch.optim.AdamW(model.parameters()) (not on a copy of it).")
+
+
+def as_example_tuple(example_inputs: Any) -> tuple:
+    """``compile``'s ``example_inputs`` as a tuple (one tensor becomes ``(x,)``)."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    raise TypeError(f"example_inputs must be a tuple of positional arguments, got "
+                    f"{type(example_inputs).__name__}; write example_inputs=(x,)")

@@ -46,6 +46,10 @@ class RunConfig:
       replayed as a device graph (a CUDA graph), its parameters uploaded to the same
       device memory every round (``fxpipe.runtime.stages.graphs``; the fused tail and
       layer-grain backward run the compiled code).
+    - ``sequence_chunks``: ``None`` (default), or ``K``: each sequence runs as ``K`` token
+      chunks (the call's microbatches) through the stages, attention reading the earlier
+      chunks' keys and values; the result equals the unchunked call
+      (``fxpipe.sequence_chunks``).
     """
 
     requires_grad: bool | None = None
@@ -58,6 +62,7 @@ class RunConfig:
     merge_output: Any = None
     execute_plan: StagePlan | None = None
     stage_backend: Literal["eager", "inductor", "auto", "cudagraphs"] | None = None
+    sequence_chunks: int | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("requires_grad", "preserve_rng_state"):
@@ -91,6 +96,11 @@ class RunConfig:
         if backend is not None and backend not in STAGE_BACKENDS:
             raise ValueError(f"RunConfig.stage_backend must be None, 'eager', 'inductor', "
                              f"'auto' or 'cudagraphs', got {backend!r}")
+        k = self.sequence_chunks
+        if k is not None and k != "auto" and (isinstance(k, bool) or not isinstance(k, int)):
+            raise TypeError(f"RunConfig.sequence_chunks must be None, an int or 'auto', got {k!r}")
+        if isinstance(k, int) and k < 1:
+            raise ValueError(f"RunConfig.sequence_chunks must be >= 1, got {k}")
         if self.execute_plan is not None and not isinstance(self.execute_plan, StagePlan):
             raise TypeError("RunConfig.execute_plan must be an fxpipe.ExecutePlan or None, got "
                             f"{type(self.execute_plan).__name__}")

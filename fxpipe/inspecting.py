@@ -54,7 +54,8 @@ class Inspecting:
         return self._current.timer
 
     def code(self, run_type: Literal["infer", "train", "fused", "generate"] = "fused",
-             grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False) -> str:
+             grain: Literal["stage", "layer"] | None = None, *, runnable: bool = False,
+             sequence_chunks: int | None = None) -> str:
         """The code of every GraphModule a call of ``run_type`` executes (forward,
         backward and fused-tail stages; at ``grain="layer"`` the layer pieces of split
         backward stages), each starting with its ``# stage ...`` header line.
@@ -66,7 +67,12 @@ class Inspecting:
         ``"generate"``: the prefill's stages, then a decode step's (``pipe.generate``),
         each layer's KV cache read with the stage's buffers and written back. Under a
         model-level ``RunConfig(stage_backend=...)`` each stage says which backend runs
-        it (its runnable code: which layers run compiled, sharing which artifact)."""
+        it (its runnable code: which layers run compiled, sharing which artifact).
+        ``sequence_chunks=K``: the code of a call in ``K`` token chunks, each attention a
+        ``chunk_attention`` over the earlier chunks' keys (``fxpipe.sequence_chunks``)."""
+        if sequence_chunks is not None:
+            return self._code(self._chunked_executable(run_type, sequence_chunks, grain=grain),
+                              runnable)
         if run_type == "generate":
             from fxpipe.generation import inspected_steps
             parts = zip(("# prefill", "# each decode step"), inspected_steps(self).executables())
@@ -108,7 +114,7 @@ class Inspecting:
                 num_microbatch: int | None = None, optimizer: Any = False,
                 grain: Literal["stage", "layer"] | None = None, *,
                 input_grads: bool | Sequence[str] = False, return_outputs: bool = False,
-                sync_gradients: bool = True) -> Program:
+                sync_gradients: bool = True, sequence_chunks: int | None = None) -> Program:
         """The Program a call of ``run_type`` runs, every action included: per device its
         ordered actions, and the host lane: the ``Refresh`` of the parameters' upload
         copies, what takes each stage's downloaded gradients (``Accumulate``, or with
@@ -127,7 +133,8 @@ class Inspecting:
         names), whose gradients the Program offloads to the host (its ``input-grads``
         line). ``"generate"``: a ``GenerationProgram``, the prefill's Program and a
         decode step's (``pipe.generate``; the last call's batch and cache, else the
-        example's batch).
+        example's batch). ``sequence_chunks=K``: a call in ``K`` token chunks of the
+        example's sequence, one chunk per microbatch (``fxpipe.sequence_chunks``).
 
         >>> import fxpipe
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -144,6 +151,10 @@ class Inspecting:
             prefill, decode = steps.executables()
             return GenerationProgram(prefill.program, decode.program, steps.cache_line(),
                                      steps.chunk)
+        if sequence_chunks is not None:
+            return self._chunked_executable(run_type, sequence_chunks, optimizer=optimizer,
+                                            grain=grain, return_outputs=return_outputs,
+                                            sync_gradients=sync_gradients).program
         return self._executable(run_type, num_microbatch, optimizer=optimizer, grain=grain,
                                 return_outputs=return_outputs, sync_gradients=sync_gradients,
                                 input_grads=self._input_grads(input_grads)).program

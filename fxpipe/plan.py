@@ -22,6 +22,7 @@ vectors) < this module (what users call).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ from fxpipe.passes.layer_graph import LayerGraph
 from fxpipe.passes.stage_memory import ChainMemory, human_bytes
 from fxpipe.passes.loss import loss_reads_dropped
 from fxpipe.passes.partition import build_layer_graph, without_loss_free_outputs
+from fxpipe.sequence_plan import chunk_counts, host_kv_bytes, kv_layout, with_kv
 from fxpipe.stage_plan import RunType, StagePlan, check_run_type
 
 MEMORY_FRACTION = 0.9
@@ -159,9 +161,11 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                         loss_fn: Callable[[Any, Any], Any] | None = None,
                         label: Callable[[int], Any] | None = None,
                         memory_fraction: float = MEMORY_FRACTION, step: int = 1024,
-                        max_length: int = 1 << 22, layers: str | None = None,
+                        max_length: int = 1 << 23, layers: str | None = None,
                         capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
-                        host_memory: int | None = None) -> int:
+                        host_memory: int | None = None,
+                        sequence_chunks: int | Literal["auto"] | None = "auto",
+                        details: dict | None = None) -> int:
     """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
     ``num_devices`` devices of ``device_memory`` bytes each: the largest for which
     ``ExecutePlan.auto("fused", ...)`` finds a plan whose every stage's predicted peak fits
@@ -184,6 +188,20 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     ``host_memory``: the host's bytes, which must hold the parameters, their gradients
     and every microbatch's boundary activations (``predict_memory``'s ``.host``).
 
+    ``sequence_chunks`` (``RunConfig.sequence_chunks``): ``"auto"`` (default) — for a
+    Hugging Face model whose attention a chunked call runs (``fxpipe.sequence_chunks``),
+    a length that does not fit whole is tried as 2, 4, 8, ... token chunks of at least
+    ``step`` tokens (the fewest that fit are taken): one sequence of ``microbatch_size``
+    rows, its chunks the step's microbatches, each attention layer holding the keys and
+    values of the whole sequence while it computes, and the host all of them
+    (``fxpipe.sequence_plan``); an int — exactly that many chunks; ``None`` — whole
+    sequences in ``num_microbatch`` microbatches only. A model that takes ``labels`` is
+    costed with them by default (its own loss, the head and loss chunked: the default
+    ``example_inputs`` is ``{"input_ids": ids, "labels": ids}``). ``details``: a dict that
+    gets the longest length's ``sequence_chunks``, ``host_bytes`` (what the host holds:
+    ``predict_memory``'s ``.host`` kinds for the finest plan's cuts, plus the keys and
+    values) and ``device_bytes`` (the limit the plan fits).
+
     The model is captured once at ``step`` tokens and costed on fake tensors at each
     length tried (a graph specialized on the sequence length is captured again); the
     search doubles, then bisects. Raises ``PlanError`` (what does not fit, by kind)
@@ -205,14 +223,23 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                          f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"max_sequence_length: host_memory must be > 0 bytes or None, got {host_memory}")
-    make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
-                                                     device="meta"),))
+    if example_inputs is None and "labels" in inspect.signature(model.forward).parameters:
+        def make(n: int) -> Any:
+            ids = torch.zeros(microbatch_size, n, dtype=torch.long, device="meta")
+            return {"input_ids": ids, "labels": ids}
+    else:
+        make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
+                                                         device="meta"),))
     make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
     M = num_microbatch or num_devices + 1
     limit = memory_fraction * device_memory
     graph: list[LayerGraph] = []
+    layout: list = []   # the KV layout of graph[0] (None: no chunked attention)
+    costed: dict[int, tuple] = {}   # tokens -> (memory, flat inputs) of the current graph
 
-    def check(n: int) -> None:
+    def memory_at(n: int) -> ChainMemory:
+        if n in costed:
+            return costed[n]
         args = make(n)
         if not isinstance(args, (tuple, dict)):
             raise TypeError(f"example_inputs(seq_len) must return a tuple of positional "
@@ -226,17 +253,64 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
             if loss_fn is None or not loss_reads_dropped(lg, loss_fn, make_label(n)):
                 lg = without_loss_free_outputs(lg, model)
             graph[:] = [lg]
+            layout[:] = [kv_layout(model, lg, dtype)]
+            costed.clear()
         loss = None if loss_fn is None else (loss_fn, make_label(n))
         costs = compute_costs(graph[0], flat, store=False, loss=loss)
-        memory = ChainMemory.of(costs, tensor_bytes(flat))
+        costed[n] = ChainMemory.of(costs, tensor_bytes(flat))
+        return costed[n]
+
+    def check_chunks(n: int, chunks: int) -> None:
+        memory = memory_at(n // chunks)
+        kv = layout[0] if chunks > 1 else None
+        if chunks > 1:
+            memory = with_kv(memory, kv, n)
+        steps = M if chunks == 1 else chunks
         planner.check_memory("fused", [memory], limit, num_devices=num_devices,
-                             num_microbatch=M, recompute_grain=recompute_grain)
-        if host_memory is not None:   # every layer's boundary kept: the finest plan's
-            host = sum(host_bytes(graph[0], memory, range(len(memory) - 1), M).values())
-            if host > host_memory:
-                raise PlanError(f"the host would hold {human_bytes(host)} at {n} tokens "
-                                f"(parameters, gradients, {M} microbatches' activations at "
-                                f"every layer's cut), over host_memory={human_bytes(host_memory)}")
+                             num_microbatch=steps, recompute_grain=recompute_grain)
+        def host_at(cuts: Any) -> int:
+            return sum(host_bytes(graph[0], memory, cuts, steps).values()) + (
+                host_kv_bytes(kv, n) if kv is not None else 0)
+
+        host = host_at(range(len(memory) - 1))   # every layer's boundary: the finest plan's
+        if kv is not None and host_memory is not None and host > host_memory:
+            (_, bwd), = planner.plan_chains(   # the fewest stages that fit: fewest cuts
+                "fused", [chain_costs.ChainCosts.from_times([1.0] * len(memory))],
+                num_devices=num_devices, num_microbatch=steps, memory=[memory],
+                memory_limit=limit, min_stages=1, recompute_grain=recompute_grain,
+                host_ms_per_action=1e6)
+            host = host_at([r.start - 1 for r in bwd if r.start > 0])
+        if host_memory is not None and host > host_memory:
+            raise PlanError(f"the host would hold {human_bytes(host)} at {n} tokens "
+                            f"(parameters, gradients, {steps} microbatches' activations at "
+                            f"every layer's cut{', the keys and values' if kv else ''}), over "
+                            f"host_memory={human_bytes(host_memory)}")
+        found[n] = {"sequence_chunks": chunks, "host_bytes": host, "device_bytes": int(limit)}
+
+    found: dict[int, dict] = {}   # tokens -> what fits them (details)
+    failed: dict[int, int] = {}   # chunk length (0: whole) -> the fewest tokens it failed at
+
+    def check(n: int) -> None:
+        memory_at(min(n, step))   # the graph, and its attention layers
+        if sequence_chunks is None or layout[0] is None:
+            counts = [1]
+        elif sequence_chunks == "auto":   # chunk lengths step * 2**j: costed once each
+            counts = chunk_counts(n, step)
+        else:
+            if n % sequence_chunks:
+                raise PlanError(f"{sequence_chunks} chunks do not divide {n} tokens")
+            counts = [sequence_chunks]
+        failure = None
+        for chunks in counts:
+            # a chunk length that failed at fewer tokens fails here too (it holds more)
+            if n >= failed.get(n // chunks if chunks > 1 else 0, n + 1):
+                continue
+            try:
+                return check_chunks(n, chunks)
+            except PlanError as e:
+                failed[n // chunks if chunks > 1 else 0] = n
+                failure = failure or e
+        raise failure or PlanError(f"no chunk length fits {n} tokens")
 
     def fits(n: int) -> bool:
         try:
@@ -259,4 +333,6 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     while hi is not None and hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if details is not None:
+        details.update(found[lo])
     return lo

@@ -15,7 +15,7 @@ def test_every_field_defaults_to_unset():
     names = [f.name for f in dataclasses.fields(RunConfig)]
     assert names == ["requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
                      "num_microbatch", "split_input", "split_label", "merge_output", "execute_plan",
-                     "stage_backend"]
+                     "stage_backend", "sequence_chunks"]
     assert all(getattr(cfg, n) is None for n in names)
 
 

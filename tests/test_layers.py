@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.errors",),
     # leaves: plain data and tools (they import fxpipe.errors at most)
     ("fxpipe.ops", "fxpipe.verbose", "fxpipe.losses", "fxpipe.tiling", "fxpipe.live_bytes",
-     "fxpipe.units", "fxpipe.stage_plan", "fxpipe.attention", "fxpipe.quant"),
+     "fxpipe.units", "fxpipe.stage_plan", "fxpipe.attention", "fxpipe.quant",
+     "fxpipe.sequence_kv"),
     ("fxpipe.config",),
     # the values the passes make and the runtime reads
     ("fxpipe.passes", "fxpipe.passes.layer_graph", "fxpipe.passes.actions",
@@ -55,14 +56,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.passes.recompute", "fxpipe.passes.lower"),
     ("fxpipe.passes.executable",),
     # planning above memory: the estimate, the algorithm, what users call
-    ("fxpipe.memory_prediction",),
+    ("fxpipe.memory_prediction", "fxpipe.sequence_plan"),
     ("fxpipe.passes.packing",),    # the planner's exact packing
     ("fxpipe.passes.planner",),
     ("fxpipe.plan",),
     ("fxpipe.kv_placement",),      # a generation's KV cache, from predictions (and a plan)
     ("fxpipe.graph_cache",),                         # the graphs a pipe compiled
     ("fxpipe.inspecting", "fxpipe.checkpointing",    # PipelineModule's bases, and what it
-     "fxpipe.generating", "fxpipe.call_checks"),      # checks of a call
+     "fxpipe.generating", "fxpipe.call_checks",       # checks of a call
+     "fxpipe.sequence_chunks"),
     ("fxpipe.api",),
     ("fxpipe.backend",),
     ("fxpipe",),

@@ -75,7 +75,8 @@ class CallSpec:
     ``"fused"`` call without ``return_outputs``); ``input_grads``: the model inputs whose
     gradients go to the host (they require grad); ``data_parallel``: ``"allreduce"`` or
     ``"shard"`` collectives, ``broadcast_buffers`` the buffers' broadcast (training
-    calls of a data-parallel pipe).
+    calls of a data-parallel pipe); ``chunks``: the microbatches are one sequence's token
+    chunks (``RunConfig.sequence_chunks``), which every backward stage runs last first.
 
     >>> str(CallSpec("fused", 4, optimizer=OptimizerSpec(clip=True)))
     'fused x4 grain=stage optimizer=exact+clip(speculate)'
@@ -91,6 +92,7 @@ class CallSpec:
     input_grads: tuple[str, ...] = ()
     data_parallel: Literal["allreduce", "shard"] | None = None
     broadcast_buffers: bool = False
+    chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.run_type not in ("infer", "train", "fused"):
@@ -122,6 +124,8 @@ class CallSpec:
             parts.append(f"data_parallel={self.data_parallel}")
         if self.broadcast_buffers:
             parts.append("broadcast_buffers")
+        if self.chunks:
+            parts.append("sequence_chunks")
         return " ".join(parts)
 
 

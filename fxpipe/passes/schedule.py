@@ -106,7 +106,7 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
                   grain: str = "stage",
                   values: Values | None = None, data_parallel: DataParallelMode | None = None,
-                  broadcast_buffers: bool = False) -> Program:
+                  broadcast_buffers: bool = False, chunks: bool = False) -> Program:
     """Build the Program for a plan.
 
     ``dispatch="stage"`` (docs/design.md, rule 1): stage ``s`` runs on device ``s mod G`` as one
@@ -134,7 +134,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     (``Checkpoint``, then each layer's ``RecomputeBackward``, deepest first).
     ``values``: the stages' values (:class:`Values`; default :func:`chain_values`).
     ``data_parallel`` and ``broadcast_buffers``: the collectives of the host lane
-    (:func:`host_lane`).
+    (:func:`host_lane`). ``chunks`` (``dispatch="stage"``): the microbatches are one
+    sequence's token chunks; every backward stage runs them last first.
 
     >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 4)
     >>> [str(a) for a in p.actions[1] if isinstance(a, (Forward, FusedBackward))]
@@ -160,8 +161,12 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     jobs: list[list[tuple[int, list[int]]]] = [[] for _ in range(G)]
     if dispatch == "stage":
         for st in stages:
-            jobs[st.index % G].append((st.index, list(range(M))))
+            order = range(M - 1, -1, -1) if chunks and st.kind != "fwd" else range(M)
+            jobs[st.index % G].append((st.index, list(order)))
         return emit(jobs)
+    if chunks:
+        raise ValueError("sequence chunks run with dispatch='stage' (each stage's chunks in "
+                         "order on one device)")
     if dispatch != "roundpipe":
         raise ValueError(f"dispatch must be 'roundpipe' or 'stage', got {dispatch!r}")
     size = round_size or G

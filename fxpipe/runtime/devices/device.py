@@ -439,6 +439,7 @@ class _Work(threading.local):
     kind: str = "workspace"
     paused: bool = False
     made: list[int]     # storages this thread's work counted since the last ``keep``
+    counting: Any = None   # a weakref to the VirtualDevice counting its work, if any
 
     def __init__(self) -> None:
         self.made = []

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxpipe import sequence_kv
 from fxpipe.live_bytes import new_storages
 from fxpipe.runtime.devices.device import Record, _work
 from fxpipe.runtime.devices.events import Event
@@ -101,8 +102,9 @@ class _Counting(TorchDispatchMode):
 def _host_part(stream: str, fn: Callable[..., Any], args: tuple, label: str, token: object,
                counting: weakref.ref | None) -> tuple[Any, BaseException | None, list]:
     """Run a work item's Python on this thread: ``(result, exception, queued copies)``."""
-    saved = _work.token, _work.stream, _work.copies, _work.owner, _work.made
+    saved = _work.token, _work.stream, _work.copies, _work.owner, _work.made, _work.counting
     _work.token, _work.stream, _work.copies, _work.owner, _work.made = token, stream, [], label, []
+    _work.counting = counting
     result, exc = None, None
     try:
         # a mode per item: a mode object is not entered by two threads at once
@@ -112,8 +114,20 @@ def _host_part(stream: str, fn: Callable[..., Any], args: tuple, label: str, tok
         exc = e
     finally:
         copies = _work.copies
-        _work.token, _work.stream, _work.copies, _work.owner, _work.made = saved
+        (_work.token, _work.stream, _work.copies, _work.owner, _work.made,
+         _work.counting) = saved
     return result, exc, copies
+
+
+def _count_in_running_work(tensors: list[torch.Tensor]) -> None:
+    """Count ``tensors``, made by an op of the running work where the dispatch mode does
+    not see (inside a custom op: ``fxpipe.sequence_kv``), as its device's."""
+    device = _work.counting() if getattr(_work, "counting", None) is not None else None
+    if device is not None and not _work.paused:
+        device._count_made(tensors, _work.kind, _work.owner)
+
+
+sequence_kv.count_on_device(_count_in_running_work)
 
 
 def _run_copies(copies: list[Callable[[], Any]]) -> BaseException | None:

@@ -198,7 +198,7 @@ class Runner:
                 else None, bool(self.lg.buffers))
         return CallSpec(run_type, num_microbatch, cfg.recompute_grain, optimizer, outputs,
                         tuple(n for n in self.lg.input_names if n in set(input_grads)),
-                        data_parallel, broadcast)
+                        data_parallel, broadcast, chunks=cfg.sequence_chunks is not None)
 
     def call(self, run_type: str, envs: list[dict], cfg: RunConfig, *, optimizer: Any = None,
              outputs: bool = True, sync: bool = True, **kw: Any) -> Call:

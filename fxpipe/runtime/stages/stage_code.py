@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which the stage code calls
+from fxpipe import sequence_kv   # the chunk a run of a chunked call is (and its op)
 from fxpipe.passes.stage import Executable, Stage, comment_at_top
 from fxpipe.runtime.stages import rng
 from fxpipe.runtime.stages.compiled import compile_layers, describe
@@ -363,11 +364,12 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
                    keep_writebacks=keep_writebacks, timed=timer is not None, scratch=scratch)
     saved, _serving.serve = _serving.serve, serve
     try:
-        if stage.random and call_seed is not None:
-            with rng.isolated(device):
+        with sequence_kv.running_chunk(microbatch):   # a chunked call's chunk
+            if stage.random and call_seed is not None:
+                with rng.isolated(device):
+                    out = code(*inputs)
+            else:
                 out = code(*inputs)
-        else:
-            out = code(*inputs)
     finally:
         _serving.serve = saved
     if timer is not None:

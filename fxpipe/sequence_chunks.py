@@ -1,0 +1,347 @@
+"""``RunConfig(sequence_chunks=K)``: one long sequence through the stages as ``K`` token
+chunks (a ``PipelineModule`` base, as ``fxpipe.generating`` is).
+
+With one sequence per step, a step has one microbatch, so one device computes while the
+others wait, and the longest sequence is bounded by one microbatch's activations. Run as
+token chunks, the chunks are the microbatches: they flow round-robin through the stages
+as any microbatches do, and a stage holds one chunk's activations at a time
+(TeraPipe, Li et al. 2021). What makes it exact is the attention: chunk ``i``'s queries
+read the keys and values of chunks ``0..i`` (``fxpipe.sequence_kv``).
+
+A call with ``sequence_chunks`` runs a *chunk step module* of the pipe's model
+(:class:`ChunkedLM`, compiled on the pipe's devices with the pipe's host copy of the
+weights, once per chunk shape), whose attention layers are ``fxpipe::chunk_attention``
+ops: the model's attention called through transformers' attention interface. Each
+chunk gets its positions (``position_ids``) and its part of the labels shifted over the
+whole sequence (``shift_labels``), so the token at a chunk's end predicts the next chunk's
+first; the loss is the model's own, each chunk's mean weighted by its share of the
+sequence's target tokens (``fxpipe.passes.token_means``), ``-100`` included.
+
+The Program of a chunked call (``pipe.program()`` after the call, or
+``pipe.code()``) differs from a plain one in two ways:
+
+- every backward stage runs its microbatches last chunk first (a chunk's keys receive
+  gradients from every later chunk before they flow into its projections);
+- the fused tail (forward, loss and backward in one go per microbatch) holds no attention
+  layer: the layers up to the last attention are planned as forward and backward
+  stages (:func:`chunked_plan`).
+
+Supported: Hugging Face causal LMs whose attention goes through
+``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2, ...), called with
+``input_ids`` and optionally ``labels`` and an all-ones ``attention_mask``, in
+``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend.
+Anything else is refused before it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxpipe.config import RunConfig
+from fxpipe.plan import ExecutePlan
+from fxpipe.runtime.host.params import HostParams
+from fxpipe.runtime.issue.microbatch import PackedData
+from fxpipe.sequence_kv import SequenceKV, chunk_bounds, new_slot, opened, running_chunk
+from fxpipe.sequence_plan import kv_layout, with_kv
+
+__all__ = ["ChunkedLM", "chunked_plan", "SequenceChunking"]
+
+ATTENTION = "fxpipe_sequence_chunks"
+"""The name fxpipe's chunk attention is registered under in transformers'
+``AttentionInterface``."""
+_ACCEPTED = ("input_ids", "labels", "attention_mask")
+_active = threading.local()   # the slot a ChunkedLM's forward runs with (read when traced)
+
+
+def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                  dropout: float = 0.0, sliding_window: int | None = None,
+                  softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature, answered by ``fxpipe::chunk_attention``."""
+    if dropout:
+        raise NotImplementedError(
+            f"sequence_chunks: attention dropout ({dropout}) is not supported in chunks (the "
+            "chunk's masks would not be the unchunked step's); set the config's "
+            "attention_dropout to 0 or run the model in eval mode")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise NotImplementedError(f"sequence_chunks: attention module {type(module).__name__} "
+                                  "has no layer_idx to key its keys and values by")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.fxpipe.chunk_attention(query, key, value, _active.slot, int(layer), scale,
+                                           int(sliding_window or 0), float(softcap or 0.0))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION, _hf_attention)
+
+
+class ChunkedLM(nn.Module):
+    """A causal LM run one token chunk at a time: ``forward(input_ids, position_ids,
+    shift_labels=None)`` calls the model on the chunk with its positions and, given
+    them, its labels already shifted over the whole sequence (``shift_labels``). Its
+    attention is the chunk attention of ``slot`` inside :func:`serving`."""
+
+    def __init__(self, model: nn.Module, slot: int):
+        super().__init__()
+        self.model = model
+        self.slot = slot
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                shift_labels: torch.Tensor | None = None) -> Any:
+        if shift_labels is None:
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return self.model(input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
+                          shift_labels=shift_labels, use_cache=False)
+
+
+@contextlib.contextmanager
+def serving(model: nn.Module, slot: int, store: SequenceKV) -> Iterator[None]:
+    """Inside: ``model``'s attention is the chunk attention (what a capture of a
+    :class:`ChunkedLM` records), reading and writing ``store`` under ``slot``, and ops
+    run outside a stage run (a capture's) run chunk 0."""
+    _register()
+    config = model.config
+    saved, saved_slot = config._attn_implementation, getattr(_active, "slot", None)
+    config._attn_implementation = ATTENTION
+    _active.slot = slot
+    try:
+        with opened(store, slot), running_chunk(0):
+            yield
+    finally:
+        config._attn_implementation = saved
+        _active.slot = saved_slot
+
+
+def attention_layers(lg: Any) -> list[int]:
+    """The layers of a captured chunk step whose code runs a chunk attention."""
+    op = torch.ops.fxpipe.chunk_attention
+    return [layer.index for layer in lg.layers
+            if any(n.op == "call_function" and n.target in (op, op.default)
+                   for n in layer.gm.graph.nodes)]
+
+
+def chunked_plan(plan: ExecutePlan, attention: list[int], num_layers: int) -> ExecutePlan:
+    """``plan`` with a fused tail that holds no attention layer: the tail's layers up to
+    the last attention layer become a forward and a backward stage of their own (a
+    chunk's fused forward-and-backward would run before the later chunks' forwards wrote
+    the keys its backward reads)."""
+    if not plan.bwd_plan or not attention:
+        return plan
+    tail = plan.bwd_plan[0]
+    if tail.stop != num_layers:   # not a fused plan
+        return plan
+    cut = max(attention) + 1
+    if cut <= tail.start:
+        return plan
+    if cut >= num_layers:
+        raise NotImplementedError(
+            "sequence_chunks: the model's last layer runs attention, so the fused loss tail "
+            "would hold it; a chunked step needs the head after the last attention layer")
+    return ExecutePlan(plan.fwd_plan + [range(tail.start, cut)],
+                       [range(cut, num_layers), range(tail.start, cut)] + plan.bwd_plan[1:])
+
+
+def chunk_inputs(kwargs: dict, chunks: int) -> tuple[dict, list[tuple[int, int]]]:
+    """The chunk step's keyword arguments, each a ``PackedData`` of the chunks, and the
+    chunks' bounds. Refuses what a chunked call cannot run, saying what to do."""
+    extra = sorted(set(kwargs) - set(_ACCEPTED))
+    if extra:
+        raise NotImplementedError(
+            f"sequence_chunks: the call passes {', '.join(map(repr, extra))}; a chunked call "
+            f"takes {', '.join(_ACCEPTED)} only")
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("sequence_chunks: pass input_ids=, a [batch, length] tensor of token ids")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise NotImplementedError(
+            "sequence_chunks: an attention_mask with padding is not supported in chunks; mark "
+            "padded targets -100 in labels and pass no attention_mask (with right padding the "
+            "loss and gradients are the same)")
+    rows, length = ids.shape
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"RunConfig.sequence_chunks must be an int here, got {chunks!r}")
+    if length % chunks:
+        fits = [k for k in range(2, min(length, 64) + 1) if length % k == 0]
+        raise ValueError(f"sequence_chunks={chunks} does not divide the sequence of {length} "
+                         f"tokens into equal chunks; counts that do: {fits[:8]}")
+    bounds = chunk_bounds(length, chunks)
+    positions = torch.arange(length, device=ids.device).expand(rows, length)
+    out = {"input_ids": PackedData(ids[:, a:b] for a, b in bounds),
+           "position_ids": PackedData(positions[:, a:b].contiguous() for a, b in bounds)}
+    labels = kwargs.get("labels")
+    if labels is not None:
+        if labels.shape != ids.shape:
+            raise ValueError(f"sequence_chunks: labels {tuple(labels.shape)} must have the "
+                             f"shape of input_ids {tuple(ids.shape)}")
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        out["shift_labels"] = PackedData(shifted[:, a:b].contiguous() for a, b in bounds)
+    return out, bounds
+
+
+class SequenceChunking:
+    """What a ``PipelineModule`` runs for a call with ``RunConfig(sequence_chunks=K)``."""
+
+    def _chunked_call(self, cfg: RunConfig) -> bool:
+        """Whether a call of ``cfg`` is a chunked call this pipe splits (the chunk step
+        pipe's own calls are the chunks)."""
+        return cfg.sequence_chunks is not None and not isinstance(self.module, ChunkedLM)
+
+    def _chunked(self, args: tuple, kwargs: dict, cfg: RunConfig,
+                 fused: dict | None = None) -> Any:
+        """A call with ``cfg.sequence_chunks``: ``forward_backward``'s (``fused``: its
+        keyword arguments) or ``pipe(...)``'s without grad; returns what that call
+        returns (``pipe(...)``: the model's output, its tensors whole along the tokens and
+        its loss the sequence's mean). ``pipe.stats()`` then holds the chunk step's
+        counters, and ``h2d_bytes_kv`` / ``d2h_bytes_kv``, the keys and values (and their
+        gradients) the chunk attention moved."""
+        if args:
+            raise NotImplementedError("sequence_chunks: pass the model's inputs by keyword "
+                                      "(input_ids=..., labels=...)")
+        if fused is None and cfg.requires_grad is not False and torch.is_grad_enabled() \
+                and any(p.requires_grad for p in self.module.parameters()):
+            raise NotImplementedError(
+                "sequence_chunks runs in forward_backward (training) or without grad "
+                "(torch.no_grad()); pipe(...) with grad then loss.backward() is not supported")
+        if fused is not None and fused.get("label") is not None:
+            raise NotImplementedError("sequence_chunks: pass labels= in the model's inputs "
+                                      "(its own loss), not label= and a loss_fn")
+        chunk_kwargs, bounds = self._chunk_inputs(kwargs, cfg)
+        store = SequenceKV(bounds, training=fused is not None)
+        with serving(self.module, self._chunk_slot, store):
+            pipe, compiled, plan = self._chunk_setup(
+                chunk_kwargs, bounds, "fused" if fused is not None else "infer",
+                fused.get("return_outputs", False) if fused is not None else True)
+            run = RunConfig.merge(cfg, RunConfig(num_microbatch=len(bounds), execute_plan=plan,
+                                                 merge_output=False))
+            try:
+                if fused is not None:
+                    return pipe.forward_backward((), chunk_kwargs, run_config=run, **fused)
+                with torch.no_grad():
+                    out = pipe(run_config=run, **chunk_kwargs)
+                return _joined(out, chunk_kwargs.get("shift_labels"))
+            finally:
+                self._log.stats = {**pipe.stats(), "h2d_bytes_kv": store.h2d_bytes,
+                                   "d2h_bytes_kv": store.d2h_bytes}
+
+    def _chunked_executable(self, run_type: str, chunks: int, **kw: Any) -> Any:
+        """The Executable a chunked call of ``run_type`` in ``chunks`` chunks runs on the
+        pipe's example (``pipe.program(..., sequence_chunks=K)``, ``pipe.code``)."""
+        import torch.utils._pytree as pytree
+        lg = self._current.layers
+        _, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
+        kwargs = {k: v for k, v in kwargs.items() if k in _ACCEPTED}
+        if run_type == "train":
+            raise NotImplementedError("sequence_chunks runs as 'fused' (forward_backward) or "
+                                      "'infer' calls")
+        cfg = RunConfig.merge(self.config, RunConfig(sequence_chunks=chunks))
+        chunk_kwargs, bounds = self._chunk_inputs(kwargs, cfg)
+        with serving(self.module, self._chunk_slot, SequenceKV(bounds)):
+            pipe, compiled, plan = self._chunk_setup(chunk_kwargs, bounds, run_type,
+                                                     kw.get("return_outputs", False))
+            return pipe._executable(run_type, len(bounds), compiled=compiled, plan=plan,
+                                    chunks=len(bounds), **kw)
+
+    def _chunk_inputs(self, kwargs: dict, cfg: RunConfig) -> tuple[dict, list]:
+        """``chunk_inputs`` for this pipe's model, after the checks of what a chunked
+        call supports."""
+        if cfg.sequence_chunks == "auto":
+            raise NotImplementedError(
+                "sequence_chunks='auto' in a call is not implemented yet: pass the number of "
+                "chunks (fxpipe.plan.max_sequence_length plans a length's chunks)")
+        if cfg.stage_backend not in (None, "eager"):
+            raise NotImplementedError(
+                f"sequence_chunks with stage_backend={cfg.stage_backend!r}: the chunk attention "
+                "reads and writes its keys on the host from Python, which compiled stage "
+                "code and device graphs do not replay yet; use stage_backend='eager'")
+        if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
+            raise NotImplementedError(
+                "sequence_chunks runs Hugging Face causal LMs whose attention goes through "
+                f"transformers' attention interface; {type(self.module).__name__} has no "
+                "transformers config")
+        if getattr(self, "_chunk_slot", None) is None:
+            self._chunk_slot = new_slot()
+        return chunk_inputs(kwargs, cfg.sequence_chunks)
+
+    def _chunk_setup(self, chunk_kwargs: dict, bounds: list, run_type: str,
+                     outputs: bool) -> tuple:
+        """Inside ``serving``: the chunk step pipe (made at the first chunked call, with
+        the pipe's host copy of the weights), its graph for these chunks (captured once
+        per chunk shape) and the plan a call of ``run_type`` runs (:func:`chunked_plan`
+        of :meth:`_chunk_plan`'s, else the chunk step's own)."""
+        example = {k: v[0] for k, v in chunk_kwargs.items()}
+        steps = getattr(self, "_chunk_steps", None)
+        if steps is None:
+            step = ChunkedLM(self.module, self._chunk_slot)
+            self._host_params()
+            HostParams.share(step, self.module)   # one host copy of the weights
+            pipe = type(self)(step, (), example, devices=self.devices, capture=self._capture,
+                              layers=None, config=self.config, plan=None,
+                              param_dtype=self.param_dtype, pin_memory=self.pin_memory)
+            if not attention_layers(pipe._current.layers):
+                raise NotImplementedError(
+                    f"sequence_chunks: {type(self.module).__name__}'s attention does not go "
+                    "through transformers' attention interface (no chunk attention was "
+                    "captured), so its chunks could not read the earlier chunks' keys")
+            steps = self._chunk_steps = (step, pipe)
+        step, pipe = steps
+        step.train(self.module.training)
+        compiled = pipe._compiled_for((), example)
+        if run_type == "fused" and not outputs:
+            compiled = compiled.fused(step)   # what forward_backward runs
+        attention = attention_layers(compiled.layers)
+        return pipe, compiled, chunked_plan(self._chunk_plan(compiled, run_type, len(bounds),
+                                                             bounds[-1][1]) or compiled.plan,
+                                            attention, len(compiled.layers))
+
+    def _chunk_plan(self, compiled: Any, run_type: str, chunks: int, length: int) -> Any:
+        """Where the devices have a memory limit: the plan of the chunk step with each
+        attention layer's keys and values for ``length`` tokens counted
+        (``fxpipe.sequence_plan.with_kv``), which the chunk's own costs do not hold;
+        ``None`` without a limit."""
+        limits = [d.memory_limit for d in self.devices if d.memory_limit is not None]
+        kv = kv_layout(self._chunk_steps[0], compiled.layers, self.param_dtype)
+        if not limits or kv is None:
+            return None
+        from fxpipe.memory_prediction import chain_memory
+        from fxpipe.passes import chain_costs, planner
+        from fxpipe.plan import MEMORY_FRACTION, layer_costs
+        chains = chain_costs.chain_costs([layer_costs(compiled)], chain_costs.NOMINAL_DEVICE,
+                                         need_backward=run_type != "infer")
+        (fwd, bwd), = planner.plan_chains(
+            run_type, chains, num_devices=len(self.devices), num_microbatch=chunks,
+            memory=[with_kv(chain_memory(compiled.layers), kv, length)],
+            memory_limit=MEMORY_FRACTION * min(limits),
+            recompute_grain=self.config.recompute_grain or "stage",
+            host_ms_per_action=chain_costs.HOST_MS_PER_ACTION)
+        return ExecutePlan(fwd, bwd)
+
+
+def _joined(out: Any, shift_labels: PackedData | None) -> Any:
+    """A chunked inference call's output: each tensor's chunks joined along the tokens
+    (dim 1), a 0-dim loss the mean of the chunks' means weighted by their target tokens."""
+    import torch.utils._pytree as pytree
+
+    def join(x: Any) -> Any:
+        if not isinstance(x, PackedData) or not x or not isinstance(x[0], torch.Tensor):
+            return x
+        if x[0].dim() >= 2:
+            return torch.cat(list(x), dim=1)
+        if x[0].dim() == 0 and shift_labels is not None:   # the model's mean loss
+            counts = [float((t != -100).sum()) for t in shift_labels]
+            return sum(v * c for v, c in zip(x, counts)) / max(sum(counts), 1.0)
+        return x
+    return pytree.tree_map(join, out, is_leaf=lambda x: isinstance(x, PackedData))

@@ -1,0 +1,231 @@
+"""One sequence as token chunks (``RunConfig(sequence_chunks=K)``, ``fxpipe.sequence_chunks``).
+
+- a chunked training step equals eager on the whole sequence: the loss and every
+  parameter's gradient, on transformers' Llama, Qwen3, Mistral (a sliding window shorter
+  than the sequence) and Gemma 2 (soft-capping, sliding window), several sequences with
+  ``-100`` labels, for several chunk counts; in bf16 within bf16's reassociation;
+- a chunked inference call gives eager's logits and loss;
+- the chunk attention alone: its forward and the gradients of queries, keys and values
+  equal one attention over the whole sequence (float64), window and soft-cap included;
+- on strict cuda-sim devices under a memory limit the unchunked step cannot be planned
+  for, the chunked one runs and equals eager;
+- the Program runs every backward stage's chunks last first, its fused tail holds no
+  attention, and the code shows the chunk attention;
+- ``max_sequence_length`` plans chunks: longer than whole sequences, ``labels=`` costed by
+  default;
+- what a chunked call does not support is refused before it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe.sequence_kv import SequenceKV, attend, chunk_bounds, opened, running_chunk
+
+T = pytest.importorskip("transformers")
+
+V = 64
+DENSE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             use_cache=False, attention_dropout=0.0)
+MODELS = {
+    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**DENSE)),
+    "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**DENSE, head_dim=8)),
+    "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**DENSE, sliding_window=5)),
+    "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**DENSE, head_dim=8, sliding_window=5,
+                                                          attn_logit_softcapping=5.0)),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    with torch.no_grad():   # weights of a trained size, so attention is not uniform
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    return model
+
+
+def batch(rows: int = 2, length: int = 16) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, V, (rows, length), generator=g)
+    labels = ids.clone()
+    labels[0, : length // 3] = -100      # a masked prompt
+    labels[-1, -3:] = -100               # a row cut short
+    return {"input_ids": ids, "labels": labels}
+
+
+def own_loss(out, _label):
+    return out.loss
+
+
+def eager_step(model: torch.nn.Module, kw: dict) -> tuple[torch.Tensor, dict]:
+    ref = copy.deepcopy(model)
+    out = ref(**kw)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def assert_grads_close(model, grads, rtol=1e-5, atol=1e-6):
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=rtol, atol=atol, msg=n)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_chunked_step_equals_eager_on_the_whole_sequence(name):
+    model, kw = build(name), batch()
+    out, grads = eager_step(model, kw)
+    pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu", "cpu"])
+    for chunks in (4, 2) if name == "llama" else (4,):
+        model.zero_grad()
+        loss = pipe.forward_backward((), kw, loss_fn=own_loss,
+                                     run_config=fxpipe.RunConfig(sequence_chunks=chunks))
+        torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+        assert_grads_close(model, grads)
+        stats = pipe.stats()
+        assert stats["d2h_bytes_kv"] > 0 and stats["h2d_bytes_kv"] > 0
+    with torch.no_grad():
+        inferred = pipe(**kw, run_config=fxpipe.RunConfig(sequence_chunks=4))
+    torch.testing.assert_close(inferred.logits, out.logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inferred.loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_chunks_equal_the_unchunked_bf16_step():
+    """Under ``param_dtype=bf16`` the chunked step differs from the unchunked one by
+    attention's reassociation in bf16 only (each key's gradient summed per chunk)."""
+    model, kw = build("llama"), batch(length=32)
+    pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu", "cpu"],
+                          param_dtype=torch.bfloat16)
+    whole = pipe.forward_backward((), kw, loss_fn=own_loss)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    chunked = pipe.forward_backward((), kw, loss_fn=own_loss,
+                                    run_config=fxpipe.RunConfig(sequence_chunks=4))
+    torch.testing.assert_close(chunked, whole, rtol=2e-2, atol=0)
+    for n, p in model.named_parameters():
+        scale = grads[n].abs().max().item()
+        assert (p.grad - grads[n]).abs().max().item() <= 0.05 * scale + 1e-6, n
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 3.0), (4, 2.0)])
+def test_the_chunk_attention_equals_one_attention_over_the_sequence(window, softcap):
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, d = 2, 4, 2, 13, 8
+    q, k, v = (torch.randn(b, h, length, d, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    g = torch.randn(b, heads, length, d, dtype=torch.float64)
+    whole = attend(q, k, v, 0, 0.3, window, softcap)
+    whole.backward(g)
+    bounds = chunk_bounds(length, 4)
+    outs, grads = {}, {}
+    with opened(SequenceKV(bounds)) as slot:
+        with torch.no_grad():   # the forward: chunks in order
+            for i, (a, z) in enumerate(bounds):
+                with running_chunk(i):
+                    outs[i] = torch.ops.fxpipe.chunk_attention(
+                        q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], slot, 0, 0.3, window, softcap)
+        for i in reversed(range(len(bounds))):   # the backward: last chunk first
+            a, z = bounds[i]
+            parts = [t[:, :, a:z].detach().requires_grad_() for t in (q, k, v)]
+            with running_chunk(i):
+                out = torch.ops.fxpipe.chunk_attention(*parts, slot, 0, 0.3, window, softcap)
+            out.backward(g[:, :, a:z])
+            grads[i] = [t.grad for t in parts]
+    # probabilities are fp32 under softcap and key gradients are accumulated in fp32
+    tol = dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([outs[i] for i in sorted(outs)], 2), whole.detach(), **tol)
+    for j, t in enumerate((q, k, v)):
+        torch.testing.assert_close(torch.cat([grads[i][j] for i in sorted(grads)], 2), t.grad, **tol)
+
+
+def test_under_a_memory_limit_the_whole_sequence_cannot_be_planned_and_chunks_run():
+    model, small = build("llama"), batch(length=16)
+    long = batch(rows=1, length=512)
+    out, grads = eager_step(model, long)
+    devices = [fxpipe.VirtualDevice(semantics="cuda", strict=True, memory_limit=900 * 1024)
+               for _ in range(2)]
+    pipe = fxpipe.compile(model, example_kwargs=small, devices=devices)
+    with pytest.raises(fxpipe.PlanError):
+        pipe.forward_backward((), long, loss_fn=own_loss)
+    model.zero_grad()
+    loss = pipe.forward_backward((), long, loss_fn=own_loss,
+                                 run_config=fxpipe.RunConfig(sequence_chunks=16))
+    torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, grads, rtol=1e-4, atol=1e-6)
+    assert max(d.peak_reserved_bytes() for d in devices) <= 900 * 1024
+
+
+def test_the_program_runs_backward_chunks_last_first_and_the_code_shows_the_attention():
+    model, kw = build("llama"), batch()
+    pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu", "cpu"])
+    program = pipe.program(sequence_chunks=4)
+    runs: dict[tuple[int, str], list[int]] = {}
+    for device in program.actions:
+        for a in device:
+            found = re.fullmatch(r"(\d+)(F|FB|B)(\d+)", str(a))
+            if found:
+                runs.setdefault((int(found[1]), found[2]), []).append(int(found[3]))
+    kinds = {st.index: st.kind for st in program.stages}
+    assert runs and all(mbs == ([0, 1, 2, 3] if kinds[s] == "fwd" else [3, 2, 1, 0])
+                        for (s, _), mbs in runs.items()), runs
+    fused = next(st for st in program.stages if st.kind == "fused")
+    code = pipe.code(sequence_chunks=4)
+    assert "torch.ops.fxpipe.chunk_attention.default(" in code
+    tail = code.split(f"# stage {fused.index} fused")[1].split("# stage ")[0]
+    assert "chunk_attention" not in tail   # the fused tail holds no attention layer
+
+
+def test_max_sequence_length_plans_chunks_and_costs_the_models_own_loss():
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**{**DENSE, "hidden_size": 256,
+                                                      "intermediate_size": 512,
+                                                      "max_position_embeddings": 1 << 20}))
+    common = dict(device_memory=48 * 2**20, num_devices=2, step=512, max_length=1 << 16)
+    whole = fxpipe.plan.max_sequence_length(model, sequence_chunks=None, **common)
+    details: dict = {}
+    chunked = fxpipe.plan.max_sequence_length(model, details=details, **common)
+    assert chunked > whole
+    assert details["sequence_chunks"] > 1 and chunked % details["sequence_chunks"] == 0
+    assert details["host_bytes"] > 0
+    # the host's keys and values bound it too
+    limited = fxpipe.plan.max_sequence_length(model, host_memory=details["host_bytes"] // 2,
+                                              **common)
+    assert limited < chunked
+
+
+def test_what_a_chunked_call_does_not_support_is_refused():
+    model, kw = build("llama"), batch()
+    pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu", "cpu"])
+    chunks = fxpipe.RunConfig(sequence_chunks=4)
+    with pytest.raises(NotImplementedError, match="padding"):
+        mask = torch.ones_like(kw["input_ids"])
+        mask[0, -2:] = 0
+        pipe.forward_backward((), {**kw, "attention_mask": mask}, loss_fn=own_loss,
+                              run_config=chunks)
+    with pytest.raises(ValueError, match="does not divide"):
+        pipe.forward_backward((), kw, loss_fn=own_loss,
+                              run_config=fxpipe.RunConfig(sequence_chunks=3))
+    with pytest.raises(NotImplementedError, match="stage_backend"):
+        pipe.forward_backward((), kw, loss_fn=own_loss, run_config=fxpipe.RunConfig(
+            sequence_chunks=4, stage_backend="inductor"))
+    with pytest.raises(NotImplementedError, match="forward_backward"):
+        pipe(**kw, run_config=chunks)
+    with pytest.raises(NotImplementedError, match="inputs_embeds"):
+        pipe.forward_backward((), {**kw, "inputs_embeds": None}, loss_fn=own_loss,
+                              run_config=chunks)
+    with pytest.raises(ValueError, match=">= 1"):
+        fxpipe.RunConfig(sequence_chunks=0)
+    with pytest.raises(TypeError, match="sequence_chunks"):
+        fxpipe.RunConfig(sequence_chunks="two")
+    from fxpipe.demo import TinyLlama
+    tiny = TinyLlama(vocab=V, dim=32, depth=2)
+    ids = kw["input_ids"]
+    other = fxpipe.compile(tiny, example_inputs=(ids,), devices=["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match="transformers"):
+        other.forward_backward((), {"input_ids": ids}, loss_fn=lambda o, _: o.sum(),
+                               run_config=chunks)
