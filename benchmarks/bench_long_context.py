@@ -11,10 +11,9 @@ Part (b), simulated: one 256K-token sequence of Llama-3.1-8B (full fine-tune, bf
 chunks on 1, 2, 4 and 8 H100s (80 GiB, 50 GB/s each way, 60 % of 989 TFLOP/s):
 ``fxpipe.simulate`` of the chunked Program (``pipe.program(sequence_chunks=K)``: every
 backward stage's chunks last first), the layers costed at the chunk's length, each
-attention layer priced for the keys it reads (a chunk reads ``(L + c) / 2`` keys on
-average: ``4 * c * heads * head_dim`` FLOPs per key forward, 3.5x that for the recompute
-and backward, which runs the attention again) and for the keys and values it moves once
-per job (``2 * L * kv`` bytes each way). Against the unchunked sequence on one H100 where
+chunk attention for the keys the average chunk reads (``(L + c) / 2``; its backward runs
+the attention again) and for the keys and values it moves once per job (``2 * L * kv``
+bytes, counted as uploaded with its parameters). Against the unchunked sequence on one H100 where
 it fits. Tokens/s and the GPUs' busy fraction, labelled simulated.
 
     python benchmarks/bench_long_context.py [--parts a,b] [--out benchmarks/results/bench_long_context.json]
@@ -102,18 +101,11 @@ def simulated_step(model, length: int, chunks: int, num_devices: int) -> dict:
     step = pipe._chunk_steps[1]
     lg = step._current.layers
     kv = kv_layout(step.module, lg, torch.bfloat16)
-    cfg = model.config
-    c = length // chunks
-    qdim = cfg.num_attention_heads * cfg.head_dim
-    attention_ms = 4 * c * qdim * (length + c) / 2 / hw.flops * 1e3   # per chunk, forward
-    costs = []
+    costs = []   # the chunk attention's FLOPs are costed (the average chunk's keys)
     for i, cost in enumerate(layer_costs(step)):
         lc = LayerCost.of(cost, hw)
-        if i in kv.layers:
-            lc = dataclasses.replace(
-                lc, fwd_ms=lc.fwd_ms + attention_ms,
-                recompute_ms=lc.recompute + attention_ms, bwd_ms=lc.bwd_ms + 2.5 * attention_ms,
-                param_bytes=lc.param_bytes + 2 * length * kv.bytes_per_token)
+        if i in kv.layers:   # its keys and values cross the link once per job
+            lc = dataclasses.replace(lc, param_bytes=lc.param_bytes + 2 * length * kv.bytes_per_token)
         costs.append(lc)
     t = simulate(program, costs, hw, tokens_per_step=length)
     busy = sum(t.busy) / (num_devices * t.makespan)

@@ -9,6 +9,8 @@
 ``rng(layer)``                          a layer drawing random numbers starts here
 ``dequantize(blob, fmt, shape, dtype)``  a quantized frozen weight's values, on the device
                                        (``fxpipe.quant``; ``frozen_dtype=``)
+``chunk_attention(q, k, v, slot, ...)``  a token chunk's attention over the chunks before
+                                       (``fxpipe.sequence_kv``; ``sequence_chunks=``)
 =====================================  =================================================
 
 They are real ops (``torch.library.custom_op``) with autograd formulas, so a stage graph

@@ -225,6 +225,9 @@ class SequenceChunking:
             pipe, compiled, plan = self._chunk_setup(
                 chunk_kwargs, bounds, "fused" if fused is not None else "infer",
                 fused.get("return_outputs", False) if fused is not None else True)
+            if cfg.execute_plan is not None:   # the caller's, for the chunk step's layers
+                plan = chunked_plan(cfg.execute_plan, attention_layers(compiled.layers),
+                                    len(compiled.layers))
             run = RunConfig.merge(cfg, RunConfig(num_microbatch=len(bounds), execute_plan=plan,
                                                  merge_output=False))
             try:

@@ -249,6 +249,33 @@ def _(q, k, v, slot, layer, scaling, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _keys_read(slot: int, chunk_len: int, window: int) -> int:
+    """Keys a chunk of ``chunk_len`` tokens reads on average over the call's chunks (what
+    a costing pass counts: the chunks run one graph): half the sequence before it, and
+    its own; at most the window."""
+    store = _STORES.get(slot)
+    before = (store.length - chunk_len) // 2 if store is not None else 0
+    keys = before + chunk_len
+    return min(keys, window + chunk_len) if window > 0 else keys
+
+
+def _flops(q, k, v, slot, layer, scaling, window, softcap, *args, out_shape=None, **kw) -> int:
+    """``FlopCounterMode``'s count of a chunk attention: two products over the keys read."""
+    batch, heads, c, d = q
+    return 2 * batch * heads * c * _keys_read(slot, c, window) * (d + v[-1])
+
+
+def register_flops() -> None:
+    """Teach ``FlopCounterMode`` the chunk attention's FLOPs (idempotent)."""
+    from torch.utils import flop_counter
+    op = torch.ops.fxpipe.chunk_attention
+    if op.default not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(op)(_flops)
+
+
+register_flops()
+
+
 def _setup(ctx, inputs, output) -> None:
     q, k, v, slot, layer, scaling, window, softcap = inputs
     ctx.save_for_backward(q, k, v)
@@ -259,11 +286,16 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     q, k, v = ctx.saved_tensors
     slot, layer, scaling, window, softcap = ctx.args
-    if isinstance(q, FakeTensor):   # a costing pass: the chunk's own attention, no store
+    if isinstance(q, FakeTensor):   # a costing pass: the average chunk's keys, no store
+        c = q.shape[2]
+        before = _keys_read(slot, c, window) - c
         with torch.enable_grad():
-            own = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = attend(*own, 0, scaling, window, softcap)
-            return (*torch.autograd.grad(out, own, grad), None, None, None, None, None)
+            query = q.detach().requires_grad_()
+            seen = [torch.cat([t.new_zeros(t.shape[:2] + (before,) + t.shape[3:]), t.detach()],
+                              2).requires_grad_() for t in (k, v)]
+            out = attend(query, *seen, before, scaling, window, softcap)
+            dq, dk, dv = torch.autograd.grad(out, (query, *seen), grad)
+        return dq, dk[:, :, before:], dv[:, :, before:], None, None, None, None, None
     store = _STORES[slot]
     start, stop = store.bounds[ctx.chunk]
     keys, values, dkeys_acc, dvalues_acc = store.backward_job(layer, k, v)
