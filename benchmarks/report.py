@@ -268,6 +268,26 @@ def _longest(d: dict) -> list[str]:
     return out
 
 
+def _long_planned(d: dict) -> list[str]:
+    rows = [[r["model"], r["mode"], f"{r['devices']} x {r['device_gib']} GiB",
+             "–" if r["host_gib"] is None else f"{r['host_gib']} GiB",
+             f"{r['whole_tokens'] // 1024}K", f"**{r['chunked_tokens'] // 1024}K**",
+             f"{r['sequence_chunks']:,}", f"{r['host_bytes'] / 2**30:,.0f} GiB", r["anchor"]]
+            for r in d["planned"]]
+    return table(["model", "mode", "devices", "host limit", "whole sequences",
+                  "in chunks (`sequence_chunks=\"auto\"`)", "chunks", "host holds",
+                  "anchor (published)"], rows)
+
+
+def _long_simulated(d: dict) -> list[str]:
+    base = d["simulated"][0]["tokens_per_s"]
+    rows = [[f"{r['devices']} x H100", f"{r['sequence_chunks']}", f"{r['tokens_per_s']:,.0f}",
+             f"{r['step_s']:.1f}", f"**{r['tokens_per_s'] / base:.2f}x**",
+             f"{r['busy_fraction']:.0%}"] for r in d["simulated"]]
+    return table(["GPUs", "chunks", "tokens/s (simulated)", "step s", "vs one GPU",
+                  "GPUs busy"], rows)
+
+
 def _dist_sim(d: dict) -> list[str]:
     s = d["sim"]
     nets = list(s["networks"])
@@ -783,6 +803,19 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "peak; `step time / eager` = fxpipe's step time over eager transformers' (below 1: "
      "fxpipe faster; gradient checkpointing, bf16 "
      "autocast, the microbatches accumulated, fused AdamW) on the same GPU.", _finetune),
+    ("One sequence in chunks: the longest", "bench_long_context.json", "planned",
+     "`benchmarks/bench_long_context.py` part (a): `fxpipe.plan.max_sequence_length` for "
+     "transformers' classes built on `meta`, bf16, their own loss (`labels=`), whole "
+     "sequences (`sequence_chunks=None`) against token chunks (the default), up to 8M "
+     "tokens; the host bytes the longest needs (`details=`: every attention layer's keys "
+     "and values, the parameters, the boundary activations of the plan's cuts). Planned, "
+     "not run.", _long_planned),
+    ("One sequence in chunks: throughput", "bench_long_context.json", "simulated",
+     "`benchmarks/bench_long_context.py` part (b): one 256K-token sequence of "
+     "Llama-3.1-8B (full, bf16) in chunks, `fxpipe.simulate` of the chunked Program "
+     "(`pipe.program(sequence_chunks=K)`) on H100s (80 GiB, 50 GB/s each way, 60 % of "
+     "989 TFLOP/s): each chunk attention costed for the average chunk's keys, each "
+     "layer's keys and values crossing the link once per job. Simulated.", _long_simulated),
     ("Quantized frozen weights", "bench_quant.json", "rows",
      "`benchmarks/bench_quant.py`: the Llama-3.1-8B shape (32 blocks, its vocabulary), peft "
      "LoRA r=16 on every block linear, the frozen base held in bf16 or quantized by "
@@ -932,6 +965,8 @@ STATUS: list[tuple[str, Any, tuple[str, str] | None, tuple[str, str] | None]] = 
      ("bench_distributed.json", "sim")),
     ("QLoRA: the frozen base held and streamed in NF4, Llama-3.1-8B shape", ("qlora", None),
      ("bench_quant.json", "rows"), ("bench_finetune.json", "predicted")),
+    ("one sequence in token chunks across the GPUs (`sequence_chunks`)", None, None,
+     ("bench_long_context.json", "simulated")),
     ("losses and gradients equal to eager on padded batches", None,
      ("bench_exactness.json", "rows"), None),
     ("transformers architectures training through `fxpipe.compile` (fp32, bf16)", None,
@@ -1114,6 +1149,23 @@ def headline() -> list[str]:
                              f"host <= {r['host_gib']} GiB (predicted)",
                              f"{r['hf_labels_tokens'] // 1024}K tokens (Unsloth: {r['unsloth_k']}K)",
                              "predicted", "higher is better", "longest-sequence"])
+    lc = load("bench_long_context.json")
+    for r in (lc or {}).get("planned", []):
+        if r["model"] == "Llama-3.1-8B" and r["mode"] == "full" and r["devices"] == 8 \
+                and r["device_gib"] == 80:
+            rows.append(["PREDICTED: longest sequence in token chunks (`sequence_chunks`), "
+                         "transformers' Llama-3.1-8B with `labels=`, 8 x 80 GiB",
+                         f"{r['chunked_tokens'] / 2**20:.1f}M tokens, {r['sequence_chunks']:,} "
+                         f"chunks, host {r['host_bytes'] / 2**30:,.0f} GiB ({r['anchor']}; "
+                         f"whole sequences {r['whole_tokens'] // 1024}K)", "predicted",
+                         "higher is better", "one-sequence-in-chunks-the-longest"])
+    sims = (lc or {}).get("simulated", [])
+    if len(sims) > 1:
+        rows.append(["SIMULATED: one 256K-token sequence, Llama-3.1-8B, 8 H100s / one H100, "
+                     "tokens/s", f"{sims[-1]['tokens_per_s'] / sims[0]['tokens_per_s']:.2f}x "
+                     f"({sims[-1]['tokens_per_s']:,.0f} / {sims[0]['tokens_per_s']:,.0f})",
+                     "simulated", "higher is better (8: linear)",
+                     "one-sequence-in-chunks-throughput"])
     dist = load("bench_distributed.json")
     if dist and "sim" in dist:
         nets = dist["sim"]["networks"]

@@ -8,8 +8,8 @@ values the chunk attention keeps (``fxpipe.sequence_kv``). Per attention layer, 
 on its device, for the whole job:
 
 - the layer's keys and values of the whole sequence, ``2 * L * kv`` (forward and
-  backward jobs: :func:`with_kv` adds them to the layer's ``params``, which a stage sums
-  over its layers);
+  backward jobs: :func:`with_kv` adds them to the layer's ``kept``, which a stage sums
+  over its layers with its parameters, and which no prefetch reserves room for);
 - in a backward job, their fp32 gradient buffers, ``2 * L * kv * 4 / itemsize`` (added
   to ``grads``, which only backward stages hold);
 - while the layer's backward runs, the gradients of the keys and values it read,
@@ -90,7 +90,8 @@ def with_kv(memory: ChainMemory, kv: KVLayout, length: int) -> ChainMemory:
     def plus(vector: tuple[int, ...], n: int) -> tuple[int, ...]:
         return tuple(v + n if i in layers else v for i, v in enumerate(vector))
 
-    return replace(memory, params=plus(memory.params, 2 * one), grads=plus(memory.grads, 2 * fp32),
+    kept = memory.kept or (0,) * len(memory)
+    return replace(memory, kept=plus(kept, 2 * one), grads=plus(memory.grads, 2 * fp32),
                    bwd_peak=plus(memory.bwd_peak, 2 * one))
 
 

@@ -68,7 +68,9 @@ class ChainMemory:
     ``boundary[i]``: bytes live across the cut after layer ``i``, ``carried[i]`` the part
     layer ``i`` passed on unchanged; ``input_bytes``: the model inputs (before layer 0);
     ``loss_bytes``: the loss's peak, ``None`` when not costed (``LOSS_FACTOR`` x the
-    output bytes then). The other fields are the ``Cost`` memory profile (``params``
+    output bytes then); ``kept``: bytes a layer keeps on its stage's device for the whole
+    job, counted with the stage's ``params`` but never prefetched (a chunked call's keys and
+    values: ``fxpipe.sequence_plan``; empty: none). The other fields are the ``Cost`` memory profile (``params``
     includes buffers).
     """
 
@@ -83,6 +85,7 @@ class ChainMemory:
     bwd_peak: tuple[int, ...]
     input_bytes: int = 0
     loss_bytes: int | None = None
+    kept: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, costs: Sequence[Any], input_bytes: int = 0) -> ChainMemory:
@@ -226,7 +229,7 @@ class Growth:
         self.m, self.kind, self.layer_grain = m, kind, grain == "layer" and kind == "bwd"
         self.start = self.stop = edge
         self.res = residency or Residency()
-        self.params = self.grads = 0
+        self.params = self.grads = self.kept = 0   # kept: what the job holds, never prefetched
         self.peak = (0, 0, -1)   # (saved, workspace, layer) of the compute's peak
 
     def __len__(self) -> int:
@@ -243,6 +246,7 @@ class Growth:
                 live = made + max(0, m.boundary[k - 1] - made - m.before(self.start))
             self._keep((0, live + m.fwd_peak[k], k))
             self.params += m.params[k]
+            self.kept += m.kept[k] if m.kept else 0
             return
         k = self.start = self.start - 1
         last = k == self.stop - 1
@@ -263,6 +267,7 @@ class Growth:
         if len(self) > 1 or self.kind == "fused":
             self._keep(shifted)
         self.params += m.params[k]
+        self.kept += m.kept[k] if m.kept else 0
         self.grads += m.grads[k]
 
     def _keep(self, candidate: tuple[int, int, int]) -> None:
@@ -291,7 +296,7 @@ class Growth:
     def bytes(self, prefetched: int = 0) -> dict[str, int]:
         """The peak by kind, with ``prefetched`` bytes of the next stage's parameters."""
         saved, work, _ = self.peak
-        return {"params": self.params + prefetched,
+        return {"params": self.params + self.kept + prefetched,
                 "gradients": self.grads,
                 "activations": self.activations(), "saved": saved, "workspace": work}
 
