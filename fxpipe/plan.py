@@ -153,6 +153,17 @@ def layer_costs(pipe: Any) -> list[Any]:
     return [getattr(layer, "cost", None) for layer in layers]
 
 
+def _takes_labels(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model a wrapper such as peft's forwards to, whose own
+    signature is ``*args, **kwargs``) takes ``labels``."""
+    while model is not None:
+        if "labels" in inspect.signature(model.forward).parameters:
+            return True
+        get_base = getattr(model, "get_base_model", None)
+        model = get_base() if callable(get_base) and get_base() is not model else None
+    return False
+
+
 def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple] | None = None, *,
                         device_memory: int, num_devices: int, microbatch_size: int = 1,
                         num_microbatch: int | None = None,
@@ -223,7 +234,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                          f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"max_sequence_length: host_memory must be > 0 bytes or None, got {host_memory}")
-    if example_inputs is None and "labels" in inspect.signature(model.forward).parameters:
+    if example_inputs is None and _takes_labels(model):
         def make(n: int) -> Any:
             ids = torch.zeros(microbatch_size, n, dtype=torch.long, device="meta")
             return {"input_ids": ids, "labels": ids}

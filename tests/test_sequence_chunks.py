@@ -184,6 +184,7 @@ def test_max_sequence_length_plans_chunks_and_costs_the_models_own_loss():
     with torch.device("meta"):
         model = T.LlamaForCausalLM(T.LlamaConfig(**{**DENSE, "hidden_size": 256,
                                                       "intermediate_size": 512,
+                                                      "vocab_size": 16384,
                                                       "max_position_embeddings": 1 << 20}))
     common = dict(device_memory=48 * 2**20, num_devices=2, step=512, max_length=1 << 16)
     whole = fxpipe.plan.max_sequence_length(model, sequence_chunks=None, **common)
@@ -193,9 +194,28 @@ def test_max_sequence_length_plans_chunks_and_costs_the_models_own_loss():
     assert details["sequence_chunks"] > 1 and chunked % details["sequence_chunks"] == 0
     assert details["host_bytes"] > 0
     # the host's keys and values bound it too
-    limited = fxpipe.plan.max_sequence_length(model, host_memory=details["host_bytes"] // 2,
-                                              **common)
+    limited = fxpipe.plan.max_sequence_length(
+        model, host_memory=details["host_bytes"] - (details["host_bytes"] - 100 * 2**20) // 2,
+        **common)
     assert limited < chunked
+    # labels= by default: the model's own loss (its head and loss chunked), not logits
+    def ids_only(n):
+        return (torch.zeros(1, n, dtype=torch.long, device="meta"),)
+    try:
+        logits = fxpipe.plan.max_sequence_length(model, ids_only, sequence_chunks=None, **common)
+    except fxpipe.PlanError:   # the whole (tokens, vocab) logits: not even `step` fits
+        logits = 0
+    assert whole > logits
+
+
+def test_labels_are_taken_by_default_through_a_peft_wrapper():
+    peft = pytest.importorskip("peft")
+    from fxpipe.plan import _takes_labels
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**DENSE))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert _takes_labels(model) and _takes_labels(wrapped)
+    assert not _takes_labels(torch.nn.Linear(2, 2))
 
 
 def test_what_a_chunked_call_does_not_support_is_refused():
