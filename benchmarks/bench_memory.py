@@ -405,7 +405,8 @@ def part_c(hf: bool) -> tuple[list[dict], list[dict]]:
             lm = hf_class(cfg) if hf else None
         for gib in (24, 80):
             start = time.perf_counter()
-            common = dict(device_memory=gib * GiB, num_devices=8)
+            common = dict(device_memory=gib * GiB, num_devices=8,
+                          sequence_chunks=None)   # whole sequences (in chunks: bench_long_context)
             logits = fxpipe.plan.max_sequence_length(plain, loss_fn=hf_ce, **common)
             best = fxpipe.plan.max_sequence_length(chunked, ids2, **common)
             via_hf = fxpipe.plan.max_sequence_length(lm, hf_batch, **common) if hf else None
@@ -444,7 +445,7 @@ def part_c_lora() -> list[dict]:
         start = time.perf_counter()
         n = fxpipe.plan.max_sequence_length(
             lm, hf_batch, device_memory=80 * GiB, num_devices=1, num_microbatch=1,
-            host_memory=None if host_gib is None else host_gib * GiB)
+            host_memory=None if host_gib is None else host_gib * GiB, sequence_chunks=None)
         seconds = time.perf_counter() - start
         print(f"  host limit {host_gib or 'none':>4} GiB: {n // 1024}K tokens ({seconds:.1f} s)")
         rows.append({"model": name, "mode": "lora", "devices": 1, "device_gib": 80,

@@ -152,7 +152,9 @@ def longest_sequence(spec: dict[str, Any], ctx: dict[str, Any]) -> tuple[int, di
     asked = {"device_memory": ctx["device_memory"], "num_devices": len(ctx["devices"]()),
              "host_memory": int(HOST_FRACTION * host_available()), "step": step,
              "max_length": 16 * step if ctx["dry_run"] else 1 << 20}
-    return fxpipe.plan.max_sequence_length(model, batch, num_microbatch=1, **asked), asked
+    # whole: the run below is one unchunked step (a chunked longest run is not built yet)
+    return fxpipe.plan.max_sequence_length(model, batch, num_microbatch=1, sequence_chunks=None,
+                                           **asked), asked
 
 
 def host_available() -> int:
