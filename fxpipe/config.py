@@ -48,8 +48,8 @@ class RunConfig:
       layer-grain backward run the compiled code).
     - ``sequence_chunks``: ``None`` (default), or ``K``: each sequence runs as ``K`` token
       chunks (the call's microbatches) through the stages, attention reading the earlier
-      chunks' keys and values; the result equals the unchunked call
-      (``fxpipe.sequence_chunks``).
+      chunks' keys and values; the result equals the unchunked call; ``"auto"``: the
+      fewest chunks whose plan fits the devices (``fxpipe.sequence_chunks``).
     """
 
     requires_grad: bool | None = None

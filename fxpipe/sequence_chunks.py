@@ -17,8 +17,8 @@ whole sequence (``shift_labels``), so the token at a chunk's end predicts the ne
 first; the loss is the model's own, each chunk's mean weighted by its share of the
 sequence's target tokens (``fxpipe.passes.token_means``), ``-100`` included.
 
-The Program of a chunked call (``pipe.program()`` after the call, or
-``pipe.code()``) differs from a plain one in two ways:
+The Program of a chunked call (``pipe.program(sequence_chunks=K)``; its code:
+``pipe.code(sequence_chunks=K)``) differs from a plain one in two ways:
 
 - every backward stage runs its microbatches last chunk first (a chunk's keys receive
   gradients from every later chunk before they flow into its projections);
@@ -26,11 +26,17 @@ The Program of a chunked call (``pipe.program()`` after the call, or
   layer: the layers up to the last attention are planned as forward and backward
   stages (:func:`chunked_plan`).
 
+Where the devices have a memory limit, the chunk step is planned with each attention
+layer's keys and values for the whole sequence counted (``fxpipe.sequence_plan``);
+``pipe.stats()`` after the call holds the chunk step's counters and the keys' and
+values' bytes moved (``h2d_bytes_kv``, ``d2h_bytes_kv``).
+
 Supported: Hugging Face causal LMs whose attention goes through
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2, ...), called with
 ``input_ids`` and optionally ``labels`` and an all-ones ``attention_mask``, in
 ``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend.
-Anything else is refused before it runs.
+Anything else is refused before it runs. ``sequence_chunks="auto"``: the fewest chunks
+whose step has a plan that fits the devices (:meth:`SequenceChunking._auto_chunks`).
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ class ChunkedLM(nn.Module):
     def __init__(self, model: nn.Module, slot: int):
         super().__init__()
         self.model = model
-        self.slot = slot
+        self.slot = slot   # baked into its captured graph: part of the capture cache's key
 
     @property
     def config(self) -> Any:
@@ -261,15 +267,16 @@ class SequenceChunking:
     def _chunk_inputs(self, kwargs: dict, cfg: RunConfig) -> tuple[dict, list]:
         """``chunk_inputs`` for this pipe's model, after the checks of what a chunked
         call supports."""
-        if cfg.sequence_chunks == "auto":
-            raise NotImplementedError(
-                "sequence_chunks='auto' in a call is not implemented yet: pass the number of "
-                "chunks (fxpipe.plan.max_sequence_length plans a length's chunks)")
         if cfg.stage_backend not in (None, "eager"):
             raise NotImplementedError(
                 f"sequence_chunks with stage_backend={cfg.stage_backend!r}: the chunk attention "
                 "reads and writes its keys on the host from Python, which compiled stage "
                 "code and device graphs do not replay yet; use stage_backend='eager'")
+        if getattr(self, "_dp", None) is not None:
+            raise NotImplementedError(
+                "sequence_chunks with data_parallel=True is not implemented: the chunk step "
+                "would not synchronize the ranks' gradients; run one sequence per rank "
+                "without sequence_chunks, or chunked on one process")
         if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
             raise NotImplementedError(
                 "sequence_chunks runs Hugging Face causal LMs whose attention goes through "
@@ -277,7 +284,41 @@ class SequenceChunking:
                 "transformers config")
         if getattr(self, "_chunk_slot", None) is None:
             self._chunk_slot = new_slot()
-        return chunk_inputs(kwargs, cfg.sequence_chunks)
+        chunks = cfg.sequence_chunks
+        if chunks == "auto":
+            chunks = self._auto_chunks(kwargs)
+        return chunk_inputs(kwargs, chunks)
+
+    def _auto_chunks(self, kwargs: dict) -> int:
+        """``sequence_chunks="auto"``: the fewest chunks (1, then counts that cut the
+        sequence into chunks of a power of two tokens) for which the chunk step has a plan
+        that fits the devices, keys and values counted (one capture per chunk length
+        tried, remembered per length)."""
+        from fxpipe.errors import PlanError
+        from fxpipe.sequence_plan import chunk_counts
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError("sequence_chunks: pass input_ids=, a [batch, length] tensor of "
+                             "token ids")
+        length = ids.shape[1]
+        known = getattr(self, "_auto_chunk_counts", None)
+        if known is None:
+            known = self._auto_chunk_counts = {}
+        if length in known:
+            return known[length]
+        failure = None
+        for chunks in chunk_counts(length, 1):
+            chunk_kwargs, bounds = chunk_inputs(kwargs, chunks)
+            try:
+                with serving(self.module, self._chunk_slot, SequenceKV(bounds)):
+                    self._chunk_setup(chunk_kwargs, bounds, "fused", False)
+            except PlanError as e:
+                failure = e
+                continue
+            known[length] = chunks
+            return chunks
+        raise PlanError(f"sequence_chunks='auto': no chunk count fits {length} tokens on these "
+                        f"devices; the fewest tokens a chunk can have failed with: {failure}")
 
     def _chunk_setup(self, chunk_kwargs: dict, bounds: list, run_type: str,
                      outputs: bool) -> tuple:

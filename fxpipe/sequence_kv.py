@@ -122,10 +122,6 @@ class SequenceKV:
             out.append(host)
         self.host[layer] = out
 
-    def nbytes(self) -> int:
-        """Bytes the store holds on the host."""
-        return sum(t.numel() * t.element_size() for ts in self.host.values() for t in ts)
-
 
 _on_device: list = [None]   # the runtime's: count tensors as its running device's
 

@@ -158,6 +158,12 @@ def test_under_a_memory_limit_the_whole_sequence_cannot_be_planned_and_chunks_ru
     torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
     assert_grads_close(model, grads, rtol=1e-4, atol=1e-6)
     assert max(d.peak_reserved_bytes() for d in devices) <= 900 * 1024
+    model.zero_grad()   # "auto": the fewest chunks whose plan fits the devices
+    loss = pipe.forward_backward((), long, loss_fn=own_loss,
+                                 run_config=fxpipe.RunConfig(sequence_chunks="auto"))
+    torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, grads, rtol=1e-4, atol=1e-6)
+    assert 1 < pipe._auto_chunk_counts[512] <= 16
 
 
 def test_the_program_runs_backward_chunks_last_first_and_the_code_shows_the_attention():
