@@ -201,16 +201,18 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
 
     ``sequence_chunks`` (``RunConfig.sequence_chunks``): ``"auto"`` (default) — for a
     Hugging Face model whose attention a chunked call runs (``fxpipe.sequence_chunks``),
-    a length that does not fit whole is tried as 2, 4, 8, ... token chunks of at least
-    ``step`` tokens (the fewest that fit are taken): one sequence of ``microbatch_size``
-    rows, its chunks the step's microbatches, each attention layer holding the keys and
-    values of the whole sequence while it computes, and the host all of them
-    (``fxpipe.sequence_plan``); an int — exactly that many chunks; ``None`` — whole
-    sequences in ``num_microbatch`` microbatches only. A model that takes ``labels`` is
+    a length that does not fit whole is tried in token chunks of ``step * 2**j`` tokens
+    that divide it, the longest first (the fewest chunks that fit are taken): one
+    sequence of ``microbatch_size`` rows, its chunks the step's microbatches, each
+    attention layer's stage holding its keys and values of the whole sequence for its
+    job, and the host all of them (``fxpipe.sequence_plan``); an int — exactly that many
+    chunks (a model whose attention cannot run in chunks raises ``NotImplementedError``);
+    ``None`` — whole sequences in ``num_microbatch`` microbatches only. A model that takes ``labels`` is
     costed with them by default (its own loss, the head and loss chunked: the default
     ``example_inputs`` is ``{"input_ids": ids, "labels": ids}``). ``details``: a dict that
     gets the longest length's ``sequence_chunks``, ``host_bytes`` (what the host holds:
-    ``predict_memory``'s ``.host`` kinds for the finest plan's cuts, plus the keys and
+    ``predict_memory``'s ``.host`` kinds at every layer's cut, or, where ``host_memory``
+    binds a chunked step, at the cuts of the fewest stages that fit; plus the keys and
     values) and ``device_bytes`` (the limit the plan fits).
 
     The model is captured once at ``step`` tokens and costed on fake tensors at each
@@ -234,6 +236,11 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                          f"memory_fraction in (0, 1], got {device_memory} and {memory_fraction}")
     if host_memory is not None and host_memory <= 0:
         raise ValueError(f"max_sequence_length: host_memory must be > 0 bytes or None, got {host_memory}")
+    if sequence_chunks not in (None, "auto") and (isinstance(sequence_chunks, bool) or not
+                                                 isinstance(sequence_chunks, int) or
+                                                 sequence_chunks < 1):
+        raise ValueError(f"max_sequence_length: sequence_chunks must be None, 'auto' or an int "
+                         f">= 1, got {sequence_chunks!r}")
     if example_inputs is None and _takes_labels(model):
         def make(n: int) -> Any:
             ids = torch.zeros(microbatch_size, n, dtype=torch.long, device="meta")
@@ -246,7 +253,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     limit = memory_fraction * device_memory
     graph: list[LayerGraph] = []
     layout: list = []   # the KV layout of graph[0] (None: no chunked attention)
-    costed: dict[int, tuple] = {}   # tokens -> (memory, flat inputs) of the current graph
+    costed: dict[int, ChainMemory] = {}   # tokens -> one microbatch's memory, current graph
 
     def memory_at(n: int) -> ChainMemory:
         if n in costed:
@@ -279,6 +286,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
         steps = M if chunks == 1 else chunks
         planner.check_memory("fused", [memory], limit, num_devices=num_devices,
                              num_microbatch=steps, recompute_grain=recompute_grain)
+
         def host_at(cuts: Any) -> int:
             return sum(host_bytes(graph[0], memory, cuts, steps).values()) + (
                 host_kv_bytes(kv, n) if kv is not None else 0)
@@ -303,6 +311,12 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
 
     def check(n: int) -> None:
         memory_at(min(n, step))   # the graph, and its attention layers
+        if isinstance(sequence_chunks, int) and sequence_chunks > 1 and layout[0] is None:
+            raise NotImplementedError(
+                f"max_sequence_length(sequence_chunks={sequence_chunks}): "
+                f"{type(model).__name__}'s attention cannot run in chunks (a Hugging Face "
+                "causal LM whose attention goes through transformers' attention interface "
+                "can); pass sequence_chunks=None")
         if sequence_chunks is None or layout[0] is None:
             counts = [1]
         elif sequence_chunks == "auto":   # chunk lengths step * 2**j: costed once each

@@ -95,10 +95,11 @@ def test_a_chunked_step_equals_eager_on_the_whole_sequence(name):
     torch.testing.assert_close(inferred.loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_chunks_equal_the_unchunked_bf16_step():
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bf16_chunks_equal_the_unchunked_bf16_step(name):
     """Under ``param_dtype=bf16`` the chunked step differs from the unchunked one by
     attention's reassociation in bf16 only (each key's gradient summed per chunk)."""
-    model, kw = build("llama"), batch(length=32)
+    model, kw = build(name), batch(length=32)
     pipe = fxpipe.compile(model, example_kwargs=kw, devices=["cpu", "cpu"],
                           param_dtype=torch.bfloat16)
     whole = pipe.forward_backward((), kw, loss_fn=own_loss)
