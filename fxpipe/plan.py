@@ -160,7 +160,8 @@ def _takes_labels(model: nn.Module) -> bool:
         if "labels" in inspect.signature(model.forward).parameters:
             return True
         get_base = getattr(model, "get_base_model", None)
-        model = get_base() if callable(get_base) and get_base() is not model else None
+        base = get_base() if callable(get_base) else None
+        model = base if base is not model else None
     return False
 
 

@@ -42,19 +42,25 @@ whose step has a plan that fits the devices (:meth:`SequenceChunking._auto_chunk
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
-from fxpipe.plan import ExecutePlan
+from fxpipe.errors import PlanError
+from fxpipe.memory_prediction import chain_memory
+from fxpipe.passes import chain_costs, planner
+from fxpipe.plan import MEMORY_FRACTION, ExecutePlan, layer_costs
 from fxpipe.runtime.host.params import HostParams
 from fxpipe.runtime.issue.microbatch import PackedData
-from fxpipe.sequence_kv import SequenceKV, chunk_bounds, new_slot, opened, running_chunk
-from fxpipe.sequence_plan import kv_layout, with_kv
+from fxpipe.sequence_kv import (SequenceKV, chunk_bounds, new_slot, opened, register_flops,
+                                running_chunk)
+from fxpipe.sequence_plan import chunk_counts, kv_layout, with_kv
 
 __all__ = ["ChunkedLM", "chunked_plan", "SequenceChunking"]
 
@@ -85,9 +91,13 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register() -> None:
+    """Register the chunk attention with transformers, and its FLOPs with the cost pass's
+    counter (once)."""
     from transformers import AttentionInterface
     AttentionInterface.register(ATTENTION, _hf_attention)
+    register_flops()
 
 
 class ChunkedLM(nn.Module):
@@ -160,6 +170,13 @@ def chunked_plan(plan: ExecutePlan, attention: list[int], num_layers: int) -> Ex
                        [range(cut, num_layers), range(tail.start, cut)] + plan.bwd_plan[1:])
 
 
+def _ids(kwargs: dict) -> torch.Tensor:
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("sequence_chunks: pass input_ids=, a [batch, length] tensor of token ids")
+    return ids
+
+
 def chunk_inputs(kwargs: dict, chunks: int) -> tuple[dict, list[tuple[int, int]]]:
     """The chunk step's keyword arguments, each a ``PackedData`` of the chunks, and the
     chunks' bounds. Refuses what a chunked call cannot run, saying what to do."""
@@ -168,9 +185,7 @@ def chunk_inputs(kwargs: dict, chunks: int) -> tuple[dict, list[tuple[int, int]]
         raise NotImplementedError(
             f"sequence_chunks: the call passes {', '.join(map(repr, extra))}; a chunked call "
             f"takes {', '.join(_ACCEPTED)} only")
-    ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError("sequence_chunks: pass input_ids=, a [batch, length] tensor of token ids")
+    ids = _ids(kwargs)
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise NotImplementedError(
@@ -249,7 +264,6 @@ class SequenceChunking:
     def _chunked_executable(self, run_type: str, chunks: int, **kw: Any) -> Any:
         """The Executable a chunked call of ``run_type`` in ``chunks`` chunks runs on the
         pipe's example (``pipe.program(..., sequence_chunks=K)``, ``pipe.code``)."""
-        import torch.utils._pytree as pytree
         lg = self._current.layers
         _, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
         kwargs = {k: v for k, v in kwargs.items() if k in _ACCEPTED}
@@ -294,13 +308,7 @@ class SequenceChunking:
         sequence into chunks of a power of two tokens) for which the chunk step has a plan
         that fits the devices, keys and values counted (one capture per chunk length
         tried, remembered per length)."""
-        from fxpipe.errors import PlanError
-        from fxpipe.sequence_plan import chunk_counts
-        ids = kwargs.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError("sequence_chunks: pass input_ids=, a [batch, length] tensor of "
-                             "token ids")
-        length = ids.shape[1]
+        length = _ids(kwargs).shape[1]
         known = getattr(self, "_auto_chunk_counts", None)
         if known is None:
             known = self._auto_chunk_counts = {}
@@ -360,9 +368,6 @@ class SequenceChunking:
         kv = kv_layout(self._chunk_steps[0], compiled.layers, self.param_dtype)
         if not limits or kv is None:
             return None
-        from fxpipe.memory_prediction import chain_memory
-        from fxpipe.passes import chain_costs, planner
-        from fxpipe.plan import MEMORY_FRACTION, layer_costs
         chains = chain_costs.chain_costs([layer_costs(compiled)], chain_costs.NOMINAL_DEVICE,
                                          need_backward=run_type != "infer")
         (fwd, bwd), = planner.plan_chains(
@@ -377,8 +382,6 @@ class SequenceChunking:
 def _joined(out: Any, shift_labels: PackedData | None) -> Any:
     """A chunked inference call's output: each tensor's chunks joined along the tokens
     (dim 1), a 0-dim loss the mean of the chunks' means weighted by their target tokens."""
-    import torch.utils._pytree as pytree
-
     def join(x: Any) -> Any:
         if not isinstance(x, PackedData) or not x or not isinstance(x[0], torch.Tensor):
             return x

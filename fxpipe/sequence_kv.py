@@ -160,16 +160,23 @@ def new_slot() -> int:
     return next(_SLOTS)
 
 
-@contextlib.contextmanager
-def running_chunk(index: int | None) -> Iterator[None]:
-    """Ops run in this thread inside the block run chunk ``index`` (the stage code enters
-    it with the microbatch it runs)."""
+def set_chunk(index: int | None) -> int | None:
+    """From now on, ops run in this thread run chunk ``index``; returns the one before
+    (the stage code sets the microbatch it runs, and restores it: no context manager on
+    the per-action path)."""
     saved = getattr(_current, "chunk", None)
     _current.chunk = index
+    return saved
+
+
+@contextlib.contextmanager
+def running_chunk(index: int | None) -> Iterator[None]:
+    """Ops run in this thread inside the block run chunk ``index``."""
+    saved = set_chunk(index)
     try:
         yield
     finally:
-        _current.chunk = saved
+        set_chunk(saved)
 
 
 def _chunk() -> int:
@@ -262,14 +269,13 @@ def _flops(q, k, v, slot, layer, scaling, window, softcap, *args, out_shape=None
 
 
 def register_flops() -> None:
-    """Teach ``FlopCounterMode`` the chunk attention's FLOPs (idempotent)."""
+    """Teach ``FlopCounterMode`` the chunk attention's FLOPs (idempotent; a chunked call's
+    ``fxpipe.sequence_chunks.serving`` does, before its chunk step is costed)."""
     from torch.utils import flop_counter
     op = torch.ops.fxpipe.chunk_attention
-    if op.default not in flop_counter.flop_registry:
+    if op not in flop_counter.flop_registry:
         flop_counter.register_flop_formula(op)(_flops)
 
-
-register_flops()
 
 
 def _setup(ctx, inputs, output) -> None:

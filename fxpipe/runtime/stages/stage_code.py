@@ -363,15 +363,16 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
     serve = _Serve(stage, resident, call_seed=call_seed, microbatch=microbatch, device=device,
                    keep_writebacks=keep_writebacks, timed=timer is not None, scratch=scratch)
     saved, _serving.serve = _serving.serve, serve
+    chunk = sequence_kv.set_chunk(microbatch)   # a chunked call's chunk
     try:
-        with sequence_kv.running_chunk(microbatch):   # a chunked call's chunk
-            if stage.random and call_seed is not None:
-                with rng.isolated(device):
-                    out = code(*inputs)
-            else:
+        if stage.random and call_seed is not None:
+            with rng.isolated(device):
                 out = code(*inputs)
+        else:
+            out = code(*inputs)
     finally:
         _serving.serve = saved
+        sequence_kv.set_chunk(chunk)
     if timer is not None:
         serve.record_times(timer, kind)
     if stats is not None:
