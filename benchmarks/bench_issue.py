@@ -28,6 +28,11 @@ would compute the same step:
 - ``action_us``: the host cost of one action around an empty stage (one
   ``Linear(1, 1)``, one device, inference): the call's time at 16 microbatches less its
   time at 1, over the actions it adds; and what a call costs besides its actions.
+- ``issue_lock``: the 8-GPU Llama-3.1-8B step at 4K issued under the issue lock
+  (``issue_lock.OrderedLock``: handed over to the waiting action first in the Program),
+  under the same lock handing over in the order asked (``fifo``) and under a plain
+  ``threading.Lock`` (the lock before #55), interleaved: host ms per step and the
+  devices' summed waits for the lock (``issue_lock_wait_us``).
 
 - **Per stage backend** (``--backends``, default ``eager inductor``): each row is run with
   ``RunConfig(stage_backend=...)`` (``stage_backend`` in its JSON: ``null`` for eager).
@@ -74,6 +79,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,6 +93,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpipe  # noqa: E402
 from bench_memory import CausalLM  # noqa: E402
+from fxpipe.runtime.devices import issue_lock  # noqa: E402
 from fxpipe.runtime.devices.device_graph import DeviceGraph  # noqa: E402
 from fxpipe.runtime.devices.emulator import InlineDevice  # noqa: E402
 from fxpipe.sim.hardware import H200_HOST  # noqa: E402
@@ -304,6 +311,64 @@ def action_cost(repeats: int) -> dict:
             "call_fixed_us": min(us[1]) - a1 * min(per)}
 
 
+class PlainLock:
+    """The issue lock before #55: a ``threading.Lock`` (whichever waiting thread the OS
+    wakes takes it; one letting go and asking again at once usually wins), its waits
+    timed as ``issue_lock.OrderedLock`` times them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, step: int = 0) -> float:
+        if self._lock.acquire(blocking=False):
+            return 0.0
+        start = time.perf_counter()
+        self._lock.acquire()
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+class FifoLock(issue_lock.OrderedLock):
+    """``OrderedLock`` handing over in the order asked, whatever the step."""
+
+    def acquire(self, step: int = 0) -> float:
+        return super().acquire(0)
+
+
+def lock_ab(repeats: int, gpus: int = 8) -> dict:
+    """The 8-GPU Llama-3.1-8B step at 4K (eager stage code) issued under the issue lock
+    (``ordered``), a FIFO one and a plain one, interleaved: host ms per step and the
+    devices' summed waits for the lock (``issue_lock_wait_us``), min and median of
+    ``repeats`` x 3 steps each."""
+    plan, _ = full_size("Llama-3.1-8B", gpus, 4096)
+    _, pipe, ids = tiny_pipe("Llama-3.1-8B", gpus, plan)
+    ordered = issue_lock._ISSUING
+    locks = {"ordered": ordered, "fifo": FifoLock(), "plain": PlainLock()}
+    out: dict[str, dict[str, list[float]]] = {k: {"host_ms": [], "wait_ms": []} for k in locks}
+    try:
+        for lock in locks.values():   # warm up
+            issue_lock._ISSUING = lock
+            pipe.forward_backward((ids, ids))
+        for _ in range(repeats * 3):
+            for name, lock in locks.items():
+                issue_lock._ISSUING = lock
+                out[name]["host_ms"] += timed(lambda: pipe.forward_backward((ids, ids)), 1)
+                out[name]["wait_ms"].append(pipe.stats()["issue_lock_wait_us"] / 1e3)
+    finally:
+        issue_lock._ISSUING = ordered
+        pipe.close()
+    return {name: {"host_ms_min": min(v["host_ms"]),
+                   "host_ms_median": statistics.median(v["host_ms"]),
+                   "lock_wait_ms_min": min(v["wait_ms"]),
+                   "lock_wait_ms_median": statistics.median(v["wait_ms"])}
+            for name, v in out.items()} | {"gpus": gpus, "model": "Llama-3.1-8B", "seq_len": 4096}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -329,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     action = action_cost(args.repeats)
     print(f"host cost of one action around an empty stage: {action['min_us']:.1f} us min, "
           f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us")
+    lock = lock_ab(args.repeats)
+    for name in ("ordered", "fifo", "plain"):
+        r = lock[name]
+        print(f"issue lock {name:>7}: 8-GPU 4K step {r['host_ms_min']:.1f} ms min, "
+              f"{r['host_ms_median']:.1f} ms median; the devices waited for it "
+              f"{r['lock_wait_ms_median']:.1f} ms (median)")
     head = (f"{'model':<14} {'gpus':>4} {'tokens':>6} {'backend':>8} {'stages f/b':>10} "
             f"{'actions':>7} {'kern/L':>6} {'us/L':>6} {'host ms':>8} {'eager ms':>8} "
             f"{'fxpipe+':>8} {'H100 ms':>8} {'ratio':>6} {'4090 ms':>8} {'ratio':>6}")
@@ -404,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             pipe.close()
     result = {"torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/bench_issue.py", *(argv or sys.argv[1:])]),
-              "action_us": action, "rows": rows,
+              "action_us": action, "issue_lock": lock, "rows": rows,
               "modelled": "host_issue_ms_modelled = the eager row's host_issue_ms x (1 - "
                           "its compute actions' share of host_issue_us_by_kind x (1 - "
                           "kernels_per_layer / the eager row's kernels_per_layer)): one launch "

@@ -91,6 +91,7 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     # LoRA downloads only the adapters' gradients; the full fine-tune every one, in fp32
     assert lora["d2h_bytes_grads"] < full["d2h_bytes_grads"]
     check_generate(report["generate"])
+    check_many_devices(report["many_devices"])
 
 
 def check_generate(gen):
@@ -126,6 +127,65 @@ def test_generate_section_fails_when_tokens_differ_or_a_streamed_variant_does_no
     assert variants_ok({"host": ran, "auto": ran, "device": refused})
     assert not variants_ok({"host": ran, "auto": ran, "device": {"ran": True, "ok": False}})
     assert not variants_ok({"host": ran, "auto": refused, "device": ran})
+
+
+MANY_DEVICES_KEYS = {"steps", "captures_after_step", "plateau", "graph_captures", "graph_replays",
+                     "issue", "issue_lock_wait_ms", "issue_idle", "memory", "plan", "seconds"}
+
+
+def check_many_devices(md):
+    """The kit's ``many_devices`` at dry-run sizes: eight virtual devices, eager stage code
+    and ``"cudagraphs"`` (emulated graphs over the segments' own code) from the same
+    weights, calls alternating two lengths: the losses agree, the captures plateau once
+    each length was seen, and every figure is there."""
+    assert md["logical_devices"] == 8 and md["note"].startswith("dry run")
+    assert "standing in for inductor" in md["compiler"]
+    L1, L2 = md["lengths"]
+    assert L2 == L1 // 2 and list(md["backends"]) == ["eager", "cudagraphs"]
+    assert md["losses_agree"] and md["plateau"] and md["max_loss_rel_diff"] <= md["loss_rtol"]
+    eager, graphs = md["backends"].values()
+    for row in (eager, graphs):
+        assert row["ran"] and "error" not in row, row.get("error")
+        assert MANY_DEVICES_KEYS <= set(row), MANY_DEVICES_KEYS - set(row)
+        assert [s["seq"] for s in row["steps"]] == [L1, L2] * 3
+        assert all(math.isfinite(s["loss"]) for s in row["steps"])
+        issue = row["issue"]
+        assert issue["issue_us_per_action"] > 0 and issue["issue_us_per_kernel"] > 0
+        assert issue["runs_at_issue"] is False        # virtual devices: kernels off the issue
+        assert issue["actions"] > issue["device_actions"] > 0   # the host lane's are not issued
+        assert row["issue_lock_wait_ms"] == 0.0   # virtual devices: no work at issue, no lock
+        idle = row["issue_idle"]
+        assert set(idle["devices"]) == {str(i) for i in range(8)}
+        assert 0 <= idle["issue_idle_ms"] <= idle["idle_ms"] and idle["unstamped_gaps"] == 0
+        assert idle["compute_busy_ms"] > 0
+        memory = row["memory"]   # a sanity bound: the strict cuda-sim tests hold the prediction
+        assert 0.5 < memory["reserved_over_predicted"] < 1.5, memory
+        assert len(memory["devices"]) == 8
+    assert eager["captures_after_step"] == [0] * 6 and eager["graph_replays"] == 0
+    assert set(eager["issue"]["per_kernel_over"]) == {"Forward", "RecomputeBackward",
+                                                      "FusedBackward"}
+    after = graphs["captures_after_step"]   # L1 captures, L2 captures, then only replays
+    assert 0 < after[0] < after[1] and after[1:] == [after[1]] * 5
+    assert all(s["graph_replays"] > 0 for s in graphs["steps"][2:])
+    assert graphs["traced_call"]["graph_captures"] == 0
+    # a graph job's launches are exact; the fused tail's compiled kernels modelled
+    assert graphs["issue"]["per_kernel_over"] == ["GraphForward", "GraphRecomputeBackward"]
+    assert graphs["issue"]["kinds"]["FusedBackward"]["kernels_modelled"] is True
+
+
+def test_many_devices_fails_when_losses_differ_or_captures_do_not_plateau():
+    from fxpipe.check.many_devices import LOSS_RTOL, agreement
+
+    def row(losses, plateau=True):
+        return {"ran": True, "plateau": plateau, "steps": [{"loss": x} for x in losses]}
+    same = agreement({"eager": row([2.0, 3.0]), "cudagraphs": row([2.0, 3.0 * (1 + LOSS_RTOL / 2)])})
+    assert same["ok"] and same["losses_agree"] and same["plateau"]
+    apart = agreement({"eager": row([2.0, 3.0]), "cudagraphs": row([2.0, 3.0 * (1 + 2 * LOSS_RTOL)])})
+    assert not apart["ok"] and not apart["losses_agree"]
+    growing = agreement({"eager": row([2.0]), "cudagraphs": row([2.0], plateau=False)})
+    assert not growing["ok"] and not growing["plateau"]
+    failed = agreement({"eager": row([2.0]), "cudagraphs": {"ran": False, "error": {}}})
+    assert not failed["ok"] and failed["max_loss_rel_diff"] is None
 
 
 FINETUNE_KEYS = {"model", "mode", "params", "tokens_per_step", "step_s", "tokens_per_s",

@@ -56,12 +56,15 @@ def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
         for d in devices:
             d.reset_peak()
         loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
-        # the slots and the graphs' own buffers are in the prediction (counted at the
-        # capturing step and at a replaying one alike)
+        # the slots, the graphs' own buffers and their pool are in the prediction: what
+        # the devices reserve at a replaying step, within 25%; a capturing step reserves
+        # less (a stage computed before a later graph's capture does not hold its pool)
         pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2,
                                           loss_fn=mse, label=y)
         for d, p in zip(devices, pred.devices):
-            assert 0.9 <= p.total / d.peak_bytes() <= 1.25, (p.total, d.peak_bytes())
+            reserved = d.peak_reserved_bytes()
+            assert reserved <= p.total <= (1.25 * reserved if step else 2 * reserved), \
+                (step, p.total, reserved)
         torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
@@ -185,6 +188,42 @@ def test_cuda_sim_raises_on_a_replay_over_freed_memory():
     with pytest.raises(GraphReplayError, match="a test graph: a replay reads a \\(4,\\) "
                                                "torch.float32 buffer .* freed since"):
         d.submit("compute", g.replay).result()
+    d.close()
+
+
+def test_cuda_sim_keeps_a_graphs_working_set_for_its_life():
+    """#55 item 3: a GPU graph keeps the memory its capture computed in (its pool) until
+    it is dropped, and a replay allocates nothing. Strict cuda-sim holds it as such: the
+    largest live graph's intermediates stay counted as ``workspace`` beside its outputs
+    (one pool per device: a second, smaller graph reuses it; a capture allocates in it
+    first); replays leave the peak where it is; dropping the graphs gives it back."""
+    d = fxpipe.VirtualDevice(semantics="cuda", strict=True)
+    x = d.submit("h2d", d.to_device, torch.ones(1024), "activations", "a test").result()
+    n = 1024 * 4   # bytes of one (1024,) float32 value
+
+    def big(x):   # intermediates: 3 values at once at its peak; its output: one
+        a = x * 2
+        b = a + 1
+        c = b * a
+        return (c.sum(0, keepdim=True),)
+
+    def small(x):
+        return ((x + 1).sum(0, keepdim=True),)
+
+    before = d.resident_bytes()
+    g1 = d.submit("compute", d.capture, big, (x,), "big").result()
+    held = d.resident_bytes() - before
+    assert held >= 3 * n, held                   # the working set stays held, not freed
+    peak = d.peak_bytes()
+    for _ in range(3):
+        d.submit("compute", g1.replay).result()
+    assert d.peak_bytes() == peak                # a replay allocates nothing new
+    g2 = d.submit("compute", d.capture, small, (x,), "small").result()
+    assert d.resident_bytes() - before <= held + 8   # in the same pool (plus its output)
+    assert d.peak_bytes() <= peak + 8
+    del g1, g2
+    d.submit("compute", lambda: None).result()   # (the stream's last event held g2)
+    assert d.resident_bytes() == before          # dropped: the pool is given back
     d.close()
 
 

@@ -373,6 +373,27 @@ def check_mismatch(rank: int, world: int) -> None:
         compile_dp(model, rank)
 
 
+def check_batch_mismatch(rank: int, world: int) -> None:
+    """#58: a rank whose batch differs from the others' (its last, smaller batch) raises
+    on every rank before any collective of the call, naming the ranks' shapes; nothing
+    ran, so the ranks train on afterwards with equal batches."""
+    model = make_model()
+    pipe = compile_dp(model, rank)
+    X, Y = data(world, 0)
+    x, y = mine(X, rank), mine(Y, rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    short = (x[:-2], y[:-2]) if rank == 1 else (x, y)
+    with pytest.raises(fxpipe.errors.DistributedError,
+                       match=r"batches differ: rank \d has 3 microbatches: .*\(\d, 4\).*"
+                             r"rank \d has .*drop_last"):
+        pipe.forward_backward((short[0],), label=short[1], loss_fn=ce)
+    assert all(p.grad is None for p in model.parameters())   # nothing ran
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    pipe.forward_backward((x,), label=y, loss_fn=ce)           # equal batches: it trains
+    assert all(p.grad is not None for p in model.parameters())
+    pipe.close()
+
+
 def check_failure(rank: int, world: int, shard: bool = False,
                   param_dtype: torch.dtype | None = None) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
@@ -480,7 +501,8 @@ def check_failure_sharded(rank: int, world: int) -> None:
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
         check_shard_optimizer, check_shard_across_plans, check_sharded_masters,
-        check_checkpoints, check_mismatch, check_hf_bf16, check_failure, check_failure_sharded],
+        check_checkpoints, check_mismatch, check_batch_mismatch, check_hf_bf16, check_failure,
+        check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters],
 }
 

@@ -108,17 +108,17 @@ LONG_CONTEXT = {(n, p, b): None for n in NAMES for p in ("param_dtype", "autocas
     if os.environ.get("FXPIPE_HF_COMPILED") == "all" else LONG_CONTEXT_CI
 if os.environ.get("FXPIPE_TEST_DEVICE") == "virtual":   # strict cuda-sim by design
     LONG_CONTEXT = {}
-# what fails, and why: a device graph keeps its inputs, outputs and workspace on the device
-# past its job, which the plan does not count (predict_memory counts the parameter slots and
-# one set of boundaries: issue 55), so devices just big enough for the plan overflow (T5
-# in bf16 under cudagraphs at 1 MiB: 908 kB of graph workspace resident)
+# what fails, and why: a device graph keeps its inputs, outputs and working set on the
+# device past its job (its pool), which predict_memory counts but the planner does not (it
+# packs stages one at a time; the pool is the device's), so devices just big enough for the
+# plan overflow (T5 in bf16 under cudagraphs at 1 MiB: 908 kB of graph workspace resident)
 GRAPHS_OVERFLOW = {("t5", "param_dtype", "cudagraphs")}
 
 
 def long_context_cases() -> list:
     return [pytest.param(*case, marks=pytest.mark.xfail(
                 strict=True, raises=fxpipe.errors.DeviceMemoryError,
-                reason="a device graph's working set outlives its job; the plan does not count it"))
+                reason="a device graph's working set outlives its job; the planner does not count it"))
             if case in GRAPHS_OVERFLOW else case for case in LONG_CONTEXT]
 
 

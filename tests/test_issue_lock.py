@@ -99,3 +99,113 @@ def test_registering_a_file_window_runs_with_the_lock_let_go(monkeypatch):
     finally:
         pinned.forget_file(base, len(pages))
     assert seen == [False]   # once: the second read finds it registered, under the lock
+
+
+def test_the_lock_is_handed_over_to_the_earliest_action():
+    """#55 item 2: when the holder lets go, the lock goes to the waiting thread whose
+    action comes first in the Program (ties: the one that asked first), not back to the
+    holder asking again at once (a plain lock usually lets it, starving a device that is
+    behind). The waits are counted per thread."""
+    order: list[str] = []
+
+    def waiter(name: str, step: int) -> threading.Thread:
+        def run():
+            issue_lock.at_step(step)
+            with issuing(True):
+                order.append(name)
+        t = threading.Thread(target=run)
+        queued = len(issue_lock._ISSUING._waiters)
+        t.start()
+        while len(issue_lock._ISSUING._waiters) == queued:   # it queued
+            threading.Event().wait(0.001)
+        return t
+
+    issue_lock.waited()
+    issue_lock.at_step(3)
+    with issuing(True):
+        threads = [waiter("late", 7), waiter("early", 2), waiter("tie", 2)]
+    issue_lock.at_step(4)
+    with issuing(True):   # asked again at once, at step 4: after the waiters before it
+        order.append("me")
+    for t in threads:
+        t.join(timeout=10)
+    assert order == ["early", "tie", "me", "late"], order
+    assert issue_lock.waited() > 0.0 and issue_lock.waited() == 0.0
+    assert not issue_lock._ISSUING.locked()
+    issue_lock.at_step(0)
+
+
+def test_issue_lock_waits_are_counted_in_stats():
+    """Two inline devices issue at once: their waits for the lock are in the stats."""
+    import fxpipe
+    from fxpipe.runtime.devices.emulator import InlineDevice
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=[InlineDevice(), InlineDevice()],
+                          config=fxpipe.RunConfig(num_microbatch=4))
+    for _ in range(3):
+        pipe(x)
+    stats = pipe.stats()
+    assert "issue_lock_wait_us" in stats and stats["issue_lock_wait_us"] >= 0
+    pipe.close()
+
+
+def test_a_new_pool_block_is_made_with_the_lock_let_go(monkeypatch):
+    """#55 item 2: registering a new page-locked block (``cudaHostRegister``: hundreds of
+    milliseconds for a GB) runs with the issue lock let go, outside the pool's own lock;
+    a block reused needs no registration."""
+    seen = []
+    made = pinned.empty
+
+    def empty(*args, **kw):
+        seen.append(holding())
+        return made(*args, **kw)
+
+    monkeypatch.setattr(pinned, "empty", empty)
+    pool = pinned.Pool(emulate=True)
+    ring = pinned.Ring(capacity=8 * pinned.PAGE, emulate=True)
+    with issuing(True):
+        a = pool.empty((1000,), torch.float32)
+        ring.stage(torch.ones(10), torch.float32)
+        assert holding()
+        ptr = a.data_ptr()
+        del a
+        assert pool.empty((1000,), torch.float32).data_ptr() == ptr   # reused: no new block
+    assert seen == [False, False]
+
+
+@pytest.mark.parametrize("backend", ["inductor", "cudagraphs"])
+def test_compiles_and_captures_run_with_the_lock_let_go(monkeypatch, backend):
+    """#55 item 2: a stage's inductor compile (seconds) and a device graph's capture
+    (which drains its GPU) run with the issue lock let go, so no other device's action
+    waits for them; the calls equal eager."""
+    import fxpipe
+    from fxpipe.runtime.devices.emulator import InlineDevice
+    from fxpipe.runtime.stages import compiled
+
+    seen: dict[str, list[bool]] = {"compile": [], "capture": []}
+    compile_segment, capture = compiled._compile_segment, InlineDevice.capture
+
+    def compiling(*args, **kw):
+        seen["compile"].append(holding())
+        return compile_segment(*args, **kw)
+
+    def capturing(self, *args, **kw):
+        seen["capture"].append(holding())
+        return capture(self, *args, **kw)
+
+    monkeypatch.setattr(compiled, "_compile_segment", compiling)
+    monkeypatch.setattr(InlineDevice, "capture", capturing)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                  for _ in range(4)])
+    x = torch.randn(6, 8)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=[InlineDevice(), InlineDevice()],
+                          config=fxpipe.RunConfig(num_microbatch=2, stage_backend=backend))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), atol=1e-5, rtol=1e-5)
+    pipe.close()
+    assert seen["compile"] and not any(seen["compile"])
+    if backend == "cudagraphs":
+        assert seen["capture"] and not any(seen["capture"])

@@ -1,10 +1,12 @@
 """The host's issue time: the kernels the cost pass counts, the simulator's issue pass
-(``Hardware.host_us_per_*``, ``stage_backend``) and its figures fitted to the H200 run."""
+(``Hardware.host_us_per_*``, ``stage_backend``), its figures fitted to the H200 run and
+their CPU-ratio refit."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -17,7 +19,7 @@ from fxpipe.passes.costs import Cost, compute_costs
 from fxpipe.passes.partition import build_layer_graph
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim import Hardware, LayerCost
-from fxpipe.sim.hardware import H200_HOST
+from fxpipe.sim.hardware import H200_HOST, H200_HOST_REFIT
 from fxpipe.passes.program import FusedBackward
 from fxpipe.sim.simulate import INDUCTOR_KERNELS, action_kernels, graph_job_kernels, simulate
 
@@ -134,3 +136,33 @@ def test_the_h200_figures_are_the_fit_to_the_committed_run():
     measured = [r["kernels_per_layer"] / ratios[(r["model"], r["gpus"], r["seq_len"])]
                 for r in issue["rows"] if r["stage_backend"] == "inductor"]
     assert INDUCTOR_KERNELS == pytest.approx(sum(measured) / len(measured), abs=0.005)
+
+
+def test_the_refit_figures_are_the_documented_projection_of_the_h200_fit():
+    """``H200_HOST_REFIT`` is ``bench_host_model.refit`` of ``H200_HOST`` with the inputs
+    ``benchmarks/results/bench_host_model.json`` recorded: the action costs it measured
+    (the H200 run's code, the commit ``gpu_check.json``'s ``stats`` ran, against this
+    tree) and fxpipe's issue / eager dispatch ratios of the ``bench_issue.json`` record of
+    that code and of today's. Editing the constants, or recording either benchmark again,
+    without rerunning ``bench_host_model.py`` and setting the figures it prints fails here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_host_model import THEN_RECORD, issue_over_eager, refit
+    results = ROOT / "benchmarks" / "results"
+    d = json.loads((results / "bench_host_model.json").read_text())
+    gpu = json.loads((results / "gpu_check.json").read_text())
+    a, ie = d["refit"]["action_us"], d["refit"]["issue_over_eager"]
+    derived = refit(H200_HOST, a["then"]["min_us"], a["now"]["min_us"], ie["then"]["ratio"],
+                    ie["now"]["ratio"])
+    assert H200_HOST_REFIT == derived == d["refit"]["figures"], (
+        "rerun benchmarks/bench_host_model.py and set fxpipe.sim.hardware.H200_HOST_REFIT "
+        f"to the figures it prints ({derived} from the recorded inputs)")
+    assert a["then"]["commit"] == next(r["commit"] for r in gpu["runs"] if "stats" in r["keys"])
+    assert ie["then"]["record"] == THEN_RECORD
+    assert ie["then"]["fxpipe_differs_from_h200_run"] == ["fxpipe/check.py"]   # the same issue path
+    now = issue_over_eager(json.loads((results / "bench_issue.json").read_text()))
+    assert ie["now"]["ratio"] == now["ratio"], \
+        "bench_issue.json was recorded again: rerun bench_host_model.py"
+    then = subprocess.run(["git", "show", f"{THEN_RECORD}:benchmarks/results/bench_issue.json"],
+                          cwd=ROOT, capture_output=True, text=True)
+    if then.returncode == 0:   # a shallow clone lacks the record
+        assert ie["then"]["ratio"] == issue_over_eager(json.loads(then.stdout))["ratio"]

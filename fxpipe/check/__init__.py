@@ -44,7 +44,21 @@ what came before (``in_progress`` names the section that was running):
     dry run ``eager``), from the same weights: each row's ``stage_backend``, its
     ``vs_eager``, ``mfu``, ``first_loss_rel_diff`` (against eager's first loss),
     ``compile_s`` / ``warmup_s`` / ``stage_compile_s``, and ``host_issue_ms`` against
-    ``compute_busy_ms``.
+    ``compute_busy_ms``;
+11. ``many_devices``: eight logical devices on one GPU (``CudaDevice(0, memory_limit=
+    total // 8, name="cuda:0/i")``, as ``scaling``'s two), the kit's model at most 16 blocks
+    deep with bf16 device copies, under ``stage_backend`` ``"eager"`` and
+    ``"cudagraphs"`` from the same weights, over calls alternating two lengths (L1, L2,
+    L1, ...): per backend the host's issue µs per device action and per kernel
+    (``issue``: per action kind, kernels as the cost pass counts them and a graph job's
+    launches), ``issue_lock_wait_ms``, the GPU idle time attributable to issue from a
+    traced call (``issue_idle``: compute-stream gaps before the host began issuing the
+    next compute action), ``graph_captures`` after each call (``captures_after_step``:
+    they must plateau once each length was seen) and ``memory``
+    (``torch.cuda.max_memory_reserved`` against ``predict_memory``'s peaks with the
+    graphs); ``ok`` when the losses agree within bf16's tolerance and the captures
+    plateau (``fxpipe.check.many_devices``). Its dry run: eight virtual devices, 4 blocks,
+    and the segments' own graphs standing in for inductor's CPU compile.
 
 ``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
 10-minute command: a lent GPU runs it as two).
@@ -79,7 +93,7 @@ after each, failures recorded), ``sections`` lists them in order with their shar
 budget and their one-line summary, ``__main__`` is the command line; the sections are
 ``cuda_tests``, ``step`` (``vs_checkpoint``, ``scaling``), ``traced`` (``hidden_prefetch``,
 ``predicted_vs_measured``, ``stats``: one traced step, its figures from
-``fxpipe.runtime.issue.trace``), ``bigger_than_device``, ``weights``, ``generate`` and
-``finetune`` (also ``benchmarks/bench_finetune.py``'s measurement); ``common`` is what
-they share (timing, the kit's model and devices, JSON-safe records).
+``fxpipe.runtime.issue.trace``), ``bigger_than_device``, ``weights``, ``generate``,
+``finetune`` (also ``benchmarks/bench_finetune.py``'s measurement) and ``many_devices``;
+``common`` is what they share (timing, the kit's model and devices, JSON-safe records).
 """

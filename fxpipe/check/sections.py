@@ -8,7 +8,8 @@ Adding a section: a function of the ``Kit`` returning a dict with ``ok``, and a 
 
 from __future__ import annotations
 
-from fxpipe.check import bigger_than_device, cuda_tests, finetune, generate, step, traced, weights
+from fxpipe.check import (bigger_than_device, cuda_tests, finetune, generate, many_devices, step,
+                          traced, weights)
 from fxpipe.check.harness import Section
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -25,4 +26,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     Section("weights", weights.weights, 0.05, weights.weights_summary),
     Section("generate", generate.generate, 0.06, generate.generate_summary),
     Section("finetune", finetune.finetune, 0.45, finetune.finetune_summary),
+    # sized for under 3 min on a GPU: ~150 s of the default budget beside every section but
+    # finetune (a lent GPU's second command), all of it alone (--sections many_devices)
+    Section("many_devices", many_devices.many_devices, 0.30, many_devices.many_devices_summary),
 )}

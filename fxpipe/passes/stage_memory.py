@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 from fxpipe.passes.program import (
-    Checkpoint, GraphForward, GraphRecomputeBackward, Prefetch, Program,
+    Checkpoint, GraphForward, GraphRecomputeBackward, Prefetch, Program, Release,
 )
 from fxpipe.passes.program import StageKind as Kind
 from fxpipe.units import human
@@ -359,22 +359,36 @@ GRAPH_SLOTS = 2
 
 def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) -> list[StagePeak]:
     """``peaks`` as a Program with graph jobs (``GraphForward``, ``GraphRecomputeBackward``:
-    ``stage_backend="cudagraphs"``) holds memory, by device: its parameter slots,
-    ``GRAPH_SLOTS`` x the largest graphed stage's parameters (and gradients, for a
-    backward), under ``params`` (a graphed stage's own parameters and its prefetched
-    one's are in them; another stage's come on top); and each graph's own inputs and
-    outputs, kept between calls, under ``workspace`` (per graphed stage: a forward's input
-    and output boundaries; a backward's input boundary twice, with its gradient, and its
-    output boundary, the gradient coming in). Conservative: a graphed backward's
-    gradients are counted in the slots and under ``gradients`` too."""
+    ``stage_backend="cudagraphs"``) holds memory, by device, per graph:
+
+    - its parameter slots, ``GRAPH_SLOTS`` x the largest graphed stage's parameters (and
+      gradients, for a backward), under ``params`` (a graphed stage's own parameters and
+      its prefetched one's are in them; another stage's come on top);
+    - each live graph's own inputs and outputs, kept between calls, under ``workspace``: a
+      graph per graphed stage and parameter slot it is uploaded into (:func:`graph_slots`);
+      a forward's input and output boundaries, a backward's input boundary twice (its
+      gradient out) and its output boundary (the gradient coming in);
+    - the device's graph pool, under ``workspace``: what a graphed job computes with at its
+      peak (``saved`` and ``workspace`` of its stage's peak), the largest on the device,
+      held for the graphs' life (one pool and one capture stream per device: the graphs
+      reuse each other's intermediates). A graphed stage's own compute is in the pool,
+      not on top of it.
+
+    Conservative: a graphed backward's gradients are counted in the slots and under
+    ``gradients`` too."""
     graphed: dict[int, int] = {}   # stage -> device
     for d, acts in enumerate(program.actions):
         graphed |= {a.stage: d for a in acts
                     if isinstance(a, (GraphForward, GraphRecomputeBackward))}
     if not graphed:
         return list(peaks)
+    uses = graph_slots(program, set(graphed))
     slots: dict[int, int] = {}
     statics: dict[int, int] = {}
+    pool: dict[int, int] = {}
+    for p in peaks:
+        if p.stage in graphed:
+            pool[p.device] = max(pool.get(p.device, 0), p.bytes["saved"] + p.bytes["workspace"])
     for s, d in graphed.items():
         st = program.stages[s]
         held = sum(m.params[i] for i in st.layers)
@@ -383,15 +397,37 @@ def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) ->
         slots[d] = max(slots.get(d, 0), GRAPH_SLOTS * held)
         into = m.input_bytes if st.layers.start == 0 else m.boundary[st.layers.start - 1]
         out = m.boundary[st.layers.stop - 1]
-        statics[d] = statics.get(d, 0) + (into + out if st.kind == "fwd" else 2 * into + out)
+        per_graph = into + out if st.kind == "fwd" else 2 * into + out
+        statics[d] = statics.get(d, 0) + max(1, uses.get(s, 1)) * per_graph
     out_peaks = []
     for p in peaks:
         b = dict(p.bytes)
         slot = slots.get(p.device, 0)
         b["params"] = max(b["params"], slot) if p.stage in graphed else b["params"] + slot
-        b["workspace"] += statics.get(p.device, 0)
+        if p.stage in graphed:   # its compute runs in the pool
+            b["saved"] = b["workspace"] = 0
+        b["workspace"] += statics.get(p.device, 0) + pool.get(p.device, 0)
         out_peaks.append(replace(p, bytes=b))
     return out_peaks
+
+
+def graph_slots(program: Program, graphed: set[int]) -> dict[int, int]:
+    """How many parameter slots each graphed stage is uploaded into over repeated calls
+    (each is a graph of its own: ``runtime.stages.graphs`` keys a job by its slot): each
+    device's ``Prefetch``es take the first free slot and its ``Release``s give it back,
+    as ``StageGraphs.take`` does, over two calls (the slots carry over between calls)."""
+    taken: dict[int, set[int]] = {}
+    for acts in program.actions:
+        holder: list[int | None] = [None] * GRAPH_SLOTS
+        for a in (*acts, *acts):
+            if isinstance(a, Prefetch) and a.stage in graphed:
+                free = next((i for i, h in enumerate(holder) if h is None), None)
+                if free is not None:   # else it falls back to the compiled code
+                    holder[free] = a.stage
+                    taken.setdefault(a.stage, set()).add(free)
+            elif isinstance(a, Release) and a.stage in holder:
+                holder[holder.index(a.stage)] = None
+    return {s: len(used) for s, used in taken.items()}
 
 
 def device_peaks(peaks: Sequence[StagePeak], num_devices: int) -> list[StagePeak | None]:

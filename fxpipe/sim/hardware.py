@@ -21,6 +21,18 @@ H200_HOST = dict(host_us_per_action=345.4, host_us_per_kernel=19.93, host_us_per
 ``benchmarks/bench_host_model.py``): ``Hardware(**H200_HOST)`` prices issuing as that
 host did."""
 
+H200_HOST_REFIT = dict(host_us_per_action=251.9, host_us_per_kernel=14.55, host_us_per_grad_kernel=27.33)
+"""A PROJECTION, not a GPU measurement: :data:`H200_HOST` scaled to the code of today by
+CPU ratios (issue #55; ``benchmarks/bench_host_model.py`` derives it and its docstring
+says how). ``host_us_per_action`` by the host cost of one action around an empty stage
+(``bench_issue.action_cost``), today's code over the H200 run's (commit 38181b0), both
+measured in one run on one CPU; the per-kernel figures by fxpipe's issue time over eager
+PyTorch's dispatch of the same ops (``bench_issue.py``'s Llama-3.1-8B, 8 GPUs, 4K, eager
+row), today's record over the record of the H200 run's code. No GPU has measured the code
+since the H200 run: ``Hardware(**H200_HOST_REFIT)`` prices issuing as that host would
+if its costs had fallen as this CPU's did. ``tests/test_sim_host.py`` checks these are
+what ``benchmarks/results/bench_host_model.json``'s inputs give."""
+
 
 @dataclass(frozen=True)
 class Hardware:

@@ -67,6 +67,7 @@ class CudaDevice(Device):
         self._timed: list[tuple[str, str, Any, Any]] = []  # (stream, label, start, end) events
         self._origin: tuple[Any, float] | None = None     # (event, perf_counter) at start
         self._graph_pool: Any = None   # what this device's graphs allocate in (``capture``)
+        self._capture_stream: Any = None   # the stream they are captured on
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
@@ -190,10 +191,18 @@ class CudaDevice(Device):
 
     def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
                 name: str = "a device graph") -> CudaGraph:
-        """A ``torch.cuda.CUDAGraph`` of ``fn(*inputs)`` in this device's graph pool."""
+        """A ``torch.cuda.CUDAGraph`` of ``fn(*inputs)``, captured on this device's one
+        capture stream into its one graph pool: each capture reuses the memory the
+        graphs before it let go (the caching allocator reuses a block only on the stream
+        that freed it: a new side stream per capture would keep every graph's working set
+        apart). torch hands streams out of a per-device pool, round robin (32 per
+        priority): one capture stream per device, not one per capture, and of the high
+        priority pool, so it cannot come round again as one of the device's own streams
+        (default priority) or another logical device's on the same GPU."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        return CudaGraph(self.device, fn, inputs, name, self._graph_pool)
+            self._capture_stream = torch.cuda.Stream(self.device, priority=-1)
+        return CudaGraph(self.device, fn, inputs, name, self._graph_pool, self._capture_stream)
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(torch.cuda.current_stream(self.device))
@@ -248,7 +257,7 @@ class CudaDevice(Device):
 
 
 class CudaGraph(DeviceGraph):
-    """``fn(*inputs)`` as a ``torch.cuda.CUDAGraph``: run once on a side stream (lazy
+    """``fn(*inputs)`` as a ``torch.cuda.CUDAGraph``: run once on the ``side`` stream (lazy
     initialization, cuBLAS workspaces and the first run of compiled code stay out of the
     graph; its outputs are ``first``, the capturing call's result: the capture itself
     computes nothing), then captured there in ``pool`` (shared by the device's graphs: they replay
@@ -256,11 +265,10 @@ class CudaGraph(DeviceGraph):
     replay). Capture errors are thread-local: the device's other streams go on."""
 
     def __init__(self, device: torch.device, fn: Callable[..., Sequence[Any]],
-                 inputs: Sequence[torch.Tensor], name: str, pool: Any):
+                 inputs: Sequence[torch.Tensor], name: str, pool: Any, side: Any):
         self.name = name
         self.inputs = tuple(inputs)
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             self.first = tuple(fn(*self.inputs))   # the warm-up: this call's result

@@ -290,18 +290,25 @@ class Device(ABC):
         with self._mem_lock:
             self._sweep()
             added = 0
+            scope = _work.scope
             for t in tensors:
                 storage = t.untyped_storage()
                 nbytes = storage.nbytes()
                 key = storage._cdata
                 if not nbytes or storage.data_ptr() in self._live or key in self._made:
                     continue
-                self._made[key] = (StorageWeakRef(storage), nbytes, kind)
+                ref = StorageWeakRef(storage)
+                self._made[key] = (ref, nbytes, kind)
                 self._resident[kind] += nbytes
                 _work.made.append(key)
                 added += nbytes
+                if scope is not None:
+                    scope.made.append((ref, nbytes))
             if not added:
                 return
+            if scope is not None:
+                scope.peak = max(scope.peak, scope.live())
+            self._held_beside()
             total = sum(self._resident.values())
             self._peak[kind] = max(self._peak[kind], self._resident[kind])
             self._peak_total = max(self._peak_total, total)
@@ -313,6 +320,10 @@ class Device(ABC):
                     f"memory limit: {total} B resident ({parts}) > limit {self.memory_limit} B. "
                     "Give the stage fewer layers (a smaller ExecutePlan range), use smaller "
                     "microbatches or recompute_grain='layer', or raise memory_limit.")
+
+    def _held_beside(self) -> None:
+        """Recount what the device holds beside its tensors (hold ``_mem_lock``): a
+        strict virtual device's graph pool (``VirtualDevice.capture``). None here."""
 
     def _recount(self, key: int, kind: str, only: str) -> None:
         """Count storage ``key`` as ``kind`` from now on, if work made it as ``only``
@@ -440,9 +451,32 @@ class _Work(threading.local):
     paused: bool = False
     made: list[int]     # storages this thread's work counted since the last ``keep``
     counting: Any = None   # a weakref to the VirtualDevice counting its work, if any
+    scope: WorkingSet | None = None   # a capture measuring what its run allocates
 
     def __init__(self) -> None:
         self.made = []
+
+
+class WorkingSet:
+    """What the work of one thread allocates in a block (a device graph's capture on a
+    strict virtual device): the storages it made, and the most of them alive at once."""
+
+    __slots__ = ("made", "peak", "_was")
+
+    def __init__(self) -> None:
+        self.made: list[tuple[StorageWeakRef, int]] = []
+        self.peak = 0
+
+    def live(self) -> int:
+        """Bytes of the storages made in the block and still alive."""
+        return sum(n for ref, n in self.made if not ref.expired())
+
+    def __enter__(self) -> WorkingSet:
+        self._was, _work.scope = _work.scope, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _work.scope = self._was
 
 
 _work = _Work()

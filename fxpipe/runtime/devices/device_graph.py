@@ -17,6 +17,8 @@ computes garbage silently.
   an op reading a device value on the host during the capture (``HOST_READS``:
   ``.item()``, ``nonzero``) raises :class:`GraphCaptureError`, as a GPU's capture fails
   there (the emulated replay reruns the Python, so it would not show the op is not redone).
+  A strict device also keeps each graph's working set reserved for the graph's life, as
+  a GPU's graph pool does (``VirtualDevice.capture``): its replays allocate nothing new.
 - ``fxpipe.runtime.devices.cuda.CudaGraph``: ``torch.cuda.CUDAGraph``, captured on a side stream
   after a warm-up run, in the device's graph memory pool.
 
@@ -106,11 +108,15 @@ class EmulatedGraph(DeviceGraph):
     (a strict device's rule; ``None``: not checked)."""
 
     def __init__(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
-                 name: str, check: Callable[[torch.Tensor], bool] | None = None):
+                 name: str, check: Callable[[torch.Tensor], bool] | None = None,
+                 pooled: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.fn = fn
         self.name = name
         self.inputs = tuple(inputs)
         self._check = check
+        # a replay's run allocates inside this (its temporaries are in the graph's pool,
+        # held since the capture: not allocated again)
+        self._pooled = pooled or contextlib.nullcontext
         self._held = tuple(t for t in self.inputs if check is not None and check(t))
         with _NoHostReads(name) if check is not None else contextlib.nullcontext():
             self.outputs = self.first = tuple(fn(*self.inputs))
@@ -123,7 +129,7 @@ class EmulatedGraph(DeviceGraph):
                     "capture saw in device memory, and that memory was freed since: on a GPU "
                     "the graph would read whatever is there now. Keep every buffer a graph "
                     "reads allocated for as long as it is replayed")
-        with torch.no_grad():
+        with torch.no_grad(), self._pooled():
             for out, new in zip(self.outputs, self.fn(*self.inputs)):
                 if isinstance(out, torch.Tensor):
                     out.copy_(new)

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.errors import DeviceMemoryError
 from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.devices.device import (
-    Device, _check_kind, _check_submit, _describe, _work, host_allocations,
+    Device, WorkingSet, _check_kind, _check_submit, _describe, _work, host_allocations,
 )
 from fxpipe.runtime.devices.device_graph import EmulatedGraph
 from fxpipe.runtime.devices.emulator_alloc import _StorageCache
@@ -126,6 +127,9 @@ class VirtualDevice(Device):
         self._stopped: dict[str, threading.Thread] = {}  # by stream: stopped, maybe still draining
         self._last: dict[str, Event] = {}
         self._cache = _StorageCache()
+        self._pool: list[tuple[weakref.ref, int]] = []   # live graphs and their working sets
+        self._pool_bytes = 0   # what the graph pool holds (counted as workspace)
+        self._capturing: WorkingSet | None = None   # a capture in progress: what it made
         self._token = object()  # marks this device's work items (``_work.token``)
         # count what its work allocates (off for a host worker: its memory is the host's)
         self._counting = weakref.ref(self) if count_work else None
@@ -313,9 +317,60 @@ class VirtualDevice(Device):
 
     def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
                 name: str = "a device graph") -> EmulatedGraph:
-        """An :class:`EmulatedGraph`; a ``strict`` device (cuda-sim) raises
-        ``GraphReplayError`` on a replay reading device memory freed since the capture."""
-        return EmulatedGraph(fn, inputs, name, self.holds if self.strict else None)
+        """An :class:`EmulatedGraph`. A ``strict`` device (cuda-sim) raises
+        ``GraphReplayError`` on a replay reading device memory freed since the capture,
+        and holds memory as a GPU's graph pool does: a graph keeps what its capture's run
+        allocated at its peak beyond what it left (its intermediates; its outputs stay
+        counted as the tensors they are) for its life, counted as ``workspace``. The
+        device's graphs share one pool, captured one after another on one stream, so the
+        largest live graph's working set is held, once (``CudaDevice.capture``). A
+        replay allocates nothing new: its run's temporaries are in that pool. A capture
+        allocates in the pool first: while it runs, the device holds the larger of the
+        pool and what the capture has allocated, not both."""
+        if not self.strict:
+            return EmulatedGraph(fn, inputs, name)
+        with WorkingSet() as used:
+            self._capturing = used
+            try:
+                graph = EmulatedGraph(fn, inputs, name, self.holds, pooled=host_allocations)
+            finally:
+                self._capturing = None
+        self._pool_hold(graph, used.peak - used.live(), name)
+        return graph
+
+    def _pool_hold(self, graph: EmulatedGraph, nbytes: int, name: str) -> None:
+        """``graph``'s working set joins the device's graph pool (module docstring of
+        ``device_graph``); over the memory limit, a GPU's capture would fail."""
+        with self._mem_lock:
+            self._pool.append((weakref.ref(graph), nbytes))
+            self._sweep()
+            total = sum(self._resident.values())
+            self._peak["workspace"] = max(self._peak["workspace"], self._resident["workspace"])
+            self._peak_total = max(self._peak_total, total)
+            self._peak_reserved = max(self._peak_reserved, self._reserved())
+            if self.memory_limit is not None and total > self.memory_limit:
+                raise DeviceMemoryError(
+                    f"{self.name}: {name} holds a working set of {nbytes} B in the device's "
+                    f"graph pool, which exceeds the memory limit: {total} B resident > limit "
+                    f"{self.memory_limit} B. Give the stage fewer layers or use smaller "
+                    "microbatches, or stage_backend='inductor' (no graphs)")
+
+    def _sweep(self) -> None:
+        super()._sweep()
+        self._held_beside()
+
+    def _held_beside(self) -> None:
+        """The graph pool holds the largest working set of the graphs still alive, less
+        what a capture in progress has allocated (in it)."""
+        if not (self._pool or self._pool_bytes):
+            return
+        self._pool = [(g, n) for g, n in self._pool if g() is not None]
+        held = max((n for _, n in self._pool), default=0)
+        capturing = self._capturing
+        if capturing is not None:
+            held = max(0, held - capturing.live())
+        self._resident["workspace"] += held - self._pool_bytes
+        self._pool_bytes = held
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         if _work.token is self._token and _work.stream is not None:

@@ -12,7 +12,13 @@ window with CUDA, waiting for a host-lane or collective event — would stall ev
 for as long. It runs under :func:`blocking`, which lets go of the lock and takes it back
 afterwards (docs/design.md, rule 15). Never while holding another lock that an issue
 thread may wait for under the issue lock (a pool's, a ring's): taking the issue lock back
-would then deadlock.
+would then deadlock. So do capturing a device graph and registering a new page-locked
+pool block (both drain or pin for milliseconds to seconds).
+
+The lock is an :class:`OrderedLock`: handed over to the waiting thread whose action
+comes first in the Program, so a device's issue thread cannot take it back ahead of a
+device behind it.
+What each issue thread waited for it is ``pipe.stats()["issue_lock_wait_us"]``.
 
 >>> with issuing(True):
 ...     held = holding()
@@ -25,22 +31,93 @@ would then deadlock.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import threading
+import time
 from collections.abc import Iterator
 
-_ISSUING = threading.Lock()
+
+class OrderedLock:
+    """A lock handed over, when its holder lets go, to the waiting thread whose next
+    action comes first in the Program (the lowest step: :func:`at_step`; ties in the order
+    they asked), not to whichever thread the OS wakes first. A plain ``threading.Lock``
+    lets a device's issue thread, between two of its actions, take the lock back ahead of
+    a device that is behind it, on the critical path (#55); here the device behind goes
+    first, and a thread letting go and asking again at once waits for the threads
+    already waiting with earlier actions.
+
+    Uncontended it costs one short internal lock. :meth:`acquire` returns the seconds
+    this thread waited (0.0 when the lock was free).
+
+    >>> lock = OrderedLock()
+    >>> lock.acquire(), lock.locked()
+    (0.0, True)
+    >>> lock.release(); lock.locked()
+    False
+    """
+
+    __slots__ = ("_state", "_held", "_waiters", "_asked")
+
+    def __init__(self) -> None:
+        self._state = threading.Lock()
+        self._held = False
+        self._waiters: list[tuple[int, int, threading.Lock]] = []   # a heap: (step, asked, turn)
+        self._asked = itertools.count()
+
+    def acquire(self, step: int = 0) -> float:
+        with self._state:
+            if not self._held:
+                self._held = True
+                return 0.0
+            turn = threading.Lock()
+            turn.acquire()
+            heapq.heappush(self._waiters, (step, next(self._asked), turn))
+        start = time.perf_counter()
+        turn.acquire()   # released by the holder's ``release``: the lock is now this thread's
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        with self._state:
+            if not self._held:
+                raise RuntimeError("OrderedLock.release(): not held")
+            if self._waiters:
+                heapq.heappop(self._waiters)[2].release()   # handed over: stays held
+            else:
+                self._held = False
+
+    def locked(self) -> bool:
+        return self._held
+
+
+_ISSUING = OrderedLock()
 
 
 class _Holding(threading.local):
     on: bool = False
+    step: int = 0         # the Program step of the action this thread issues (``at_step``)
+    waited: float = 0.0   # seconds this thread waited for the lock (``waited``)
 
 
 _HOLDING = _Holding()
 
 
+def at_step(step: int) -> None:
+    """This thread's next action is at ``step`` of its Program lane: where it queues for
+    the issue lock (:class:`OrderedLock`)."""
+    _HOLDING.step = step
+
+
 def holding() -> bool:
     """Whether this thread holds the issue lock now."""
     return _HOLDING.on
+
+
+def waited() -> float:
+    """Seconds this thread waited for the issue lock since the last call (an issue
+    thread reads it once per call: ``pipe.stats()["issue_lock_wait_us"]``)."""
+    s, _HOLDING.waited = _HOLDING.waited, 0.0
+    return s
 
 
 class _Issuing:
@@ -50,7 +127,9 @@ class _Issuing:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _ISSUING.acquire()
+        w = _ISSUING.acquire(_HOLDING.step)
+        if w:
+            _HOLDING.waited += w
         _HOLDING.on = True
 
     def __exit__(self, *exc: object) -> None:
@@ -78,5 +157,5 @@ def blocking() -> Iterator[None]:
     try:
         yield
     finally:
-        _ISSUING.acquire()
+        _HOLDING.waited += _ISSUING.acquire(_HOLDING.step)
         _HOLDING.on = True

@@ -234,8 +234,8 @@ def _release(start: int, size: int, registered: bool, account: Account | None,
 
 
 def _cuda_register(start: int, size: int) -> None:
-    # not under ``blocking()``: a pool or ring allocates under its own lock, and an issue
-    # thread taking the issue lock back while another waits for that lock would deadlock
+    # not under ``blocking()`` here: the callers let go of the issue lock where they may
+    # (a pool or ring makes its blocks outside its own lock, ``_Blocks._new``)
     torch.cuda.init()
     rc = torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE)
     if _error_code(rc):
@@ -383,12 +383,17 @@ class _Blocks:
         del self._blocks[block[0].data_ptr()]
 
     def _new(self, nbytes: int) -> list:
-        t = empty(nbytes, torch.uint8, emulate=self.emulate, account=self.account)
+        """A new block of ``nbytes``, not in the set yet: made outside ``_lock`` and with
+        the issue lock let go (registering pages with CUDA takes about a millisecond per
+        few MB: no other device's issue waits for it). :meth:`_add` puts it in."""
+        with blocking():
+            t = empty(nbytes, torch.uint8, emulate=self.emulate, account=self.account)
         storage = t.untyped_storage()
-        block = [storage, t.data_ptr() - storage.data_ptr(), nbytes, None]
-        del t
-        self._blocks[storage.data_ptr()] = block
-        return block
+        return [storage, t.data_ptr() - storage.data_ptr(), nbytes, None]
+
+    def _add(self, block: list) -> None:
+        """Put a block :meth:`_new` made in the set (hold ``_lock``)."""
+        self._blocks[block[0].data_ptr()] = block
 
     def _view(self, block: list, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A view of ``block`` (taken: it holds the block) of ``shape`` ``dtype``s; the
@@ -419,6 +424,7 @@ class Ring(_Blocks):
     def __init__(self, *, capacity: int, emulate: bool, account: Account | None = None):
         super().__init__(emulate=emulate, account=account)
         self.capacity = capacity
+        self._making = 0   # bytes of blocks being made (outside the lock)
 
     def stage(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """A page-locked copy of ``t`` in ``dtype`` (flat), or None (class docstring)."""
@@ -438,14 +444,22 @@ class Ring(_Blocks):
             fits = [b for b in free if b[2] >= nbytes]
             if fits:
                 return self._view(min(fits, key=lambda b: b[2]), dtype, (numel,))
-            used = self.nbytes
+            used = self.nbytes + self._making
             while free and used + nbytes > self.capacity:   # too small: let one go
                 gone = free.pop()
                 self._drop(gone)
                 used -= gone[2]
             if used + nbytes > self.capacity:
                 return None
-            return self._view(self._new(nbytes), dtype, (numel,))
+            self._making += nbytes   # counted against the capacity while it is made
+        try:
+            block = self._new(nbytes)
+        finally:
+            with self._lock:
+                self._making -= nbytes
+        with self._lock:
+            self._add(block)
+            return self._view(block, dtype, (numel,))
 
 
 class Pool(_Blocks):
@@ -492,7 +506,10 @@ class Pool(_Blocks):
                 gone = free.pop(0)
                 self._drop(gone)
                 held -= gone[2]
-            return self._view(self._new(nbytes), dtype, shape)
+        block = self._new(nbytes)
+        with self._lock:
+            self._add(block)
+            return self._view(block, dtype, shape)
 
     def trim(self) -> None:
         """Let the free blocks go; the high-water mark restarts at what is in use."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import threading
 import time
 import weakref
@@ -198,6 +199,37 @@ class DataParallel(ShardedMasters):
                 f"rank {self.rank}: an earlier data-parallel call failed ({self.dead}); fxpipe's "
                 "process group cannot be used again: restart every rank and resume from a "
                 "checkpoint", rank=self.dead.rank)
+
+    def check_batch(self, envs: Sequence[Mapping[str, Any]]) -> None:
+        """Before a call's first collective: raise ``DistributedError`` on every rank unless
+        every rank's call has the same microbatches, each with the same input shapes (a
+        rank with another batch would post other collectives, or weigh its gradients
+        otherwise, and the job would hang or drift). One all-gather of an 8-byte digest;
+        the shapes themselves are gathered only to say which rank differs. Nothing of the
+        call has run: the pipe stays usable."""
+        shapes = [sorted((name, tuple(t.shape)) for name, t in env.items()
+                         if isinstance(t, torch.Tensor)) for env in envs]
+        digest = torch.tensor([int.from_bytes(hashlib.blake2b(
+            repr(shapes).encode(), digest_size=7).digest(), "little")], dtype=torch.int64)
+        gathered = [torch.zeros_like(digest) for _ in range(self.world)]
+        try:
+            dist.all_gather(gathered, digest, group=self.group)
+            if all(int(g) == int(digest) for g in gathered):
+                return
+            every: list[Any] = [None] * self.world
+            dist.all_gather_object(every, shapes, group=self.group)
+        except Exception as e:  # noqa: BLE001 — a rank that died or never called
+            raise DistributedError(
+                f"rank {self.rank}: comparing this call's batch with the other ranks' failed "
+                f"({type(e).__name__}: {e})", rank=self.rank) from e
+        other = next(r for r, theirs in enumerate(every) if theirs != shapes)
+        raise DistributedError(
+            f"rank {self.rank}: the ranks' batches differ: rank {self.rank} has "
+            f"{_batch(shapes)}, rank {other} has {_batch(every[other])}. Every rank of a "
+            "data-parallel call must pass a batch of the same shape, split into the same "
+            "microbatches (pad or drop the last, smaller batch: a DataLoader's "
+            "drop_last=True, a DistributedSampler). Nothing ran; the pipe can be called "
+            "again", rank=other)
 
     def fail(self, exc: BaseException) -> None:
         """This rank's call failed: say so in the store (unless another rank failed first
@@ -495,6 +527,12 @@ def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | 
                 return owner[gpu], rank, gpu
             owner[gpu] = rank
     return None
+
+
+def _batch(shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]]) -> str:
+    """``"2 microbatches: input_ids (2, 16), labels (2, 16); ..."``."""
+    return f"{len(shapes)} microbatches: " + "; ".join(
+        ", ".join(f"{name} {shape}" for name, shape in mb) for mb in shapes)
 
 
 def _first_difference(mine: Any, theirs: Any, rank: int) -> str:

@@ -63,7 +63,7 @@ from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import (
     _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
 )
-from fxpipe.runtime.devices.issue_lock import issuing
+from fxpipe.runtime.devices.issue_lock import at_step, issuing, waited
 from fxpipe.runtime.host.params import is_scratch
 from fxpipe.runtime.issue.values import Call, Stats, _OnDevice, _OnHost
 
@@ -176,6 +176,7 @@ class Execution:
         lock = issuing(device is not None and device.runs_at_issue)
         issued: dict[str, float] = {}   # seconds issuing, by kind: counted once at the end
         done = 0
+        waited()   # this thread's waits for the issue lock from here on
         try:
             for i in idxs:
                 a, label = acts[i], labels[i]
@@ -203,6 +204,7 @@ class Execution:
                     slot.event = worker.submit("compute", self._work(lane, a, label), wait=waits,
                                                label=label)
                 else:
+                    at_step(i)   # where this thread queues for the issue lock
                     with lock:
                         start, _ = time.perf_counter(), emulated_wait()
                         slot.event = device.submit(stream_of(a), self._work(lane, a, label),
@@ -221,6 +223,8 @@ class Execution:
                 slots[(lane, i)].ready.set()
         finally:
             self.stats.issued(issued)
+            if device is not None and device.runs_at_issue:
+                self.stats.add("issue_lock_wait_us", round(waited() * 1e6))
 
     def _work(self, lane: int, a, label: str) -> Callable[[], None]:
         def work():

@@ -224,6 +224,8 @@ class Runner:
         if dp is not None:
             dp.check_alive()
             dp.check_masters()
+            if spec.data_parallel is not None or spec.broadcast_buffers:
+                dp.check_batch(envs)
         if optimizer is not None and optimizer.spec is not None:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)

@@ -71,7 +71,7 @@ class Call:
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
-         "host_issue_us", "graph_captures", "graph_replays", "graph_fallbacks",
+         "host_issue_us", "issue_lock_wait_us", "graph_captures", "graph_replays", "graph_fallbacks",
          "stage_compiles", "stage_compile_us")
 
 
@@ -80,7 +80,9 @@ class Stats:
     work (a host action waiting for the events it reads, the end of the call); bytes
     moved by kind and direction; stage runs (``generated_runs``: each stage's runnable
     code, ``runtime.stages.stage_code``); host time spent issuing, in microseconds
-    (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``); what the stage
+    (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``) and waiting for
+    the issue lock (``issue_lock_wait_us``, summed over the devices' issue threads, 0
+    where devices do not run their work at issue); what the stage
     backend compiled (``stage_compiles``, ``stage_compile_us``). Thread-safe."""
 
     def __init__(self) -> None:

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fxpipe.passes import fetch_attr
 from fxpipe.passes.layer_graph import is_random
+from fxpipe.runtime.devices.issue_lock import blocking
 
 
 class StageCompileError(RuntimeError):
@@ -133,7 +134,10 @@ class CompiledLayer:
 
     def _compile(self, sig: tuple, args: tuple) -> tuple[Callable[..., Any], dict] | None:
         art = self.artifact
-        with art.lock, _compile_lock, _disable_current_modes():
+        # compiling takes seconds: with the issue lock let go (other devices issue
+        # meanwhile), taken before the compile locks, given back after them (a thread
+        # holding the issue lock never waits for a compile lock)
+        with blocking(), art.lock, _compile_lock, _disable_current_modes():
             if sig in art.compiled:
                 return art.compiled[sig]
             if art.failed is not None:

@@ -69,6 +69,7 @@ from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime.stages.compiled import _signature
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.devices.device_graph import DeviceGraph, GraphReplayError
+from fxpipe.runtime.devices.issue_lock import blocking
 from fxpipe.runtime.host.params import is_scratch
 
 SLOTS = 2
@@ -187,17 +188,22 @@ class StageGraphs:
         Slots too small, or of another device, are made again at ``size`` bytes once
         none is held (the device's graphs then are dropped: they read the old slots; a
         GPU first finishes what it queued, which may still read them)."""
-        with self._lock:
+        with self._lock:   # (only this lane's issue thread takes and drops its slots)
             slots = self._slots.get(lane)
-            if slots is None or slots.device is not device or slots.nbytes < nbytes:
-                if slots is not None:
-                    if any(h is not None for h in slots.holder):
-                        return None
-                    if device.runs_at_issue:   # a GPU: queued work may still read them
-                        device.synchronize()
+            regrow = slots is None or slots.device is not device or slots.nbytes < nbytes
+            if regrow and slots is not None and any(h is not None for h in slots.holder):
+                return None
+        if regrow:
+            if slots is not None:
+                if slots.device.runs_at_issue:   # a GPU: queued work may still read them;
+                    with blocking():             # waited for with the issue lock let go
+                        slots.device.synchronize()
+                with self._lock:
                     self._drop(lane)
-                slots = self._slots[lane] = ParamSlots(device, max(size, nbytes),
-                                                       next(self._generations))
+            made = ParamSlots(device, max(size, nbytes), next(self._generations))
+            with self._lock:
+                slots = self._slots[lane] = made
+        with self._lock:
             for i, holder in enumerate(slots.holder):
                 if holder is None:
                     slots.holder[i] = stage
@@ -264,7 +270,8 @@ class StageGraphs:
 
         with device.allocating("workspace"):
             statics = [x.detach().clone() for x in tensors]
-            graph = device.capture(fn, [*statics, *params], name)
+            with blocking():   # a capture drains its device: other devices issue meanwhile
+                graph = device.capture(fn, [*statics, *params], name)
         with self._lock:
             self._jobs[key] = GraphJob(graph, statics, params, name)
             self._used(key)
