@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_distributed.py                  # all parts, ~2 min
     .venv/bin/python benchmarks/bench_distributed.py --part sim       # the simulation only
+    .venv/bin/python benchmarks/bench_distributed.py --part nccl      # issue 58's modes, ~30 s
 
 (measured) 1 process vs 2 processes (gloo, spawned on localhost), each with two virtual
     CPU devices, training a 6-block MLP with ``forward_backward(optimizer=AdamW)`` on the
@@ -25,6 +26,26 @@
     (25 GB/s, 5 us). Tokens/s of the whole job and the scaling efficiency against N x
     one node; and with ``shard_optimizer`` (reduce-scatter, each rank stepping 1/N of
     the parameters, all-gather).
+(nccl) SIMULATED, the device modes MODELLED (issue 58: not built): Llama-3.1-8B full
+    fine-tune (bf16 ``param_dtype``, fp32 masters, AdamW streamed on the host at
+    ``--host-params-per-s``, and with the host optimizer free) on 1, 2 and 4 nodes of 8
+    H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links each way; fxpipe's plan,
+    ``ExecutePlan.auto`` on ``meta`` as ``bench_host_model.predict`` builds it; 16
+    microbatches of 4,096 tokens per node), one rank per node, 400 Gb/s (50 GB/s, 5 us)
+    per node between nodes, for each place the collectives run
+    (``fxpipe.sim.Hardware.collectives``, ``fxpipe.sim.collectives``): host-gloo (the
+    runtime's all-reduce of the fp32 gradients on the host's collective stream), host-gloo
+    with ``shard_optimizer`` (reduce-scatter, 1/N stepped, all-gather of the bf16
+    parameters), device-NCCL (each stage's bf16 gradients reduce-scattered on its device
+    before its download, 1/N downloaded and stepped, the bf16 parameters all-gathered on
+    the host) and zero3 (also 1/N of the parameters held and uploaded, all-gathered on
+    the devices before each stage computes). Tokens/s of the job, the scaling
+    efficiency against N x one node (a node alone runs no collective), and per rank and
+    step the bytes the simulation moved (gradients down, parameters up, the node's
+    network) and the host optimizer's time; host bytes per rank MODELLED by arithmetic:
+    bf16 parameters 2 B, fp32 masters 4 B, fp32 gradients 4 B and AdamW's moments 8 B a
+    parameter, the sharded ones over N. Left out: the host's issue time, host copies
+    (widening bf16 gradients, the casts), the buffers' broadcast.
 
 Writes ``benchmarks/results/bench_distributed.json``.
 """
@@ -55,6 +76,14 @@ import fxpipe  # noqa: E402
 OUT = ROOT / "benchmarks" / "results" / "bench_distributed.json"
 NETWORKS = {"25GbE": (3.125e9, 0.020), "IB-200Gb": (25e9, 0.005)}
 NODES = (1, 2, 4, 8, 16)
+NCCL_NETWORK = (50e9, 0.005)   # 400 Gb/s per node, 5 us a message
+NCCL_NODES = (1, 2, 4)
+NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
+    "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
+    "device-NCCL": ("shard", "device"), "zero3": ("shard", "zero3")}
+HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
+    "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
+    "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
 
 
 def model(width: int = 256, depth: int = 6) -> nn.Module:
@@ -206,11 +235,10 @@ def part_sim(args: argparse.Namespace) -> dict:
             row: dict = {}
             for n in NODES:
                 for mode in ("allreduce", "shard"):
+                    # a sharded step is 1/N of the parameters (the simulator prices it)
                     hw = Hardware(comm_ms_per_hop=m["comm_ms_per_hop"],
                                   cpu_optimizer_bytes_per_s=2 * args.host_params_per_s,
                                   ranks=n, network_bytes_per_s=bw, network_latency_ms=lat)
-                    if mode == "shard":   # each rank steps 1/N of the parameters
-                        hw = replace(hw, cpu_optimizer_bytes_per_s=2 * n * args.host_params_per_s)
                     prog = roundpipe_program(
                         fwd, bwd, "fused", bs.G, bs.M, costs, hw, semantics="roundpipe",
                         round_size=cand.round_size, forward_lead=cand.forward_lead,
@@ -231,9 +259,103 @@ def part_sim(args: argparse.Namespace) -> dict:
     return out
 
 
+def llama_8b_program(gpus: int = 8, seq_len: int = 4096):
+    """Llama-3.1-8B full fine-tune on ``gpus`` 80 GiB devices, as
+    ``bench_host_model.predict`` builds it (the model on ``meta``, ``ExecutePlan.auto``),
+    with bf16 device copies of fp32 parameters (the fp32 masters): its plan, the fused
+    Program with the streamed exact step, and its layers' costs on H100s (60 % MFU)."""
+    from bench_issue import MICROBATCHES, MODELS, PEAK, CausalLM, config
+    from fxpipe.plan import layer_costs
+    from fxpipe.runtime.devices.emulator import InlineDevice
+    from fxpipe.sim import Hardware, LayerCost
+    c, qk_norm = config(MODELS["Llama-3.1-8B"])
+    with torch.device("meta"):
+        model = CausalLM(c, qk_norm, chunked=True)
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    devices = lambda: [InlineDevice(memory_limit=80 * 2**30) for _ in range(gpus)]  # noqa: E731
+    pipe = fxpipe.compile(model, example_inputs=(ids, ids), devices=devices(),
+                          param_dtype=torch.bfloat16)
+    plan = fxpipe.ExecutePlan.auto("fused", pipe, num_microbatch=MICROBATCHES)
+    pipe = fxpipe.compile(model, example_inputs=(ids, ids), plan=plan, devices=devices(),
+                          param_dtype=torch.bfloat16)
+    gpu = Hardware(flops=PEAK["h100"] * 0.6, memory=80 * 2**30, h2d_bandwidth=50e9,
+                   d2h_bandwidth=50e9)
+    program = pipe.program("fused", MICROBATCHES, optimizer=True)
+    costs = [LayerCost.of(cost, gpu) for cost in layer_costs(pipe)]
+    pipe.close()
+    return plan, program, costs, gpu, MICROBATCHES * seq_len
+
+
+def part_nccl(args: argparse.Namespace) -> dict:
+    from fxpipe.passes.schedule import host_lane
+    from fxpipe.sim import simulate
+    plan, program, costs, gpu, tokens = llama_8b_program()
+    params = sum(c.host_params for c in costs) / 4          # fp32 masters: 4 B each
+    bw, lat = NCCL_NETWORK
+    out: dict = {"model": "Llama-3.1-8B", "gpus_per_node": program.num_devices,
+                 "tokens_per_step_per_node": tokens, "plan": str(plan), "parameters": params,
+                 "flops_per_s": gpu.flops, "link_bytes_per_s": gpu.h2d_bandwidth,
+                 "network_bytes_per_s": bw, "network_latency_ms": lat, "simulated": True,
+                 "modelled": ["device-NCCL", "zero3"], "rates": {}}
+    for label, rate in (("stated", args.host_params_per_s), ("free", float("inf"))):
+        print(f"\n(nccl) SIMULATED: Llama-3.1-8B full fine-tune, {program.num_devices} H100 per "
+              f"node, {tokens:,} tokens per node and step, {bw * 8 / 1e9:.0f} Gb/s per node; host "
+              f"AdamW {'free' if label == 'free' else f'{rate / 1e9:g}G params/s'}; "
+              "device-NCCL and zero3 MODELLED (issue 58, not built)")
+        print(f"{'mode':>17} | " + " | ".join(f"{n} node{'s' * (n > 1)} tok/s (eff)"
+                                              for n in NCCL_NODES)
+              + " | per rank at 4 nodes: grads down, params up, network, host")
+        modes: dict = {}
+        for name, (dp, where) in NCCL_MODES.items():
+            row: dict = {}
+            for n in NCCL_NODES:
+                hw = replace(gpu, cpu_optimizer_bytes_per_s=4 * rate, ranks=n,
+                             network_bytes_per_s=bw, network_latency_ms=lat, collectives=where)
+                prog = program if n == 1 else replace(
+                    program, host=host_lane(program.stages, True, dp))
+                t = simulate(prog, costs, hw)
+                whole, shard = HOST_BYTES[name]
+                row[str(n)] = {"makespan_ms": t.makespan,
+                               "tokens_per_s": n * tokens / (t.makespan / 1e3),
+                               "optimizer_ms": sum(iv.end - iv.start for iv in t.intervals
+                                                   if iv.kind == "optimizer"),
+                               **{k: t.bytes_moved[k] for k in
+                                  ("d2h_bytes_grads", "h2d_bytes_params", "network_bytes")},
+                               "host_bytes_modelled": params * (whole + shard / n)}
+            for n in NCCL_NODES:
+                r = row[str(n)]
+                r["speedup"] = r["tokens_per_s"] / row["1"]["tokens_per_s"]
+                r["efficiency"] = r["speedup"] / n
+            modes[name] = row
+            last = row[str(NCCL_NODES[-1])]
+            print(f"{name:>17} | " + " | ".join(
+                f"{row[str(n)]['tokens_per_s']:>11,.0f} ({row[str(n)]['efficiency']:.2f})"
+                for n in NCCL_NODES)
+                + " | " + ", ".join(f"{last[k] / 1e9:5.1f} GB" for k in (
+                    "d2h_bytes_grads", "h2d_bytes_params", "network_bytes", "host_bytes_modelled")))
+        out["rates"][label] = {"host_params_per_s": rate if rate < float("inf") else None,
+                               "modes": modes}
+    at, free = (out["rates"][r]["modes"] for r in ("stated", "free"))
+    two = lambda modes, name: modes[name]["2"]["speedup"]  # noqa: E731
+    out["acceptance"] = {   # issue 58: 2 nodes >= 1.8x one node's tokens/s, device collectives
+        "nodes": 2, "at_least": 1.8, "device_speedup": two(at, "device-NCCL"),
+        "host_gloo_speedup": two(at, "host-gloo"),
+        "host_gloo_sharded_speedup": two(at, "host-gloo sharded"),
+        "optimizer_free": {m: two(free, m) for m in NCCL_MODES},
+        "met": two(at, "device-NCCL") >= 1.8}
+    a = out["acceptance"]
+    print(f"issue 58: 2 nodes / 1 node tokens/s with device collectives {a['device_speedup']:.2f}x "
+          f"(target >= 1.8x: {'met' if a['met'] else 'NOT met'}); host-gloo "
+          f"{a['host_gloo_speedup']:.2f}x, host-gloo sharded "
+          f"{a['host_gloo_sharded_speedup']:.2f}x; "
+          f"host optimizer free: device {a['optimizer_free']['device-NCCL']:.2f}x, host-gloo "
+          f"{a['optimizer_free']['host-gloo']:.2f}x")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["all", "measured", "memory", "sim"], default="all")
+    p.add_argument("--part", choices=["all", "measured", "memory", "sim", "nccl"], default="all")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -246,13 +368,15 @@ def main(argv=None) -> int:
                                 + " ".join(argv if argv is not None else sys.argv[1:])}
     if OUT.exists():
         results.update({k: v for k, v in json.loads(OUT.read_text()).items()
-                        if k in ("measured", "memory", "sim")})
+                        if k in ("measured", "memory", "sim", "nccl", "runs")})
     if args.part in ("all", "measured"):
         results["measured"] = part_measured(args)
     if args.part in ("all", "memory"):
         results["memory"] = part_memory(args)
     if args.part in ("all", "sim"):
         results["sim"] = part_sim(args)
+    if args.part in ("all", "nccl"):
+        results["nccl"] = part_nccl(args)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {OUT.relative_to(ROOT)}")

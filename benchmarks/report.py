@@ -352,6 +352,46 @@ def _dist_sim(d: dict) -> list[str]:
             "tokens/s over N × one node.", ""] + table(head, rows)
 
 
+def _dist_nccl(d: dict) -> list[str]:
+    n = d["nccl"]
+    nodes = sorted(n["rates"]["stated"]["modes"]["host-gloo"], key=int)
+    big = nodes[-1]
+    out = [f"{n['model']}, plan `{n['plan']}`; {n['parameters'] / 1e9:.2f}B parameters; "
+           f"{n['tokens_per_step_per_node']:,} tokens per node and step; "
+           f"{n['network_bytes_per_s'] * 8 / 1e9:.0f} Gb/s per node. Tokens/s of the job "
+           "(scaling efficiency: over N × one node, which runs no collective); per rank at "
+           f"{big} nodes, per step, the gradient bytes downloaded, the parameter bytes "
+           "uploaded and the bytes its collectives send over the node's link, and the host "
+           "bytes it holds (MODELLED: 2 B of bf16 parameters, 4 B of fp32 masters, 4 B of "
+           "fp32 gradients, 8 B of AdamW moments a parameter, the sharded ones over N).", ""]
+    for label, r in n["rates"].items():
+        rate = r["host_params_per_s"]
+        head = ["host AdamW " + (f"{rate / 1e9:g} G params/s" if rate else "free")]
+        head += [f"{c} node{'s' * (c != '1')} tok/s (eff)" for c in nodes]
+        head += [f"grads down, {big} nodes", "params up", "network", "host (MODELLED)"]
+        rows = []
+        for mode, row in r["modes"].items():
+            last = row[big]
+            rows.append([mode + (" (MODELLED)" if mode in n["modelled"] else "")]
+                        + [f"{row[c]['tokens_per_s']:,.0f} ({num(row[c]['efficiency'])})"
+                           for c in nodes]
+                        + [f"{last[k] / 1e9:.1f} GB" for k in ("d2h_bytes_grads",
+                                                              "h2d_bytes_params", "network_bytes")]
+                        + [f"{last['host_bytes_modelled'] / 1e9:.0f} GB"])
+        out += table(head, rows) + [""]
+    a, free = n["acceptance"], n["acceptance"]["optimizer_free"]
+    out.append(f"Issue 58's target, 2 nodes ≥ {a['at_least']}× one node's tokens/s with device "
+               f"collectives: {a['device_speedup']:.2f}× ({'met' if a['met'] else 'not met'}); "
+               f"host-gloo {a['host_gloo_speedup']:.2f}×, host-gloo sharded "
+               f"{a['host_gloo_sharded_speedup']:.2f}×: at this host rate the optimizer step "
+               "bounds one node's step, and sharding it (on the host or with device "
+               "collectives) is what scales. With the host optimizer free (the GPUs and links "
+               f"alone): device-NCCL {free['device-NCCL']:.2f}×, zero3 {free['zero3']:.2f}×, "
+               f"host-gloo {free['host-gloo']:.2f}×, host-gloo sharded "
+               f"{free['host-gloo sharded']:.2f}×.")
+    return out
+
+
 def _dist_memory(d: dict) -> list[str]:
     m = d["memory"]
     rows = []
@@ -824,6 +864,16 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
     ("Data parallel", "bench_distributed.json", "sim",
      "RoundPipe's five configurations (8 RTX 4090 per node) on 1–16 nodes, one rank per "
      "node, a ring all-reduce per backward stage on the host's collective stream.", _dist_sim),
+    ("Data parallel on the devices, simulated", "bench_distributed.json", "nccl",
+     "SIMULATED; device-NCCL and zero3 MODELLED (issue 58: the runtime runs neither). "
+     "Llama-3.1-8B full fine-tune (bf16 `param_dtype`, fp32 masters, AdamW streamed on the "
+     "host) on 1, 2 and 4 nodes of 8 H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links "
+     "each way), one rank per node, `fxpipe.simulate` with `Hardware.collectives`: "
+     "host-gloo (the fp32 gradients all-reduced on the host), host-gloo sharded "
+     "(`shard_optimizer`), device-NCCL (each stage's bf16 gradients reduce-scattered on its "
+     "device, 1/N downloaded and stepped, the bf16 parameters all-gathered on the host) and "
+     "zero3 (also 1/N of the parameters held and uploaded, all-gathered on the devices before "
+     "each stage computes). The host's issue time and host copies are left out.", _dist_nccl),
     ("Data parallel host memory", "bench_distributed.json", "memory",
      "A 414K-parameter MLP, AdamW, sharded (`shard_optimizer=True`) or not.", _dist_memory),
     ("Data parallel step time", "bench_distributed.json", "measured",
@@ -1239,6 +1289,16 @@ def headline() -> list[str]:
         for net in nets:
             effs = [m["16"]["efficiency"] for m in nets[net]["models"].values() if "16" in m]
             rows.append([f"simulated data-parallel efficiency on 16 nodes, {net}", span(effs), "simulated", "higher is better (1: linear)", "data-parallel"])
+    if dist and "nccl" in dist:
+        a = dist["nccl"]["acceptance"]
+        free = dist["nccl"]["rates"].get("free", {}).get("modes")
+        both = f"; host optimizer free: {free['device-NCCL']['2']['speedup']:.2f}× / " \
+            f"{free['host-gloo']['2']['speedup']:.2f}×" if free else ""
+        rows.append(["SIMULATED: Llama-3.1-8B full fine-tune, 2 nodes × 8 H100 / one node, "
+                     "tokens/s, device collectives (MODELLED) / host-gloo",
+                     f"{a['device_speedup']:.2f}× / {a['host_gloo_speedup']:.2f}×{both}",
+                     "simulated", "higher is better (2: linear)",
+                     "data-parallel-on-the-devices-simulated"])
     peft = load("bench_peft.json")
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",

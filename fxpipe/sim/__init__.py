@@ -10,7 +10,9 @@
 ``simulate`` times a Program; ``roundpipe_program`` builds RoundPipe's timing-dependent
 dispatch with it; ``optimizer_modes`` times a step with the host optimizer synchronous,
 streamed (exact) or one-step stale; ``Hardware`` and ``LayerCost`` describe the inputs
-and ``Timeline`` the result (see ``fxpipe.sim.timeline`` for the bubble definitions).
+and ``Timeline`` the result (see ``fxpipe.sim.timeline`` for the bubble definitions);
+``fxpipe.sim.collectives`` how a data-parallel Program's collectives are priced on the
+host or, MODELLED, on the devices (``Hardware.collectives``).
 """
 
 from fxpipe.sim.hardware import Hardware, LayerCost

@@ -34,6 +34,13 @@ if its costs had fallen as this CPU's did. ``tests/test_sim_host.py`` checks the
 what ``benchmarks/results/bench_host_model.json``'s inputs give."""
 
 
+_RING = {"all_reduce": (lambda N: 2 * (N - 1) / N, lambda N: 2 * (N - 1)),
+         "reduce_scatter": (lambda N: (N - 1) / N, lambda N: N - 1),
+         "all_gather": (lambda N: (N - 1) / N, lambda N: N - 1),
+         "broadcast": (lambda N: 1.0, lambda N: N - 1)}
+"""Per ring collective: the share of the buffer a node sends, and the messages in a row."""
+
+
 @dataclass(frozen=True)
 class Hardware:
     """A homogeneous set of devices attached to one host.
@@ -57,10 +64,22 @@ class Hardware:
       (an ``Upload`` whose producer ran on another device).
     - ``transfers``: False makes every transfer (and the host optimizer) take no time,
       as RoundPipe's schedule simulator assumes; hand-off hops still apply.
-    - Data parallel: ``ranks`` (one per node), each node's ``network_bytes_per_s``
-      (e.g. 25 GbE: ``3.125e9``; 200 Gb/s InfiniBand: ``25e9``) and per-message
-      ``network_latency_ms``: the host lane's collectives take a ring algorithm's time
-      (:meth:`collective_ms`).
+    - Data parallel: ``ranks`` (one per node: a node's devices are one rank's pipeline),
+      and each node's inter-node link: ``network_bytes_per_s`` (e.g. 25 GbE: ``3.125e9``;
+      200 Gb/s InfiniBand: ``25e9``; 400 Gb/s: ``50e9``) and per-message
+      ``network_latency_ms``. Every collective crosses it, the host's (gloo) and the
+      devices' (NCCL) alike, one at a time per node, each taking a ring algorithm's time
+      (:meth:`collective_ms`; the same rate for both: gloo's TCP and its host passes are
+      not priced apart).
+    - ``collectives``: where a data-parallel Program's collectives run
+      (``fxpipe.sim.collectives`` says how each is priced): ``"host"``, what the runtime
+      does (gloo on the host lane); ``"device"``, MODELLED (issue 58, not built): each
+      backward stage's gradients reduce-scattered on its devices in ``param_dtype``, each
+      rank downloading and stepping 1/N; ``"zero3"``, MODELLED: also each rank holding and
+      uploading 1/N of the parameters, all-gathered on the devices before a stage
+      computes. A field, not a ``simulate`` argument: like ``host_memory`` it says where
+      the run puts its work, and every simulation of the run takes the ``Hardware``
+      (``roundpipe_program``'s dispatch, ``optimizer_modes``), not ``simulate``'s keywords.
     - The host's issue time (``fxpipe.sim.simulate``'s issue pass): one host thread at a
       time issues the devices' actions (the executor's issue lock), each costing
       ``host_us_per_action``, plus, for a compute action, each kernel it launches
@@ -86,6 +105,7 @@ class Hardware:
     ranks: int = 1
     network_bytes_per_s: float = INF
     network_latency_ms: float = 0.0
+    collectives: Literal["host", "device", "zero3"] = "host"
     sockets: int = 1
     socket_link_bytes_per_s: float = INF
     host_memory: Literal["one_node", "local"] = "one_node"
@@ -93,6 +113,11 @@ class Hardware:
     host_us_per_kernel: float = 0.0
     host_us_per_grad_kernel: float | None = None
     device_bytes_per_s: float = INF
+
+    def __post_init__(self) -> None:
+        if self.collectives not in ("host", "device", "zero3"):
+            raise ValueError("Hardware.collectives must be 'host', 'device' or 'zero3', got "
+                             f"{self.collectives!r}")
 
     def issue_us(self, kernels: float, grad: bool) -> float:
         """The host's time to issue one action that launches ``kernels`` kernels.
@@ -160,14 +185,22 @@ class Hardware:
         >>> round(Hardware(ranks=4, network_bytes_per_s=1e9).collective_ms("all_reduce", 1e9))
         1500
         """
-        N = self.ranks
-        if N <= 1 or nbytes <= 0:
+        if self.ranks <= 1 or nbytes <= 0:
             return 0.0
-        share, steps = {"all_reduce": (2 * (N - 1) / N, 2 * (N - 1)),
-                        "reduce_scatter": ((N - 1) / N, N - 1),
-                        "all_gather": ((N - 1) / N, N - 1),
-                        "broadcast": (1.0, N - 1)}[kind]
-        return nbytes * share / self.network_bytes_per_s * 1e3 + steps * self.network_latency_ms
+        return (self.collective_bytes(kind, nbytes) / self.network_bytes_per_s * 1e3
+                + _RING[kind][1](self.ranks) * self.network_latency_ms)
+
+    def collective_bytes(self, kind: Literal["all_reduce", "reduce_scatter", "all_gather",
+                                             "broadcast"], nbytes: float) -> float:
+        """The bytes one node sends over its link in a ring collective on ``nbytes``
+        (:meth:`collective_ms`); 0 with one rank.
+
+        >>> Hardware(ranks=4).collective_bytes("reduce_scatter", 1e9)
+        750000000.0
+        """
+        if self.ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return nbytes * _RING[kind][0](self.ranks)
 
     def compute_ms(self, flops: float) -> float:
         """Time for ``flops`` floating-point operations on one device."""

@@ -27,9 +27,17 @@ Durations come from per-layer ``LayerCost``:
   masters' dtype) at ``host_copy_bytes_per_s``, else nothing (a download lands in its
   place in the flat gradient buffer); ``Free``, ``Release`` and ``Commit`` take no time.
 - Data parallel (the host's ``collective`` stream, one collective at a time):
-  ``AllReduce`` / ``ReduceScatter`` / ``AllGather``: the layers' gradient bytes
-  on the host (``LayerCost.host_grads``) by ``Hardware.collective_ms``; ``BroadcastBuffers``: their buffer
-  bytes.
+  ``AllReduce`` / ``ReduceScatter``: the layers' gradient bytes on the host
+  (``LayerCost.host_grads``) by ``Hardware.collective_ms``; ``AllGather``: the stepped
+  parameters as the devices hold them (``LayerCost.grads``: bf16 under a bf16
+  ``param_dtype``); ``BroadcastBuffers``: their buffer bytes. Every collective of a node
+  also holds the node's link (``Hardware.network_bytes_per_s``), one at a time. An
+  ``OptimizerStep`` whose layers a ``ReduceScatter`` reduced steps the rank's 1/N
+  (``Hardware.ranks``). With ``Hardware.collectives="device"`` or ``"zero3"`` (MODELLED,
+  issue 58) the Program is lowered first (``fxpipe.sim.collectives``): reduce-scatters
+  (and with ``"zero3"`` all-gathers of the parameters) on each device's ``nccl`` stream,
+  1/N of the gradients downloaded and widened (and with ``"zero3"`` of the parameters
+  uploaded). ``Timeline.bytes_moved`` sums what one rank's transfers and collectives move.
 
 The host (``Hardware.host_us_per_action`` / ``host_us_per_kernel`` /
 ``host_us_per_grad_kernel``; free by default): an issue pass first times the executor's
@@ -102,9 +110,11 @@ from fxpipe.passes.program import (
     ScalerStep,
     Upload,
     UploadGrad,
-    stream_of,
 )
 from fxpipe.passes.schedule import build_program
+from fxpipe.sim.collectives import (
+    DeviceAllGather, DeviceReduceScatter, host_program, sharded, stream, with_device_collectives,
+)
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
 from fxpipe.stage_plan import RunType
@@ -116,7 +126,13 @@ INDUCTOR_KERNELS = 0.32
 microbatch in ``benchmarks/results/bench_issue.json`` (Llama-3.1-8B's block, fused step;
 the profiler's count of its generated kernels and the aten ops its wrapper calls)."""
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
-_COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather"}
+_COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather",
+               DeviceReduceScatter: "reduce_scatter", DeviceAllGather: "all_gather"}
+_COLLECTIVES = (*_COLLECTIVE, BroadcastBuffers)
+MOVED = ("h2d_bytes_params", "h2d_bytes_activations", "d2h_bytes_activations", "d2h_bytes_grads",
+         "network_bytes")
+"""``Timeline.bytes_moved``'s keys: ``pipe.stats()``'s names for one rank's transfers, and
+the bytes its collectives send over its node's link."""
 
 
 class _StageCosts:
@@ -132,6 +148,7 @@ class _StageCosts:
                               for acts in program.actions for a in acts)
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
+        self.device_grads = []   # a backward stage's gradients on a device (param_dtype)
         self.inp, self.out, self.grad_in = [], [], []
         self.fwd_kernels, self.bwd_kernels = [], []
         for st in program.stages:
@@ -144,6 +161,7 @@ class _StageCosts:
             self.params.append(sum(c.param_bytes for c in lc))
             # downloaded in the narrower of the device's and the masters' gradient dtype
             self.grads.append(0 if st.kind == "fwd" else sum(c.downloaded_grads for c in lc))
+            self.device_grads.append(0 if st.kind == "fwd" else sum(c.grads for c in lc))
             self.inp.append(boundary(st.layers.start - 1))
             self.grad_in.append(boundary(st.layers.stop - 1))
             if st.kind == "fwd":
@@ -280,7 +298,24 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     ``refresh_bytes``: what the call's ``Refresh`` copies on the host (the
     ``param_dtype`` casts of the parameters a step changed, an asynchronous optimizer's
     snapshot; default none). ``stage_backend``: what the compute actions launch, for the
-    host's issue time (module docstring; ``None`` is ``"eager"``).
+    host's issue time (module docstring; ``None`` is ``"eager"``). A data-parallel
+    Program's collectives run where ``hardware.collectives`` says: as the Program prints
+    them on the host (``"host"``), or, MODELLED, on the devices (``"device"``, ``"zero3"``:
+    the Program built with ``data_parallel="shard"``; ``fxpipe.sim.collectives``)::
+
+        >>> from fxpipe.passes.schedule import build_program
+        >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 2,
+        ...                   "stage", optimizer=True, data_parallel="shard")
+        >>> c = [LayerCost(1.0, 2.0, param_bytes=10**9)] * 2
+        >>> for where in ("host", "device", "zero3"):
+        ...     t = simulate(p, c, Hardware(ranks=4, network_bytes_per_s=50e9, h2d_bandwidth=50e9,
+        ...                                 d2h_bandwidth=50e9, collectives=where))
+        ...     b = t.bytes_moved
+        ...     print(where, round(t.makespan, 1), b["h2d_bytes_params"] / 1e9,
+        ...           b["d2h_bytes_grads"] / 1e9)
+        host 131.0 3.0 2.0
+        device 111.0 3.0 0.5
+        zero3 95.0 0.75 0.5
 
     >>> from fxpipe.passes.schedule import build_program
     >>> p = build_program([range(0, 2)], [range(2, 4), range(0, 2)], "fused", 2, 4, "stage")
@@ -301,12 +336,21 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
 
 def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory,
               refresh_bytes=0, stage_backend=None) -> Timeline:
+    on_devices = sharded(program, hardware.collectives)   # device collectives (module doc)
+    zero3 = on_devices and hardware.collectives == "zero3"
+    # each rank steps (with device collectives also downloads and widens) 1/R of these
+    shard_of = {(a.layers.start, a.layers.stop) for a in program.host
+                if isinstance(a, ReduceScatter)}
+    R = hardware.ranks
+    program = host_program(program, hardware.collectives)
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
     nid = {(d, i): k for k, (d, i, _) in enumerate(nodes)}
-    N = len(nodes)
     dep_ids = [[(nid[(x.device, x.step)], x) for x in deps[d][i]] for d, i, _ in nodes]
+    if on_devices:
+        nodes, dep_ids = with_device_collectives(nodes, dep_ids, hardware.collectives)
+    N = len(nodes)
     waiting = [len(x) for x in dep_ids]
     dependents: list[list[int]] = [[] for _ in range(N)]
     for k, dl in enumerate(dep_ids):
@@ -317,9 +361,10 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     issued, host = _issue(nodes, dep_ids, sc, hardware, stage_backend)
     hop = hardware.comm_ms_per_hop
     link = {"prefetch": "h2d", "h2d": "h2d", "d2h": "d2h", "grads": "d2h", "host": "host",
-            "free": None, "control": None, "collective": "collective"}
-    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "collective": 0.0,
+            "free": None, "control": None, "collective": "collective", "nccl": "nccl"}
+    bus = {"h2d": 0.0, "d2h": 0.0, "host": 0.0, "collective": 0.0, "network": 0.0,
            "socket h2d": 0.0, "socket d2h": 0.0}
+    moved: dict[str, float] = dict.fromkeys(MOVED, 0.0)
     crossing = [hardware.crosses_socket(d, program.num_devices)
                 for d in range(program.num_devices)] + [False]   # the host lane: -1
 
@@ -330,23 +375,50 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             return ready_data[j]
         return (start[j] if x.on == "start" else end[j]) + (hop if x.hop and not instant else 0.0)
 
-    def duration(a, d: int) -> float:
-        x = crossing[d]
+    def transfer(a) -> tuple[str, float] | None:
+        """(``Timeline.bytes_moved``'s key, bytes) of a transfer or collective ``a``."""
         match a:
-            case Prefetch(stage=s):
-                return hardware.transfer_ms(sc.params[s], "h2d", x)
+            case Prefetch(stage=s):   # zero3: this rank's 1/R, the rest gathered
+                return "h2d_bytes_params", sc.params[s] / (R if zero3 else 1)
             case Upload(stage=s, mb=m):   # the label alone: a transfer's latency
                 only_label = program.flow.upload.get((s, m)) == (LABEL,)
-                return hardware.transfer_ms(0 if only_label else sc.inp[s], "h2d", x)
+                return "h2d_bytes_activations", 0 if only_label else sc.inp[s]
             case UploadGrad(stage=s):
-                return hardware.transfer_ms(sc.grad_in[s], "h2d", x)
+                return "h2d_bytes_activations", sc.grad_in[s]
             case Offload(stage=s):
-                return hardware.transfer_ms(sc.out[s], "d2h", x)
-            case DownloadGrads(stage=s):
-                return hardware.transfer_ms(sc.grads[s], "d2h", x)
-            case OptimizerStep(layers=layers):
-                return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers)) + \
-                    hardware.host_copy_ms(sum(map(_widened, (costs[i] for i in layers))))
+                return "d2h_bytes_activations", sc.out[s]
+            case DownloadGrads(stage=s):   # device collectives: the rank's 1/R
+                return "d2h_bytes_grads", sc.grads[s] / (R if on_devices else 1)
+            # the collectives: their whole buffer (the network bytes are a ring's share)
+            case AllReduce(layers=layers) | ReduceScatter(layers=layers):
+                return "network_bytes", sum(costs[i].host_grads for i in layers)
+            case AllGather(layers=layers):   # the stepped parameters, as the devices hold them
+                return "network_bytes", sum(costs[i].grads for i in layers)
+            case DeviceReduceScatter(stage=s):   # param_dtype gradients
+                return "network_bytes", sc.device_grads[s]
+            case DeviceAllGather(stage=s):
+                return "network_bytes", sc.params[s]
+            case BroadcastBuffers():
+                return "network_bytes", sum(c.buffer_bytes for c in costs)
+        return None
+
+    def duration(a, d: int) -> float:
+        x = crossing[d]
+        if isinstance(a, _TRANSFERS):
+            key, nbytes = transfer(a)
+            moved[key] += nbytes
+            return hardware.transfer_ms(nbytes, "h2d" if key.startswith("h2d") else "d2h", x)
+        if isinstance(a, _COLLECTIVES):
+            kind = _COLLECTIVE.get(type(a), "broadcast")
+            nbytes = transfer(a)[1]
+            moved["network_bytes"] += hardware.collective_bytes(kind, nbytes)
+            return hardware.collective_ms(kind, nbytes)
+        match a:
+            case OptimizerStep(layers=layers):   # a sharded step: the rank's 1/R
+                share = R if (layers.start, layers.stop) in shard_of else 1
+                widen = sum(map(_widened, (costs[i] for i in layers)))
+                return hardware.optimizer_ms(sum(costs[i].host_grads for i in layers)) / share \
+                    + hardware.host_copy_ms(widen / (share if on_devices else 1))
             case Accumulate(layers=layers):
                 return hardware.host_copy_ms(sum(map(_widened, (costs[i] for i in layers))))
             case AsyncUpdate() | ScalerStep():
@@ -355,11 +427,6 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return hardware.host_copy_ms(refresh_bytes)
             case ClipGradNorm() | QueueUpdate():   # read (copy) every gradient once
                 return hardware.host_copy_ms(sum(c.host_grads for c in costs))
-            case AllReduce(layers=layers) | ReduceScatter(layers=layers) | AllGather(layers=layers):
-                return hardware.collective_ms(_COLLECTIVE[type(a)],
-                                              sum(costs[i].host_grads for i in layers))
-            case BroadcastBuffers():
-                return hardware.collective_ms("broadcast", sum(c.buffer_bytes for c in costs))
         return 0.0
 
     def compute_times(k: int, instant: tuple[type, ...] = ()) -> tuple[float, float, float]:
@@ -401,12 +468,14 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             if isinstance(a, _TRANSFERS):
                 ready_data[k] = max((dep_time(j, x, _TRANSFERS) for j, x in dep_ids[k]
                                      if x.why != "stream"), default=0.0)
-            stream = link[stream_of(a)]
-            shared = stream in ("host", "collective") or (hardware.shared_bus
-                                                          and stream is not None)
-            # a transfer across the socket link waits for it too (Hardware.sockets)
-            buses = ([stream] if shared else []) + (
-                [f"socket {stream}"] if stream in ("h2d", "d2h") and crossing[d] else [])
+            lane = link[stream(a)]
+            shared = lane in ("host", "collective") or (hardware.shared_bus
+                                                        and lane in ("h2d", "d2h"))
+            # a transfer across the socket link waits for it too (Hardware.sockets), a
+            # collective for the node's network link
+            buses = ([lane] if shared else []) + (
+                [f"socket {lane}"] if lane in ("h2d", "d2h") and crossing[d] else []) + (
+                ["network"] if lane in ("collective", "nccl") else [])
             start[k] = max([t] + [bus[b] for b in buses])
             end[k] = start[k] + duration(a, d)
             for b in buses:
@@ -424,16 +493,16 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                          f"{', '.join(blockers)}")
     memory = memory if memory is not None else ChainMemory.of(costs, input_bytes)
     return _timeline(program, sc, nodes, start, split, end, hardware,
-                     (exposed, exposed_prefetch), tokens_per_step, memory, host)
+                     (exposed, exposed_prefetch), tokens_per_step, memory, host, moved)
 
 
 def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
-              tokens_per_step, memory, host_issue_ms=0.0) -> Timeline:
+              tokens_per_step, memory, host_issue_ms=0.0, moved=None) -> Timeline:
     G = program.num_devices
     intervals: list[Interval] = []
     busy, device_free = [0.0] * G, [0.0] * G
     for k, (d, i, a) in enumerate(nodes):
-        stream = stream_of(a)
+        lane = stream(a)
         label = str(a)
         if isinstance(a, Compute):
             if isinstance(a, (Forward, Checkpoint)):
@@ -444,21 +513,22 @@ def _timeline(program, sc, nodes, start, split, end, hardware, exposed,
                 pieces = [(first, start[k], start[k] + sc.parts(a)[0]),
                           ("backward", split[k], end[k])]
             for kind, s, e in pieces:
-                intervals.append(Interval(d, stream, label, kind, s, e))
+                intervals.append(Interval(d, lane, label, kind, s, e))
                 busy[d] += e - s
             device_free[d] = max(device_free[d], end[k])
         else:
             kind = "optimizer" if isinstance(a, (OptimizerStep, AsyncUpdate, ScalerStep)) \
                 else "host" if isinstance(a, (Refresh, Accumulate, ClipGradNorm, QueueUpdate,
                                               Commit)) else "transfer"
-            intervals.append(Interval(d, stream, label, kind, start[k], end[k]))
+            intervals.append(Interval(d, lane, label, kind, start[k], end[k]))
     peaks = device_peaks(program_peaks(program, memory), G)
     makespan = max((iv.end for iv in intervals), default=0.0)
     tps = tokens_per_step / (makespan / 1e3) if tokens_per_step and makespan > 0 else None
     return Timeline(G, intervals, makespan, busy, device_free, [p.total if p else 0 for p in peaks],
                     *exposed, memory_limit=hardware.memory, tokens_per_s=tps,
                     peak_memory_by_kind=[dict(p.bytes) if p else dict.fromkeys(KINDS, 0)
-                                         for p in peaks], host_issue_ms=host_issue_ms)
+                                         for p in peaks], host_issue_ms=host_issue_ms,
+                    bytes_moved=dict(moved or {}))
 
 
 def roundpipe_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type: RunType,

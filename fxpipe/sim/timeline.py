@@ -61,6 +61,9 @@ class Timeline:
     tokens_per_s: float | None = None
     peak_memory_by_kind: list[dict[str, int]] = field(default_factory=list)  # per device
     host_issue_ms: float = 0.0   # the host's issue time (Hardware.host_us_per_*), summed
+    # one rank's bytes per kind (fxpipe.sim.simulate.MOVED: pipe.stats()'s transfer names,
+    # and network_bytes, what its collectives send over its node's link)
+    bytes_moved: dict[str, float] = field(default_factory=dict)
     fill: float = field(init=False)
     drain: float = field(init=False)
     switch: float = field(init=False)

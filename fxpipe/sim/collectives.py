@@ -1,0 +1,176 @@
+"""Where a data-parallel Program's collectives run, as the simulator prices them.
+
+``Hardware.collectives`` picks the mode; ``simulate`` lowers the Program before timing it.
+The device modes are MODELLED (issue 58): the runtime runs no device collective yet, so
+their actions exist here only, not in the Program the runtime prints. A device mode
+takes the Program of the sharded optimizer (``data_parallel="shard"``: per backward
+stage, deepest first, ``RS``, the shard's ``OptimizerStep``, ``AG``, on the host lane):
+
+- ``"host"`` (what the runtime does): as printed. The host's ``collective`` stream runs
+  ``AR``, or ``RS`` and ``AG``, over gloo on host tensors, after the stage's downloads.
+- ``"device"`` (device NCCL): the host's ``RS`` moves to the devices. Before each
+  ``DownloadGrads(s)``, a ``DeviceReduceScatter(s)`` (``sRS``) on that device's
+  ``nccl`` stream reduce-scatters the stage's device gradients (``LayerCost.grads``:
+  ``param_dtype``, bf16 for a bf16 run) with the same device of every other rank, as
+  soon as the stage's last compute there ended, overlapping the shallower stages'
+  backward on the compute stream. The download waits for it and moves 1/N of the
+  gradients; the rank widens and steps only its 1/N of the masters (``OptimizerStep``
+  at 1/N, as for the sharded optimizer). The stepped shards reach the other ranks
+  where they live, on the host: the host's ``AG`` stays, gloo over the same link, of
+  the stepped parameters in the devices' dtype (each rank keeps and uploads the whole
+  model, so ``Prefetch`` bytes are unchanged). Gathering them on the devices instead
+  would need each rank's shard uploaded first, which is ``"zero3"``'s upload.
+- ``"zero3"``: also the parameters. No host ``AG``: each rank keeps its 1/N of the
+  parameters; each ``Prefetch(s)`` uploads 1/N, and a ``DeviceAllGather(s)`` (``sAG``)
+  on the ``nccl`` stream after it gathers the rest from the other ranks before stage
+  ``s`` computes (every compute that waited for the ``Prefetch`` waits for it).
+
+A device's ``nccl`` stream runs its collectives in its lane's order (each issued as a
+device action: ``Hardware.host_us_per_action``), and every collective of a node, the
+host's too, crosses the node's one link (``Hardware.network_bytes_per_s``) one at a
+time, first ready first served (a link shared by the node's devices, as their rings
+over a node's NICs share its bandwidth; device memory and NVLink are not priced). Within a
+node the devices are one pipeline (one rank per node): a collective pairs device ``d``
+of every node. Each device reduce-scatters the gradients it holds (in a Program where
+several devices compute one stage, each its own part, summed on the host)::
+
+    >>> from fxpipe.passes.schedule import build_program
+    >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 1,
+    ...                   "stage", optimizer=True, data_parallel="shard")
+    >>> [str(a) for a in p.host]
+    ['RF', 'RS1:2', 'S1:2', 'RS0:1', 'AG1:2', 'S0:1', 'AG0:1', 'C']
+    >>> [str(a) for a in host_program(p, "device").host]
+    ['RF', 'S1:2', 'AG1:2', 'S0:1', 'AG0:1', 'C']
+    >>> [str(a) for a in host_program(p, "zero3").host]
+    ['RF', 'S1:2', 'S0:1', 'C']
+    >>> " ".join(str(a) for a in device_lane(p.actions[0], "zero3"))
+    '0P 0AG 0U0 0F0 0X0 1P 1AG 1U0 0R 1FB0 1X0 2P 2AG 2U0 1RS 1D 1R 2B0 2X0 2RS 2D 2R'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from fxpipe.passes.program import (
+    AllGather, AllReduce, Dep, DownloadGrads, Prefetch, Program, ReduceScatter, stream_of,
+)
+
+Mode = Literal["host", "device", "zero3"]
+STREAM = "nccl"
+"""The device stream the device collectives run on."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReduceScatter:
+    """``"device"``/``"zero3"``: stage ``s``'s gradients on this device reduce-scattered
+    across ranks, before its ``DownloadGrads`` (``sRS``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}RS"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAllGather:
+    """``"zero3"``: stage ``s``'s parameters gathered from every rank's 1/N, after its
+    ``Prefetch`` uploaded this rank's (``sAG``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}AG"
+
+
+DeviceCollective = (DeviceReduceScatter, DeviceAllGather)
+
+
+def stream(a) -> str:
+    """``stream_of(a)``, with the device collectives' ``nccl`` stream."""
+    return STREAM if isinstance(a, DeviceCollective) else stream_of(a)
+
+
+def sharded(program: Program, mode: Mode) -> bool:
+    """Whether ``program`` runs the sharded optimizer's collectives that ``mode`` lowers to
+    the devices (``False`` for ``"host"``, and for a Program without collectives: one rank
+    reduces nothing). A device mode with ``AR`` is refused: it reduce-scatters."""
+    if mode not in ("host", "device", "zero3"):
+        raise ValueError(f"collectives must be 'host', 'device' or 'zero3', got {mode!r}")
+    if mode == "host":
+        return False
+    if any(isinstance(a, AllReduce) for a in program.host):
+        raise ValueError(f"Hardware(collectives={mode!r}) reduce-scatters each stage's "
+                         "gradients and steps each rank's shard: build the Program with "
+                         "data_parallel='shard' (shard_optimizer=True), not 'allreduce'")
+    return any(isinstance(a, ReduceScatter) for a in program.host)
+
+
+def host_program(program: Program, mode: Mode) -> Program:
+    """``program`` without the host collectives ``mode`` moves to the devices: ``RS``
+    (``"device"``), ``RS`` and ``AG`` (``"zero3"``)."""
+    if not sharded(program, mode):
+        return program
+    gone = (ReduceScatter,) if mode == "device" else (ReduceScatter, AllGather)
+    return dataclasses.replace(program, host=tuple(a for a in program.host
+                                                   if not isinstance(a, gone)))
+
+
+def device_lane(actions: Sequence, mode: Mode) -> list:
+    """A device's actions with ``mode``'s device collectives in the order it issues them:
+    a ``DeviceReduceScatter`` right before each ``DownloadGrads``, with ``"zero3"`` a
+    ``DeviceAllGather`` right after each ``Prefetch`` (module docstring)."""
+    out: list = []
+    for a in actions:
+        if isinstance(a, DownloadGrads):
+            out.append(DeviceReduceScatter(a.stage))
+        out.append(a)
+        if mode == "zero3" and isinstance(a, Prefetch):
+            out.append(DeviceAllGather(a.stage))
+    return out
+
+
+def with_device_collectives(nodes: list, dep_ids: list, mode: Mode) -> tuple[list, list]:
+    """The simulator's nodes ``(lane, step, action)`` and their dependencies
+    ``[(node, Dep)]`` with ``mode``'s device collectives added (:func:`device_lane`'s
+    places): a ``DeviceReduceScatter`` waits for what its ``DownloadGrads`` waits for but
+    its stream (the stage's computes on the device) and for the previous collective of the
+    device's ``nccl`` stream; the download then waits for it. A ``DeviceAllGather`` waits
+    for its ``Prefetch`` and the previous collective; every compute that waited for the
+    ``Prefetch`` waits for it instead."""
+    if mode == "host":
+        return nodes, dep_ids
+    new: list = []
+    remap: list[int] = []
+    added: dict[int, tuple[str, int]] = {}   # new node -> (what, the old node it goes with)
+    before: dict[int, int] = {}              # old DownloadGrads -> its new DeviceReduceScatter
+    after: dict[int, int] = {}               # old Prefetch -> its new DeviceAllGather
+    for k, (d, i, a) in enumerate(nodes):
+        if d >= 0 and isinstance(a, DownloadGrads):
+            before[k] = len(new)
+            added[len(new)] = ("rs", k)
+            new.append((d, i, DeviceReduceScatter(a.stage)))
+        remap.append(len(new))
+        new.append((d, i, a))
+        if d >= 0 and mode == "zero3" and isinstance(a, Prefetch):
+            after[k] = len(new)
+            added[len(new)] = ("ag", k)
+            new.append((d, i, DeviceAllGather(a.stage)))
+    deps: list = [[] for _ in new]
+    for k, n in enumerate(remap):            # the Program's own nodes
+        d, i, _ = nodes[k]
+        deps[n] = [((after.get(j, remap[j]) if x.why == "params" else remap[j]), x)
+                   for j, x in dep_ids[k]]
+        if k in before:
+            deps[n].append((before[k], Dep(d, i, "end", "reduced")))
+    last: dict[int, int] = {}                # device -> its latest collective (new node)
+    for n in sorted(added):                  # the collectives, in lane order
+        what, k = added[n]
+        d, i, _ = new[n]
+        if what == "rs":
+            deps[n] = [(remap[j], x) for j, x in dep_ids[k] if x.why != "stream"]
+        else:
+            deps[n] = [(remap[k], Dep(d, i, "end", "params"))]
+        if d in last:
+            deps[n].append((last[d], Dep(d, new[last[d]][1], "end", "stream")))
+        last[d] = n
+    return new, deps
