@@ -73,6 +73,7 @@ from fxpipe.runtime.devices.issue_lock import blocking
 from fxpipe.runtime.host.params import is_scratch
 
 SLOTS = 2
+_CAPTURING = threading.Lock()   # taken after the issue lock is let go, never before it
 
 
 def not_capturable(stage: Stage) -> str | None:
@@ -270,7 +271,10 @@ class StageGraphs:
 
         with device.allocating("workspace"):
             statics = [x.detach().clone() for x in tensors]
-            with blocking():   # a capture drains its device: other devices issue meanwhile
+            # a capture drains its device: other devices issue meanwhile, with the issue
+            # lock let go; captures one at a time in the process (two threads capturing at
+            # once, each draining and emptying the caching allocator, is untested ground)
+            with blocking(), _CAPTURING:
                 graph = device.capture(fn, [*statics, *params], name)
         with self._lock:
             self._jobs[key] = GraphJob(graph, statics, params, name)
