@@ -4,7 +4,7 @@ A ``TorchDispatchMode`` on the caller's thread and on every thread the call's wo
 on (issue threads, device streams, the collectives' worker) records each tensor op that
 runs outside an action's work (``issue.WHERE``). The only work allowed outside is the
 short list ``issue.outside_program`` documents: splitting the caller's inputs into
-microbatches, and summing the microbatches' losses (or input gradients) afterwards. Ops
+microbatches (with data parallel, comparing their shapes with the other ranks'), and summing the microbatches' losses (or input gradients) afterwards. Ops
 on a device's stream threads are that device's work: those threads run nothing else.
 
 The check runs on a pipe's second call: the first also builds its host buffers (moving

@@ -115,23 +115,27 @@ def host_program(program: Program, mode: Mode) -> Program:
                                                    if not isinstance(a, gone)))
 
 
+def _around(a, mode: Mode) -> tuple:
+    """The device collectives ``mode`` puts before and after a device's action ``a``
+    (None: none): a ``DeviceReduceScatter`` before each ``DownloadGrads``, with
+    ``"zero3"`` a ``DeviceAllGather`` after each ``Prefetch`` (module docstring)."""
+    return (DeviceReduceScatter(a.stage) if isinstance(a, DownloadGrads) else None,
+            DeviceAllGather(a.stage) if mode == "zero3" and isinstance(a, Prefetch) else None)
+
+
 def device_lane(actions: Sequence, mode: Mode) -> list:
-    """A device's actions with ``mode``'s device collectives in the order it issues them:
-    a ``DeviceReduceScatter`` right before each ``DownloadGrads``, with ``"zero3"`` a
-    ``DeviceAllGather`` right after each ``Prefetch`` (module docstring)."""
+    """A device's actions with ``mode``'s device collectives in the order it issues them
+    (:func:`_around`'s places)."""
     out: list = []
     for a in actions:
-        if isinstance(a, DownloadGrads):
-            out.append(DeviceReduceScatter(a.stage))
-        out.append(a)
-        if mode == "zero3" and isinstance(a, Prefetch):
-            out.append(DeviceAllGather(a.stage))
+        before, after = _around(a, mode)
+        out += [x for x in (before, a, after) if x is not None]
     return out
 
 
 def with_device_collectives(nodes: list, dep_ids: list, mode: Mode) -> tuple[list, list]:
     """The simulator's nodes ``(lane, step, action)`` and their dependencies
-    ``[(node, Dep)]`` with ``mode``'s device collectives added (:func:`device_lane`'s
+    ``[(node, Dep)]`` with ``mode``'s device collectives added (:func:`_around`'s
     places): a ``DeviceReduceScatter`` waits for what its ``DownloadGrads`` waits for but
     its stream (the stage's computes on the device) and for the previous collective of the
     device's ``nccl`` stream; the download then waits for it. A ``DeviceAllGather`` waits
@@ -145,16 +149,17 @@ def with_device_collectives(nodes: list, dep_ids: list, mode: Mode) -> tuple[lis
     before: dict[int, int] = {}              # old DownloadGrads -> its new DeviceReduceScatter
     after: dict[int, int] = {}               # old Prefetch -> its new DeviceAllGather
     for k, (d, i, a) in enumerate(nodes):
-        if d >= 0 and isinstance(a, DownloadGrads):
+        rs, ag = _around(a, mode) if d >= 0 else (None, None)
+        if rs is not None:
             before[k] = len(new)
             added[len(new)] = ("rs", k)
-            new.append((d, i, DeviceReduceScatter(a.stage)))
+            new.append((d, i, rs))
         remap.append(len(new))
         new.append((d, i, a))
-        if d >= 0 and mode == "zero3" and isinstance(a, Prefetch):
+        if ag is not None:
             after[k] = len(new)
             added[len(new)] = ("ag", k)
-            new.append((d, i, DeviceAllGather(a.stage)))
+            new.append((d, i, ag))
     deps: list = [[] for _ in new]
     for k, n in enumerate(remap):            # the Program's own nodes
         d, i, _ = nodes[k]

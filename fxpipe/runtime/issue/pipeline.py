@@ -55,6 +55,7 @@ from fxpipe.runtime.issue.trace import ActionLog
 
 # the work a call does outside its Program before it runs (``threads.outside_program``)
 SPLITTING = "splitting the inputs into microbatches"
+COMPARING = "comparing the microbatches' shapes with the other ranks' (data parallel)"
 # the compiler's (cached) Executable of a CallSpec
 BuildExecutable = Callable[[CallSpec], Executable]
 
@@ -225,7 +226,8 @@ class Runner:
             dp.check_alive()
             dp.check_masters()
             if spec.data_parallel is not None or spec.broadcast_buffers:
-                dp.check_batch(envs)
+                with outside_program(COMPARING):
+                    dp.check_batch(envs)
         if optimizer is not None and optimizer.spec is not None:
             # an asynchronous update changes the parameters while this call's devices read
             # them: they read a copy (kept from then on)

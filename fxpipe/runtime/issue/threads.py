@@ -115,7 +115,9 @@ def outside_program(why: str) -> contextlib.AbstractContextManager:
     kinds exist: splitting the caller's inputs (and labels, output gradients) into
     microbatches before the Program runs (with it, counting each microbatch's target
     tokens on the host, ``loss_weights.shares``: ``print(pipe.layers.token_means[i])``
-    shows output leaf i's count graph; ``pipe.program()`` does not), and summing the
+    shows output leaf i's count graph; ``pipe.program()`` does not) and, with data
+    parallel, all-gathering a digest of their shapes to compare with the other ranks'
+    (``DataParallel.check_batch``); and summing the
     microbatches' losses (or input gradients) for the caller after it ended. Everything else a call does to
     tensors is an action's work (``tests/test_program_only.py`` checks it)."""
     return _where("outside", why)
