@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_distributed.py                  # all parts, ~2 min
     .venv/bin/python benchmarks/bench_distributed.py --part sim       # the simulation only
     .venv/bin/python benchmarks/bench_distributed.py --part nccl      # issue 58's modes, ~30 s
+    .venv/bin/python benchmarks/bench_distributed.py --part devices   # issue 58, measured, ~2 min
 
 (measured) 1 process vs 2 processes (gloo, spawned on localhost), each with two virtual
     CPU devices, training a 6-block MLP with ``forward_backward(optimizer=AdamW)`` on the
@@ -26,14 +27,27 @@
     (25 GB/s, 5 us). Tokens/s of the whole job and the scaling efficiency against N x
     one node; and with ``shard_optimizer`` (reduce-scatter, each rank stepping 1/N of
     the parameters, all-gather).
-(nccl) SIMULATED, the device modes MODELLED (issue 58: not built): Llama-3.1-8B full
+(devices) MEASURED here (issue 58): where the gradients are reduced, 2 and 4 ranks
+    (gloo, spawned on localhost, two virtual CPU devices each), the 6-block MLP, AdamW
+    streamed, fp32 and ``param_dtype=bf16``: host-gloo (``data_parallel=True``: the host
+    all-reduces every gradient), host-gloo sharded (``shard_optimizer=True``: the host
+    reduce-scatters, steps 1/N, all-gathers) and device (``data_parallel="device"``: each
+    stage's gradients reduce-scattered on its device, gloo on the virtual devices'
+    tensors as NCCL on a GPU's, 1/N downloaded). Per rank and step, from
+    ``pipe.stats()``: the gradient bytes downloaded and the parameter bytes uploaded; the
+    host's flat gradient buffer (allocated at a call's first full download);
+    and the step's wall time, min and median over interleaved repeats after a warm-up
+    (informational: the ranks share this machine's cores; what carries over to GPUs is
+    the bytes).
+(nccl) SIMULATED, zero3 MODELLED (not built): Llama-3.1-8B full
     fine-tune (bf16 ``param_dtype``, fp32 masters, AdamW streamed on the host at
     ``--host-params-per-s``, and with the host optimizer free) on 1, 2 and 4 nodes of 8
     H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links each way; fxpipe's plan,
     ``ExecutePlan.auto`` on ``meta`` as ``bench_host_model.predict`` builds it; 16
     microbatches of 4,096 tokens per node), one rank per node, 400 Gb/s (50 GB/s, 5 us)
     per node between nodes, for each place the collectives run
-    (``fxpipe.sim.Hardware.collectives``, ``fxpipe.sim.collectives``): host-gloo (the
+    (``fxpipe.sim.Hardware.collectives``, ``fxpipe.sim.collectives``; device-NCCL is the
+    Program ``data_parallel="device"`` runs, priced as it prints): host-gloo (the
     runtime's all-reduce of the fp32 gradients on the host's collective stream), host-gloo
     with ``shard_optimizer`` (reduce-scatter, 1/N stepped, all-gather of the bf16
     parameters), device-NCCL (each stage's bf16 gradients reduce-scattered on its device
@@ -80,7 +94,11 @@ NCCL_NETWORK = (50e9, 0.005)   # 400 Gb/s per node, 5 us a message
 NCCL_NODES = (1, 2, 4)
 NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
     "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
-    "device-NCCL": ("shard", "device"), "zero3": ("shard", "zero3")}
+    "device-NCCL": ("device", "host"), "zero3": ("shard", "zero3")}
+DEVICE_MODES = {   # name: compile's options (part "devices")
+    "host-gloo": {"data_parallel": True},
+    "host-gloo sharded": {"data_parallel": True, "shard_optimizer": True},
+    "device": {"data_parallel": "device"}}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
     "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
@@ -143,6 +161,78 @@ def part_measured(args: argparse.Namespace) -> dict:
         print(f"{world:5d} | {med:13.4f} | {lo:10.4f} | {args.batch / med:18.1f}")
     out["ratio_2_over_1_median"] = out[2]["median_s"] / out[1]["median_s"]
     print(f"step time 2 ranks / 1 rank (median): {out['ratio_2_over_1_median']:.2f}")
+    return out
+
+
+# ------------------------------------------------------------------------------- devices
+
+def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) -> None:
+    from fxpipe.runtime.host.params import HostParams
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world)
+    try:
+        rows = args.batch // world
+        g = torch.Generator().manual_seed(0)
+        X, Y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,),
+                                                                       generator=g)
+        x, y = X[rank * rows:(rank + 1) * rows], Y[rank * rows:(rank + 1) * rows]
+        report = {}
+        for bf16 in (False, True):
+            pipes = {}
+            for name, kw in DEVICE_MODES.items():
+                m = model()
+                pipes[name] = (m, fxpipe.compile(
+                    m, (x,), devices=["cpu", "cpu"], param_dtype=torch.bfloat16 if bf16 else None,
+                    **kw), torch.optim.AdamW(m.parameters(), lr=1e-3))
+            times: dict[str, list[float]] = {name: [] for name in pipes}
+            for step in range(args.warmup + args.steps):
+                for name, (m, pipe, opt) in pipes.items():   # interleaved
+                    dist.barrier()
+                    t = time.perf_counter()
+                    pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy,
+                                          optimizer=opt)
+                    opt.zero_grad(set_to_none=True)
+                    if step >= args.warmup:
+                        times[name].append(time.perf_counter() - t)
+            for name, (m, pipe, opt) in pipes.items():
+                t = torch.tensor(times[name])
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends with the slowest rank
+                stats = pipe.stats()
+                grads = HostParams.of(m).grad_flats   # the host's flat gradient buffer
+                report[f"{'bf16' if bf16 else 'fp32'} {name}"] = {
+                    "d2h_bytes_grads": stats["d2h_bytes_grads"],
+                    "h2d_bytes_params": stats["h2d_bytes_params"],
+                    "host_grad_buffer_bytes": sum(t.numel() * t.element_size() for t in grads),
+                    "min_s": t.min().item(), "median_s": t.median().item()}
+                pipe.close()
+        if rank == 0:
+            Path(folder, "devices.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def part_devices(args: argparse.Namespace) -> dict:
+    params = sum(p.numel() for p in model().parameters())
+    out: dict = {"parameters": params, "batch": args.batch, "steps": args.steps,
+                 "warmup": args.warmup}
+    print(f"\n(devices) MEASURED: {params:,}-parameter MLP, global batch {args.batch}, "
+          f"{args.steps} steps after {args.warmup} warm-up, modes interleaved, rank 0's bytes, "
+          "the slowest rank's times")
+    print(f"{'ranks':>5} | {'mode':>22} | {'grads down B':>12} | {'/ host-gloo':>11} | "
+          f"{'params up B':>11} | {'host grad buffer B':>18} | {'min s':>7} | {'median s':>8}")
+    for world in (2, 4):
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(_devices_rank, args=(world, d, args), nprocs=world, join=True)
+            rows = json.loads(Path(d, "devices.json").read_text())
+        for key, r in rows.items():
+            full = rows[key.split()[0] + " host-gloo"]["d2h_bytes_grads"]
+            r["grads_down_over_host"] = r["d2h_bytes_grads"] / full
+            print(f"{world:5d} | {key:>22} | {r['d2h_bytes_grads']:12,} | "
+                  f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_params']:11,} | "
+                  f"{r['host_grad_buffer_bytes']:18,} | "
+                  f"{r['min_s']:7.4f} | {r['median_s']:8.4f}")
+        out[str(world)] = rows
     return out
 
 
@@ -289,6 +379,7 @@ def llama_8b_program(gpus: int = 8, seq_len: int = 4096):
 def part_nccl(args: argparse.Namespace) -> dict:
     from fxpipe.passes.schedule import host_lane
     from fxpipe.sim import simulate
+    from fxpipe.sim.collectives import device_lane
     plan, program, costs, gpu, tokens = llama_8b_program()
     params = sum(c.host_params for c in costs) / 4          # fp32 masters: 4 B each
     bw, lat = NCCL_NETWORK
@@ -296,12 +387,12 @@ def part_nccl(args: argparse.Namespace) -> dict:
                  "tokens_per_step_per_node": tokens, "plan": str(plan), "parameters": params,
                  "flops_per_s": gpu.flops, "link_bytes_per_s": gpu.h2d_bandwidth,
                  "network_bytes_per_s": bw, "network_latency_ms": lat, "simulated": True,
-                 "modelled": ["device-NCCL", "zero3"], "rates": {}}
+                 "modelled": ["zero3"], "rates": {}}
     for label, rate in (("stated", args.host_params_per_s), ("free", float("inf"))):
         print(f"\n(nccl) SIMULATED: Llama-3.1-8B full fine-tune, {program.num_devices} H100 per "
               f"node, {tokens:,} tokens per node and step, {bw * 8 / 1e9:.0f} Gb/s per node; host "
               f"AdamW {'free' if label == 'free' else f'{rate / 1e9:g}G params/s'}; "
-              "device-NCCL and zero3 MODELLED (issue 58, not built)")
+              "zero3 MODELLED (not built); device-NCCL: the Program data_parallel='device' runs")
         print(f"{'mode':>17} | " + " | ".join(f"{n} node{'s' * (n > 1)} tok/s (eff)"
                                               for n in NCCL_NODES)
               + " | per rank at 4 nodes: grads down, params up, network, host")
@@ -312,7 +403,9 @@ def part_nccl(args: argparse.Namespace) -> dict:
                 hw = replace(gpu, cpu_optimizer_bytes_per_s=4 * rate, ranks=n,
                              network_bytes_per_s=bw, network_latency_ms=lat, collectives=where)
                 prog = program if n == 1 else replace(
-                    program, host=host_lane(program.stages, True, dp))
+                    program, host=host_lane(program.stages, True, dp),
+                    actions=tuple(tuple(device_lane(acts, "device")) for acts in
+                                  program.actions) if dp == "device" else program.actions)
                 t = simulate(prog, costs, hw)
                 whole, shard = HOST_BYTES[name]
                 row[str(n)] = {"makespan_ms": t.makespan,
@@ -355,7 +448,8 @@ def part_nccl(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["all", "measured", "memory", "sim", "nccl"], default="all")
+    p.add_argument("--part", choices=["all", "measured", "memory", "sim", "nccl", "devices"],
+                   default="all")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -368,7 +462,7 @@ def main(argv=None) -> int:
                                 + " ".join(argv if argv is not None else sys.argv[1:])}
     if OUT.exists():
         results.update({k: v for k, v in json.loads(OUT.read_text()).items()
-                        if k in ("measured", "memory", "sim", "nccl", "runs")})
+                        if k in ("measured", "memory", "sim", "nccl", "devices", "runs")})
     if args.part in ("all", "measured"):
         results["measured"] = part_measured(args)
     if args.part in ("all", "memory"):
@@ -377,6 +471,8 @@ def main(argv=None) -> int:
         results["sim"] = part_sim(args)
     if args.part in ("all", "nccl"):
         results["nccl"] = part_nccl(args)
+    if args.part in ("all", "devices"):
+        results["devices"] = part_devices(args)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {OUT.relative_to(ROOT)}")

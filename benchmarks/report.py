@@ -392,6 +392,18 @@ def _dist_nccl(d: dict) -> list[str]:
     return out
 
 
+def _dist_devices(d: dict) -> list[str]:
+    v = d["devices"]
+    rows = [[world, mode, f"{r['d2h_bytes_grads']:,}", num(r["grads_down_over_host"]),
+             f"{r['h2d_bytes_params']:,}", f"{r['host_grad_buffer_bytes']:,}",
+             f"{r['min_s']:.4f}", f"{r['median_s']:.4f}"]
+            for world in ("2", "4") if world in v for mode, r in v[world].items()]
+    return [f"{v['parameters']:,} parameters, global batch {v['batch']}, {v['steps']} steps "
+            f"after {v['warmup']} warm-up, modes interleaved.", ""] + table(
+        ["ranks", "mode", "gradient bytes down", "/ host-gloo's", "parameter bytes up",
+         "host gradient buffer bytes", "min s/step", "median s/step"], rows)
+
+
 def _dist_memory(d: dict) -> list[str]:
     m = d["memory"]
     rows = []
@@ -865,7 +877,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "RoundPipe's five configurations (8 RTX 4090 per node) on 1–16 nodes, one rank per "
      "node, a ring all-reduce per backward stage on the host's collective stream.", _dist_sim),
     ("Data parallel on the devices, simulated", "bench_distributed.json", "nccl",
-     "SIMULATED; device-NCCL and zero3 MODELLED (issue 58: the runtime runs neither). "
+     "SIMULATED; zero3 MODELLED (the runtime does not run it); device-NCCL is the Program "
+     "`data_parallel=\"device\"` runs, priced as it prints. "
      "Llama-3.1-8B full fine-tune (bf16 `param_dtype`, fp32 masters, AdamW streamed on the "
      "host) on 1, 2 and 4 nodes of 8 H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links "
      "each way), one rank per node, `fxpipe.simulate` with `Hardware.collectives`: "
@@ -874,6 +887,14 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "device, 1/N downloaded and stepped, the bf16 parameters all-gathered on the host) and "
      "zero3 (also 1/N of the parameters held and uploaded, all-gathered on the devices before "
      "each stage computes). The host's issue time and host copies are left out.", _dist_nccl),
+    ("Data parallel on the devices, measured", "bench_distributed.json", "devices",
+     "MEASURED on this machine: 2 and 4 ranks (gloo, localhost), 2 virtual CPU devices each, "
+     "a 6-block MLP, AdamW streamed: where the gradients are reduced. host-gloo "
+     "(`data_parallel=True`), host-gloo sharded (`shard_optimizer=True`), device "
+     "(`data_parallel=\"device\"`: each stage's gradients reduce-scattered on its device, gloo "
+     "on the virtual devices' tensors where a GPU runs NCCL). Per rank and step, from "
+     "`pipe.stats()`; step times informational (the ranks share this machine's cores).",
+     _dist_devices),
     ("Data parallel host memory", "bench_distributed.json", "memory",
      "A 414K-parameter MLP, AdamW, sharded (`shard_optimizer=True`) or not.", _dist_memory),
     ("Data parallel step time", "bench_distributed.json", "measured",
@@ -1295,10 +1316,18 @@ def headline() -> list[str]:
         both = f"; host optimizer free: {free['device-NCCL']['2']['speedup']:.2f}× / " \
             f"{free['host-gloo']['2']['speedup']:.2f}×" if free else ""
         rows.append(["SIMULATED: Llama-3.1-8B full fine-tune, 2 nodes × 8 H100 / one node, "
-                     "tokens/s, device collectives (MODELLED) / host-gloo",
+                     "tokens/s, device collectives / host-gloo",
                      f"{a['device_speedup']:.2f}× / {a['host_gloo_speedup']:.2f}×{both}",
                      "simulated", "higher is better (2: linear)",
                      "data-parallel-on-the-devices-simulated"])
+    if dist and "devices" in dist:
+        v = dist["devices"]
+        rows.append(["`data_parallel=\"device\"`: gradient bytes each rank downloads / "
+                     "host-gloo's, 2 and 4 ranks (fp32, bf16)",
+                     " / ".join(num(v[w][f"{t} device"]["grads_down_over_host"])
+                                for w in ("2", "4") for t in ("fp32", "bf16")),
+                     "measured (bytes counted)", "lower is better (1/N)",
+                     "data-parallel-on-the-devices-measured"])
     peft = load("bench_peft.json")
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",

@@ -14,7 +14,11 @@ shallower stages still back-propagate, and the streamed optimizer steps each sta
 after its all-reduce. Every ``--accum`` steps the first microsteps run under
 ``pipe.no_sync()`` (no all-reduce); the last one averages the accumulated ``.grad``.
 
-Options: ``--shard-optimizer`` (each rank keeps 1/N of the optimizer state; with
+Options: ``--data-parallel device`` (each stage's gradients reduce-scattered on its
+devices, ``RS`` in their lanes, NCCL on GPUs; each rank downloads and steps 1/N and
+keeps 1/N of the optimizer state; a step after ``no_sync`` microsteps reduces the
+accumulated ``.grad`` on the host instead: use ``--accum 1`` to see the devices do it),
+``--shard-optimizer`` (each rank keeps 1/N of the optimizer state; with
 ``--bf16`` too, 1/N of the fp32 masters: the devices compute in bf16 and the model's
 parameters become the bf16 copies they upload), ``--bf16`` (``param_dtype=bfloat16``),
 ``--checkpoint DIR`` (resume from DIR if it holds a checkpoint, save there at the end:
@@ -78,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
     rows = args.rows_per_rank * world
     x0, _ = batch(0, rows)
     pipe = fxpipe.compile(model, (x0[:args.rows_per_rank],), devices=["cpu", "cpu"],
-                          data_parallel=True, shard_optimizer=args.shard_optimizer,
+                          data_parallel=args.data_parallel,
+                          shard_optimizer=args.shard_optimizer,
                           param_dtype=torch.bfloat16 if args.bf16 else None,
                           collective_timeout=60)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -90,8 +95,12 @@ def main(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {start}", flush=True)
     if rank == 0:
-        host = " ".join(str(a) for a in pipe.program("fused", optimizer=True).host)
+        program = pipe.program("fused", optimizer=True)
+        host = " ".join(str(a) for a in program.host)
         print(f"{world} ranks; host lane of a training step: {host}", flush=True)
+        if args.data_parallel == "device":
+            lane = " ".join(str(a) for a in program.actions[0])
+            print(f"device 0's lane (its reduce-scatters: sRS): {lane}", flush=True)
     ce = nn.functional.cross_entropy
     losses = []
     for step in range(start, start + args.steps):
@@ -156,6 +165,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="default 40 (6 with --small)")
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--rows-per-rank", type=int, default=8)
+    p.add_argument("--data-parallel", choices=["host", "device"], default="host",
+                   help="where the gradients are reduced (compile's data_parallel)")
     p.add_argument("--shard-optimizer", action="store_true")
     p.add_argument("--bf16", action="store_true", help="param_dtype=torch.bfloat16")
     p.add_argument("--checkpoint", default="", help="folder to resume from and save to")

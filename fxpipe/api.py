@@ -45,7 +45,7 @@ from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.issue.autograd import train_call
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
-from fxpipe.runtime.issue.distributed import DataParallel
+from fxpipe.runtime.issue.distributed import DataParallel, check_data_parallel
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.stages.graphs import StageGraphs
 from fxpipe.runtime.issue.inputs import check_labels_like_ids
@@ -71,7 +71,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     plan: ExecutePlan | None = None,
     param_dtype: torch.dtype | None = None,
     pin_memory: bool | None = None,
-    data_parallel: bool = False,
+    data_parallel: bool | Literal["host", "device", "zero3"] = False,
     process_group: Any = None,
     shard_optimizer: bool = False,
     broadcast_buffers: bool = True,
@@ -155,16 +155,17 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     synchronized training call (``BC``), DDP's default. ``shard_optimizer=True``: a call
     stepping ``optimizer=`` reduce-scatters each bucket instead, steps only this rank's
     1/N (the optimizer state of the rest lives on the other ranks), then all-gathers the
-    updated parameters. With ``param_dtype`` too, the fp32 masters are sharded as well:
+    updated parameters. ``data_parallel="device"`` (``True`` is ``"host"``) shards so and
+    reduce-scatters each stage's gradients on the devices (NCCL; gloo on virtual devices),
+    each rank downloading 1/N. With ``param_dtype`` too, the fp32 masters are sharded:
     each rank keeps the fp32 values of its 1/N only, and the model's trainable floating
     parameters become their ``param_dtype`` copies (what the devices upload; gradients
     stay fp32 through ``grad_dtype``): ``pipe.full_state_dict()`` gathers the fp32
     values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how
     long a collective waits for the other ranks; a training call that fails on one rank
     fails on every rank with ``fxpipe.DistributedError`` naming the rank
-    (``fxpipe.runtime.issue.distributed``).
-    Ranks that compiled different plans or parameter shapes fail here with a
-    ``ValueError`` saying where they differ.
+    (``fxpipe.runtime.issue.distributed``). Ranks that compiled different plans or
+    parameter shapes fail here with a ``ValueError`` saying where they differ.
 
     ``weights``: a safetensors checkpoint (a ``.safetensors`` file, a directory of shards
     with ``model.safetensors.index.json``, or a Hugging Face model directory) the model's
@@ -203,8 +204,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if pin_memory not in (None, True, False):
         raise TypeError(f"pin_memory must be True, False or None (pin when every device is "
                         f"a GPU or a cuda-semantics virtual device), got {pin_memory!r}")
-    if not isinstance(data_parallel, bool):
-        raise TypeError(f"data_parallel must be True or False, got {data_parallel!r}")
+    on_devices = check_data_parallel(data_parallel)
     if not data_parallel:
         given = [name for name, value, default in (
             ("process_group", process_group, None), ("shard_optimizer", shard_optimizer, False),
@@ -219,7 +219,8 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
         load_weights(model, weights)   # before capture: the model is real from here on
     quant.prepare(model, frozen_dtype)
     dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
-                      broadcast=bool(broadcast_buffers)) if data_parallel else None
+                      broadcast=bool(broadcast_buffers), on_devices=on_devices) \
+        if data_parallel else None
     resolved = resolve_devices(devices)
     watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,

@@ -92,6 +92,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert lora["d2h_bytes_grads"] < full["d2h_bytes_grads"]
     check_generate(report["generate"])
     check_many_devices(report["many_devices"])
+    dp = report["data_parallel"]   # data_parallel="device" on one rank: gloo on a dry run
+    assert dp["ok"] and dp["device_reduce_scatters"] > 0, dp
+    assert dp["d2h_bytes_grads"]["device"] == dp["d2h_bytes_grads"]["plain"]   # 1/1 of them
 
 
 def check_generate(gen):

@@ -678,7 +678,7 @@ def test_needs_initialized_process_group():
 @pytest.mark.parametrize("kw, match", [
     ({"shard_optimizer": True}, "shard_optimizer only apply with data_parallel=True"),
     ({"process_group": object()}, "process_group only apply with data_parallel=True"),
-    ({"data_parallel": 1}, "data_parallel must be True or False"),
+    ({"data_parallel": 1}, "data_parallel must be False, True"),
 ])
 def test_bad_arguments(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

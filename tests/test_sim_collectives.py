@@ -122,3 +122,18 @@ def test_a_nodes_collectives_share_its_link_one_at_a_time():
         assert len({iv.device for iv in t.intervals if iv.stream == "nccl"}) == \
             (0 if where == "host" else 2)
         assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:])), where
+
+
+def test_the_runtimes_device_program_prices_as_the_lowering_modelled():
+    """``data_parallel="device"``'s Program (what the runtime runs: the devices' ``sRS``
+    printed in their lanes) simulated as it is: the same timeline and bytes as the
+    sharded Program lowered by ``Hardware(collectives="device")``."""
+    native = simulate(program("device"), COSTS, HW)
+    lowered = run("device")
+    assert [str(a) for a in program("device").actions[0]] == \
+        [str(a) for a in device_lane(program().actions[0], "device")]
+    assert native.makespan == pytest.approx(lowered.makespan)
+    assert native.bytes_moved == pytest.approx(lowered.bytes_moved)
+    a, b = (sorted((iv.label, iv.start, iv.end) for iv in t.intervals) for t in (native, lowered))
+    assert [x[0] for x in a] == [x[0] for x in b]
+    assert [t for x in a for t in x[1:]] == pytest.approx([t for x in b for t in x[1:]])

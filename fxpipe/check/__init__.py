@@ -58,7 +58,14 @@ what came before (``in_progress`` names the section that was running):
     (``torch.cuda.max_memory_reserved`` against ``predict_memory``'s peaks with the
     graphs); ``ok`` when the losses agree within bf16's tolerance and the captures
     plateau (``fxpipe.check.many_devices``). Its dry run: eight virtual devices, 4 blocks,
-    and the segments' own graphs standing in for inductor's CPU compile.
+    and the segments' own graphs standing in for inductor's CPU compile;
+12. ``data_parallel``: ``data_parallel="device"`` in a one-rank job on up to two GPUs
+    (the device reduce-scatters through the NCCL groups ``compile`` makes, on the
+    runtime's ``collective`` streams; a dry run: gloo on the virtual devices' tensors),
+    two AdamW steps against the same pipe without data parallel: ``max_loss_rel_diff``,
+    ``max_param_diff``, ``device_reduce_scatters`` a step, ``d2h_bytes_grads``; ``ok``
+    when they agree within 1e-5 (``fxpipe.check.data_parallel``). Several ranks need a GPU
+    each: the CPU suite runs 2 and 4.
 
 ``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
 10-minute command: a lent GPU runs it as two).
@@ -94,6 +101,7 @@ budget and their one-line summary, ``__main__`` is the command line; the section
 ``cuda_tests``, ``step`` (``vs_checkpoint``, ``scaling``), ``traced`` (``hidden_prefetch``,
 ``predicted_vs_measured``, ``stats``: one traced step, its figures from
 ``fxpipe.runtime.issue.trace``), ``bigger_than_device``, ``weights``, ``generate``,
-``finetune`` (also ``benchmarks/bench_finetune.py``'s measurement) and ``many_devices``;
+``finetune`` (also ``benchmarks/bench_finetune.py``'s measurement), ``many_devices`` and
+``data_parallel``;
 ``common`` is what they share (timing, the kit's model and devices, JSON-safe records).
 """

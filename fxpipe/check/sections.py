@@ -8,8 +8,8 @@ Adding a section: a function of the ``Kit`` returning a dict with ``ok``, and a 
 
 from __future__ import annotations
 
-from fxpipe.check import (bigger_than_device, cuda_tests, finetune, generate, many_devices, step,
-                          traced, weights)
+from fxpipe.check import (bigger_than_device, cuda_tests, data_parallel, finetune, generate,
+                          many_devices, step, traced, weights)
 from fxpipe.check.harness import Section
 
 SECTIONS: dict[str, Section] = {s.name: s for s in (
@@ -29,4 +29,6 @@ SECTIONS: dict[str, Section] = {s.name: s for s in (
     # sized for under 3 min on a GPU: ~150 s of the default budget beside every section but
     # finetune (a lent GPU's second command), all of it alone (--sections many_devices)
     Section("many_devices", many_devices.many_devices, 0.30, many_devices.many_devices_summary),
+    Section("data_parallel", data_parallel.data_parallel, 0.03,
+            data_parallel.data_parallel_summary),
 )}

@@ -284,6 +284,18 @@ class DownloadGrads:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceReduceScatter:
+    """Data parallel on the devices (``data_parallel="device"``): the stage's accumulated
+    parameter gradients on this device reduce-scattered across ranks, with the same device
+    of every other rank, on the device's ``collective`` stream; its ``DownloadGrads`` then
+    brings this rank's 1/N only (``3RS``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}RS"
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """Free the stage's parameters on the device (``3R``)."""
     stage: int
@@ -416,7 +428,7 @@ class QueueUpdate:
 
 Action = Union[Prefetch, Upload, UploadGrad, Forward, GraphForward, FusedBackward, Checkpoint,
                RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
-               Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
+               DeviceReduceScatter, Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
                ReduceScatter, AllGather, Refresh, Accumulate, ClipGradNorm, ScalerStep,
                QueueUpdate]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
@@ -426,10 +438,12 @@ HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradN
 AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
 """Host actions that only follow a ``Commit`` (they read ``.grad``)."""
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
+                           "RS": DeviceReduceScatter,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
 _GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward}
-_ACTION_RE = re.compile(r"^(\d+)(FB|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)$")
+_ACTION_RE = re.compile(r"^(\d+)(FB|RS|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)$")
+_JOB_CODES = ("P", "D", "R", "RS")   # a stage's job, no microbatch
 _HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
 _HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
                                 "RS": ReduceScatter, "AG": AllGather}
@@ -445,15 +459,15 @@ def parse_action(text: str) -> Action:
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
     >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g")
     (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1))
-    >>> parse_action("3B1g")
-    GraphRecomputeBackward(stage=3, mb=1, layer=None)
+    >>> parse_action("3B1g"), parse_action("3RS")
+    (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3))
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()
     if m := _HOST_RE.match(text):
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
-    if not m or (m[2] in "PDR") != (m[3] == "") or (m[4] is not None and m[2] != "B") \
+    if not m or (m[2] in _JOB_CODES) != (m[3] == "") or (m[4] is not None and m[2] != "B") \
             or (m[5] and (m[2] not in "FB" or m[4] is not None)):
         raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
                          "AR0:4, C)")
@@ -469,6 +483,7 @@ STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "comp
           GraphForward: "compute", GraphRecomputeBackward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
+          DeviceReduceScatter: "collective",
           OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
           Accumulate: "host", ClipGradNorm: "host", ScalerStep: "host", QueueUpdate: "host",
           BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
@@ -477,8 +492,8 @@ STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "comp
 
 def stream_of(action: Action) -> str:
     """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
-    ``free``, ``grads``, ``control`` (``Release``), and on the host ``host`` or
-    ``collective``."""
+    ``free``, ``grads``, ``control`` (``Release``), ``collective`` (a device's
+    ``DeviceReduceScatter``), and on the host ``host`` or ``collective``."""
     return STREAM[type(action)]
 
 

@@ -59,6 +59,10 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
                                     to use on the device
     DownloadGrads(s)        [sD]    parameter gradients → host, then their        grads
                                     device buffers are freed
+    DeviceReduceScatter(s)  [sRS]   ``data_parallel="device"``: the stage's       collective
+                                    gradients on this device reduce-scattered
+                                    with the same device of every rank; ``sD``
+                                    then brings this rank's 1/N
     Release(s)              [sR]    free the stage's parameters                   control
     Refresh()               [RF]    the copies uploads read made current (casts,  host
                                     snapshot); the buffers saved for a failure
@@ -128,7 +132,9 @@ simulator both follow them, nothing else orders actions):
    lane for the ``Commit`` (stream order).
 8. Data parallel: ``AllReduce(layers)`` and ``ReduceScatter(layers)`` wait for the
    downloads ``OptimizerStep(layers)`` would (rule 7), the ``OptimizerStep`` of the same
-   layers for them, ``AllGather(layers)`` for that ``OptimizerStep``.
+   layers for them, ``AllGather(layers)`` for that ``OptimizerStep``. A device's
+   ``DeviceReduceScatter(s)`` waits for what its ``DownloadGrads(s)`` would (rule 7), and
+   that download for it.
 
 A two-part compute (``FusedBackward``: tail forward then backward;
 ``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only
@@ -144,8 +150,8 @@ from typing import Sequence
 from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exported
     HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
     BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
-    DownloadGrads, Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward,
-    HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
+    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
+    GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
     RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, StageKind, StageSpec, Upload,
     UploadGrad, parse_action, stream_of,
 )

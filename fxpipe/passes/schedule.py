@@ -20,7 +20,7 @@ from typing import Callable, Collection, Literal, Sequence
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
     HOST, LABEL, Accumulate, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers,
     CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dataflow, Dep,
-    DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
+    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
     OptimizerStep, Prefetch, Program, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
     Release, RunType, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, dataflow,
     parse_action, stream_of,
@@ -28,9 +28,11 @@ from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, 
 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
-DataParallelMode = Literal["allreduce", "shard"]
-"""Which collectives a data-parallel training call runs on the host lane: gradient
-all-reduce, or (``shard_optimizer``) reduce-scatter and all-gather."""
+DataParallelMode = Literal["allreduce", "shard", "device"]
+"""Which collectives a data-parallel training call runs: gradient all-reduce on the host
+lane; (``shard_optimizer``) reduce-scatter and all-gather there; or (``"device"``) each
+stage's reduce-scatter on the devices (``DeviceReduceScatter``), the all-gather of the
+stepped shards on the host lane."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     stages = tuple(StageSpec(st.index, st.kind, st.layers, tuple(r), tuple(m), tuple(o))
                    for st, r, m, o in zip(stages, values.reads, values.makes, owns))
     host = host_lane(stages, optimizer, data_parallel, broadcast_buffers)
-    emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, host)
+    emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, host,
+                    data_parallel)
     G, M, F, S = num_devices, num_microbatches, len(plan_fwd), len(stages)
     jobs: list[list[tuple[int, list[int]]]] = [[] for _ in range(G)]
     if dispatch == "stage":
@@ -247,14 +250,21 @@ def host_lane(stages: Sequence[StageSpec],
 
         >>> [str(a) for a in host_lane(st, True, "shard")]
         ['RF', 'RS1:3', 'S1:3', 'RS0:1', 'AG1:3', 'S0:1', 'AG0:1', 'C']
+
+    With ``data_parallel="device"`` the reduce-scatters are the devices' (each
+    ``DownloadGrads`` follows a ``DeviceReduceScatter``): the host steps and gathers::
+
+        >>> [str(a) for a in host_lane(st, True, "device")]
+        ['RF', 'S1:3', 'AG1:3', 'S0:1', 'AG0:1', 'C']
     """
     spec = optimizer_spec(optimizer)
-    if data_parallel not in (None, "allreduce", "shard"):
-        raise ValueError(f"data_parallel must be None, 'allreduce' or 'shard', got "
+    if data_parallel not in (None, "allreduce", "shard", "device"):
+        raise ValueError(f"data_parallel must be None, 'allreduce', 'shard' or 'device', got "
                          f"{data_parallel!r}")
-    if data_parallel == "shard" and (spec is None or not spec.streamed or spec.clip):
-        raise ValueError("data_parallel='shard' steps each rank's shard in the call: it needs "
-                         "optimizer=True (the streamed exact step, without clipping)")
+    sharded = data_parallel in ("shard", "device")
+    if sharded and (spec is None or not spec.streamed or spec.clip):
+        raise ValueError(f"data_parallel={data_parallel!r} steps each rank's shard in the call: "
+                         "it needs optimizer=True (the streamed exact step, without clipping)")
     streamed = spec is not None and spec.streamed
     host: list[Action] = [Refresh()]
     if broadcast_buffers:
@@ -268,8 +278,9 @@ def host_lane(stages: Sequence[StageSpec],
     if train:
         host.append(Commit())
     for j, layers in enumerate(backward):
-        if data_parallel == "shard":
-            host.append(ReduceScatter(layers))
+        if sharded:
+            if data_parallel == "shard":
+                host.append(ReduceScatter(layers))
             if j:
                 host.append(AllGather(backward[j - 1]))
         elif data_parallel == "allreduce":
@@ -278,7 +289,7 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(OptimizerStep(layers))
         elif data_parallel is None:
             host.append(Accumulate(layers))
-    if data_parallel == "shard" and backward:
+    if sharded and backward:
         host.append(AllGather(backward[-1]))
     if not train:
         host.append(Commit())
@@ -298,9 +309,11 @@ class _Emitter:
     """Turns per-device job lists ``[(stage, microbatches)]`` into a Program."""
 
     def __init__(self, G: int, M: int, stages: tuple[StageSpec, ...], values: Values,
-                 run_type: RunType, grain: str, host: tuple[Action, ...]):
+                 run_type: RunType, grain: str, host: tuple[Action, ...],
+                 data_parallel: DataParallelMode | None = None):
         self.G, self.M, self.stages, self.values = G, M, stages, values
         self.run_type, self.grain, self.host = run_type, grain, host
+        self.reduce_on_device = data_parallel == "device"
 
     def __call__(self, jobs: list[list[tuple[int, list[int]]]], partial: bool = False) -> Program:
         merged = []
@@ -360,6 +373,8 @@ class _Emitter:
                 elif j + 1 < len(merged):
                     acts += self._inputs((merged[j + 1][0], merged[j + 1][1][0]), flow)
             if kind != "fwd":
+                if self.reduce_on_device:
+                    acts.append(DeviceReduceScatter(s))
                 acts.append(DownloadGrads(s))
             acts.append(Release(s))
         return acts

@@ -1,9 +1,10 @@
 """Where a data-parallel Program's collectives run, as the simulator prices them.
 
 ``Hardware.collectives`` picks the mode; ``simulate`` lowers the Program before timing it.
-The device modes are MODELLED (issue 58): the runtime runs no device collective yet, so
-their actions exist here only, not in the Program the runtime prints. A device mode
-takes the Program of the sharded optimizer (``data_parallel="shard"``: per backward
+The runtime runs ``"device"`` itself (``data_parallel="device"``: its Program holds the
+``DeviceReduceScatter`` actions, which the simulator prices as they are); ``"zero3"`` is
+MODELLED only (its ``DeviceAllGather`` exists here, not in the runtime). A device mode
+lowers the Program of the sharded optimizer (``data_parallel="shard"``: per backward
 stage, deepest first, ``RS``, the shard's ``OptimizerStep``, ``AG``, on the host lane):
 
 - ``"host"`` (what the runtime does): as printed. The host's ``collective`` stream runs
@@ -54,22 +55,13 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from fxpipe.passes.program import (
-    AllGather, AllReduce, Dep, DownloadGrads, Prefetch, Program, ReduceScatter, stream_of,
+    AllGather, AllReduce, Dep, DeviceReduceScatter, DownloadGrads, Prefetch, Program,
+    ReduceScatter, stream_of,
 )
 
 Mode = Literal["host", "device", "zero3"]
 STREAM = "nccl"
 """The device stream the device collectives run on."""
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceReduceScatter:
-    """``"device"``/``"zero3"``: stage ``s``'s gradients on this device reduce-scattered
-    across ranks, before its ``DownloadGrads`` (``sRS``)."""
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}RS"
 
 
 @dataclass(frozen=True, slots=True)

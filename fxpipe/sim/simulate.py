@@ -33,8 +33,11 @@ Durations come from per-layer ``LayerCost``:
   ``param_dtype``); ``BroadcastBuffers``: their buffer bytes. Every collective of a node
   also holds the node's link (``Hardware.network_bytes_per_s``), one at a time. An
   ``OptimizerStep`` whose layers a ``ReduceScatter`` reduced steps the rank's 1/N
-  (``Hardware.ranks``). With ``Hardware.collectives="device"`` or ``"zero3"`` (MODELLED,
-  issue 58) the Program is lowered first (``fxpipe.sim.collectives``): reduce-scatters
+  (``Hardware.ranks``); so does every ``OptimizerStep`` of a ``data_parallel="device"``
+  Program, whose devices' ``DeviceReduceScatter`` actions are priced as collectives on
+  their ``nccl`` stream, its downloads at 1/N. With ``Hardware.collectives="device"`` or
+  ``"zero3"`` (MODELLED) a sharded Program is lowered first (``fxpipe.sim.collectives``,
+  ``"device"`` to what that Program prints): reduce-scatters
   (and with ``"zero3"`` all-gathers of the parameters) on each device's ``nccl`` stream,
   1/N of the gradients downloaded and widened (and with ``"zero3"`` of the parameters
   uploaded). ``Timeline.bytes_moved`` sums what one rank's transfers and collectives move.
@@ -300,8 +303,8 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
     snapshot; default none). ``stage_backend``: what the compute actions launch, for the
     host's issue time (module docstring; ``None`` is ``"eager"``). A data-parallel
     Program's collectives run where ``hardware.collectives`` says: as the Program prints
-    them on the host (``"host"``), or, MODELLED, on the devices (``"device"``, ``"zero3"``:
-    the Program built with ``data_parallel="shard"``; ``fxpipe.sim.collectives``)::
+    them (``"host"``), or lowered to the devices (``"device"``, ``"zero3"`` MODELLED: the
+    Program built with ``data_parallel="shard"``; ``fxpipe.sim.collectives``)::
 
         >>> from fxpipe.passes.schedule import build_program
         >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 2,
@@ -336,11 +339,13 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
 
 def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory,
               refresh_bytes=0, stage_backend=None) -> Timeline:
-    on_devices = sharded(program, hardware.collectives)   # device collectives (module doc)
-    zero3 = on_devices and hardware.collectives == "zero3"
+    lower = sharded(program, hardware.collectives)   # device collectives (module doc)
+    native = any(isinstance(a, DeviceReduceScatter) for acts in program.actions for a in acts)
+    on_devices = lower or native   # native: a data_parallel="device" Program
+    zero3 = lower and hardware.collectives == "zero3"
     # each rank steps (with device collectives also downloads and widens) 1/R of these
     shard_of = {(a.layers.start, a.layers.stop) for a in program.host
-                if isinstance(a, ReduceScatter)}
+                if isinstance(a, ReduceScatter) or (native and isinstance(a, OptimizerStep))}
     R = hardware.ranks
     program = host_program(program, hardware.collectives)
     sc = _StageCosts(program, costs, input_bytes)
@@ -348,7 +353,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
     nid = {(d, i): k for k, (d, i, _) in enumerate(nodes)}
     dep_ids = [[(nid[(x.device, x.step)], x) for x in deps[d][i]] for d, i, _ in nodes]
-    if on_devices:
+    if lower:
         nodes, dep_ids = with_device_collectives(nodes, dep_ids, hardware.collectives)
     N = len(nodes)
     waiting = [len(x) for x in dep_ids]

@@ -65,7 +65,12 @@ from fxpipe.runtime.devices.issue_lock import blocking
 # Each is its own FIFO: a stage-sized parameter copy never queues in front of a
 # microbatch's activations, and a Program's streams map one to one (no merged FIFOs,
 # which can wait on each other in a cycle across devices).
-STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control")
+STREAMS = ("compute", "h2d", "d2h", "prefetch", "grads", "free", "control", "collective")
+# the streams whose work reads what earlier device work made (a copy stream's work only
+# queues copies): a virtual device with a GPU's semantics runs their Python when the
+# stream gets there, not at issue. "collective": data parallel's reduce-scatters
+# (``DeviceReduceScatter``), which also wait for the other ranks
+WORKER_STREAMS = ("compute", "collective")
 KINDS = ("params", "activations", "saved", "gradients", "workspace", "cache")
 Record = tuple[str, str, float, float]  # (stream, label, t_start, t_end) from time.perf_counter()
 

@@ -27,7 +27,8 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError
 from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.devices.device import (
-    Device, WorkingSet, _check_kind, _check_submit, _describe, _work, host_allocations,
+    WORKER_STREAMS, Device, WorkingSet, _check_kind, _check_submit, _describe, _work,
+    host_allocations,
 )
 from fxpipe.runtime.devices.device_graph import EmulatedGraph
 from fxpipe.runtime.devices.emulator_alloc import _StorageCache
@@ -147,7 +148,7 @@ class VirtualDevice(Device):
         6
         """
         event = Event(label if label is not None else getattr(fn, "__name__", "work"))
-        if self.semantics == "cuda" and stream != "compute":
+        if self.semantics == "cuda" and stream not in WORKER_STREAMS:
             return self._issue_now(stream, fn, args, wait, event)
         return self._enqueue(stream, fn, args, wait, event)
 
@@ -404,7 +405,7 @@ class VirtualDevice(Device):
             over = self._reserved() + extra > self.memory_limit
         if not over:
             return
-        if _work.token is not self._token or _work.stream != "compute":
+        if _work.token is not self._token or _work.stream not in WORKER_STREAMS:
             for event in self._cache.pending():   # issued work: it completes
                 event.exception()
         self._cache.release()

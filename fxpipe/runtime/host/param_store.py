@@ -237,6 +237,17 @@ class ParamStore:
             at += _slot_align(nbytes)
         return out
 
+    def trainable(self, stage: int) -> list[tuple[str, torch.Tensor, torch.dtype]]:
+        """``(name, parameter, dtype on the device)`` of each parameter of ``stage`` that
+        gets a gradient there (a tied one once, under its first name in the stage)."""
+        out, seen = [], set()
+        for fqn, slot in self._names[stage].items():
+            if slot.is_buffer or not slot.tensor.requires_grad or id(slot) in seen:
+                continue
+            seen.add(id(slot))
+            out.append((fqn, slot.tensor, _upload_dtype(slot, self.param_dtype)))
+        return out
+
     def _unique(self, stage: int) -> list[_Slot]:
         return list({id(x): x for x in self._names[stage].values()}.values())
 

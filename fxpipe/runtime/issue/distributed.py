@@ -63,6 +63,7 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator, owned_params
 from fxpipe.runtime.host.masters import ShardedMasters
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
+from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 _open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)
@@ -77,12 +78,12 @@ def close_all() -> None:
         dp.close()
 
 
-class DataParallel(ShardedMasters):
+class DataParallel(ShardedMasters, OnDevices):
     """The collectives of one data-parallel pipe (module docstring). Made by
     ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
 
     def __init__(self, process_group: Any = None, *, timeout: float = 300.0,
-                 shard: bool = False, broadcast: bool = True):
+                 shard: bool = False, broadcast: bool = True, on_devices: bool = False):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized "
@@ -96,7 +97,9 @@ class DataParallel(ShardedMasters):
         self.rank = dist.get_rank(parent)
         self.world = len(ranks)
         self.timeout = float(timeout)
-        self.shard = shard            # shard_optimizer
+        # data_parallel="device": a sharded step's reduce-scatters run on the devices
+        self.on_devices = on_devices
+        self.shard = shard or on_devices   # shard_optimizer
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
         # and our store key for failures, without touching the user's group
@@ -110,13 +113,11 @@ class DataParallel(ShardedMasters):
         # under _lock: built by whichever thread first asks (the caller's plan_ops, the
         # collective worker's reduces)
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
-        # under _posting: begin (the call's host thread), _post (the collective worker) and
-        # drain (the failing thread) post in the Program's order; held while a collective
-        # is issued, not while it is waited for
-        self._posting = threading.Lock()
-        self._ops: list[tuple[str, int, torch.dtype]] = []   # this call's collectives
-        self._posted = 0                                      # how many were posted
+        # begin (the call's host thread), _post (the collective worker, a device's
+        # collective stream) and drain (the failing thread) post in the Program's order
+        self._host_lane = Channel(self.group, torch.device("cpu"), self.world)
         ShardedMasters.__init__(self)
+        OnDevices.__init__(self)
         # id(parameter) -> its name for the shard state and masters: the first name it had
         # in the first layer graph that named it (another capture may order tied names
         # differently)
@@ -124,20 +125,26 @@ class DataParallel(ShardedMasters):
         _open.add(self)   # closed at exit if the pipe is not (close_all)
 
     def collectives(self, run_type: str, sync: bool, mode: str | None,
-                    has_buffers: bool) -> tuple[str | None, bool]:
+                    has_buffers: bool, accumulated: bool = False) -> tuple[str | None, bool]:
         """``(data_parallel, broadcast_buffers)`` of a call's Program (what ``pipe.program()``
         prints and the call runs): a training call that synchronizes gradients all-reduces
         them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
-        (``mode="exact"``: the streamed step; None: no step), and first broadcasts the
-        buffers from rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``).
-        Anything else: ``(None, False)``."""
+        (``mode="exact"``: the streamed step; None: no step): on the devices with
+        ``data_parallel="device"`` (``"device"``) unless a parameter has ``accumulated``
+        a ``.grad`` (from calls that did not synchronize: the host reduces it with this
+        call's), else on the host (``"shard"``); and it first broadcasts the buffers from
+        rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``). Anything
+        else: ``(None, False)``."""
         if run_type == "infer" or not sync:
             return None, False
         if self.shard and mode not in (None, "exact"):
             raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
                                       f"step only, not optimizer={mode!r}")
-        return ("shard" if self.shard and mode == "exact" else "allreduce",
-                self.broadcast and has_buffers)
+        if self.shard and mode == "exact":
+            mode = "device" if self.on_devices and not accumulated else "shard"
+        else:
+            mode = "allreduce"
+        return mode, self.broadcast and has_buffers
 
     # -- compile time ----------------------------------------------------------------------
     def check_same(self, what: Mapping[str, Any]) -> None:
@@ -165,12 +172,22 @@ class DataParallel(ShardedMasters):
 
     def check_devices(self, devices: Sequence[Device]) -> None:
         """Raise ``ValueError`` on every rank if two ranks compute on one GPU (by its UUID:
-        ``CUDA_VISIBLE_DEVICES`` may number it differently in each)."""
+        ``CUDA_VISIBLE_DEVICES`` may number it differently in each), or, with
+        ``data_parallel="device"``, if the ranks have different numbers of devices; then
+        make that mode's groups (one per device index)."""
         mine = sorted(str(torch.cuda.get_device_properties(d.device).uuid)
                       for d in devices if isinstance(d, CudaDevice))
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.group)
-        clash = shared_gpu(gathered)
+        dist.all_gather_object(gathered, (len(devices), mine), group=self.group)
+        counts = [n for n, _ in gathered]
+        if self.on_devices and len(set(counts)) > 1:
+            raise ValueError(
+                f"fxpipe.compile(data_parallel='device'): the ranks have {counts} devices: "
+                "device d of every rank reduce-scatters with device d of the others, so every "
+                "rank needs the same number of devices")
+        if self.on_devices and not self._devices:   # every rank, in the same order
+            self._devices = [self._device_channel(dev) for dev in devices]
+        clash = shared_gpu([gpus for _, gpus in gathered])
         if clash is not None:
             a, b, gpu = clash
             raise ValueError(
@@ -250,28 +267,38 @@ class DataParallel(ShardedMasters):
         # collective pending on gloo's threads aborts the process
 
     # -- posting collectives: every rank posts the same ops in the same order -------------
-    def begin(self, ops: Sequence[tuple[str, int, torch.dtype]]) -> None:
-        """A call starts: ``ops`` (kind, numel, dtype) are the collectives it will post,
-        in order (:meth:`plan_ops`), what :meth:`drain` completes when it fails."""
-        with self._posting:
-            self._ops, self._posted = list(ops), 0
+    def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {}) -> None:
+        """A call starts: ``ops`` are the collectives it will post on the host lane, in
+        order (:meth:`plan_ops`), ``device_ops`` each device's (:meth:`plan_device_ops`):
+        what :meth:`drain` completes when it fails."""
+        self._host_lane.begin(ops)
+        for d, channel in enumerate(self._devices):
+            channel.begin(device_ops.get(d, ()))
 
     def _post(self, kind: str, tensor: torch.Tensor, what: str,
               out: torch.Tensor | None = None) -> None:
-        """Post the call's next collective and wait for it; then raise ``DistributedError``
-        if another rank reported a failure in the store (a failed rank says so first, then
-        completes the collectives it owes with zeros: :meth:`drain`)."""
-        with self._posting:
-            if self._posted < len(self._ops) and self._ops[self._posted][0] != kind:
-                raise RuntimeError(f"rank {self.rank}: collective {self._posted} of the call "
-                                   f"is {kind}, the Program said {self._ops[self._posted][0]}")
-            work = _issue(kind, tensor, out, self.group)
-            self._posted += 1
-        cause: Exception | None = None
+        """Post the call's next collective on the host lane and wait for it (:meth:`_wait`)."""
+        self._wait([self._start(kind, tensor, out, self._host_lane)], what)
+
+    def _start(self, kind: str, tensor: torch.Tensor, out: torch.Tensor | None,
+               channel: Channel) -> Any:
+        """Post the call's next collective on ``channel``; returns its work."""
         try:
-            work.wait()
-        except Exception as e:  # noqa: BLE001
-            cause = e
+            return channel.post(kind, tensor, out)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}: {e}") from None
+
+    def _wait(self, works: Sequence[Any], what: str) -> None:
+        """Wait for ``works`` (on a GPU's NCCL group: the current stream waits); then raise
+        ``DistributedError`` if another rank reported a failure in the store (a failed
+        rank says so first, then completes the collectives it owes with zeros:
+        :meth:`drain`)."""
+        cause: Exception | None = None
+        for work in works:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001
+                cause = cause or e
         rank, why = self._origin() if cause is not None else self._origin(patience=0)
         if rank is not None:
             raise DistributedError(
@@ -286,24 +313,16 @@ class DataParallel(ShardedMasters):
     def drain(self) -> None:
         """The call failed on this rank (its own failure or another's): complete every
         collective it still owes the other ranks, with zeros, so that no rank waits for
-        it (gloo cannot cancel a posted collective). Bounded by the timeout."""
-        while True:
-            with self._posting:
-                if self._posted >= len(self._ops):
-                    return
-                kind, numel, dtype = self._ops[self._posted]
-                out = torch.zeros(numel * self.world if kind == "all_gather" else
-                                  numel // self.world, dtype=dtype) \
-                    if kind in ("all_gather", "reduce_scatter") else None
-                self._posted += 1
-                try:
-                    work = _issue(kind, torch.zeros(numel, dtype=dtype), out, self.group)
-                except Exception:  # noqa: BLE001
-                    return
-            try:
-                work.wait()
-            except Exception:  # noqa: BLE001
-                return
+        it (gloo cannot cancel a posted collective). Bounded by the timeout. The channels
+        drain at once, each on its own thread: another rank's collective on one may wait
+        (through its Program) for this rank's on another."""
+        threads = [threading.Thread(target=c.drain, name=f"fxpipe-drain-{d}", daemon=True)
+                   for d, c in enumerate(self._devices)]
+        for t in threads:
+            t.start()
+        self._host_lane.drain()
+        for t in threads:
+            t.join()
 
     def plan_ops(self, actions: Sequence[Any], exe: Any, lg: Any, store: ParamStore
                  ) -> list[tuple[str, int, torch.dtype]]:
@@ -463,7 +482,7 @@ class DataParallel(ShardedMasters):
         if post:
             self._post("all_gather", mine, what, full)
         else:   # outside a call: no failure protocol to follow
-            _issue("all_gather", mine, full, self.group).wait()
+            issue("all_gather", mine, full, self.group).wait()
         return full
 
     def full_masters(self) -> dict[str, torch.Tensor]:
@@ -492,26 +511,34 @@ class DataParallel(ShardedMasters):
             self._worker.close()
             self._worker = None
         group, self.group = self.group, None
+        channels, self._devices = self._devices, []
         _open.discard(self)
         if group is not None and self.dead is None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 — the default group already went down with it
-                pass
+            for g in [c.group for c in channels] + [group]:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001 — the default group already went down with it
+                    pass
 
 
-def _issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
-    """Post one collective on ``group``: ``broadcast`` (from rank 0) and ``all_reduce``
-    (sum) in place, ``reduce_scatter`` (sum) and ``all_gather`` into ``out``."""
-    if kind == "broadcast":
-        return dist.broadcast(tensor, group=group, group_src=0, async_op=True)
-    if kind == "all_reduce":
-        return dist.all_reduce(tensor, group=group, async_op=True)
-    if kind == "reduce_scatter":
-        return dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
-    if kind == "all_gather":
-        return dist.all_gather_single(out, tensor, group=group, async_op=True)
-    raise ValueError(f"not a collective: {kind!r}")
+def check_data_parallel(data_parallel: Any) -> bool:
+    """``compile``'s ``data_parallel``: whether its sharded steps reduce on the devices
+    (``"device"``); ``True`` is ``"host"``. Raises for anything else, and for
+    ``"zero3"`` (not built).
+
+    >>> check_data_parallel(True), check_data_parallel("device")
+    (False, True)
+    """
+    if data_parallel == "zero3":
+        raise NotImplementedError(
+            "data_parallel='zero3' (each rank holding and uploading 1/N of the parameters, "
+            "gathered on the devices) is not implemented: data_parallel='device' reduces "
+            "the gradients on the devices and shards the optimizer and the fp32 masters")
+    if data_parallel not in (False, True, "host", "device") or \
+            not isinstance(data_parallel, (bool, str)):
+        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host' or 'device', "
+                        f"got {data_parallel!r}")
+    return data_parallel == "device"
 
 
 def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:

@@ -50,8 +50,8 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
-    ClipGradNorm, Collective, Commit, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
-    GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
+    ClipGradNorm, Collective, Commit, DeviceReduceScatter, DownloadGrads, Forward, Free,
+    FusedBackward, GraphForward, GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
     ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad, stream_of,
 )
 from fxpipe.runtime.issue.compute import StageCompute
@@ -59,6 +59,7 @@ from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.devices.emulator import emulated_wait
 from fxpipe.runtime.devices.events import Event
 from fxpipe.runtime.host.grad_accum import GradAccumulator
+from fxpipe.runtime.issue.device_collectives import Pieces, shards_from_pieces
 from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import (
     _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
@@ -93,6 +94,12 @@ class Execution:
         # the collective worker, OptimizerStep and AllGather read them on the host thread)
         self.shards: dict[tuple[int, int], list] = {}
         self.shards_lock = threading.Lock()
+        # data_parallel="device": the stages' gradients are reduce-scattered on the devices;
+        # their downloaded pieces, id(parameter) -> this rank's piece summed (the host
+        # lane's thread only)
+        self.reduce_on_devices = any(isinstance(a, DeviceReduceScatter)
+                                     for acts in self.program.actions for a in acts)
+        self.pieces: dict[int, torch.Tensor] = {}
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
         self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
@@ -113,7 +120,9 @@ class Execution:
         if self.call.dp is not None:
             self.call.dp.begin(self.call.dp.plan_ops(
                 [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
-                self.call.exe, self.call.layers, self.call.store))
+                self.call.exe, self.call.layers, self.call.store),
+                self.call.dp.plan_device_ops(p, keep, self.call.store)
+                if self.reduce_on_devices else {})
         slots: dict[tuple[int, int], _Issued] = {}
         lanes: list[tuple[int, list[int]]] = []
         # the Commit and what follows it in the host lane run once the call has ended
@@ -315,6 +324,8 @@ class Execution:
                 self._offload(lane, s, m)
             case Free(stage=s, mb=m):
                 self._free(lane, s, m)
+            case DeviceReduceScatter(stage=s):
+                self._reduce_scatter_on_device(lane, s)
             case DownloadGrads(stage=s):
                 self._download_grads(lane, s)
             case Release(stage=s):
@@ -332,6 +343,9 @@ class Execution:
             case OptimizerStep(layers=layers):
                 self._take_downloads(self.program.step_stages(a))  # their events have ended
                 with self.shards_lock:
+                    if self.reduce_on_devices:   # the shards the devices reduced
+                        self.shards[(layers.start, layers.stop)] = shards_from_pieces(
+                            self._buckets(layers), self.pieces)
                     shards = self.shards.get((layers.start, layers.stop))
                 self.call.optimizer.step(layers, self.call.accumulator, shards)
             case BroadcastBuffers():
@@ -462,12 +476,38 @@ class Execution:
         for t in pytree.tree_leaves(dropped):
             _free_quietly(self.call.devices[d], t)
 
+    def _reduce_scatter_on_device(self, d: int, s: int) -> None:
+        """``DeviceReduceScatter``: the stage's gradients on device ``d`` reduce-scattered
+        across ranks (``DataParallel.device_reduce_scatter``); this rank's shards stay on
+        the device for the ``DownloadGrads``, the gradients are dropped."""
+        call, on = self.call, self.on[d]
+        with on.lock:
+            params = on.params[s]
+        shards = call.dp.device_reduce_scatter(d, call.devices[d], call.store, s, params)
+        for t in params.values():
+            t.grad = None
+        with on.lock:
+            on.reduced[s] = shards
+
     def _download_grads(self, d: int, s: int) -> None:
-        """The stage's accumulated parameter gradients to the host, then their device
-        buffers dropped. The copies land when the stream gets to them: host actions read
-        them (``_take_downloads``) once this action's event has ended."""
+        """The stage's accumulated parameter gradients to the host (after a
+        ``DeviceReduceScatter``: this rank's shards of them), then their device buffers
+        dropped. The copies land when the stream gets to them: host actions read them
+        (``_take_downloads``) once this action's event has ended."""
+        dev = self.call.devices[d]
         with self.on[d].lock:
             params = self.on[d].params[s]
+            reduced = self.on[d].reduced.pop(s, None)
+        if reduced is not None:
+            pieces = Pieces([])
+            for bucket, shard in reduced:
+                pieces.shards.append((bucket, dev.to_host(shard)))
+                self.stats.add("d2h_bytes_grads", _nbytes(shard))
+                dev.record_stream(shard)   # read by this stream's copy: then its memory goes
+                _free_quietly(dev, shard)
+            with self.downloads_lock:
+                self.downloads.setdefault(s, []).append(pieces)
+            return
         grads = {f: t.grad for f, t in params.items() if t.requires_grad}
         host = self.call.store.download_grads(s, self.call.devices[d], grads,
                                               self.call.accumulator)
@@ -483,7 +523,10 @@ class Execution:
         with self.downloads_lock:
             taken = [(s, host) for s in stages for host in self.downloads.pop(s, [])]
         for s, host in taken:
-            self.call.accumulator.add(s, host, own=True)
+            if isinstance(host, Pieces):   # after a device reduce-scatter
+                host.add_to(self.pieces)
+            else:
+                self.call.accumulator.add(s, host, own=True)
 
     # -- end of call -----------------------------------------------------------------------
     def _check_empty(self) -> None:
@@ -493,7 +536,7 @@ class Execution:
                                f"gradients of stages {sorted(self.downloads)} (no Accumulate, "
                                "OptimizerStep or collective)")
         for d, on in enumerate(self.on):
-            left = [k for table in (on.uploaded, on.made, on.parts, on.host_grads)
+            left = [k for table in (on.uploaded, on.made, on.parts, on.host_grads, on.reduced)
                     for k in table] + list(on.params) + list(on.checkpoints)
             if left:
                 self._cleanup()

@@ -196,7 +196,9 @@ class Runner:
                     "sharding): compile with shard_optimizer=False")
             data_parallel, broadcast = dp.collectives(
                 run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
-                else None, bool(self.lg.buffers))
+                else None, bool(self.lg.buffers),
+                accumulated=dp.on_devices and any(p.grad is not None
+                                                  for p in self.lg.params.values()))
         return CallSpec(run_type, num_microbatch, cfg.recompute_grain, optimizer, outputs,
                         tuple(n for n in self.lg.input_names if n in set(input_grads)),
                         data_parallel, broadcast, chunks=cfg.sequence_chunks is not None)

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxpipe.passes.program import (
-    Checkpoint, DownloadGrads, Forward, FusedBackward, GraphForward, GraphRecomputeBackward,
-    Offload, Prefetch, RecomputeBackward, Upload, UploadGrad, parse_action,
+    Checkpoint, DeviceReduceScatter, DownloadGrads, Forward, FusedBackward, GraphForward,
+    GraphRecomputeBackward, Offload, Prefetch, RecomputeBackward, Upload, UploadGrad,
+    parse_action,
 )
 from fxpipe.runtime.devices.device import Device
 from fxpipe.sim.timeline import Interval, Timeline
@@ -84,7 +85,7 @@ _KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward",
          FusedBackward: "backward",
          RecomputeBackward: "backward", GraphRecomputeBackward: "backward",
          Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
-         DownloadGrads: "transfer"}
+         DownloadGrads: "transfer", DeviceReduceScatter: "transfer"}
 
 
 def timeline_of(records: Sequence[Sequence[tuple[str, str, float, float]]],

@@ -147,6 +147,8 @@ class _OnDevice:
         self.host_grads: dict[tuple[int, int, str], list[torch.Tensor]] = {}  # UploadGrad copies
         self.consumed: dict[tuple[int, int], list[torch.Tensor]] = {}  # grads a compute took
         self.checkpoints: dict[tuple[int, int], _Checkpoint] = {}
+        # stage -> [(bucket, this rank's shard)] a DeviceReduceScatter left for its download
+        self.reduced: dict[int, list[tuple[Any, torch.Tensor]]] = {}
 
     def tensors(self) -> Iterator[Any]:
         """Everything still held (for cleanup after a failure)."""
@@ -158,6 +160,8 @@ class _OnDevice:
             yield from taken
         for ck in self.checkpoints.values():
             yield from pytree.tree_leaves((ck.saved, ck.grads))
+        for reduced in self.reduced.values():
+            yield from (shard for _, shard in reduced)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""The kit's ``data_parallel`` section: ``data_parallel="device"`` in a one-rank job.
+
+What one GPU can show: the device reduce-scatters on the runtime's streams, through the
+NCCL groups ``compile`` makes (a dry run: gloo on the virtual devices' tensors), and
+the steps equal to the same pipe without data parallel (one rank's reduce-scatter is a
+copy). Several ranks need a GPU each (NCCL refuses two ranks on one GPU): the CPU suite
+runs 2 and 4 (tests/test_dp_devices.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpipe
+from fxpipe.check.common import devices, loss_fn, model_and_batch
+from fxpipe.check.harness import Kit
+
+RTOL = 1e-5   # the same kernels in the same order: only the copy differs
+
+
+def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
+    """Two AdamW steps of the kit's model with ``data_parallel="device"`` on one rank
+    against the same plan without data parallel: losses and parameters; the printed
+    device reduce-scatters and the gradient bytes each downloaded."""
+    n = 2 if kit.dry_run else min(2, torch.cuda.device_count())
+    out: dict[str, Any] = {"devices": n, "steps": steps, "rank_backend": "gloo",
+                           "device_backend": "gloo" if kit.dry_run else "nccl"}
+    with tempfile.TemporaryDirectory() as d:
+        started = not dist.is_initialized()
+        if started:
+            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
+                                    world_size=1)
+        try:
+            runs = {name: _run(kit, n, steps, dp) for name, dp in
+                    (("plain", False), ("device", "device"))}
+        finally:
+            if started:
+                dist.destroy_process_group()
+    plain, device = runs["plain"], runs["device"]
+    out.update({
+        "losses": {k: r["losses"] for k, r in runs.items()},
+        "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12)
+                                 for a, b in zip(device["losses"], plain["losses"])),
+        "max_param_diff": max((a - b).abs().max().item()
+                              for a, b in zip(device["params"], plain["params"])),
+        "device_reduce_scatters": device["reduce_scatters"],
+        "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()}})
+    scale = max(p.abs().max().item() for p in plain["params"])
+    out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
+                 and out["device_reduce_scatters"] > 0)
+    return out
+
+
+def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
+    model, ids, target = model_and_batch(kit.shape)
+    pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(n, kit.dry_run),
+                          **({"data_parallel": dp} if dp else {}))
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(steps):
+            losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
+                                                      optimizer=opt)))
+            opt.zero_grad(set_to_none=True)
+        program = pipe.program(optimizer=True)
+        return {"losses": losses, "d2h_bytes_grads": pipe.stats()["d2h_bytes_grads"],
+                "params": [p.detach().float().cpu() for p in model.parameters()],
+                "reduce_scatters": sum(str(a).endswith("RS") for acts in program.actions
+                                       for a in acts)}
+    finally:
+        pipe.close()
+
+
+def data_parallel_summary(r: dict[str, Any]) -> str:
+    return (f"one rank, {r['devices']} device(s), {r['device_backend']}: "
+            f"{r['device_reduce_scatters']} device reduce-scatters a step; losses within "
+            f"{r['max_loss_rel_diff']:.1e}, parameters within {r['max_param_diff']:.1e} of "
+            "the pipe without data parallel")

@@ -1,0 +1,275 @@
+"""Posting collectives in a call's order, and data parallel's reduce-scatter on the devices.
+
+A :class:`Channel` is one process group's collectives of a call: fxpipe's host group
+(the host lane's ``BC``, ``AR``, ``RS``, ``AG``), and with ``data_parallel="device"``
+one group per device index (device ``d`` of every rank). Every rank posts a channel's
+collectives in the same order, the Program's (``begin`` lists them); a rank whose call
+fails completes what it still owes each channel with zeros (``drain``: neither gloo
+nor NCCL can cancel a posted collective).
+
+``data_parallel="device"``: a backward stage's gradients are reduce-scattered where
+they are, on the device's ``collective`` stream (``DeviceReduceScatter``), before its
+``DownloadGrads``. Each parameter is cut as the sharded optimizer cuts it (rank ``r``
+owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``, ``runtime.host.buckets``), so no
+packing is needed: a parameter's gradient, divided by N and zero-padded to ``N*c``
+where ``c`` does not divide it, is reduce-scattered into its place in the stage's shard
+(:func:`reduce_scatter_grads`), one collective per parameter. The download then moves
+that shard, 1/N of the gradients; the host adds each parameter's piece to the call's
+sums (:meth:`Pieces.add_to`), and the stage's ``OptimizerStep`` steps them as the sharded
+optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`).
+
+>>> import torch.nn as nn
+>>> from fxpipe.runtime.host.params import HostParams
+>>> from fxpipe.runtime.host.param_store import ParamStore
+>>> lin = nn.Linear(3, 2)
+>>> store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
+>>> [(b.names, b.chunks, b.shard_len) for b, _ in device_buckets(store, 0, 2, 1, {})]
+[(['bias', 'weight'], [1, 3], 4)]
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.passes.actions import DeviceReduceScatter
+from fxpipe.runtime.devices.cuda import CudaDevice
+from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.host.buckets import Bucket, Shard, _chunk
+from fxpipe.runtime.host.param_store import ParamStore
+from fxpipe.runtime.host.params import grad_dtype
+
+Op = tuple[str, int, torch.dtype]   # (kind, numel of this rank's input, dtype)
+
+
+class Channel:
+    """One process group's collectives of a call, posted in the Program's order (module
+    docstring). ``device``: where :meth:`drain`'s zeros live (the host, or a GPU for an
+    NCCL group)."""
+
+    def __init__(self, group: Any, device: torch.device, world: int):
+        self.group, self.device, self.world = group, device, world
+        self.lock = threading.Lock()   # held while a collective is posted, not waited for
+        self.ops: list[Op] = []        # this call's collectives
+        self.posted = 0                # how many were posted
+
+    def begin(self, ops: Sequence[Op]) -> None:
+        """A call starts: ``ops`` are the collectives it will post here, in order."""
+        with self.lock:
+            self.ops, self.posted = list(ops), 0
+
+    def post(self, kind: str, tensor: torch.Tensor, out: torch.Tensor | None) -> Any:
+        """Post the call's next collective (checked against the Program's list); returns
+        its work."""
+        with self.lock:
+            if self.posted < len(self.ops) and self.ops[self.posted][0] != kind:
+                raise RuntimeError(f"collective {self.posted} of the call is {kind}, the "
+                                   f"Program said {self.ops[self.posted][0]}")
+            work = issue(kind, tensor, out, self.group)
+            self.posted += 1
+            return work
+
+    def drain(self) -> None:
+        """Complete every collective of the call not posted yet, with zeros (bounded by
+        the group's timeout)."""
+        while True:
+            with self.lock:
+                if self.posted >= len(self.ops):
+                    return
+                kind, numel, dtype = self.ops[self.posted]
+                zeros = lambda n: torch.zeros(n, dtype=dtype, device=self.device)  # noqa: E731
+                out = zeros(numel * self.world if kind == "all_gather" else
+                            numel // self.world) \
+                    if kind in ("all_gather", "reduce_scatter") else None
+                self.posted += 1
+                try:
+                    work = issue(kind, zeros(numel), out, self.group)
+                except Exception:  # noqa: BLE001
+                    return
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001
+                return
+
+
+def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any) -> Any:
+    """Post one collective on ``group``: ``broadcast`` (from rank 0) and ``all_reduce``
+    (sum) in place, ``reduce_scatter`` (sum) and ``all_gather`` into ``out``."""
+    if kind == "broadcast":
+        return dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, group=group, async_op=True)
+    if kind == "reduce_scatter":
+        return dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
+    if kind == "all_gather":
+        return dist.all_gather_single(out, tensor, group=group, async_op=True)
+    raise ValueError(f"not a collective: {kind!r}")
+
+
+# ------------------------------------------------------------------- on the devices
+
+class OnDevices:
+    """``data_parallel="device"``'s part of ``DataParallel``: a process group per device
+    index, the stages' device buckets, and the ``DeviceReduceScatter`` itself. Needs
+    ``rank``, ``world``, ``timeout``, ``group``, ``_lock``, ``_names``, ``_start`` and
+    ``_wait`` from the class that has it as a base."""
+
+    rank: int
+    world: int
+    timeout: float
+    group: Any
+    _lock: threading.Lock
+    _names: dict[int, str]
+    _start: Callable[..., Any]
+    _wait: Callable[..., None]
+
+    def __init__(self) -> None:
+        self._devices: list[Channel] = []   # one per device index, made at compile
+        self._device_buckets: dict[tuple[int, int], tuple[ParamStore, list]] = {}
+
+    def _device_channel(self, device: Device) -> Channel:
+        """A group over the ranks for ``device``'s index, one device of every rank
+        (NCCL for a GPU, gloo for a virtual device's tensors, which are host memory)."""
+        cuda = isinstance(device, CudaDevice)
+        group = dist.new_group(dist.get_process_group_ranks(self.group),
+                               backend="nccl" if cuda else "gloo",
+                               timeout=datetime.timedelta(seconds=self.timeout))
+        return Channel(group, device.device if cuda else torch.device("cpu"), self.world)
+
+    def plan_device_ops(self, program: Any, keep: Mapping[int, Sequence[bool]],
+                        store: ParamStore) -> dict[int, list[Op]]:
+        """Per device, the collectives its kept ``DeviceReduceScatter`` actions post, in
+        order."""
+        return {d: [op for i, a in enumerate(acts) if keep[d][i]
+                    and isinstance(a, DeviceReduceScatter)
+                    for op in device_ops(self.device_buckets(store, a.stage))]
+                for d, acts in enumerate(program.actions)}
+
+    def device_buckets(self, store: ParamStore, stage: int) -> list:
+        """Stage ``stage``'s device buckets (``device_collectives.device_buckets``), made
+        once per store."""
+        key = (id(store), stage)
+        with self._lock:
+            if key not in self._device_buckets:
+                self._device_buckets[key] = (store, device_buckets(
+                    store, stage, self.world, self.rank, self._names))
+            return self._device_buckets[key][1]
+
+    def device_reduce_scatter(self, d: int, device: Device, store: ParamStore, stage: int,
+                              params: Mapping[str, torch.Tensor]) -> list[tuple[Any, Any]]:
+        """``DeviceReduceScatter``, on device ``d``'s collective stream: the stage's
+        gradients there (``params``' ``.grad``) averaged over the ranks, this rank's
+        shard of each bucket kept on the device; ``[(bucket, shard)]``."""
+        if not self._devices:
+            raise RuntimeError(f"rank {self.rank}: a Program with device reduce-scatters "
+                               "ran on a pipe compiled without data_parallel='device'")
+        channel = self._devices[d]
+        grads = {f: t.grad for f, t in params.items() if t.requires_grad}
+        works: list[Any] = []
+
+        def post(kind: str, tensor: torch.Tensor, out: torch.Tensor) -> None:
+            device.record_stream(tensor)   # read by the collective after its last reference
+            works.append(self._start(kind, tensor, out, channel))
+
+        buckets = self.device_buckets(store, stage)   # none: nothing trainable here
+        with device.allocating("gradients"):
+            out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]]))
+                   for b, fqns in buckets]
+        self._wait(works, f"reduce-scatter of stage {stage}'s gradients on {device.name}")
+        return out
+
+
+def device_buckets(store: ParamStore, stage: int, world: int, rank: int,
+                   names: Mapping[int, str]) -> list[tuple[Bucket, list[str]]]:
+    """Stage ``stage``'s trainable parameters as it uploads them, one bucket per upload
+    dtype, cut in ``world`` parts; with each parameter's name in the stage (what its
+    device gradient is keyed by). ``names``: ``id(parameter) -> its name`` for the
+    shard state (default: its name in the stage). The same on every rank."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for fqn, tensor, dtype in sorted(store.trainable(stage), key=lambda x: x[0]):
+        by_dtype.setdefault(dtype, []).append((fqn, tensor))
+    out = []
+    for dtype, named in by_dtype.items():
+        sizes = [t.numel() for _, t in named]
+        chunks = [_chunk(n, world) for n in sizes]
+        offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+        params = [t for _, t in named]
+        out.append((Bucket(None, dtype, params, [names.get(id(t), f) for f, t in named],
+                           sizes, chunks, offsets, world, rank, [None] * len(params)),
+                    [f for f, _ in named]))
+    return out
+
+
+def device_ops(buckets: Sequence[tuple[Bucket, list[str]]]) -> list[Op]:
+    """The collectives :func:`reduce_scatter_grads` posts for ``buckets``."""
+    return [("reduce_scatter", b.parts * c, b.dtype) for b, _ in buckets for c in b.chunks]
+
+
+def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None],
+                         bucket: Bucket, fqns: Sequence[str],
+                         grads: Mapping[str, torch.Tensor | None], like: torch.Tensor
+                         ) -> torch.Tensor:
+    """This rank's shard of ``bucket``'s average over the ranks, on the device: each
+    parameter's gradient (``grads[fqn]``, None: zeros) divided by the number of ranks
+    (DDP's order: divide, then sum) and reduce-scattered by ``post`` into its place.
+    ``like``: a tensor on the device (where new memory goes). Call it on the device's
+    ``collective`` stream."""
+    shard = torch.empty(bucket.shard_len, dtype=bucket.dtype, device=like.device)
+    for i, fqn in enumerate(fqns):
+        n, c = bucket.sizes[i], bucket.chunks[i]
+        g = grads.get(fqn)
+        if g is None:
+            flat = torch.zeros(bucket.parts * c, dtype=bucket.dtype, device=like.device)
+        else:
+            g = g.detach().reshape(-1)
+            g.div_(bucket.parts)
+            flat = g
+            if n != bucket.parts * c:
+                flat = torch.zeros(bucket.parts * c, dtype=bucket.dtype, device=like.device)
+                flat[:n].copy_(g)
+        o = bucket.offsets[i]
+        post("reduce_scatter", flat, shard[o:o + c])
+    return shard
+
+
+@dataclass
+class Pieces:
+    """What a ``DownloadGrads`` after a ``DeviceReduceScatter`` brought: this rank's shard
+    of each of the stage's device buckets, on the host (there once the download's event
+    ended)."""
+
+    shards: list[tuple[Bucket, torch.Tensor]]
+
+    def add_to(self, sums: dict[int, torch.Tensor]) -> None:
+        """Add this rank's piece of each parameter to ``sums`` (``id(parameter) ->`` its
+        piece, in its gradient dtype: a bf16 piece is widened)."""
+        for bucket, shard in self.shards:
+            for i, lo, hi, at in bucket.pieces():
+                p = bucket.params[i]
+                piece = shard[at:at + hi - lo]
+                if id(p) in sums:
+                    sums[id(p)].add_(piece)
+                else:
+                    sums[id(p)] = piece.to(grad_dtype(p), copy=True)
+
+
+def shards_from_pieces(buckets: Sequence[Bucket], sums: dict[int, torch.Tensor]
+                       ) -> list[Shard]:
+    """The sharded step's shards of the host ``buckets`` (one stage's, cut in N), from
+    the pieces the stage's downloads added to ``sums`` (taken out of it); a parameter with
+    none counts as zero."""
+    out = []
+    for b in buckets:
+        grad = torch.zeros(b.shard_len, dtype=b.dtype)
+        for i, lo, hi, at in b.pieces():
+            piece = sums.pop(id(b.params[i]), None)
+            if piece is not None:
+                grad[at:at + hi - lo].copy_(piece)
+        out.append(Shard(b, grad))
+    return out

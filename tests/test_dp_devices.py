@@ -1,0 +1,349 @@
+"""Data parallel with the gradients reduced on the devices (``data_parallel="device"``,
+issue 58): 2 and 4 ranks on localhost (gloo on the virtual devices' tensors, spawned with
+``torch.multiprocessing``) against one process training the concatenated batch with
+eager PyTorch. The Program, its order and its bytes are the ones a GPU run has (NCCL
+there).
+
+Each group of ranks runs its checks in one spawn (``_rank_main``), the failure check last
+(it leaves fxpipe's process groups dead).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import fxpipe
+from fxpipe.optim import overlapped
+from fxpipe.runtime.devices.emulator import VirtualDevice
+from tests.test_distributed import (
+    ROWS, TIMEOUT, Tied, assert_close, assert_grads, assert_params, ce, data, make_model,
+    mean_across, mine,
+)
+
+
+def compile_dev(model, rank: int, devices=("cpu", "cpu"), **kw) -> fxpipe.PipelineModule:
+    x, _ = data(1, 0)
+    return fxpipe.compile(model, (x,), devices=list(devices), data_parallel="device",
+                          collective_timeout=TIMEOUT, **kw)
+
+
+def same_on_every_rank(model, what: str) -> None:
+    """Every rank holds bitwise the same parameters."""
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), f"{what}: the ranks differ"
+
+
+def steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str, n: int = 3,
+          batch=data) -> None:
+    """``n`` AdamW steps, each equal to eager on the whole batch (fp32: 1e-6), the ranks
+    identical after each."""
+    for step in range(n):
+        X, Y = batch(world, step)
+        loss_ref = ce(ref(X), Y)
+        loss_ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                     optimizer=opt)
+        opt.zero_grad()
+        assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
+        assert_params(model, ref, f"{what}, after step {step}")
+        same_on_every_rank(model, f"{what}, after step {step}")
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def check_steps(rank: int, world: int) -> None:
+    """3 AdamW steps equal eager; the Program reduce-scatters on each device's collective
+    stream (no host RS); each rank downloads 1/N of the gradients (the host-sharded pipe
+    downloads them all) and keeps 1/N of the optimizer state."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dev(model, rank)
+    program = pipe.program(optimizer=True)
+    assert not any(str(a).startswith("RS") for a in program.host), program.host
+    reduced = [str(a) for acts in program.actions for a in acts if str(a).endswith("RS")]
+    backward = [st.index for st in program.stages if st.kind != "fwd"]
+    assert sorted(reduced) == sorted(f"{s}RS" for s in backward), reduced
+    steps(pipe, model, opt, ref, ref_opt, rank, world, "device")
+    device_bytes = pipe.stats()["d2h_bytes_grads"]
+    state = opt._fxpipe_overlapped.shard_state
+    assert not opt.state and state   # the sharded optimizer's layout
+    pipe.close()
+    # the same model and plan, reduced on the host: every gradient crosses the link
+    host_model = make_model()
+    host = fxpipe.compile(host_model, (data(1, 0)[0],), devices=["cpu", "cpu"],
+                          data_parallel=True, shard_optimizer=True, plan=pipe.plan,
+                          collective_timeout=TIMEOUT)
+    X, Y = data(world, 0)
+    host.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                          optimizer=torch.optim.AdamW(host_model.parameters(), lr=0.01))
+    host_bytes = host.stats()["d2h_bytes_grads"]
+    host.close()
+    sizes = [p.numel() for p in model.parameters()]
+    assert host_bytes == 4 * sum(sizes), host_bytes
+    assert device_bytes == 4 * sum(math.ceil(n / world) for n in sizes), \
+        (device_bytes, host_bytes)   # 1/N of each parameter, zero-padded to N equal parts
+
+
+def check_tied(rank: int, world: int) -> None:
+    """A weight two stages use: each reduce-scatters its part on its device, the host adds
+    the pieces and steps them once."""
+    g = torch.Generator().manual_seed(7)
+
+    def batch(world: int, step: int):
+        return (torch.randint(0, 11, (ROWS * world,), generator=g),
+                torch.randint(0, 11, (ROWS * world,), generator=g))
+
+    ref, model = Tied(), Tied()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids, _ = batch(world, 0)
+    pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
+                          data_parallel="device", collective_timeout=TIMEOUT)
+    g.manual_seed(7)
+    steps(pipe, model, opt, ref, ref_opt, rank, world, "tied", n=2, batch=batch)
+    pipe.close()
+
+
+def check_accumulated_falls_back(rank: int, world: int) -> None:
+    """A call after one that did not synchronize has ``.grad`` to add: its Program
+    reduce-scatters on the host (printed), and equals eager on both microsteps."""
+    (X0, Y0), (X1, Y1) = data(world, 0), data(world, 1)
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ce(ref(torch.cat([X0, X1])), torch.cat([Y0, Y1])).backward()
+    ref_opt.step()
+    half = lambda out, y: ce(out, y) / 2  # noqa: E731 — the mean over both microsteps
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipe = compile_dev(model, rank)
+    with pipe.no_sync():
+        pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half)
+    host = [str(a) for a in pipe.program(optimizer=True).host]
+    assert any(a.startswith("RS") for a in host), host   # .grad is set: the host reduces
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half,
+                          optimizer=opt)
+    assert_params(model, ref, "no_sync, then a stepping call")
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(str(a).startswith("RS") for a in pipe.program(optimizer=True).host)
+    pipe.close()
+
+
+def check_cuda_sim(rank: int, world: int) -> None:
+    """Strict cuda-sim devices (work queued as on a GPU; a collective's stream runs it when
+    it gets there): 2 AdamW steps equal eager; the reduce-scatters ran on the devices'
+    collective streams."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
+    pipe = compile_dev(model, rank, devices=devices)
+    steps(pipe, model, opt, ref, ref_opt, rank, world, "cuda-sim", n=2)
+    ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
+    assert ran and all(label.endswith("RS") for label in ran), ran
+    pipe.close()
+    for d in devices:
+        d.close()
+
+
+def check_hf_bf16(rank: int, world: int) -> None:
+    """A Hugging Face Llama in bf16 (``param_dtype``; the gradients reduced in bf16 on the
+    devices): the averaged losses and the updates of 2 AdamW steps follow the bf16 eager
+    reference on the whole batch (as the host's collectives do, tests/test_distributed.py),
+    and every rank holds the same."""
+    pytest.importorskip("transformers")
+    from tests import hf_zoo
+    model, kw, _, loss_fn = hf_zoo.setup("llama")
+    ref = hf_zoo.Eager(copy.deepcopy(model), "param_dtype")
+    rows = kw["input_ids"].shape[0] // world
+    part = {k: v[rank * rows:(rank + 1) * rows] for k, v in kw.items()}
+    pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
+                          data_parallel="device", collective_timeout=TIMEOUT,
+                          param_dtype=torch.bfloat16,
+                          config=fxpipe.RunConfig(num_microbatch=rows))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.master.parameters(), lr=1e-2, fused=True)
+    before = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    for _ in range(2):
+        loss = pipe.forward_backward((), part, loss_fn=loss_fn, optimizer=opt)
+        dist.all_reduce(loss)
+        ref_loss = ref.step(kw, None, loss_fn)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert abs(loss.item() / world - ref_loss.item()) <= 2e-2 * ref_loss.item(), \
+            (loss.item() / world, ref_loss.item())
+        same_on_every_rank(model, "bf16")
+    masters = pipe.full_state_dict()
+    after = torch.cat([masters[n].float().flatten() for n, _ in model.named_parameters()])
+    ref_after = torch.cat([p.detach().flatten() for p in ref.master.parameters()])
+    moved, ref_moved = after - before, ref_after - before
+    cos = (moved @ ref_moved / (moved.norm() * ref_moved.norm())).item()
+    assert cos >= 0.9, f"updates' cosine {cos:.3f}"
+    pipe.close()
+
+
+def check_failure(rank: int, world: int) -> None:
+    """Rank 1 fails in its shallowest stage's device reduce-scatter, after the deeper
+    stages were reduced, stepped and gathered: every rank raises within the timeout (rank
+    0 a DistributedError naming rank 1; the devices' collectives completed with zeros),
+    and no rank keeps half a step."""
+    from fxpipe.runtime.issue.distributed import DataParallel
+    model = make_model()
+    opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
+    pipe = compile_dev(model, rank)
+    X, Y = data(world, 0)
+    x, y = mine(X, rank), mine(Y, rank)
+    pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    model.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
+                    for k, s in opt.shard_state.items()}
+    shallowest = len(pipe.program().stages) - 1
+    reduce = DataParallel.device_reduce_scatter
+
+    def failing(self, d, device, store, stage, params):
+        if stage == shallowest:
+            raise RuntimeError("injected failure")
+        return reduce(self, d, device, store, stage, params)
+
+    if rank == 1:
+        DataParallel.device_reduce_scatter = failing
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    finally:
+        DataParallel.device_reduce_scatter = reduce
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT / 2, f"rank {rank} took {elapsed:.1f} s to fail: {info.value!r}"
+    if rank == 1:
+        assert "injected failure" in str(info.value)
+    else:
+        assert isinstance(info.value, fxpipe.DistributedError), repr(info.value)
+        assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
+    for p0, p in zip(before, model.parameters()):
+        assert torch.equal(p0, p.detach()), "half-written parameters"
+        assert p.grad is None, "half-written .grad"
+    for k, s in opt.shard_state.items():
+        for v, v0 in zip([v for v in s.values() if torch.is_tensor(v)], state_before[k]):
+            assert torch.equal(v, v0), f"half-written shard state {k}"
+    with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
+        pipe.forward_backward((x,), label=y, loss_fn=ce)
+    pipe.close()
+
+
+CHECKS = {
+    2: [check_steps, check_tied, check_accumulated_falls_back, check_cuda_sim, check_hf_bf16,
+        check_failure],
+    4: [check_steps, check_cuda_sim, check_failure],
+}
+
+
+def _rank_main(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["FXPIPE_HOST_MS_PER_ACTION"] = "0"   # the plans of the suite (conftest)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
+                            world_size=world)
+    try:
+        for check in CHECKS[world]:
+            try:
+                check(rank, world)
+            except BaseException as e:
+                import traceback
+                with open(f"{folder}/rank{rank}.err", "w") as f:
+                    f.write(f"rank {rank}/{world}: {check.__name__}: {type(e).__name__}: {e}\n")
+                    traceback.print_exc(file=f)
+                raise
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_on_the_devices(world, tmp_path):
+    try:
+        mp.spawn(_rank_main, args=(world, str(tmp_path)), nprocs=world, join=True)
+    except mp.ProcessRaisedException as e:
+        errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
+        raise AssertionError("\n".join(errors) or str(e)) from None
+
+
+@pytest.mark.parametrize("value, error, match", [
+    ("zero3", NotImplementedError, "zero3.*not implemented"),
+    ("nccl", TypeError, "data_parallel must be False, True"),
+    (1, TypeError, "data_parallel must be False, True"),
+])
+def test_bad_data_parallel(value, error, match):
+    with pytest.raises(error, match=match):
+        fxpipe.compile(make_model(), (torch.randn(2, 4),), devices=["cpu"],
+                       data_parallel=value)
+
+
+class TestProgram(expecttest.TestCase):
+    def test_printed_device_program(self):
+        """The Program of ``data_parallel="device"``: each backward stage's ``sRS`` on its
+        device's collective stream before its download; the host steps and gathers. Rank 0
+        of a one-rank job (a reduce-scatter over one rank is a copy)."""
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
+                                    world_size=1)
+            try:
+                model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+                pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                      data_parallel="device", plan=fxpipe.ExecutePlan(
+                                          [range(0, 2)], [range(2, 3), range(0, 2)]))
+                program = pipe.program("fused", num_microbatch=2, optimizer=True)
+                self.assertExpectedInline(str(program), """\
+program devices=2 microbatches=2
+inputs input_1 <label>
+stage 0 fwd 0:2 reads=input_1 makes=tanh
+stage 1 fused 2:3 reads=tanh,<label> makes=linear_1 owns=2.weight,2.bias
+stage 2 bwd 0:2 reads=input_1 makes=tanh owns=0.weight,0.bias
+step d0  d1   host
+0    0P  1P   RF
+1    0U0 1U0  S2:3
+2    0F0 1FB0 AG2:3
+3    0O0 1O0  S0:2
+4    0X0 1X0  AG0:2
+5    2P  1U1  C
+6    0U1 1FB1 .
+7    0F1 1O1  .
+8    0O1 1X1  .
+9    0X1 1RS  .
+10   2U0 1D   .
+11   2G0 1R   .
+12   0R  .    .
+13   2B0 .    .
+14   2X0 .    .
+15   2U1 .    .
+16   2G1 .    .
+17   2B1 .    .
+18   2X1 .    .
+19   2RS .    .
+20   2D  .    .
+21   2R  .    .""")
+                # the stream each ran on, from a recorded call
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                with pipe.trace() as rec:
+                    pipe.forward_backward((torch.randn(4, 4),), label=torch.randn(4, 2),
+                                          loss_fn=nn.functional.mse_loss, optimizer=opt)
+                ran = sorted(a for dev, a in rec.actions if a.endswith("RS"))
+                self.assertEqual(ran, ["1RS", "2RS"])
+                pipe.close()
+            finally:
+                dist.destroy_process_group()
