@@ -25,6 +25,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.optim import overlapped
 from fxpipe.runtime.devices.emulator import VirtualDevice
+from fxpipe.runtime.host.params import HostParams
 from tests.test_distributed import (
     ROWS, TIMEOUT, Tied, assert_close, assert_grads, assert_params, ce, data, make_model,
     mean_across, mine,
@@ -68,7 +69,7 @@ def steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str, n: i
 def check_steps(rank: int, world: int) -> None:
     """3 AdamW steps equal eager; the Program reduce-scatters on each device's collective
     stream (no host RS); each rank downloads 1/N of the gradients (the host-sharded pipe
-    downloads them all) and keeps 1/N of the optimizer state."""
+    downloads them all), keeps 1/N of the optimizer state and no whole gradient buffer."""
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -82,6 +83,7 @@ def check_steps(rank: int, world: int) -> None:
     device_bytes = pipe.stats()["d2h_bytes_grads"]
     state = opt._fxpipe_overlapped.shard_state
     assert not opt.state and state   # the sharded optimizer's layout
+    assert HostParams.of(model).grad_flats == []   # no whole gradient buffer on the host
     pipe.close()
     # the same model and plan, reduced on the host: every gradient crosses the link
     host_model = make_model()

@@ -97,7 +97,9 @@ class Runner:
         """``exe``'s stages as slices of the model's flat host buffers (one view per run
         type: every microbatch count, grain and optimizer mode has the same stages). The
         first one moves the model's tensors into those buffers (``HostParams``); a
-        training one gives the trainable parameters their gradient buffers."""
+        training one gives the trainable parameters their gradient buffers (not with
+        ``data_parallel="device"``, whose steps download 1/N of the gradients as pieces:
+        a call reducing on the host makes them at its first download)."""
         if exe.run_type not in self._stores:
             lg = self.lg
             store = ParamStore(
@@ -106,7 +108,7 @@ class Runner:
                  for i, st in exe.stages.items()},
                 {i: {f: lg.buffers[f] for f in st.params if f in lg.buffers}
                  for i, st in exe.stages.items()}, param_dtype=self.param_dtype)
-            if exe.run_type != "infer":
+            if exe.run_type != "infer" and not (self.dp is not None and self.dp.on_devices):
                 store.host.make_grads()
             self._stores[exe.run_type] = store
         return self._stores[exe.run_type]
