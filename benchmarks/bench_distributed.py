@@ -113,16 +113,20 @@ def model(width: int = 256, depth: int = 6) -> nn.Module:
 
 # ------------------------------------------------------------------------------ measured
 
+def share(rank: int, world: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the global batch (the same on every run)."""
+    rows = batch // world
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return X[rank * rows:(rank + 1) * rows], Y[rank * rows:(rank + 1) * rows]
+
+
 def _rank(rank: int, world: int, folder: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world)
     try:
-        rows = args.batch // world
-        g = torch.Generator().manual_seed(0)
-        X, Y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,),
-                                                                       generator=g)
-        x, y = X[rank * rows:(rank + 1) * rows], Y[rank * rows:(rank + 1) * rows]
+        x, y = share(rank, world, args.batch)
         m = model()
         pipe = fxpipe.compile(m, (x,), devices=["cpu", "cpu"], data_parallel=True)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -172,11 +176,7 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
                             world_size=world)
     try:
-        rows = args.batch // world
-        g = torch.Generator().manual_seed(0)
-        X, Y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,),
-                                                                       generator=g)
-        x, y = X[rank * rows:(rank + 1) * rows], Y[rank * rows:(rank + 1) * rows]
+        x, y = share(rank, world, args.batch)
         report = {}
         for bf16 in (False, True):
             pipes = {}

@@ -67,8 +67,8 @@ def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
 
 def compile_dp(model: nn.Module, rank: int, **kw) -> fxpipe.PipelineModule:
     x, _ = data(1, 0)
-    return fxpipe.compile(model, (x,), devices=["cpu", "cpu"], data_parallel=True,
-                          collective_timeout=TIMEOUT, **kw)
+    kw = {"devices": ["cpu", "cpu"], "data_parallel": True, **kw}
+    return fxpipe.compile(model, (x,), collective_timeout=TIMEOUT, **kw)
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -168,11 +168,21 @@ def check_streamed_optimizer(rank: int, world: int) -> None:
     pipe.close()
 
 
-def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str) -> None:
-    """3 steps of ``pipe`` with ``opt`` on this rank's share of the batch, each equal to
-    eager ``ref`` stepping ``ref_opt`` on the whole batch (loss averaged across ranks)."""
-    for step in range(3):
-        X, Y = data(world, step)
+def same_on_every_rank(model: nn.Module, what: str) -> None:
+    """Every rank holds bitwise the same parameters."""
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), f"{what}: the ranks differ"
+
+
+def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str,
+                n: int = 3, batch=data) -> None:
+    """``n`` steps of ``pipe`` with ``opt`` on this rank's share of the batch, each equal
+    to eager ``ref`` stepping ``ref_opt`` on the whole batch (loss averaged across ranks),
+    the ranks identical after each."""
+    for step in range(n):
+        X, Y = batch(world, step)
         loss_ref = ce(ref(X), Y)
         loss_ref.backward()
         ref_opt.step()
@@ -182,6 +192,7 @@ def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str
         opt.zero_grad()
         assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
         assert_params(model, ref, f"{what}, after step {step}")
+        same_on_every_rank(model, f"{what}, after step {step}")
 
 
 def check_no_sync(rank: int, world: int) -> None:
@@ -395,16 +406,21 @@ def check_batch_mismatch(rank: int, world: int) -> None:
 
 
 def check_failure(rank: int, world: int, shard: bool = False,
-                  param_dtype: torch.dtype | None = None) -> None:
+                  param_dtype: torch.dtype | None = None, on_devices: bool = False) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
-    process group dead: a later call says so."""
+    process group dead: a later call says so. ``on_devices`` (``data_parallel="device"``,
+    sharded): rank 1 fails in its shallowest stage's device reduce-scatter, where the
+    other ranks' devices wait for it (tests/test_dp_devices.py)."""
     from fxpipe.runtime.host.param_store import ParamStore
+    from fxpipe.runtime.issue.distributed import DataParallel
 
     model = make_model()
     opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
-    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype)
+    shard = shard or on_devices
+    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype,
+                      **({"data_parallel": "device"} if on_devices else {}))
     X, Y = data(world, 0)
     x, y = mine(X, rank), mine(Y, rank)
     pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)   # grads + momentum exist
@@ -414,22 +430,24 @@ def check_failure(rank: int, world: int, shard: bool = False,
                     for k, s in opt.shard_state.items()}
     masters_before = {n: m.clone() for n, m in pipe._dp.masters.items()}
     assert bool(masters_before) == (param_dtype is not None)
-    download = ParamStore.download_grads
+    owner, name, at = (DataParallel, "device_reduce_scatter", 4) if on_devices else \
+        (ParamStore, "download_grads", 1)   # the stage: that argument of that method
+    original = getattr(owner, name)
     shallowest = len(pipe.program().stages) - 1
 
-    def failing(self, stage, *args, **kwargs):
-        if stage == shallowest:
+    def failing(self, *args, **kwargs):
+        if args[at - 1] == shallowest:
             raise RuntimeError("injected failure")
-        return download(self, stage, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
     if rank == 1:
-        ParamStore.download_grads = failing
+        setattr(owner, name, failing)
     start = time.monotonic()
     try:
         with pytest.raises(Exception) as info:
             pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
     finally:
-        ParamStore.download_grads = download
+        setattr(owner, name, original)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT / 2, f"rank {rank} took {elapsed:.1f} s to fail: {info.value!r}"
     if rank == 1:
@@ -453,10 +471,12 @@ def check_failure(rank: int, world: int, shard: bool = False,
     pipe.close()
 
 
-def check_hf_bf16(rank: int, world: int) -> None:
+def check_hf_bf16(rank: int, world: int, data_parallel: bool | str = True) -> None:
     """A Hugging Face Llama in bf16 (``param_dtype``): each rank trains its share of the
     batch; the averaged losses and the masters after 2 AdamW steps follow the bf16 eager
-    reference (``hf_zoo.Eager``) on the whole batch, and every rank holds the same."""
+    reference (``hf_zoo.Eager``) on the whole batch, and every rank holds the same.
+    ``data_parallel="device"``: the gradients reduced in bf16 on the devices, the masters
+    sharded (tests/test_dp_devices.py)."""
     import copy
     pytest.importorskip("transformers")
     from tests import hf_zoo
@@ -465,11 +485,11 @@ def check_hf_bf16(rank: int, world: int) -> None:
     rows = kw["input_ids"].shape[0] // world
     part = {k: v[rank * rows:(rank + 1) * rows] for k, v in kw.items()}
     pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
-                          data_parallel=True, collective_timeout=TIMEOUT,
+                          data_parallel=data_parallel, collective_timeout=TIMEOUT,
                           param_dtype=torch.bfloat16, config=fxpipe.RunConfig(num_microbatch=2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.master.parameters(), lr=1e-2, fused=True)
-    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    before = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     for _ in range(2):
         loss = pipe.forward_backward((), part, loss_fn=loss_fn, optimizer=opt)
         dist.all_reduce(loss)
@@ -479,11 +499,11 @@ def check_hf_bf16(rank: int, world: int) -> None:
         ref_opt.zero_grad()
         assert abs(loss.item() / world - ref_loss.item()) <= 2e-2 * ref_loss.item(), \
             (loss.item() / world, ref_loss.item())
-    after = torch.cat([p.detach().flatten() for p in model.parameters()])
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    gathered = [torch.empty_like(after) for _ in range(world)]
-    dist.all_gather(gathered, after)
-    assert all(torch.equal(g, after) for g in gathered), "ranks differ"
+        same_on_every_rank(model, "bf16")
+    if data_parallel is True:   # unsharded: the parameters are their own fp32 masters
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    masters = pipe.full_state_dict()
+    after = torch.cat([masters[n].float().flatten() for n, _ in model.named_parameters()])
     ref_after = torch.cat([p.detach().flatten() for p in ref.master.parameters()])
     moved, ref_moved = after - before, ref_after - before
     cos = (moved @ ref_moved / (moved.norm() * ref_moved.norm())).item()
@@ -508,14 +528,23 @@ CHECKS = {
 
 
 def _rank_main(rank: int, world: int, folder: str, checks: str = "") -> None:
-    """Run ``CHECKS[world]``, or the checks named in ``checks`` (comma-separated)."""
+    """Run ``CHECKS[world]``, or the checks named in ``checks`` (comma-separated; a name
+    of this module, or ``module:name``)."""
+    import importlib
+    import zlib
+
+    def named(c: str):
+        module, _, name = c.rpartition(":")
+        return getattr(importlib.import_module(module), name) if module else globals()[c]
+
     torch.set_num_threads(1)
     os.environ["FXPIPE_TEST_FOLDER"] = folder
     dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store{'-' + checks if checks else ''}", rank=rank,
+        "gloo", init_method=f"file://{folder}/store"
+        f"{f'-{zlib.crc32(checks.encode()):08x}' if checks else ''}", rank=rank,
         world_size=world)
     try:
-        for check in [globals()[c] for c in checks.split(",")] if checks else CHECKS[world]:
+        for check in [named(c) for c in checks.split(",")] if checks else CHECKS[world]:
             try:
                 check(rank, world)
             except BaseException as e:

@@ -4,64 +4,33 @@ issue 58): 2 and 4 ranks on localhost (gloo on the virtual devices' tensors, spa
 eager PyTorch. The Program, its order and its bytes are the ones a GPU run has (NCCL
 there).
 
-Each group of ranks runs its checks in one spawn (``_rank_main``), the failure check last
-(it leaves fxpipe's process groups dead).
+Each group of ranks runs its checks in one spawn (tests/test_distributed.py's), the
+failure check last (it leaves fxpipe's process groups dead).
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import os
-import time
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.optim import overlapped
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.host.params import HostParams
 from tests.test_distributed import (
-    ROWS, TIMEOUT, Tied, assert_close, assert_grads, assert_params, ce, data, make_model,
-    mean_across, mine,
+    ROWS, TIMEOUT, Tied, assert_params, ce, compile_dp, data, make_model, mine, three_steps,
 )
+from tests.test_distributed import check_failure as distributed_failure
+from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
+from tests.test_distributed import spawn
 
 
-def compile_dev(model, rank: int, devices=("cpu", "cpu"), **kw) -> fxpipe.PipelineModule:
-    x, _ = data(1, 0)
-    return fxpipe.compile(model, (x,), devices=list(devices), data_parallel="device",
-                          collective_timeout=TIMEOUT, **kw)
-
-
-def same_on_every_rank(model, what: str) -> None:
-    """Every rank holds bitwise the same parameters."""
-    flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    assert all(torch.equal(g, flat) for g in gathered), f"{what}: the ranks differ"
-
-
-def steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str, n: int = 3,
-          batch=data) -> None:
-    """``n`` AdamW steps, each equal to eager on the whole batch (fp32: 1e-6), the ranks
-    identical after each."""
-    for step in range(n):
-        X, Y = batch(world, step)
-        loss_ref = ce(ref(X), Y)
-        loss_ref.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
-                                     optimizer=opt)
-        opt.zero_grad()
-        assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
-        assert_params(model, ref, f"{what}, after step {step}")
-        same_on_every_rank(model, f"{what}, after step {step}")
+def compile_dev(model, rank: int, **kw) -> fxpipe.PipelineModule:
+    return compile_dp(model, rank, data_parallel="device", **kw)
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -79,7 +48,7 @@ def check_steps(rank: int, world: int) -> None:
     reduced = [str(a) for acts in program.actions for a in acts if str(a).endswith("RS")]
     backward = [st.index for st in program.stages if st.kind != "fwd"]
     assert sorted(reduced) == sorted(f"{s}RS" for s in backward), reduced
-    steps(pipe, model, opt, ref, ref_opt, rank, world, "device")
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "device")
     device_bytes = pipe.stats()["d2h_bytes_grads"]
     state = opt._fxpipe_overlapped.shard_state
     assert not opt.state and state   # the sharded optimizer's layout
@@ -87,9 +56,7 @@ def check_steps(rank: int, world: int) -> None:
     pipe.close()
     # the same model and plan, reduced on the host: every gradient crosses the link
     host_model = make_model()
-    host = fxpipe.compile(host_model, (data(1, 0)[0],), devices=["cpu", "cpu"],
-                          data_parallel=True, shard_optimizer=True, plan=pipe.plan,
-                          collective_timeout=TIMEOUT)
+    host = compile_dp(host_model, rank, shard_optimizer=True, plan=pipe.plan)
     X, Y = data(world, 0)
     host.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
                           optimizer=torch.optim.AdamW(host_model.parameters(), lr=0.01))
@@ -117,7 +84,7 @@ def check_tied(rank: int, world: int) -> None:
     pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
                           data_parallel="device", collective_timeout=TIMEOUT)
     g.manual_seed(7)
-    steps(pipe, model, opt, ref, ref_opt, rank, world, "tied", n=2, batch=batch)
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "tied", n=2, batch=batch)
     pipe.close()
 
 
@@ -153,7 +120,7 @@ def check_cuda_sim(rank: int, world: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
     pipe = compile_dev(model, rank, devices=devices)
-    steps(pipe, model, opt, ref, ref_opt, rank, world, "cuda-sim", n=2)
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "cuda-sim", n=2)
     ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
     assert ran and all(label.endswith("RS") for label in ran), ran
     pipe.close()
@@ -164,88 +131,17 @@ def check_cuda_sim(rank: int, world: int) -> None:
 def check_hf_bf16(rank: int, world: int) -> None:
     """A Hugging Face Llama in bf16 (``param_dtype``; the gradients reduced in bf16 on the
     devices): the averaged losses and the updates of 2 AdamW steps follow the bf16 eager
-    reference on the whole batch (as the host's collectives do, tests/test_distributed.py),
-    and every rank holds the same."""
-    pytest.importorskip("transformers")
-    from tests import hf_zoo
-    model, kw, _, loss_fn = hf_zoo.setup("llama")
-    ref = hf_zoo.Eager(copy.deepcopy(model), "param_dtype")
-    rows = kw["input_ids"].shape[0] // world
-    part = {k: v[rank * rows:(rank + 1) * rows] for k, v in kw.items()}
-    pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
-                          data_parallel="device", collective_timeout=TIMEOUT,
-                          param_dtype=torch.bfloat16,
-                          config=fxpipe.RunConfig(num_microbatch=rows))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.master.parameters(), lr=1e-2, fused=True)
-    before = torch.cat([p.detach().float().flatten() for p in model.parameters()])
-    for _ in range(2):
-        loss = pipe.forward_backward((), part, loss_fn=loss_fn, optimizer=opt)
-        dist.all_reduce(loss)
-        ref_loss = ref.step(kw, None, loss_fn)
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        assert abs(loss.item() / world - ref_loss.item()) <= 2e-2 * ref_loss.item(), \
-            (loss.item() / world, ref_loss.item())
-        same_on_every_rank(model, "bf16")
-    masters = pipe.full_state_dict()
-    after = torch.cat([masters[n].float().flatten() for n, _ in model.named_parameters()])
-    ref_after = torch.cat([p.detach().flatten() for p in ref.master.parameters()])
-    moved, ref_moved = after - before, ref_after - before
-    cos = (moved @ ref_moved / (moved.norm() * ref_moved.norm())).item()
-    assert cos >= 0.9, f"updates' cosine {cos:.3f}"
-    pipe.close()
+    reference on the whole batch, as the host's collectives do, and every rank holds the
+    same (tests/test_distributed.py's check)."""
+    distributed_hf_bf16(rank, world, data_parallel="device")
 
 
 def check_failure(rank: int, world: int) -> None:
     """Rank 1 fails in its shallowest stage's device reduce-scatter, after the deeper
     stages were reduced, stepped and gathered: every rank raises within the timeout (rank
-    0 a DistributedError naming rank 1; the devices' collectives completed with zeros),
-    and no rank keeps half a step."""
-    from fxpipe.runtime.issue.distributed import DataParallel
-    model = make_model()
-    opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
-    pipe = compile_dev(model, rank)
-    X, Y = data(world, 0)
-    x, y = mine(X, rank), mine(Y, rank)
-    pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
-    model.zero_grad(set_to_none=True)
-    before = [p.detach().clone() for p in model.parameters()]
-    state_before = {k: [v.clone() for v in s.values() if torch.is_tensor(v)]
-                    for k, s in opt.shard_state.items()}
-    shallowest = len(pipe.program().stages) - 1
-    reduce = DataParallel.device_reduce_scatter
-
-    def failing(self, d, device, store, stage, params):
-        if stage == shallowest:
-            raise RuntimeError("injected failure")
-        return reduce(self, d, device, store, stage, params)
-
-    if rank == 1:
-        DataParallel.device_reduce_scatter = failing
-    start = time.monotonic()
-    try:
-        with pytest.raises(Exception) as info:
-            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
-    finally:
-        DataParallel.device_reduce_scatter = reduce
-    elapsed = time.monotonic() - start
-    assert elapsed < TIMEOUT / 2, f"rank {rank} took {elapsed:.1f} s to fail: {info.value!r}"
-    if rank == 1:
-        assert "injected failure" in str(info.value)
-    else:
-        assert isinstance(info.value, fxpipe.DistributedError), repr(info.value)
-        assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
-    for p0, p in zip(before, model.parameters()):
-        assert torch.equal(p0, p.detach()), "half-written parameters"
-        assert p.grad is None, "half-written .grad"
-    for k, s in opt.shard_state.items():
-        for v, v0 in zip([v for v in s.values() if torch.is_tensor(v)], state_before[k]):
-            assert torch.equal(v, v0), f"half-written shard state {k}"
-    with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
-        pipe.forward_backward((x,), label=y, loss_fn=ce)
-    pipe.close()
+    0 a DistributedError naming rank 1; each group's owed collectives completed with
+    zeros), and no rank keeps half a step (tests/test_distributed.py's check)."""
+    distributed_failure(rank, world, on_devices=True)
 
 
 CHECKS = {
@@ -255,33 +151,9 @@ CHECKS = {
 }
 
 
-def _rank_main(rank: int, world: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    os.environ["FXPIPE_HOST_MS_PER_ACTION"] = "0"   # the plans of the suite (conftest)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world)
-    try:
-        for check in CHECKS[world]:
-            try:
-                check(rank, world)
-            except BaseException as e:
-                import traceback
-                with open(f"{folder}/rank{rank}.err", "w") as f:
-                    f.write(f"rank {rank}/{world}: {check.__name__}: {type(e).__name__}: {e}\n")
-                    traceback.print_exc(file=f)
-                raise
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_on_the_devices(world, tmp_path):
-    try:
-        mp.spawn(_rank_main, args=(world, str(tmp_path)), nprocs=world, join=True)
-    except mp.ProcessRaisedException as e:
-        errors = [f.read_text() for f in sorted(tmp_path.glob("rank*.err"))]
-        raise AssertionError("\n".join(errors) or str(e)) from None
+    spawn(world, tmp_path, ",".join(f"{__name__}:{c.__name__}" for c in CHECKS[world]))
 
 
 @pytest.mark.parametrize("value, error, match", [
