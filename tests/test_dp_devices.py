@@ -26,7 +26,7 @@ from tests.test_distributed import (
 )
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
-from tests.test_distributed import spawn
+from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
 
 
 def compile_dev(model, rank: int, **kw) -> fxpipe.PipelineModule:
@@ -221,3 +221,35 @@ step d0  d1   host
                 pipe.close()
             finally:
                 dist.destroy_process_group()
+
+
+def test_strict_cuda_sim_refuses_a_gradient_written_while_it_is_reduced(one_rank, monkeypatch):
+    """Strict cuda-sim checks that a collective's inputs are not written before it
+    completes: here a write lands right after the reduce-scatter was posted (as work on
+    another stream would on a GPU, corrupting what NCCL reads); the call fails saying so.
+    The same step without the write equals the pipe without data parallel."""
+    from fxpipe.runtime.issue.device_collectives import Channel
+    x, y = data(1, 0)
+    devices = [VirtualDevice(semantics="cuda") for _ in range(2)]
+    model, ref = make_model(), make_model()
+    pipe = fxpipe.compile(model, (x,), devices=devices, data_parallel="device")
+    plain = fxpipe.compile(ref, (x,), devices=["cpu", "cpu"], plan=pipe.plan)
+    for p, m in ((pipe, model), (plain, ref)):
+        p.forward_backward((x,), label=y, loss_fn=ce,
+                           optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    assert_params(model, ref, "one rank, device collectives")
+    post = Channel.post
+
+    def post_then_write(self, kind, tensor, out):
+        work = post(self, kind, tensor, out)
+        tensor.add_(1.0)
+        return work
+
+    monkeypatch.setattr(Channel, "post", post_then_write)
+    with pytest.raises(fxpipe.StageError, match="written while the collective read them"):
+        pipe.forward_backward((x,), label=y, loss_fn=ce,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    pipe.close()
+    plain.close()
+    for d in devices:
+        d.close()

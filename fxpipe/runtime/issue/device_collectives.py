@@ -172,16 +172,28 @@ class OnDevices:
         channel = self._devices[d]
         grads = {f: t.grad for f, t in params.items() if t.requires_grad}
         works: list[Any] = []
+        versions: list[tuple[torch.Tensor, int]] = []
 
         def post(kind: str, tensor: torch.Tensor, out: torch.Tensor) -> None:
             device.record_stream(tensor)   # read by the collective after its last reference
+            versions.append((tensor, tensor._version))
             works.append(self._start(kind, tensor, out, channel))
 
         buckets = self.device_buckets(store, stage)   # none: nothing trainable here
+        what = f"reduce-scatter of stage {stage}'s gradients on {device.name}"
         with device.allocating("gradients"):
             out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]]))
                    for b, fqns in buckets]
-        self._wait(works, f"reduce-scatter of stage {stage}'s gradients on {device.name}")
+        self._wait(works, what)
+        if getattr(device, "strict", False):   # strict cuda-sim: as a GPU would corrupt it
+            written = [tuple(t.shape) for t, v in versions if t._version != v]
+            if written:
+                raise RuntimeError(
+                    f"rank {self.rank}: the {what}: {len(written)} of its inputs ({written[0]} "
+                    "first) were written while the collective read them (their version "
+                    "changed between posting and completion): device work on another "
+                    "stream wrote a gradient being reduced; order that work after the "
+                    "reduce-scatter's event")
         return out
 
 
