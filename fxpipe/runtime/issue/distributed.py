@@ -8,7 +8,9 @@ broadcasts the buffers from rank 0, ``AR4:6`` averages the gradients of the para
 gradients are downloaded, while the devices back-propagate the shallower stages), and
 with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket and
 gather the stepped shards back. :class:`DataParallel` runs them on host tensors, with
-``torch.distributed`` (gloo).
+``torch.distributed`` (gloo). With ``data_parallel="device"`` each stage's reduce-scatter
+is the devices' (``DeviceReduceScatter``, ``runtime.issue.device_collectives``: a group
+per device index, NCCL on GPUs), the host lane steps and gathers.
 
 What is sharded: each parameter is cut in N equal pieces whatever the plan (rank ``r``
 owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``; a bucket lays them out as N chunks,
@@ -29,7 +31,8 @@ Failures: the collectives run on a process group fxpipe makes over the ranks of 
 user's (gloo, ``timeout`` seconds). A rank whose training call fails writes which rank
 and why into the group's store, then completes the collectives of the call it still
 owes the other ranks with zeros (``drain``: gloo cannot cancel a posted collective);
-every rank checks the store after each collective, so the others raise
+every rank checks the store after each collective (with ``"device"``, each device's
+group too, all drained at once), so the others raise
 :class:`fxpipe.errors.DistributedError` naming the rank that failed first as soon as
 their pending collective completes, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
 they were on every rank (parameters too, without a streamed optimizer or with
