@@ -384,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-time", action="store_true",
                     help="also measure inductor's compile time, 1 vs 32 blocks (fresh processes)")
     ap.add_argument("--json", action="store_true", help="print the result JSON as the last line")
+    ap.add_argument("--lock-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="the issue_lock part (--no-lock-ab: skip it, as the suite's run does)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_issue.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -394,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     action = action_cost(args.repeats)
     print(f"host cost of one action around an empty stage: {action['min_us']:.1f} us min, "
           f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us")
-    lock = lock_ab(args.repeats)
-    for name in ("ordered", "fifo", "plain"):
+    lock = lock_ab(args.repeats) if args.lock_ab else None
+    for name in ("ordered", "fifo", "plain") if lock else ():
         r = lock[name]
         print(f"issue lock {name:>7}: 8-GPU 4K step {r['host_ms_min']:.1f} ms min, "
               f"{r['host_ms_median']:.1f} ms median; the devices waited for it "

@@ -185,9 +185,9 @@ def test_bench_issue_prints_its_rows_as_json(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_issue
     # eager stage code only: inductor's rows compile (minutes on 2 cores); their one
-    # computed figure is tested below
+    # computed figure is tested below. No issue-lock A/B (twelve 8-GPU steps)
     assert bench_issue.main(["--models", "Qwen3-1.7B", "--gpus", "2", "--tokens", "4096",
-                             "--repeats", "1", "--backends", "eager", "--json",
+                             "--repeats", "1", "--backends", "eager", "--json", "--no-lock-ab",
                              "--out", str(tmp_path / "out.json")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "out.json").read_text())
