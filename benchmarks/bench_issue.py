@@ -32,7 +32,8 @@ would compute the same step:
   (``issue_lock.OrderedLock``: handed over to the waiting action first in the Program),
   under the same lock handing over in the order asked (``fifo``) and under a plain
   ``threading.Lock`` (the lock before #55), interleaved: host ms per step and the
-  devices' summed waits for the lock (``issue_lock_wait_us``).
+  devices' summed waits for the lock (``issue_lock_wait_us``). ``--no-lock-ab`` skips it
+  (the suite's run: twelve 8-GPU steps).
 
 - **Per stage backend** (``--backends``, default ``eager inductor``): each row is run with
   ``RunConfig(stage_backend=...)`` (``stage_backend`` in its JSON: ``null`` for eager).
