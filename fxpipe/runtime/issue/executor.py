@@ -31,8 +31,12 @@ name)``, so two actions never write the same slot.
 
 Parameter gradients accumulate on the device over a stage job, go to the host once per
 job (``DownloadGrads``), are added to the call's sums by the stage's ``Accumulate`` and
-reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as ``StageError`` naming stage, layers, device
-and microbatch, after every submitted action has finished and device memory is freed.
+reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). With
+``data_parallel="device"`` a ``DeviceReduceScatter`` first reduces them across ranks on
+the device; the download brings this rank's shard, whose pieces the stage's sharded
+``OptimizerStep`` steps (they never reach ``.grad``). Any failure is raised as
+``StageError`` naming stage, layers, device and microbatch, after every submitted
+action has finished and device memory is freed.
 ``Execution.stats`` counts what the call did (``pipe.stats()``).
 """
 
