@@ -117,13 +117,14 @@ def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any)
 class OnDevices:
     """``data_parallel="device"``'s part of ``DataParallel``: a process group per device
     index, the stages' device buckets, and the ``DeviceReduceScatter`` itself. Needs
-    ``rank``, ``world``, ``timeout``, ``group``, ``_lock``, ``_names``, ``_start`` and
-    ``_wait`` from the class that has it as a base."""
+    ``rank``, ``world``, ``timeout``, ``group``, ``local_sync``, ``_lock``, ``_names``,
+    ``_start`` and ``_wait`` from the class that has it as a base."""
 
     rank: int
     world: int
     timeout: float
     group: Any
+    local_sync: bool
     _lock: threading.Lock
     _names: dict[int, str]
     _start: Callable[..., Any]
@@ -139,7 +140,8 @@ class OnDevices:
         cuda = isinstance(device, CudaDevice)
         group = dist.new_group(dist.get_process_group_ranks(self.group),
                                backend="nccl" if cuda else "gloo",
-                               timeout=datetime.timedelta(seconds=self.timeout))
+                               timeout=datetime.timedelta(seconds=self.timeout),
+                               use_local_synchronization=self.local_sync)
         return Channel(group, device.device if cuda else torch.device("cpu"), self.world)
 
     def plan_device_ops(self, program: Any, keep: Mapping[int, Sequence[bool]],

@@ -106,9 +106,11 @@ class DataParallel(ShardedMasters, OnDevices):
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
         # and our store key for failures, without touching the user's group
+        # a user's subgroup: only its ranks make fxpipe's groups (its own and the devices')
+        self.local_sync = process_group is not None
         self.group = dist.new_group(ranks, backend="gloo",
                                     timeout=datetime.timedelta(seconds=self.timeout),
-                                    use_local_synchronization=process_group is not None)
+                                    use_local_synchronization=self.local_sync)
         self.store = dist.distributed_c10d._get_process_group_store(self.group)
         self.dead: DistributedError | None = None
         self._lock = threading.Lock()
