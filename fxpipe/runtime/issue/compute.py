@@ -347,5 +347,8 @@ def _backprop(outputs: Mapping[str, Any], grads: Mapping[str, torch.Tensor | Non
     unfilled.backprop((o, grads.get(n)) for n, o in outputs.items())
 
 
+_CPU = torch.device("cpu")
+
+
 def _torch_device(device: Device) -> torch.device:
-    return getattr(device, "device", torch.device("cpu"))
+    return getattr(device, "device", _CPU)

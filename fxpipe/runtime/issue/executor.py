@@ -66,7 +66,7 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator
 from fxpipe.runtime.issue.device_collectives import Pieces, shards_from_pieces
 from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import (
-    _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
+    _ISSUED, _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
 )
 from fxpipe.runtime.devices.issue_lock import at_step, issuing, waited
 from fxpipe.runtime.host.params import is_scratch
@@ -225,7 +225,8 @@ class Execution:
                         kind = type(a).__name__
                         issued[kind] = issued.get(kind, 0.0) + (
                             time.perf_counter() - start - emulated_wait())
-                slot.ready.set()
+                if slot.ready is not _ISSUED:   # (else no other lane waits for it)
+                    slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
             self._cancel(e)
@@ -477,7 +478,9 @@ class Execution:
             dropped += [on.made.pop((flow.maker[n], m, n)) for n in flow.free.get(key, ())]
             dropped += [on.parts.pop((s, m, n), None) for n in flow.offload_grads.get(key, ())]
             dropped += on.consumed.pop(key, [])
-        for t in pytree.tree_leaves(dropped):
+        if not all(isinstance(t, torch.Tensor) for t in dropped):   # (a label's structure)
+            dropped = pytree.tree_leaves(dropped)
+        for t in dropped:
             _free_quietly(self.call.devices[d], t)
 
     def _reduce_scatter_on_device(self, d: int, s: int) -> None:

@@ -48,7 +48,20 @@ def changed_constant(lg: LayerGraph, leaves: Sequence[Any]) -> tuple[str, Any, A
 def check_inputs(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor leaves of a (microbatch) call, after checking its structure and the
     sizes the captured graph is specific to."""
-    tensors = check_structure(lg, args, kwargs)
+    return _sized(lg, check_structure(lg, args, kwargs))
+
+
+def split_tensors(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """:func:`check_inputs` of a microbatch that ``runtime.issue.microbatch`` split from a
+    call :func:`check_inputs` accepted by its own rules (not a user's callable): its
+    structure, ranks and constants are the call's, so only the sizes are checked (one
+    flattening, no structure compared: per microbatch, on every call)."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return _sized(lg, [x for x, ex in zip(leaves, lg.example_leaves)
+                       if isinstance(ex, torch.Tensor)])
+
+
+def _sized(lg: LayerGraph, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     problem = static_dim_problem(lg, tensors)
     if problem is not None:
         raise ValueError(

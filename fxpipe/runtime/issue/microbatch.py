@@ -229,7 +229,7 @@ def _check_n(n: int) -> None:
         raise ValueError(f"num_microbatch must be an int >= 1, got {n!r}")
 
 
-def _uses_callable(spec: Any) -> bool:
+def uses_callable(spec: Any) -> bool:
     return callable(spec) and not _is_spec_leaf(spec) and not isinstance(spec, (tuple, list, dict))
 
 
@@ -248,7 +248,7 @@ def split_input(args: Sequence[Any], kwargs: Mapping[str, Any] | None, n: int,
     """
     _check_n(n)
     args, kwargs = tuple(args), dict(kwargs or {})
-    if _uses_callable(spec):
+    if uses_callable(spec):
         out = spec(args, kwargs, n)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError("split_input callable must return (args_list, kwargs_list), got "
@@ -345,7 +345,7 @@ def split_label(label: Any, n: int, spec: Any = None) -> list[Any]:
     [torch.Size([2, 3]), torch.Size([2, 2])]
     """
     _check_n(n)
-    if _uses_callable(spec):
+    if uses_callable(spec):
         out = spec(label, n)
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
@@ -469,7 +469,7 @@ def merge_output(outputs: Sequence[Any], spec: Any = None, *,
         return _pack(outputs)
     if spec is None or spec is True:
         spec = _AUTO
-    elif _uses_callable(spec):
+    elif uses_callable(spec):
         return spec(outputs)
     for w in (weights, *(leaf_weights or {}).values()):
         if w is not None and len(w) != len(outputs):

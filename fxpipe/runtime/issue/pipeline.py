@@ -41,7 +41,7 @@ from fxpipe.runtime.issue.executor import Call, Execution, apply_writebacks, res
 from fxpipe.runtime.host.grad_accum import owned_params
 from fxpipe.runtime.stages.compiled import compile_totals
 from fxpipe.runtime.stages.graphs import StageGraphs, graph_jobs
-from fxpipe.runtime.issue.inputs import check_inputs
+from fxpipe.runtime.issue.inputs import check_inputs, split_tensors
 from fxpipe.runtime.stages.stage_code import runnables
 from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import outside_program
@@ -165,10 +165,13 @@ class Runner:
             return envs, rows, shares(self.lg, envs, rows)
 
     def _split(self, args: tuple, kwargs: dict, cfg: RunConfig) -> tuple[list[dict], list[int]]:
-        if not any(isinstance(x, mb.PackedData) for x in (*args, *kwargs.values())):
+        checked = not any(isinstance(x, mb.PackedData) for x in (*args, *kwargs.values()))
+        if checked:
             check_inputs(self.lg, args, kwargs)  # structure errors before splitting errors
         args_mb, kwargs_mb = mb.split_input(args, kwargs, cfg.num_microbatch, cfg.split_input)
-        per_mb = [check_inputs(self.lg, a, k) for a, k in zip(args_mb, kwargs_mb)]
+        # split by fxpipe's rules, a checked call's microbatches have its structure
+        check = split_tensors if checked and not mb.uses_callable(cfg.split_input) else check_inputs
+        per_mb = [check(self.lg, a, k) for a, k in zip(args_mb, kwargs_mb)]
         envs, rows = [], []
         # floating inputs enter in the compute dtype; staged (page-locked) when pinning
         for tensors in self.stage(per_mb, self.param_dtype):

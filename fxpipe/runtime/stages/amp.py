@@ -20,8 +20,6 @@ torch.bfloat16
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-
 import torch
 
 AutocastState = tuple[tuple[str, torch.dtype, bool], ...]  # (device type, dtype, cache)
@@ -33,16 +31,29 @@ def captured() -> AutocastState:
                  for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
-@contextlib.contextmanager
-def reentered(state: AutocastState) -> Iterator[None]:
-    """Run the block under the autocast regions ``state`` recorded (nothing if empty)."""
-    if not state:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for device_type, dtype, cache in state:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
-        yield
+_NONE = contextlib.nullcontext()
+
+
+def reentered(state: AutocastState) -> contextlib.AbstractContextManager:
+    """Run the block under the autocast regions ``state`` recorded (nothing if empty: a
+    shared null context, since every stage run of a call without autocast enters it)."""
+    return _Reentered(state) if state else _NONE
+
+
+class _Reentered:
+    __slots__ = ("state", "stack")
+
+    def __init__(self, state: AutocastState):
+        self.state = state
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype, cache in self.state:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+            self.stack = stack.pop_all()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
 
 
 def describe(state: AutocastState) -> str:
