@@ -462,17 +462,44 @@ class Ring(_Blocks):
             return self._view(block, dtype, (numel,))
 
 
+def size_class(nbytes: int) -> int:
+    """The bytes of the :class:`Pool` block a request of ``nbytes`` takes: whole pages up
+    to 8, then four classes per power of two (1, 1.25, 1.5 and 1.75 x 2**k pages), so at
+    most a quarter over the request (torch's host allocator: up to twice), and requests
+    of nearby sizes share one class and so reuse each other's blocks.
+
+    >>> [size_class(n * PAGE) // PAGE for n in (1, 8, 9, 11, 16, 17, 3001)]
+    [1, 8, 10, 12, 16, 20, 3072]
+    """
+    pages = -(-nbytes // PAGE)
+    if pages <= 8:
+        return pages * PAGE
+    step = 1 << (pages.bit_length() - 3)
+    return -(-pages // step) * step * PAGE
+
+
+KEEP = 2
+"""A :class:`Pool` keeps its free blocks while it holds at most this many times the most
+its tensors ever held at once."""
+
+
 class Pool(_Blocks):
-    """Page-locked host tensors of their exact size (a page's rounding), their blocks
-    reused: what a GPU offloads activations into (``Device.to_host``). torch's caching
-    host allocator would round each up to a power of two and keep it: 2.3 GB of a
-    278K-token Llama-8B boundary activation pinned 4 GiB, 33 of them more than a 128 GiB
-    host. :meth:`empty` reuses a free block of between its size and a quarter more, and
-    holds no more than the most its tensors ever needed at once: a request no free block
-    fits lets free blocks go until the blocks held, the new one included, are at most
-    that high-water mark. A run repeating its steps reuses every block from its second
-    step on. A block read by an asynchronous copy is reused only once the copy's event
-    completed (:meth:`hold`, :func:`hold`).
+    """Page-locked host tensors in blocks of their size class (:func:`size_class`: at most
+    a quarter over a page's rounding), reused: what a GPU offloads activations into
+    (``Device.to_host``). torch's caching host allocator would round each up to a power
+    of two and keep it: 2.3 GB of a 278K-token Llama-8B boundary activation pinned 4 GiB,
+    33 of them more than a 128 GiB host.
+
+    :meth:`empty` reuses a free block of the request's class; else it registers a new one
+    (with the issue lock let go: ``cudaHostRegister`` takes about a millisecond per few
+    MB), first letting the least recently used free blocks go until what the pool holds,
+    the new block included, is at most ``KEEP`` times its high-water mark (the most its
+    tensors held at once). So a run repeating its steps reuses every block from its second
+    step on, and one whose lengths cycle through a few sizes (each step's activations
+    larger or smaller) keeps a set of blocks per size and registers nothing after the
+    first step of each: with the blocks of one size only, every change of length would
+    register anew. A block read by an asynchronous copy is reused only once the copy's
+    event completed (:meth:`hold`, :func:`hold`).
 
     >>> pool = Pool(emulate=True)
     >>> a = pool.empty((4, 1000), torch.float32)     # 16000 B: four pages
@@ -486,26 +513,26 @@ class Pool(_Blocks):
     def __init__(self, *, emulate: bool, account: Account | None = None):
         super().__init__(emulate=emulate, account=account)
         self.high_water = 0     # the most bytes its tensors held at once
+        self.registered = 0     # blocks made (each a registration on CUDA)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized page-locked host tensor of ``shape`` and ``dtype``."""
         numel = math.prod(shape)
-        nbytes = reserved(numel * dtype.itemsize)
-        if nbytes == 0:
+        if numel == 0:
             return torch.empty(tuple(shape), dtype=dtype)
+        nbytes = size_class(numel * dtype.itemsize)
         with self._lock:
-            fit = next((b for b in self._blocks.values()
-                        if nbytes <= b[2] <= nbytes + nbytes // 4 and self._is_free(b)), None)
+            free = self._free()   # least recently taken first
+            fit = next((b for b in free if b[2] == nbytes), None)
             if fit is not None:
                 return self._view(fit, dtype, shape)
-            free = self._free()
             held = self.nbytes
             self.high_water = max(self.high_water, held - sum(b[2] for b in free) + nbytes)
-            free.sort(key=lambda b: -b[2])
-            while free and held + nbytes > self.high_water:     # let the largest go first
+            while free and held + nbytes > KEEP * self.high_water:
                 gone = free.pop(0)
                 self._drop(gone)
                 held -= gone[2]
+            self.registered += 1
         block = self._new(nbytes)
         with self._lock:
             self._add(block)
