@@ -227,6 +227,39 @@ def test_cuda_sim_keeps_a_graphs_working_set_for_its_life():
     d.close()
 
 
+def test_cuda_sim_starts_a_capture_once_its_device_ran_what_was_submitted_before():
+    """#55 item 3: ``torch.cuda.graph`` starts by synchronizing its device, so a capture
+    on a GPU begins only once the copies queued before it have run (its issuing thread
+    waits). Strict cuda-sim waits as well: a capture on the compute stream runs after the
+    slow upload queued before it on another stream, and does not wait for work queued
+    after it. Before, the emulated capture ran at once, beside the upload."""
+    import threading
+    import time
+
+    d = fxpipe.VirtualDevice(semantics="cuda", strict=True)
+    x = d.submit("h2d", d.to_device, torch.ones(4), "activations", "a test").result()
+    landed, later = threading.Event(), threading.Event()
+
+    def slow_copy():   # a copy kernel the h2d stream runs after the issue
+        time.sleep(0.3)
+        landed.set()
+
+    d.submit("h2d", lambda: d.kernel(slow_copy))
+    seen = {}
+
+    def job(x):
+        seen["upload landed"] = landed.is_set()
+        return (x * 2,)
+
+    g = d.submit("compute", d.capture, job, (x,), "a test graph")
+    d.submit("d2h", lambda: d.kernel(lambda: (later.wait(5), None)))   # queued after it
+    g = g.result(timeout=3)   # does not wait for the d2h kernel queued after the capture
+    later.set()
+    assert seen == {"upload landed": True}
+    torch.testing.assert_close(g.first[0], torch.full((4,), 2.0))
+    d.close()
+
+
 def test_cuda_sim_refuses_a_capture_that_reads_device_values_on_the_host():
     """A GPU's capture fails on an op whose result the host reads (``.item()``, a
     data-dependent shape), and a replay would not redo that Python: strict cuda-sim

@@ -189,6 +189,11 @@ class CudaDevice(Device):
             pinned.hold(host_tensor, torch.cuda.current_stream(self.device).record_event())
         return out
 
+    def drain_for_capture(self) -> None:
+        """The synchronize ``torch.cuda.graph`` starts with, done first, with no capture
+        lock held: another device's capture does not wait for this device's queue."""
+        torch.cuda.synchronize(self.device)
+
     def capture(self, fn: Callable[..., Sequence[Any]], inputs: Sequence[torch.Tensor],
                 name: str = "a device graph") -> CudaGraph:
         """A ``torch.cuda.CUDAGraph`` of ``fn(*inputs)``, captured on this device's one

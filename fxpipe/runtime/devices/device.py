@@ -159,6 +159,12 @@ class Device(ABC):
         This device has no graphs: an :class:`EmulatedGraph` runs ``fn`` again per replay."""
         return EmulatedGraph(fn, inputs, name)
 
+    def drain_for_capture(self) -> None:
+        """What a capture does first on a GPU (``torch.cuda.graph`` synchronizes the
+        device): block until the work submitted to this device before has run. Called
+        before a capture is serialized with other devices' (``runtime.stages.graphs``), so
+        none waits for another's drain. Here: nothing (work ran when it was submitted)."""
+
     def record_stream(self, tensor: torch.Tensor) -> None:
         """``tensor``, made on another of this device's streams, is read by the work being
         issued now (its stream): its memory must not be reused before this stream is past
@@ -457,6 +463,9 @@ class _Work(threading.local):
     made: list[int]     # storages this thread's work counted since the last ``keep``
     counting: Any = None   # a weakref to the VirtualDevice counting its work, if any
     scope: WorkingSet | None = None   # a capture measuring what its run allocates
+    # on a strict cuda-sim device: the last work of each other stream when this item was
+    # submitted (what a capture inside it waits for: ``VirtualDevice.drain_for_capture``)
+    before: tuple = ()
 
     def __init__(self) -> None:
         self.made = []

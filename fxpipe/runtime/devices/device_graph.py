@@ -19,6 +19,10 @@ computes garbage silently.
   there (the emulated replay reruns the Python, so it would not show the op is not redone).
   A strict device also keeps each graph's working set reserved for the graph's life, as
   a GPU's graph pool does (``VirtualDevice.capture``): its replays allocate nothing new.
+  And a capture starts once its device's other streams have run what was submitted
+  before it, as ``torch.cuda.graph``'s synchronize makes a GPU's wait
+  (``Device.drain_for_capture``, which ``runtime.stages.graphs`` calls before taking
+  the process's capture lock, so no capture waits for another device's queue).
 - ``fxpipe.runtime.devices.cuda.CudaGraph``: ``torch.cuda.CUDAGraph``, captured on a side stream
   after a warm-up run, in the device's graph memory pool.
 

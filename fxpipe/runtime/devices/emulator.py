@@ -188,7 +188,11 @@ class VirtualDevice(Device):
                     name=f"fxpipe-{self.name}-{stream}", daemon=True)
                 self._queues[stream], self._threads[stream] = work, thread
                 _start_worker(thread, ready)
-            self._queues[stream].put((fn, args, wait, event, self._token, self._counting))
+            # a GPU's capture drains its device: what a capture in this item waits for
+            before = tuple(e for s, e in self._last.items() if s != stream) \
+                if self.strict and self.semantics == "cuda" and stream in WORKER_STREAMS else ()
+            self._queues[stream].put((fn, args, wait, event, self._token, self._counting,
+                                      before))
             self._last[stream] = event
         return event
 
@@ -327,9 +331,11 @@ class VirtualDevice(Device):
         largest live graph's working set is held, once (``CudaDevice.capture``). A
         replay allocates nothing new: its run's temporaries are in that pool. A capture
         allocates in the pool first: while it runs, the device holds the larger of the
-        pool and what the capture has allocated, not both."""
+        pool and what the capture has allocated, not both. It starts once the device's
+        other streams ran what was submitted before it (:meth:`drain_for_capture`)."""
         if not self.strict:
             return EmulatedGraph(fn, inputs, name)
+        self.drain_for_capture()
         with WorkingSet() as used:
             self._capturing = used
             try:
@@ -338,6 +344,16 @@ class VirtualDevice(Device):
                 self._capturing = None
         self._pool_hold(graph, used.peak - used.live(), name)
         return graph
+
+    def drain_for_capture(self) -> None:
+        """A GPU's capture starts by synchronizing its device: on a strict device
+        (cuda-sim), inside a work item of its own, wait until each other stream has run
+        the work submitted before that item (its own stream's has: streams run in order).
+        What was submitted after it is not waited for, as on a GPU, where it would not
+        have been issued yet."""
+        if self.strict and self.semantics == "cuda" and _work.token is self._token:
+            for event in _work.before:
+                event.exception()   # ran, failed or not
 
     def _pool_hold(self, graph: EmulatedGraph, nbytes: int, name: str) -> None:
         """``graph``'s working set joins the device's graph pool (module docstring of

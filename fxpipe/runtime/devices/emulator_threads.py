@@ -100,11 +100,14 @@ class _Counting(TorchDispatchMode):
 
 
 def _host_part(stream: str, fn: Callable[..., Any], args: tuple, label: str, token: object,
-               counting: weakref.ref | None) -> tuple[Any, BaseException | None, list]:
-    """Run a work item's Python on this thread: ``(result, exception, queued copies)``."""
-    saved = _work.token, _work.stream, _work.copies, _work.owner, _work.made, _work.counting
+               counting: weakref.ref | None, before: tuple = ()
+               ) -> tuple[Any, BaseException | None, list]:
+    """Run a work item's Python on this thread: ``(result, exception, queued copies)``.
+    ``before``: the other streams' last events when it was submitted (``_Work.before``)."""
+    saved = (_work.token, _work.stream, _work.copies, _work.owner, _work.made, _work.counting,
+             _work.before)
     _work.token, _work.stream, _work.copies, _work.owner, _work.made = token, stream, [], label, []
-    _work.counting = counting
+    _work.counting, _work.before = counting, before
     result, exc = None, None
     try:
         # a mode per item: a mode object is not entered by two threads at once
@@ -115,7 +118,7 @@ def _host_part(stream: str, fn: Callable[..., Any], args: tuple, label: str, tok
     finally:
         copies = _work.copies
         (_work.token, _work.stream, _work.copies, _work.owner, _work.made,
-         _work.counting) = saved
+         _work.counting, _work.before) = saved
     return result, exc, copies
 
 
@@ -143,7 +146,7 @@ def _run_copies(copies: list[Callable[[], Any]]) -> BaseException | None:
 
 
 def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event, ...],
-             event: Event, token: object, counting: weakref.ref | None,
+             event: Event, token: object, counting: weakref.ref | None, before: tuple,
              records: list[Record] | None) -> None:
     for e in wait:
         exc = e.exception()
@@ -151,7 +154,7 @@ def _run_one(stream: str, fn: Callable[..., Any], args: tuple, wait: tuple[Event
             event._finish(exc=exc)
             return
     start = time.perf_counter()
-    result, exc, copies = _host_part(stream, fn, args, event.label, token, counting)
+    result, exc, copies = _host_part(stream, fn, args, event.label, token, counting, before)
     failed = _run_copies(copies)   # what the work queued runs before its event completes
     if records is not None:
         records.append((stream, event.label, start, time.perf_counter()))

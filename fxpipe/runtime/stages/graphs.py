@@ -273,9 +273,12 @@ class StageGraphs:
             statics = [x.detach().clone() for x in tensors]
             # a capture drains its device: other devices issue meanwhile, with the issue
             # lock let go; captures one at a time in the process (two threads capturing at
-            # once, each draining and emptying the caching allocator, is untested ground)
-            with blocking(), _CAPTURING:
-                graph = device.capture(fn, [*statics, *params], name)
+            # once, each draining and emptying the caching allocator, is untested ground),
+            # each after its drain (no capture waits for another device's queue)
+            with blocking():
+                device.drain_for_capture()
+                with _CAPTURING:
+                    graph = device.capture(fn, [*statics, *params], name)
         with self._lock:
             self._jobs[key] = GraphJob(graph, statics, params, name)
             self._used(key)
