@@ -19,12 +19,17 @@ planned by fxpipe for one H100 (80 GB) and run through
 step's FLOPs as fxpipe's cost pass counts them over its measured step; else 60% of
 989 TFLOP/s), and the host's AdamW and cast rates measured on this machine
 (``host_rates``), and again with the host work free: the two bracket a host of a
-different core count. Writes ``benchmarks/results/bench_finetune.json``.
+different core count. With this machine's host work, the host also issues each action
+and kernel at the H200 run's fitted cost (``fxpipe.sim.hardware.H200_HOST``), once per
+stage backend (eager, inductor, cudagraphs: what each launches; the kernels run at the
+same rate under all three, no fusion speedup modelled; cudagraphs' replays MODELLED).
+Writes ``benchmarks/results/bench_finetune.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -40,11 +45,13 @@ from fxpipe.check import finetune_predict as fp  # noqa: E402
 from fxpipe.config import STAGE_BACKENDS  # noqa: E402
 from fxpipe.check.common import jsonable, link_bandwidth, sync_fn, timed  # noqa: E402
 from fxpipe.check.finetune_models import host_bytes  # noqa: E402
+from fxpipe.sim.hardware import H200_HOST  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "bench_finetune.json"
 GPU_CHECK = ROOT / "benchmarks" / "results" / "gpu_check.json"
 GPUS = {"H100": 80e9}     # an H200 predicts the same: the same FLOP rate and link
 H200_LINK = 55e9
+BACKENDS = ("eager", "inductor", "cudagraphs")
 H100_HBM = 3.35e12        # bytes/s of device memory: prices a qlora run's dequantizes
 
 
@@ -83,31 +90,39 @@ def predicted(modes: tuple[str, ...], say=print) -> dict:
     say(f"host AdamW(fused=True) {rates['optimizer_bytes_per_s'] / 1e9:.2f} GB/s (without fused "
         f"{rates['optimizer_default_bytes_per_s'] / 1e9:.2f}), cast "
         f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (this machine)")
-    hosts = {"this machine": (rates["optimizer_bytes_per_s"], rates["copy_bytes_per_s"]),
-             "free": (float("inf"), float("inf"))}
+    # this machine's host work, issuing at the H200's fitted cost, per stage backend; and
+    # a free host (nothing to issue)
+    hosts = [({"this machine": (rates["optimizer_bytes_per_s"], rates["copy_bytes_per_s"])},
+              H200_HOST, BACKENDS),
+             ({"free": (float("inf"), float("inf"))}, None, ("eager",))]
     rows = []
     specs = sorted((s for s in ft.run_specs(False) if s["mode"] in modes and s["seq"] is not None),
                    key=lambda s: s["mode"] != "lora")       # lora first: it calibrates
     for spec in specs:
-        for gpu, memory in GPUS.items():
+        for (gpu, memory), (host, issue, backends) in itertools.product(GPUS.items(), hosts):
             t0 = time.perf_counter()
             calibrate = flops is None and spec["mode"] == "lora"
-            for row in fp.predict(spec, memory=memory, link=H200_LINK, hosts=hosts,
+            for row in fp.predict(spec, memory=memory, link=H200_LINK, hosts=host,
                                   flops=flops, eager_step_s=eager_s if calibrate else None,
-                                  recompute=("auto", "full"), device_bytes_per_s=H100_HBM):
-                row.update(gpu=gpu, seconds=time.perf_counter() - t0)
+                                  recompute=("auto", "full"), device_bytes_per_s=H100_HBM,
+                                  host_issue=issue, backends=backends):
+                row.update(gpu=gpu, seconds=time.perf_counter() - t0,
+                           host_issue_fit="H200_HOST" if issue else None,
+                           modelled=row["stage_backend"] == "cudagraphs")
                 rows.append(row)
                 say(f"  {row['mode']:>4} {row['model']:<13} {gpu} host work {row['host_work']:<12} "
-                    f"recompute {row['recompute']} ({row['recomputed']:.0%} of the blocks; "
+                    f"{row['stage_backend']:<10} recompute {row['recompute']} "
+                    f"({row['recomputed']:.0%} of the blocks; "
                     f"hardware/model FLOPs {row['flops_ratio']:.2f}): "
-                    f"{row['predicted_step_s']:6.2f} s/step, {row['tokens_per_s']:7,.0f} tokens/s, "
+                    f"{row['predicted_step_s']:6.2f} s/step (host issue {row['host_issue_s']:.2f} s), "
+                    f"{row['tokens_per_s']:7,.0f} tokens/s, "
                     f"{row['model_tflops']:5.0f} model TFLOP/s, MFU {row['model_tflops'] / 989.4:.1%} "
                     f"(at {row['flops_per_s'] / 1e12:.0f} TFLOP/s)")
             flops = rows[-1]["flops_per_s"]
     out = {"label": "PREDICTED (fxpipe.simulate), not measured", "flops_per_s": flops,
            "flops_source": source, "link_bytes_per_s": H200_LINK, "host_rates": rates,
            "host_rates_source": "measured on the machine that ran this benchmark",
-           "rows": rows}
+           "host_issue": dict(H200_HOST), "rows": rows}
     if "qlora" in modes:
         out["qlora"] = predicted_qlora(rates, say)
     return out

@@ -657,7 +657,10 @@ def _finetune(d: dict) -> list[str]:
          "step predicted / measured"], rows)
     p = d.get("predicted")
     if p:
-        prow = [[r["mode"], r["model"], r["gpu"], r["host_work"], r.get("recompute", "full"),
+        prow = [[r["mode"], r["model"], r["gpu"], r["host_work"],
+                 r.get("stage_backend", "eager") + (" (modelled)" if r.get("modelled") else ""),
+                 f"{r['host_issue_s']:.2f}" if "host_issue_s" in r else "–",
+                 r.get("recompute", "full"),
                  f"{r['recomputed']:.0%}" if "recomputed" in r else "–",
                  f"{r['flops_ratio']:.2f}" if "flops_ratio" in r else "–",
                  f"{r['predicted_step_s']:.2f}",
@@ -670,13 +673,20 @@ def _finetune(d: dict) -> list[str]:
                 f"{p['link_bytes_per_s'] / 1e9:.0f} GB/s each way (the H200's, measured), the "
                 f"host's AdamW at {hr['optimizer_bytes_per_s'] / 1e9:.2f} GB/s and casts at "
                 f"{hr['copy_bytes_per_s'] / 1e9:.1f} GB/s ({p['host_rates_source']}) or free. "
+                + (f"With this machine's host work the host also issues each action and kernel "
+                   f"at the H200 run's fitted cost ({_host_issue(p['host_issue'])}), per stage "
+                   "backend (what each launches; the kernels run at the same rate under all "
+                   "three, no fusion speedup modelled; cudagraphs' replays modelled); host "
+                   "issue s: the host's issue time per step, hidden while under the GPU's. "
+                   if p.get("host_issue") else "") +
                 "MFU against 989.4 TFLOP/s (H100 SXM and H200 dense bf16). Recompute `auto` "
                 "(the default): the fused tail keeps the layers that fit and pay, planned for "
                 "each row's machine; `full`: every block recomputed; recomputed: the share of "
                 "the blocks' forward FLOPs recomputed; hardware / model: the cost pass's FLOPs "
                 "of the plan that runs over the model's forward and backward.", ""] + table(
-            ["run", "shape", "GPU", "host work", "recompute", "recomputed", "hardware / model",
-             "step s", "tokens/s", "model TFLOP/s", "MFU", "peak GB"], prow)
+            ["run", "shape", "GPU", "host work", "stage backend", "host issue s", "recompute",
+             "recomputed", "hardware / model", "step s", "tokens/s", "model TFLOP/s", "MFU",
+             "peak GB"], prow)
     if p and p.get("qlora"):
         q = p["qlora"]
         qrow = [[r["mode"], r["model"], f"{r['gpus']} × 24 GiB", f"8 × {r['seq']:,}",
@@ -698,6 +708,11 @@ def _finetune(d: dict) -> list[str]:
             ["run", "model", "GPUs", "tokens/step", "host params GiB", "host total GiB", "tokens/s",
              "bubble", "longest sequence", "host limit GiB"], qrow)
     return out
+
+
+def _host_issue(h: dict) -> str:
+    return (f"{h['host_us_per_action']:.0f} µs per action, {h['host_us_per_kernel']:.1f} / "
+            f"{h['host_us_per_grad_kernel']:.1f} µs per kernel without / with grad")
 
 
 def _quant(d: dict) -> list[str]:
@@ -1356,18 +1371,25 @@ def headline() -> list[str]:
                          "predicted", "lower host bytes, longer sequence are better",
                          "fine-tuning-in-bf16"])
     if ft and ft.get("predicted"):
-        by = {(r["mode"], r["host_work"]): r for r in ft["predicted"]["rows"]
-              if r.get("recompute", "auto") == "auto"}
+        by = {(r["mode"], r["host_work"], r.get("stage_backend", "eager")): r
+              for r in ft["predicted"]["rows"] if r.get("recompute", "auto") == "auto"}
         for mode, what in (("lora", "LoRA r=16, Llama-3.1-8B shape"),
                            ("full", "full fine-tune, Qwen3-4B shape, fp32 masters")):
-            a, b = by.get((mode, "this machine")), by.get((mode, "free"))
-            if a and b:
-                rows.append([f"PREDICTED, one {a['gpu']}: bf16 {what}, 16 × 4,096 tokens/step "
-                             "(host AdamW at this 2-core machine's rate; free)",
-                             f"{a['tokens_per_s']:,.0f}; {b['tokens_per_s']:,.0f} tokens/s "
-                             f"(MFU {a['model_tflops'] / 989.4:.0%}; {b['model_tflops'] / 989.4:.0%})"
-                             + (f"; hardware / model FLOPs {a['flops_ratio']:.2f}; "
-                                f"{b['flops_ratio']:.2f}" if "flops_ratio" in a else ""),
+            free = by.get((mode, "free", "eager"))
+            mine = [(b, by.get((mode, "this machine", b))) for b in ("eager", "inductor", "cudagraphs")]
+            mine = [(b, r) for b, r in mine if r]
+            if free and mine:
+                per = ", ".join(f"{b}{' (modelled)' if r.get('modelled') else ''} "
+                                f"{r['tokens_per_s']:,.0f} (MFU {r['model_tflops'] / 989.4:.0%})"
+                                for b, r in mine)
+                issued = " issuing at the H200's fitted cost" if mine[0][1].get("host_issue_fit") else ""
+                rows.append([f"PREDICTED, one {free['gpu']}: bf16 {what}, 16 × 4,096 tokens/step "
+                             f"(host AdamW at this 2-core machine's rate{issued}, per stage "
+                             "backend; a free host)",
+                             f"{per}; free host {free['tokens_per_s']:,.0f} tokens/s "
+                             f"(MFU {free['model_tflops'] / 989.4:.0%})"
+                             + (f"; hardware / model FLOPs {free['flops_ratio']:.2f}"
+                                if "flops_ratio" in free else ""),
                              "predicted", "throughput: higher is better", "fine-tuning-in-bf16"])
     gpu_ft = (gpu or {}).get("finetune", {}).get("runs", [])
     for r in gpu_ft:

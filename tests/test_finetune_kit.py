@@ -119,6 +119,25 @@ def test_the_eager_step_calibrates_the_predicted_flop_rate(specs):
     assert 0.5 < row["predicted_step_s"] / 2.0 < 1.5
 
 
+def test_the_prediction_prices_each_backends_host_issue(specs):
+    """#54 item 6: with the H200's fitted host issuing, the predicted step per stage backend:
+    inductor and cudagraphs launch fewer kernels than eager, so the host issues less; on a
+    fast GPU (the tiny model at 1 PFLOP/s) the host binds and the step is the host's."""
+    from fxpipe.sim.hardware import H200_HOST
+    spec = specs["lora"]
+    free = {"free": (float("inf"), float("inf"))}
+    rows = {r["stage_backend"]: r for r in fp.predict(
+        spec, memory=2**30, link=float("inf"), hosts=free, flops=1e15, host_issue=H200_HOST,
+        backends=("eager", "inductor", "cudagraphs"))}
+    (bare,) = fp.predict(spec, memory=2**30, link=float("inf"), hosts=free, flops=1e15)
+    assert bare["host_issue_s"] == 0.0 and bare["stage_backend"] == "eager"
+    issue = [rows[b]["host_issue_s"] for b in ("eager", "inductor", "cudagraphs")]
+    assert issue[0] > issue[1] > issue[2] > 0, issue
+    step = [rows[b]["predicted_step_s"] for b in ("eager", "inductor", "cudagraphs")]
+    assert step[0] > step[1] >= step[2] > bare["predicted_step_s"], step
+    assert rows["eager"]["predicted_step_s"] >= rows["eager"]["host_issue_s"]
+
+
 def test_a_lora_run_under_inductor(specs, monkeypatch):
     """The kit's LoRA run with its stage code compiled by inductor between two runs of
     eager stage code (a lent GPU runs cudagraphs, inductor, eager), at tiny widths on

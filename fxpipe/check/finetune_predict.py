@@ -6,6 +6,7 @@ it, its FLOPs at a given (or an eager step's) rate and the host's rates for its 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -74,7 +75,9 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
             hosts: dict[str, tuple[float, float]], flops: float | None = None,
             eager_step_s: float | None = None, num_devices: int = 1,
             recompute: tuple[str, ...] = ("auto",),
-            device_bytes_per_s: float = math.inf) -> list[dict[str, Any]]:
+            device_bytes_per_s: float = math.inf,
+            host_issue: dict[str, float] | None = None,
+            backends: tuple[str, ...] = ("eager",)) -> list[dict[str, Any]]:
     """The run's step as ``fxpipe.simulate`` predicts it: fxpipe's own plan for
     ``num_devices`` devices of ``memory`` bytes, its layers' FLOPs at ``flops`` per
     second (or, given a measured eager checkpointed step of this run,
@@ -87,7 +90,13 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
     head recomputed): how much the tail keeps depends on what the host and the link can
     hide. ``device_bytes_per_s``: the device's memory bandwidth, which prices a
     ``qlora`` run's dequantizes (``Hardware.device_bytes_per_s``). Each row has the
-    plan's ``predicted_host_bytes`` (``predict_memory(...).host_total``)."""
+    plan's ``predicted_host_bytes`` (``predict_memory(...).host_total``).
+
+    ``host_issue``: the host's time to issue actions and kernels (``fxpipe.sim.Hardware``'s
+    ``host_us_per_*``, e.g. ``fxpipe.sim.hardware.H200_HOST``; default none: a free
+    host); then one row per ``backends`` entry (``RunConfig.stage_backend``: what the
+    compute actions launch, so what the host issues; the kernels run at ``flops`` under
+    every backend, no fusion speedup modelled)."""
     from fxpipe.plan import ExecutePlan, chain_memory, layer_costs
     from fxpipe.sim import Hardware, LayerCost, simulate
     if (flops is None) == (eager_step_s is None):
@@ -118,19 +127,22 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
         for host, (optimizer_rate, copy_rate) in hosts.items():
             hw = Hardware(flops=flops, memory=memory, h2d_bandwidth=link, d2h_bandwidth=link,
                           cpu_optimizer_bytes_per_s=optimizer_rate,
-                          host_copy_bytes_per_s=copy_rate, device_bytes_per_s=device_bytes_per_s)
-            for policy in recompute:
-                plan = ExecutePlan.auto("fused", costed, num_microbatch=M, recompute=policy,
-                                        device=hw.nominal_device())
+                          host_copy_bytes_per_s=copy_rate, device_bytes_per_s=device_bytes_per_s,
+                          **(host_issue or {}))
+            plans = {policy: ExecutePlan.auto("fused", costed, num_microbatch=M, recompute=policy,
+                                              device=hw.nominal_device()) for policy in recompute}
+            for policy, backend in itertools.product(recompute, backends):
+                plan = plans[policy]
                 pipe = pipe_for(plan)   # its program runs the plan (pipe.plan: the one compiled)
                 t = simulate(pipe.program("fused", M, optimizer=True),
                              [LayerCost.of(c, hw) for c in layer_costs(pipe)], hw,
-                             memory=chain_memory(pipe, M))
+                             memory=chain_memory(pipe, M), stage_backend=backend)
                 step_s = t.makespan / 1e3
                 share = recompute_share(pipe.layers, plan)
                 f = step_flops(model, spec["config"], tokens, seq, share["recomputed"])
                 rows.append({"model": spec["model"], "mode": spec["mode"], "devices": num_devices,
-                             "host_work": host, "recompute": policy,
+                             "host_work": host, "recompute": policy, "stage_backend": backend,
+                             "host_issue_s": t.host_issue_ms / 1e3,
                              "params": quant.parameter_count(model),
                              "tokens_per_step": tokens, "plan": repr(plan), **share,
                              "predicted_step_s": step_s, "tokens_per_s": tokens / step_s,
