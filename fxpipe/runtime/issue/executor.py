@@ -304,31 +304,22 @@ class Execution:
 
     # -- actions: one handler per kind ----------------------------------------------------
     def _act(self, lane: int, a) -> None:
+        # the actions a stage runs once per microbatch: by their class, at once
+        handler = _TRANSFERS.get(a.__class__)
+        if handler is not None:
+            handler(self, lane, a.stage, a.mb)
+            return
+        handler = _JOBS.get(a.__class__)
+        if handler is not None:
+            handler(self.compute, lane, a.stage, a.mb)
+            return
         match a:
-            case Prefetch(stage=s):
-                self._prefetch(lane, s)
-            case Upload(stage=s, mb=m):
-                self._upload(lane, s, m)
-            case UploadGrad(stage=s, mb=m):
-                self._upload_grads(lane, s, m)
-            case GraphForward(stage=s, mb=m):
-                self.compute.graph_forward(lane, s, m)
-            case Forward(stage=s, mb=m):
-                self.compute.forward(lane, s, m)
-            case FusedBackward(stage=s, mb=m):
-                self.compute.fused(lane, s, m)
-            case Checkpoint(stage=s, mb=m):
-                self.compute.checkpoint(lane, s, m)
-            case GraphRecomputeBackward(stage=s, mb=m):
-                self.compute.graph_recompute_backward(lane, s, m)
             case RecomputeBackward(stage=s, mb=m, layer=None):
                 self.compute.recompute_backward(lane, s, m)
-            case RecomputeBackward(stage=s, mb=m, layer=layer):
+            case RecomputeBackward(stage=s, mb=m, layer=layer):   # recompute_grain="layer"
                 self.compute.layer_backward(lane, s, m, layer)
-            case Offload(stage=s, mb=m):
-                self._offload(lane, s, m)
-            case Free(stage=s, mb=m):
-                self._free(lane, s, m)
+            case Prefetch(stage=s):
+                self._prefetch(lane, s)
             case DeviceReduceScatter(stage=s):
                 self._reduce_scatter_on_device(lane, s)
             case DownloadGrads(stage=s):
@@ -563,6 +554,15 @@ class Execution:
                 _free_quietly(dev, t)
             self.on[d] = _OnDevice()
 
+
+
+# ``Execution._act``'s handlers of the actions a stage runs once per microbatch, by their
+# exact class (its subclasses have their own): (device, stage, microbatch) each
+_TRANSFERS = {Upload: Execution._upload, UploadGrad: Execution._upload_grads,
+              Offload: Execution._offload, Free: Execution._free}
+_JOBS = {Forward: StageCompute.forward, GraphForward: StageCompute.graph_forward,
+         FusedBackward: StageCompute.fused, Checkpoint: StageCompute.checkpoint,
+         GraphRecomputeBackward: StageCompute.graph_recompute_backward}
 
 
 def _nbytes(x: Any) -> int:
