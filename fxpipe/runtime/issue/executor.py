@@ -101,8 +101,8 @@ class Execution:
         # data_parallel="device": the stages' gradients are reduce-scattered on the devices;
         # their downloaded pieces, id(parameter) -> this rank's piece summed (the host
         # lane's thread only)
-        self.reduce_on_devices = any(isinstance(a, DeviceReduceScatter)
-                                     for acts in self.program.actions for a in acts)
+        self.reduce_on_devices = call.dp is not None and call.dp.on_devices and any(
+            isinstance(a, DeviceReduceScatter) for acts in self.program.actions for a in acts)
         self.pieces: dict[int, torch.Tensor] = {}
         self.cancelled = threading.Event()
         self.record_lock = threading.Lock()
@@ -198,8 +198,8 @@ class Execution:
                     if not keep[dep.device][dep.step]:
                         continue
                     src = slots[(dep.device, dep.step)]
-                    if not src.ready.is_set():   # another lane's action, not issued yet
-                        src.ready.wait()
+                    if src.ready is not _ISSUED and not src.ready.is_set():
+                        src.ready.wait()   # another lane's action, not issued yet
                     if dep.on == "end":
                         waits.append(src.event)
                     else:

@@ -56,7 +56,9 @@ def split_tensors(lg: LayerGraph, args: tuple, kwargs: dict) -> list[torch.Tenso
     call :func:`check_inputs` accepted by its own rules (not a user's callable): its
     structure, ranks and constants are the call's, so only the sizes are checked (one
     flattening, no structure compared: per microbatch, on every call)."""
-    leaves = pytree.tree_leaves((args, kwargs))
+    leaves = [*args, *kwargs.values()]   # (pytree's order: a dict's in insertion order)
+    if not all(isinstance(x, torch.Tensor) for x in leaves):   # nested, or constants
+        leaves = pytree.tree_leaves((args, kwargs))
     return _sized(lg, [x for x, ex in zip(leaves, lg.example_leaves)
                        if isinstance(ex, torch.Tensor)])
 
