@@ -478,11 +478,6 @@ def size_class(nbytes: int) -> int:
     return -(-pages // step) * step * PAGE
 
 
-KEEP = 2
-"""A :class:`Pool` keeps its free blocks while it holds at most this many times the most
-its tensors ever held at once."""
-
-
 class Pool(_Blocks):
     """Page-locked host tensors in blocks of their size class (:func:`size_class`: at most
     a quarter over a page's rounding), reused: what a GPU offloads activations into
@@ -490,16 +485,17 @@ class Pool(_Blocks):
     of two and keep it: 2.3 GB of a 278K-token Llama-8B boundary activation pinned 4 GiB,
     33 of them more than a 128 GiB host.
 
-    :meth:`empty` reuses a free block of the request's class; else it registers a new one
-    (with the issue lock let go: ``cudaHostRegister`` takes about a millisecond per few
-    MB), first letting the least recently used free blocks go until what the pool holds,
-    the new block included, is at most ``KEEP`` times its high-water mark (the most its
-    tensors held at once). So a run repeating its steps reuses every block from its second
-    step on, and one whose lengths cycle through a few sizes (each step's activations
-    larger or smaller) keeps a set of blocks per size and registers nothing after the
-    first step of each: with the blocks of one size only, every change of length would
-    register anew. A block read by an asynchronous copy is reused only once the copy's
-    event completed (:meth:`hold`, :func:`hold`).
+    :meth:`empty` takes the smallest free block that holds the request; only when none
+    does, it registers a new one (with the issue lock let go: ``cudaHostRegister`` takes
+    about a millisecond per few MB), first letting the least recently used free blocks go
+    until what the pool holds, the new block included, is at most its high-water mark
+    (the most its tensors ever held at once). So a run repeating its steps reuses every
+    block from its second step on, and one whose lengths vary (each step's activations
+    larger or smaller) registers nothing once its longest step has run: a shorter step's
+    tensors take the longer one's blocks. A pool that reused only blocks within a quarter
+    of a request's size let them go and registered anew at every change of length. A
+    block read by an asynchronous copy is reused only once the copy's event completed
+    (:meth:`hold`, :func:`hold`).
 
     >>> pool = Pool(emulate=True)
     >>> a = pool.empty((4, 1000), torch.float32)     # 16000 B: four pages
@@ -523,12 +519,12 @@ class Pool(_Blocks):
         nbytes = size_class(numel * dtype.itemsize)
         with self._lock:
             free = self._free()   # least recently taken first
-            fit = next((b for b in free if b[2] == nbytes), None)
-            if fit is not None:
-                return self._view(fit, dtype, shape)
+            fits = [b for b in free if b[2] >= nbytes]
+            if fits:
+                return self._view(min(fits, key=lambda b: b[2]), dtype, shape)
             held = self.nbytes
             self.high_water = max(self.high_water, held - sum(b[2] for b in free) + nbytes)
-            while free and held + nbytes > KEEP * self.high_water:
+            while free and held + nbytes > self.high_water:
                 gone = free.pop(0)
                 self._drop(gone)
                 held -= gone[2]
