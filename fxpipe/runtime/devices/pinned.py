@@ -528,10 +528,10 @@ class Pool(_Blocks):
                 gone = free.pop(0)
                 self._drop(gone)
                 held -= gone[2]
-            self.registered += 1
         block = self._new(nbytes)
         with self._lock:
             self._add(block)
+            self.registered += 1
             return self._view(block, dtype, shape)
 
     def trim(self) -> None:
