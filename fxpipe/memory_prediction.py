@@ -38,6 +38,7 @@ from fxpipe.passes.stage_memory import (
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
 from fxpipe.runtime.stages.graphs import graph_jobs
+from fxpipe.sequence_plan import host_kv_bytes, with_kv
 from fxpipe.stage_plan import RunType, StagePlan
 
 def chain_memory(pipe: Any, num_microbatch: int = 1, *,
@@ -139,7 +140,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
                    label: Any = None, batch: int | None = None,
                    max_length: int | None = None,
                    return_outputs: bool = False,
-                   kv_cache: Literal["host", "device", "auto"] = "host") -> MemoryPrediction:
+                   kv_cache: Literal["host", "device", "auto"] = "host",
+                   sequence_chunks: int | Literal["auto"] | None = None) -> MemoryPrediction:
     """Predicted peak device bytes of every stage of a call, before running it.
 
     ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
@@ -186,7 +188,27 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     them); ``"device"``, every stage's ``cache`` counts what its device keeps resident for
     all its stages; ``"auto"``, the caches that fit. With ``num_microbatch`` the Program
     is the microbatched decode's, and activations are costed for one microbatch.
+
+    ``sequence_chunks=K`` (a pipe over a Hugging Face causal LM, ``fxpipe.sequence_chunks``):
+    a chunked call (``"fused"``, the default, or ``"infer"``) of the example's rows at
+    ``max_length`` tokens (default: the example's) in ``K`` chunks (``"auto"``: as a call
+    would choose), its plan the one that call runs; each stage also counts its attention
+    layers' keys and values for the whole sequence (and in backward their gradients,
+    ``fxpipe.sequence_plan.with_kv``), and ``.host`` the keys and values kept between the
+    forward and the backward (``kv``).
     """
+    if sequence_chunks is not None:
+        if not hasattr(pipe, "_chunk_prediction"):
+            raise TypeError("predict_memory(sequence_chunks=...) takes a PipelineModule")
+        if run_type not in (None, "fused", "infer"):
+            raise ValueError(f"predict_memory(sequence_chunks=...): a chunked call runs as "
+                             f"'fused' or 'infer', not {run_type!r}")
+        run_type = run_type or "fused"
+        lg, plan, memory, kv, tokens, num_microbatch = pipe._chunk_prediction(
+            run_type, sequence_chunks, max_length)
+        loss_fn = label = None   # the chunk step's loss is the model's own
+    else:
+        kv = None
     if run_type == "generate":
         from fxpipe.generation import inspected_steps
         if (batch is None) != (max_length is None):
@@ -197,7 +219,9 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])
     config = getattr(pipe, "config", None)
-    if run_type in (None, "fused") and hasattr(pipe, "_for_loss"):   # the chain the call runs
+    if sequence_chunks is not None:
+        pass
+    elif run_type in (None, "fused") and hasattr(pipe, "_for_loss"):   # the chain the call runs
         compiled = pipe._for_loss(pipe._current, loss_fn or (lambda out, _: out), label,
                                   return_outputs)
         lg, plan = compiled.layers, plan or compiled.plan
@@ -216,7 +240,11 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     run_type = run_type or planned
     # a plan made for training serves inference too (a fused plan's tail runs forward)
     plan.validate(len(lg), planned if run_type == "infer" else run_type)
-    memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label), layers=lg)
+    if sequence_chunks is not None:   # one chunk's, and the sequence's keys
+        memory = memory if kv is None else with_kv(memory, kv, tokens)
+    else:
+        memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label),
+                              layers=lg)
     if isinstance(lg, LayerGraph):   # the Program the call runs: its hand-offs, its grain
         tensors = [x for x in lg.example_leaves if isinstance(x, torch.Tensor)]
         spec = CallSpec(run_type, M, grain, outputs=False, input_grads=tuple(
@@ -232,6 +260,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     fwd, _ = stage_ranges(plan, run_type, len(lg))
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M) \
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
+    if kv is not None and run_type == "fused":
+        host["kv"] = host_kv_bytes(kv, tokens)
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
 
 

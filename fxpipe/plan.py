@@ -283,14 +283,14 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
         memory = memory_at(n // chunks)
         kv = layout[0] if chunks > 1 else None
         if chunks > 1:
-            memory = with_kv(memory, kv, n)
+            memory = with_kv(memory, kv, n * microbatch_size)
         steps = M if chunks == 1 else chunks
         planner.check_memory("fused", [memory], limit, num_devices=num_devices,
                              num_microbatch=steps, recompute_grain=recompute_grain)
 
         def host_at(cuts: Any) -> int:
             return sum(host_bytes(graph[0], memory, cuts, steps).values()) + (
-                host_kv_bytes(kv, n) if kv is not None else 0)
+                host_kv_bytes(kv, n * microbatch_size) if kv is not None else 0)
 
         host = host_at(range(len(memory) - 1))   # every layer's boundary: the finest plan's
         if kv is not None and host_memory is not None and host > host_memory:

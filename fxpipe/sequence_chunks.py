@@ -33,7 +33,9 @@ values' bytes moved (``h2d_bytes_kv``, ``d2h_bytes_kv``).
 
 Supported: Hugging Face causal LMs whose attention goes through
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2, ...), called with
-``input_ids`` and optionally ``labels`` and an all-ones ``attention_mask``, in
+``input_ids`` and optionally ``labels``, ``num_items_in_batch`` (each chunk's loss is
+then its tokens' sum over it, and the chunks' losses add: ``loss_reduction="sum"``, as
+``FxpipeTrainer`` calls it) and an all-ones ``attention_mask``, in
 ``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend.
 Anything else is refused before it runs. ``sequence_chunks="auto"``: the fewest chunks
 whose step has a plan that fits the devices (:meth:`SequenceChunking._auto_chunks`).
@@ -53,8 +55,10 @@ import torch.utils._pytree as pytree
 
 from fxpipe.config import RunConfig
 from fxpipe.errors import PlanError
-from fxpipe.memory_prediction import chain_memory
+from fxpipe.memory_prediction import tensor_bytes
 from fxpipe.passes import chain_costs, planner
+from fxpipe.passes.costs import compute_costs
+from fxpipe.passes.stage_memory import ChainMemory
 from fxpipe.plan import MEMORY_FRACTION, ExecutePlan, layer_costs
 from fxpipe.runtime.host.params import HostParams
 from fxpipe.runtime.issue.microbatch import PackedData
@@ -67,7 +71,7 @@ __all__ = ["ChunkedLM", "chunked_plan", "SequenceChunking"]
 ATTENTION = "fxpipe_sequence_chunks"
 """The name fxpipe's chunk attention is registered under in transformers'
 ``AttentionInterface``."""
-_ACCEPTED = ("input_ids", "labels", "attention_mask")
+_ACCEPTED = ("input_ids", "labels", "attention_mask", "num_items_in_batch")
 _active = threading.local()   # the slot a ChunkedLM's forward runs with (read when traced)
 
 
@@ -116,11 +120,13 @@ class ChunkedLM(nn.Module):
         return self.model.config
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                shift_labels: torch.Tensor | None = None) -> Any:
+                shift_labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | None = None) -> Any:
         if shift_labels is None:
             return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         return self.model(input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
-                          shift_labels=shift_labels, use_cache=False)
+                          shift_labels=shift_labels, use_cache=False, **extra)
 
 
 @contextlib.contextmanager
@@ -210,6 +216,18 @@ def chunk_inputs(kwargs: dict, chunks: int) -> tuple[dict, list[tuple[int, int]]
                              f"shape of input_ids {tuple(ids.shape)}")
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
         out["shift_labels"] = PackedData(shifted[:, a:b].contiguous() for a, b in bounds)
+    count = kwargs.get("num_items_in_batch")
+    if count is not None:
+        if labels is None:
+            raise ValueError("sequence_chunks: num_items_in_batch= divides the model's labels= "
+                             "loss; the call passes no labels")
+        if isinstance(count, int) and not isinstance(count, bool):
+            count = torch.tensor(count)
+        if not (isinstance(count, torch.Tensor) and count.numel() == 1):
+            raise TypeError(f"sequence_chunks: num_items_in_batch must be an int or a "
+                            f"one-element tensor, got {count!r}")
+        # every chunk's loss is its tokens' sum over the same count: the chunks' losses add
+        out["num_items_in_batch"] = PackedData(count.reshape(()) for _ in bounds)
     return out, bounds
 
 
@@ -241,6 +259,16 @@ class SequenceChunking:
             raise NotImplementedError("sequence_chunks: pass labels= in the model's inputs "
                                       "(its own loss), not label= and a loss_fn")
         chunk_kwargs, bounds = self._chunk_inputs(kwargs, cfg)
+        counted = "num_items_in_batch" in chunk_kwargs
+        if fused is not None and (fused["loss_reduction"] == "sum") != counted:
+            raise ValueError(
+                "sequence_chunks: with num_items_in_batch= each chunk's loss is its tokens' sum "
+                "divided by it, so the chunks' losses add: pass loss_reduction='sum'"
+                if counted else
+                "sequence_chunks: loss_reduction='sum' adds microbatch losses, and the chunks "
+                "are not the call's microbatches (each chunk's loss is its tokens' mean); pass "
+                "num_items_in_batch= to the model (the loss: the tokens' sum divided by it), "
+                "or leave loss_reduction='mean' (the sequence's mean)")
         store = SequenceKV(bounds, training=fused is not None)
         with serving(self.module, self._chunk_slot, store):
             pipe, compiled, plan = self._chunk_setup(
@@ -256,7 +284,7 @@ class SequenceChunking:
                     return pipe.forward_backward((), chunk_kwargs, run_config=run, **fused)
                 with torch.no_grad():
                     out = pipe(run_config=run, **chunk_kwargs)
-                return _joined(out, chunk_kwargs.get("shift_labels"))
+                return _joined(out, chunk_kwargs.get("shift_labels"), counted)
             finally:
                 self._log.stats = {**pipe.stats(), "h2d_bytes_kv": store.h2d_bytes,
                                    "d2h_bytes_kv": store.d2h_bytes}
@@ -264,19 +292,47 @@ class SequenceChunking:
     def _chunked_executable(self, run_type: str, chunks: int, **kw: Any) -> Any:
         """The Executable a chunked call of ``run_type`` in ``chunks`` chunks runs on the
         pipe's example (``pipe.program(..., sequence_chunks=K)``, ``pipe.code``)."""
-        lg = self._current.layers
-        _, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
-        kwargs = {k: v for k, v in kwargs.items() if k in _ACCEPTED}
-        if run_type == "train":
-            raise NotImplementedError("sequence_chunks runs as 'fused' (forward_backward) or "
-                                      "'infer' calls")
-        cfg = RunConfig.merge(self.config, RunConfig(sequence_chunks=chunks))
-        chunk_kwargs, bounds = self._chunk_inputs(kwargs, cfg)
+        chunk_kwargs, bounds = self._example_chunks(run_type, chunks)
         with serving(self.module, self._chunk_slot, SequenceKV(bounds)):
             pipe, compiled, plan = self._chunk_setup(chunk_kwargs, bounds, run_type,
                                                      kw.get("return_outputs", False))
             return pipe._executable(run_type, len(bounds), compiled=compiled, plan=plan,
                                     chunks=len(bounds), **kw)
+
+    def _chunk_prediction(self, run_type: str, chunks: int | str,
+                          length: int | None) -> tuple:
+        """For ``predict_memory(pipe, sequence_chunks=K, max_length=L)``: the chunk step's
+        layers and plan for a call of ``run_type`` on the example's rows at ``length``
+        tokens (None: the example's), one chunk's memory, the attention layers' keys
+        (``fxpipe.sequence_plan.KVLayout``, None where unknown), the call's tokens (rows x
+        length) and the chunk count."""
+        chunk_kwargs, bounds = self._example_chunks(run_type, chunks, length)
+        with serving(self.module, self._chunk_slot, SequenceKV(bounds)):
+            _, compiled, plan = self._chunk_setup(chunk_kwargs, bounds, run_type, False)
+            example = {k: v[0] for k, v in chunk_kwargs.items()}
+            memory = chunk_memory(compiled, example)
+        kv = kv_layout(self._chunk_steps[0], compiled.layers, self.param_dtype)
+        return (compiled.layers, plan, memory, kv, _ids(example).shape[0] * bounds[-1][1],
+                len(bounds))
+
+    def _example_chunks(self, run_type: str, chunks: int | str,
+                        length: int | None = None) -> tuple[dict, list]:
+        """``_chunk_inputs`` of the pipe's example (its rows at ``length`` tokens: token 0
+        throughout; None: as it is) for a chunked call of ``run_type``."""
+        if run_type == "train":
+            raise NotImplementedError("sequence_chunks runs as 'fused' (forward_backward) or "
+                                      "'infer' calls")
+        lg = self._current.layers
+        _, kwargs = pytree.tree_unflatten(lg.example_leaves, lg.in_spec)
+        kwargs = {k: v for k, v in kwargs.items() if k in _ACCEPTED}
+        if length is not None:
+            rows = _ids(kwargs).shape[0]
+            kwargs = {k: torch.zeros(rows, length, dtype=v.dtype) if k != "num_items_in_batch"
+                      else v for k, v in kwargs.items()}
+            if "attention_mask" in kwargs:
+                kwargs["attention_mask"] += 1
+        cfg = RunConfig.merge(self.config, RunConfig(sequence_chunks=chunks))
+        return self._chunk_inputs(kwargs, cfg)
 
     def _chunk_inputs(self, kwargs: dict, cfg: RunConfig) -> tuple[dict, list]:
         """``chunk_inputs`` for this pipe's model, after the checks of what a chunked
@@ -355,13 +411,15 @@ class SequenceChunking:
         if run_type == "fused" and not outputs:
             compiled = compiled.fused(step)   # what forward_backward runs
         attention = attention_layers(compiled.layers)
-        return pipe, compiled, chunked_plan(self._chunk_plan(compiled, run_type, len(bounds),
-                                                             bounds[-1][1]) or compiled.plan,
-                                            attention, len(compiled.layers))
+        plan = self._chunk_plan(compiled, run_type, example, len(bounds),
+                                _ids(example).shape[0] * bounds[-1][1])
+        return pipe, compiled, chunked_plan(plan or compiled.plan, attention,
+                                            len(compiled.layers))
 
-    def _chunk_plan(self, compiled: Any, run_type: str, chunks: int, length: int) -> Any:
+    def _chunk_plan(self, compiled: Any, run_type: str, example: dict, chunks: int,
+                    tokens: int) -> Any:
         """Where the devices have a memory limit: the plan of the chunk step with each
-        attention layer's keys and values for ``length`` tokens counted
+        attention layer's keys and values for ``tokens`` tokens (rows x length) counted
         (``fxpipe.sequence_plan.with_kv``), which the chunk's own costs do not hold;
         ``None`` without a limit."""
         limits = [d.memory_limit for d in self.devices if d.memory_limit is not None]
@@ -372,21 +430,32 @@ class SequenceChunking:
                                          need_backward=run_type != "infer")
         (fwd, bwd), = planner.plan_chains(
             run_type, chains, num_devices=len(self.devices), num_microbatch=chunks,
-            memory=[with_kv(chain_memory(compiled.layers), kv, length)],
+            memory=[with_kv(chunk_memory(compiled, example), kv, tokens)],
             memory_limit=MEMORY_FRACTION * min(limits),
             recompute_grain=self.config.recompute_grain or "stage",
             host_ms_per_action=chain_costs.HOST_MS_PER_ACTION)
         return ExecutePlan(fwd, bwd)
 
 
-def _joined(out: Any, shift_labels: PackedData | None) -> Any:
+def chunk_memory(compiled: Any, example: dict) -> ChainMemory:
+    """One chunk's memory through ``compiled``'s layers, costed at ``example``'s length
+    (one chunk's inputs) inside ``serving``: a capture serves chunks of several lengths,
+    and its own costs are those of the chunk it was first captured for."""
+    flat = pytree.tree_leaves(((), example))
+    return ChainMemory.of(compute_costs(compiled.layers, flat, store=False), tensor_bytes(flat))
+
+
+def _joined(out: Any, shift_labels: PackedData | None, counted: bool) -> Any:
     """A chunked inference call's output: each tensor's chunks joined along the tokens
-    (dim 1), a 0-dim loss the mean of the chunks' means weighted by their target tokens."""
+    (dim 1), a 0-dim loss the mean of the chunks' means weighted by their target tokens
+    (``counted``: with ``num_items_in_batch``, the chunks' losses added)."""
     def join(x: Any) -> Any:
         if not isinstance(x, PackedData) or not x or not isinstance(x[0], torch.Tensor):
             return x
         if x[0].dim() >= 2:
             return torch.cat(list(x), dim=1)
+        if x[0].dim() == 0 and counted:   # each chunk's sum over the batch's count
+            return sum(x)
         if x[0].dim() == 0 and shift_labels is not None:   # the model's mean loss
             counts = [float((t != -100).sum()) for t in shift_labels]
             return sum(v * c for v, c in zip(x, counts)) / max(sum(counts), 1.0)

@@ -4,8 +4,9 @@ for ``fxpipe.plan.max_sequence_length``.
 A chunked step of ``L`` tokens in ``K`` chunks is a step of ``K`` microbatches of
 ``L / K`` tokens each (the layers' costs at the chunk's length), plus the keys and
 values the chunk attention keeps (``fxpipe.sequence_kv``). Per attention layer, with
-``kv`` the bytes of one token's keys (or values) in the device dtype, a stage's job holds
-on its device, for the whole job:
+``kv`` the bytes of one token's keys (or values) in the device dtype and ``L`` the
+tokens of every row of the call (rows x length), a stage's job holds on its device, for
+the whole job:
 
 - the layer's keys and values of the whole sequence, ``2 * L * kv`` (forward and
   backward jobs: :func:`with_kv` adds them to the layer's ``kept``, which a stage sums
@@ -80,11 +81,11 @@ def kv_layout(model: nn.Module, lg: Any, dtype: torch.dtype | None) -> KVLayout 
     return KVLayout(tuple(layers), int(kv_heads) * int(head_dim), itemsize)
 
 
-def with_kv(memory: ChainMemory, kv: KVLayout, length: int) -> ChainMemory:
-    """``memory`` (one chunk's) with what the attention layers keep on a device for
-    ``length`` tokens (module docstring)."""
-    one = length * kv.bytes_per_token
-    fp32 = length * kv.elements * 4
+def with_kv(memory: ChainMemory, kv: KVLayout, tokens: int) -> ChainMemory:
+    """``memory`` (one chunk's) with what the attention layers keep on a device for a
+    call of ``tokens`` tokens (its rows x its length; module docstring)."""
+    one = tokens * kv.bytes_per_token
+    fp32 = tokens * kv.elements * 4
     layers = set(kv.layers)
 
     def plus(vector: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -95,10 +96,10 @@ def with_kv(memory: ChainMemory, kv: KVLayout, length: int) -> ChainMemory:
                    bwd_peak=plus(memory.bwd_peak, 2 * one))
 
 
-def host_kv_bytes(kv: KVLayout, length: int) -> int:
-    """Host bytes of a chunked step's keys and values: every attention layer's, between
-    its forward job and its backward job."""
-    return 2 * length * kv.bytes_per_token * len(kv.layers)
+def host_kv_bytes(kv: KVLayout, tokens: int) -> int:
+    """Host bytes of a chunked step's keys and values for ``tokens`` tokens (its rows x
+    its length): every attention layer's, between its forward job and its backward job."""
+    return 2 * tokens * kv.bytes_per_token * len(kv.layers)
 
 
 def chunk_counts(length: int, step: int) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -377,6 +378,76 @@ def test_two_ranks_torchrun(tmp_path):
     print(f"2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
     assert loss_err <= TOL and w_err <= TOL, (got["losses"], losses(one))
     one.close_pipes()
+
+
+class Prompts(torch.utils.data.Dataset):
+    """Rows of 16 tokens, none padded in attention (what a chunked step takes): a prompt
+    masked out of the loss (``-100``) at the start of each row, and ``-100`` after the
+    row's end in some (right padding, which a causal LM's earlier tokens never see)."""
+
+    def __init__(self, n: int = 16, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(2, V, (n, 16), generator=g)
+        self.prompt = torch.randint(1, 8, (n,), generator=g)
+        self.pad = torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.ids[i].clone()
+        labels = ids.clone()
+        labels[:self.prompt[i]] = -100
+        if self.pad[i]:
+            labels[-self.pad[i]:] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def test_sequence_chunks_equal_trainer(tmp_path):
+    """``fxpipe_config=RunConfig(sequence_chunks=2)``: each step's rows run as two token
+    chunks through the stages (``fxpipe.sequence_chunks``), the model's own loss counted
+    over the accumulated batch (``num_items_in_batch``); with masked prompts, gradient
+    accumulation, clipping and evaluation, the losses and weights equal the plain
+    Trainer's."""
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, eval_strategy="steps",
+              eval_steps=2)
+    ref = T.Trainer(model=tiny_llama(), args=args(tmp_path / "ref", **kw),
+                    train_dataset=Prompts(), eval_dataset=Prompts(8, seed=3))
+    ref.train()
+    ours = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path / "fx", **kw),
+                         train_dataset=Prompts(), eval_dataset=Prompts(8, seed=3),
+                         devices=["cpu", "cpu"],
+                         fxpipe_config=fxpipe.RunConfig(sequence_chunks=2))
+    ours.train()
+    assert ours._fxpipe_train_pipe.stats()["d2h_bytes_kv"] > 0   # the step ran chunked
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ref, ours)]
+    assert len(evals[0]) == len(evals[1]) == 2
+    assert max(abs(x - y) for x, y in zip(*evals)) <= 1e-5, evals
+    a, b = losses(ref), losses(ours)
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b)) <= TOL, (a, b)
+    assert max_weight_diff(ref.model, ours.model) <= TOL
+    ours.close_pipes()
+
+
+class _OwnLoss(T.Trainer):
+    def compute_loss(self, model, inputs, **kw):
+        return super().compute_loss(model, inputs, **kw)
+
+
+@pytest.mark.parametrize("trainer_kw,message", [
+    ({"compute_loss_func": lambda out, labels, num_items_in_batch=None: out.logits.mean()},
+     "compute_loss_func need the whole logits"),
+    ({"args_kw": {"torch_compile": True}}, "stage_backend='inductor'"),
+    ({"cls": fxpipe_trainer(_OwnLoss)}, "_OwnLoss.compute_loss overrides Trainer.compute_loss"),
+])
+def test_what_a_chunked_trainer_cannot_run_is_refused_at_construction(tmp_path, trainer_kw,
+                                                                     message):
+    kw = dict(trainer_kw)
+    cls, args_kw = kw.pop("cls", FxpipeTrainer), kw.pop("args_kw", {})
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        cls(model=tiny_llama(), args=args(tmp_path, **args_kw), train_dataset=Prompts(),
+            devices=["cpu", "cpu"], fxpipe_config=fxpipe.RunConfig(sequence_chunks=2), **kw)
 
 
 def test_eval_during_training_and_a_short_last_batch(tmp_path):

@@ -39,6 +39,10 @@ How a step maps onto the pipe:
   (``param_dtype=torch.bfloat16``, the default); with ``param_dtype=torch.float32`` the
   parameters stay fp32 and each call runs under ``torch.autocast(..., torch.bfloat16)``,
   as the plain Trainer's model does. Never silently in fp32.
+- ``fxpipe_config=RunConfig(sequence_chunks=K)``: each step's rows run as ``K`` token
+  chunks (``fxpipe.sequence_chunks``) with the model's own ``labels=`` loss over
+  ``num_items_in_batch``; what would need the whole logits (label smoothing,
+  ``compute_loss_func``, a ``compute_loss`` override) is refused at construction.
 - ``evaluate()`` / ``predict()`` run the model through the pipe (a second pipe for the
   evaluation batches' keys, compiled on their first batch).
 - under ``torchrun`` / ``accelerate launch`` (``torch.distributed`` initialized, world
@@ -232,6 +236,7 @@ class FxpipeMixin:
         self._fxpipe_group: Any = None
         super().__init__(*args, **kwargs)
         _check_trainer(self)
+        _check_chunks(self)
 
     # -- the pipes -------------------------------------------------------------------------
     def _fxpipe_pipe(self, args: tuple, kwargs: dict, *, training: bool) -> fxpipe.PipelineModule:
@@ -332,17 +337,23 @@ class FxpipeMixin:
                 or self.compute_loss_func is not None
         ga = self.current_gradient_accumulation_steps
         trainer, module = self, self.model
+        # token chunks (``fxpipe.sequence_chunks``): the model's own labels= loss, which is
+        # what compute_loss returns here (_check_chunks), over the step's num_items_in_batch
+        chunked = self._fxpipe_config is not None and \
+            self._fxpipe_config.sequence_chunks is not None
 
-        def loss_fn(outputs: Any, mb_inputs: dict) -> torch.Tensor:
-            loss = trainer.compute_loss(_Replay(module, outputs), dict(mb_inputs),
-                                        num_items_in_batch=num_items_in_batch)
+        def loss_fn(outputs: Any, mb_inputs: Any) -> torch.Tensor:
+            loss = outputs["loss"] if chunked else trainer.compute_loss(
+                _Replay(module, outputs), dict(mb_inputs), num_items_in_batch=num_items_in_batch)
             return loss if scaled else loss / ga
 
         pipe = self._fxpipe_pipe((), model_inputs, training=True)
         step = self._fxpipe_streamed_step()
+        summed = "num_items_in_batch" in model_inputs if chunked else scaled
+        label = None if chunked else dict(inputs)
         with self._fxpipe_autocast(pipe):
-            loss = pipe.forward_backward((), model_inputs, label=dict(inputs), loss_fn=loss_fn,
-                                         loss_reduction="sum" if scaled else "mean",
+            loss = pipe.forward_backward((), model_inputs, label=label, loss_fn=loss_fn,
+                                         loss_reduction="sum" if summed else "mean",
                                          optimizer=step)
         if step is not None:
             self._fxpipe_skip_next_step()
@@ -511,6 +522,35 @@ def _checkpointing_off(model: nn.Module) -> None:
             if getattr(model, is_on, False):
                 getattr(model, off)()
             return
+
+
+def _check_chunks(trainer: Any) -> None:
+    """``fxpipe_config=RunConfig(sequence_chunks=...)``: the step runs the model's own
+    ``labels=`` loss over token chunks, so what would compute another loss on whole
+    logits is refused here, before training starts."""
+    config = trainer._fxpipe_config
+    if config is None or config.sequence_chunks is None:
+        return
+    where = "FxpipeTrainer(fxpipe_config=RunConfig(sequence_chunks=...))"
+    if getattr(trainer, "label_smoother", None) is not None or \
+            getattr(trainer, "compute_loss_func", None) is not None:
+        raise NotImplementedError(
+            f"{where} runs the model's own labels= loss chunk by chunk; label smoothing and "
+            "compute_loss_func need the whole logits: drop them, or drop sequence_chunks")
+    own = type(trainer).compute_loss
+    if own is not transformers.Trainer.compute_loss:
+        raise NotImplementedError(
+            f"{where}: {type(trainer).__name__}.compute_loss overrides Trainer.compute_loss "
+            f"({own.__qualname__}), and a chunked step runs the model's own labels= loss "
+            "without calling it; use FxpipeTrainer, or drop sequence_chunks")
+    if config.stage_backend not in (None, "eager"):
+        raise NotImplementedError(
+            f"{where} with stage_backend={config.stage_backend!r} (TrainingArguments("
+            "torch_compile=True) asks for it): chunked steps run eager stage code; drop one")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError(
+            f"{where} under torchrun: a chunked step does not synchronize the ranks' "
+            "gradients yet; train chunked on one process, or drop sequence_chunks")
 
 
 def _check_trainer(trainer: Any) -> None:
