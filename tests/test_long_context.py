@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.passes.partition import build_layer_graph, without_loss_free_outputs
-from fxpipe.tiling import tiled_mlp
+from fxpipe.tiling import tiled_mlp, tiled_rms_norm
 
 pytest.importorskip("transformers")
 import transformers as T  # noqa: E402
@@ -192,6 +192,60 @@ def test_tiled_mlp_gradients_equal_the_plain_mlps():
         tiled_mlp(x, *ws, act="relu", rows=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rms_norm_equals_the_plain_norm(dtype):
+    """Each row's norm is the plain norm's, bit for bit (rows are independent); the
+    weight's gradient is summed per tile, then over the tiles in fp32 (a reassociation)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 16, generator=g).to(dtype).requires_grad_()
+    w = (1 + torch.randn(16, generator=g) / 4).to(dtype).requires_grad_()
+    cast = None if dtype == torch.float32 else dtype
+    up = x.float()
+    ref = w * (up * torch.rsqrt(up.pow(2).mean(-1, keepdim=True) + 1e-6)).to(cast or dtype)
+    grad = torch.randn(ref.shape, generator=g).to(dtype)
+    ref_dx, ref_dw = torch.autograd.grad(ref, (x, w), grad)
+    out = tiled_rms_norm(x, w, eps=1e-6, dtype=cast, rows=4)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    dx, dw = torch.autograd.grad(out, (x, w), grad)
+    assert torch.equal(dx, ref_dx)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dw, ref_dw, **tol)
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        tiled_rms_norm(x, w, eps=1e-6, dtype=cast, rows=0)
+
+
+def test_tiled_norms_hold_less_for_backward():
+    """In bf16 a ``LlamaRMSNorm`` keeps its fp32 upcast and its bf16 normalized value for
+    backward, six bytes per element of the sequence; tiled, it keeps its input. A block's
+    bytes held for backward, costed on fake tensors at 512 tokens on devices of 512 KiB
+    (MLP and loss tiled in both), drop by at least a third."""
+    from fxpipe.memory_prediction import chain_memory
+    import fxpipe.passes.partition as partition
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        use_cache=False))
+    ids = torch.randint(2, 64, (1, 512), generator=torch.Generator().manual_seed(0))
+    kw = {"input_ids": ids, "labels": ids}
+
+    def held() -> tuple[int, str]:
+        lg = build_layer_graph(model, (), kw, device_memory=512 * 2**10,
+                               param_dtype=torch.bfloat16)
+        return chain_memory(lg).held[1], lg.layers[1].gm.code
+
+    tiled, code = held()
+    assert code.count("fxpipe_tiling_tiled_rms_norm(") == 2 and "dtype = torch.bfloat16" in code
+    untiled_norms = partition.tile_norms
+    try:
+        partition.tile_norms = lambda gm, device_memory: 0
+        plain, code = held()
+    finally:
+        partition.tile_norms = untiled_norms
+    assert "tiled_rms_norm" not in code
+    print(f"a block holds {plain} B untiled, {tiled} B with its norms tiled")
+    assert tiled <= 2 / 3 * plain
+
+
 def scaled_llama() -> T.LlamaForCausalLM:
     """Llama-3.1-8B's ratios at width 64: MLP 3.5x the hidden size, vocabulary 32x,
     grouped-query attention (4 heads, 2 for keys and values), untied head."""
@@ -243,6 +297,14 @@ def test_a_scaled_llama_trains_past_its_logits_and_mlp_on_strict_cuda_sim():
 # GELU written out in ops (GPT-J, Phi, Falcon, BLOOM)
 TILED = {"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "olmo2", "gpt_neox", "opt",
          "bert", "roberta", "vit"}
+# the matrix's architectures with a norm of LlamaRMSNorm's form, which the tiling pass
+# tiles (T5's in fp32, where its upcast is no cast; in bf16 it scales the un-upcast
+# input and is left); Gemma's add one to the weight in fp32, Llama 4's casts with
+# type_as, the others are LayerNorms
+NORMS_TILED = {"deepseek_v3", "gpt_oss", "jamba", "jetmoe", "llama", "longt5", "mamba",
+               "mamba2", "mistral", "mixtral", "mixtral_eager_experts", "olmo2", "olmoe",
+               "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
+               "switch_transformers", "t5", "t5_default_cache", "zamba", "zamba2"}
 # for CI's time one of each family (FXPIPE_HF_MATRIX=all: every architecture); the loss
 # pass runs on every one in test_hf_matrix.py's pipelines too
 PASSES_CI = ["llama", "qwen3", "gemma2", "gemma3", "gpt_neox", "opt", "bert", "vit", "phi",
@@ -273,6 +335,7 @@ def test_the_passes_keep_every_architecture_equal_to_eager(name):
         assert_grads_close(model, ref, atol=1e-5, rtol=1e-4)
     if name in TILED:
         assert "fxpipe_tiling_tiled_mlp(" in code and "rows = 2)" in code, name
+    assert ("fxpipe_tiling_tiled_rms_norm(" in code) == (name in NORMS_TILED), name
     if lg.loss_free_outputs:
         assert "fxpipe_losses_linear_cross_entropy(" in code, name
 

@@ -34,7 +34,7 @@ from fxpipe.passes.blocks import run_block
 from fxpipe.passes.capture import capture as capture_graph
 from fxpipe.passes.layer_graph import Layer, LayerGraph, graph_module, is_random
 from fxpipe.passes.loss import fuse_linear_cross_entropy, trim_outputs
-from fxpipe.passes.tiling import tile_mlps
+from fxpipe.passes.tiling import tile_mlps, tile_norms
 from fxpipe.passes.token_means import find_token_means
 
 
@@ -52,8 +52,8 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
     cross-entropy become ``linear_cross_entropy`` (``fxpipe.passes.loss``), chunked for
     devices of ``device_memory`` bytes (``None``: unknown), a loss that averages over
     target tokens divides its sum by a count the runtime weights microbatches by
-    (``fxpipe.passes.token_means``), and an MLP whose intermediates would not fit its
-    share of them runs in tiles (``fxpipe.passes.tiling``).
+    (``fxpipe.passes.token_means``), and an MLP or RMSNorm whose intermediates would not
+    fit its share of them runs in tiles (``fxpipe.passes.tiling``).
 
     >>> lg = build_layer_graph(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
     >>> [layer.name for layer in lg]
@@ -69,6 +69,7 @@ def build_layer_graph(model: nn.Module, args: tuple = (), kwargs: dict | None = 
     fuse_linear_cross_entropy(gm, device_memory)
     find_token_means(gm)
     tile_mlps(gm, device_memory)
+    tile_norms(gm, device_memory)
     same_attention_kernels(gm)
     try:
         return partition(gm, model, containers)

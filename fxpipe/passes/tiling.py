@@ -1,5 +1,6 @@
-"""The tiling pass: a transformer MLP whose intermediates would not fit its share of a
-device runs over the tokens in tiles (``fxpipe.tiling.tiled_mlp``).
+"""The tiling pass: a transformer MLP or RMSNorm whose intermediates would not fit its
+share of a device runs over the tokens in tiles (``fxpipe.tiling.tiled_mlp``,
+``fxpipe.tiling.tiled_rms_norm``).
 
 It finds, in a captured graph (``aten`` ops), the MLPs of the two shapes transformers
 use, each linear's weight a parameter, its intermediates read by nothing else:
@@ -14,6 +15,14 @@ tokens than that runs it as one plain MLP (as eager does); only a longer one til
 MLP is rewritten unless its graph's shapes are static and fit one tile. Without a known
 device memory nothing is rewritten. The tile shows in the stage code
 (``fxpipe_tiling_tiled_mlp(..., act='silu', rows=...)``).
+
+RMSNorms of ``LlamaRMSNorm``'s form (Llama, Qwen2/3 and their q/k norms, Mistral):
+``weight * cast(up * rsqrt(mean(up ** 2, -1, keepdim) + eps))``, ``up`` the input in fp32
+(upcast there or already), ``cast`` back to the input's dtype or none, each intermediate
+read by nothing else. Its tile is as many rows as make ``NORM_BYTES`` per element
+``1 / TILE_FRACTION`` of the smallest device's memory; shown as
+``fxpipe_tiling_tiled_rms_norm(x, w, eps=1e-06, dtype=torch.bfloat16, rows=...)``. Norms
+written otherwise (Gemma's ``1 + weight`` in fp32, LayerNorm) are left as they are.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxpipe.tiling import tiled_mlp
+from fxpipe.tiling import NORM_BYTES, tiled_mlp, tiled_rms_norm
 
 aten = torch.ops.aten
 _ASSERT = aten._assert_tensor_metadata.default
@@ -62,15 +71,109 @@ def tile_mlps(gm: fx.GraphModule, device_memory: int | None) -> int:
                                       {"act": act, "rows": rows})
         out.meta.update({k: v for k, v in down.meta.items() if k != "val"})
         down.replace_all_uses_with(out)
-        for n in [down, *reversed(inner)]:
-            for u in list(n.users):
-                if u.target is _ASSERT:
-                    graph.erase_node(u)
-            graph.erase_node(n)
+        _erase(graph, [down, *reversed(inner)])
         tiled += 1
     if tiled:
         gm.recompile()
     return tiled
+
+
+def tile_norms(gm: fx.GraphModule, device_memory: int | None) -> int:
+    """Tile every matched RMSNorm of ``gm`` that needs it (module docstring) in place;
+    returns how many were tiled."""
+    if device_memory is None:
+        return 0
+    graph, tiled = gm.graph, 0
+    for out in [n for n in graph.nodes if n.target is aten.mul.Tensor]:
+        match = _match_norm(out)
+        if match is None:
+            continue
+        x, weight, eps, dtype, inner = match
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 1:
+            continue
+        rows = max(1, device_memory // TILE_FRACTION // (NORM_BYTES * int(val.shape[-1])))
+        if not val.shape[:-1].numel() > rows and all(isinstance(d, int) for d in val.shape):
+            continue   # static shapes that never need a tile
+        with graph.inserting_before(out):
+            new = graph.call_function(tiled_rms_norm, (x, weight),
+                                      {"eps": eps, "dtype": dtype, "rows": rows})
+        new.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+        out.replace_all_uses_with(new)
+        _erase(graph, [out, *reversed(inner)])
+        tiled += 1
+    if tiled:
+        gm.recompile()
+    return tiled
+
+
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def _cast_to(n) -> torch.dtype | None:
+    """The dtype a cast node casts to (None: not a plain cast)."""
+    if not isinstance(n, fx.Node) or n.target not in _CASTS:
+        return None
+    if n.target is aten.to.dtype:
+        return n.args[1] if len(n.args) > 1 else n.kwargs.get("dtype")
+    extra = set(n.kwargs) - {"dtype", "layout", "device"}
+    return None if extra or len(n.args) > 1 else n.kwargs.get("dtype")
+
+
+def _match_norm(out: fx.Node):
+    """``(x, weight, eps, dtype, intermediate nodes in order)`` if ``out`` ends a
+    ``LlamaRMSNorm`` (``weight * cast(up * rsqrt(mean(up ** 2, -1) + eps))``, ``up`` =
+    ``x`` in fp32)."""
+    if len(out.args) != 2:
+        return None
+    for weight, cast in (out.args, out.args[::-1]):
+        if isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(cast, fx.Node):
+            break
+    else:
+        return None
+    dtype = _cast_to(cast)
+    normed = cast.args[0] if dtype is not None else cast
+    if dtype is not None and not _private(cast, out):
+        return None
+    reader = cast if dtype is not None else out
+    if not (isinstance(normed, fx.Node) and normed.target is aten.mul.Tensor
+            and len(normed.args) == 2 and _private(normed, reader)):
+        return None
+    for up, r in (normed.args, normed.args[::-1]):
+        if isinstance(r, fx.Node) and r.target is aten.rsqrt.default:
+            break
+    else:
+        return None
+    add = r.args[0]
+    if not (isinstance(add, fx.Node) and add.target is aten.add.Tensor and _private(r, normed)
+            and _private(add, r) and isinstance(add.args[1], float)):
+        return None
+    mean = add.args[0]
+    if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and _private(mean, add)):
+        return None
+    square = mean.args[0]
+    val = up.meta.get("val") if isinstance(up, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32
+            and list(mean.args[1]) in ([-1], [val.dim() - 1])
+            and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim")) is True):
+        return None
+    if not (isinstance(square, fx.Node) and square.target is aten.pow.Tensor_Scalar
+            and square.args[0] is up and square.args[1] == 2 and _private(square, mean)):
+        return None
+    inner = [square, mean, add, r, normed] + ([cast] if dtype is not None else [])
+    if _cast_to(up) == torch.float32 and all(
+            u in (square, normed) or u.target is _ASSERT for u in up.users):
+        return up.args[0], weight, add.args[1], dtype, [up, *inner]   # x upcast in the norm
+    return up, weight, add.args[1], dtype, inner   # x in fp32 already
+
+
+def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` (readers first) with export's dtype checks of them."""
+    for n in nodes:
+        for u in list(n.users):
+            if u.target is _ASSERT:
+                graph.erase_node(u)
+        graph.erase_node(n)
 
 
 def _match(gm: fx.GraphModule, down: fx.Node):
