@@ -35,7 +35,8 @@ Supported: Hugging Face causal LMs whose attention goes through
 ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2, ...), called with
 ``input_ids`` and optionally ``labels``, ``num_items_in_batch`` (each chunk's loss is
 then its tokens' sum over it, and the chunks' losses add: ``loss_reduction="sum"``, as
-``FxpipeTrainer`` calls it) and an all-ones ``attention_mask``, in
+``FxpipeTrainer`` calls it) and an all-ones ``attention_mask`` (with ``data_parallel=True``
+the chunk step runs the pipe's collectives: the ranks' gradients averaged), in
 ``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend.
 Anything else is refused before it runs. ``sequence_chunks="auto"``: the fewest chunks
 whose step has a plan that fits the devices (:meth:`SequenceChunking._auto_chunks`).
@@ -259,6 +260,8 @@ class SequenceChunking:
             raise NotImplementedError("sequence_chunks: pass labels= in the model's inputs "
                                       "(its own loss), not label= and a loss_fn")
         chunk_kwargs, bounds = self._chunk_inputs(kwargs, cfg)
+        if fused is not None and fused["sync_gradients"] is None and not self._sync:
+            fused = {**fused, "sync_gradients": False}   # inside this pipe's no_sync()
         counted = "num_items_in_batch" in chunk_kwargs
         if fused is not None and (fused["loss_reduction"] == "sum") != counted:
             raise ValueError(
@@ -342,11 +345,6 @@ class SequenceChunking:
                 f"sequence_chunks with stage_backend={cfg.stage_backend!r}: the chunk attention "
                 "reads and writes its keys on the host from Python, which compiled stage "
                 "code and device graphs do not replay yet; use stage_backend='eager'")
-        if getattr(self, "_dp", None) is not None:
-            raise NotImplementedError(
-                "sequence_chunks with data_parallel=True is not implemented: the chunk step "
-                "would not synchronize the ranks' gradients; run one sequence per rank "
-                "without sequence_chunks, or chunked on one process")
         if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
             raise NotImplementedError(
                 "sequence_chunks runs Hugging Face causal LMs whose attention goes through "
@@ -396,9 +394,12 @@ class SequenceChunking:
             step = ChunkedLM(self.module, self._chunk_slot)
             self._host_params()
             HostParams.share(step, self.module)   # one host copy of the weights
+            # data parallel: the chunk step's backward averages the ranks' gradients with
+            # this pipe's collectives (every rank makes it at its first chunked call)
             pipe = type(self)(step, (), example, devices=self.devices, capture=self._capture,
                               layers=None, config=self.config, plan=None,
-                              param_dtype=self.param_dtype, pin_memory=self.pin_memory)
+                              param_dtype=self.param_dtype, pin_memory=self.pin_memory,
+                              dp=self._dp)
             if not attention_layers(pipe._current.layers):
                 raise NotImplementedError(
                     f"sequence_chunks: {type(self.module).__name__}'s attention does not go "

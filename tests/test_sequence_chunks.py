@@ -13,6 +13,8 @@
   attention, and the code shows the chunk attention;
 - ``max_sequence_length`` plans chunks: longer than whole sequences, ``labels=`` costed by
   default;
+- data parallel: two ranks' chunked steps (one under ``no_sync()``) leave the gradients
+  an unchunked data-parallel pipe leaves;
 - what a chunked call does not support is refused before it runs.
 """
 
@@ -291,6 +293,35 @@ def test_a_loss_over_num_items_in_batch_adds_the_chunks_sums():
     with pytest.raises(TypeError, match="one-element tensor"):
         pipe.forward_backward((), {**kw, "num_items_in_batch": torch.ones(2)},
                               loss_fn=own_loss, loss_reduction="sum", run_config=chunks)
+
+
+def check_data_parallel_chunks(rank: int, world: int) -> None:
+    """On each rank: a chunked data-parallel pipe and an unchunked one over copies of one
+    model, each rank its own sequences (its ``-100`` labels its own), a call inside
+    ``no_sync()`` then a synchronized one: the same gradients (the ranks' average)."""
+    seqs = [batch(rows=2 * world, length=32), batch(rows=2 * world, length=32)]
+    for s in seqs[1:]:
+        s["input_ids"] = (s["input_ids"] * 7 + 3) % V   # another batch
+        s["labels"] = torch.where(s["labels"] == -100, -100, s["input_ids"])
+    mine = [{k: v[2 * rank:2 * rank + 2] for k, v in s.items()} for s in seqs]
+    models = [build("llama") for _ in range(2)]
+    pipes = [fxpipe.compile(m, example_kwargs=mine[0], devices=["cpu", "cpu"],
+                            data_parallel=True, collective_timeout=60) for m in models]
+    chunked = [fxpipe.RunConfig(sequence_chunks=4), None]
+    for pipe, run in zip(pipes, chunked):
+        with pipe.no_sync():
+            pipe.forward_backward((), mine[0], loss_fn=own_loss, run_config=run)
+        pipe.forward_backward((), mine[1], loss_fn=own_loss, run_config=run)
+    assert pipes[0].stats()["d2h_bytes_kv"] > 0
+    for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    for pipe in pipes:
+        pipe.close()
+
+
+def test_data_parallel_chunks_average_the_ranks_gradients(tmp_path):
+    from tests.test_distributed import spawn
+    spawn(2, tmp_path, f"{__name__}:{check_data_parallel_chunks.__name__}")
 
 
 def test_what_a_chunked_call_does_not_support_is_refused():

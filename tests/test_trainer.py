@@ -355,7 +355,8 @@ def test_trl_sft_trainer(tmp_path, bf16, completion):
 def test_two_ranks_torchrun(tmp_path):
     """``torchrun --nproc_per_node 2`` (gloo): each rank trains half of every batch through
     a data-parallel pipe (non-final accumulation steps under ``no_sync``); the loss
-    history and weights equal one process on the whole batch."""
+    history and weights equal one process on the whole batch. So does a run in token
+    chunks (``sequence_chunks=2``: the chunk step's gradients averaged across ranks)."""
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(pathlib.Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -365,19 +366,23 @@ def test_two_ranks_torchrun(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env,
                           cwd=str(pathlib.Path(__file__).resolve().parents[1]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    got = torch.load(out)
-    whole = args(tmp_path / "one", per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                 train_sampling_strategy="sequential")
-    one = FxpipeTrainer(model=tiny_llama(), args=whole, train_dataset=Rows(),
-                        devices=["cpu", "cpu"])
-    one.train()
-    assert len(got["losses"]) == len(losses(one)) == 4
-    loss_err = max(abs(x - y) for x, y in zip(got["losses"], losses(one)))
-    state = one.model.state_dict()
-    w_err = max((state[k] - got["state"][k]).abs().max().item() for k in state)
-    print(f"2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| {w_err:.3g}")
-    assert loss_err <= TOL and w_err <= TOL, (got["losses"], losses(one))
-    one.close_pipes()
+    runs = torch.load(out)
+    for name, data, config in (("plain", Rows(), None),
+                               ("chunked", Prompts(), fxpipe.RunConfig(sequence_chunks=2))):
+        got = runs[name]
+        whole = args(tmp_path / name, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, train_sampling_strategy="sequential")
+        one = FxpipeTrainer(model=tiny_llama(), args=whole, train_dataset=data,
+                            devices=["cpu", "cpu"], fxpipe_config=config)
+        one.train()
+        assert len(got["losses"]) == len(losses(one)) == 4
+        loss_err = max(abs(x - y) for x, y in zip(got["losses"], losses(one)))
+        state = one.model.state_dict()
+        w_err = max((state[k] - got["state"][k]).abs().max().item() for k in state)
+        print(f"{name}, 2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| "
+              f"{w_err:.3g}")
+        assert loss_err <= TOL and w_err <= TOL, (name, got["losses"], losses(one))
+        one.close_pipes()
 
 
 class Prompts(torch.utils.data.Dataset):

@@ -337,14 +337,14 @@ class FxpipeMixin:
                 or self.compute_loss_func is not None
         ga = self.current_gradient_accumulation_steps
         trainer, module = self, self.model
-        # token chunks (``fxpipe.sequence_chunks``): the model's own labels= loss, which is
-        # what compute_loss returns here (_check_chunks), over the step's num_items_in_batch
+        # token chunks (``fxpipe.sequence_chunks``): each chunk's compute_loss is the model's
+        # own labels= loss (_check_chunks), over the step's num_items_in_batch
         chunked = self._fxpipe_config is not None and \
             self._fxpipe_config.sequence_chunks is not None
 
         def loss_fn(outputs: Any, mb_inputs: Any) -> torch.Tensor:
-            loss = outputs["loss"] if chunked else trainer.compute_loss(
-                _Replay(module, outputs), dict(mb_inputs), num_items_in_batch=num_items_in_batch)
+            loss = trainer.compute_loss(_Replay(module, outputs), dict(mb_inputs or {}),
+                                        num_items_in_batch=num_items_in_batch)
             return loss if scaled else loss / ga
 
         pipe = self._fxpipe_pipe((), model_inputs, training=True)
@@ -547,10 +547,6 @@ def _check_chunks(trainer: Any) -> None:
         raise NotImplementedError(
             f"{where} with stage_backend={config.stage_backend!r} (TrainingArguments("
             "torch_compile=True) asks for it): chunked steps run eager stage code; drop one")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError(
-            f"{where} under torchrun: a chunked step does not synchronize the ranks' "
-            "gradients yet; train chunked on one process, or drop sequence_chunks")
 
 
 def _check_trainer(trainer: Any) -> None:
