@@ -37,7 +37,9 @@ Supported: Hugging Face causal LMs whose attention goes through
 then its tokens' sum over it, and the chunks' losses add: ``loss_reduction="sum"``, as
 ``FxpipeTrainer`` calls it) and an all-ones ``attention_mask`` (with ``data_parallel=True``
 the chunk step runs the pipe's collectives: the ranks' gradients averaged), in
-``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend.
+``forward_backward`` and in ``pipe(...)`` without grad, with the eager stage backend or
+inductor's (the chunk attention then runs between its layer's compiled segments:
+``runtime.stages.stage_code.runnable``).
 Anything else is refused before it runs. ``sequence_chunks="auto"``: the fewest chunks
 whose step has a plan that fits the devices (:meth:`SequenceChunking._auto_chunks`).
 """
@@ -340,11 +342,12 @@ class SequenceChunking:
     def _chunk_inputs(self, kwargs: dict, cfg: RunConfig) -> tuple[dict, list]:
         """``chunk_inputs`` for this pipe's model, after the checks of what a chunked
         call supports."""
-        if cfg.stage_backend not in (None, "eager"):
+        if cfg.stage_backend == "cudagraphs":
             raise NotImplementedError(
-                f"sequence_chunks with stage_backend={cfg.stage_backend!r}: the chunk attention "
-                "reads and writes its keys on the host from Python, which compiled stage "
-                "code and device graphs do not replay yet; use stage_backend='eager'")
+                "sequence_chunks with stage_backend='cudagraphs': the chunk attention reads "
+                "and writes its keys between the host and the device from Python, which a "
+                "device graph's replay does not run; use stage_backend='inductor' (its "
+                "compiled code around the attention) or 'eager'")
         if not hasattr(getattr(self.module, "config", None), "_attn_implementation"):
             raise NotImplementedError(
                 "sequence_chunks runs Hugging Face causal LMs whose attention goes through "

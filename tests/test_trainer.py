@@ -443,7 +443,8 @@ class _OwnLoss(T.Trainer):
 @pytest.mark.parametrize("trainer_kw,message", [
     ({"compute_loss_func": lambda out, labels, num_items_in_batch=None: out.logits.mean()},
      "compute_loss_func need the whole logits"),
-    ({"args_kw": {"torch_compile": True}}, "stage_backend='inductor'"),
+    ({"args_kw": {"torch_compile": True, "torch_compile_mode": "reduce-overhead"}},
+     "stage_backend='cudagraphs'"),
     ({"cls": fxpipe_trainer(_OwnLoss)}, "_OwnLoss.compute_loss overrides Trainer.compute_loss"),
 ])
 def test_what_a_chunked_trainer_cannot_run_is_refused_at_construction(tmp_path, trainer_kw,

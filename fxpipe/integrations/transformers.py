@@ -543,10 +543,12 @@ def _check_chunks(trainer: Any) -> None:
             f"{where}: {type(trainer).__name__}.compute_loss overrides Trainer.compute_loss "
             f"({own.__qualname__}), and a chunked step runs the model's own labels= loss "
             "without calling it; use FxpipeTrainer, or drop sequence_chunks")
-    if config.stage_backend not in (None, "eager"):
+    if config.stage_backend == "cudagraphs":
         raise NotImplementedError(
-            f"{where} with stage_backend={config.stage_backend!r} (TrainingArguments("
-            "torch_compile=True) asks for it): chunked steps run eager stage code; drop one")
+            f"{where} with stage_backend='cudagraphs' (TrainingArguments(torch_compile_mode="
+            "'reduce-overhead') asks for it): a chunk's attention moves its keys from Python, "
+            "which a device graph's replay does not run; use torch_compile_mode='default' "
+            "(inductor) or drop one")
 
 
 def _check_trainer(trainer: Any) -> None:

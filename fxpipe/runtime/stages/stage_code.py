@@ -53,6 +53,8 @@ from fxpipe.runtime.host.scratch import ScratchUse
 from fxpipe.runtime.stages.unfilled import Unfilled
 from fxpipe.runtime.stages.timer import LayerTimer
 
+_CHUNK_ATTENTION = torch.ops.fxpipe.chunk_attention.default
+
 _op = torch.ops.fxpipe
 
 
@@ -337,8 +339,10 @@ def _build(stage: Stage, recompute: bool, device: torch.device | None,
         served = {*_SERVED.values(), layer}
         prefetched = {n for n in gm.graph.nodes if n.target is resident}
 
-        def keep(n: fx.Node) -> bool:   # transfers, layer marks, unfilled nodes, parameters
-            return n.target in served or n.name in skip or (
+        # transfers, layer marks, unfilled nodes, parameters; and a chunked call's
+        # attention, which reads and writes its keys from Python (``fxpipe.sequence_kv``)
+        def keep(n: fx.Node) -> bool:
+            return n.target in served or n.name in skip or n.target is _CHUNK_ATTENTION or (
                 n.target is operator.getitem and n.args[0] in prefetched)
         compile_layers(gm, backend, keep=keep, stage=f"stage {stage.index}")
         how = f" [{describe(gm)}]"
