@@ -197,18 +197,17 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     ``fxpipe.sequence_plan.with_kv``), and ``.host`` the keys and values kept between the
     forward and the backward (``kv``).
     """
+    chunked = None
     if sequence_chunks is not None:
         if not hasattr(pipe, "_chunk_prediction"):
             raise TypeError("predict_memory(sequence_chunks=...) takes a PipelineModule")
-        if run_type not in (None, "fused", "infer"):
-            raise ValueError(f"predict_memory(sequence_chunks=...): a chunked call runs as "
-                             f"'fused' or 'infer', not {run_type!r}")
+        if run_type not in (None, "fused", "infer") or plan is not None:
+            raise ValueError("predict_memory(sequence_chunks=...) predicts a chunked call, "
+                             "'fused' or 'infer', under the plan that call runs: pass no "
+                             f"plan= and run_type 'fused' or 'infer', not {run_type!r}")
         run_type = run_type or "fused"
-        lg, plan, memory, kv, tokens, num_microbatch = pipe._chunk_prediction(
-            run_type, sequence_chunks, max_length)
-        loss_fn = label = None   # the chunk step's loss is the model's own
-    else:
-        kv = None
+        # the chunk step's layers and plan, one chunk's memory, the keys, the call's tokens
+        chunked = pipe._chunk_prediction(run_type, sequence_chunks, max_length)
     if run_type == "generate":
         from fxpipe.generation import inspected_steps
         if (batch is None) != (max_length is None):
@@ -219,8 +218,9 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     lg = pipe if isinstance(pipe, LayerGraph) else pipe.layers
     devices = list(getattr(pipe, "devices", None) or [])
     config = getattr(pipe, "config", None)
-    if sequence_chunks is not None:
-        pass
+    kv = None
+    if chunked is not None:
+        lg, plan, memory, kv, tokens, num_microbatch = chunked
     elif run_type in (None, "fused") and hasattr(pipe, "_for_loss"):   # the chain the call runs
         compiled = pipe._for_loss(pipe._current, loss_fn or (lambda out, _: out), label,
                                   return_outputs)
@@ -240,7 +240,7 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     run_type = run_type or planned
     # a plan made for training serves inference too (a fused plan's tail runs forward)
     plan.validate(len(lg), planned if run_type == "infer" else run_type)
-    if sequence_chunks is not None:   # one chunk's, and the sequence's keys
+    if chunked is not None:   # one chunk's, and the sequence's keys
         memory = memory if kv is None else with_kv(memory, kv, tokens)
     else:
         memory = chain_memory(pipe, M, loss=None if loss_fn is None else (loss_fn, label),
