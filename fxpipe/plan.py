@@ -153,16 +153,18 @@ def layer_costs(pipe: Any) -> list[Any]:
     return [getattr(layer, "cost", None) for layer in layers]
 
 
-def _takes_labels(model: nn.Module) -> bool:
-    """Whether ``model`` (or the model a wrapper such as peft's forwards to, whose own
-    signature is ``*args, **kwargs``) takes ``labels``."""
+def _takes_labels(model: nn.Module) -> str | None:
+    """If ``model`` (or the model a wrapper such as peft's forwards to, whose own
+    signature is ``*args, **kwargs``) takes ``labels``: the name its token ids go by
+    (``input_ids``, else its first parameter); else None."""
     while model is not None:
-        if "labels" in inspect.signature(model.forward).parameters:
-            return True
+        params = inspect.signature(model.forward).parameters
+        if "labels" in params:
+            return "input_ids" if "input_ids" in params else next(iter(params))
         get_base = getattr(model, "get_base_model", None)
         base = get_base() if callable(get_base) else None
         model = base if base is not model else None
-    return False
+    return None
 
 
 def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple] | None = None, *,
@@ -208,9 +210,11 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     attention layer's stage holding its keys and values of the whole sequence for its
     job, and the host all of them (``fxpipe.sequence_plan``); an int — exactly that many
     chunks (a model whose attention cannot run in chunks raises ``NotImplementedError``);
-    ``None`` — whole sequences in ``num_microbatch`` microbatches only. A model that takes ``labels`` is
-    costed with them by default (its own loss, the head and loss chunked: the default
-    ``example_inputs`` is ``{"input_ids": ids, "labels": ids}``). ``details``: a dict that
+    ``None`` — whole sequences in ``num_microbatch`` microbatches only. Without ``loss_fn``,
+    a model that takes ``labels`` is costed with them by default (its own loss, the head
+    and loss chunked: the default ``example_inputs`` is ``{"input_ids": ids, "labels":
+    ids}``, its ids under its first parameter's name where it has no ``input_ids``); with
+    ``loss_fn`` the ids alone, positionally. ``details``: a dict that
     gets the longest length's ``sequence_chunks``, ``host_bytes`` (what the host holds:
     ``predict_memory``'s ``.host`` kinds at every layer's cut, or, where ``host_memory``
     binds a chunked step, at the cuts of the fewest stages that fit; plus the keys and
@@ -242,10 +246,11 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                                                  sequence_chunks < 1):
         raise ValueError(f"max_sequence_length: sequence_chunks must be None, 'auto' or an int "
                          f">= 1, got {sequence_chunks!r}")
-    if example_inputs is None and _takes_labels(model):
+    ids_name = _takes_labels(model) if example_inputs is None and loss_fn is None else None
+    if ids_name is not None:   # its own loss (a loss_fn given computes the loss outside)
         def make(n: int) -> Any:
             ids = torch.zeros(microbatch_size, n, dtype=torch.long, device="meta")
-            return {"input_ids": ids, "labels": ids}
+            return {ids_name: ids, "labels": ids}
     else:
         make = example_inputs or (lambda n: (torch.zeros(microbatch_size, n, dtype=torch.long,
                                                          device="meta"),))

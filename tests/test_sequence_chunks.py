@@ -262,8 +262,42 @@ def test_labels_are_taken_by_default_through_a_peft_wrapper():
     with torch.device("meta"):
         model = T.LlamaForCausalLM(T.LlamaConfig(**DENSE))
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
-    assert _takes_labels(model) and _takes_labels(wrapped)
-    assert not _takes_labels(torch.nn.Linear(2, 2))
+    assert _takes_labels(model) == _takes_labels(wrapped) == "input_ids"
+    assert _takes_labels(torch.nn.Linear(2, 2)) is None
+
+
+class OwnLoss(torch.nn.Module):
+    """A hand-written LM taking ``(ids, labels=None)``: its own loss given labels, else
+    its logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(V, 16), torch.nn.Linear(16, V)
+
+    def forward(self, ids, labels=None):
+        logits = self.head(self.emb(ids))
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_the_default_example_follows_the_models_signature_and_the_loss_fn():
+    """``max_sequence_length`` without ``example_inputs``: a model taking ``labels`` gets
+    its ids under its own first parameter's name with the labels (its own loss); given a
+    ``loss_fn`` (the loss computed outside it), the ids alone, positionally. The second
+    failed before: the ids went as ``input_ids=`` to a model without that parameter
+    (``bench_memory.py --part c``'s hand-written models)."""
+    from fxpipe.plan import _takes_labels
+    with torch.device("meta"):
+        model = OwnLoss()
+    assert _takes_labels(model) == "ids"
+    common = dict(device_memory=2**20, num_devices=2, step=64, max_length=1024,
+                  sequence_chunks=None, dtype=None)
+    own = fxpipe.plan.max_sequence_length(model, **common)
+    outside = fxpipe.plan.max_sequence_length(
+        model, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(
+            out.flatten(0, 1), y.flatten()), **common)
+    assert own >= 64 and outside >= 64
 
 
 def test_a_loss_over_num_items_in_batch_adds_the_chunks_sums():
