@@ -323,6 +323,32 @@ def test_parameter_slots_are_taken_and_given_in_program_order():
     d.close()
 
 
+def test_a_stage_takes_the_slot_it_had_when_both_are_free():
+    """A Prefetch runs on the prefetch stream, the Releases before it on the control
+    stream: whether one or both of the slots are free when it takes one depends on the
+    streams' timing. With both free, the stage takes the slot it had before, so its
+    graphs (keyed by the slot) replay. Taking the first free slot, stage 2 would get
+    slot 0 here and capture again (seen once in CI: T5 under cudagraphs captured 4
+    graphs in its third step)."""
+    d = fxpipe.VirtualDevice()
+    graphs = StageGraphs()
+    first = graphs.take(0, d, stage=0, nbytes=100, size=512)[0]
+    second = graphs.take(0, d, stage=1, nbytes=100, size=512)[0]
+    graphs.give(0, first)
+    third = graphs.take(0, d, stage=2, nbytes=100, size=512)[0]   # stage 0's slot
+    graphs.give(0, second)
+    graphs.give(0, third)
+    # the next step: stage 0 finds both free (its own, slot 0, and stage 1's), then
+    # stage 1 and stage 2 find their own
+    assert graphs.take(0, d, stage=1, nbytes=100, size=512)[0] == second
+    assert graphs.take(0, d, stage=0, nbytes=100, size=512)[0] == first
+    graphs.give(0, second)
+    graphs.give(0, first)
+    assert graphs.take(0, d, stage=2, nbytes=100, size=512)[0] == third == first
+    graphs.close()
+    d.close()
+
+
 def test_a_hf_llama_under_cudagraphs_equals_eager():
     """A Hugging Face Llama (rotary, RMSNorm, SwiGLU, tied head) under cudagraphs in bf16
     mixed precision: the loss and every gradient of a fused step are those of the same

@@ -178,6 +178,9 @@ class StageGraphs:
         self._jobs: dict[tuple, GraphJob] = {}
         # per job (device, stage, kind): its keys, least recently used first
         self._recent: dict[tuple, dict[tuple, None]] = {}
+        # (device, stage) -> the slot it last took: taken again while free, so its jobs'
+        # keys (the slot is part of them) do not depend on which Release ran first
+        self._last: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._generations = itertools.count()
 
@@ -186,6 +189,9 @@ class StageGraphs:
              ) -> tuple[tuple[int, int], torch.Tensor] | None:
         """A free slot of ``lane``'s device for ``stage`` (``nbytes`` of parameters):
         ``((slot, generation), memory)``, or None (none free, or too small while held).
+        The slot the stage took last, if free: two free slots are taken by the stage that
+        held each before, not by which of their Releases (on another stream than the
+        Prefetch) ran first, so a step's graphs keep their keys and replay.
         Slots too small, or of another device, are made again at ``size`` bytes once
         none is held (the device's graphs then are dropped: they read the old slots; a
         GPU first finishes what it queued, which may still read them)."""
@@ -205,11 +211,14 @@ class StageGraphs:
             with self._lock:
                 slots = self._slots[lane] = made
         with self._lock:
-            for i, holder in enumerate(slots.holder):
-                if holder is None:
-                    slots.holder[i] = stage
-                    return (i, slots.generation), slots.memory[i]
-            return None
+            last = self._last.get((lane, stage))
+            free = [i for i, holder in enumerate(slots.holder) if holder is None]
+            if not free:
+                return None
+            i = last if last in free else free[0]
+            slots.holder[i] = stage
+            self._last[(lane, stage)] = i
+            return (i, slots.generation), slots.memory[i]
 
     def give(self, lane: int, slot: tuple[int, int]) -> None:
         """``Release``: the stage in ``slot`` is done with it."""
