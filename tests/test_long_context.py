@@ -192,6 +192,7 @@ def test_tiled_mlp_gradients_equal_the_plain_mlps():
         tiled_mlp(x, *ws, act="relu", rows=0)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_rms_norm_equals_the_plain_norm(dtype):
     """Each row's norm is the plain norm's, bit for bit (rows are independent); the
