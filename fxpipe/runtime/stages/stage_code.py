@@ -53,9 +53,8 @@ from fxpipe.runtime.host.scratch import ScratchUse
 from fxpipe.runtime.stages.unfilled import Unfilled
 from fxpipe.runtime.stages.timer import LayerTimer
 
-_CHUNK_ATTENTION = torch.ops.fxpipe.chunk_attention.default
-
 _op = torch.ops.fxpipe
+_CHUNK_ATTENTION = _op.chunk_attention.default
 
 
 class _Serve:
