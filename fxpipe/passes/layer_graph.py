@@ -28,6 +28,7 @@ Per-layer costs live in the call node's ``meta["cost"]`` (see ``fxpipe.passes.co
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,8 +167,13 @@ class LayerGraph:
     def flat_outputs(self, values: dict[str, Any]) -> list:
         """The model's flat output leaves, taking each graph value from ``values`` by name
         (constant leaves are returned as they are)."""
-        return [values[a.name] if isinstance(a, fx.Node) else a
-                for a in self.gm.graph.output_node().args[0]]
+        return self.flat_outputs_of([values])[0]
+
+    def flat_outputs_of(self, envs: Sequence[dict[str, Any]]) -> list[list]:
+        """:meth:`flat_outputs` of each of ``envs`` (the output node looked up once)."""
+        out = self.gm.graph.output_node().args[0]
+        return [[values[a.name] if isinstance(a, fx.Node) else a for a in out]
+                for values in envs]
 
     @property
     def code(self) -> str:

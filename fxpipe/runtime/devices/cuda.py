@@ -15,7 +15,7 @@ from fxpipe.errors import DeviceMemoryError
 from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.devices.device import STREAMS, Device, Record, _check_submit, host_copy
 from fxpipe.runtime.devices.device_graph import DeviceGraph
-from fxpipe.runtime.devices.events import Event
+from fxpipe.runtime.devices.events import _FINISHED, Event
 from fxpipe.runtime.devices.issue_lock import blocking
 
 
@@ -75,11 +75,11 @@ class CudaDevice(Device):
         wait = _check_submit(self, stream, wait)
         s = self.streams[stream]
         label = label if label is not None else getattr(fn, "__name__", "work")
-        event = Event(label, _host_waitable(enable_timing=self._recording))
+        done = _host_waitable(enable_timing=self._recording)   # after the kernels fn queues
         result, exc = None, None
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             for e in wait:
-                if e._cuda_event is not None and e.done():
+                if e._cuda_event is not None and (e._done is _FINISHED or e.done()):
                     s.wait_event(e._cuda_event)  # the GPU waits; its host part is already done
                     failed = e._exc
                 else:  # a host-lane or collective event: the host waits, lock let go
@@ -95,11 +95,11 @@ class CudaDevice(Device):
                     result = fn(*args)
                 except BaseException as e:  # noqa: BLE001 - every failure must reach the event
                     exc = e
-            event._cuda_event.record(s)
+            done.record(s)
             if start is not None:
-                self._timed.append((stream, label, start, event._cuda_event))
-        event._finish(result, exc)
-        return event
+                self._timed.append((stream, label, start, done))
+        # its Python has run: nothing can wait for it on the host before it exists
+        return Event.finished(label, result, exc, cuda_event=done)
 
     def recording(self, flag: bool = True) -> None:
         if flag and self._origin is None:

@@ -376,9 +376,11 @@ class Device(ABC):
     def _allocate(self, nbytes: int, kind: str, owner: str,
                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Reserve ``nbytes`` (or raise DeviceMemoryError, changing nothing), then ``make()``."""
-        _check_kind(kind)
+        if kind not in KINDS:   # (``_check_kind``, inline: a transfer's path)
+            _check_kind(kind)
         with self._mem_lock:
-            self._sweep()
+            if self._made:
+                self._sweep()
             total = sum(self._resident.values())
             if self.memory_limit is not None and total + nbytes > self.memory_limit:
                 parts = ", ".join(f"{k} {v} B" for k, v in self._resident.items() if v) or "nothing"
@@ -389,8 +391,12 @@ class Device(ABC):
                     "range), use smaller microbatches, or raise memory_limit.")
             self._resident[kind] += nbytes
         try:
-            with host_allocations():   # counted here, as ``kind``, not as what the work made
+            # counted here, as ``kind``, not as what the work made (``host_allocations``)
+            was, _work.paused = _work.paused, True
+            try:
                 tensor = make()
+            finally:
+                _work.paused = was
             storage = tensor.untyped_storage()
             with self._mem_lock:
                 if nbytes and storage.data_ptr() in self._live:

@@ -36,7 +36,7 @@ from fxpipe.runtime.devices.emulator_threads import (
     _HOST_INDICES, _host_part, _live_devices, _run_copies_of, _run_stream, _start_worker,
     _stop_workers,
 )
-from fxpipe.runtime.devices.events import Event
+from fxpipe.runtime.devices.events import _FINISHED, Event
 
 SEMANTICS = ("sync", "cuda")
 default_semantics = "sync"
@@ -544,9 +544,13 @@ class InlineDevice(Device):
 
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
-        wait = _check_submit(self, stream, wait)
-        exc = next((e for e in map(Event.exception, wait) if e is not None), None)
-        result = None
+        exc = result = None
+        for e in _check_submit(self, stream, wait):
+            # (an event of work that ran here: read at once, no call per wait)
+            exc = e._exc if (e._done is _FINISHED and e._stream is None
+                             and e._cuda_event is None) else e.exception()
+            if exc is not None:
+                break
         if exc is None:
             try:
                 result = fn(*args)

@@ -36,12 +36,14 @@ class Event:
         self._stream: Event | None = None
 
     @classmethod
-    def finished(cls, label: str, result: Any = None, exc: BaseException | None = None) -> Event:
-        """An event for work that already ran (an ``InlineDevice``'s): no wait primitive
-        of its own, as nothing can wait for it before it exists."""
+    def finished(cls, label: str, result: Any = None, exc: BaseException | None = None,
+                 cuda_event: Any = None) -> Event:
+        """An event for work whose Python already ran (an ``InlineDevice``'s; a
+        ``CudaDevice``'s, with the CUDA event recorded after the kernels it queued): no
+        wait primitive of its own, as nothing can wait for it before it exists."""
         event = cls.__new__(cls)
         event.label, event._done, event._result, event._exc = label, _FINISHED, result, exc
-        event._cuda_event = event._stream = None
+        event._cuda_event, event._stream = cuda_event, None
         return event
 
     def done(self) -> bool:
@@ -72,7 +74,7 @@ class Event:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until complete and return the exception it raised, or None."""
-        if not self._done.is_set():
+        if self._done is not _FINISHED and not self._done.is_set():
             self._host_wait(timeout)
         if self._cuda_event is not None:
             self._cuda_event.synchronize()

@@ -140,6 +140,34 @@ class _Issuing:
 _TAKE, _LEAVE = _Issuing(), contextlib.nullcontext()
 
 
+def hold(step: int) -> None:
+    """Take the issue lock for this thread's action at ``step`` of its lane: what
+    ``at_step(step)`` then ``with issuing(True):`` do, as the executor does it for each
+    action (one call when the lock is free); :func:`let_go` after."""
+    _HOLDING.step = step
+    lock = _ISSUING
+    with lock._state:
+        if not lock._held:
+            lock._held = True
+            _HOLDING.on = True
+            return
+    w = lock.acquire(step)   # (it looks again: the holder may have let go meanwhile)
+    if w:
+        _HOLDING.waited += w
+    _HOLDING.on = True
+
+
+def let_go() -> None:
+    """Let go of the issue lock :func:`hold` took (handed over to the first waiter)."""
+    _HOLDING.on = False
+    lock = _ISSUING
+    with lock._state:
+        if not lock._waiters:
+            lock._held = False
+            return
+    lock.release()   # (it looks again under the lock)
+
+
 def issuing(take: bool) -> contextlib.AbstractContextManager:
     """Hold the issue lock (when ``take``: the device runs its work at issue)."""
     return _TAKE if take else _LEAVE

@@ -36,13 +36,16 @@ class StageCompute:
         self.on = on
         self.on_host = on_host
         self.stats = stats
+        self.torch_devices = [_torch_device(dev) for dev in call.devices]
 
     def _inputs(self, d: int, s: int, m: int) -> dict[str, Any]:
         """The values compute ``(s, m)`` reads: its uploads, and what it takes over."""
-        on, key = self.on[d], (s, m)
-        with on.lock:
-            out = {n: on.uploaded[(s, m, n)] for n in self.flow.upload.get(key, ())}
-            out.update({n: on.made[(p, m, n)] for n, p in self.flow.handoff.get(key, ())})
+        on, key, out = self.on[d], (s, m), {}
+        with on.lock:   # (loops, not comprehensions: each of those is a call, per action)
+            for n in self.flow.upload.get(key, ()):
+                out[n] = on.uploaded[(s, m, n)]
+            for n, p in self.flow.handoff.get(key, ()):
+                out[n] = on.made[(p, m, n)]
         return out
 
     def _take_grads(self, d: int, s: int, m: int) -> dict[str, torch.Tensor]:
@@ -74,21 +77,32 @@ class StageCompute:
                     on.parts[(s, m, name)] = g
 
     def _run(self, d: int, st: Stage, inputs: list, m: int, *, timed: bool = True, **kw: Any):
-        with self.on[d].lock:
-            params = self.on[d].params[st.index]
-        return run_stage(st, inputs, params, call_seed=self.call.call_seed, microbatch=m,
-                         device=_torch_device(self.call.devices[d]),
-                         timer=self.call.timer if timed else None, stats=self.stats,
-                         backend=self.call.stage_backend, scratch=self.call.scratch, **kw)
+        on = self.on[d]
+        with on.lock:
+            params = on.params[st.index]
+        call = self.call
+        return run_stage(st, inputs, params, call_seed=call.call_seed, microbatch=m,
+                         device=self.torch_devices[d], timer=call.timer if timed else None,
+                         stats=self.stats, backend=call.stage_backend, scratch=call.scratch, **kw)
 
     def forward(self, d: int, s: int, m: int) -> None:
         st = self.call.exe.stages[s]
         values = self._inputs(d, s, m)
-        with torch.no_grad(), reentered(self.call.autocast):
-            outs, writebacks = self._run(d, st, [values[n] for n in st.inputs], m,
-                                         keep_writebacks=True)
-        with self.on_host.lock:
-            self.call.writebacks.extend(writebacks)
+        inputs = [values[n] for n in st.inputs]
+        # no grad, as ``torch.no_grad()`` (five Python calls a run: this is per action)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if self.call.autocast:
+                with reentered(self.call.autocast):
+                    outs, writebacks = self._run(d, st, inputs, m, keep_writebacks=True)
+            else:
+                outs, writebacks = self._run(d, st, inputs, m, keep_writebacks=True)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        if writebacks:
+            with self.on_host.lock:
+                self.call.writebacks.extend(writebacks)
         self._made(d, s, m, outs)
 
     def _made(self, d: int, s: int, m: int, outs: tuple) -> None:

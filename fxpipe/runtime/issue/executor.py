@@ -42,6 +42,7 @@ action has finished and device memory is freed.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import traceback
@@ -56,7 +57,7 @@ from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
     ClipGradNorm, Collective, Commit, DeviceReduceScatter, DownloadGrads, Forward, Free,
     FusedBackward, GraphForward, GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
-    ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad, stream_of,
+    ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad,
 )
 from fxpipe.runtime.issue.compute import StageCompute
 from fxpipe.runtime.devices.device import Device
@@ -66,9 +67,10 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator
 from fxpipe.runtime.issue.device_collectives import Pieces, shards_from_pieces
 from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import (
-    _ISSUED, _ON_HOST, Cancelled, _acting, _issue_thread, _Issued, wait_all,
+    _ISSUED, _ON_HOST, WHERE, Cancelled, _acting, _issue_thread, _Issued, _Step, issue_plan,
+    wait_all,
 )
-from fxpipe.runtime.devices.issue_lock import at_step, issuing, waited
+from fxpipe.runtime.devices.issue_lock import hold, let_go, waited
 from fxpipe.runtime.host.params import is_scratch
 from fxpipe.runtime.issue.values import Call, Stats, _OnDevice, _OnHost
 
@@ -105,6 +107,7 @@ class Execution:
             isinstance(a, DeviceReduceScatter) for acts in self.program.actions for a in acts)
         self.pieces: dict[int, torch.Tensor] = {}
         self.cancelled = threading.Event()
+        self.counted = itertools.count()   # actions that ran (``_recorded``)
         self.record_lock = threading.Lock()
         self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
         # stages whose jobs are device graphs (only looked for under "cudagraphs")
@@ -117,37 +120,34 @@ class Execution:
         """Issue every action of the call's phase, one issue thread per lane; wait for the
         end of the call; then run its ``Commit``. Raise the first failure (after everything
         submitted ended and device memory is freed)."""
+        try:
+            self._run()
+        finally:   # every action has ended by now
+            self.stats.add("actions", next(self.counted))
+
+    def _run(self) -> None:
         p = self.program
-        deps = p.dependencies()
-        phase = self.call.phase
-        keep = p.issued(phase)
+        plan = issue_plan(p, self.call.phase)
+        keep = plan.keep
         if self.call.dp is not None:
             self.call.dp.begin(self.call.dp.plan_ops(
                 [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
                 self.call.exe, self.call.layers, self.call.store),
                 self.call.dp.plan_device_ops(p, keep, self.call.store)
                 if self.reduce_on_devices else {})
-        slots: dict[tuple[int, int], _Issued] = {}
-        lanes: list[tuple[int, list[int]]] = []
         # the Commit and what follows it in the host lane run once the call has ended
-        at = next((i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)),
-                  len(p.host))
-        for lane, acts in p.lanes():
-            idxs = [i for i, a in enumerate(acts) if keep[lane][i]
-                    and not (lane == HOST and i >= at)]
-            slots.update({(lane, i): _Issued((lane, i) in p.waited_across) for i in idxs})
-            if idxs:
-                lanes.append((lane, idxs))
+        at = plan.commit_at
+        slots = {key: _Issued(key in plan.across) for key in plan.keys}
         issuing: list[threading.Event] = []
         interrupt: BaseException | None = None
         try:
             # every lane gets its issue thread (others may wait on its lane); a Ctrl-C held
             # until then is raised here, and stops them as one arriving later does
             with deferred_interrupt():
-                for lane, idxs in lanes:
+                for lane, steps in plan.lanes:
                     issuing.append(_issue_thread(
                         f"fxpipe-issue-{'host' if lane == HOST else lane}",
-                        lambda lane=lane, idxs=idxs: self._issue(lane, idxs, deps, keep, slots)))
+                        lambda lane=lane, steps=steps: self._issue(lane, steps, slots)))
             for done in issuing:
                 done.wait()   # until everything is issued: no device work is waited for here
         except BaseException as e:  # noqa: BLE001 — e.g. Ctrl-C: stop, clean up, re-raise
@@ -177,95 +177,108 @@ class Execution:
             if isinstance(p.host[i], Commit):   # the caller's merge raises as it is
                 with _acting(str(p.host[i])):
                     self._act(HOST, p.host[i])
-                self._recorded(HOST, p.host[i])
+                next(self.counted)
+                if self.call.record is not None:
+                    self.call.record.append((HOST, str(p.host[i])))
             else:
                 self._work(HOST, p.host[i], p.labels[HOST][i])()
 
-    def _issue(self, lane: int, idxs: list[int], deps, keep, slots) -> None:
+    def _issue(self, lane: int, steps: tuple[_Step, ...], slots) -> None:
         """Issue ``lane``'s actions in Program order: each once its dependencies were
         issued, with their events as the stream's waits."""
-        acts, labels = self.program.lane(lane), self.program.labels[lane]
         device = self.call.devices[lane] if lane != HOST else None
-        lock = issuing(device is not None and device.runs_at_issue)
+        at_issue = device is not None and device.runs_at_issue
         issued: dict[str, float] = {}   # seconds issuing, by kind: counted once at the end
         done = 0
+        perf_counter = time.perf_counter
         waited()   # this thread's waits for the issue lock from here on
         try:
-            for i in idxs:
-                a, label = acts[i], labels[i]
+            for step in steps:
                 waits: list[Event] = []
-                for dep in deps[lane][i]:
-                    if not keep[dep.device][dep.step]:
-                        continue
-                    src = slots[(dep.device, dep.step)]
+                for key, end in step.deps:
+                    src = slots[key]
                     if src.ready is not _ISSUED and not src.ready.is_set():
                         src.ready.wait()   # another lane's action, not issued yet
-                    if dep.on == "end":
+                    if end:
                         waits.append(src.event)
                     else:
                         waits.extend(src.gate)
-                if len(waits) > 1:
+                if not step.distinct and len(waits) > 1:
                     waits = list(dict.fromkeys(waits))
-                if isinstance(a, Prefetch) and device.wait_released():
+                if step.prefetch and device.wait_released():
                     self.stats.add("issue_waits")   # the memory it needs is not free yet
-                slot = slots[(lane, i)]
+                slot = slots[(lane, step.i)]
                 slot.gate = waits
                 if device is None:   # host work: run now; collectives on their own thread
                     if waits:
                         self.stats.add("host_waits")  # it reads what those events made
-                    worker = self.call.dp.worker if isinstance(a, Collective) else _ON_HOST
-                    slot.event = worker.submit("compute", self._work(lane, a, label), wait=waits,
-                                               label=label)
-                else:
-                    at_step(i)   # where this thread queues for the issue lock
-                    with lock:
-                        start, _ = time.perf_counter(), emulated_wait()
-                        slot.event = device.submit(stream_of(a), self._work(lane, a, label),
-                                                   wait=waits, label=label)
-                        kind = type(a).__name__
-                        issued[kind] = issued.get(kind, 0.0) + (
-                            time.perf_counter() - start - emulated_wait())
+                    worker = self.call.dp.worker if step.stream == "collective" else _ON_HOST
+                    slot.event = worker.submit("compute", self._do, lane, step.action, step.label,
+                                               wait=waits, label=step.label)
+                elif at_issue:   # its Python runs now, under the issue lock
+                    hold(step.i)   # queued for the lock at this step
+                    try:
+                        start = perf_counter()
+                        slot.event = device.submit(step.stream, self._do, lane, step.action,
+                                                   step.label, wait=waits, label=step.label)
+                        issued[step.kind] = issued.get(step.kind, 0.0) + perf_counter() - start
+                    finally:
+                        let_go()
+                else:   # a virtual device: what it emulates a GPU running is not issue time
+                    start, _ = perf_counter(), emulated_wait()
+                    slot.event = device.submit(step.stream, self._do, lane, step.action,
+                                               step.label, wait=waits, label=step.label)
+                    issued[step.kind] = issued.get(step.kind, 0.0) + (
+                        perf_counter() - start - emulated_wait())
                 if slot.ready is not _ISSUED:   # (else no other lane waits for it)
                     slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
             self._cancel(e)
-            for i in idxs[done:]:
-                failed = Event(str(acts[i]))
+            for step in steps[done:]:
+                failed = Event(str(step.action))
                 failed._finish(exc=e)
-                slots[(lane, i)].event = failed
-                slots[(lane, i)].ready.set()
+                slots[(lane, step.i)].event = failed
+                slots[(lane, step.i)].ready.set()
         finally:
             self.stats.issued(issued)
-            if device is not None and device.runs_at_issue:
+            if at_issue:
                 self.stats.add("issue_lock_wait_us", round(waited() * 1e6))
 
     def _work(self, lane: int, a, label: str) -> Callable[[], None]:
-        def work():
-            # the previous call's update is owed whatever happens to this call
-            if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
-                raise Cancelled(f"{a}: the call was interrupted")
+        return lambda: self._do(lane, a, label)
+
+    def _do(self, lane: int, a, label: str) -> None:
+        """Action ``a``'s work, as its stream runs it."""
+        # the previous call's update is owed whatever happens to this call
+        if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
+            raise Cancelled(f"{a}: the call was interrupted")
+        try:
+            was, WHERE.action = WHERE.action, label   # (``_acting``, inline: per action)
             try:
-                with _acting(label):
-                    self._act(lane, a)
-            except DistributedError as e:
-                if self.cancelled.is_set():  # this rank's own failure aborted the collective
-                    raise Cancelled(f"{a}: the call was interrupted") from e
-                self._cancel(e)
-                raise
-            except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt) as e:
-                self._cancel(e)  # these already say where, or are the user's
-                traceback.clear_frames(e.__traceback__)
-                raise
-            except BaseException as e:
-                # the traceback stays readable, but its frames no longer hold the action's
-                # tensors: an exception the caller keeps does not keep device memory
-                traceback.clear_frames(e.__traceback__)
-                error = self._stage_error(lane, a, e)
-                self._cancel(error)
-                raise error from e
-            self._recorded(lane, a)
-        return work
+                self._act(lane, a)
+            finally:
+                WHERE.action = was
+        except DistributedError as e:
+            if self.cancelled.is_set():  # this rank's own failure aborted the collective
+                raise Cancelled(f"{a}: the call was interrupted") from e
+            self._cancel(e)
+            raise
+        except (StageError, Cancelled, DeviceMemoryError, KeyboardInterrupt) as e:
+            self._cancel(e)  # these already say where, or are the user's
+            traceback.clear_frames(e.__traceback__)
+            raise
+        except BaseException as e:
+            # the traceback stays readable, but its frames no longer hold the action's
+            # tensors: an exception the caller keeps does not keep device memory
+            traceback.clear_frames(e.__traceback__)
+            error = self._stage_error(lane, a, e)
+            self._cancel(error)
+            raise error from e
+        next(self.counted)   # (atomic: no lock per action; ``run`` adds them to the stats)
+        if self.call.record is not None:
+            with self.record_lock:
+                self.call.record.append((lane, str(a)))
 
     def _cancel(self, exc: BaseException) -> None:
         """Stop the call: actions that have not started raise ``Cancelled``; with data
@@ -274,12 +287,6 @@ class Execution:
         self.cancelled.set()
         if first and self.call.dp is not None and not isinstance(exc, Cancelled):
             self.call.dp.fail(exc)
-
-    def _recorded(self, lane: int, a) -> None:
-        self.stats.add("actions")
-        if self.call.record is not None:
-            with self.record_lock:
-                self.call.record.append((lane, str(a)))
 
     def _stage_error(self, lane: int, a, e: BaseException) -> StageError:
         s = getattr(a, "stage", None)
@@ -418,16 +425,16 @@ class Execution:
         label may be a structure of tensors); other values are read as they are."""
         dev, on = self.call.devices[d], self.on[d]
         for name in self.flow.upload.get((s, m), ()):
-            what = "the label" if name == LABEL else repr(name)
-
-            def up(t: torch.Tensor) -> torch.Tensor:
-                t = dev.to_device(t, "activations", f"{what} for stage {s}, microbatch {m}")
-                self.stats.add("h2d_bytes_activations", _nbytes(t))
-                return t
-
+            owner = f"{'the label' if name == LABEL else repr(name)} for stage {s}, microbatch {m}"
             value = self.on_host.value(m, name)
-            value = up(value) if isinstance(value, torch.Tensor) else \
-                pytree.tree_map_only(torch.Tensor, up, value)
+            if isinstance(value, torch.Tensor):
+                value = dev.to_device(value, "activations", owner)
+                moved = value.numel() * value.element_size()
+            else:   # a label may be a structure of tensors
+                value = pytree.tree_map_only(
+                    torch.Tensor, lambda t: dev.to_device(t, "activations", owner), value)
+                moved = sum(map(_nbytes, pytree.tree_leaves(value)))
+            self.stats.add("h2d_bytes_activations", moved)
             with on.lock:
                 on.uploaded[(s, m, name)] = value
 
@@ -451,7 +458,7 @@ class Execution:
             with on.lock:
                 value = on.made[(s, m, name)]
             if isinstance(value, torch.Tensor):
-                self.stats.add("d2h_bytes_activations", _nbytes(value))
+                self.stats.add("d2h_bytes_activations", value.numel() * value.element_size())
                 value = dev.to_host(value)
             self.on_host.put(m, name, value)
         for name in self.flow.offload_grads.get(key, ()):
@@ -463,16 +470,22 @@ class Execution:
 
     def _free(self, d: int, s: int, m: int) -> None:
         """Drop what ``(s, m)`` was the last to use on the device."""
-        on, key, flow = self.on[d], (s, m), self.flow
-        with on.lock:
-            dropped = [on.uploaded.pop((s, m, n)) for n in flow.upload.get(key, ())]
-            dropped += [on.made.pop((flow.maker[n], m, n)) for n in flow.free.get(key, ())]
-            dropped += [on.parts.pop((s, m, n), None) for n in flow.offload_grads.get(key, ())]
-            dropped += on.consumed.pop(key, [])
-        if not all(isinstance(t, torch.Tensor) for t in dropped):   # (a label's structure)
-            dropped = pytree.tree_leaves(dropped)
+        on, key, flow, dev = self.on[d], (s, m), self.flow, self.call.devices[d]
+        dropped = []
+        with on.lock:   # (loops, not comprehensions: each of those is a call, per action)
+            for n in flow.upload.get(key, ()):
+                dropped.append(on.uploaded.pop((s, m, n)))
+            for n in flow.free.get(key, ()):
+                dropped.append(on.made.pop((flow.maker[n], m, n)))
+            for n in flow.offload_grads.get(key, ()):
+                dropped.append(on.parts.pop((s, m, n), None))
+            dropped += on.consumed.pop(key, ())
         for t in dropped:
-            _free_quietly(self.call.devices[d], t)
+            if isinstance(t, torch.Tensor):
+                _free_quietly(dev, t)
+            elif t is not None:   # a label's structure
+                for leaf in pytree.tree_leaves(t):
+                    _free_quietly(dev, leaf)
 
     def _reduce_scatter_on_device(self, d: int, s: int) -> None:
         """``DeviceReduceScatter``: the stage's gradients on device ``d`` reduce-scattered

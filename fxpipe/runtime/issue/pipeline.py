@@ -330,8 +330,8 @@ class Runner:
     def outputs(self, call: Call, cfg: RunConfig, shares_: Shares) -> Any:
         """The call's outputs merged over its microbatches: a 0-dim leaf weighted by
         ``shares_``."""
-        per_mb = [pytree.tree_unflatten(self.lg.flat_outputs(env), self.lg.out_spec)
-                  for env in call.host]
+        per_mb = [pytree.tree_unflatten(flat, self.lg.out_spec)
+                  for flat in self.lg.flat_outputs_of(call.host)]
         paths = mb.leaf_paths(per_mb[0])
         merged = mb.merge_output(per_mb, cfg.merge_output, weights=shares_.rows,
                                  leaf_weights={paths[i]: w for i, w in shares_.tokens.items()})
@@ -426,7 +426,7 @@ class TrainCall:
         call = r.call("train", self.envs, self.cfg, phase="forward", sync=self.sync)
         outputs = r.run_call(call, results=lambda: r.outputs(call, self.cfg, self.shares))
         self.forward_call = call
-        self.out_leaves = [r.lg.flat_outputs(env) for env in call.host]
+        self.out_leaves = r.lg.flat_outputs_of(call.host)
         return outputs
 
     def backward(self, merged_grads: list) -> tuple[list[dict], dict[int, torch.Tensor]]:

@@ -1,5 +1,7 @@
 """Issuing a call's actions: the issue threads (one per lane, kept between calls), what
-each thread is doing for a call (``WHERE``), and stopping a call (``Cancelled``). The
+each issues (``issue_plan``: worked out once per Program and phase, so a call's issue
+loop reads its steps and nothing else), what each thread is doing for a call
+(``WHERE``), and stopping a call (``Cancelled``). The
 lock one issue thread at a time holds while it runs an action's Python is
 ``runtime.devices.issue_lock``'s.
 
@@ -13,10 +15,13 @@ import os
 import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
+from fxpipe.passes.program import HOST, Commit, Program, stream_of
 from fxpipe.runtime.devices.emulator import InlineDevice
 from fxpipe.runtime.devices.events import Event
 
@@ -166,3 +171,68 @@ def wait_all(slots: dict[tuple[int, int], _Issued],
     for ev in events:  # everything submitted has finished; make sure of it
         ev._done.wait()
     return next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
+
+
+class _Step(NamedTuple):
+    """One action an issue thread issues, with what its issue reads worked out once per
+    Program and phase: its dependencies as ``((lane, step), on end)``, the ones the
+    phase does not issue left out."""
+
+    i: int                                    # its step in its lane
+    action: Any
+    label: str
+    stream: str
+    kind: str                                 # its class's name (``host_issue_us.<kind>``)
+    prefetch: bool
+    deps: tuple[tuple[tuple[int, int], bool], ...]
+    distinct: bool   # its dependencies' events are distinct (else the executor drops repeats)
+
+
+class _IssuePlan(NamedTuple):
+    """What a call of one phase issues (``Program.issued``): per lane with any, its
+    steps; every issued ``(lane, step)``; those another lane waits for; and where the
+    host lane's ``Commit`` is (it and what follows run once the call has ended)."""
+
+    keep: dict[int, tuple[bool, ...]]
+    lanes: tuple[tuple[int, tuple[_Step, ...]], ...]
+    keys: tuple[tuple[int, int], ...]
+    across: frozenset[tuple[int, int]]
+    commit_at: int
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Program -> phase -> plan
+
+
+def issue_plan(program: Program, phase: str) -> _IssuePlan:
+    """``program``'s issue plan for a call of ``phase``, made at its first call (a dict
+    read after)."""
+    plans = _plans.get(program)
+    if plans is None:
+        plans = _plans.setdefault(program, {})
+    plan = plans.get(phase)
+    if plan is None:
+        plan = plans.setdefault(phase, _make_plan(program, phase))
+    return plan
+
+
+def _make_plan(p: Program, phase: str) -> _IssuePlan:
+    deps, keep = p.dependencies(), p.issued(phase)
+    at = next((i for i, a in enumerate(p.host) if keep[HOST][i] and isinstance(a, Commit)),
+              len(p.host))
+    lanes, keys = [], []
+    for lane, acts in p.lanes():
+        steps = []
+        for i, a in enumerate(acts):
+            if keep[lane][i] and not (lane == HOST and i >= at):
+                on = tuple(((d.device, d.step), d.on == "end") for d in deps[lane][i]
+                           if keep[d.device][d.step])
+                # each dependency on an end is its own event; one on a start, what that
+                # action waited for, which may repeat another's
+                distinct = all(end for _, end in on) and len({k for k, _ in on}) == len(on)
+                steps.append(_Step(i, a, p.labels[lane][i], stream_of(a), type(a).__name__,
+                                   stream_of(a) == "prefetch", on, distinct))
+        steps = tuple(steps)
+        keys += [(lane, s.i) for s in steps]
+        if steps:
+            lanes.append((lane, steps))
+    return _IssuePlan(keep, tuple(lanes), tuple(keys), p.waited_across, at)

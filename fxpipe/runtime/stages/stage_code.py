@@ -60,6 +60,10 @@ _CHUNK_ATTENTION = _op.chunk_attention.default
 class _Serve:
     """What the transfer nodes of one stage run return, and its layer times."""
 
+    __slots__ = ("stage", "resident", "scratch", "rows", "cache_bytes", "call_seed",
+                 "microbatch", "torch_device", "keep_writebacks", "writebacks", "timed",
+                 "_unfilled", "layer_seconds", "_layer", "_since", "_events")
+
     def __init__(self, stage: Stage, resident: Mapping[str, torch.Tensor], *,
                  call_seed: int | None, microbatch: int, device: torch.device,
                  keep_writebacks: bool, timed: bool, scratch: ScratchUse | None = None):
@@ -74,11 +78,18 @@ class _Serve:
         self.keep_writebacks = keep_writebacks
         self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.timed = timed
-        self.unfilled = Unfilled()
+        self._unfilled: Unfilled | None = None
         self.layer_seconds: dict[int, float] = {}  # per layer, when ``timed``
         self._layer: int | None = None
         self._since = 0.0
         self._events: list[tuple[int | None, Any]] = []  # CUDA: (layer ending here, event)
+
+    @property
+    def unfilled(self) -> Unfilled:
+        """The mode a recompute's unfilled nodes run in (made at the run's first)."""
+        if self._unfilled is None:
+            self._unfilled = Unfilled()
+        return self._unfilled
 
     def own_rows(self, t: torch.Tensor) -> torch.Tensor:
         """The microbatch's rows of a scratch buffer (all of it without a row split)."""
@@ -231,6 +242,7 @@ _SERVED = {_op.prefetch.default: resident, _op.upload.default: uploaded,
            _op.offload.default: offloaded, _op.release.default: released,
            _op.writeback.default: written_back, _op.rng.default: seeded}
 _runnables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NONE: dict = {}
 _build_lock = threading.Lock()
 
 
@@ -247,7 +259,9 @@ def runnable(stage: Stage, recompute: bool = False, device: torch.device | None 
     (``runtime.stages.compiled``). Built once per stage, device and backend."""
     on = device if device is not None and device.type != "cpu" else None
     key = (recompute and bool(stage.unfilled), on, None if backend == "eager" else backend)
-    code = _runnables.get(stage.gm, {}).get(key)   # built: no lock on the hot path
+    # built: no lock on the hot path (``.data``: the weak dictionary's own dict, read
+    # without its Python ``get``: this runs per action)
+    code = _runnables.data.get(weakref.ref(stage.gm), _NONE).get(key)
     if code is not None:
         return code
     with _build_lock:
@@ -367,12 +381,12 @@ def run_stage(stage: Stage, inputs: list, resident: Mapping[str, torch.Tensor], 
                    keep_writebacks=keep_writebacks, timed=timer is not None, scratch=scratch)
     saved, _serving.serve = _serving.serve, serve
     chunk = sequence_kv.set_chunk(microbatch)   # a chunked call's chunk
-    try:
+    try:   # ``forward`` itself: the module call around it costs four Python calls
         if stage.random and call_seed is not None:
             with rng.isolated(device):
-                out = code(*inputs)
+                out = code.forward(*inputs)
         else:
-            out = code(*inputs)
+            out = code.forward(*inputs)
     finally:
         _serving.serve = saved
         sequence_kv.set_chunk(chunk)
