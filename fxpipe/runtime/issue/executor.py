@@ -67,7 +67,7 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator
 from fxpipe.runtime.issue.device_collectives import Pieces, shards_from_pieces
 from fxpipe.runtime.issue.interrupts import deferred_interrupt
 from fxpipe.runtime.issue.threads import (
-    _ISSUED, _ON_HOST, WHERE, Cancelled, _acting, _issue_thread, _Issued, _Step, issue_plan,
+    _ISSUED, _ON_HOST, WHERE, Cancelled, _acting, _issue_thread, _Step, issue_plan, issue_slots,
     wait_all,
 )
 from fxpipe.runtime.devices.issue_lock import hold, let_go, waited
@@ -106,7 +106,7 @@ class Execution:
         self.reduce_on_devices = call.dp is not None and call.dp.on_devices and any(
             isinstance(a, DeviceReduceScatter) for acts in self.program.actions for a in acts)
         self.pieces: dict[int, torch.Tensor] = {}
-        self.cancelled = threading.Event()
+        self.cancelled = False   # (a flag: read per action, an Event's is_set is a call)
         self.counted = itertools.count()   # actions that ran (``_recorded``)
         self.record_lock = threading.Lock()
         self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
@@ -137,7 +137,7 @@ class Execution:
                 if self.reduce_on_devices else {})
         # the Commit and what follows it in the host lane run once the call has ended
         at = plan.commit_at
-        slots = {key: _Issued(key in plan.across) for key in plan.keys}
+        slots = issue_slots(plan)
         issuing: list[threading.Event] = []
         interrupt: BaseException | None = None
         try:
@@ -251,7 +251,7 @@ class Execution:
     def _do(self, lane: int, a, label: str) -> None:
         """Action ``a``'s work, as its stream runs it."""
         # the previous call's update is owed whatever happens to this call
-        if self.cancelled.is_set() and not isinstance(a, AsyncUpdate):
+        if self.cancelled and not isinstance(a, AsyncUpdate):
             raise Cancelled(f"{a}: the call was interrupted")
         try:
             was, WHERE.action = WHERE.action, label   # (``_acting``, inline: per action)
@@ -260,7 +260,7 @@ class Execution:
             finally:
                 WHERE.action = was
         except DistributedError as e:
-            if self.cancelled.is_set():  # this rank's own failure aborted the collective
+            if self.cancelled:  # this rank's own failure aborted the collective
                 raise Cancelled(f"{a}: the call was interrupted") from e
             self._cancel(e)
             raise
@@ -283,8 +283,7 @@ class Execution:
     def _cancel(self, exc: BaseException) -> None:
         """Stop the call: actions that have not started raise ``Cancelled``; with data
         parallel, every other rank's collectives fail too (``DataParallel.fail``)."""
-        first = not self.cancelled.is_set()
-        self.cancelled.set()
+        first, self.cancelled = not self.cancelled, True
         if first and self.call.dp is not None and not isinstance(exc, Cancelled):
             self.call.dp.fail(exc)
 

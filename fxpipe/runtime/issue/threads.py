@@ -139,15 +139,23 @@ _ISSUED.set()
 class _Issued:
     """One action as its issue thread submitted it: the event it completes, and what its
     start waited for (a ``Dep`` on its start waits for the same). ``ready`` is set once it
-    was issued; with ``across=False`` (no other lane waits for it: its own lane issues in
-    order) it is a shared event that is always set."""
+    was issued: an action another lane waits for gets its own (:func:`issue_slots`); the
+    others share one that is always set (their own lane issues in order).
 
-    __slots__ = ("ready", "event", "gate")
+    No ``__init__``: a call makes one per action, and the class's defaults cost no call."""
 
-    def __init__(self, across: bool = True) -> None:
-        self.ready = threading.Event() if across else _ISSUED
-        self.event: Event | None = None
-        self.gate: list[Event] = []
+    ready: threading.Event = _ISSUED
+    event: Event | None = None
+    gate: list[Event] = []   # (never changed in place: an issue thread sets its own list)
+
+
+def issue_slots(plan: _IssuePlan) -> dict[tuple[int, int], _Issued]:
+    """A call's slots: one per action it issues."""
+    slots = {key: _Issued() for key in plan.keys}
+    for key in plan.across:
+        if key in slots:
+            slots[key].ready = threading.Event()
+    return slots
 
 
 def wait_all(slots: dict[tuple[int, int], _Issued],
