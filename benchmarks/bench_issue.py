@@ -28,6 +28,8 @@ would compute the same step:
 - ``action_us``: the host cost of one action around an empty stage (one
   ``Linear(1, 1)``, one device, inference): the call's time at 16 microbatches less its
   time at 1, over the actions it adds; and what a call costs besides its actions.
+  ``action_us.python_calls``: the Python function calls that make it, counted the same
+  way (every thread; a count, not a time: it does not depend on the CPU).
 - ``issue_lock``: the 8-GPU Llama-3.1-8B step at 4K issued under the issue lock
   (``issue_lock.OrderedLock``: handed over to the waiting action first in the Program),
   under the same lock handing over in the order asked (``fifo``) and under a plain
@@ -77,6 +79,7 @@ the minimum and median reported. Writes benchmarks/results/bench_issue.json; wit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -285,10 +288,9 @@ def eager_step(model: nn.Module, ids: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def action_cost(repeats: int) -> dict:
-    """Host microseconds per action around an empty stage (one ``Linear(1, 1)``, one
-    device, inference): the call's time at 1 and 16 microbatches; the difference over
-    the difference in actions is one action's cost, what remains at 1 the call's own."""
+def empty_stage_pipes() -> dict[int, tuple]:
+    """Pipes of one empty stage (one ``Linear(1, 1)``, one device, inference) at 1 and 16
+    microbatches, warmed up: ``{m: (pipe, input, actions per call)}``."""
     pipes = {}
     for m in (1, 16):
         pipe = fxpipe.compile(nn.Sequential(nn.Linear(1, 1)), example_inputs=(torch.zeros(m, 1),),
@@ -297,6 +299,58 @@ def action_cost(repeats: int) -> dict:
         for _ in range(20):
             pipe(x)
         pipes[m] = (pipe, x, pipe.stats()["actions"])
+    return pipes
+
+
+def action_calls(calls: int = 16) -> dict:
+    """Python function calls per action around an empty stage (``action_cost``'s pipes;
+    the caller's thread and the issue threads, whose ``Execution._issue`` is profiled
+    from inside them): what an action's time is made of, counted, so it does not depend
+    on the CPU. The difference between 16 and 1 microbatches over the difference in
+    actions, as ``action_cost``; ``call_fixed``: what remains at 1 microbatch."""
+    from fxpipe.runtime.issue.executor import Execution
+    counter = itertools.count()
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            next(counter)   # (atomic: two threads count)
+
+    issue = Execution._issue
+
+    def profiled(self, *args):
+        sys.setprofile(profile)
+        try:
+            return issue(self, *args)
+        finally:
+            sys.setprofile(None)
+
+    per: dict[int, float] = {}
+    pipes = empty_stage_pipes()
+    Execution._issue = profiled
+    try:
+        for m, (pipe, x, _) in pipes.items():
+            start = next(counter)
+            sys.setprofile(profile)
+            for _ in range(calls):
+                pipe(x)
+            sys.setprofile(None)
+            per[m] = (next(counter) - start - 1) / calls
+    finally:
+        Execution._issue = issue
+        sys.setprofile(None)
+        for pipe, _, _ in pipes.values():
+            pipe.close()
+    (_, _, a1), (_, _, a16) = pipes[1], pipes[16]
+    each = (per[16] - per[1]) / (a16 - a1)
+    return {"per_action": round(each, 1), "call_fixed": round(per[1] - a1 * each, 1),
+            "per_call": per, "actions": [a1, a16]}
+
+
+def action_cost(repeats: int) -> dict:
+    """Host microseconds per action around an empty stage (``empty_stage_pipes``): the
+    call's time at 1 and 16 microbatches; the difference over the difference in actions
+    is one action's cost, what remains at 1 the call's own."""
+    pipes = empty_stage_pipes()
     calls = 100
     us: dict[int, list[float]] = {1: [], 16: []}
     for _ in range(repeats):   # interleaved
@@ -395,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.gpus, args.tokens = ["Llama-3.1-8B"], [1, 8], [4096]
     cases = [(m, g, n) for m in args.models for g in args.gpus for n in args.tokens]
     action = action_cost(args.repeats)
+    action["python_calls"] = action_calls()
     print(f"host cost of one action around an empty stage: {action['min_us']:.1f} us min, "
-          f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us")
+          f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us; "
+          f"{action['python_calls']['per_action']} Python calls per action")
     lock = lock_ab(args.repeats) if args.lock_ab else None
     for name in ("ordered", "fifo", "plain") if lock else ():
         r = lock[name]

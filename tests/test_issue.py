@@ -202,6 +202,17 @@ def test_bench_issue_prints_its_rows_as_json(tmp_path, capsys):
     assert result["action_us"]["min_us"] > 0
 
 
+def test_an_action_around_an_empty_stage_makes_few_python_calls():
+    """The issue path's cost per action, counted (not timed): 61.9 Python calls per action
+    before #55's cut of the per-action path, 29.7 after. A regression back past the
+    budget fails here, on any CPU."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_issue
+    calls = bench_issue.action_calls()
+    assert calls["actions"] == [8, 68], calls
+    assert 20 <= calls["per_action"] <= 34, calls
+
+
 def test_bench_issue_models_a_compiled_rows_host_time_from_its_kernel_count():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_issue
