@@ -246,7 +246,12 @@ def predict(name: str, gpus: int, seq_len: int, refit_host: dict, mfu: float = 0
     program = pipe.program("fused", MICROBATCHES)
     costs = [LayerCost.of(cost, gpu) for cost in layer_costs(pipe)]
     pipe.close()
-    alone = simulate(program, costs, gpu).makespan
+    gpus_only = simulate(program, costs, gpu)
+    alone = gpus_only.makespan
+    # what bounds scaling on the GPUs alone: their summed compute, and where they idle
+    gpu_side = {"busy_ms": sum(gpus_only.busy), "bubble_ratio": gpus_only.bubble_ratio,
+                "fill": gpus_only.fill, "drain": gpus_only.drain, "intra": gpus_only.intra,
+                "exposed_transfer_ms": gpus_only.exposed_transfer_ms}
     tokens = MICROBATCHES * seq_len
     out = []
     for backend in BACKENDS:
@@ -262,7 +267,7 @@ def predict(name: str, gpus: int, seq_len: int, refit_host: dict, mfu: float = 0
                     "host_issue_ms_refit": u.host_issue_ms,
                     "host_over_gpu_refit": u.host_issue_ms / alone, "step_ms_refit": u.makespan,
                     "slowdown_refit": u.makespan / alone,
-                    "tokens_per_s_refit": tokens / u.makespan * 1e3})
+                    "tokens_per_s_refit": tokens / u.makespan * 1e3, "gpu_side": gpu_side})
     return out
 
 
@@ -274,11 +279,18 @@ def scaling(rows: list[dict]) -> list[dict]:
     for (model, gpus, seq_len, backend), many in by.items():
         one = by.get((model, 1, seq_len, backend))
         if gpus > 1 and one is not None:
+            # the GPUs' summed compute over one GPU's (the recompute round-robin adds), and
+            # the scaling with none of the GPUs' idle time (no fill, drain or waits)
+            work = many["gpu_side"]["busy_ms"] / one["gpu_side"]["busy_ms"]
             out.append({"model": model, "gpus": gpus, "seq_len": seq_len, "stage_backend": backend,
                         "modelled": many["modelled"], "simulated": True,
                         "gpu_only": many["gpu_tokens_per_s"] / one["gpu_tokens_per_s"],
                         "h200": many["tokens_per_s"] / one["tokens_per_s"],
-                        "refit": many["tokens_per_s_refit"] / one["tokens_per_s_refit"]})
+                        "refit": many["tokens_per_s_refit"] / one["tokens_per_s_refit"],
+                        "work_over_one_gpu": work, "without_idle": gpus / work,
+                        "bubble_ratio": many["gpu_side"]["bubble_ratio"],
+                        "fill": many["gpu_side"]["fill"], "drain": many["gpu_side"]["drain"],
+                        "exposed_transfer_ms": many["gpu_side"]["exposed_transfer_ms"]})
     return out
 
 

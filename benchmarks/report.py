@@ -183,7 +183,24 @@ def _host_model(d: dict) -> list[str]:
                     f"{acc[b]['at_most']}: {verdict(acc[b]['met'])})" for b in ("inductor", "cudagraphs"))
         + f"; 8-GPU / 1-GPU tokens/s with the best backend ({acc['scaling']['stage_backend']}) "
         f"{acc['scaling']['refit']:.2f} (at least {acc['scaling']['at_least']:.0f}: "
-        f"{verdict(acc['scaling']['met'])}; the GPUs alone {acc['scaling']['gpu_only']:.2f})."]
+        f"{verdict(acc['scaling']['met'])}; the GPUs alone {acc['scaling']['gpu_only']:.2f})."
+    ] + _gpu_side(d["scaling"])
+
+
+def _gpu_side(scaling: list[dict]) -> list[str]:
+    """What bounds the 8-GPU step on the GPUs alone (simulated), per tokens per microbatch."""
+    seen = {}
+    for s in scaling:
+        if "work_over_one_gpu" in s:
+            seen.setdefault(s["seq_len"], s)
+    if not seen:
+        return []
+    return ["", "What bounds it on the GPUs alone (simulated, no host costs): " + "; ".join(
+        f"at {n // 1024}K the {s['gpus']} GPUs compute {s['work_over_one_gpu']:.2f}× one GPU's "
+        f"work (the round-robin recomputes what one GPU's plan keeps), so with no idle time "
+        f"they would run {s['without_idle']:.2f}× one GPU; they idle {s['bubble_ratio']:.0f}% "
+        f"of the step (fill {s['fill']:.0f}%, drain {s['drain']:.0f}%; transfers exposed "
+        f"{s['exposed_transfer_ms']:,.0f} ms)" for n, s in sorted(seen.items())) + "."]
 
 
 def _schedule(d: dict) -> list[str]:
