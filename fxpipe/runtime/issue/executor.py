@@ -107,7 +107,7 @@ class Execution:
             isinstance(a, DeviceReduceScatter) for acts in self.program.actions for a in acts)
         self.pieces: dict[int, torch.Tensor] = {}
         self.cancelled = False   # (a flag: read per action, an Event's is_set is a call)
-        self.counted = itertools.count()   # actions that ran (``_recorded``)
+        self.counted = itertools.count()   # actions that ran (``_do``)
         self.record_lock = threading.Lock()
         self.slot_size: dict[int, int] = {}   # device -> its parameter slots' bytes (graphs)
         # stages whose jobs are device graphs (only looked for under "cudagraphs")
