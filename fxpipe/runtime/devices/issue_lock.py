@@ -143,15 +143,9 @@ _TAKE, _LEAVE = _Issuing(), contextlib.nullcontext()
 def hold(step: int) -> None:
     """Take the issue lock for this thread's action at ``step`` of its lane: what
     ``at_step(step)`` then ``with issuing(True):`` do, as the executor does it for each
-    action (one call when the lock is free); :func:`let_go` after."""
+    action (no context object per action); :func:`let_go` after."""
     _HOLDING.step = step
-    lock = _ISSUING
-    with lock._state:
-        if not lock._held:
-            lock._held = True
-            _HOLDING.on = True
-            return
-    w = lock.acquire(step)   # (it looks again: the holder may have let go meanwhile)
+    w = _ISSUING.acquire(step)
     if w:
         _HOLDING.waited += w
     _HOLDING.on = True
@@ -160,12 +154,7 @@ def hold(step: int) -> None:
 def let_go() -> None:
     """Let go of the issue lock :func:`hold` took (handed over to the first waiter)."""
     _HOLDING.on = False
-    lock = _ISSUING
-    with lock._state:
-        if not lock._waiters:
-            lock._held = False
-            return
-    lock.release()   # (it looks again under the lock)
+    _ISSUING.release()
 
 
 def issuing(take: bool) -> contextlib.AbstractContextManager:
