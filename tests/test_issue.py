@@ -204,7 +204,7 @@ def test_bench_issue_prints_its_rows_as_json(tmp_path, capsys):
 
 def test_an_action_around_an_empty_stage_makes_few_python_calls():
     """The issue path's cost per action, counted (not timed): 61.9 Python calls per action
-    before #55's cut of the per-action path, 31.6 after. A regression back past the
+    before #55's cut of the per-action path, 29.6 after. A regression back past the
     budget fails here, on any CPU."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_issue

@@ -208,15 +208,23 @@ class _IssuePlan(NamedTuple):
     commit_at: int
 
 
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Program -> phase -> plan
+# id(Program) -> phase -> plan, while the Program lives. By id: a Program is a frozen
+# dataclass, whose hash would hash every action, and whose equality to another Program's
+# compares them all, at each call
+_plans: dict[int, dict[str, _IssuePlan]] = {}
+_plans_lock = threading.Lock()
 
 
 def issue_plan(program: Program, phase: str) -> _IssuePlan:
     """``program``'s issue plan for a call of ``phase``, made at its first call (a dict
     read after)."""
-    plans = _plans.get(program)
+    plans = _plans.get(id(program))
     if plans is None:
-        plans = _plans.setdefault(program, {})
+        with _plans_lock:
+            if id(program) not in _plans:
+                _plans[id(program)] = {}
+                weakref.finalize(program, _plans.pop, id(program), None)
+            plans = _plans[id(program)]
     plan = plans.get(phase)
     if plan is None:
         plan = plans.setdefault(phase, _make_plan(program, phase))
