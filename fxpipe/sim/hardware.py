@@ -21,7 +21,7 @@ H200_HOST = dict(host_us_per_action=345.4, host_us_per_kernel=19.93, host_us_per
 ``benchmarks/bench_host_model.py``): ``Hardware(**H200_HOST)`` prices issuing as that
 host did."""
 
-H200_HOST_REFIT = dict(host_us_per_action=316.7, host_us_per_kernel=16.46, host_us_per_grad_kernel=30.92)
+H200_HOST_REFIT = dict(host_us_per_action=91.6, host_us_per_kernel=12.88, host_us_per_grad_kernel=24.18)
 """A PROJECTION, not a GPU measurement: :data:`H200_HOST` scaled to the code of today by
 CPU ratios (issue #55; ``benchmarks/bench_host_model.py`` derives it and its docstring
 says how). ``host_us_per_action`` by the host cost of one action around an empty stage
