@@ -46,7 +46,7 @@ import itertools
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -181,7 +181,7 @@ class Execution:
                 if self.call.record is not None:
                     self.call.record.append((HOST, str(p.host[i])))
             else:
-                self._work(HOST, p.host[i], p.labels[HOST][i])()
+                self._do(HOST, p.host[i], p.labels[HOST][i])
 
     def _issue(self, lane: int, steps: tuple[_Step, ...], slots) -> None:
         """Issue ``lane``'s actions in Program order: each once its dependencies were
@@ -244,9 +244,6 @@ class Execution:
             self.stats.issued(issued)
             if at_issue:
                 self.stats.add("issue_lock_wait_us", round(waited() * 1e6))
-
-    def _work(self, lane: int, a, label: str) -> Callable[[], None]:
-        return lambda: self._do(lane, a, label)
 
     def _do(self, lane: int, a, label: str) -> None:
         """Action ``a``'s work, as its stream runs it."""
