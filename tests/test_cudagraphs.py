@@ -421,9 +421,18 @@ def test_each_job_keeps_a_bounded_number_of_graphs_and_cycling_lengths_only_repl
     """Lengths that alternate are captured once each (per slot), then only replayed; ever
     new lengths do not grow the graphs without bound: each job (device, stage, forward
     or backward) keeps its ``GRAPHS_PER_JOB`` most recently used (4 here, for the test's
-    time), and the step still equals eager's."""
+    time), and the step still equals eager's. What is checked is which graphs are kept
+    and replayed: each segment's own graph stands in for inductor's code (the kit's dry
+    run's ``stand_in_compiler``; inductor compiled every segment at each of the five
+    lengths, most of the test's time), which the tests above run as graphs."""
+    from fxpipe.check.many_devices import stand_in_compiler
     from fxpipe.runtime.stages import graphs as stage_graphs
     monkeypatch.setattr(stage_graphs, "GRAPHS_PER_JOB", 4)   # two slots x two lengths
+    with stand_in_compiler(True):
+        _bounded_graphs_and_cycling_lengths()
+
+
+def _bounded_graphs_and_cycling_lengths() -> None:
     model = blocks(2, 8)
     ref = copy.deepcopy(model)
     pipe = fxpipe.compile(model, example_inputs=(torch.randn(4, 8, 8),), devices=strict_devices(),

@@ -46,8 +46,14 @@ def bitwise_files() -> list[str]:
 
 
 # and, in CI, the streamed optimizer step's claim on 2 devices only (its kernels are the
-# same on 1, 2 or 3; the main run checks all three)
-CI_DESELECT = "streamed_step_equals_step_after_the_call and not 2-"
+# same on 1, 2 or 3; the main run checks all three), and none of the tests of
+# test_compile.py (all marked bitwise, the module's mark) that claim no bitwise equality:
+# a tolerance, or what the pipe is made of
+NOT_BITWISE = ("test_kwargs_model_returning_dict", "test_parameters_are_the_models_own",
+               "test_train_eval_switch_recaptures", "test_attention_is_random_only_with_dropout",
+               "test_one_tensor_given_for_two_arguments_stays_two_inputs",
+               "test_the_docs_list_every_compile_keyword_and_how_to_run_the_trainer_on_cpu")
+CI_DESELECT = "(streamed_step_equals_step_after_the_call and not 2-) or " + " or ".join(NOT_BITWISE)
 
 
 @pytest.mark.parametrize("variant", RUN)

@@ -23,10 +23,12 @@ DRY_RUN_COPY = 4 * 2**20
 
 
 def shape_of(dry_run: bool) -> dict[str, int]:
-    """The Llama's dims and the generation's sizes: tiny in a dry run; else fp32 weights of
-    3.4 GB (an H100/H200 streams them in ~60 ms per decode step)."""
+    """The Llama's dims and the generation's sizes: tiny in a dry run (10 layers: stages
+    that fit the cap, "auto" keeping some caches resident but not all; 8 do not fit, and
+    each layer is seconds of capture on CPU); else fp32 weights of 3.4 GB (an H100/H200
+    streams them in ~60 ms per decode step)."""
     if dry_run:
-        return dict(hidden=32, layers=12, vocab=64, heads=4, kv_heads=2, batch=2, prompt=8, new=4)
+        return dict(hidden=32, layers=10, vocab=64, heads=4, kv_heads=2, batch=2, prompt=8, new=4)
     return dict(hidden=2048, layers=16, vocab=32000, heads=16, kv_heads=4, batch=16, prompt=128,
                 new=32)
 
