@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["SequenceKV", "opened", "running_chunk", "attend", "chunk_bounds"]
@@ -203,6 +202,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scaling: float, window: 
     k, v = k[:, :, first:], v[:, :, first:]
     n = k.shape[2]
     if window <= 0 and softcap <= 0 and q.is_cuda:
+        # (imported here: ``torch.nn.attention.bias`` imports all of dynamo, 2 s of
+        # ``import fxpipe`` otherwise)
+        from torch.nn.attention.bias import causal_lower_right
         with _disable_current_modes():   # a tensor subclass, made outside fxpipe's counting
             bias = causal_lower_right(c, n)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling,
