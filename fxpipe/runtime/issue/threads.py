@@ -245,8 +245,9 @@ def _make_plan(p: Program, phase: str) -> _IssuePlan:
                 # each dependency on an end is its own event; one on a start, what that
                 # action waited for, which may repeat another's
                 distinct = all(end for _, end in on) and len({k for k, _ in on}) == len(on)
-                steps.append(_Step(i, a, p.labels[lane][i], stream_of(a), type(a).__name__,
-                                   stream_of(a) == "prefetch", on, distinct))
+                stream = stream_of(a)
+                steps.append(_Step(i, a, p.labels[lane][i], stream, type(a).__name__,
+                                   stream == "prefetch", on, distinct))
         steps = tuple(steps)
         keys += [(lane, s.i) for s in steps]
         if steps:

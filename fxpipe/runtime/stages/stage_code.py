@@ -242,7 +242,7 @@ _SERVED = {_op.prefetch.default: resident, _op.upload.default: uploaded,
            _op.offload.default: offloaded, _op.release.default: released,
            _op.writeback.default: written_back, _op.rng.default: seeded}
 _runnables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NONE: dict = {}
+_NO_CODE: dict = {}   # (a stage none was built for)
 _build_lock = threading.Lock()
 
 
@@ -261,7 +261,7 @@ def runnable(stage: Stage, recompute: bool = False, device: torch.device | None 
     key = (recompute and bool(stage.unfilled), on, None if backend == "eager" else backend)
     # built: no lock on the hot path (``.data``: the weak dictionary's own dict, read
     # without its Python ``get``: this runs per action)
-    code = _runnables.data.get(weakref.ref(stage.gm), _NONE).get(key)
+    code = _runnables.data.get(weakref.ref(stage.gm), _NO_CODE).get(key)
     if code is not None:
         return code
     with _build_lock:
