@@ -17,6 +17,7 @@ import torch
 from fxpipe.check import __main__ as check_cli
 from fxpipe.check import finetune as ft_kit
 from fxpipe.check.cuda_tests import run_subprocess
+from fxpipe.check.harness import SectionTimeout
 from fxpipe.check.sections import SECTIONS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -308,18 +309,24 @@ def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_pat
                                                                           capsys):
     seen = {}
 
-    def run_all(ctx, *, backends, on_row, say):
-        seen["backends"] = backends
+    def run_all(ctx, *, modes, backends, on_row, say):
+        seen["backends"], seen["modes"] = backends, modes
         return [{"ok": True, "stage_backend": b} for b in backends]
     monkeypatch.setattr(ft_kit, "run_all", run_all)
     out = tmp_path / "check.json"
     assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
                        "--stage-backends", "eager,inductor,cudagraphs"]) == 0
-    assert seen["backends"] == (None, "inductor", "cudagraphs")
+    assert seen == {"backends": (None, "inductor", "cudagraphs"),
+                    "modes": ("lora", "full", "longest")}
     runs = json.loads(out.read_text())["finetune"]["runs"]
     assert [r["stage_backend"] for r in runs] == [None, "inductor", "cudagraphs"]
+    assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
+                           "--finetune-modes", "full,qlora"]) == 0
+    assert seen["modes"] == ("full", "qlora")
     assert check_cli.main(["--dry-run", "--sections", "finetune", "--stage-backends", "tvm"]) == 2
     assert "each must be one of eager, inductor, auto, cudagraphs" in capsys.readouterr().err
+    assert check_cli.main(["--dry-run", "--sections", "finetune", "--finetune-modes", "lora,7b"]) == 2
+    assert "each must be one of lora, qlora, full, longest" in capsys.readouterr().err
 
 
 def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _threads):
@@ -339,3 +346,17 @@ def test_a_sections_progress_is_on_disk_before_it_ends(tmp_path, monkeypatch, _t
     assert on_disk["in_progress"] == "finetune"
     final = json.loads(out.read_text())["finetune"]
     assert final["ok"] is True and "partial" not in final and len(final["runs"]) == 2
+
+
+def test_a_section_that_fails_keeps_the_rows_it_reported(tmp_path, monkeypatch, _threads):
+    """A timeout (or any failure) after the first run keeps that run's row beside the error."""
+    out = tmp_path / "check.json"
+
+    def finetune(kit):
+        kit.progress({"runs": [{"mode": "lora", "ok": True}]})
+        raise SectionTimeout("past its 9 s share of the time budget (--budget-s)")
+    monkeypatch.setattr(SECTIONS["finetune"], "run", finetune)
+    assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune"]) == 1
+    final = json.loads(out.read_text())["finetune"]
+    assert final["ok"] is False and final["runs"] == [{"mode": "lora", "ok": True}]
+    assert final["error"]["type"] == "SectionTimeout"

@@ -18,7 +18,7 @@ import torch
 
 import fxpipe.check
 from fxpipe.check.common import ROOT, model_shape, say
-from fxpipe.check.finetune import GPU_STAGE_BACKENDS
+from fxpipe.check.finetune import GPU_STAGE_BACKENDS, KIT_MODES, RUN_MODES
 from fxpipe.check.harness import Kit, SectionTimeout, run_sections, write
 from fxpipe.check.sections import SECTIONS
 from fxpipe.config import STAGE_BACKENDS
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="finetune: run fxpipe with each RunConfig.stage_backend (eager, "
                     "inductor, auto, cudagraphs), in this order; default on a GPU: "
                     "cudagraphs,inductor,eager, in a dry run: eager")
+    ap.add_argument("--finetune-modes", default=",".join(KIT_MODES), metavar="NAME,...",
+                    help="finetune: these of its runs (" + ", ".join(RUN_MODES)
+                    + "; default: " + ",".join(KIT_MODES) + ")")
     ap.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sections = tuple(SECTIONS)
@@ -90,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxpipe.check: --stage-backends {args.stage_backends!r}: each must be one of "
               f"{', '.join(STAGE_BACKENDS)}", file=sys.stderr)
         return 2
+    modes = tuple(m.strip() for m in args.finetune_modes.split(",") if m.strip())
+    if not modes or any(m not in RUN_MODES for m in modes):
+        print(f"fxpipe.check: --finetune-modes {args.finetune_modes!r}: each must be one of "
+              f"{', '.join(RUN_MODES)}", file=sys.stderr)
+        return 2
     kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape,
-              tuple(None if b == "eager" else b for b in backends))
+              tuple(None if b == "eager" else b for b in backends), modes)
     try:
         failed = run_sections(kit, SECTIONS, sections, report, out, args.budget_s,
                               args.fail_section)

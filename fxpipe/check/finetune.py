@@ -74,6 +74,10 @@ from fxpipe.runtime.stages.compiled import compile_totals
 TOKENS_PER_MICROBATCH = 4096
 MICROBATCHES = 16
 TIMED_STEPS = 3
+RUN_MODES = ("lora", "qlora", "full", "longest")
+"""Every run :func:`run_specs` knows; the kit's default (``--finetune-modes``) leaves qlora
+out (``bench_finetune.py --modes`` runs it)."""
+KIT_MODES = ("lora", "full", "longest")
 GPU_STAGE_BACKENDS = ("cudagraphs", "inductor", "eager")
 """The stage backends a GPU's ``finetune`` runs by default (``--stage-backends``): the
 ones with the fewest GPU runs behind them first, eager stage code last."""
@@ -464,7 +468,7 @@ DRY_RUN_DEVICE_MEMORY = 64 * 2**20
 """A dry run's devices have this many bytes (its ``longest`` sequence is planned for them)."""
 
 
-def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = ("lora", "full", "longest"),
+def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = KIT_MODES,
             eager: bool = True, steps: int = TIMED_STEPS,
             backends: tuple[str | None, ...] = (None,),
             on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
@@ -516,7 +520,7 @@ def finetune(kit: Kit) -> dict[str, Any]:
                   sync, link)
     head = {"peak_bf16_tflops": ctx["peak_tflops"], "h2d_bytes_per_s": link[0],
             "d2h_bytes_per_s": link[1]}
-    rows = run_all(ctx, backends=kit.stage_backends,
+    rows = run_all(ctx, modes=kit.finetune_modes, backends=kit.stage_backends,
                    on_row=lambda rows: kit.progress({**head, "runs": rows}), say=say)
     return {**head, "runs": rows, "ok": bool(rows) and all(r["ok"] for r in rows)}
 

@@ -51,10 +51,12 @@ class Kit:
     several sections (``shared``: the traced step)."""
 
     def __init__(self, dry_run: bool, num_devices: int, repeats: int, skip_tests: bool,
-                 shape: dict[str, int], stage_backends: tuple[str | None, ...] = (None,)):
+                 shape: dict[str, int], stage_backends: tuple[str | None, ...] = (None,),
+                 finetune_modes: tuple[str, ...] = ("lora", "full", "longest")):   # KIT_MODES
         self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
         self.skip_tests, self.shape = skip_tests, shape
         self.stage_backends = stage_backends   # finetune: RunConfig.stage_backend of its runs
+        self.finetune_modes = finetune_modes   # finetune: its runs (lora, full, longest)
         self.deadline_s: float | None = None   # the running section's time allowance
         # a section's partial result, written to the JSON at once (set by run_sections)
         self.progress: Callable[[dict[str, Any]], None] = lambda partial: None
@@ -184,7 +186,8 @@ def run_sections(kit: Kit, sections: Mapping[str, Section], names: tuple[str, ..
             with alarm(allowed if section.alarm else None):
                 result = dict(section.run(kit))
         except Exception as e:   # noqa: BLE001 - a section's failure is its report
-            result = {"ok": False, "error": error_record(e)}
+            # with what it reported before (finetune's finished rows, past a timeout too)
+            result = {**report.get(name, {}), "ok": False, "error": error_record(e)}
         finally:
             kit.deadline_s = None
             kit.progress = lambda partial: None
