@@ -638,11 +638,35 @@ def _gpu_check(d: dict) -> list[str]:
         backend = f", stage_backend={r['stage_backend']}" if r.get("stage_backend") else ""
         rows.append([f"bf16 {r['mode']} fine-tune, {r['model']} shape, "
                      f"{r.get('tokens_per_step', 0):,} tokens per step{backend}", figure, eager])
+    md = d.get("many_devices")
+    if md and md.get("backends"):
+        for name, b in md["backends"].items():
+            if not b.get("ran"):
+                continue
+            i, idle, mem = b["issue"], b["issue_idle"], b["memory"]
+            per_kernel = (f", {i['issue_us_per_kernel']:.1f} µs/kernel"
+                          if i.get("issue_us_per_kernel") else "")
+            rows.append([f"{md['logical_devices']} logical devices on one GPU "
+                         f"(`many_devices`), stage_backend={name}: host issue",
+                         f"{i['issue_us_per_action']:,.0f} µs/action{per_kernel}",
+                         f"{i['device_actions']} device actions in {i['host_issue_ms']:,.0f} ms "
+                         f"of issue; the issue lock waited {b['issue_lock_wait_ms']:,.0f} ms "
+                         f"(summed over the devices' threads); traced call "
+                         f"{idle['makespan_ms']:,.0f} ms, compute busy "
+                         f"{idle['compute_busy_ms']:,.0f} ms (summed over the logical devices); "
+                         f"reserved / predicted memory {mem['reserved_over_predicted']:.2f}; "
+                         f"graph captures {b['captures_after_step']}"])
+        rows.append([f"`many_devices`: loss difference, {'/'.join(md['backends'])}",
+                     f"{md['max_loss_rel_diff']:.1e}",
+                     f"relative, over {len(md['backends']['eager']['steps'])} calls of two "
+                     f"lengths {md['lengths']}; captures plateau: {md['plateau']}"])
     tests = [f"CUDA tests at the recorded commit: {d['cuda_tests']['summary']}."]
     if d.get("finetune", {}).get("note"):
         tests.append(f"Fine-tuning: {d['finetune']['note']}")
     if "failed_2026_11_27" in d:
         tests.append(f"Also on 2026-11-27: {d['failed_2026_11_27']['note']}")
+    for name, f in d.get("failed_2026_11_30", {}).items():
+        tests.append(f"Failed on 2026-11-30, `{name}`: {f['type']}: {f['message']}.")
     for r in d.get("runs", []):
         if "vs_checkpoint" not in r["keys"]:
             tests.append(f"`{', '.join(k for k in r['keys'] if not k.startswith('failed'))}` from "

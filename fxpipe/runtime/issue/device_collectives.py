@@ -105,10 +105,14 @@ def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any)
         return dist.broadcast(tensor, group=group, group_src=0, async_op=True)
     if kind == "all_reduce":
         return dist.all_reduce(tensor, group=group, async_op=True)
+    # torch 2.13 names these *_single (its *_tensor names warn, deprecated); 2.11, on the
+    # GPU machines, has only *_tensor
     if kind == "reduce_scatter":
-        return dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
+        op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return op(out, tensor, group=group, async_op=True)
     if kind == "all_gather":
-        return dist.all_gather_single(out, tensor, group=group, async_op=True)
+        op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return op(out, tensor, group=group, async_op=True)
     raise ValueError(f"not a collective: {kind!r}")
 
 
