@@ -58,6 +58,16 @@ CPU between the H200 run's code and now (``refit``; rounded as ``H200_HOST``):
   issue the same ops as fast as eager PyTorch dispatches them, the floor for them
   (printed: the per-kernel figures ``x 1 / then``; not applied).
 
+**Eight issue threads, measured** (a GPU measurement, #55). The kit's ``many_devices``
+section ran eight logical devices on one H200 (eight issue threads, today's issue path,
+eager stage code) and fitted the same three figures to that call
+(``gpu_check.json``'s ``many_devices.backends.eager.issue.fit``): per action and per
+kernel, with eight threads contending for the issue lock and the GIL. The 8-GPU rows are
+simulated with it too (``*_threads8``), and ``scaling``'s ``threads8`` is those 8-GPU
+tokens/s over the 1-GPU row's with the refit (one issue thread). The kernels were those of
+a small model on one GPU (the kit's 16-block TinyLlama): the host's side is what is
+measured, and no eight-GPU machine has run it.
+
 The predictions are simulated with both hosts; per eager row the floor eager PyTorch's own
 dispatch sets (``dispatch_floor_*``: host / GPU step over the code's ratio, as if fxpipe
 added nothing to eager's dispatch), and per stage backend 8-GPU / 1-GPU tokens/s
@@ -229,9 +239,19 @@ def measure_refit(gpu: dict, rounds: int) -> dict:
                      "measurement (benchmarks/bench_host_model.py's docstring)"}
 
 
-def predict(name: str, gpus: int, seq_len: int, refit_host: dict, mfu: float = 0.6) -> list[dict]:
+def threads8_host(gpu: dict) -> dict | None:
+    """The host figures fitted to the kit's ``many_devices`` eager call (eight issue
+    threads on one H200), or None where none is recorded."""
+    fit = gpu.get("many_devices", {}).get("backends", {}).get("eager", {}).get("issue", {}).get("fit")
+    return None if fit is None else {k: round(fit[k], 2) for k in (
+        "host_us_per_action", "host_us_per_kernel", "host_us_per_grad_kernel")}
+
+
+def predict(name: str, gpus: int, seq_len: int, refit_host: dict, mfu: float = 0.6,
+            threads8: dict | None = None) -> list[dict]:
     """The Llama-3.1-8B step simulated without host costs, with the H200's host and with
-    its refit, per backend."""
+    its refit, per backend; on several GPUs with ``threads8`` (eight issue threads,
+    measured) too."""
     from bench_issue import MICROBATCHES, MODELS, PEAK, CausalLM, config
     c, qk_norm = config(MODELS[name])
     with torch.device("meta"):
@@ -268,6 +288,12 @@ def predict(name: str, gpus: int, seq_len: int, refit_host: dict, mfu: float = 0
                     "host_over_gpu_refit": u.host_issue_ms / alone, "step_ms_refit": u.makespan,
                     "slowdown_refit": u.makespan / alone,
                     "tokens_per_s_refit": tokens / u.makespan * 1e3, "gpu_side": gpu_side})
+        if threads8 is not None and gpus > 1:
+            m = simulate(program, costs, Hardware(**{**vars(gpu), **threads8}), stage_backend=backend)
+            out[-1].update(host_issue_ms_threads8=m.host_issue_ms,
+                           host_over_gpu_threads8=m.host_issue_ms / alone,
+                           step_ms_threads8=m.makespan, slowdown_threads8=m.makespan / alone,
+                           tokens_per_s_threads8=tokens / m.makespan * 1e3)
     return out
 
 
@@ -287,6 +313,8 @@ def scaling(rows: list[dict]) -> list[dict]:
                         "gpu_only": many["gpu_tokens_per_s"] / one["gpu_tokens_per_s"],
                         "h200": many["tokens_per_s"] / one["tokens_per_s"],
                         "refit": many["tokens_per_s_refit"] / one["tokens_per_s_refit"],
+                        "threads8": many["tokens_per_s_threads8"] / one["tokens_per_s_refit"]
+                        if "tokens_per_s_threads8" in many else None,
                         "work_over_one_gpu": work, "without_idle": gpus / work,
                         "bubble_ratio": many["gpu_side"]["bubble_ratio"],
                         "fill": many["gpu_side"]["fill"], "drain": many["gpu_side"]["drain"],
@@ -302,10 +330,15 @@ def acceptance(rows: list[dict], scale: list[dict]) -> dict:
                 ("Llama-3.1-8B", 8, 4096)),   # a tie to the backend that issues least
                key=lambda s: (round(s["refit"], 6), BACKENDS.index(s["stage_backend"])))
     out = {b: {"host_over_gpu_refit": at[b]["host_over_gpu_refit"], "at_most": TARGETS[b],
-               "met": at[b]["host_over_gpu_refit"] <= TARGETS[b]} for b in ("inductor", "cudagraphs")}
+               "met": at[b]["host_over_gpu_refit"] <= TARGETS[b],
+               "host_over_gpu_threads8": at[b].get("host_over_gpu_threads8")}
+           for b in ("inductor", "cudagraphs")}
     out["scaling"] = {"stage_backend": best["stage_backend"], "refit": best["refit"],
                       "gpu_only": best["gpu_only"], "at_least": TARGETS["scaling"],
-                      "met": best["refit"] >= TARGETS["scaling"]}
+                      "met": best["refit"] >= TARGETS["scaling"],
+                      "threads8": max((s["threads8"] for s in scale if s["threads8"] is not None
+                                       and (s["model"], s["gpus"], s["seq_len"]) ==
+                                       ("Llama-3.1-8B", 8, 4096)), default=None)}
     return out
 
 
@@ -350,18 +383,23 @@ def main(argv: list[str] | None = None) -> int:
     if host != H200_HOST_REFIT:
         print("  (fxpipe/sim/hardware.py holds " + ", ".join(
             f"{k}={v}" for k, v in H200_HOST_REFIT.items()) + ": set it to this run's)")
+    threads8 = threads8_host(gpu)
+    print(f"\nEIGHT ISSUE THREADS (measured, gpu_check.json many_devices, eager): {threads8}")
     rows = []
     print(f"\nSIMULATED (cudagraphs: MODELLED) {'model':<13} {'gpus':>4} {'tokens':>6} "
           f"{'backend':>10} {'GPU ms':>8} {'host ms':>8} {'host/GPU':>8} {'slowdown':>8} "
           f"{'refit ms':>8} {'host/GPU':>8} {'slowdown':>8}")
     for case in CASES:
-        for r in predict(*case, refit_host=host):
+        for r in predict(*case, refit_host=host, threads8=threads8):
             rows.append(r)
             print(f"{'':33}{r['model']:<13} {r['gpus']:>4} {r['seq_len'] // 1024:>5}K "
                   f"{r['stage_backend']:>10} {r['gpu_step_ms']:>8.1f} {r['host_issue_ms']:>8.1f} "
                   f"{r['host_over_gpu']:>8.3f} {r['slowdown']:>8.3f} "
                   f"{r['host_issue_ms_refit']:>8.1f} {r['host_over_gpu_refit']:>8.3f} "
                   f"{r['slowdown_refit']:>8.3f}", flush=True)
+            if "host_over_gpu_threads8" in r:
+                print(f"{'':33}{'':>48} 8 threads {r['host_issue_ms_threads8']:>8.1f} "
+                      f"{r['host_over_gpu_threads8']:>8.3f} {r['slowdown_threads8']:>8.3f}")
     for r in rows:   # eager PyTorch's own dispatch (module docstring)
         if r["stage_backend"] == "eager":
             r["dispatch_floor_host_over_gpu"] = r["host_over_gpu"] / ie["then"]["ratio"]
@@ -371,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"(H200 host) / {r['dispatch_floor_host_over_gpu_refit']:.3f} (refit)")
     scale = scaling(rows)
     print(f"\nSIMULATED 8-GPU / 1-GPU tokens/s {'tokens':>6} {'backend':>10} {'GPUs only':>9} "
-          f"{'H200 host':>9} {'refit':>9}")
+          f"{'H200 host':>9} {'refit':>9} {'8 threads':>9}")
     for s in scale:
         print(f"{'':33}{s['seq_len'] // 1024:>5}K {s['stage_backend']:>10} {s['gpu_only']:>9.2f} "
-              f"{s['h200']:>9.2f} {s['refit']:>9.2f}")
+              f"{s['h200']:>9.2f} {s['refit']:>9.2f} "
+              + (f"{s['threads8']:>9.2f}" if s["threads8"] is not None else f"{'-':>9}"))
     acc = acceptance(rows, scale)
     print("\nissue #55 (refit host, 8 x H100, Llama-3.1-8B, 4K): " + "; ".join(
         f"{b} host / GPU {acc[b]['host_over_gpu_refit']:.3f} <= {acc[b]['at_most']}: "
@@ -385,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{acc['scaling']['gpu_only']:.2f})")
     result = {"torch": torch.__version__,
               "command": " ".join(["python", "benchmarks/bench_host_model.py", *(argv or sys.argv[1:])]),
-              "calibration": fit, "refit": refit_in, "rows": rows, "scaling": scale,
+              "calibration": fit, "refit": refit_in, "threads8": threads8,
+              "rows": rows, "scaling": scale,
               "acceptance": acc}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:

@@ -131,7 +131,11 @@ def _host_model(d: dict) -> list[str]:
     f, a, ie = rf["figures"], rf["action_us"], rf["issue_over_eager"]
     floors = [r for r in d["rows"] if "dispatch_floor_host_over_gpu_refit" in r and r["gpus"] > 1]
     scaling = [[f"{s['seq_len'] // 1024}K", s["stage_backend"] + (" (modelled)" if s["modelled"] else ""),
-                f"{s['gpu_only']:.2f}", f"{s['h200']:.2f}", f"{s['refit']:.2f}"] for s in d["scaling"]]
+                f"{s['gpu_only']:.2f}", f"{s['h200']:.2f}", f"{s['refit']:.2f}",
+                f"{s['threads8']:.2f}" if s.get("threads8") is not None else "–"]
+               for s in d["scaling"]]
+    t8 = d.get("threads8")
+    threads8 = [r for r in d["rows"] if "host_over_gpu_threads8" in r]
     acc = d["acceptance"]
 
     def verdict(ok: bool) -> str:
@@ -176,7 +180,8 @@ def _host_model(d: dict) -> list[str]:
         "8-GPU / 1-GPU tokens/s, simulated (RoundPipe reports \"roughly linear\"; the same 16 "
         "microbatches per step, each count of GPUs with its own plan):", ""] + table(
         ["tokens per microbatch", "stage backend", "GPUs only (no host costs)",
-         "with `H200_HOST`", "with `H200_HOST_REFIT`"], scaling) + [
+         "with `H200_HOST`", "with `H200_HOST_REFIT`", "eight issue threads, measured"],
+        scaling) + [
         "",
         "Issue #55's targets, simulated with the refit, 8 × H100, Llama-3.1-8B, 4K: "
         + "; ".join(f"{b} host / GPU step {acc[b]['host_over_gpu_refit']:.2f} (at most "
@@ -184,7 +189,18 @@ def _host_model(d: dict) -> list[str]:
         + f"; 8-GPU / 1-GPU tokens/s with the best backend ({acc['scaling']['stage_backend']}) "
         f"{acc['scaling']['refit']:.2f} (at least {acc['scaling']['at_least']:.0f}: "
         f"{verdict(acc['scaling']['met'])}; the GPUs alone {acc['scaling']['gpu_only']:.2f})."
-    ] + _gpu_side(d["scaling"])
+    ] + ([
+        "",
+        f"**Eight issue threads, measured** on one H200 (the kit's `many_devices`, eager stage "
+        f"code, eight logical devices: a GPU measurement of today's issue path, not a "
+        f"projection): {t8['host_us_per_action']:.1f} µs per action, "
+        f"{t8['host_us_per_kernel']:.2f} µs per kernel without grad, "
+        f"{t8['host_us_per_grad_kernel']:.2f} with, against the refit's one thread above. "
+        "The 8-GPU steps simulated with it, host / GPU step: " + "; ".join(
+            f"{r['seq_len'] // 1024}K {r['stage_backend']} {r['host_over_gpu_threads8']:.2f} "
+            f"(step × {r['slowdown_threads8']:.2f})" for r in threads8)
+        + ". The scaling column above divides those 8-GPU tokens/s by the 1-GPU refit's."
+    ] if t8 else []) + _gpu_side(d["scaling"])
 
 
 def _gpu_side(scaling: list[dict]) -> list[str]:

@@ -233,6 +233,28 @@ def test_a_segment_inductor_cannot_compile(monkeypatch):
     assert compiled_mod.artifacts()
 
 
+def test_a_segment_compiled_again_is_read_from_inductors_caches():
+    """Inductor's FX graph cache and AOTAutograd's cache look a graph up through the
+    tracing context's shape environment; compiled without one, every process compiled
+    every segment again ("No shape env": 5-7 s a segment on these CPUs). Compiled twice,
+    a segment bypasses neither cache and the second compile is a hit in both."""
+    from torch._dynamo.utils import counters
+    class Segment(nn.Module):   # a layer's segment: its parameters are its inputs
+        def forward(self, x, w, b):
+            return (x + F.gelu(F.linear(x, w, b)),)
+    gm = torch.fx.symbolic_trace(Segment())
+    args = (torch.randn(2, 3, 10), torch.randn(10, 10, requires_grad=True),   # a width no
+            torch.randn(10, requires_grad=True))                             # other test has
+    counters.clear()
+    first, _ = compiled_mod._compile_segment(gm, args)
+    after_first = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
+    second, _ = compiled_mod._compile_segment(gm, args)
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    assert inductor["fxgraph_cache_bypass"] == aot["autograd_cache_bypass"] == 0, dict(counters)
+    assert aot["autograd_cache_hit"] > after_first["aot_autograd"].get("autograd_cache_hit", 0)
+    torch.testing.assert_close(first(*args), second(*args))
+
+
 @pytest.mark.parametrize("frozen_head", [False, True], ids=["trained-head", "frozen-head"])
 def test_a_hf_models_chunked_loss_and_tiled_mlp_under_inductor_equal_eager(frozen_head):
     """Where the device memory is known the loss runs in chunks and the MLPs in tiles

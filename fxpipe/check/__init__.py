@@ -44,7 +44,9 @@ what came before (``in_progress`` names the section that was running):
     dry run ``eager``), from the same weights: each row's ``stage_backend``, its
     ``vs_eager``, ``mfu``, ``first_loss_rel_diff`` (against eager's first loss),
     ``compile_s`` / ``warmup_s`` / ``stage_compile_s``, and ``host_issue_ms`` against
-    ``compute_busy_ms``;
+    ``compute_busy_ms``. ``--finetune-modes`` picks its runs (of ``lora``, ``qlora``,
+    ``full``, ``longest``; default ``lora,full,longest``): a section cut off by its share
+    of the budget keeps the rows it finished;
 11. ``many_devices``: eight logical devices on one GPU (``CudaDevice(0, memory_limit=
     total // 8, name="cuda:0/i")``, as ``scaling``'s two), the kit's model at most 16 blocks
     deep with bf16 device copies, under ``stage_backend`` ``"eager"`` and

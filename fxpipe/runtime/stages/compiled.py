@@ -194,9 +194,27 @@ def _compile_segment(gm: fx.GraphModule, args: tuple) -> tuple[Callable[..., Any
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     # the backward compiled now too (not at its first run): its module is loaded here
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        fn = torch._inductor.compile(specialized, tensors)
+        try:
+            with _cacheable():
+                fn = torch._inductor.compile(specialized, tensors)
+        except Exception:  # noqa: BLE001 - a graph the shape environment trips (a
+            # BatchNorm's in-place counter: a symbol no input defines): uncached
+            fn = torch._inductor.compile(specialized, tensors)
     _allocate_visibly()
     return fn, constants
+
+
+def _cacheable() -> Any:
+    """A tracing context whose fake mode has a shape environment (static shapes, as the
+    segment is compiled per signature): inductor's FX graph cache and AOTAutograd's cache
+    look their entries up through it, and without one bypass both ("No shape env"), so
+    every process compiled every segment again. A graph that fails within it is compiled
+    again without (:func:`_compile_segment`)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
 
 
 def _allocate_visibly() -> None:
