@@ -330,9 +330,10 @@ class FxpipeMixin:
             num_items_in_batch = torch.tensor(num_items_in_batch)
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             model_inputs["num_items_in_batch"] = num_items_in_batch
-        if self.loss_is_scaled_for_ga is not None:
-            scaled = self.loss_is_scaled_for_ga
-        else:
+        # older transformers (5.17, the GPU machines') have no loss_is_scaled_for_ga: their
+        # Trainer decides as below
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
         ga = self.current_gradient_accumulation_steps
