@@ -436,7 +436,7 @@ def _stack_traces_verbose_only() -> Iterator[None]:
     block it is recorded in verbose mode only (``fxpipe.set_verbose``), where someone may
     read the graphs' nodes."""
     config = torch.fx.config
-    if not hasattr(config, "do_not_emit_stack_traces"):   # torch < 2.13 has no such switch
+    if not hasattr(config, "do_not_emit_stack_traces"):   # torch 2.11 has no such switch
         yield
         return
     before = config.do_not_emit_stack_traces
