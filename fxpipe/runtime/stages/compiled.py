@@ -195,8 +195,7 @@ def _compile_segment(gm: fx.GraphModule, args: tuple) -> tuple[Callable[..., Any
     # the backward compiled now too (not at its first run): its module is loaded here
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         try:
-            with _cacheable():
-                fn = torch._inductor.compile(specialized, tensors)
+            fn = _compile_cached(specialized, tensors)
         except Exception:  # noqa: BLE001 - a graph the shape environment trips (a
             # BatchNorm's in-place counter: a symbol no input defines): uncached
             fn = torch._inductor.compile(specialized, tensors)
@@ -204,17 +203,22 @@ def _compile_segment(gm: fx.GraphModule, args: tuple) -> tuple[Callable[..., Any
     return fn, constants
 
 
-def _cacheable() -> Any:
-    """A tracing context whose fake mode has a shape environment (static shapes, as the
-    segment is compiled per signature): inductor's FX graph cache and AOTAutograd's cache
-    look their entries up through it, and without one bypass both ("No shape env"), so
-    every process compiled every segment again. A graph that fails within it is compiled
-    again without (:func:`_compile_segment`)."""
+def _compile_cached(gm: fx.GraphModule, tensors: list[torch.Tensor]) -> Callable[..., Any]:
+    """Inductor's code for ``gm``, compiled where its caches can find it: inductor's FX
+    graph cache and AOTAutograd's look a graph up through the tracing context's shape
+    environment, and without one bypass both ("No shape env"), so every process compiled
+    every segment again. The inputs are handed over as that context's fake tensors with
+    static shapes (as the segment is compiled per signature): real ones would be
+    fakified with a symbol per size, and the code compiled for any shape, slower to build
+    and to run. A graph that fails here is compiled again uncached (the caller)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)))
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with tracing(TracingContext(mode)):
+        fakes = [mode.from_tensor(t, static_shapes=True) for t in tensors]
+        return torch._inductor.compile(gm, fakes)
 
 
 def _allocate_visibly() -> None:
