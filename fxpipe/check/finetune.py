@@ -520,7 +520,7 @@ def finetune(kit: Kit) -> dict[str, Any]:
                   sync, link)
     head = {"peak_bf16_tflops": ctx["peak_tflops"], "h2d_bytes_per_s": link[0],
             "d2h_bytes_per_s": link[1]}
-    rows = run_all(ctx, modes=kit.finetune_modes, backends=kit.stage_backends,
+    rows = run_all(ctx, modes=kit.finetune_modes or KIT_MODES, backends=kit.stage_backends,
                    on_row=lambda rows: kit.progress({**head, "runs": rows}), say=say)
     return {**head, "runs": rows, "ok": bool(rows) and all(r["ok"] for r in rows)}
 

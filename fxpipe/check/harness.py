@@ -52,11 +52,11 @@ class Kit:
 
     def __init__(self, dry_run: bool, num_devices: int, repeats: int, skip_tests: bool,
                  shape: dict[str, int], stage_backends: tuple[str | None, ...] = (None,),
-                 finetune_modes: tuple[str, ...] = ("lora", "full", "longest")):   # KIT_MODES
+                 finetune_modes: tuple[str, ...] | None = None):
         self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
         self.skip_tests, self.shape = skip_tests, shape
         self.stage_backends = stage_backends   # finetune: RunConfig.stage_backend of its runs
-        self.finetune_modes = finetune_modes   # finetune: its runs (lora, full, longest)
+        self.finetune_modes = finetune_modes   # finetune: its runs (None: its default)
         self.deadline_s: float | None = None   # the running section's time allowance
         # a section's partial result, written to the JSON at once (set by run_sections)
         self.progress: Callable[[dict[str, Any]], None] = lambda partial: None
