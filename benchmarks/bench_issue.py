@@ -31,11 +31,14 @@ would compute the same step:
   ``action_us.python_calls``: the Python function calls that make it, counted the same
   way (every thread; a count, not a time: it does not depend on the CPU).
 - ``issue_lock``: the 8-GPU Llama-3.1-8B step at 4K issued under the issue lock
-  (``issue_lock.OrderedLock``: handed over to the waiting action first in the Program),
-  under the same lock handing over in the order asked (``fifo``) and under a plain
-  ``threading.Lock`` (the lock before #55), interleaved: host ms per step and the
-  devices' summed waits for the lock (``issue_lock_wait_us``). ``--no-lock-ab`` skips it
-  (the suite's run: twelve 8-GPU steps).
+  (``issue_lock.OrderedLock``: handed over to the waiting action first in the Program,
+  an issue thread keeping it between its actions until a waiter is ``issue_lock.SLACK``
+  steps before it: ``ordered``), under the same lock handed over after every action
+  (``ordered-each``, the lock before this), handing over in the order asked (``fifo``)
+  and under a plain ``threading.Lock`` (the lock before #55), interleaved: host ms per
+  step and the devices' summed waits for the lock (``issue_lock_wait_us``) and their
+  count (``issue_lock_waits``). ``--no-lock-ab`` skips it (the suite's run: sixteen
+  8-GPU steps).
 
 - **Per stage backend** (``--backends``, default ``eager inductor``): each row is run with
   ``RunConfig(stage_backend=...)`` (``stage_backend`` in its JSON: ``null`` for eager).
@@ -384,15 +387,33 @@ class PlainLock:
     def release(self) -> None:
         self._lock.release()
 
+    def pass_on(self, step: int, slack: int) -> float:   # let go and ask again, as before
+        self.release()
+        return self.acquire(step)
+
     def locked(self) -> bool:
         return self._lock.locked()
 
 
 class FifoLock(issue_lock.OrderedLock):
-    """``OrderedLock`` handing over in the order asked, whatever the step."""
+    """``OrderedLock`` handing over in the order asked, whatever the step, after every
+    action."""
 
     def acquire(self, step: int = 0) -> float:
         return super().acquire(0)
+
+    def pass_on(self, step: int, slack: int) -> float:
+        return super().pass_on(0, EACH)
+
+
+class EachLock(issue_lock.OrderedLock):
+    """``OrderedLock`` handed over after every action a thread waits behind."""
+
+    def pass_on(self, step: int, slack: int) -> float:
+        return super().pass_on(step, EACH)
+
+
+EACH = -(1 << 62)   # a slack no step reaches: any waiter takes the lock
 
 
 def lock_ab(repeats: int, gpus: int = 8) -> dict:
@@ -403,8 +424,10 @@ def lock_ab(repeats: int, gpus: int = 8) -> dict:
     plan, _ = full_size("Llama-3.1-8B", gpus, 4096)
     _, pipe, ids = tiny_pipe("Llama-3.1-8B", gpus, plan)
     ordered = issue_lock._ISSUING
-    locks = {"ordered": ordered, "fifo": FifoLock(), "plain": PlainLock()}
-    out: dict[str, dict[str, list[float]]] = {k: {"host_ms": [], "wait_ms": []} for k in locks}
+    locks = {"ordered": ordered, "ordered-each": EachLock(), "fifo": FifoLock(),
+             "plain": PlainLock()}
+    out: dict[str, dict[str, list[float]]] = {k: {"host_ms": [], "wait_ms": [], "waits": []}
+                                              for k in locks}
     try:
         for lock in locks.values():   # warm up
             issue_lock._ISSUING = lock
@@ -414,14 +437,17 @@ def lock_ab(repeats: int, gpus: int = 8) -> dict:
                 issue_lock._ISSUING = lock
                 out[name]["host_ms"] += timed(lambda: pipe.forward_backward((ids, ids)), 1)
                 out[name]["wait_ms"].append(pipe.stats()["issue_lock_wait_us"] / 1e3)
+                out[name]["waits"].append(pipe.stats()["issue_lock_waits"])
     finally:
         issue_lock._ISSUING = ordered
         pipe.close()
     return {name: {"host_ms_min": min(v["host_ms"]),
                    "host_ms_median": statistics.median(v["host_ms"]),
                    "lock_wait_ms_min": min(v["wait_ms"]),
-                   "lock_wait_ms_median": statistics.median(v["wait_ms"])}
-            for name, v in out.items()} | {"gpus": gpus, "model": "Llama-3.1-8B", "seq_len": 4096}
+                   "lock_wait_ms_median": statistics.median(v["wait_ms"]),
+                   "lock_waits_median": statistics.median(v["waits"])}
+            for name, v in out.items()} | {"gpus": gpus, "model": "Llama-3.1-8B", "seq_len": 4096,
+                                           "slack": issue_lock.SLACK}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,11 +480,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us; "
           f"{action['python_calls']['per_action']} Python calls per action")
     lock = lock_ab(args.repeats) if args.lock_ab else None
-    for name in ("ordered", "fifo", "plain") if lock else ():
+    for name in ("ordered", "ordered-each", "fifo", "plain") if lock else ():
         r = lock[name]
-        print(f"issue lock {name:>7}: 8-GPU 4K step {r['host_ms_min']:.1f} ms min, "
+        print(f"issue lock {name:>12}: 8-GPU 4K step {r['host_ms_min']:.1f} ms min, "
               f"{r['host_ms_median']:.1f} ms median; the devices waited for it "
-              f"{r['lock_wait_ms_median']:.1f} ms (median)")
+              f"{r['lock_wait_ms_median']:.1f} ms, {r['lock_waits_median']:.0f} times (median)")
     head = (f"{'model':<14} {'gpus':>4} {'tokens':>6} {'backend':>8} {'stages f/b':>10} "
             f"{'actions':>7} {'kern/L':>6} {'us/L':>6} {'host ms':>8} {'eager ms':>8} "
             f"{'fxpipe+':>8} {'H100 ms':>8} {'ratio':>6} {'4090 ms':>8} {'ratio':>6}")

@@ -158,6 +158,7 @@ def check_many_devices(md):
         assert issue["runs_at_issue"] is False        # virtual devices: kernels off the issue
         assert issue["actions"] > issue["device_actions"] > 0   # the host lane's are not issued
         assert row["issue_lock_wait_ms"] == 0.0   # virtual devices: no work at issue, no lock
+        assert row["issue_lock_waits"] == 0
         idle = row["issue_idle"]
         assert set(idle["devices"]) == {str(i) for i in range(8)}
         assert 0 <= idle["issue_idle_ms"] <= idle["idle_ms"] and idle["unstamped_gaps"] == 0

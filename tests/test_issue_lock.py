@@ -130,9 +130,38 @@ def test_the_lock_is_handed_over_to_the_earliest_action():
     for t in threads:
         t.join(timeout=10)
     assert order == ["early", "tie", "me", "late"], order
-    assert issue_lock.waited() > 0.0 and issue_lock.waited() == 0.0
+    assert issue_lock.waited()[0] > 0.0 and issue_lock.waited() == (0.0, 0)
     assert not issue_lock._ISSUING.locked()
     issue_lock.at_step(0)
+
+
+def test_the_holder_keeps_the_lock_until_a_waiter_is_slack_steps_before_it():
+    """#55: between two of its actions an issue thread keeps the lock (no hand-over: no
+    thread woken, no GIL moved) while every waiting thread's action comes less than
+    ``slack`` steps before its next one; once one is that far behind, the lock goes to it
+    and the holder queues at its step."""
+    lock = issue_lock.OrderedLock()
+    order: list[str] = []
+    lock.acquire(0)
+    assert lock.pass_on(50, slack=4) == 0.0   # nobody waits: kept
+
+    def waiter():
+        lock.acquire(2)
+        order.append("waiter")
+        lock.release()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while not lock._waiters:
+        threading.Event().wait(0.001)
+    assert lock.pass_on(5, slack=4) == 0.0   # 2 + 4 > 5: kept
+    order.append("holder at 5")
+    assert lock.pass_on(6, slack=4) > 0.0    # 2 + 4 <= 6: handed over, then back
+    order.append("holder at 6")
+    t.join(timeout=10)
+    lock.release()
+    assert order == ["holder at 5", "waiter", "holder at 6"], order
+    assert not lock.locked()
 
 
 def test_issue_lock_waits_are_counted_in_stats():
@@ -148,6 +177,7 @@ def test_issue_lock_waits_are_counted_in_stats():
         pipe(x)
     stats = pipe.stats()
     assert "issue_lock_wait_us" in stats and stats["issue_lock_wait_us"] >= 0
+    assert stats["issue_lock_waits"] >= 0
     pipe.close()
 
 

@@ -37,7 +37,8 @@ weights, no optimizer (the weights stay as they are, so every call's loss compar
   (``runs_at_issue`` false): the per-kernel figures mean something on a GPU only;
 - ``issue_lock_wait_ms``: the time the devices' issue threads waited for the issue lock
   in that call, summed (``pipe.stats()["issue_lock_wait_us"]``; 0 on a dry run's
-  virtual devices, whose work does not run at issue);
+  virtual devices, whose work does not run at issue), and ``issue_lock_waits`` how many
+  times (an issue thread keeps the lock between its actions: ``issue_lock.SLACK``);
 - ``issue_idle``: GPU idle time attributable to issue, from that call's trace: per
   device, the part of its compute stream's gaps before the host began issuing the next
   compute action (:func:`device_idle` defines it), and the gaps' total.
@@ -233,8 +234,10 @@ def issue_figures(pipe, stats: dict[str, Any], backend: str, microbatches: int) 
 
 
 def lock_wait(stats: dict[str, Any]) -> dict[str, Any]:
-    """The issue threads' summed wait for the issue lock in the call, in ms."""
-    return {"issue_lock_wait_ms": stats["issue_lock_wait_us"] / 1e3}
+    """The issue threads' summed wait for the issue lock in the call, in ms, and how many
+    times they waited."""
+    return {"issue_lock_wait_ms": stats["issue_lock_wait_us"] / 1e3,
+            "issue_lock_waits": stats["issue_lock_waits"]}
 
 
 @contextlib.contextmanager

@@ -17,8 +17,12 @@ pool block (both drain or pin for milliseconds to seconds).
 
 The lock is an :class:`OrderedLock`: handed over to the waiting thread whose action
 comes first in the Program, so a device's issue thread cannot take it back ahead of a
-device behind it.
-What each issue thread waited for it is ``pipe.stats()["issue_lock_wait_us"]``.
+device behind it. An issue thread keeps it from one action to the next (:class:`Kept`)
+until a waiting thread's action comes :data:`SLACK` steps before its own: a hand-over
+wakes another thread and moves the GIL, which cost more than the action's own Python
+with eight devices.
+What each issue thread waited for it is ``pipe.stats()["issue_lock_wait_us"]``, and how
+many times ``["issue_lock_waits"]``.
 
 >>> with issuing(True):
 ...     held = holding()
@@ -86,6 +90,22 @@ class OrderedLock:
             else:
                 self._held = False
 
+    def pass_on(self, step: int, slack: int) -> float:
+        """The holder goes on to its action at ``step``: it keeps the lock unless a
+        waiting thread's action comes ``slack`` or more steps before it; else the lock
+        is handed to the earliest waiter and this thread queues at ``step``. Returns the
+        seconds it waited (0.0 when it kept the lock)."""
+        with self._state:
+            if not self._waiters or self._waiters[0][0] + slack > step:
+                return 0.0
+            turn = threading.Lock()
+            turn.acquire()
+            heapq.heappop(self._waiters)[2].release()   # handed over: stays held
+            heapq.heappush(self._waiters, (step, next(self._asked), turn))
+        start = time.perf_counter()
+        turn.acquire()
+        return time.perf_counter() - start
+
     def locked(self) -> bool:
         return self._held
 
@@ -97,6 +117,7 @@ class _Holding(threading.local):
     on: bool = False
     step: int = 0         # the Program step of the action this thread issues (``at_step``)
     waited: float = 0.0   # seconds this thread waited for the lock (``waited``)
+    waits: int = 0        # how many times it waited
 
 
 _HOLDING = _Holding()
@@ -113,11 +134,19 @@ def holding() -> bool:
     return _HOLDING.on
 
 
-def waited() -> float:
-    """Seconds this thread waited for the issue lock since the last call (an issue
-    thread reads it once per call: ``pipe.stats()["issue_lock_wait_us"]``)."""
-    s, _HOLDING.waited = _HOLDING.waited, 0.0
-    return s
+def waited() -> tuple[float, int]:
+    """Seconds this thread waited for the issue lock since the last call, and how many
+    times (an issue thread reads them once per call: ``pipe.stats()["issue_lock_wait_us"]``,
+    ``["issue_lock_waits"]``)."""
+    s, n = _HOLDING.waited, _HOLDING.waits
+    _HOLDING.waited, _HOLDING.waits = 0.0, 0
+    return s, n
+
+
+def _waited(seconds: float) -> None:
+    if seconds:
+        _HOLDING.waited += seconds
+        _HOLDING.waits += 1
 
 
 class _Issuing:
@@ -127,9 +156,7 @@ class _Issuing:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        w = _ISSUING.acquire(_HOLDING.step)
-        if w:
-            _HOLDING.waited += w
+        _waited(_ISSUING.acquire(_HOLDING.step))
         _HOLDING.on = True
 
     def __exit__(self, *exc: object) -> None:
@@ -145,10 +172,46 @@ def hold(step: int) -> None:
     ``at_step(step)`` then ``with issuing(True):`` do, as the executor does it for each
     action (no context object per action); :func:`let_go` after."""
     _HOLDING.step = step
-    w = _ISSUING.acquire(step)
-    if w:
-        _HOLDING.waited += w
+    _waited(_ISSUING.acquire(step))
     _HOLDING.on = True
+
+
+# How far (in Program steps) an issue thread may run ahead of the earliest thread waiting
+# for the lock before it hands the lock over between two of its actions (``Kept``).
+# Handing over after every action costs each action a wake-up of another thread and
+# the GIL's hand-offs: eight InlineDevices issuing an 8-stage plan's empty stages (this
+# 2-core VM) took 70-78 us per action handing over at once, 57-67 at 0 steps, 48-56 at
+# 16, 41-42 at 32, against 28-34 for one device (min-median of 5 interleaved rounds).
+# The cost to a device that is behind: it waits at most this many of the holder's
+# actions, and once it holds the lock it issues in a batch too.
+SLACK = 16
+
+
+class Kept:
+    """One issue thread's hold on the lock across its lane's actions: :meth:`take` before
+    each action (the lock kept from the previous one unless a thread waits with an action
+    ``SLACK`` or more steps earlier: :meth:`OrderedLock.pass_on`; then it queues behind
+    it as :func:`hold` would), :meth:`drop` before anything it waits for (another lane's
+    action, released memory) and at the end."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = False
+        waited()   # this thread's waits are counted from here
+
+    def take(self, step: int) -> None:
+        if not self.held:
+            hold(step)
+            self.held = True
+            return
+        _HOLDING.step = step
+        _waited(_ISSUING.pass_on(step, SLACK))
+
+    def drop(self) -> None:
+        if self.held:
+            self.held = False
+            let_go()
 
 
 def let_go() -> None:
@@ -174,5 +237,5 @@ def blocking() -> Iterator[None]:
     try:
         yield
     finally:
-        _HOLDING.waited += _ISSUING.acquire(_HOLDING.step)
+        _waited(_ISSUING.acquire(_HOLDING.step))
         _HOLDING.on = True

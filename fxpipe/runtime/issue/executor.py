@@ -70,7 +70,7 @@ from fxpipe.runtime.issue.threads import (
     _ISSUED, _ON_HOST, WHERE, Cancelled, _acting, _issue_thread, _Step, issue_plan, issue_slots,
     wait_all,
 )
-from fxpipe.runtime.devices.issue_lock import hold, let_go, waited
+from fxpipe.runtime.devices.issue_lock import Kept, waited
 from fxpipe.runtime.host.params import is_scratch
 from fxpipe.runtime.issue.values import Call, Stats, _OnDevice, _OnHost
 
@@ -191,13 +191,14 @@ class Execution:
         issued: dict[str, float] = {}   # seconds issuing, by kind: counted once at the end
         done = 0
         perf_counter = time.perf_counter
-        waited()   # this thread's waits for the issue lock from here on
+        lock = Kept()   # the issue lock, kept from one action to the next; waits counted
         try:
             for step in steps:
                 waits: list[Event] = []
                 for key, end in step.deps:
                     src = slots[key]
                     if src.ready is not _ISSUED and not src.ready.is_set():
+                        lock.drop()   # that lane's issue may need it
                         src.ready.wait()   # another lane's action, not issued yet
                     if end:
                         waits.append(src.event)
@@ -205,8 +206,10 @@ class Execution:
                         waits.extend(src.gate)
                 if not step.distinct and len(waits) > 1:
                     waits = list(dict.fromkeys(waits))
-                if step.prefetch and device.wait_released():
-                    self.stats.add("issue_waits")   # the memory it needs is not free yet
+                if step.prefetch:
+                    lock.drop()   # the wait may block the host
+                    if device.wait_released():
+                        self.stats.add("issue_waits")   # the memory it needs is not free yet
                 slot = slots[(lane, step.i)]
                 slot.gate = waits
                 if device is None:   # host work: run now; collectives on their own thread
@@ -216,14 +219,11 @@ class Execution:
                     slot.event = worker.submit("compute", self._do, lane, step.action, step.label,
                                                wait=waits, label=step.label)
                 elif at_issue:   # its Python runs now, under the issue lock
-                    hold(step.i)   # queued for the lock at this step
-                    try:
-                        start = perf_counter()
-                        slot.event = device.submit(step.stream, self._do, lane, step.action,
-                                                   step.label, wait=waits, label=step.label)
-                        issued[step.kind] = issued.get(step.kind, 0.0) + perf_counter() - start
-                    finally:
-                        let_go()
+                    lock.take(step.i)   # queued at this step, unless kept
+                    start = perf_counter()
+                    slot.event = device.submit(step.stream, self._do, lane, step.action,
+                                               step.label, wait=waits, label=step.label)
+                    issued[step.kind] = issued.get(step.kind, 0.0) + perf_counter() - start
                 else:   # a virtual device: what it emulates a GPU running is not issue time
                     start, _ = perf_counter(), emulated_wait()
                     slot.event = device.submit(step.stream, self._do, lane, step.action,
@@ -234,6 +234,7 @@ class Execution:
                     slot.ready.set()
                 done += 1
         except BaseException as e:  # noqa: BLE001 — whatever stops issuing fails the rest
+            lock.drop()
             self._cancel(e)
             for step in steps[done:]:
                 failed = Event(str(step.action))
@@ -241,9 +242,8 @@ class Execution:
                 slots[(lane, step.i)].event = failed
                 slots[(lane, step.i)].ready.set()
         finally:
-            self.stats.issued(issued)
-            if at_issue:
-                self.stats.add("issue_lock_wait_us", round(waited() * 1e6))
+            lock.drop()
+            self.stats.issued(issued, waited() if at_issue else None)
 
     def _do(self, lane: int, a, label: str) -> None:
         """Action ``a``'s work, as its stream runs it."""

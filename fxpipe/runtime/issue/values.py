@@ -71,8 +71,8 @@ class Call:
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
-         "host_issue_us", "issue_lock_wait_us", "graph_captures", "graph_replays", "graph_fallbacks",
-         "stage_compiles", "stage_compile_us")
+         "host_issue_us", "issue_lock_wait_us", "issue_lock_waits", "graph_captures",
+         "graph_replays", "graph_fallbacks", "stage_compiles", "stage_compile_us")
 
 
 class Stats:
@@ -82,7 +82,8 @@ class Stats:
     code, ``runtime.stages.stage_code``); host time spent issuing, in microseconds
     (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``) and waiting for
     the issue lock (``issue_lock_wait_us``, summed over the devices' issue threads, 0
-    where devices do not run their work at issue); what the stage
+    where devices do not run their work at issue; ``issue_lock_waits``, how many times
+    they waited); what the stage
     backend compiled (``stage_compiles``, ``stage_compile_us``). Thread-safe."""
 
     def __init__(self) -> None:
@@ -93,9 +94,14 @@ class Stats:
         with self._lock:
             self._counts[name] += n
 
-    def issued(self, seconds: dict[str, float]) -> None:
-        """Host time issuing actions, in seconds by action kind (an issue thread's sums)."""
+    def issued(self, seconds: dict[str, float],
+               lock: tuple[float, int] | None = None) -> None:
+        """Host time issuing actions, in seconds by action kind (an issue thread's sums),
+        and its waits for the issue lock (seconds, times: ``issue_lock.waited()``)."""
         with self._lock:
+            if lock is not None:
+                self._counts["issue_lock_wait_us"] += round(lock[0] * 1e6)
+                self._counts["issue_lock_waits"] += lock[1]
             for kind, s in seconds.items():
                 us = round(s * 1e6)
                 self._counts["host_issue_us"] += us
