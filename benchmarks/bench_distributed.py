@@ -203,6 +203,7 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                 report[f"{'bf16' if bf16 else 'fp32'} {name}"] = {
                     "d2h_bytes_grads": stats["d2h_bytes_grads"],
                     "h2d_bytes_params": stats["h2d_bytes_params"],
+                    "collectives": stats["collectives"],
                     "host_grad_buffer_bytes": sum(t.numel() * t.element_size() for t in grads),
                     "min_s": t.min().item(), "median_s": t.median().item()}
                 pipe.close()
@@ -220,7 +221,8 @@ def part_devices(args: argparse.Namespace) -> dict:
           f"{args.steps} steps after {args.warmup} warm-up, modes interleaved, rank 0's bytes, "
           "the slowest rank's times")
     print(f"{'ranks':>5} | {'mode':>22} | {'grads down B':>12} | {'/ host-gloo':>11} | "
-          f"{'params up B':>11} | {'host grad buffer B':>18} | {'min s':>7} | {'median s':>8}")
+          f"{'params up B':>11} | {'collectives':>11} | {'host grad buffer B':>18} | "
+          f"{'min s':>7} | {'median s':>8}")
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_devices_rank, args=(world, d, args), nprocs=world, join=True)
@@ -230,7 +232,7 @@ def part_devices(args: argparse.Namespace) -> dict:
             r["grads_down_over_host"] = r["d2h_bytes_grads"] / full
             print(f"{world:5d} | {key:>22} | {r['d2h_bytes_grads']:12,} | "
                   f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_params']:11,} | "
-                  f"{r['host_grad_buffer_bytes']:18,} | "
+                  f"{r['collectives']:11,} | {r['host_grad_buffer_bytes']:18,} | "
                   f"{r['min_s']:7.4f} | {r['median_s']:8.4f}")
         out[str(world)] = rows
     return out

@@ -50,6 +50,11 @@ def check_steps(rank: int, world: int) -> None:
     assert sorted(reduced) == sorted(f"{s}RS" for s in backward), reduced
     three_steps(pipe, model, opt, ref, ref_opt, rank, world, "device")
     device_bytes = pipe.stats()["d2h_bytes_grads"]
+    # the buffer's BC, then per backward stage with parameters one host AG and one device
+    # reduce-scatter: its small gradients coalesced (one per parameter before: 15 in all)
+    trained = [st for st in program.stages if st.kind != "fwd"
+               and any(pipe.layers.layers[i].params for i in st.layers)]
+    assert pipe.stats()["collectives"] == 1 + 2 * len(trained), pipe.stats()["collectives"]
     state = opt._fxpipe_overlapped.shard_state
     assert not opt.state and state   # the sharded optimizer's layout
     assert HostParams.of(model).grad_flats == []   # no whole gradient buffer on the host
@@ -221,6 +226,47 @@ step d0  d1   host
                 pipe.close()
             finally:
                 dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_gradients_are_reduced_together_large_ones_alone(world):
+    """#58: a stage's small gradients are packed, each rank's pieces side by side, into
+    one collective (one launch and one round of latency on NCCL instead of one per
+    parameter); a gradient of ``SMALL`` bytes or more is reduced alone, in place. Every
+    rank's shard is its piece of each average, at the place the download and the sharded
+    step read it (``Bucket.pieces``), whichever way it was reduced. The collective is
+    emulated for ranks holding the same gradients (its sum: N times the divided input)."""
+    from fxpipe.runtime.host.param_store import ParamStore
+    from fxpipe.runtime.issue.device_collectives import (
+        SMALL, device_buckets, device_ops, groups, reduce_scatter_grads,
+    )
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024), nn.Linear(1024, 1025),
+                          nn.Linear(5, 3))
+    store = ParamStore(HostParams.of(model, pin=False), {0: dict(model.named_parameters())})
+    grads = {f: torch.randn_like(t) for f, t in model.named_parameters()}
+    for rank in range(world):
+        [(bucket, fqns)] = device_buckets(store, 0, world, rank, {})
+        big = [f for f in fqns if f.endswith(("0.weight", "2.weight"))]
+        assert all(bucket.sizes[fqns.index(f)] * 4 >= SMALL for f in big)
+        runs = [[fqns[i] for i in r] for r in groups(bucket)]
+        assert runs == [["0.bias"], ["0.weight"], ["1.bias", "1.weight", "2.bias"],
+                        ["2.weight"], ["3.bias", "3.weight"]], runs
+        posted = []
+
+        def post(kind, tensor, out):
+            posted.append((kind, tensor.numel(), tensor.dtype))
+            out.copy_(tensor.view(world, -1)[rank] * world)   # every rank's the same
+
+        mine = {f: g.clone() for f, g in grads.items()}
+        shard = reduce_scatter_grads(post, bucket, fqns, mine, mine[fqns[0]])
+        assert posted == device_ops([(bucket, fqns)])   # what a failing rank drains
+        for i, lo, hi, at in bucket.pieces():
+            torch.testing.assert_close(shard[at:at + hi - lo],
+                                       grads[fqns[i]].reshape(-1)[lo:hi], rtol=0, atol=1e-6)
+    [(bucket, fqns)] = device_buckets(store, 0, world, 0, {})
+    shard = reduce_scatter_grads(lambda k, t, o: o.copy_(t.view(world, -1)[0] * world),
+                                 bucket, fqns, {}, grads[fqns[0]])
+    assert not shard.any()   # no gradients: zeros
 
 
 def test_strict_cuda_sim_refuses_a_gradient_written_while_it_is_reduced(one_rank, monkeypatch):

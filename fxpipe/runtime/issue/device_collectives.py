@@ -10,10 +10,15 @@ nor NCCL can cancel a posted collective).
 ``data_parallel="device"``: a backward stage's gradients are reduce-scattered where
 they are, on the device's ``collective`` stream (``DeviceReduceScatter``), before its
 ``DownloadGrads``. Each parameter is cut as the sharded optimizer cuts it (rank ``r``
-owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``, ``runtime.host.buckets``), so no
-packing is needed: a parameter's gradient, divided by N and zero-padded to ``N*c``
-where ``c`` does not divide it, is reduce-scattered into its place in the stage's shard
-(:func:`reduce_scatter_grads`), one collective per parameter. The download then moves
+owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``, ``runtime.host.buckets``), so a
+parameter's gradient, divided by N and zero-padded to ``N*c`` where ``c`` does not
+divide it, is reduce-scattered straight into its place in the stage's shard
+(:func:`reduce_scatter_grads`). Small gradients are coalesced (:func:`groups`): a run of
+neighbours below ``SMALL`` bytes each is packed into one ``(N, sum c)`` buffer (each
+rank's pieces side by side, ``torch._chunk_cat``) and reduced by one collective, whose
+output is their pieces' places in the shard, as FSDP's reduce-scatter packs a unit's
+gradients; each collective costs a launch and a round of latency whatever its size
+(NCCL's), and a LoRA stage has dozens of small gradients. The download then moves
 that shard, 1/N of the gradients; the host adds each parameter's piece to the call's
 sums (:meth:`Pieces.add_to`), and the stage's ``OptimizerStep`` steps them as the sharded
 optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`).
@@ -25,6 +30,8 @@ optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`).
 >>> store = ParamStore(HostParams.of(lin, pin=False), {0: dict(lin.named_parameters())})
 >>> [(b.names, b.chunks, b.shard_len) for b, _ in device_buckets(store, 0, 2, 1, {})]
 [(['bias', 'weight'], [1, 3], 4)]
+>>> [list(r) for b, _ in device_buckets(store, 0, 2, 1, {}) for r in groups(b)]
+[[0, 1]]
 """
 
 from __future__ import annotations
@@ -224,9 +231,34 @@ def device_buckets(store: ParamStore, stage: int, world: int, rank: int,
     return out
 
 
+# A gradient whose padded bytes are below SMALL is packed with its small neighbours into
+# one collective of at most GROUP bytes; a larger one is reduced alone, in place (from 4
+# MiB on, a reduce-scatter is bandwidth-bound on NVLink and PCIe alike, and packing it
+# would hold a second copy of it on the device).
+SMALL = 4 << 20
+GROUP = 32 << 20
+
+
+def groups(bucket: Bucket) -> list[range]:
+    """The collectives of ``bucket``: each a run of its parameters (by index), a single
+    one of ``SMALL`` bytes or more, else neighbours below it up to ``GROUP`` bytes."""
+    out: list[range] = []
+    start, size, item = 0, 0, bucket.dtype.itemsize
+    for i, c in enumerate(bucket.chunks):
+        nbytes = bucket.parts * c * item
+        if i > start and (nbytes >= SMALL or size >= SMALL or size + nbytes > GROUP):
+            out.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    if start < len(bucket.chunks):
+        out.append(range(start, len(bucket.chunks)))
+    return out
+
+
 def device_ops(buckets: Sequence[tuple[Bucket, list[str]]]) -> list[Op]:
     """The collectives :func:`reduce_scatter_grads` posts for ``buckets``."""
-    return [("reduce_scatter", b.parts * c, b.dtype) for b, _ in buckets for c in b.chunks]
+    return [("reduce_scatter", b.parts * sum(b.chunks[i] for i in r), b.dtype)
+            for b, _ in buckets for r in groups(b)]
 
 
 def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None],
@@ -235,24 +267,26 @@ def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None]
                          ) -> torch.Tensor:
     """This rank's shard of ``bucket``'s average over the ranks, on the device: each
     parameter's gradient (``grads[fqn]``, None: zeros) divided by the number of ranks
-    (DDP's order: divide, then sum) and reduce-scattered by ``post`` into its place.
+    (DDP's order: divide, then sum) and reduce-scattered by ``post`` into its place, one
+    collective per :func:`groups` run (several packed side by side per rank).
     ``like``: a tensor on the device (where new memory goes). Call it on the device's
     ``collective`` stream."""
     shard = torch.empty(bucket.shard_len, dtype=bucket.dtype, device=like.device)
-    for i, fqn in enumerate(fqns):
-        n, c = bucket.sizes[i], bucket.chunks[i]
-        g = grads.get(fqn)
-        if g is None:
-            flat = torch.zeros(bucket.parts * c, dtype=bucket.dtype, device=like.device)
-        else:
-            g = g.detach().reshape(-1)
-            g.div_(bucket.parts)
-            flat = g
-            if n != bucket.parts * c:
-                flat = torch.zeros(bucket.parts * c, dtype=bucket.dtype, device=like.device)
-                flat[:n].copy_(g)
+    N = bucket.parts
+    for run in groups(bucket):
+        flats = []
+        for i in run:
+            g = grads.get(fqns[i])
+            flats.append(torch.zeros(bucket.sizes[i], dtype=bucket.dtype, device=like.device)
+                         if g is None else g.detach().reshape(-1))
+        i = run.start
+        if len(run) == 1 and bucket.sizes[i] == N * bucket.chunks[i]:
+            flat = flats[0]   # reduced in place
+        else:   # row r: rank r's piece of each, zero-padded (one kernel on a GPU)
+            flat = torch._chunk_cat(flats, 0, N).reshape(-1)
+        flat.div_(N)
         o = bucket.offsets[i]
-        post("reduce_scatter", flat, shard[o:o + c])
+        post("reduce_scatter", flat, shard[o:o + flat.numel() // N])
     return shard
 
 

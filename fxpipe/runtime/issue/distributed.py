@@ -272,13 +272,15 @@ class DataParallel(ShardedMasters, OnDevices):
         # collective pending on gloo's threads aborts the process
 
     # -- posting collectives: every rank posts the same ops in the same order -------------
-    def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {}) -> None:
+    def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {}) -> int:
         """A call starts: ``ops`` are the collectives it will post on the host lane, in
         order (:meth:`plan_ops`), ``device_ops`` each device's (:meth:`plan_device_ops`):
-        what :meth:`drain` completes when it fails."""
+        what :meth:`drain` completes when it fails. Returns how many there are in all
+        (``pipe.stats()["collectives"]``)."""
         self._host_lane.begin(ops)
         for d, channel in enumerate(self._devices):
             channel.begin(device_ops.get(d, ()))
+        return len(ops) + sum(len(o) for o in device_ops.values())
 
     def _post(self, kind: str, tensor: torch.Tensor, what: str,
               out: torch.Tensor | None = None) -> None:

@@ -72,7 +72,8 @@ STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
          "host_issue_us", "issue_lock_wait_us", "issue_lock_waits", "graph_captures",
-         "graph_replays", "graph_fallbacks", "stage_compiles", "stage_compile_us")
+         "graph_replays", "graph_fallbacks", "stage_compiles", "stage_compile_us",
+         "collectives")
 
 
 class Stats:
@@ -83,7 +84,8 @@ class Stats:
     (``host_issue_us``, and per action kind ``host_issue_us.<Kind>``) and waiting for
     the issue lock (``issue_lock_wait_us``, summed over the devices' issue threads, 0
     where devices do not run their work at issue; ``issue_lock_waits``, how many times
-    they waited); what the stage
+    they waited); with data parallel, the collectives it posts (``collectives``, on the
+    host and the devices); what the stage
     backend compiled (``stage_compiles``, ``stage_compile_us``). Thread-safe."""
 
     def __init__(self) -> None:
