@@ -28,6 +28,9 @@ would compute the same step:
 - ``action_us``: the host cost of one action around an empty stage (one
   ``Linear(1, 1)``, one device, inference): the call's time at 16 microbatches less its
   time at 1, over the actions it adds; and what a call costs besides its actions.
+  ``action_us.devices_8``: the same with eight devices of one empty stage each, eight
+  issue threads taking turns at the issue lock (what eight GPUs' issue costs a host
+  beyond one's).
   ``action_us.python_calls``: the Python function calls that make it, counted the same
   way (every thread; a count, not a time: it does not depend on the CPU).
 - ``issue_lock``: the 8-GPU Llama-3.1-8B step at 4K issued under the issue lock
@@ -291,13 +294,18 @@ def eager_step(model: nn.Module, ids: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def empty_stage_pipes() -> dict[int, tuple]:
-    """Pipes of one empty stage (one ``Linear(1, 1)``, one device, inference) at 1 and 16
-    microbatches, warmed up: ``{m: (pipe, input, actions per call)}``."""
+def empty_stage_pipes(devices: int = 1) -> dict[int, tuple]:
+    """Pipes of ``devices`` empty stages (one ``Linear(1, 1)`` each, one per device, one
+    issue thread per device, a forward) at 1 and 16 microbatches, warmed up:
+    ``{m: (pipe, input, actions per call)}``."""
     pipes = {}
+    one = [range(i, i + 1) for i in range(devices)]   # a stage per layer (the tail: the last)
+    plan = fxpipe.ExecutePlan(one[:-1], one[::-1]) if devices > 1 else None
     for m in (1, 16):
-        pipe = fxpipe.compile(nn.Sequential(nn.Linear(1, 1)), example_inputs=(torch.zeros(m, 1),),
-                              devices=[InlineDevice()], config=fxpipe.RunConfig(num_microbatch=m))
+        pipe = fxpipe.compile(nn.Sequential(*[nn.Linear(1, 1) for _ in range(devices)]),
+                              example_inputs=(torch.zeros(m, 1),),
+                              devices=[InlineDevice() for _ in range(devices)],
+                              config=fxpipe.RunConfig(num_microbatch=m, execute_plan=plan))
         x = torch.zeros(m, 1)
         for _ in range(20):
             pipe(x)
@@ -349,11 +357,12 @@ def action_calls(calls: int = 16) -> dict:
             "per_call": per, "actions": [a1, a16]}
 
 
-def action_cost(repeats: int) -> dict:
+def action_cost(repeats: int, devices: int = 1) -> dict:
     """Host microseconds per action around an empty stage (``empty_stage_pipes``): the
     call's time at 1 and 16 microbatches; the difference over the difference in actions
-    is one action's cost, what remains at 1 the call's own."""
-    pipes = empty_stage_pipes()
+    is one action's cost, what remains at 1 the call's own. ``devices=8``: eight issue
+    threads taking turns at the issue lock, as eight GPUs' do."""
+    pipes = empty_stage_pipes(devices)
     calls = 100
     us: dict[int, list[float]] = {1: [], 16: []}
     for _ in range(repeats):   # interleaved
@@ -476,9 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(m, g, n) for m in args.models for g in args.gpus for n in args.tokens]
     action = action_cost(args.repeats)
     action["python_calls"] = action_calls()
+    action["devices_8"] = eight = action_cost(args.repeats, devices=8)
     print(f"host cost of one action around an empty stage: {action['min_us']:.1f} us min, "
           f"{action['median_us']:.1f} us median; a call's own: {action['call_fixed_us']:.0f} us; "
-          f"{action['python_calls']['per_action']} Python calls per action")
+          f"{action['python_calls']['per_action']} Python calls per action; "
+          f"eight devices' issue threads: {eight['min_us']:.1f} us min, "
+          f"{eight['median_us']:.1f} us median")
     lock = lock_ab(args.repeats) if args.lock_ab else None
     for name in ("ordered", "ordered-each", "fifo", "plain") if lock else ():
         r = lock[name]

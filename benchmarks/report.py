@@ -92,7 +92,10 @@ def _issue(d: dict) -> list[str]:
                  "eager dispatch ms", f"H100 step ms (predicted, {mfu:.0%} of 989 TFLOP/s)",
                  "host / predicted step (measured)", "with the compiled kernel count"], rows) + [
         "", f"One action around an empty stage: {a['min_us']:.1f} µs (median {a['median_us']:.1f} µs); "
-        f"a call's fixed cost: {a['call_fixed_us'] / 1000:.2f} ms."]
+        f"a call's fixed cost: {a['call_fixed_us'] / 1000:.2f} ms."
+        + (f" With eight devices' issue threads taking turns at the issue lock: "
+           f"{a['devices_8']['min_us']:.1f} µs (median {a['devices_8']['median_us']:.1f} µs) "
+           "per action." if "devices_8" in a else "")]
     if "modelled" in d:
         out += ["", "Inductor rows run its CPU code here (its C++ wrapper standing for its GPU "
                 "wrapper): measured. The last column is modelled, not measured: "
@@ -107,6 +110,20 @@ def _issue(d: dict) -> list[str]:
                 "additions, the address checks, and the fused tail's inductor code; one launch "
                 "per replay is added, modelled at the H200 host's fitted cost of one kernel "
                 f"({launch_us:.1f} µs): the host figure is part measured, part modelled."]
+    if d.get("issue_lock"):
+        lk = d["issue_lock"]
+        names = {"ordered": f"ordered, kept up to {lk['slack']} steps ahead (today's)"
+                 if "slack" in lk else "ordered, handed over after every action",
+                 "ordered-each": "ordered, handed over after every action",
+                 "fifo": "first come, first served", "plain": "a plain `threading.Lock`"}
+        out += ["", f"The issue lock, the 8-GPU {lk['model']} step at {lk['seq_len'] // 1024}K on "
+                "`InlineDevice`s (eager stage code), locks interleaved:", ""] + table(
+            ["issue lock", "host ms, min (median)", "the devices' summed wait ms (median)",
+             "waits per step (median)"],
+            [[names[k], f"{lk[k]['host_ms_min']:,.0f} ({lk[k]['host_ms_median']:,.0f})",
+              f"{lk[k]['lock_wait_ms_median']:,.0f}",
+              f"{lk[k]['lock_waits_median']:,.0f}" if "lock_waits_median" in lk[k] else ""]
+             for k in names if k in lk])
     if "compile_time" in d:
         c = d["compile_time"]
         out += ["", f"Inductor's compile time, Llama-3.1-8B shape at tiny widths, each in a fresh "

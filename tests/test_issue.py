@@ -199,7 +199,7 @@ def test_bench_issue_prints_its_rows_as_json(tmp_path, capsys):
     assert (row["model"], row["gpus"], row["seq_len"]) == ("Qwen3-1.7B", 2, 4096)
     assert row["ratio"] == pytest.approx(row["host_issue_ms"] / row["predicted_gpu_ms"])
     assert row["actions"] > 0 and row["step_tflop"] > 0
-    assert result["action_us"]["min_us"] > 0
+    assert result["action_us"]["min_us"] > 0 and result["action_us"]["devices_8"]["min_us"] > 0
 
 
 def test_an_action_around_an_empty_stage_makes_few_python_calls():
