@@ -690,7 +690,12 @@ def _gpu_check(d: dict) -> list[str]:
                          f"{idle['makespan_ms']:,.0f} ms, compute busy "
                          f"{idle['compute_busy_ms']:,.0f} ms (summed over the logical devices); "
                          f"reserved / predicted memory {mem['reserved_over_predicted']:.2f}; "
-                         f"graph captures {b['captures_after_step']}"])
+                         f"graph captures {b['captures_after_step']}"
+                         + ("; a call with the issue lock kept between a thread's actions / "
+                            "handed over after each: "
+                            f"{b['lock_ab']['kept']['call_ms']:,.0f} / "
+                            f"{b['lock_ab']['each']['call_ms']:,.0f} ms"
+                            if "lock_ab" in b else "")])
         rows.append([f"`many_devices`: loss difference, {'/'.join(md['backends'])}",
                      f"{md['max_loss_rel_diff']:.1e}",
                      f"relative, over {len(md['backends']['eager']['steps'])} calls of two "

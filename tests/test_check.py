@@ -134,7 +134,8 @@ def test_generate_section_fails_when_tokens_differ_or_a_streamed_variant_does_no
 
 
 MANY_DEVICES_KEYS = {"steps", "captures_after_step", "plateau", "graph_captures", "graph_replays",
-                     "issue", "issue_lock_wait_ms", "issue_idle", "memory", "plan", "seconds"}
+                     "issue", "issue_lock_wait_ms", "issue_idle", "lock_ab", "memory", "plan",
+                     "seconds"}
 
 
 def check_many_devices(md):
@@ -159,6 +160,9 @@ def check_many_devices(md):
         assert issue["actions"] > issue["device_actions"] > 0   # the host lane's are not issued
         assert row["issue_lock_wait_ms"] == 0.0   # virtual devices: no work at issue, no lock
         assert row["issue_lock_waits"] == 0
+        ab = row["lock_ab"]
+        assert ab["slack"] > 0 and all(ab[k]["call_ms"] > 0 and ab[k]["issue_lock_waits"] == 0
+                                       for k in ("kept", "each"))
         idle = row["issue_idle"]
         assert set(idle["devices"]) == {str(i) for i in range(8)}
         assert 0 <= idle["issue_idle_ms"] <= idle["idle_ms"] and idle["unstamped_gaps"] == 0

@@ -41,7 +41,11 @@ weights, no optimizer (the weights stay as they are, so every call's loss compar
   times (an issue thread keeps the lock between its actions: ``issue_lock.SLACK``);
 - ``issue_idle``: GPU idle time attributable to issue, from that call's trace: per
   device, the part of its compute stream's gaps before the host began issuing the next
-  compute action (:func:`device_idle` defines it), and the gaps' total.
+  compute action (:func:`device_idle` defines it), and the gaps' total;
+- ``lock_ab``: calls at L1 with the issue lock kept between a thread's actions
+  (``kept``: ``issue_lock.SLACK``) and handed over after every action (``each``, the
+  lock before 2026-11-30), alternated :data:`LOCK_AB_ROUNDS` times: per setting the
+  fastest call's wall ms, its issue µs per device action and its lock waits.
 
 ``ok``: both backends ran, every call's loss under ``"cudagraphs"`` is eager stage
 code's within :data:`LOSS_RTOL`, and both plateau.
@@ -72,6 +76,7 @@ from fxpipe.check.common import error_record, loss_fn, model_and_batch, say, set
 from fxpipe.check.harness import Kit, SectionTimeout
 from fxpipe.passes.program import GraphForward, GraphRecomputeBackward
 from fxpipe.plan import layer_costs, predict_memory
+from fxpipe.runtime.devices import issue_lock
 from fxpipe.runtime.devices.device import Device
 from fxpipe.sim import Hardware, LayerCost
 from fxpipe.sim.host_fit import action_counts, fit_host, issue_us_by_kind
@@ -90,6 +95,7 @@ depth but average out over the 8 x seq tokens of the mean loss: 1e-2 is five uni
 roundoffs of the loss itself, room for that, while a graph replaying stale inputs or
 another stage's slot moves the loss by its own size."""
 GRAPHED = (GraphForward, GraphRecomputeBackward)
+LOCK_AB_ROUNDS = 2
 
 
 def many_devices(kit: Kit) -> dict[str, Any]:
@@ -167,6 +173,8 @@ def run_backend(kit: Kit, model, ids: torch.Tensor, target: torch.Tensor, backen
             model.zero_grad(set_to_none=True)
             stats = pipe.stats()
             idle = issue_idle(rec, devices, issued)
+            issue = issue_figures(pipe, stats, backend, microbatches)
+            ab = lock_ab(pipe, model, ids, target, issue["device_actions"])
         total, after = 0, []
         for s in steps:
             total += s["graph_captures"]
@@ -181,8 +189,8 @@ def run_backend(kit: Kit, model, ids: torch.Tensor, target: torch.Tensor, backen
                 "graph_fallbacks": sum(s["graph_fallbacks"] for s in steps),
                 "traced_call": {k: stats.get(k) for k in ("graph_captures", "graph_replays",
                                                           "stage_compiles")},
-                "issue": issue_figures(pipe, stats, backend, microbatches),
-                **lock_wait(stats), "issue_idle": idle, "memory": memory}
+                "issue": issue,
+                **lock_wait(stats), "issue_idle": idle, "lock_ab": ab, "memory": memory}
     finally:
         pipe.close()
 
@@ -238,6 +246,31 @@ def lock_wait(stats: dict[str, Any]) -> dict[str, Any]:
     times they waited."""
     return {"issue_lock_wait_ms": stats["issue_lock_wait_us"] / 1e3,
             "issue_lock_waits": stats["issue_lock_waits"]}
+
+
+def lock_ab(pipe, model, ids: torch.Tensor, target: torch.Tensor,
+            device_actions: int) -> dict[str, Any]:
+    """``lock_ab`` (module docstring): the issue lock kept between a thread's actions or
+    handed over after each, calls alternated; per setting the fastest call's figures
+    (``device_actions``: a call's, ``issue_figures``')."""
+    kept = issue_lock.SLACK
+    runs: dict[str, list[dict[str, float]]] = {"kept": [], "each": []}
+    try:
+        for _ in range(LOCK_AB_ROUNDS):
+            for name, slack in (("each", -(1 << 62)), ("kept", kept)):
+                issue_lock.SLACK = slack
+                start = time.perf_counter()
+                pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+                wall = time.perf_counter() - start
+                model.zero_grad(set_to_none=True)
+                s = pipe.stats()
+                runs[name].append({"call_ms": wall * 1e3,
+                                   "issue_us_per_action": s["host_issue_us"] / device_actions,
+                                   **lock_wait(s)})
+    finally:
+        issue_lock.SLACK = kept
+    return {"slack": kept, **{name: min(r, key=lambda x: x["call_ms"])
+                              for name, r in runs.items()}}
 
 
 @contextlib.contextmanager
@@ -413,7 +446,9 @@ def backend_line(r: dict[str, Any]) -> str:
             f"lock wait {r['issue_lock_wait_ms']:.1f} ms, "
             f"issue-bound idle {idle['issue_idle_ms']:.1f} of {idle['idle_ms']:.1f} ms, "
             f"captures {r['captures_after_step']}, "
-            f"reserved/predicted {_fmt(r['memory']['reserved_over_predicted'])}")
+            f"reserved/predicted {_fmt(r['memory']['reserved_over_predicted'])}, "
+            f"a call with the issue lock kept / handed over after each action "
+            f"{r['lock_ab']['kept']['call_ms']:.0f} / {r['lock_ab']['each']['call_ms']:.0f} ms")
 
 
 def many_devices_summary(r: dict[str, Any]) -> str:
