@@ -908,12 +908,14 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "`host_us_per_kernel`, `host_us_per_grad_kernel`, the kernels the cost pass counts). "
      "The figures are fitted to the one GPU run's issue time per action kind (its Program "
      "rebuilt on `meta`); the refit scales them by how much the host's work shrank on CPU "
-     "since that run's code (a projection: no GPU has run the code since). The second table "
+     "since that run's code (a projection for one issue thread, not a GPU measurement; the "
+     "kit's `many_devices` measured eight threads on a GPU: \"Eight issue threads, "
+     "measured\" below). The second table "
      "is simulated: the Llama-3.1-8B step of the host "
      "issue benchmark above (16 microbatches, 60 % of an H100's bf16 FLOP/s, 50 GB/s links) "
      "with either host, per stage backend; inductor launches 0.31 of eager's kernels (measured "
      "on CPU), cudagraphs a graph job's replay and its copies in and out, the fused tail "
-     "inductor's kernels (modelled: no CUDA graph has run).",
+     "inductor's kernels (modelled: no replay's launch has been timed).",
      _host_model),
     ("Schedules", "bench_schedule.json", "models",
      "RoundPipe's published simulator inputs (`tests/data/roundpipe_simulation.json`: 8 "

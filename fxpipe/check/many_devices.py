@@ -56,7 +56,7 @@ on CI's machines, some 90 s for the two lengths, where the rest of the dry run t
 everything above the compiler (the Program's graph jobs, slots, keys, captures and
 replays of ``device_graph.EmulatedGraph``) runs as on a GPU. On a GPU the section is sized
 for well under three minutes (inductor's compiles for two lengths, fourteen calls of a
-16-block model; not yet run on one): its share of the budget is about 150 s of the
+16-block model; 51 s on one H200 on 2026-11-30): its share of the budget is about 150 s of the
 default 540 beside every section but ``finetune``, all of it alone (``python -m
 fxpipe.check --sections many_devices``).
 """

@@ -55,7 +55,7 @@ the executor's host waits for a device (before a ``Prefetch`` allocates, for the
 released): where that wait matters, the devices, not the host, are the bottleneck.
 ``stage_backend`` scales what a compute action launches: ``"inductor"`` launches
 ``INDUCTOR_KERNELS`` of the eager kernels (measured, ``benchmarks/bench_issue.py``),
-``"cudagraphs"`` (MODELLED: no CUDA graph has run) a graph job one replay plus
+``"cudagraphs"`` (MODELLED: the replays' launches are not timed) a graph job one replay plus
 ``graph_job_kernels`` (its inputs copied into the graph's, its outputs cloned, a
 backward's parameter gradients added in one foreach call), the jobs with no graph
 (``FusedBackward``, layer grain) inductor's kernels. A Program with graph actions
