@@ -21,16 +21,19 @@ H200_HOST = dict(host_us_per_action=345.4, host_us_per_kernel=19.93, host_us_per
 ``benchmarks/bench_host_model.py``): ``Hardware(**H200_HOST)`` prices issuing as that
 host did."""
 
-H200_HOST_REFIT = dict(host_us_per_action=91.6, host_us_per_kernel=12.88, host_us_per_grad_kernel=24.18)
+H200_HOST_REFIT = dict(host_us_per_action=131.6, host_us_per_kernel=14.51, host_us_per_grad_kernel=27.25)
 """A PROJECTION, not a GPU measurement: :data:`H200_HOST` scaled to the code of today by
 CPU ratios (issue #55; ``benchmarks/bench_host_model.py`` derives it and its docstring
 says how). ``host_us_per_action`` by the host cost of one action around an empty stage
 (``bench_issue.action_cost``), today's code over the H200 run's (commit 38181b0), both
 measured in one run on one CPU; the per-kernel figures by fxpipe's issue time over eager
 PyTorch's dispatch of the same ops (``bench_issue.py``'s Llama-3.1-8B, 8 GPUs, 4K, eager
-row), today's record over the record of the H200 run's code. No GPU has measured the code
-since the H200 run: ``Hardware(**H200_HOST_REFIT)`` prices issuing as that host would
-if its costs had fallen as this CPU's did. ``tests/test_sim_host.py`` checks these are
+row), today's record over the record of the H200 run's code. For one issue thread: the
+GPU measured eight threads' cost since (``gpu_check.json``'s ``many_devices``, the
+``threads8`` figures of ``bench_host_model.py``). ``Hardware(**H200_HOST_REFIT)`` prices
+issuing as the H200 run's host would if its costs had fallen as this CPU's did. The
+inputs are minima of noisy timings: the action ratio read 0.265 in one record and 0.381
+in the next with code no slower (2026-11-30). ``tests/test_sim_host.py`` checks these are
 what ``benchmarks/results/bench_host_model.json``'s inputs give."""
 
 
