@@ -258,7 +258,9 @@ def test_small_gradients_are_reduced_together_large_ones_alone(world):
             out.copy_(tensor.view(world, -1)[rank] * world)   # every rank's the same
 
         mine = {f: g.clone() for f, g in grads.items()}
-        shard = reduce_scatter_grads(post, bucket, fqns, mine, mine[fqns[0]])
+        read = []   # record_stream-ed on the collective stream before it reads them
+        shard = reduce_scatter_grads(post, bucket, fqns, mine, mine[fqns[0]], read.append)
+        assert sorted(map(id, read)) == sorted(map(id, mine.values()))
         assert posted == device_ops([(bucket, fqns)])   # what a failing rank drains
         for i, lo, hi, at in bucket.pieces():
             torch.testing.assert_close(shard[at:at + hi - lo],

@@ -195,7 +195,8 @@ class OnDevices:
         buckets = self.device_buckets(store, stage)   # none: nothing trainable here
         what = f"reduce-scatter of stage {stage}'s gradients on {device.name}"
         with device.allocating("gradients"):
-            out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]]))
+            out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]],
+                                            device.record_stream))
                    for b, fqns in buckets]
         self._wait(works, what)
         if getattr(device, "strict", False):   # strict cuda-sim: as a GPU would corrupt it
@@ -263,20 +264,25 @@ def device_ops(buckets: Sequence[tuple[Bucket, list[str]]]) -> list[Op]:
 
 def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None],
                          bucket: Bucket, fqns: Sequence[str],
-                         grads: Mapping[str, torch.Tensor | None], like: torch.Tensor
+                         grads: Mapping[str, torch.Tensor | None], like: torch.Tensor,
+                         read: Callable[[torch.Tensor], None] = lambda t: None
                          ) -> torch.Tensor:
     """This rank's shard of ``bucket``'s average over the ranks, on the device: each
     parameter's gradient (``grads[fqn]``, None: zeros) divided by the number of ranks
     (DDP's order: divide, then sum) and reduce-scattered by ``post`` into its place, one
-    collective per :func:`groups` run (several packed side by side per rank).
-    ``like``: a tensor on the device (where new memory goes). Call it on the device's
-    ``collective`` stream."""
+    collective per :func:`groups` run (several packed side by side per rank). Each
+    gradient is given to ``read`` before this stream reads it (``Device.record_stream``:
+    it was made on the compute stream, whose allocator must not reuse its memory before
+    the packing ran; the executor drops the gradients right after this returns). ``like``: a tensor on the device (where new
+    memory goes). Call it on the device's ``collective`` stream."""
     shard = torch.empty(bucket.shard_len, dtype=bucket.dtype, device=like.device)
     N = bucket.parts
     for run in groups(bucket):
         flats = []
         for i in run:
             g = grads.get(fqns[i])
+            if g is not None:
+                read(g)
             flats.append(torch.zeros(bucket.sizes[i], dtype=bucket.dtype, device=like.device)
                          if g is None else g.detach().reshape(-1))
         i = run.start
