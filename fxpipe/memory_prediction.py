@@ -17,7 +17,7 @@ module predicts and plans nothing: the planner (``fxpipe.passes.planner``, and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -37,6 +37,7 @@ from fxpipe.passes.stage_memory import (
 )
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
+from fxpipe.runtime.issue.device_collectives import reduce_scatter_workspace
 from fxpipe.runtime.stages.graphs import graph_jobs
 from fxpipe.sequence_plan import host_kv_bytes, with_kv
 from fxpipe.stage_plan import RunType, StagePlan
@@ -159,7 +160,11 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     cost.
 
     Under ``RunConfig(stage_backend="cudagraphs")`` each device also holds its parameter
-    slots and its graphs' inputs and outputs (``stage_memory.with_graphs``).
+    slots and its graphs' inputs and outputs (``stage_memory.with_graphs``). A pipe
+    compiled with ``data_parallel="device"`` is predicted for a call that reduces on the
+    devices (one that steps): each backward stage also holds, while its gradients are
+    reduce-scattered, this rank's shard and the copies its collectives read
+    (:func:`with_reduce_scatter`), and ``.host``'s ``grads`` are this rank's 1/N.
 
     ``.host`` is the host memory the call keeps, by kind: ``params`` (the model's own
     tensors, as they are held), ``grads`` (the trainable ones', in their dtype) and
@@ -260,9 +265,36 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     fwd, _ = stage_ranges(plan, run_type, len(lg))
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M) \
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
+    dp = getattr(pipe, "_dp", None)
+    if dp is not None and dp.on_devices and host:   # reduced on the devices, 1/N downloaded
+        peaks = with_reduce_scatter(peaks, program, lg, dp.world)
+        host["grads"] = sum(-(-p.numel() // dp.world) * p.element_size()
+                            for p in {id(p): p for p in lg.params.values()
+                                      if p.requires_grad}.values())
     if kv is not None and run_type == "fused":
         host["kv"] = host_kv_bytes(kv, tokens)
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
+
+
+def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
+                        world: int) -> list[StagePeak]:
+    """``peaks`` under ``data_parallel="device"``: a backward stage's gradients are
+    reduce-scattered on its device before they download, and while that runs the device
+    also holds this rank's shard of them and the copies its collectives read
+    (``device_collectives.reduce_scatter_workspace``), counted under ``gradients``."""
+    out = []
+    for peak in peaks:
+        st = program.stages[peak.stage] if peak.stage is not None else None
+        if st is not None and st.kind != "fwd":
+            params = {id(t): (f, t) for i in st.layers for f in lg.layers[i].params
+                      if isinstance(t := lg.params.get(f), torch.Tensor) and t.requires_grad}
+            extra = reduce_scatter_workspace(
+                [(f, t.numel(), lg.device_dtype(t)) for f, t in params.values()], world)
+            if extra:
+                peak = replace(peak, bytes={**peak.bytes,
+                                            "gradients": peak.bytes["gradients"] + extra})
+        out.append(peak)
+    return out
 
 
 def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],

@@ -262,6 +262,33 @@ def device_ops(buckets: Sequence[tuple[Bucket, list[str]]]) -> list[Op]:
             for b, _ in buckets for r in groups(b)]
 
 
+def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], world: int) -> int:
+    """Device bytes a stage's ``DeviceReduceScatter`` holds beside its gradients until its
+    collectives complete: this rank's shard of each dtype's bucket, and the packed or
+    zero-padded copies its collectives read (:func:`groups`; a gradient reduced in place
+    adds nothing). ``named``: the stage's trainable parameters as ``(name, numel, dtype
+    on the device)``, bucketed as :func:`device_buckets` does. What ``predict_memory``
+    adds to the stage's peak under ``data_parallel="device"``.
+
+    >>> reduce_scatter_workspace([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)  # 5 + 10 floats
+    60
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for _, numel, dtype in sorted(named, key=lambda x: x[0]):
+        by_dtype.setdefault(dtype, []).append(numel)
+    total = 0
+    for dtype, sizes in by_dtype.items():
+        chunks = [_chunk(n, world) for n in sizes]
+        k = len(sizes)
+        bucket = Bucket(None, dtype, [None] * k, [""] * k, sizes, chunks,
+                        [sum(chunks[:i]) for i in range(k)], world, 0, [None] * k)
+        total += bucket.shard_len * dtype.itemsize
+        for run in groups(bucket):
+            if len(run) > 1 or sizes[run.start] != world * chunks[run.start]:
+                total += world * sum(chunks[i] for i in run) * dtype.itemsize
+    return total
+
+
 def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None],
                          bucket: Bucket, fqns: Sequence[str],
                          grads: Mapping[str, torch.Tensor | None], like: torch.Tensor,
