@@ -179,11 +179,13 @@ def hold(step: int) -> None:
 # How far (in Program steps) an issue thread may run ahead of the earliest thread waiting
 # for the lock before it hands the lock over between two of its actions (``Kept``).
 # Handing over after every action costs each action a wake-up of another thread and
-# the GIL's hand-offs: eight InlineDevices issuing an 8-stage plan's empty stages (this
-# 2-core VM) took 70-78 us per action handing over at once, 57-67 at 0 steps, 48-56 at
-# 16, 41-42 at 32, against 28-34 for one device (min-median of 5 interleaved rounds).
-# The cost to a device that is behind: it waits at most this many of the holder's
-# actions, and once it holds the lock it issues in a batch too.
+# the GIL's hand-offs. On this 2-core VM (benchmarks/bench_issue.py, recorded): eight
+# InlineDevices' threads issue an action around an empty stage in 47 us (min) keeping
+# it, 89-91 handing it over after every action, one device's thread in 24; the 8-GPU
+# Llama-3.1-8B 4K step issues in 753 ms against 831 (1,211 waits a step -> 113). Larger
+# values gain a little more here (32: about 10% more) and let a device fall further
+# behind. The cost to a device that is behind: it waits at most this many of the
+# holder's actions, and once it holds the lock it issues in a batch too.
 SLACK = 16
 
 

@@ -270,7 +270,8 @@ def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], worl
     on the device)``, bucketed as :func:`device_buckets` does. What ``predict_memory``
     adds to the stage's peak under ``data_parallel="device"``.
 
-    >>> reduce_scatter_workspace([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)  # 5 + 10 floats
+    >>> # a shard of 2 + 3 floats, both packed into one (2, 5) buffer: 15 floats
+    >>> reduce_scatter_workspace([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)
     60
     """
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -300,8 +301,9 @@ def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None]
     collective per :func:`groups` run (several packed side by side per rank). Each
     gradient is given to ``read`` before this stream reads it (``Device.record_stream``:
     it was made on the compute stream, whose allocator must not reuse its memory before
-    the packing ran; the executor drops the gradients right after this returns). ``like``: a tensor on the device (where new
-    memory goes). Call it on the device's ``collective`` stream."""
+    the packing ran; the executor drops the gradients right after this returns).
+    ``like``: a tensor on the device (where new memory goes). Call it on the device's
+    ``collective`` stream."""
     shard = torch.empty(bucket.shard_len, dtype=bucket.dtype, device=like.device)
     N = bucket.parts
     for run in groups(bucket):
