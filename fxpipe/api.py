@@ -316,7 +316,8 @@ class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn
         cfg = self._config(None)
         with gc_paused():
             plan = self._user_plan or ExecutePlan.auto(
-                "infer" if self._infer_only else "fused", _Planned(lg, self.devices, cfg),
+                "infer" if self._infer_only else "fused",
+                _Planned(lg, self.devices, cfg, self._dp),
                 num_microbatch=cfg.num_microbatch,
                 recompute_grain=cfg.recompute_grain)
         plan.validate(len(lg), run_type_of(plan, len(lg)))
@@ -578,6 +579,7 @@ class _Planned:
     layers: LayerGraph
     devices: list[Device]
     config: RunConfig
+    _dp: DataParallel | None = None   # data_parallel="device": room for its reduce-scatters
 
     def _microbatch_example(self, num_microbatch: int, label: Any = None) -> tuple[list, Any]:
         return _microbatch_example(self.layers, self.config, num_microbatch, label)

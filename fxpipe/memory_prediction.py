@@ -37,7 +37,7 @@ from fxpipe.passes.stage_memory import (
 )
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
-from fxpipe.runtime.issue.device_collectives import reduce_scatter_workspace
+from fxpipe.runtime.issue.device_collectives import reduce_scatter_bound, reduce_scatter_workspace
 from fxpipe.runtime.stages.graphs import graph_jobs
 from fxpipe.sequence_plan import host_kv_bytes, with_kv
 from fxpipe.stage_plan import RunType, StagePlan
@@ -276,6 +276,27 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
 
 
+def _trained(lg: LayerGraph, layers: Iterable[int]) -> list[tuple[str, int, torch.dtype]]:
+    """``(name, numel, dtype on the device)`` of each trainable parameter ``layers`` use,
+    once."""
+    params = {id(t): (f, t) for i in layers for f in lg.layers[i].params
+              if isinstance(t := lg.params.get(f), torch.Tensor) and t.requires_grad}
+    return [(f, t.numel(), lg.device_dtype(t)) for f, t in params.values()]
+
+
+def with_device_reduce(memory: ChainMemory, pipe: Any) -> ChainMemory:
+    """The planner's per-layer ``memory`` of a pipe compiled with
+    ``data_parallel="device"`` (else as it is): each layer's gradients also count a bound
+    of what its backward stage's reduce-scatter holds beside them
+    (``device_collectives.reduce_scatter_bound``: this rank's shard, and copies of the
+    gradients it may pack or pad), so the plan leaves room for it."""
+    dp, lg = getattr(pipe, "_dp", None), getattr(pipe, "layers", None)
+    if dp is None or not dp.on_devices or not isinstance(lg, LayerGraph):
+        return memory
+    extra = [reduce_scatter_bound(_trained(lg, [i]), dp.world) for i in range(len(lg))]
+    return replace(memory, grads=tuple(g + e for g, e in zip(memory.grads, extra)))
+
+
 def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
                         world: int) -> list[StagePeak]:
     """``peaks`` under ``data_parallel="device"``: a backward stage's gradients are
@@ -286,10 +307,7 @@ def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
     for peak in peaks:
         st = program.stages[peak.stage] if peak.stage is not None else None
         if st is not None and st.kind != "fwd":
-            params = {id(t): (f, t) for i in st.layers for f in lg.layers[i].params
-                      if isinstance(t := lg.params.get(f), torch.Tensor) and t.requires_grad}
-            extra = reduce_scatter_workspace(
-                [(f, t.numel(), lg.device_dtype(t)) for f, t in params.values()], world)
+            extra = reduce_scatter_workspace(_trained(lg, st.layers), world)
             if extra:
                 peak = replace(peak, bytes={**peak.bytes,
                                             "gradients": peak.bytes["gradients"] + extra})

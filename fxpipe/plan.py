@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import PlanError
 from fxpipe.memory_prediction import host_memory as host_bytes
 from fxpipe.memory_prediction import (MemoryPrediction, chain_memory,  # noqa: F401 (public here)
-                                      predict_memory, tensor_bytes)
+                                      predict_memory, tensor_bytes, with_device_reduce)
 from fxpipe.passes import chain_costs, planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
@@ -74,7 +74,9 @@ class ExecutePlan(StagePlan):
         ``model_memory_limit`` GiB (2**30 bytes; default ``MEMORY_FRACTION`` = 90% of the
         smallest device limit, no limit when no device has one). A pipe whose ``layers``
         is a ``LayerGraph`` is costed again on fake tensors shaped like one microbatch;
-        other costs are taken as one microbatch's.
+        other costs are taken as one microbatch's. A pipe compiled with
+        ``data_parallel="device"`` also leaves room, beside each backward stage's
+        gradients, for what its reduce-scatter holds (``memory_prediction.with_device_reduce``).
 
         ``min_stages`` defaults to the number of devices (a hint: a short model may get
         fewer). ``upper_threshold`` bounds the granularity: no more stages than needed to
@@ -129,7 +131,8 @@ class ExecutePlan(StagePlan):
                                     f"(fxpipe.passes.costs) before ExecutePlan.auto")
         device = chain_costs.NOMINAL_DEVICE if device is None else device
         chains = chain_costs.chain_costs(cost_lists, device, need_backward=run_type != "infer")
-        memory = None if limit is None else [chain_memory(p, M) for p in pipes]
+        memory = None if limit is None else [with_device_reduce(chain_memory(p, M), p)
+                                             for p in pipes]
         planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
                                       min_stages=min_stages, upper_threshold=upper_threshold,
                                       memory=memory, memory_limit=limit,

@@ -290,6 +290,24 @@ def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], worl
     return total
 
 
+def reduce_scatter_bound(named: Sequence[tuple[str, int, torch.dtype]], world: int) -> int:
+    """An upper bound of :func:`reduce_scatter_workspace` that adds up over parameters:
+    each one's piece of the shard, and a copy of each gradient that may be packed or
+    zero-padded (below ``SMALL`` bytes, or not divided by ``world``). What the planner
+    counts per layer, whatever stage the layer ends up in.
+
+    >>> reduce_scatter_bound([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)
+    60
+    """
+    total = 0
+    for _, numel, dtype in named:
+        c, item = _chunk(numel, world), dtype.itemsize
+        total += c * item
+        if world * c * item < SMALL or numel != world * c:
+            total += world * c * item
+    return total
+
+
 def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None],
                          bucket: Bucket, fqns: Sequence[str],
                          grads: Mapping[str, torch.Tensor | None], like: torch.Tensor,
