@@ -263,14 +263,13 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     peaks = with_graphs(program_peaks(program, memory), program, memory)
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
     fwd, _ = stage_ranges(plan, run_type, len(lg))
-    host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M) \
-        if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
     dp = getattr(pipe, "_dp", None)
-    if dp is not None and dp.on_devices and host:   # reduced on the devices, 1/N downloaded
-        peaks = with_reduce_scatter(peaks, program, lg, dp.world)
-        host["grads"] = sum(-(-p.numel() // dp.world) * p.element_size()
-                            for p in {id(p): p for p in lg.params.values()
-                                      if p.requires_grad}.values())
+    on_devices = dp is not None and dp.on_devices   # reduced there, 1/N downloaded
+    world = dp.world if on_devices else 1
+    host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M, world) \
+        if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
+    if on_devices and host:
+        peaks = with_reduce_scatter(peaks, program, lg, world)
     if kv is not None and run_type == "fused":
         host["kv"] = host_kv_bytes(kv, tokens)
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
@@ -316,7 +315,7 @@ def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
 
 
 def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
-                num_microbatch: int) -> dict[str, int]:
+                num_microbatch: int, world: int = 1) -> dict[str, int]:
     """Host bytes a training call holds at most (``predict_memory``'s ``.host``): the
     model's parameters and buffers as held (``params``); the upload copies of those a
     ``param_dtype`` converts (``copies``); the trainable parameters' gradients
@@ -325,7 +324,8 @@ def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
     microbatch (``activations``); and the gradients a backward stage hands the next at
     the largest cut, for every microbatch (``activation_grads``). Page-locked at their
     size (``fxpipe.runtime.devices.pinned``). Not the optimizer's state (AdamW: twice the
-    trainable parameters' bytes in fp32)."""
+    trainable parameters' bytes in fp32). ``world``: the ranks reducing the gradients on
+    the devices (``data_parallel="device"``), each keeping 1/``world`` of each gradient."""
     tensors = {id(t): t for t in [*lg.params.values(), *lg.buffers.values()]
                if isinstance(t, torch.Tensor)}.values()
     trainable = {id(p): p for p in lg.params.values() if p.requires_grad}.values()
@@ -334,6 +334,6 @@ def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
     return {"params": sum(t.numel() * t.element_size() for t in tensors),
             "copies": sum(t.numel() * lg.device_dtype(t).itemsize for t in tensors
                           if lg.device_dtype(t) != t.dtype),
-            "grads": sum(p.numel() * p.element_size() for p in trainable),
+            "grads": sum(-(-p.numel() // world) * p.element_size() for p in trainable),
             "activations": kept * num_microbatch,
             "activation_grads": max((memory.boundary[i] for i in cuts), default=0) * num_microbatch}
