@@ -338,6 +338,27 @@ def _gpu_memory(d: dict) -> list[str]:
     out += table(["param_dtype", "pin_memory", "host_pinned_bytes", "bytes held", "pinned / held", "host_stalls"],
                  [[p["param_dtype"], p["pin_memory"], f"{p['host_pinned_bytes']:,}", f"{p['bytes_held']:,}",
                    f"{p['pinned_over_held']:.3f}", p["host_stalls"]] for p in d["pinned"]])
+    g = d.get("graphs")
+    if g is None:
+        return out
+    out += ["", "Under `stage_backend=\"cudagraphs\"` (the slots, the graphs' inputs and outputs "
+            "and their pool stay on a device past every job): compile's plan made blind to them "
+            "(before) and with room for them (now), 8 × MLPBlock(64), 4 × 32 tokens, "
+            "2 microbatches, two strict cuda-sim devices, two fused steps:", ""]
+    out += table(["limit", "planner", "plan", "predicted peak", "budget", "two steps",
+                  "reserved (max)", "compile s"],
+                 [[mb(r["limit"]), r["planner"], f"`{r['plan']}`" if "plan" in r else "–",
+                   mb(r["predicted"]) if "predicted" in r else "–", mb(r["budget"]),
+                   {"ran": f"ran, loss within {r.get('loss_diff', 0):.1e} of eager",
+                    "PlanError": "`PlanError` at compile"}.get(r["outcome"], r["outcome"]),
+                   mb(r["reserved"]) if "reserved" in r else "–", f"{r['plan_s']:.2f}"]
+                  for r in g["chain"]])
+    out += ["", "Llama-3.1-8B (bf16, 16 microbatches, 80 GiB devices; PREDICTED, nothing ran):", ""]
+    out += table(["GPUs", "tokens", "planner", "plan", "predicted peak", "budget", "compile s"],
+                 [[r["gpus"], f"{r['seq_len']:,}", r["planner"],
+                   f"`{r['plan']}`" if "plan" in r else "`PlanError`",
+                   mb(r["predicted"]) if "predicted" in r else "–", mb(r["budget"]),
+                   f"{r['plan_s']:.1f}"] for r in g["llama"]])
     return out
 
 
@@ -955,7 +976,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "what the allocator reserves against the prediction.", _memory_b("cuda-sim")),
     ("GPU allocator emulation", "bench_gpu_memory.json", "chain",
      "cuda-sim devices: reserved over predicted with 4 microbatches, a model whose "
-     "parameters are 3× a device's limit, and page-locked host bytes.", _gpu_memory),
+     "parameters are 3× a device's limit, page-locked host bytes, and compile's plan under "
+     "device graphs.", _gpu_memory),
     ("Longest sequence", "bench_memory.json", "longest_sequence",
      "The longest sequence (multiples of 1024 tokens) for which the planner finds a plan "
      "whose every stage fits, 8 devices, bf16, microbatch 1: predictions on `meta`, not runs. "

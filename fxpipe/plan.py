@@ -77,6 +77,10 @@ class ExecutePlan(StagePlan):
         other costs are taken as one microbatch's. A pipe compiled with
         ``data_parallel="device"`` also leaves room, beside each backward stage's
         gradients, for what its reduce-scatter holds (``memory_prediction.with_device_reduce``).
+        A pipe whose ``RunConfig`` replays device graphs (``stage_backend="cudagraphs"``)
+        is planned until its whole plan, with each device's parameter slots, graph inputs
+        and outputs and graph pool (``predict_memory``), fits: on a smaller budget while it
+        does not (:func:`_room_for_graphs`).
 
         ``min_stages`` defaults to the number of devices (a hint: a short model may get
         fewer). ``upper_threshold`` bounds the granularity: no more stages than needed to
@@ -133,17 +137,91 @@ class ExecutePlan(StagePlan):
         chains = chain_costs.chain_costs(cost_lists, device, need_backward=run_type != "infer")
         memory = None if limit is None else [with_device_reduce(chain_memory(p, M), p)
                                              for p in pipes]
-        planned = planner.plan_chains(run_type, chains, num_devices=num_devices, num_microbatch=M,
-                                      min_stages=min_stages, upper_threshold=upper_threshold,
-                                      memory=memory, memory_limit=limit,
-                                      recompute_grain=recompute_grain, recompute=recompute,
-                                      device=device,
-                                      host_ms_per_action=chain_costs.HOST_MS_PER_ACTION
-                                      if host_ms_per_action is None else host_ms_per_action)
-        plans = [cls(fwd, bwd) for fwd, bwd in planned]
+
+        def plan_at(budget: float | None) -> list[ExecutePlan]:
+            planned = planner.plan_chains(
+                run_type, chains, num_devices=num_devices, num_microbatch=M,
+                min_stages=min_stages, upper_threshold=upper_threshold, memory=memory,
+                memory_limit=budget, recompute_grain=recompute_grain, recompute=recompute,
+                device=device, host_ms_per_action=chain_costs.HOST_MS_PER_ACTION
+                if host_ms_per_action is None else host_ms_per_action)
+            return [cls(fwd, bwd) for fwd, bwd in planned]
+
+        graphed = [k for k, p in enumerate(pipes) if _graphed(p)]
+        plans = plan_at(limit) if limit is None or not graphed else _room_for_graphs(
+            plan_at, [pipes[k] for k in graphed], graphed, limit, run_type=run_type,
+            num_devices=num_devices, num_microbatch=M, grain=recompute_grain)
         for plan, costs in zip(plans, cost_lists):
             plan.validate(len(costs), run_type)
         return plans[0] if len(plans) == 1 else plans
+
+
+GRAPH_FIT_TRIES = 8
+"""How many plans ``ExecutePlan.auto`` tries at most for a pipe replaying device graphs
+(:func:`_room_for_graphs`) before it gives up."""
+
+
+def _graphed(pipe: Any) -> bool:
+    """Whether ``pipe``'s calls replay stage jobs as device graphs (its ``RunConfig``)."""
+    return isinstance(getattr(pipe, "layers", None), LayerGraph) and \
+        getattr(getattr(pipe, "config", None), "stage_backend", None) == "cudagraphs"
+
+
+def _room_for_graphs(plan_at: Callable[[float], list[ExecutePlan]], pipes: list[Any],
+                     which: list[int], limit: float, **predict: Any) -> list[ExecutePlan]:
+    """``plan_at(budget)``'s plans, whose ``which``-th are those of ``pipes`` (replaying
+    graphs), at about the largest budget where those pipes' peaks fit ``limit`` with the
+    devices' graphs counted.
+
+    Under ``stage_backend="cudagraphs"`` a device also holds, past each job, its parameter
+    slots, every graph's inputs and outputs and its graphs' pool
+    (``stage_memory.with_graphs``): memory of the device, set by every stage it runs, which
+    the planner, packing stages one at a time, cannot price. So each plan of a graphed
+    pipe is predicted whole (:func:`predict_memory`, the Program with its graph jobs) and,
+    while a device's peak exceeds ``limit``, planned again on a smaller budget: first that
+    excess less, then twice the last cut less (smaller stages and a shorter fused tail:
+    smaller slots and pools), until a plan fits or the planner finds none; then halfway
+    between the budgets that bracket the largest that fits, to within
+    ``limit / 32``."""
+    hi, failed, fits = limit, None, None   # overflowed; no plan; (budget, plans) that fit
+    budget, cut, last, why = limit, 0.0, None, None
+    for _ in range(GRAPH_FIT_TRIES):
+        try:
+            plans = plan_at(budget)
+        except PlanError as e:
+            if budget == limit:
+                raise
+            if fits is not None:   # above a budget that fit: as if it overflowed
+                hi = budget
+            else:
+                failed, why = budget, e
+        else:
+            last = max(predict_memory(p, plan=plans[k], **predict).peak
+                       for p, k in zip(pipes, which))
+            if last <= limit:
+                fits = (budget, plans)
+            else:
+                hi, cut = budget, max(last - limit, 2 * cut)
+        low = fits[0] if fits is not None else failed
+        if low is None:
+            budget = hi - cut
+        elif hi - low <= limit / 32:
+            break
+        else:
+            budget = (low + hi) / 2
+    if fits is not None:
+        return fits[1]
+    if why is not None:
+        raise PlanError(
+            f"{why}\nUnder stage_backend='cudagraphs' each device also keeps its parameter "
+            "slots, its graphs' inputs and outputs and their pool past every job: a plan for "
+            f"{human_bytes(limit)} would hold {human_bytes(last)} with them, and no plan fits "
+            f"in {human_bytes(failed)} or less. Use larger devices, more of them, or "
+            "stage_backend='inductor' (the same compiled code without graphs)") from None
+    raise PlanError(
+        f"Under stage_backend='cudagraphs' no plan of {GRAPH_FIT_TRIES} tried fits "
+        f"{human_bytes(limit)} with its graphs (the last predicted {human_bytes(last)}): use "
+        "larger devices, more of them, or stage_backend='inductor'")
 
 
 def layer_costs(pipe: Any) -> list[Any]:

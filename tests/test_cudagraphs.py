@@ -22,6 +22,7 @@ from expecttest import assert_expected_inline
 
 import fxpipe
 from fxpipe.errors import StageError
+from fxpipe.passes import chain_costs
 from fxpipe.runtime.devices.device_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
 from fxpipe.runtime.stages.graphs import StageGraphs, not_capturable
 from fxpipe.runtime.host.param_store import ParamStore
@@ -84,6 +85,69 @@ def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
                                               else (0, 2 * len(pipe.stages)))
     assert all(d.resident_bytes("params") > 0 for d in devices)   # the slots stay
     pipe.close()
+    assert [d.resident_bytes() for d in devices] == [0, 0]
+
+
+def test_the_plan_leaves_room_for_the_graphs(monkeypatch):
+    """A device keeps its parameter slots, its graphs' inputs and outputs and their pool
+    past every job; compile's plan leaves room for them (``plan._room_for_graphs``). At
+    1.5 MiB strict cuda-sim devices, the plan made as without graphs (a long fused tail)
+    predicts 1.80 MB with them, over the 1.42 MB budget, and runs out of memory by its
+    second step; the plan made now fits its prediction, the devices reserve no more, and
+    its steps equal eager's."""
+    monkeypatch.setattr(chain_costs, "HOST_MS_PER_ACTION", 0.05)   # the planner's default
+    model = blocks(8, 64)
+    x, y = torch.randn(4, 32, 64), torch.randn(4, 32, 4)
+    limit = 1536 * 2**10
+    budget = fxpipe.plan.MEMORY_FRACTION * limit
+
+    def compiled(net):   # planned at compile
+        devices = strict_devices(memory_limit=limit)
+        return fxpipe.compile(net, example_inputs=(x,), devices=devices, config=fxpipe.RunConfig(
+            stage_backend="cudagraphs", num_microbatch=2)), devices
+
+    def predicted(pipe):
+        return fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2, loss_fn=mse,
+                                          label=y)
+
+    with monkeypatch.context() as m:   # the planner blind to the graphs, as before
+        m.setattr(fxpipe.plan, "_graphed", lambda pipe: False)
+        old, _ = compiled(copy.deepcopy(model))
+    assert predicted(old).peak > budget
+    with pytest.raises(fxpipe.DeviceMemoryError):
+        for _ in range(2):   # the first step captures (a capture holds less than a replay)
+            old.forward_backward((x,), label=y, loss_fn=mse)
+    old.close()
+
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    pipe, devices = compiled(model)
+    assert pipe.plan != old.plan
+    pred = predicted(pipe)
+    assert pred.peak <= budget
+    for _ in range(2):
+        model.zero_grad()
+        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    assert graph_counts(pipe)[1] > 0   # replayed
+    for d, p in zip(devices, pred.devices):
+        assert d.peak_reserved_bytes() <= p.total
+    pipe.close()
+
+
+def test_no_plan_leaving_room_for_the_graphs_is_a_plan_error(monkeypatch):
+    """Where no plan fits with its graphs, compile says so, and what to do, before
+    anything runs (at 640 KiB the plan made as without graphs runs out of memory in its
+    steps)."""
+    monkeypatch.setattr(chain_costs, "HOST_MS_PER_ACTION", 0.05)
+    x = torch.randn(4, 32, 64)
+    devices = strict_devices(memory_limit=640 * 2**10)
+    with pytest.raises(fxpipe.PlanError, match="stage_backend='cudagraphs'.*stage_backend='inductor'"):
+        fxpipe.compile(blocks(8, 64), example_inputs=(x,), devices=devices,
+                       config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
     assert [d.resident_bytes() for d in devices] == [0, 0]
 
 

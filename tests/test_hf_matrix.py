@@ -114,20 +114,6 @@ LONG_CONTEXT = {(n, p, b): None for n in NAMES for p in ("param_dtype", "autocas
     if os.environ.get("FXPIPE_HF_COMPILED") == "all" else LONG_CONTEXT_CI
 if os.environ.get("FXPIPE_TEST_DEVICE") == "virtual":   # strict cuda-sim by design
     LONG_CONTEXT = {}
-# what fails, and why: a device graph keeps its inputs, outputs and working set on the
-# device past its job (its pool), which predict_memory counts but the planner does not (it
-# packs stages one at a time; the pool is the device's), so devices just big enough for the
-# plan overflow (T5 in bf16 under cudagraphs at 1 MiB: 908 kB of graph workspace resident)
-GRAPHS_OVERFLOW = {("t5", "param_dtype", "cudagraphs")}
-
-
-def long_context_cases() -> list:
-    return [pytest.param(*case, marks=pytest.mark.xfail(
-                strict=True, raises=fxpipe.errors.DeviceMemoryError,
-                reason="a device graph's working set outlives its job; the planner does not count it"))
-            if case in GRAPHS_OVERFLOW else case for case in LONG_CONTEXT]
-
-
 def compiled(model, kw, precision, backend=None, devices=None):
     devices = devices if devices is not None else [fxpipe.VirtualDevice() for _ in range(2)]
     return fxpipe.compile(model, example_kwargs=kw, devices=devices,
@@ -227,7 +213,7 @@ def test_three_adamw_steps_under_cudagraphs(name, precision):
     three_steps(name, precision, "cudagraphs")
 
 
-@pytest.mark.parametrize("name, precision, backend", long_context_cases())
+@pytest.mark.parametrize("name, precision, backend", list(LONG_CONTEXT))
 def test_bf16_under_a_compiled_backend_with_the_long_context_passes(name, precision, backend):
     """The same steps in bf16 with the stage code compiled (inductor, or replayed as
     device graphs), the loss chunked and the MLPs tiled for small strict cuda-sim devices
