@@ -252,12 +252,14 @@ def _memory_rank(rank: int, world: int, folder: str, shard: bool, bf16: bool) ->
                               shard_optimizer=shard,
                               param_dtype=torch.bfloat16 if bf16 else None)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        predicted = fxpipe.plan.predict_memory(pipe, loss_fn=nn.functional.cross_entropy,
+                                               label=y, optimizer=opt).host   # before the step
         pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy, optimizer=opt)
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        tensors = lambda states: [t for s in states for t in s.values()  # noqa: E731
-                                  if torch.is_tensor(t) and t.dim() > 0]
-        state = size(tensors(opt.state.values())) + \
-            size(tensors(opt._fxpipe_overlapped.shard_state.values()))
+        tensors = lambda states, dim=1: [t for s in states for t in s.values()  # noqa: E731
+                                         if torch.is_tensor(t) and t.dim() >= dim]
+        states = [*opt.state.values(), *opt._fxpipe_overlapped.shard_state.values()]
+        state = size(tensors(states))
         # the fp32 values of the parameters this rank keeps: the parameters themselves
         # where they are fp32 (their own masters), else this rank's pieces of the masters
         masters = size(p for p in m.parameters() if p.dtype == torch.float32) + \
@@ -266,6 +268,10 @@ def _memory_rank(rank: int, world: int, folder: str, shard: bool, bf16: bool) ->
         buffers = size(host.flats) + size(host._copies.values())   # parameters + upload copies
         grads = size(host.grad_flats)
         report = {"optimizer_state_bytes": state, "master_bytes": masters,
+                  # predict_memory(optimizer=) counts the step counters too
+                  "optimizer_state_bytes_with_steps": size(tensors(states, dim=0)),
+                  "predicted_optimizer_state_bytes": predicted["optimizer"],
+                  "predicted_master_bytes": predicted.get("masters", 0),
                   "param_buffer_bytes": buffers, "grad_buffer_bytes": grads,
                   "host_total_bytes": state + buffers + grads + size(pipe._dp.masters.values())}
         Path(folder, f"mem{rank}.json").write_text(json.dumps(report))
@@ -279,7 +285,8 @@ def part_memory(args: argparse.Namespace) -> dict:
     print("\n(memory) host bytes per rank after one AdamW step (model of "
           f"{sum(p.numel() for p in model().parameters()):,} fp32 parameters); the worst rank")
     print(f"{'ranks':>5} | {'param_dtype':>11} | {'sharded':>7} | {'optimizer state B':>17} | "
-          f"{'fp32 masters B':>14} | {'state+masters x N / unsharded':>29} | {'host total B':>12}")
+          f"{'fp32 masters B':>14} | {'state+masters x N / unsharded':>29} | {'host total B':>12}"
+          f" | {'predicted state / held':>22}")
     for world in (2, 3):
         for bf16 in (False, True):
             for shard in (False, True):
@@ -298,7 +305,9 @@ def part_memory(args: argparse.Namespace) -> dict:
                     out[f"{key}_state_and_masters_x_n_over_unsharded"] = ratio
                 print(f"{world:5d} | {dtype:>11} | {str(shard):>7} | "
                       f"{worst['optimizer_state_bytes']:17,} | {worst['master_bytes']:14,} | "
-                      f"{ratio if shard else 1:29.3f} | {worst['host_total_bytes']:12,}")
+                      f"{ratio if shard else 1:29.3f} | {worst['host_total_bytes']:12,} | "
+                      + ", ".join(f"{r['predicted_optimizer_state_bytes'] / r['optimizer_state_bytes_with_steps']:.3f}"
+                                  for r in ranks))
     print("target: with bf16 and sharding, optimizer state and masters x N / unsharded = 1 "
           "within 5 %; fp32: the masters are the parameters the devices upload, not divided")
     return out

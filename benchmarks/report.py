@@ -489,10 +489,16 @@ def _dist_memory(d: dict) -> list[str]:
         rows.append([n, dtype, "yes" if sharded == "sharded" else "no", f"{worst['optimizer_state_bytes']:,}",
                      f"{worst['master_bytes']:,}",
                      f"{ratio:.3f}" if sharded == "sharded" and ratio is not None else "—",
-                     f"{worst['host_total_bytes']:,}"])
-    return ["Host bytes per rank after one AdamW step (the worst rank):", ""] + table(
+                     f"{worst['host_total_bytes']:,}",
+                     ", ".join(f"{r['predicted_optimizer_state_bytes']:,} / "
+                               f"{r['optimizer_state_bytes_with_steps']:,}" for r in ranks)
+                     if "predicted_optimizer_state_bytes" in worst else "—"])
+    return ["Host bytes per rank after one AdamW step (the worst rank); the optimizer state "
+            "`predict_memory(..., optimizer=opt)` gave before the step against what each rank "
+            "then held (step counters included):", ""] + table(
         ["ranks", "param_dtype", "sharded", "optimizer state B", "fp32 masters B",
-         "(state + masters) × N / unsharded", "host total B"], rows)
+         "(state + masters) × N / unsharded", "host total B",
+         "optimizer state predicted / held, per rank"], rows)
 
 
 def _dist_measured(d: dict) -> list[str]:

@@ -37,6 +37,7 @@ from fxpipe.passes.stage_memory import (
 )
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
+from fxpipe.runtime.host.buckets import _piece
 from fxpipe.runtime.issue.device_collectives import reduce_scatter_bound, reduce_scatter_workspace
 from fxpipe.runtime.stages.graphs import graph_jobs
 from fxpipe.sequence_plan import host_kv_bytes, with_kv
@@ -142,7 +143,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
                    max_length: int | None = None,
                    return_outputs: bool = False,
                    kv_cache: Literal["host", "device", "auto"] = "host",
-                   sequence_chunks: int | Literal["auto"] | None = None) -> MemoryPrediction:
+                   sequence_chunks: int | Literal["auto"] | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> MemoryPrediction:
     """Predicted peak device bytes of every stage of a call, before running it.
 
     ``pipe``: a ``PipelineModule`` (its plan, devices, ``num_microbatch`` and
@@ -169,7 +171,11 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     ``.host`` is the host memory the call keeps, by kind: ``params`` (the model's own
     tensors, as they are held), ``grads`` (the trainable ones', in their dtype) and
     ``activations`` (each forward stage's outputs for every microbatch, kept for the
-    recompute, and the model's inputs); an optimizer's state is not in it.
+    recompute, and the model's inputs); with ``shard_optimizer=True`` and ``param_dtype``,
+    ``masters`` (this rank's pieces of the fp32 masters). ``optimizer`` (the
+    ``torch.optim.Optimizer`` the calls step): also ``optimizer``, the state it keeps once
+    it has stepped (:func:`optimizer_state_bytes`; with ``shard_optimizer=True`` this
+    rank's 1/N); without it, the optimizer's state is not in ``.host``.
 
     >>> import torch, fxpipe
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
@@ -270,9 +276,73 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
     if on_devices and host:
         peaks = with_reduce_scatter(peaks, program, lg, world)
+    if host:
+        sharded = dp is not None and dp.shard
+        masters = dp.masters if sharded else {}
+        if masters:
+            host["masters"] = sum(m.numel() * m.element_size() for m in masters.values())
+        if optimizer is not None:
+            dtypes = {id(dp._mastered[n]): m.dtype for n, m in masters.items()}
+            host["optimizer"] = optimizer_state_bytes(
+                optimizer, dtypes, rank=dp.rank if sharded else 0, world=dp.world if sharded else 1)
     if kv is not None and run_type == "fused":
         host["kv"] = host_kv_bytes(kv, tokens)
     return MemoryPrediction(peaks, device_peaks(peaks, G), min(limits) if limits else None, host)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, dtypes: dict[int, torch.dtype] | None = None,
+                          *, rank: int = 0, world: int = 1) -> int:
+    """The bytes of the state ``optimizer`` keeps for its trainable parameters once it has
+    stepped (``predict_memory(optimizer=...)``'s ``.host["optimizer"]``): its class
+    stepped once, with each group's settings, on stand-ins on the ``meta`` device shaped
+    as what it steps: each parameter, in its own dtype or ``dtypes[id(parameter)]`` (its
+    fp32 master's, when the masters are sharded); with ``world`` > 1 (``shard_optimizer``)
+    only this ``rank``'s piece of it, flat, as ``fxpipe.optim_step.step_shards`` steps it.
+    An optimizer whose step cannot run on ``meta`` tensors (one that reads a value on the
+    host) raises ``NotImplementedError``.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.zeros(1000))
+    >>> optimizer_state_bytes(torch.optim.AdamW([w]))   # exp_avg, exp_avg_sq, step
+    8004
+    >>> optimizer_state_bytes(torch.optim.AdamW([w]), rank=1, world=4)   # its quarter
+    2004
+    """
+    dtypes = dtypes or {}
+    groups, seen = [], set()
+    for group in optimizer.param_groups:
+        standins = []
+        for p in group["params"]:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            shape: tuple[int, ...] = tuple(p.shape)
+            if world > 1:
+                lo, hi = _piece(p.numel(), world, rank)
+                if lo >= hi:   # this rank steps none of it
+                    continue
+                shape = (hi - lo,)
+            t = torch.empty(shape, dtype=dtypes.get(id(p), p.dtype), device="meta",
+                            requires_grad=True)
+            t.grad = torch.empty_like(t)
+            standins.append(t)
+        if standins:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            settings.update({k: False for k in ("foreach", "fused", "capturable") if k in settings})
+            groups.append({**settings, "params": standins})
+    if not groups:
+        return 0
+    try:
+        standin = type(optimizer)(groups)
+        standin.step()
+    except Exception as e:  # noqa: BLE001 — which optimizer, and why
+        raise NotImplementedError(
+            f"predict_memory(optimizer=...): the state of {type(optimizer).__name__} is "
+            f"predicted by stepping it once on meta tensors, which failed ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); predict without "
+            "optimizer= and add its state yourself") from e
+    return sum(t.numel() * t.element_size() for state in standin.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
 
 
 def _trained(lg: LayerGraph, layers: Iterable[int]) -> list[tuple[str, int, torch.dtype]]:

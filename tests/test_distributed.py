@@ -244,6 +244,8 @@ def check_shard_optimizer(rank: int, world: int) -> None:
     pipe = compile_dp(model, rank, shard_optimizer=True)
     host = [str(a) for a in pipe.program(optimizer=True).host]
     assert any(a.startswith("RS") for a in host) and any(a.startswith("AG") for a in host)
+    predicted = fxpipe.plan.predict_memory(pipe, loss_fn=ce, label=mine(data(world, 0)[1], rank),
+                                           optimizer=opt).host["optimizer"]
     three_steps(pipe, model, opt, ref, ref_opt, rank, world, "sharded")
     full = sum(t.numel() * t.element_size() for s in ref_opt.state.values()
                for t in s.values() if t.dim() > 0)
@@ -252,6 +254,9 @@ def check_shard_optimizer(rank: int, world: int) -> None:
                 if t.dim() > 0)
     assert not opt.state   # the state lives in the shards
     assert abs(shard - full / world) <= 0.05 * full / world + 64 * world, (shard, full)
+    # predicted before the first step: this rank's pieces, their steps included
+    assert predicted == sum(t.numel() * t.element_size() for s in state.values()
+                            for t in s.values()), (predicted, state)
     with pytest.raises(NotImplementedError, match="sharded"):
         opt.state_dict()
     pipe.close()
@@ -299,6 +304,9 @@ def check_sharded_masters(rank: int, world: int) -> None:
     mine_bytes = sum(m.numel() * m.element_size() for m in pipe._dp.masters.values())
     assert abs(mine_bytes - full / world) <= 4 * world * len(list(ref.parameters())), \
         (mine_bytes, full)
+    predicted = fxpipe.plan.predict_memory(pipe, loss_fn=ce, label=mine(data(world, 0)[1], rank),
+                                           optimizer=opt).host
+    assert predicted["masters"] == mine_bytes
     for step in range(3):
         X, Y = data(world, step)
         losses = [p.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
@@ -306,6 +314,10 @@ def check_sharded_masters(rank: int, world: int) -> None:
         ref_opt.zero_grad()
         opt.zero_grad()
         assert_close(losses[1], losses[0], f"step {step} loss")
+        if step == 0:   # AdamW's moments and step of this rank's fp32 pieces
+            state = opt._fxpipe_overlapped.shard_state
+            assert predicted["optimizer"] == sum(t.numel() * t.element_size()
+                                                 for s in state.values() for t in s.values())
         masters = pipe.full_state_dict()
         for name, q in ref.named_parameters():
             assert masters[name].dtype == torch.float32

@@ -416,3 +416,50 @@ def test_under_param_dtype_the_devices_bytes_are_the_bf16_copies():
     with pytest.raises(PlanError, match=r"layer \d needs"):
         fxpipe.ExecutePlan.auto("fused", fp32, model_memory_limit=1.2e-4)
     fxpipe.ExecutePlan.auto("fused", bf16, model_memory_limit=1.2e-4)
+
+
+@pytest.mark.parametrize("make, param_dtype", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), None),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True), torch.bfloat16),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+])
+def test_predict_memory_counts_the_optimizers_state_on_the_host(make, param_dtype):
+    """``predict_memory(optimizer=...)``: ``.host["optimizer"]``, predicted before the first
+    step, is the bytes of the state the optimizer holds after the fused steps that stepped
+    it (AdamW's two moments and step, with amsgrad three; SGD's momentum; none without),
+    in the fp32 masters' dtype under ``param_dtype``, for the trainable parameters only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MLPBlock(16) for _ in range(3)], nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    x, y = torch.randn(6, 16), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"],
+                          param_dtype=param_dtype, config=fxpipe.RunConfig(num_microbatch=2))
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    predicted = predict_memory(pipe, loss_fn=F.mse_loss, label=y, optimizer=opt)
+    assert predict_memory(pipe, loss_fn=F.mse_loss, label=y).host.get("optimizer") is None
+    for _ in range(2):
+        pipe.forward_backward((x,), label=y, loss_fn=F.mse_loss, optimizer=opt)
+        opt.zero_grad()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
+    assert predicted.host["optimizer"] == held
+    assert (held > 0) == (opt.defaults.get("momentum", 1) != 0)
+    assert not held or f"optimizer {held / 1e3:.3g} kB" in str(predicted)
+    assert predict_memory(pipe, loss_fn=F.mse_loss, label=y, optimizer=opt).host == predicted.host
+    pipe.close()
+
+
+def test_an_optimizer_whose_step_cannot_be_predicted_says_so():
+    class Reads(torch.optim.SGD):   # reads a value on the host in its step
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    float(p.grad.sum())
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = fxpipe.compile(model, example_inputs=(torch.randn(2, 4),), devices=["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match="Reads.*meta tensors.*without optimizer="):
+        predict_memory(pipe, optimizer=Reads(model.parameters(), lr=0.1))
+    pipe.close()
