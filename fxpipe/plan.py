@@ -33,7 +33,8 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import PlanError
 from fxpipe.memory_prediction import host_memory as host_bytes
 from fxpipe.memory_prediction import (MemoryPrediction, chain_memory,  # noqa: F401 (public here)
-                                      predict_memory, tensor_bytes, with_device_reduce)
+                                      optimizer_state_bytes, predict_memory, tensor_bytes,
+                                      with_device_reduce)
 from fxpipe.passes import chain_costs, planner
 from fxpipe.passes.costs import compute_costs
 from fxpipe.passes.layer_graph import LayerGraph
@@ -259,6 +260,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                         max_length: int = 1 << 23, layers: str | None = None,
                         capture: Literal["auto", "fx", "dynamo", "export"] = "auto",
                         host_memory: int | None = None,
+                        optimizer: torch.optim.Optimizer | None = None,
                         sequence_chunks: int | Literal["auto"] | None = "auto",
                         details: dict | None = None) -> int:
     """The longest sequence, a multiple of ``step`` up to ``max_length``, that trains on
@@ -281,7 +283,9 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     ``linear_cross_entropy``, ``fxpipe.passes.loss``, and the logits beside the loss are
     not computed) or one calling ``fxpipe.linear_cross_entropy`` itself.
     ``host_memory``: the host's bytes, which must hold the parameters, their gradients
-    and every microbatch's boundary activations (``predict_memory``'s ``.host``).
+    and every microbatch's boundary activations (``predict_memory``'s ``.host``), and, with
+    ``optimizer`` (one over the ``meta`` model's parameters: ``torch.optim.AdamW(
+    model.parameters())``), the state it keeps (``memory_prediction.optimizer_state_bytes``).
 
     ``sequence_chunks`` (``RunConfig.sequence_chunks``): ``"auto"`` (default) — for a
     Hugging Face model whose attention a chunked call runs (``fxpipe.sequence_chunks``),
@@ -338,6 +342,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
     make_label = label or (lambda n: torch.zeros(microbatch_size, n, dtype=torch.long, device="meta"))
     M = num_microbatch or num_devices + 1
     limit = memory_fraction * device_memory
+    state = 0 if optimizer is None else optimizer_state_bytes(optimizer)
     graph: list[LayerGraph] = []
     layout: list = []   # the KV layout of graph[0] (None: no chunked attention)
     costed: dict[int, ChainMemory] = {}   # tokens -> one microbatch's memory, current graph
@@ -375,7 +380,7 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
                              num_microbatch=steps, recompute_grain=recompute_grain)
 
         def host_at(cuts: Any) -> int:
-            return sum(host_bytes(graph[0], memory, cuts, steps).values()) + (
+            return sum(host_bytes(graph[0], memory, cuts, steps).values()) + state + (
                 host_kv_bytes(kv, n * microbatch_size) if kv is not None else 0)
 
         host = host_at(range(len(memory) - 1))   # every layer's boundary: the finest plan's
@@ -389,7 +394,8 @@ def max_sequence_length(model: nn.Module, example_inputs: Callable[[int], tuple]
         if host_memory is not None and host > host_memory:
             raise PlanError(f"the host would hold {human_bytes(host)} at {n} tokens "
                             f"(parameters, gradients, {steps} microbatches' activations at "
-                            f"every layer's cut{', the keys and values' if kv else ''}), over "
+                            f"every layer's cut{', the keys and values' if kv else ''}"
+                            f"{', the optimizer state' if state else ''}), over "
                             f"host_memory={human_bytes(host_memory)}")
         found[n] = {"sequence_chunks": chunks, "host_bytes": host, "device_bytes": int(limit)}
 

@@ -229,6 +229,25 @@ def test_max_sequence_length_bounds_and_errors():
                             device_memory=2**30, num_devices=2, dtype=None)
 
 
+def test_max_sequence_length_holds_the_optimizers_state_to_the_host_limit():
+    """With ``optimizer=``, the host limit holds the state it keeps too (AdamW: two fp32
+    moments per parameter and a step each): 4 MiB of host fit 768 tokens without it, 512
+    with it."""
+    model = tiny_meta_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    state = fxpipe.plan.optimizer_state_bytes(opt)
+    assert state == sum(8 * p.numel() + 4 for p in model.parameters())
+    without, held = {}, {}
+    kw = dict(device_memory=2**30, num_devices=2, step=256, max_length=1 << 16, dtype=None)
+    assert max_sequence_length(model, details=without, **kw) == \
+        max_sequence_length(model, optimizer=opt, details=held, **kw)
+    assert held["host_bytes"] - without["host_bytes"] == state
+    assert max_sequence_length(model, host_memory=2**22, **kw) == 768
+    assert max_sequence_length(model, host_memory=2**22, optimizer=opt, **kw) == 512
+    with pytest.raises(PlanError, match="the optimizer state"):
+        max_sequence_length(model, host_memory=state, optimizer=opt, **kw)
+
+
 def test_chunked_loss_raises_the_longest_sequence():
     class Chunked(TinyLlama):
         def forward(self, ids, labels):
