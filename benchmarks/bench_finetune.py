@@ -181,7 +181,9 @@ def predicted_qlora(rates: dict, say=print) -> list[dict]:
                     row["longest"] = fxpipe.plan.max_sequence_length(
                         model, batch, device_memory=RTX4090["memory"], num_devices=gpus,
                         num_microbatch=1, host_memory=host, step=4096, max_length=1 << 20,
-                        sequence_chunks=None) if seq == QLORA_SEQ else None
+                        sequence_chunks=None, optimizer=torch.optim.AdamW(
+                            [p for p in model.parameters() if p.requires_grad])
+                    ) if seq == QLORA_SEQ else None
                 except fxpipe.PlanError as e:
                     row["longest"], row["longest_why"] = None, str(e)
                 row.update(gpus=gpus, host_memory=host, seq=seq, seconds=time.perf_counter() - t0)

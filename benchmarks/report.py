@@ -810,9 +810,9 @@ def _finetune(d: dict) -> list[str]:
                 "dequantizes; FLOPs at 60% of 165 TFLOP/s, assumed), 8 × 4,096 tokens a step "
                 "(and, on 8 GPUs, 8 × 1,024: a step short enough for the link to bind); "
                 "host GiB: the parameters as held, and what the plan keeps "
-                "(`predict_memory(...).host_total`: parameters, gradients, the kept "
-                "activations; the optimizer's state not in it); the longest sequence: one "
-                "sequence a step, within the host memory given.", ""] + table(
+                "(`predict_memory(..., optimizer=).host_total`: parameters, gradients, the kept "
+                "activations and the adapters' AdamW state); the longest sequence: one "
+                "sequence a step, within the host memory given (the AdamW state included).", ""] + table(
             ["run", "model", "GPUs", "tokens/step", "host params GiB", "host total GiB", "tokens/s",
              "bubble", "longest sequence", "host limit GiB"], qrow)
     return out

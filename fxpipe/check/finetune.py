@@ -143,8 +143,8 @@ HOST_FRACTION = 0.8
 def longest_sequence(spec: dict[str, Any], ctx: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """The ``longest`` run's sequence: ``fxpipe.plan.max_sequence_length`` of the LoRA model
     built on ``meta`` (the model's own loss from ``labels=``, bf16 device copies), for the
-    devices' memory and ``HOST_FRACTION`` of the host's available memory; and what it
-    was asked."""
+    devices' memory and ``HOST_FRACTION`` of the host's available memory (the adapters'
+    AdamW state included); and what it was asked."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = with_lora(AutoModelForCausalLM.from_config(spec["config"]).to(torch.bfloat16))
@@ -157,8 +157,9 @@ def longest_sequence(spec: dict[str, Any], ctx: dict[str, Any]) -> tuple[int, di
              "host_memory": int(HOST_FRACTION * host_available()), "step": step,
              "max_length": 16 * step if ctx["dry_run"] else 1 << 20}
     # whole: the run below is one unchunked step (a chunked longest run is not built yet)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     return fxpipe.plan.max_sequence_length(model, batch, num_microbatch=1, sequence_chunks=None,
-                                           **asked), asked
+                                           optimizer=adamw, **asked), asked
 
 
 def host_available() -> int:
@@ -323,7 +324,7 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
             "step_s": statistics.median(times), "step_s_all": times,
             "first_loss": losses[0], "losses": losses,
             "peak_device_bytes": ctx["pipe_peak"](pipe),
-            **_predicted_bytes(pipe),
+            **_predicted_bytes(pipe, opt),
             "predicted_step_s": predicted,
             "sampled_step_s": sampled.timeline.makespan / 1e3 if sampled else None,
             "host_issue_ms": st["host_issue_us"] / 1e3, "compute_busy_ms": busy,
@@ -340,9 +341,11 @@ def fxpipe_run(model: nn.Module, spec: dict[str, Any], ids: torch.Tensor, ctx: d
         pipe.close()
 
 
-def _predicted_bytes(pipe: Any) -> dict[str, int]:
-    """The pipe's predicted device peak and host bytes for the run's fused call."""
-    p = fxpipe.plan.predict_memory(pipe, run_type="fused", loss_fn=lambda o, _: o.loss)
+def _predicted_bytes(pipe: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The pipe's predicted device peak and host bytes (``optimizer``'s state included)
+    for the run's fused call."""
+    p = fxpipe.plan.predict_memory(pipe, run_type="fused", loss_fn=lambda o, _: o.loss,
+                                   optimizer=optimizer)
     return {"predicted_peak_bytes": p.peak, "predicted_host_bytes": p.host_total}
 
 

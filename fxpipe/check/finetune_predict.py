@@ -90,7 +90,8 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
     head recomputed): how much the tail keeps depends on what the host and the link can
     hide. ``device_bytes_per_s``: the device's memory bandwidth, which prices a
     ``qlora`` run's dequantizes (``Hardware.device_bytes_per_s``). Each row has the
-    plan's ``predicted_host_bytes`` (``predict_memory(...).host_total``).
+    plan's ``predicted_host_bytes`` (``predict_memory(...).host_total``, the AdamW state
+    of the trainable parameters included).
 
     ``host_issue``: the host's time to issue actions and kernels (``fxpipe.sim.Hardware``'s
     ``host_us_per_*``, e.g. ``fxpipe.sim.hardware.H200_HOST``; default none: a free
@@ -103,6 +104,7 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
         raise ValueError("predict: pass flops= (FLOP/s) or eager_step_s= (a measured eager "
                          "step that calibrates them), one of the two")
     model = meta_model(spec)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])   # its state
     M, seq = spec["microbatches"], spec["seq"]
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")   # one microbatch: its FLOPs
     devices = [fxpipe.VirtualDevice(semantics="cuda", memory_limit=int(memory))
@@ -150,7 +152,8 @@ def predict(spec: dict[str, Any], *, memory: float, link: float,
                              "hardware_tflops": f["hardware"] / step_s / 1e12,
                              "predicted_peak_bytes": max(t.peak_memory), "flops_per_s": flops,
                              "predicted_host_bytes": fxpipe.plan.predict_memory(
-                                 pipe, run_type="fused", loss_fn=lambda o, _: o.loss).host_total,
+                                 pipe, run_type="fused", loss_fn=lambda o, _: o.loss,
+                                 optimizer=adamw).host_total,
                              "bubble_ratio": t.bubble_ratio})
         return rows
     finally:
