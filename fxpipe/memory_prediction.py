@@ -16,6 +16,7 @@ module predicts and plans nothing: the planner (``fxpipe.passes.planner``, and
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -333,7 +334,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, dtypes: dict[int, to
     if not groups:
         return 0
     try:
-        standin = type(optimizer)(groups)
+        standin = _same_class(optimizer, groups)
         standin.step()
     except Exception as e:  # noqa: BLE001 — which optimizer, and why
         raise NotImplementedError(
@@ -343,6 +344,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, dtypes: dict[int, to
             "optimizer= and add its state yourself") from e
     return sum(t.numel() * t.element_size() for state in standin.state.values()
                for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def _same_class(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``groups`` (each with its settings); a
+    class whose constructor requires more than its parameters (a hyperparameter without
+    a default) gets its defaults too, those its constructor takes."""
+    cls = type(optimizer)
+    try:
+        return cls(groups)
+    except TypeError:
+        takes = inspect.signature(cls.__init__).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+            return cls(groups, **optimizer.defaults)
+        return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in takes})
 
 
 def _trained(lg: LayerGraph, layers: Iterable[int]) -> list[tuple[str, int, torch.dtype]]:

@@ -469,6 +469,16 @@ def test_predict_memory_counts_the_optimizers_state_on_the_host(make, param_dtyp
     pipe.close()
 
 
+def test_an_optimizer_whose_constructor_needs_its_settings_is_predicted():
+    class Required(torch.optim.SGD):   # lr and momentum without defaults
+        def __init__(self, params, lr, momentum):
+            super().__init__(params, lr=lr, momentum=momentum)
+
+    w = nn.Parameter(torch.zeros(100))
+    assert fxpipe.plan.optimizer_state_bytes(Required([w], 0.1, 0.9)) == 400   # momentum
+    assert fxpipe.plan.optimizer_state_bytes(Required([w], 0.1, 0.0)) == 0
+
+
 def test_an_optimizer_whose_step_cannot_be_predicted_says_so():
     class Reads(torch.optim.SGD):   # reads a value on the host in its step
         def step(self, closure=None):
