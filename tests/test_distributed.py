@@ -734,6 +734,28 @@ def test_no_sync_needs_data_parallel():
     pipe.close()
 
 
+def test_a_failing_rank_drains_at_once_and_posts_nothing_after(one_rank):
+    """``DataParallel.fail`` starts completing the call's owed collectives with zeros at
+    once, beside the actions still running: one of them may wait for a collective another
+    rank posts only after this rank's drain has served it (a 4-rank CI run waited out the
+    20 s timeout on every rank when the drain waited for every action first). An action
+    that would post afterwards raises ``Cancelled``; ``drain`` waits for the drain."""
+    from fxpipe.runtime.issue.threads import Cancelled
+    pipe = compile_dp(make_model(), 0)
+    dp = pipe._dp
+    owed = [("all_reduce", 4, torch.float32), ("all_gather", 2, torch.float32)]
+    dp.begin(owed)
+    dp.fail(RuntimeError("injected failure"))
+    dp._drainer.join(TIMEOUT)
+    assert dp._host_lane.posted == len(owed)   # drained without waiting for drain()
+    with pytest.raises(Cancelled, match="completed with zeros"):
+        dp._start("all_reduce", torch.zeros(4), None, dp._host_lane)
+    dp.drain()
+    with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
+        pipe.forward_backward((torch.randn(4, 4),), label=torch.randint(0, 3, (4,)), loss_fn=ce)
+    pipe.close()
+
+
 def test_bad_timeout(one_rank):
     with pytest.raises(ValueError, match="collective_timeout must be > 0"):
         fxpipe.compile(make_model(), (torch.randn(2, 4),), devices=["cpu"], data_parallel=True,

@@ -51,6 +51,7 @@ from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.host.buckets import Bucket, Shard, _chunk
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
+from fxpipe.runtime.issue.threads import Cancelled
 
 Op = tuple[str, int, torch.dtype]   # (kind, numel of this rank's input, dtype)
 
@@ -65,16 +66,21 @@ class Channel:
         self.lock = threading.Lock()   # held while a collective is posted, not waited for
         self.ops: list[Op] = []        # this call's collectives
         self.posted = 0                # how many were posted
+        self.draining = False          # the call failed: only :meth:`drain` posts now
 
     def begin(self, ops: Sequence[Op]) -> None:
         """A call starts: ``ops`` are the collectives it will post here, in order."""
         with self.lock:
-            self.ops, self.posted = list(ops), 0
+            self.ops, self.posted, self.draining = list(ops), 0, False
 
     def post(self, kind: str, tensor: torch.Tensor, out: torch.Tensor | None) -> Any:
         """Post the call's next collective (checked against the Program's list); returns
-        its work."""
+        its work. Once the call drains, an action that would post raises ``Cancelled``
+        (the drain posts zeros in its place)."""
         with self.lock:
+            if self.draining:
+                raise Cancelled(f"{kind}: the call failed (its collectives are completed with "
+                                "zeros)")
             if self.posted < len(self.ops) and self.ops[self.posted][0] != kind:
                 raise RuntimeError(f"collective {self.posted} of the call is {kind}, the "
                                    f"Program said {self.ops[self.posted][0]}")
@@ -84,9 +90,10 @@ class Channel:
 
     def drain(self) -> None:
         """Complete every collective of the call not posted yet, with zeros (bounded by
-        the group's timeout)."""
+        the group's timeout); from now on only this posts."""
         while True:
             with self.lock:
+                self.draining = True
                 if self.posted >= len(self.ops):
                     return
                 kind, numel, dtype = self.ops[self.posted]

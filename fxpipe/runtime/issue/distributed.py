@@ -67,6 +67,7 @@ from fxpipe.runtime.host.masters import ShardedMasters
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
 from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue
+from fxpipe.runtime.issue.threads import Cancelled
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 _open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)
@@ -113,6 +114,7 @@ class DataParallel(ShardedMasters, OnDevices):
                                     use_local_synchronization=self.local_sync)
         self.store = dist.distributed_c10d._get_process_group_store(self.group)
         self.dead: DistributedError | None = None
+        self._drainer: threading.Thread | None = None   # started by fail
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
         # under _lock: built by whichever thread first asks (the caller's plan_ops, the
@@ -269,7 +271,11 @@ class DataParallel(ShardedMasters, OnDevices):
                 pass
         # the other ranks see it in the store once their next collective completes (this
         # rank's drain completes it); the group is not destroyed: destroying it under a
-        # collective pending on gloo's threads aborts the process
+        # collective pending on gloo's threads aborts the process. The drain starts now,
+        # beside the call's actions still running: one of them may wait for a collective
+        # that another rank posts only once this rank's drain has served it.
+        self._drainer = threading.Thread(target=self._drain, name="fxpipe-drain", daemon=True)
+        self._drainer.start()
 
     # -- posting collectives: every rank posts the same ops in the same order -------------
     def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {}) -> int:
@@ -292,6 +298,8 @@ class DataParallel(ShardedMasters, OnDevices):
         """Post the call's next collective on ``channel``; returns its work."""
         try:
             return channel.post(kind, tensor, out)
+        except Cancelled:
+            raise
         except RuntimeError as e:
             raise RuntimeError(f"rank {self.rank}: {e}") from None
 
@@ -320,9 +328,18 @@ class DataParallel(ShardedMasters, OnDevices):
     def drain(self) -> None:
         """The call failed on this rank (its own failure or another's): complete every
         collective it still owes the other ranks, with zeros, so that no rank waits for
-        it (gloo cannot cancel a posted collective). Bounded by the timeout. The channels
-        drain at once, each on its own thread: another rank's collective on one may wait
-        (through its Program) for this rank's on another."""
+        it (gloo cannot cancel a posted collective). Bounded by the timeout. Started by
+        :meth:`fail`, beside the actions still running (an action that would post then
+        raises ``Cancelled``: the drain posts zeros in its place); this waits for it."""
+        drainer = self._drainer
+        if drainer is None:
+            self._drain()
+        else:
+            drainer.join()
+
+    def _drain(self) -> None:
+        """The channels drain at once, each on its own thread: another rank's collective on
+        one may wait (through its Program) for this rank's on another."""
         threads = [threading.Thread(target=c.drain, name=f"fxpipe-drain-{d}", daemon=True)
                    for d, c in enumerate(self._devices)]
         for t in threads:
