@@ -690,7 +690,9 @@ def _gpu_check(d: dict) -> list[str]:
         rows += _kit_generate(g)
     for r in d.get("finetune", {}).get("runs", []):
         e = r.get("eager", {})
-        figure = (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}" if r.get("ok") else
+        figure = (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}"
+                  + (f", step {r['vs_eager']:.2f}× eager's" if r.get("vs_eager") else "")
+                  if r.get("ok") else
                   f"FAILED ({r['error']['type']})" if "error" in r else
                   f"FAILED (losses {', '.join(str(x)[:6] for x in r['losses'][:3])}...)"
                   if r.get("losses") else "not run")
@@ -700,6 +702,13 @@ def _gpu_check(d: dict) -> list[str]:
         backend = f", stage_backend={r['stage_backend']}" if r.get("stage_backend") else ""
         rows.append([f"bf16 {r['mode']} fine-tune, {r['model']} shape, "
                      f"{r.get('tokens_per_step', 0):,} tokens per step{backend}", figure, eager])
+    dp = d.get("data_parallel")
+    if dp and "max_param_diff" in dp:
+        rows.append(["`data_parallel=\"device\"` on one rank (NCCL) / the same pipe without: "
+                     "parameters after two steps", f"{dp['max_param_diff']:.1e} apart",
+                     f"{dp['device_reduce_scatters']} device reduce-scatters a step, "
+                     f"{dp.get('optimizer', 'AdamW')}; losses {dp['max_loss_rel_diff']:.1e} "
+                     "apart (relative)" + ("" if dp.get("ok") else "; FAILED")])
     md = d.get("many_devices")
     if md and md.get("backends"):
         for name, b in md["backends"].items():
@@ -1200,14 +1209,18 @@ STATUS: list[tuple[str, Any, tuple[str, str] | None, tuple[str, str] | None]] = 
      None, ("bench_memory.json", "longest_sequence_lora")),
     ("`stage_backend=\"inductor\"` training", ("lora", "inductor"),
      ("bench_issue.json", "rows"), None),
-    ("`stage_backend=\"cudagraphs\"` (CUDA graphs)", "many_devices", ("bench_issue.json", "rows"),
-     ("bench_host_model.json", "rows")),
+    ("`stage_backend=\"cudagraphs\"` training (CUDA graphs), bf16 LoRA fine-tune",
+     ("lora", "cudagraphs"), ("bench_issue.json", "rows"), ("bench_host_model.json", "rows")),
+    ("`stage_backend=\"cudagraphs\"` (CUDA graphs), eight logical devices", "many_devices",
+     ("bench_issue.json", "rows"), ("bench_host_model.json", "rows")),
     ("eight logical devices on one GPU, issued from one host process", "many_devices",
      ("bench_issue.json", "rows"), ("bench_host_model.json", "scaling")),
     ("several GPUs in one pipeline", None, ("bench_memory_cuda_sim.json", "predicted_vs_measured"),
      ("bench_schedule.json", "models")),
     ("data parallel across processes", None, ("bench_distributed.json", "measured"),
      ("bench_distributed.json", "sim")),
+    ("`data_parallel=\"device\"`: gradients reduce-scattered on a GPU through NCCL (one rank)",
+     "data_parallel", ("bench_distributed.json", "devices"), None),
     ("QLoRA: the frozen base held and streamed in NF4, Llama-3.1-8B shape", ("qlora", None),
      ("bench_quant.json", "rows"), ("bench_finetune.json", "predicted")),
     ("one sequence in token chunks across the GPUs (`sequence_chunks`)", None, None,
@@ -1521,16 +1534,21 @@ def headline() -> list[str]:
                              + (f"; hardware / model FLOPs {free['flops_ratio']:.2f}"
                                 if "flops_ratio" in free else ""),
                              "predicted", "throughput: higher is better", "fine-tuning-in-bf16"])
-    gpu_ft = (gpu or {}).get("finetune", {}).get("runs", [])
-    for r in gpu_ft:
-        if r.get("ok") and r.get("eager", {}).get("ran") and not r.get("stage_backend"):
-            e = r["eager"]
-            rows.append([f"measured on one {gpu['devices'][0].replace('NVIDIA ', '')}: fxpipe bf16 "
-                         f"{r['mode']}, {r['model']} shape, {r['microbatches']} × {r['seq']:,} "
-                         "tokens/step, parameters streamed from the host / eager transformers + "
-                         "checkpointing holding them", f"{r['tokens_per_s']:,.0f} tokens/s (MFU "
-                         f"{r['mfu']:.1%}) / {r['tokens_per_step'] / e['step_s']:,.0f}: "
-                         f"{e['step_s'] / r['step_s']:.2f}×", gpu_on, "throughput, fxpipe / eager: higher is better", "gpu-acceptance-check"])
+    by_mode: dict[str, list[dict]] = {}
+    for r in (gpu or {}).get("finetune", {}).get("runs", []):
+        if r.get("ok") and r.get("eager", {}).get("ran"):
+            by_mode.setdefault(r["mode"], []).append(r)
+    for mode, runs in by_mode.items():
+        r = runs[0]
+        rows.append([f"measured on one {gpu['devices'][0].replace('NVIDIA ', '')}: fxpipe bf16 "
+                     f"{mode}, {r['model']} shape, {r['microbatches']} × {r['seq']:,} "
+                     "tokens/step, parameters streamed from the host, per stage backend: "
+                     "tokens/s (MFU; throughput over eager transformers + checkpointing "
+                     "holding them, timed in the same run)",
+                     "; ".join(f"{x.get('stage_backend') or 'eager'} {x['tokens_per_s']:,.0f} "
+                               f"({x['mfu']:.1%}; {x['eager']['step_s'] / x['step_s']:.2f}×)"
+                               for x in runs), gpu_on,
+                     "throughput, fxpipe / eager: higher is better", "gpu-acceptance-check"])
     prec = load("bench_precision.json")
     if prec and "over_fp32" in prec:
         o = prec["over_fp32"]["param_dtype"]

@@ -87,7 +87,7 @@ def simulate(pipe_or_program, hardware=None, *, costs=None, run_type: str = "fus
         if costs is None:
             costs = [LayerCost.of(c, hardware) for c in layer_costs(pipe_or_program)]
         kwargs.setdefault("memory", chain_memory(pipe_or_program, program.num_microbatches))
-        backend = pipe_or_program.config.stage_backend
+        backend = pipe_or_program.stage_backend
         kwargs.setdefault("stage_backend", "inductor" if backend == "auto" else backend)
     else:
         program = pipe_or_program

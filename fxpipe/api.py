@@ -3,8 +3,7 @@
 ``compile`` checks its arguments and resolves the devices; ``PipelineModule`` captures
 the model (a new capture when no compiled graph serves a call: ``fxpipe.graph_cache``),
 plans it and calls its ``Runner`` (``fxpipe.runtime.issue.pipeline``). What a pipe shows is
-``fxpipe.inspecting``'s, its checkpoints ``fxpipe.checkpointing``'s.
-"""
+``fxpipe.inspecting``'s, its checkpoints ``fxpipe.checkpointing``'s."""
 
 from __future__ import annotations
 
@@ -496,7 +495,8 @@ class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn
     def _config(self, run_config: RunConfig | None) -> RunConfig:
         if run_config is not None and not isinstance(run_config, RunConfig):
             raise TypeError(f"run_config must be an fxpipe.RunConfig, got {type(run_config).__name__}")
-        return RunConfig.merge(self.config, run_config).resolved(len(self.devices))
+        return RunConfig.merge(self.config, run_config).resolved(  # GPUs: "auto" compiles
+            len(self.devices), all(d.compiles_by_default for d in self.devices))
 
     def _check_call(self, args: tuple, kwargs: dict, label: Any, cfg: RunConfig) -> None:
         """Before anything of a call runs (a capture included): its inputs' (and label's)

@@ -38,10 +38,13 @@ class RunConfig:
     - ``num_microbatch``: microbatches per call, >= 1 (default number of devices + 1).
     - ``split_input`` / ``split_label`` / ``merge_output``: see ``fxpipe.runtime.issue.microbatch``.
     - ``execute_plan``: an ``ExecutePlan`` (default: planned automatically).
-    - ``stage_backend``: ``None``/``"eager"`` (default), ``"inductor"`` (each layer segment
-      of the stage code compiled by inductor, shared across repeated blocks) or ``"auto"``
-      (inductor where it compiles, eager where it cannot or where a layer draws random
-      numbers): ``fxpipe.runtime.stages.compiled``; or ``"cudagraphs"``: inductor's code, and
+    - ``stage_backend``: ``"auto"`` (the default, also ``None``): on GPUs (devices whose
+      ``compiles_by_default`` is true: every ``CudaDevice``) inductor where it compiles,
+      eager where it cannot or where a layer draws random numbers; on CPU devices
+      (virtual devices) eager stage code, as ``"eager"``. ``"inductor"``: each layer
+      segment of the stage code compiled by inductor, shared across repeated blocks, a
+      layer it cannot compile refused (``fxpipe.runtime.stages.compiled``); or
+      ``"cudagraphs"``: inductor's code, and
       each forward job and stage recompute-and-backward of a stage that can be captured
       replayed as a device graph (a CUDA graph), its parameters uploaded to the same
       device memory every round (``fxpipe.runtime.stages.graphs``; the fused tail and
@@ -120,14 +123,18 @@ class RunConfig:
         return cls(**{f.name: getattr(over, f.name) if getattr(over, f.name) is not None
                       else getattr(base, f.name) for f in dataclasses.fields(cls)})
 
-    def resolved(self, num_devices: int) -> RunConfig:
+    def resolved(self, num_devices: int, compiles: bool = False) -> RunConfig:
         """A copy with the defaults filled in, evaluated now (``requires_grad`` follows
         ``torch.is_grad_enabled()`` at this call). ``split_input``, ``split_label``,
         ``merge_output`` and ``execute_plan`` stay ``None`` (= auto) when unset.
+        ``stage_backend`` ``"auto"`` (or unset) stays ``"auto"`` where ``compiles`` (the
+        devices are GPUs: ``Device.compiles_by_default``), else becomes ``"eager"``.
 
         >>> with torch.no_grad():
         ...     RunConfig().resolved(2).requires_grad
         False
+        >>> RunConfig().resolved(2).stage_backend, RunConfig().resolved(2, compiles=True).stage_backend
+        ('eager', 'auto')
         """
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"RunConfig.resolved: num_devices must be an int >= 1, got "
@@ -135,5 +142,8 @@ class RunConfig:
         defaults = dict(requires_grad=torch.is_grad_enabled(), output_device=torch.device("cpu"),
                         preserve_rng_state=True, recompute_grain="stage",
                         num_microbatch=num_devices + 1)
-        return dataclasses.replace(self, **{k: v for k, v in defaults.items()
-                                            if getattr(self, k) is None})
+        out = dataclasses.replace(self, **{k: v for k, v in defaults.items()
+                                           if getattr(self, k) is None})
+        if out.stage_backend in (None, "auto"):
+            out = dataclasses.replace(out, stage_backend="auto" if compiles else "eager")
+        return out

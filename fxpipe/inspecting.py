@@ -23,7 +23,7 @@ from fxpipe.runtime.issue.trace import trace as _trace
 
 class Inspecting:
     """The inspecting methods of ``PipelineModule``. Reads its ``_current`` (the compiled
-    graph serving calls), ``devices``, ``config``, ``_log`` and ``_executable``."""
+    graph serving calls), ``devices``, ``config``, ``_config``, ``_log`` and ``_executable``."""
 
     @property
     def layers(self) -> LayerGraph:
@@ -45,6 +45,14 @@ class Inspecting:
         a call that returns the logits, ``pipe(x)`` included, runs the full chain's plan.
         ``print(pipe)`` shows both where they differ."""
         return self._current.fused(self.module).plan
+
+    @property
+    def stage_backend(self) -> str:
+        """What runs the stage code of this pipe's calls: ``RunConfig.stage_backend``
+        resolved for its devices. ``"auto"`` (the default where every device is a GPU:
+        inductor where it compiles), ``"eager"`` (the default on CPU devices),
+        ``"inductor"`` or ``"cudagraphs"``."""
+        return self._config(None).stage_backend
 
     @property
     def timings(self) -> LayerTimer:
@@ -80,7 +88,7 @@ class Inspecting:
         return self._code(self._executable(run_type, grain=grain), runnable)
 
     def _code(self, exe: Any, runnable: bool) -> str:
-        backend = self.config.stage_backend
+        backend = self.stage_backend
         if runnable:
             return runnable_code(exe, self.devices, backend=backend)
         if backend in (None, "eager"):

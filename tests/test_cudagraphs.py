@@ -151,6 +151,36 @@ def test_no_plan_leaving_room_for_the_graphs_is_a_plan_error(monkeypatch):
     assert [d.resident_bytes() for d in devices] == [0, 0]
 
 
+def test_a_frozen_stage_replays_its_backward_graph_without_gradient_buffers():
+    """A backward stage with no trainable parameter (LoRA's frozen embedding, alone in its
+    stage) still has a parameter slot: its graph job has no gradient buffers to zero or
+    add into and gives its inputs' gradients only; the trainable layers' gradients equal
+    eager's (the H200 kit's LoRA run failed here: ``_foreach_zero_`` of no buffers)."""
+    model = blocks(3, 16)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    plan = fxpipe.ExecutePlan([range(0, 4)], [range(2, 4), range(1, 2), range(0, 1)])
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=strict_devices(),
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2,
+                                                  execute_plan=plan))
+    mse(ref(x), y).backward()
+    for _ in range(2):   # the capture, then the replay
+        model.zero_grad()
+        pipe.forward_backward((x,), label=y, loss_fn=mse)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+            else:
+                assert p.grad is None, name
+    assert any(str(a) == "2B0g" or str(a).endswith("B0g") for acts in
+               pipe.program("fused").actions for a in acts)
+    captures, replays, fallbacks = graph_counts(pipe)
+    assert replays > 0 and fallbacks == 0
+    pipe.close()
+
+
 def test_the_program_and_the_code_say_which_jobs_replay_a_graph():
     model = blocks(2, 8)
     x = torch.randn(2, 8)

@@ -325,6 +325,13 @@ def test_resolve_devices_rejects_bad_entries(entry, message):
         resolve_devices(["cpu", entry])
 
 
+def test_resolve_devices_refuses_a_count():
+    """``devices=2`` is a number of devices, not devices: the error says what to pass."""
+    with pytest.raises(TypeError, match=r"devices=2: pass the devices, not their number: "
+                                        r"\[f'cuda:\{i\}' for i in range\(2\)\].*\['cpu'\] \* 2"):
+        resolve_devices(2)
+
+
 def test_resolve_devices_rejects_duplicates_and_empty():
     d = VirtualDevice(name="twice")
     with pytest.raises(ValueError, match="twice is listed twice"):

@@ -59,11 +59,46 @@ def compiled_layers(pipe, run_type: str = "fused") -> dict[int, list[CompiledLay
     out: dict[int, list[CompiledLayer]] = {}
     for st in exe.graph_modules():
         for recompute in (False, True):
-            gm = runnable(st, recompute, None, pipe.config.stage_backend)
+            gm = runnable(st, recompute, None, pipe.stage_backend)
             for n in gm.graph.nodes:
                 if isinstance(n.target, CompiledLayer):
                     out.setdefault(n.meta["layer"], []).append(n.target)
     return out
+
+
+def gpu_like(n: int) -> list[fxpipe.VirtualDevice]:
+    """CPU virtual devices that take ``stage_backend="auto"`` (the default) as a GPU does:
+    compiled stage code (``Device.compiles_by_default``)."""
+    devices = [fxpipe.VirtualDevice(name=f"vgpu:{i}") for i in range(n)]
+    for d in devices:
+        d.compiles_by_default = True
+    return devices
+
+
+def test_the_default_backend_compiles_on_gpus_and_runs_eagerly_on_cpu_devices():
+    """``stage_backend`` unset is ``"auto"``: eager stage code on CPU devices, compiled
+    where every device is a GPU (here CPU devices that say they compile, as a
+    ``CudaDevice`` does), equal to eager; ``"eager"`` pins eager code on a GPU."""
+    model = blocks(2, 8, seed=4)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(3, 3, 8), torch.randn(3, 3, 4)
+    cpu = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"])
+    assert cpu.stage_backend == "eager" and not compiled_layers(cpu)
+    assert "stage_backend" not in cpu.code("fused", runnable=True)
+    gpu = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(2))
+    assert gpu.stage_backend == "auto" and compiled_layers(gpu)
+    assert "stage_backend=auto: " in gpu.code("fused", runnable=True)
+    loss = gpu.forward_backward((x,), label=y, loss_fn=mse)
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL)
+    pinned = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(1),
+                            config=fxpipe.RunConfig(stage_backend="eager"))
+    assert pinned.stage_backend == "eager" and not compiled_layers(pinned)
+    for pipe in (cpu, gpu, pinned):
+        pipe.close()
 
 
 def test_stage_backend_values():
@@ -195,7 +230,7 @@ def test_a_random_layer_is_refused_or_left_eager():
         pipe.code("fused", runnable=True)
     with pytest.raises(NotImplementedError, match="stage_backend='auto'"):
         pipe.forward_backward((x,), label=torch.randn(2, 3, 4), loss_fn=mse)
-    auto = fxpipe.compile(model, example_inputs=(x,), devices=["cpu"],
+    auto = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(1),
                           config=fxpipe.RunConfig(stage_backend="auto"))
     code = auto.code("fused", runnable=True)
     assert "dropout" in code and "stage_backend=auto: 1 layer segment(s) compiled" in code, code
@@ -219,7 +254,7 @@ def test_a_segment_inductor_cannot_compile(monkeypatch):
         pipe.forward_backward((x,), label=y, loss_fn=mse)
     assert isinstance(e.value.__cause__, StageCompileError)
     assert all(p.grad is None for p in model.parameters())
-    auto = fxpipe.compile(model, example_inputs=(x,), devices=["cpu", "cpu"],
+    auto = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(2),
                           config=fxpipe.RunConfig(stage_backend="auto"))
     with pytest.warns(UserWarning, match="runs eagerly: inductor could not compile it"):
         loss = auto.forward_backward((x,), label=y, loss_fn=mse)

@@ -20,14 +20,23 @@ from fxpipe.check.common import devices, loss_fn, model_and_batch
 from fxpipe.check.harness import Kit
 
 RTOL = 1e-5   # the same kernels in the same order: only the copy differs
+LR = 1e-2
 
 
 def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
-    """Two AdamW steps of the kit's model with ``data_parallel="device"`` on one rank
+    """Two SGD steps of the kit's model with ``data_parallel="device"`` on one rank
     against the same plan without data parallel: losses and parameters; the printed
-    device reduce-scatters and the gradient bytes each downloaded."""
+    device reduce-scatters and the gradient bytes each downloaded.
+
+    SGD, not AdamW: a parameter moves by ``lr`` times its gradient, so the parameters
+    differ as the gradients do. AdamW divides by the gradient's root mean square: an
+    element whose gradient is at noise level (on a GPU, the attention backward's atomic
+    adds and cuBLAS's choice of kernel by address leave two runs of the same program an
+    ulp apart) moves by up to ``lr`` either way, whatever reduced it (the H200's first
+    run: parameters 0.39 ``lr`` apart, losses equal)."""
     n = 2 if kit.dry_run else min(2, torch.cuda.device_count())
-    out: dict[str, Any] = {"devices": n, "steps": steps, "rank_backend": "gloo",
+    out: dict[str, Any] = {"devices": n, "steps": steps, "optimizer": f"SGD(lr={LR:g})",
+                           "rank_backend": "gloo",
                            "device_backend": "gloo" if kit.dry_run else "nccl"}
     with tempfile.TemporaryDirectory() as d:
         started = not dist.is_initialized()
@@ -60,7 +69,7 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
     pipe = fxpipe.compile(model, example_inputs=(ids,), devices=devices(n, kit.dry_run),
                           **({"data_parallel": dp} if dp else {}))
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for _ in range(steps):
             losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,

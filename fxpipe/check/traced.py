@@ -102,7 +102,8 @@ def stats(kit: Kit) -> dict[str, Any]:
         fit = fit_host(pipe.program("fused", tr["M"]),
                        [LayerCost.of(c, Hardware()) for c in layer_costs(pipe)],
                        issue_us_by_kind(tr["stats"]),
-                       stage_backend=pipe.config.stage_backend)
+                       stage_backend={"auto": "inductor"}.get(pipe.stage_backend,
+                                                               pipe.stage_backend))
         return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"],
                 "host_issue_ms": issue_ms, "compute_busy_ms": busy,
                 "issue_vs_busy": {d: issue_ms / b if b else None for d, b in busy.items()},

@@ -312,7 +312,7 @@ class RoundPipe(nn.Module):
     def _chained_step(self, pipe: PipelineModule, args: tuple, kwargs: dict, label: Any,
                       loss: Callable, cfg: RunConfig | None,
                       return_outputs: bool) -> tuple[torch.Tensor, Any]:
-        full = RunConfig.merge(pipe.config, cfg).resolved(len(pipe.devices))
+        full = pipe._config(cfg)
         if full.merge_output not in (None, True):
             raise NotImplementedError(
                 "RoundPipe.forward_backward with an input that requires grad (another model's "

@@ -69,6 +69,8 @@ class CudaDevice(Device):
         self._graph_pool: Any = None   # what this device's graphs allocate in (``capture``)
         self._capture_stream: Any = None   # the stream they are captured on
 
+    compiles_by_default = True   # stage_backend="auto" compiles what runs on a GPU
+
     def submit(self, stream: str, fn: Callable[..., Any], *args: Any,
                wait: Sequence[Event] = (), label: str | None = None) -> Event:
         """Queue ``fn(*args)``'s kernels on ``stream`` after ``wait``; returns their event."""

@@ -105,6 +105,12 @@ class Device(ABC):
     """Whether ``submit`` runs the work's Python on the submitting thread (a GPU's host
     part; the executor lets one issue thread at a time do so)."""
 
+    compiles_by_default = False
+    """Whether ``RunConfig(stage_backend="auto")``, the default, compiles the stage code
+    that runs here (a GPU: :class:`CudaDevice`); on CPU workers it runs eagerly (a
+    compile costs more than it saves there). A pipe compiles only when every device says
+    so."""
+
     def __init__(self, name: str, memory_limit: int | float | None):
         if memory_limit is not None:
             if not isinstance(memory_limit, (int, float)) or memory_limit < 0:

@@ -34,6 +34,10 @@ def resolve_devices(devices: Sequence[str | torch.device | Device] | str | torch
         return [VirtualDevice(name="vcpu:0"), VirtualDevice(name="vcpu:1")]
     if isinstance(devices, (str, torch.device, Device)):
         devices = [devices]
+    if isinstance(devices, int):   # a count is not a list of devices
+        raise TypeError(f"devices={devices!r}: pass the devices, not their number: "
+                        f"[f'cuda:{{i}}' for i in range({devices})] for GPUs, ['cpu'] * {devices} "
+                        "for virtual devices, or None for every visible GPU")
     out: list[Device] = []
     for i, entry in enumerate(devices):
         where = f"devices[{i}]={entry!r}"

@@ -218,7 +218,8 @@ class StageCompute:
         if params.layout is None:   # the job's first backward: gradients start at zero
             params.layout = _BackwardLayout(st, params, call.store.slot_grads(s, params))
             with torch.no_grad():
-                torch._foreach_zero_(params.layout.sums)
+                if params.layout.sums:   # none in a frozen stage (LoRA's embedding)
+                    torch._foreach_zero_(params.layout.sums)
                 for v, g in zip(params.layout.trainable, params.layout.sums):
                     v.grad = g
         layout = params.layout
