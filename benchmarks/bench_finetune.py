@@ -56,7 +56,7 @@ H100_HBM = 3.35e12        # bytes/s of device memory: prices a qlora run's dequa
 
 
 def measured(dry_run: bool, modes: tuple[str, ...], eager: bool,
-             backends: tuple[str | None, ...] = (None,)) -> dict:
+             backends: tuple[str | None, ...] = ("eager",)) -> dict:
     num = 2 if dry_run else torch.cuda.device_count()
     sync = sync_fn(dry_run)
     link = link_bandwidth(dry_run)
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU visible: the runs at tiny widths on CPU virtual devices (--dry-run)")
     if dry_run:
         torch.set_num_threads(1)   # as each virtual device's workers: a like-for-like eager
-    res = {"measured": measured(dry_run, modes, not args.no_eager,
-                                tuple(None if b == "eager" else b for b in backends))}
+    res = {"measured": measured(dry_run, modes, not args.no_eager, backends)}
     if args.predict:
         torch.set_num_threads(torch.get_num_threads() if not dry_run else 2)
         res["predicted"] = predicted(modes)

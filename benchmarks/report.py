@@ -1262,7 +1262,7 @@ def _gpu_evidence(gpu: dict | None, what: Any) -> tuple[bool, str] | None:
         return bool(section.get("ok", True)), _gpu_where(gpu, what)
     mode, backend = what
     for i, r in enumerate(gpu.get("finetune", {}).get("runs", [])):
-        if r.get("mode") == mode and r.get("stage_backend") == backend:
+        if r.get("mode") == mode and (r.get("stage_backend") or "eager") == (backend or "eager"):
             key = f"finetune.runs[{i}]"
             where = _gpu_where(gpu, key if runs_for(gpu, key) else "finetune").replace(
                 "`finetune`", f"`{key}`")

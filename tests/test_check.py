@@ -321,10 +321,11 @@ def test_stage_backends_reach_the_finetune_runs_and_bad_ones_are_refused(tmp_pat
     out = tmp_path / "check.json"
     assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
                        "--stage-backends", "eager,inductor,cudagraphs"]) == 0
-    assert seen == {"backends": (None, "inductor", "cudagraphs"),
+    # "eager" as named: unset would be "auto" (compiled) on a GPU
+    assert seen == {"backends": ("eager", "inductor", "cudagraphs"),
                     "modes": ("lora", "full", "longest")}
     runs = json.loads(out.read_text())["finetune"]["runs"]
-    assert [r["stage_backend"] for r in runs] == [None, "inductor", "cudagraphs"]
+    assert [r["stage_backend"] for r in runs] == ["eager", "inductor", "cudagraphs"]
     assert check_cli.main(["--dry-run", "--out", str(out), "--sections", "finetune",
                            "--finetune-modes", "full,qlora"]) == 0
     assert seen["modes"] == ("full", "qlora")

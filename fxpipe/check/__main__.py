@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxpipe.check: --finetune-modes {args.finetune_modes!r}: each must be one of "
               f"{', '.join(RUN_MODES)}", file=sys.stderr)
         return 2
-    kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape,
-              tuple(None if b == "eager" else b for b in backends), modes)
+    # as named: unset would be "auto" (compiled) on a GPU
+    kit = Kit(args.dry_run, num, args.repeats, args.skip_tests, shape, backends, modes)
     try:
         failed = run_sections(kit, SECTIONS, sections, report, out, args.budget_s,
                               args.fail_section)

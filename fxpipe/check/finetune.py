@@ -473,7 +473,7 @@ DRY_RUN_DEVICE_MEMORY = 64 * 2**20
 
 def run_all(ctx: dict[str, Any], *, modes: tuple[str, ...] = KIT_MODES,
             eager: bool = True, steps: int = TIMED_STEPS,
-            backends: tuple[str | None, ...] = (None,),
+            backends: tuple[str | None, ...] = ("eager",),
             on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
             say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every run in ``modes``, its model built once, then once per stage backend in

@@ -51,7 +51,7 @@ class Kit:
     several sections (``shared``: the traced step)."""
 
     def __init__(self, dry_run: bool, num_devices: int, repeats: int, skip_tests: bool,
-                 shape: dict[str, int], stage_backends: tuple[str | None, ...] = (None,),
+                 shape: dict[str, int], stage_backends: tuple[str | None, ...] = ("eager",),
                  finetune_modes: tuple[str, ...] | None = None):
         self.dry_run, self.num, self.repeats = dry_run, num_devices, repeats
         self.skip_tests, self.shape = skip_tests, shape
