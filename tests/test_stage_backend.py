@@ -52,6 +52,16 @@ def mse(out, label):
     return ((out - label) ** 2).mean()
 
 
+def assert_step_equals_eager(loss, model, ref, x, y) -> None:
+    """``loss`` and ``model``'s gradients, from a pipe's fused step, are eager ``ref``'s
+    on ``(x, y)`` within the inductor tolerance (``ref`` runs its backward here)."""
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+
+
 def compiled_layers(pipe, run_type: str = "fused") -> dict[int, list[CompiledLayer]]:
     """Layer -> the compiled calls of its segments, in every stage code ``run_type`` runs
     (recomputes included)."""
@@ -88,12 +98,7 @@ def test_the_default_backend_compiles_on_gpus_and_runs_eagerly_on_cpu_devices():
     gpu = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(2))
     assert gpu.stage_backend == "auto" and compiled_layers(gpu)
     assert "stage_backend=auto: " in gpu.code("fused", runnable=True)
-    loss = gpu.forward_backward((x,), label=y, loss_fn=mse)
-    ref_loss = mse(ref(x), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
-    for p, r in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL)
+    assert_step_equals_eager(gpu.forward_backward((x,), label=y, loss_fn=mse), model, ref, x, y)
     pinned = fxpipe.compile(model, example_inputs=(x,), devices=gpu_like(1),
                             config=fxpipe.RunConfig(stage_backend="eager"))
     assert pinned.stage_backend == "eager" and not compiled_layers(pinned)
@@ -142,11 +147,7 @@ def test_inductor_step_equals_eager_on_strict_cuda_sim():
     pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2, loss_fn=mse, label=y)
     for d, p in zip(devices, pred.devices):
         assert 0.9 <= p.total / d.peak_bytes() <= 1.25, (p.total, d.peak_bytes())
-    ref_loss = mse(ref(x), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    assert_step_equals_eager(loss, model, ref, x, y)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), ref(x), atol=ATOL, rtol=RTOL)
     by_layer = compiled_layers(pipe)
@@ -258,11 +259,7 @@ def test_a_segment_inductor_cannot_compile(monkeypatch):
                           config=fxpipe.RunConfig(stage_backend="auto"))
     with pytest.warns(UserWarning, match="runs eagerly: inductor could not compile it"):
         loss = auto.forward_backward((x,), label=y, loss_fn=mse)
-    ref_loss = mse(ref(x), y)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
-    for p, r in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL)
+    assert_step_equals_eager(loss, model, ref, x, y)
     failed = {id(c.artifact): c.artifact.failed for cs in compiled_layers(auto).values() for c in cs}
     assert failed and all("planted" in why for why in failed.values()), failed
     assert compiled_mod.artifacts()

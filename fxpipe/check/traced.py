@@ -99,11 +99,11 @@ def stats(kit: Kit) -> dict[str, Any]:
         issue_ms = tr["stats"]["host_issue_us"] / 1e3
         busy = {d: compute_busy_ms(tr["rec"].timeline.intervals, d) for d in range(kit.num)}
         pipe = tr["pipe"]
+        backend = pipe.stage_backend   # "auto" launches inductor's kernels
         fit = fit_host(pipe.program("fused", tr["M"]),
                        [LayerCost.of(c, Hardware()) for c in layer_costs(pipe)],
                        issue_us_by_kind(tr["stats"]),
-                       stage_backend={"auto": "inductor"}.get(pipe.stage_backend,
-                                                               pipe.stage_backend))
+                       stage_backend="inductor" if backend == "auto" else backend)
         return {**tr["stats"], "call_sampled": tr["unsampled"]["sampled"],
                 "host_issue_ms": issue_ms, "compute_busy_ms": busy,
                 "issue_vs_busy": {d: issue_ms / b if b else None for d, b in busy.items()},
