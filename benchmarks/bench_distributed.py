@@ -35,7 +35,10 @@
     stage's gradients reduce-scattered on its device, gloo on the virtual devices'
     tensors as NCCL on a GPU's, 1/N downloaded). Per rank and step, from
     ``pipe.stats()``: the gradient bytes downloaded and the parameter bytes uploaded; the
-    host's flat gradient buffer (allocated at a call's first full download);
+    host's flat gradient buffer (allocated at a call's first full download); the same
+    with a step of two calls (``accumulate 2``: the first under ``no_sync()``, the
+    stepping call's figures: with ``"device"`` its ``sRS+`` uploads the accumulated
+    ``.grad``, ``h2d_bytes_grads``, and reduces it on the devices);
     and the step's wall time, min and median over interleaved repeats after a warm-up
     (informational: the ranks share this machine's cores; what carries over to GPUs is
     the bytes).
@@ -95,10 +98,12 @@ NCCL_NODES = (1, 2, 4)
 NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
     "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
     "device-NCCL": ("device", "host"), "zero3": ("shard", "zero3")}
-DEVICE_MODES = {   # name: compile's options (part "devices")
-    "host-gloo": {"data_parallel": True},
-    "host-gloo sharded": {"data_parallel": True, "shard_optimizer": True},
-    "device": {"data_parallel": "device"}}
+DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no_sync) (part "devices")
+    "host-gloo": ({"data_parallel": True}, 1),
+    "host-gloo sharded": ({"data_parallel": True, "shard_optimizer": True}, 1),
+    "device": ({"data_parallel": "device"}, 1),
+    "host-gloo sharded, accumulate 2": ({"data_parallel": True, "shard_optimizer": True}, 2),
+    "device, accumulate 2": ({"data_parallel": "device"}, 2)}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
     "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
@@ -180,28 +185,35 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
         report = {}
         for bf16 in (False, True):
             pipes = {}
-            for name, kw in DEVICE_MODES.items():
+            for name, (kw, calls) in DEVICE_MODES.items():
                 m = model()
+                # a step of k calls: each on 1/k of the rows, its loss 1/k of the mean
+                xs, ys = x.chunk(calls), y.chunk(calls)
                 pipes[name] = (m, fxpipe.compile(
-                    m, (x,), devices=["cpu", "cpu"], param_dtype=torch.bfloat16 if bf16 else None,
-                    **kw), torch.optim.AdamW(m.parameters(), lr=1e-3))
+                    m, (xs[0],), devices=["cpu", "cpu"],
+                    param_dtype=torch.bfloat16 if bf16 else None, **kw),
+                    torch.optim.AdamW(m.parameters(), lr=1e-3), xs, ys)
             times: dict[str, list[float]] = {name: [] for name in pipes}
             for step in range(args.warmup + args.steps):
-                for name, (m, pipe, opt) in pipes.items():   # interleaved
+                for name, (m, pipe, opt, xs, ys) in pipes.items():   # interleaved
+                    loss = lambda out, y, k=len(xs): nn.functional.cross_entropy(out, y) / k  # noqa: E731
                     dist.barrier()
                     t = time.perf_counter()
-                    pipe.forward_backward((x,), label=y, loss_fn=nn.functional.cross_entropy,
-                                          optimizer=opt)
+                    for xk, yk in zip(xs[:-1], ys[:-1]):
+                        with pipe.no_sync():
+                            pipe.forward_backward((xk,), label=yk, loss_fn=loss)
+                    pipe.forward_backward((xs[-1],), label=ys[-1], loss_fn=loss, optimizer=opt)
                     opt.zero_grad(set_to_none=True)
                     if step >= args.warmup:
                         times[name].append(time.perf_counter() - t)
-            for name, (m, pipe, opt) in pipes.items():
+            for name, (m, pipe, opt, _, _) in pipes.items():
                 t = torch.tensor(times[name])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends with the slowest rank
-                stats = pipe.stats()
+                stats = pipe.stats()   # the stepping call's
                 grads = HostParams.of(m).grad_flats   # the host's flat gradient buffer
                 report[f"{'bf16' if bf16 else 'fp32'} {name}"] = {
                     "d2h_bytes_grads": stats["d2h_bytes_grads"],
+                    "h2d_bytes_grads": stats["h2d_bytes_grads"],
                     "h2d_bytes_params": stats["h2d_bytes_params"],
                     "collectives": stats["collectives"],
                     "host_grad_buffer_bytes": sum(t.numel() * t.element_size() for t in grads),
@@ -220,9 +232,9 @@ def part_devices(args: argparse.Namespace) -> dict:
     print(f"\n(devices) MEASURED: {params:,}-parameter MLP, global batch {args.batch}, "
           f"{args.steps} steps after {args.warmup} warm-up, modes interleaved, rank 0's bytes, "
           "the slowest rank's times")
-    print(f"{'ranks':>5} | {'mode':>22} | {'grads down B':>12} | {'/ host-gloo':>11} | "
-          f"{'params up B':>11} | {'collectives':>11} | {'host grad buffer B':>18} | "
-          f"{'min s':>7} | {'median s':>8}")
+    print(f"{'ranks':>5} | {'mode':>37} | {'grads down B':>12} | {'/ host-gloo':>11} | "
+          f"{'grads up B':>10} | {'params up B':>11} | {'collectives':>11} | "
+          f"{'host grad buffer B':>18} | {'min s':>7} | {'median s':>8}")
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_devices_rank, args=(world, d, args), nprocs=world, join=True)
@@ -230,8 +242,9 @@ def part_devices(args: argparse.Namespace) -> dict:
         for key, r in rows.items():
             full = rows[key.split()[0] + " host-gloo"]["d2h_bytes_grads"]
             r["grads_down_over_host"] = r["d2h_bytes_grads"] / full
-            print(f"{world:5d} | {key:>22} | {r['d2h_bytes_grads']:12,} | "
-                  f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_params']:11,} | "
+            print(f"{world:5d} | {key:>37} | {r['d2h_bytes_grads']:12,} | "
+                  f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_grads']:10,} | "
+                  f"{r['h2d_bytes_params']:11,} | "
                   f"{r['collectives']:11,} | {r['host_grad_buffer_bytes']:18,} | "
                   f"{r['min_s']:7.4f} | {r['median_s']:8.4f}")
         out[str(world)] = rows

@@ -39,7 +39,9 @@ from fxpipe.passes.stage_memory import (
 from fxpipe.passes.program import CallSpec
 from fxpipe.passes.schedule import build_program
 from fxpipe.runtime.host.buckets import _piece
-from fxpipe.runtime.issue.device_collectives import reduce_scatter_bound, reduce_scatter_workspace
+from fxpipe.runtime.issue.device_collectives import (
+    UPLOAD_CHUNK, reduce_scatter_bound, reduce_scatter_workspace,
+)
 from fxpipe.runtime.stages.graphs import graph_jobs
 from fxpipe.sequence_plan import host_kv_bytes, with_kv
 from fxpipe.stage_plan import RunType, StagePlan
@@ -275,8 +277,9 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     world = dp.world if on_devices else 1
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M, world) \
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
-    if on_devices and host:
-        peaks = with_reduce_scatter(peaks, program, lg, world)
+    if on_devices and host:   # a .grad held: the call adds it first (sRS+)
+        peaks = with_reduce_scatter(peaks, program, lg, world, accumulated=any(
+            p.grad is not None for p in lg.params.values() if isinstance(p, torch.Tensor)))
     if host:
         sharded = dp is not None and dp.shard
         masters = dp.masters if sharded else {}
@@ -360,6 +363,16 @@ def _same_class(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.o
         return cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in takes})
 
 
+def host_grad_piece(lg: LayerGraph, layers: Iterable[int]) -> int:
+    """Device bytes an ``sRS+`` of a stage over ``layers`` holds beside its gradients:
+    one piece of a host ``.grad`` being added (``device_collectives.add_host_grads``: at
+    most ``UPLOAD_CHUNK`` bytes, in the host gradient's dtype)."""
+    return max((min(UPLOAD_CHUNK, t.numel() * t.element_size()) for i in layers
+                for f in lg.layers[i].params
+                if isinstance(t := lg.params.get(f), torch.Tensor) and t.requires_grad),
+               default=0)
+
+
 def _trained(lg: LayerGraph, layers: Iterable[int]) -> list[tuple[str, int, torch.dtype]]:
     """``(name, numel, dtype on the device)`` of each trainable parameter ``layers`` use,
     once."""
@@ -373,25 +386,32 @@ def with_device_reduce(memory: ChainMemory, pipe: Any) -> ChainMemory:
     ``data_parallel="device"`` (else as it is): each layer's gradients also count a bound
     of what its backward stage's reduce-scatter holds beside them
     (``device_collectives.reduce_scatter_bound``: this rank's shard, and copies of the
-    gradients it may pack or pad), so the plan leaves room for it."""
+    gradients it may pack or pad), and its backward peak the piece of a host ``.grad``
+    an ``sRS+`` adds (:func:`host_grad_piece`), so the plan leaves room for them."""
     dp, lg = getattr(pipe, "_dp", None), getattr(pipe, "layers", None)
     if dp is None or not dp.on_devices or not isinstance(lg, LayerGraph):
         return memory
     extra = [reduce_scatter_bound(_trained(lg, [i]), dp.world) for i in range(len(lg))]
-    return replace(memory, grads=tuple(g + e for g, e in zip(memory.grads, extra)))
+    # a piece of a host .grad an sRS+ adds: one at a time, so beside a layer's peak
+    piece = [host_grad_piece(lg, [i]) for i in range(len(lg))]
+    return replace(memory, grads=tuple(g + e for g, e in zip(memory.grads, extra)),
+                   bwd_peak=tuple(b + e for b, e in zip(memory.bwd_peak, piece)))
 
 
 def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
-                        world: int) -> list[StagePeak]:
+                        world: int, accumulated: bool = False) -> list[StagePeak]:
     """``peaks`` under ``data_parallel="device"``: a backward stage's gradients are
     reduce-scattered on its device before they download, and while that runs the device
     also holds this rank's shard of them and the copies its collectives read
-    (``device_collectives.reduce_scatter_workspace``), counted under ``gradients``."""
+    (``device_collectives.reduce_scatter_workspace``), counted under ``gradients``;
+    ``accumulated`` (a call after calls that did not synchronize: ``sRS+``), also the
+    piece of a host ``.grad`` being added (:func:`host_grad_piece`)."""
     out = []
     for peak in peaks:
         st = program.stages[peak.stage] if peak.stage is not None else None
         if st is not None and st.kind != "fwd":
-            extra = reduce_scatter_workspace(_trained(lg, st.layers), world)
+            extra = reduce_scatter_workspace(_trained(lg, st.layers), world) + (
+                host_grad_piece(lg, st.layers) if accumulated else 0)
             if extra:
                 peak = replace(peak, bytes={**peak.bytes,
                                             "gradients": peak.bytes["gradients"] + extra})

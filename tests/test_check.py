@@ -96,6 +96,8 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     dp = report["data_parallel"]   # data_parallel="device" on one rank: gloo on a dry run
     assert dp["ok"] and dp["device_reduce_scatters"] > 0, dp
     assert dp["d2h_bytes_grads"]["device"] == dp["d2h_bytes_grads"]["plain"]   # 1/1 of them
+    # after a no_sync() call every device reduce-scatter adds the accumulated .grad (sRS+)
+    assert dp["accumulated_reduce_scatters"] == dp["device_reduce_scatters"] > 0, dp
 
 
 def check_generate(gen):

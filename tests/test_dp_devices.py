@@ -93,9 +93,13 @@ def check_tied(rank: int, world: int) -> None:
     pipe.close()
 
 
-def check_accumulated_falls_back(rank: int, world: int) -> None:
-    """A call after one that did not synchronize has ``.grad`` to add: its Program
-    reduce-scatters on the host (printed), and equals eager on both microsteps."""
+def check_accumulated_on_the_devices(rank: int, world: int) -> None:
+    """A call after one that did not synchronize has ``.grad`` to add: each device
+    reduce-scatter uploads the host's ``.grad`` of the parameters its stage owns and adds
+    it first (``sRS+``, printed; no host ``RS``); the step equals eager on both microsteps.
+    On strict cuda-sim devices (the upload on the collective stream, from page-locked
+    memory: no host stall), per rank: every accumulated gradient uploaded once, 1/N of
+    the gradients downloaded, as a call without accumulation."""
     (X0, Y0), (X1, Y1) = data(world, 0), data(world, 1)
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -103,17 +107,34 @@ def check_accumulated_falls_back(rank: int, world: int) -> None:
     ref_opt.step()
     half = lambda out, y: ce(out, y) / 2  # noqa: E731 — the mean over both microsteps
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pipe = compile_dev(model, rank)
+    devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
+    pipe = compile_dev(model, rank, devices=devices)
+    assert not any(str(a).endswith("RS+") for acts in pipe.program(optimizer=True).actions
+                   for a in acts)
     with pipe.no_sync():
         pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half)
-    host = [str(a) for a in pipe.program(optimizer=True).host]
-    assert any(a.startswith("RS") for a in host), host   # .grad is set: the host reduces
+    program = pipe.program(optimizer=True)
+    assert not any(str(a).startswith("RS") for a in program.host), program.host
+    reduced = [str(a) for acts in program.actions for a in acts if "RS" in str(a)]
+    backward = [st.index for st in program.stages if st.kind != "fwd"]
+    assert sorted(reduced) == sorted(f"{s}RS+" for s in backward), reduced
     pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half,
                           optimizer=opt)
     assert_params(model, ref, "no_sync, then a stepping call")
     assert all(p.grad is None for p in model.parameters())
-    assert not any(str(a).startswith("RS") for a in pipe.program(optimizer=True).host)
+    stats = pipe.stats()
+    sizes = [p.numel() for p in model.parameters()]
+    assert stats["h2d_bytes_grads"] == 4 * sum(sizes), stats["h2d_bytes_grads"]
+    assert stats["d2h_bytes_grads"] == 4 * sum(math.ceil(n / world) for n in sizes)
+    assert stats["host_stalls"] == 0
+    ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
+    assert ran and all(label.endswith("RS+") for label in ran), ran
+    # the next call has nothing accumulated: plain device reduce-scatters again
+    assert not any(str(a).endswith("RS+") for acts in pipe.program(optimizer=True).actions
+                   for a in acts)
     pipe.close()
+    for d in devices:
+        d.close()
 
 
 def check_cuda_sim(rank: int, world: int) -> None:
@@ -150,9 +171,9 @@ def check_failure(rank: int, world: int) -> None:
 
 
 CHECKS = {
-    2: [check_steps, check_tied, check_accumulated_falls_back, check_cuda_sim, check_hf_bf16,
+    2: [check_steps, check_tied, check_accumulated_on_the_devices, check_cuda_sim, check_hf_bf16,
         check_failure],
-    4: [check_steps, check_cuda_sim, check_failure],
+    4: [check_steps, check_accumulated_on_the_devices, check_cuda_sim, check_failure],
 }
 
 

@@ -137,3 +137,24 @@ def test_the_runtimes_device_program_prices_as_the_lowering_modelled():
     a, b = (sorted((iv.label, iv.start, iv.end) for iv in t.intervals) for t in (native, lowered))
     assert [x[0] for x in a] == [x[0] for x in b]
     assert [t for x in a for t in x[1:]] == pytest.approx([t for x in b for t in x[1:]])
+
+
+def test_an_accumulated_device_reduce_scatter_uploads_the_host_gradients_first():
+    """``sRS+`` (a call after calls that did not synchronize): each backward stage's
+    reduce-scatter first uploads the host's fp32 ``.grad`` of its layers (2 MB a layer at
+    1 GB/s: 2 ms each) on its device's collective stream; the rest of the Program is
+    priced as without it."""
+    plain = simulate(program("device"), COSTS, HW)
+    acc = simulate(program("device_accumulated"), COSTS, HW)
+    reduced = sorted(str(a) for acts in program("device_accumulated").actions for a in acts
+                     if "RS" in str(a))
+    assert reduced == sorted(f"{st.index}RS+" for st in program().stages if st.kind != "fwd")
+    assert acc.bytes_moved["h2d_bytes_grads"] == 6 * 2 * MB
+    assert plain.bytes_moved["h2d_bytes_grads"] == 0
+    assert {k: v for k, v in acc.bytes_moved.items() if k != "h2d_bytes_grads"} == \
+        pytest.approx({k: v for k, v in plain.bytes_moved.items() if k != "h2d_bytes_grads"})
+    spans = {iv.label: iv.end - iv.start for iv in plain.intervals if iv.label.endswith("RS")}
+    for iv in acc.intervals:
+        if iv.label.endswith("RS+"):
+            layers = len(program().stages[int(iv.label[:-3])].layers)
+            assert iv.end - iv.start == pytest.approx(spans[iv.label[:-1]] + 2.0 * layers)

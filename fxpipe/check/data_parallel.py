@@ -9,6 +9,7 @@ runs 2 and 4 (tests/test_dp_devices.py).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from typing import Any
 
@@ -25,8 +26,10 @@ LR = 1e-2
 
 def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
     """Two SGD steps of the kit's model with ``data_parallel="device"`` on one rank
-    against the same plan without data parallel: losses and parameters; the printed
-    device reduce-scatters and the gradient bytes each downloaded.
+    against the same plan without data parallel, then a step of two calls (the first
+    under ``no_sync()``: the stepping call's reduce-scatters add the accumulated ``.grad``,
+    ``sRS+``): losses and parameters; the printed device reduce-scatters and the
+    gradient bytes each downloaded (and uploaded, the accumulated ones).
 
     SGD, not AdamW: a parameter moves by ``lr`` times its gradient, so the parameters
     differ as the gradients do. AdamW divides by the gradient's root mean square: an
@@ -57,10 +60,13 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
         "max_param_diff": max((a - b).abs().max().item()
                               for a, b in zip(device["params"], plain["params"])),
         "device_reduce_scatters": device["reduce_scatters"],
-        "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()}})
+        "accumulated_reduce_scatters": device["accumulated"],
+        "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()},
+        "h2d_bytes_grads": device["h2d_bytes_grads"]})
     scale = max(p.abs().max().item() for p in plain["params"])
     out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
-                 and out["device_reduce_scatters"] > 0)
+                 and out["device_reduce_scatters"] > 0 and device["accumulated"] > 0
+                 and device["h2d_bytes_grads"] > 0)
     return out
 
 
@@ -76,7 +82,17 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
                                                       optimizer=opt)))
             opt.zero_grad(set_to_none=True)
         program = pipe.program(optimizer=True)
-        return {"losses": losses, "d2h_bytes_grads": pipe.stats()["d2h_bytes_grads"],
+        d2h = pipe.stats()["d2h_bytes_grads"]
+        # a step of two calls: the first accumulates into .grad only (without data
+        # parallel, a call that does not step does that)
+        with pipe.no_sync() if dp else contextlib.nullcontext():
+            pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)
+        accumulated = sum(str(a).endswith("RS+") for acts in pipe.program(optimizer=True).actions
+                          for a in acts)
+        losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
+                                                  optimizer=opt)))
+        return {"losses": losses, "d2h_bytes_grads": d2h,
+                "h2d_bytes_grads": pipe.stats()["h2d_bytes_grads"], "accumulated": accumulated,
                 "params": [p.detach().float().cpu() for p in model.parameters()],
                 "reduce_scatters": sum(str(a).endswith("RS") for acts in program.actions
                                        for a in acts)}
@@ -86,6 +102,8 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
 
 def data_parallel_summary(r: dict[str, Any]) -> str:
     return (f"one rank, {r['devices']} device(s), {r['device_backend']}: "
-            f"{r['device_reduce_scatters']} device reduce-scatters a step; losses within "
+            f"{r['device_reduce_scatters']} device reduce-scatters a step "
+            f"({r.get('accumulated_reduce_scatters', 0)} adding the accumulated .grad after "
+            "a no_sync() call); losses within "
             f"{r['max_loss_rel_diff']:.1e}, parameters within {r['max_param_diff']:.1e} of "
             "the pipe without data parallel")

@@ -288,11 +288,15 @@ class DeviceReduceScatter:
     """Data parallel on the devices (``data_parallel="device"``): the stage's accumulated
     parameter gradients on this device reduce-scattered across ranks, with the same device
     of every other rank, on the device's ``collective`` stream; its ``DownloadGrads`` then
-    brings this rank's 1/N only (``3RS``)."""
+    brings this rank's 1/N only (``3RS``). ``accumulated`` (``3RS+``, a call after calls
+    that did not synchronize): the host's ``.grad`` of the parameters the stage owns (what
+    those calls accumulated locally) is uploaded on that stream and added to the device's
+    gradients first, so the ranks reduce all of it there."""
     stage: int
+    accumulated: bool = False
 
     def __str__(self) -> str:
-        return f"{self.stage}RS"
+        return f"{self.stage}RS{'+' if self.accumulated else ''}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,11 +463,13 @@ def parse_action(text: str) -> Action:
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
     >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g")
     (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1))
-    >>> parse_action("3B1g"), parse_action("3RS")
-    (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3))
+    >>> parse_action("3B1g"), parse_action("3RS"), parse_action("3RS+")
+    (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3, accumulated=False), DeviceReduceScatter(stage=3, accumulated=True))
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()
+    if text.endswith("RS+") and text[:-3].isdigit():
+        return DeviceReduceScatter(int(text[:-3]), accumulated=True)
     if m := _HOST_RE.match(text):
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)

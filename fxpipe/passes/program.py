@@ -62,7 +62,10 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     DeviceReduceScatter(s)  [sRS]   ``data_parallel="device"``: the stage's       collective
                                     gradients on this device reduce-scattered
                                     with the same device of every rank; ``sD``
-                                    then brings this rank's 1/N
+                                    then brings this rank's 1/N. ``sRS+``: after
+                                    calls that did not synchronize, the host's
+                                    ``.grad`` of the stage's parameters is
+                                    uploaded and added first
     Release(s)              [sR]    free the stage's parameters                   control
     Refresh()               [RF]    the copies uploads read made current (casts,  host
                                     snapshot); the buffers saved for a failure

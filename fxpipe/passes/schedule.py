@@ -28,11 +28,14 @@ from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, 
 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
-DataParallelMode = Literal["allreduce", "shard", "device"]
+DataParallelMode = Literal["allreduce", "shard", "device", "device_accumulated"]
 """Which collectives a data-parallel training call runs: gradient all-reduce on the host
 lane; (``shard_optimizer``) reduce-scatter and all-gather there; or (``"device"``) each
 stage's reduce-scatter on the devices (``DeviceReduceScatter``), the all-gather of the
-stepped shards on the host lane."""
+stepped shards on the host lane; ``"device_accumulated"`` as ``"device"``, each
+reduce-scatter adding the host's accumulated ``.grad`` first (``sRS+``: a call after
+calls that did not synchronize)."""
+ON_DEVICES = ("device", "device_accumulated")
 
 
 @dataclass(frozen=True)
@@ -258,10 +261,10 @@ def host_lane(stages: Sequence[StageSpec],
         ['RF', 'S1:3', 'AG1:3', 'S0:1', 'AG0:1', 'C']
     """
     spec = optimizer_spec(optimizer)
-    if data_parallel not in (None, "allreduce", "shard", "device"):
-        raise ValueError(f"data_parallel must be None, 'allreduce', 'shard' or 'device', got "
-                         f"{data_parallel!r}")
-    sharded = data_parallel in ("shard", "device")
+    if data_parallel not in (None, "allreduce", "shard", *ON_DEVICES):
+        raise ValueError(f"data_parallel must be None, 'allreduce', 'shard', 'device' or "
+                         f"'device_accumulated', got {data_parallel!r}")
+    sharded = data_parallel in ("shard", *ON_DEVICES)
     if sharded and (spec is None or not spec.streamed or spec.clip):
         raise ValueError(f"data_parallel={data_parallel!r} steps each rank's shard in the call: "
                          "it needs optimizer=True (the streamed exact step, without clipping)")
@@ -313,7 +316,8 @@ class _Emitter:
                  data_parallel: DataParallelMode | None = None):
         self.G, self.M, self.stages, self.values = G, M, stages, values
         self.run_type, self.grain, self.host = run_type, grain, host
-        self.reduce_on_device = data_parallel == "device"
+        self.reduce_on_device = data_parallel in ON_DEVICES
+        self.accumulated = data_parallel == "device_accumulated"
 
     def __call__(self, jobs: list[list[tuple[int, list[int]]]], partial: bool = False) -> Program:
         merged = []
@@ -374,7 +378,7 @@ class _Emitter:
                     acts += self._inputs((merged[j + 1][0], merged[j + 1][1][0]), flow)
             if kind != "fwd":
                 if self.reduce_on_device:
-                    acts.append(DeviceReduceScatter(s))
+                    acts.append(DeviceReduceScatter(s, self.accumulated))
                 acts.append(DownloadGrads(s))
             acts.append(Release(s))
         return acts

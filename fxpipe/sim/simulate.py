@@ -132,8 +132,8 @@ _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
 _COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather",
                DeviceReduceScatter: "reduce_scatter", DeviceAllGather: "all_gather"}
 _COLLECTIVES = (*_COLLECTIVE, BroadcastBuffers)
-MOVED = ("h2d_bytes_params", "h2d_bytes_activations", "d2h_bytes_activations", "d2h_bytes_grads",
-         "network_bytes")
+MOVED = ("h2d_bytes_params", "h2d_bytes_activations", "h2d_bytes_grads", "d2h_bytes_activations",
+         "d2h_bytes_grads", "network_bytes")
 """``Timeline.bytes_moved``'s keys: ``pipe.stats()``'s names for one rank's transfers, and
 the bytes its collectives send over its node's link."""
 
@@ -417,7 +417,12 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             kind = _COLLECTIVE.get(type(a), "broadcast")
             nbytes = transfer(a)[1]
             moved["network_bytes"] += hardware.collective_bytes(kind, nbytes)
-            return hardware.collective_ms(kind, nbytes)
+            ms = hardware.collective_ms(kind, nbytes)
+            if isinstance(a, DeviceReduceScatter) and a.accumulated:   # sRS+: .grad first
+                up = sum(costs[i].host_grads for i in program.stages[a.stage].layers)
+                moved["h2d_bytes_grads"] += up
+                ms += hardware.transfer_ms(up, "h2d", x)
+            return ms
         match a:
             case OptimizerStep(layers=layers):   # a sharded step: the rank's 1/R
                 share = R if (layers.start, layers.stop) in shard_of else 1

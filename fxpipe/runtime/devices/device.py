@@ -171,6 +171,12 @@ class Device(ABC):
         before a capture is serialized with other devices' (``runtime.stages.graphs``), so
         none waits for another's drain. Here: nothing (work ran when it was submitted)."""
 
+    def in_order(self) -> None:
+        """Inside work on a worker stream (``compute``, ``collective``: its Python runs
+        when the stream gets there): what the work queued so far (copies, kernels) has run
+        once this returns, so the Python after it reads their results, as the ops after
+        them on a GPU stream do. A GPU's stream orders them itself: nothing to do."""
+
     def record_stream(self, tensor: torch.Tensor) -> None:
         """``tensor``, made on another of this device's streams, is read by the work being
         issued now (its stream): its memory must not be reused before this stream is past

@@ -33,8 +33,8 @@ from fxpipe.runtime.devices.device import (
 from fxpipe.runtime.devices.device_graph import EmulatedGraph
 from fxpipe.runtime.devices.emulator_alloc import _StorageCache
 from fxpipe.runtime.devices.emulator_threads import (
-    _HOST_INDICES, _host_part, _live_devices, _run_copies_of, _run_stream, _start_worker,
-    _stop_workers,
+    _HOST_INDICES, _host_part, _live_devices, _run_copies, _run_copies_of, _run_stream,
+    _start_worker, _stop_workers,
 )
 from fxpipe.runtime.devices.events import _FINISHED, Event
 
@@ -290,6 +290,13 @@ class VirtualDevice(Device):
                 "submit() makes the device and its stream current, so it would run on the "
                 "calling thread's current device and stream. Call it inside "
                 "submit(stream, fn) (fxpipe's rule: every device op inside submit)")
+
+    def in_order(self) -> None:
+        queued = self._queued()
+        if queued and _work.stream in WORKER_STREAMS:   # (issue-time Python: not ordered)
+            exc = _run_copies(queued)
+            if exc is not None:
+                raise exc
 
     def _queued(self) -> list[Callable[[], Any]] | None:
         """Where a copy made now is queued (``semantics="cuda"``, inside this device's

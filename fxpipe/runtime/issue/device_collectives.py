@@ -39,7 +39,7 @@ from __future__ import annotations
 import datetime
 import threading
 from dataclasses import dataclass
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -182,10 +182,16 @@ class OnDevices:
             return self._device_buckets[key][1]
 
     def device_reduce_scatter(self, d: int, device: Device, store: ParamStore, stage: int,
-                              params: Mapping[str, torch.Tensor]) -> list[tuple[Any, Any]]:
+                              params: Mapping[str, torch.Tensor],
+                              owned: Collection[int] | bool = False, stats: Any = None
+                              ) -> list[tuple[Any, Any]]:
         """``DeviceReduceScatter``, on device ``d``'s collective stream: the stage's
         gradients there (``params``' ``.grad``) averaged over the ranks, this rank's
-        shard of each bucket kept on the device; ``[(bucket, shard)]``."""
+        shard of each bucket kept on the device; ``[(bucket, shard)]``. ``owned``
+        (``sRS+``): ``id``s of the host parameters whose ``.grad`` (accumulated by calls
+        that did not synchronize) is uploaded and added to their device gradient first
+        (:func:`add_host_grads`; a tied parameter's by the stage that owns it only), counted
+        in ``stats`` as ``h2d_bytes_grads``."""
         if not self._devices:
             raise RuntimeError(f"rank {self.rank}: a Program with device reduce-scatters "
                                "ran on a pipe compiled without data_parallel='device'")
@@ -202,6 +208,10 @@ class OnDevices:
         buckets = self.device_buckets(store, stage)   # none: nothing trainable here
         what = f"reduce-scatter of stage {stage}'s gradients on {device.name}"
         with device.allocating("gradients"):
+            if owned:
+                uploaded = add_host_grads(device, buckets, grads, owned, params)
+                if stats is not None:
+                    stats.add("h2d_bytes_grads", uploaded)
             out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]],
                                             device.record_stream))
                    for b, fqns in buckets]
@@ -216,6 +226,44 @@ class OnDevices:
                     "stream wrote a gradient being reduced; order that work after the "
                     "reduce-scatter's event")
         return out
+
+
+UPLOAD_CHUNK = 4 << 20
+"""Bytes of a host gradient :func:`add_host_grads` uploads at a time (the device
+workspace an ``sRS+`` adds: ``reduce_scatter_workspace(accumulated=True)``)."""
+
+
+def add_host_grads(device: Device, buckets: Sequence[tuple[Bucket, list[str]]],
+                   grads: dict[str, torch.Tensor | None], owned: Collection[int],
+                   params: Mapping[str, torch.Tensor]) -> int:
+    """``sRS+``: add the host ``.grad`` of each bucket parameter in ``owned`` (what calls
+    that did not synchronize accumulated on this rank) to its device gradient in
+    ``grads`` (by name in the stage; made, as zeros, where this call gave none), before
+    the reduce-scatter reads them. Uploaded ``UPLOAD_CHUNK`` bytes at a time on the
+    current stream (the collective one), each piece added in the device gradient's dtype
+    (a bf16 gradient rounds the fp32 sum once) and freed at once: the device holds one
+    piece beside the gradients. Returns the bytes uploaded."""
+    uploaded = 0
+    for bucket, fqns in buckets:
+        for p, fqn in zip(bucket.params, fqns):
+            host = p.grad if id(p) in owned else None
+            if host is None:
+                continue
+            g = grads.get(fqn)
+            if g is None:
+                g = grads[fqn] = torch.zeros(params[fqn].shape, dtype=bucket.dtype,
+                                             device=params[fqn].device)
+            flat, src = g.view(-1), host.detach().reshape(-1)
+            uploaded += src.numel() * src.element_size()
+            step = max(1, UPLOAD_CHUNK // src.element_size())
+            for lo in range(0, src.numel(), step):
+                piece = device.to_device(src[lo:lo + step], "gradients",
+                                         f"the host's accumulated gradient of {fqn}",
+                                         use=())
+                device.in_order()   # (the copy has landed where the add reads it)
+                flat[lo:lo + step].add_(piece)
+                device.free(piece)
+    return uploaded
 
 
 def device_buckets(store: ParamStore, stage: int, world: int, rank: int,

@@ -137,9 +137,10 @@ class DataParallel(ShardedMasters, OnDevices):
         prints and the call runs): a training call that synchronizes gradients all-reduces
         them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
         (``mode="exact"``: the streamed step; None: no step): on the devices with
-        ``data_parallel="device"`` (``"device"``) unless a parameter has ``accumulated``
-        a ``.grad`` (from calls that did not synchronize: the host reduces it with this
-        call's), else on the host (``"shard"``); and it first broadcasts the buffers from
+        ``data_parallel="device"`` (``"device"``; ``"device_accumulated"`` where a
+        parameter has ``accumulated`` a ``.grad``, from calls that did not synchronize:
+        each device reduce-scatter uploads and adds it first), else on the host
+        (``"shard"``); and it first broadcasts the buffers from
         rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``). Anything
         else: ``(None, False)``."""
         if run_type == "infer" or not sync:
@@ -148,7 +149,8 @@ class DataParallel(ShardedMasters, OnDevices):
             raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
                                       f"step only, not optimizer={mode!r}")
         if self.shard and mode == "exact":
-            mode = "device" if self.on_devices and not accumulated else "shard"
+            mode = ("device_accumulated" if accumulated else "device") if self.on_devices \
+                else "shard"
         else:
             mode = "allreduce"
         return mode, self.broadcast and has_buffers

@@ -323,14 +323,13 @@ class Execution:
                 self.compute.layer_backward(lane, s, m, layer)
             case Prefetch(stage=s):
                 self._prefetch(lane, s)
-            case DeviceReduceScatter(stage=s):
-                self._reduce_scatter_on_device(lane, s)
+            case DeviceReduceScatter(stage=s, accumulated=accumulated):
+                self._reduce_scatter_on_device(lane, s, accumulated)
             case DownloadGrads(stage=s):
                 self._download_grads(lane, s)
             case Release(stage=s):
-                on = self.on[lane]
-                with on.lock:
-                    params = on.params.pop(s)
+                with self.on[lane].lock:
+                    params = self.on[lane].params.pop(s)
                 self._release(lane, params)
             case Refresh():
                 self._refresh()
@@ -483,14 +482,15 @@ class Execution:
                 for leaf in pytree.tree_leaves(t):
                     _free_quietly(dev, leaf)
 
-    def _reduce_scatter_on_device(self, d: int, s: int) -> None:
-        """``DeviceReduceScatter``: the stage's gradients on device ``d`` reduce-scattered
-        across ranks (``DataParallel.device_reduce_scatter``); this rank's shards stay on
-        the device for the ``DownloadGrads``, the gradients are dropped."""
+    def _reduce_scatter_on_device(self, d: int, s: int, accumulated: bool) -> None:
+        """``DeviceReduceScatter`` (``DataParallel.device_reduce_scatter``; ``accumulated``:
+        with the host's ``.grad`` of what the stage owns); the device gradients dropped."""
         call, on = self.call, self.on[d]
         with on.lock:
             params = on.params[s]
-        shards = call.dp.device_reduce_scatter(d, call.devices[d], call.store, s, params)
+        owned = accumulated and {id(call.layers.params[f]) for f in self.program.stages[s].owns}
+        shards = call.dp.device_reduce_scatter(d, call.devices[d], call.store, s, params, owned,
+                                               self.stats)
         for t in params.values():
             t.grad = None
         with on.lock:

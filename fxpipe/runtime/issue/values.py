@@ -69,7 +69,7 @@ class Call:
 
 
 STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
-         "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
+         "h2d_bytes_grads", "d2h_bytes_activations", "d2h_bytes_grads", "d2h_bytes_cache", "generated_runs",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
          "host_issue_us", "issue_lock_wait_us", "issue_lock_waits", "graph_captures",
          "graph_replays", "graph_fallbacks", "stage_compiles", "stage_compile_us",
