@@ -35,6 +35,7 @@
     stage's gradients reduce-scattered on its device, gloo on the virtual devices'
     tensors as NCCL on a GPU's, 1/N downloaded). Per rank and step, from
     ``pipe.stats()``: the gradient bytes downloaded and the parameter bytes uploaded; the
+    bytes its host-lane collectives take in (``host_collective_bytes``: over gloo); the
     host's flat gradient buffer (allocated at a call's first full download); the same
     with a step of two calls (``accumulate 2``: the first under ``no_sync()``, the
     stepping call's figures: with ``"device"`` its ``sRS+`` uploads the accumulated
@@ -216,6 +217,7 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                     "h2d_bytes_grads": stats["h2d_bytes_grads"],
                     "h2d_bytes_params": stats["h2d_bytes_params"],
                     "collectives": stats["collectives"],
+                    "host_collective_bytes": stats["host_collective_bytes"],
                     "host_grad_buffer_bytes": sum(t.numel() * t.element_size() for t in grads),
                     "min_s": t.min().item(), "median_s": t.median().item()}
                 pipe.close()
@@ -233,7 +235,7 @@ def part_devices(args: argparse.Namespace) -> dict:
           f"{args.steps} steps after {args.warmup} warm-up, modes interleaved, rank 0's bytes, "
           "the slowest rank's times")
     print(f"{'ranks':>5} | {'mode':>37} | {'grads down B':>12} | {'/ host-gloo':>11} | "
-          f"{'grads up B':>10} | {'params up B':>11} | {'collectives':>11} | "
+          f"{'grads up B':>10} | {'params up B':>11} | {'collectives':>11} | {'gloo B':>9} | "
           f"{'host grad buffer B':>18} | {'min s':>7} | {'median s':>8}")
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as d:
@@ -245,7 +247,8 @@ def part_devices(args: argparse.Namespace) -> dict:
             print(f"{world:5d} | {key:>37} | {r['d2h_bytes_grads']:12,} | "
                   f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_grads']:10,} | "
                   f"{r['h2d_bytes_params']:11,} | "
-                  f"{r['collectives']:11,} | {r['host_grad_buffer_bytes']:18,} | "
+                  f"{r['collectives']:11,} | {r['host_collective_bytes']:9,} | "
+                  f"{r['host_grad_buffer_bytes']:18,} | "
                   f"{r['min_s']:7.4f} | {r['median_s']:8.4f}")
         out[str(world)] = rows
     return out

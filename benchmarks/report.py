@@ -469,6 +469,7 @@ def _dist_devices(d: dict) -> list[str]:
     rows = [[world, mode, f"{r['d2h_bytes_grads']:,}", num(r["grads_down_over_host"]),
              f"{r.get('h2d_bytes_grads', 0):,}", f"{r['h2d_bytes_params']:,}",
              f"{r['collectives']:,}" if "collectives" in r else "",
+             f"{r['host_collective_bytes']:,}" if "host_collective_bytes" in r else "",
              f"{r['host_grad_buffer_bytes']:,}", f"{r['min_s']:.4f}", f"{r['median_s']:.4f}"]
             for world in ("2", "4") if world in v for mode, r in v[world].items()]
     return [f"{v['parameters']:,} parameters, global batch {v['batch']}, {v['steps']} steps "
@@ -477,7 +478,8 @@ def _dist_devices(d: dict) -> list[str]:
             "call's (with `\"device\"` its `sRS+` uploads the accumulated `.grad`, then reduces "
             "it on the devices).", ""] + table(
         ["ranks", "mode", "gradient bytes down", "/ host-gloo's", "gradient bytes up",
-         "parameter bytes up", "collectives / step", "host gradient buffer bytes",
+         "parameter bytes up", "collectives / step", "bytes into host (gloo) collectives",
+         "host gradient buffer bytes",
          "min s/step", "median s/step"],
         rows)
 

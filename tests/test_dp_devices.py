@@ -99,7 +99,8 @@ def check_accumulated_on_the_devices(rank: int, world: int) -> None:
     it first (``sRS+``, printed; no host ``RS``); the step equals eager on both microsteps.
     On strict cuda-sim devices (the upload on the collective stream, from page-locked
     memory: no host stall), per rank: every accumulated gradient uploaded once, 1/N of
-    the gradients downloaded, as a call without accumulation."""
+    the gradients downloaded, as a call without accumulation, and only the stepped
+    shards' all-gathers on the host's gloo."""
     (X0, Y0), (X1, Y1) = data(world, 0), data(world, 1)
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -129,9 +130,14 @@ def check_accumulated_on_the_devices(rank: int, world: int) -> None:
     assert stats["host_stalls"] == 0
     ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
     assert ran and all(label.endswith("RS+") for label in ran), ran
-    # the next call has nothing accumulated: plain device reduce-scatters again
+    # the next call has nothing accumulated: plain device reduce-scatters again, and the
+    # same bytes on the host's gloo (the stepped shards' all-gathers)
     assert not any(str(a).endswith("RS+") for acts in pipe.program(optimizer=True).actions
                    for a in acts)
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half,
+                          optimizer=opt)
+    assert stats["host_collective_bytes"] == pipe.stats()["host_collective_bytes"] > 0
+    assert stats["host_collective_bytes"] < 4 * sum(sizes) / world + 4 * len(sizes)
     pipe.close()
     for d in devices:
         d.close()

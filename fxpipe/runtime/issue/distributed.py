@@ -280,18 +280,20 @@ class DataParallel(ShardedMasters, OnDevices):
         self._drainer.start()
 
     # -- posting collectives: every rank posts the same ops in the same order -------------
-    def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {}) -> int:
+    def begin(self, ops: Sequence[Op], device_ops: Mapping[int, Sequence[Op]] = {},
+              stats: Any = None) -> None:
         """A call starts: ``ops`` are the collectives it will post on the host lane, in
         order (:meth:`plan_ops`), ``device_ops`` each device's (:meth:`plan_device_ops`):
-        what :meth:`drain` completes when it fails. Returns how many there are in all
-        (``pipe.stats()["collectives"]``)."""
+        what :meth:`drain` completes when it fails. ``stats``: how many in all, and the
+        bytes the host-lane ones take in (``host_collective_bytes``: what crosses gloo)."""
         self._host_lane.begin(ops)
         for d, channel in enumerate(self._devices):
             channel.begin(device_ops.get(d, ()))
-        return len(ops) + sum(len(o) for o in device_ops.values())
+        if stats is not None:
+            stats.add("collectives", len(ops) + sum(len(o) for o in device_ops.values()))
+            stats.add("host_collective_bytes", sum(n * dtype.itemsize for _, n, dtype in ops))
 
-    def _post(self, kind: str, tensor: torch.Tensor, what: str,
-              out: torch.Tensor | None = None) -> None:
+    def _post(self, kind: str, tensor: torch.Tensor, what: str, out: Any = None) -> None:
         """Post the call's next collective on the host lane and wait for it (:meth:`_wait`)."""
         self._wait([self._start(kind, tensor, out, self._host_lane)], what)
 

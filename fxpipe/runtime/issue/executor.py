@@ -130,11 +130,11 @@ class Execution:
         plan = issue_plan(p, self.call.phase)
         keep = plan.keep
         if self.call.dp is not None:
-            self.stats.add("collectives", self.call.dp.begin(self.call.dp.plan_ops(
+            self.call.dp.begin(self.call.dp.plan_ops(
                 [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
                 self.call.exe, self.call.layers, self.call.store),
                 self.call.dp.plan_device_ops(p, keep, self.call.store)
-                if self.reduce_on_devices else {}))
+                if self.reduce_on_devices else {}, self.stats)
         # the Commit and what follows it in the host lane run once the call has ended
         at = plan.commit_at
         slots = issue_slots(plan)

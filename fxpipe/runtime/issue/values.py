@@ -73,7 +73,7 @@ STATS = ("actions", "host_waits", "h2d_bytes_params", "h2d_bytes_activations",
          "host_stalls", "host_pinned_bytes", "issue_waits", "allocator_flushes",
          "host_issue_us", "issue_lock_wait_us", "issue_lock_waits", "graph_captures",
          "graph_replays", "graph_fallbacks", "stage_compiles", "stage_compile_us",
-         "collectives")
+         "collectives", "host_collective_bytes")
 
 
 class Stats:
@@ -85,7 +85,8 @@ class Stats:
     the issue lock (``issue_lock_wait_us``, summed over the devices' issue threads, 0
     where devices do not run their work at issue; ``issue_lock_waits``, how many times
     they waited); with data parallel, the collectives it posts (``collectives``, on the
-    host and the devices); what the stage
+    host and the devices) and the bytes its host-lane ones take in
+    (``host_collective_bytes``); what the stage
     backend compiled (``stage_compiles``, ``stage_compile_us``). Thread-safe."""
 
     def __init__(self) -> None:
