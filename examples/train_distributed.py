@@ -16,8 +16,8 @@ after its all-reduce. Every ``--accum`` steps the first microsteps run under
 
 Options: ``--data-parallel device`` (each stage's gradients reduce-scattered on its
 devices, ``RS`` in their lanes, NCCL on GPUs; each rank downloads and steps 1/N and
-keeps 1/N of the optimizer state; a step after ``no_sync`` microsteps reduces the
-accumulated ``.grad`` on the host instead: use ``--accum 1`` to see the devices do it),
+keeps 1/N of the optimizer state; a step after ``no_sync`` microsteps prints ``RS+``:
+each device uploads the accumulated ``.grad`` and adds it before it reduces),
 ``--shard-optimizer`` (each rank keeps 1/N of the optimizer state; with
 ``--bf16`` too, 1/N of the fp32 masters: the devices compute in bf16 and the model's
 parameters become the bf16 copies they upload), ``--bf16`` (``param_dtype=bfloat16``),
