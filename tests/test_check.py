@@ -98,6 +98,7 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert dp["d2h_bytes_grads"]["device"] == dp["d2h_bytes_grads"]["plain"]   # 1/1 of them
     # after a no_sync() call every device reduce-scatter adds the accumulated .grad (sRS+)
     assert dp["accumulated_reduce_scatters"] == dp["device_reduce_scatters"] > 0, dp
+    assert dp["device_all_reduces"] == dp["device_reduce_scatters"], dp   # one per stage
 
 
 def check_generate(gen):

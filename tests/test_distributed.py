@@ -442,7 +442,7 @@ def check_failure(rank: int, world: int, shard: bool = False,
                     for k, s in opt.shard_state.items()}
     masters_before = {n: m.clone() for n, m in pipe._dp.masters.items()}
     assert bool(masters_before) == (param_dtype is not None)
-    owner, name, at = (DataParallel, "device_reduce_scatter", 4) if on_devices else \
+    owner, name, at = (DataParallel, "device_reduce", 4) if on_devices else \
         (ParamStore, "download_grads", 1)   # the stage: that argument of that method
     original = getattr(owner, name)
     shallowest = len(pipe.program().stages) - 1

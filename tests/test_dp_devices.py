@@ -22,7 +22,8 @@ import fxpipe
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.host.params import HostParams
 from tests.test_distributed import (
-    ROWS, TIMEOUT, Tied, assert_params, ce, compile_dp, data, make_model, mine, three_steps,
+    ROWS, TIMEOUT, Tied, assert_grads, assert_params, ce, compile_dp, data, make_model, mine,
+    three_steps,
 )
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
@@ -143,6 +144,59 @@ def check_accumulated_on_the_devices(rank: int, world: int) -> None:
         d.close()
 
 
+def check_all_reduced_on_the_devices(rank: int, world: int) -> None:
+    """Calls that do not step a sharded optimizer (``forward_backward`` without one, then
+    the user's ``opt.step()``): each device averages its stage's gradients in place
+    (``sAR``, printed; the host lane takes the downloads, ``M``, no host ``AR``), so
+    ``.grad`` is the average, the whole of it downloaded, no gradient on gloo. After a
+    ``no_sync()`` call the devices add the accumulated ``.grad`` first (``sAR+``), and the
+    average replaces it. Strict cuda-sim devices; both steps equal eager."""
+    (X0, Y0), (X1, Y1) = data(world, 0), data(world, 1)
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
+    pipe = compile_dev(model, rank, devices=devices)
+    sizes = [p.numel() for p in model.parameters()]
+
+    def reduced(program) -> list[str]:
+        return sorted(str(a) for acts in program.actions for a in acts
+                      if str(a).rstrip("+").endswith(("AR", "RS")))
+
+    backward = [st.index for st in pipe.program().stages if st.kind != "fwd"]
+    program = pipe.program()
+    assert reduced(program) == sorted(f"{s}AR" for s in backward), reduced(program)
+    assert not any(str(a).startswith(("AR", "RS")) for a in program.host), program.host
+    ce(ref(X0), Y0).backward()
+    pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=ce)
+    assert_grads(model, ref, "a call that does not step")
+    stats = pipe.stats()
+    assert stats["d2h_bytes_grads"] == 4 * sum(sizes) and stats["h2d_bytes_grads"] == 0
+    host_bytes = stats["host_collective_bytes"]   # the buffers' broadcast only
+    assert host_bytes < 4 * sum(sizes) / world, host_bytes
+    ref_opt.step(), opt.step()
+    ref_opt.zero_grad(), opt.zero_grad()
+    half = lambda out, y: ce(out, y) / 2  # noqa: E731 — the mean over both microsteps
+    half(ref(X0), Y0).backward()
+    half(ref(X1), Y1).backward()
+    with pipe.no_sync():
+        pipe.forward_backward((mine(X0, rank),), label=mine(Y0, rank), loss_fn=half)
+    program = pipe.program()
+    assert reduced(program) == sorted(f"{s}AR+" for s in backward), reduced(program)
+    pipe.forward_backward((mine(X1, rank),), label=mine(Y1, rank), loss_fn=half)
+    assert_grads(model, ref, "no_sync, then a synchronizing call")
+    stats = pipe.stats()
+    assert stats["h2d_bytes_grads"] == 4 * sum(sizes), stats["h2d_bytes_grads"]
+    assert stats["host_collective_bytes"] == host_bytes and stats["host_stalls"] == 0
+    ref_opt.step(), opt.step()
+    assert_params(model, ref, "two steps of the user's optimizer")
+    ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
+    assert ran == {f"{s}AR" for s in backward} | {f"{s}AR+" for s in backward}, ran
+    pipe.close()
+    for d in devices:
+        d.close()
+
+
 def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; a collective's stream runs it when
     it gets there): 2 AdamW steps equal eager; the reduce-scatters ran on the devices'
@@ -177,9 +231,10 @@ def check_failure(rank: int, world: int) -> None:
 
 
 CHECKS = {
-    2: [check_steps, check_tied, check_accumulated_on_the_devices, check_cuda_sim, check_hf_bf16,
-        check_failure],
-    4: [check_steps, check_accumulated_on_the_devices, check_cuda_sim, check_failure],
+    2: [check_steps, check_tied, check_accumulated_on_the_devices,
+        check_all_reduced_on_the_devices, check_cuda_sim, check_hf_bf16, check_failure],
+    4: [check_steps, check_accumulated_on_the_devices, check_all_reduced_on_the_devices,
+        check_cuda_sim, check_failure],
 }
 
 
@@ -250,6 +305,12 @@ step d0  d1   host
                                           loss_fn=nn.functional.mse_loss, optimizer=opt)
                 ran = sorted(a for dev, a in rec.actions if a.endswith("RS"))
                 self.assertEqual(ran, ["1RS", "2RS"])
+                # a call that steps no sharded optimizer: its averages made on the devices
+                # (sAR), the host takes them (M); the device lanes as above otherwise
+                program = pipe.program("fused", num_microbatch=2)
+                self.assertExpectedInline(" ".join(map(str, program.host)), """RF M2:3 M0:2 C""")
+                self.assertExpectedInline(" ".join(str(a) for a in program.actions[1][-4:]),
+                                          """1X1 1AR 1D 1R""")
                 pipe.close()
             finally:
                 dist.destroy_process_group()

@@ -158,3 +158,19 @@ def test_an_accumulated_device_reduce_scatter_uploads_the_host_gradients_first()
         if iv.label.endswith("RS+"):
             layers = len(program().stages[int(iv.label[:-3])].layers)
             assert iv.end - iv.start == pytest.approx(spans[iv.label[:-1]] + 2.0 * layers)
+
+
+def test_a_device_all_reduce_averages_on_the_nccl_stream_and_downloads_whole():
+    """``sAR`` (``data_parallel="device"``, a call that steps no sharded optimizer): each
+    backward stage's bf16 gradients all-reduced on its device's ``nccl`` stream (a ring's
+    bytes), then downloaded whole; the host lane takes them (``M``), no host collective."""
+    p = build_program(FWD, BWD, "fused", 2, 4, "stage", data_parallel="device_allreduce")
+    assert [str(a) for a in p.host] == ["RF", "M5:6", "M4:5", "M3:4", "M0:3", "C"]
+    t = simulate(p, COSTS, HW)
+    assert t.bytes_moved["d2h_bytes_grads"] == 6 * MB
+    assert t.bytes_moved["network_bytes"] == pytest.approx(HW.collective_bytes("all_reduce", 6 * MB))
+    ar = [iv for iv in t.intervals if iv.label.endswith("AR")]
+    assert len(ar) == len(BWD) and all(iv.stream == "nccl" for iv in ar)
+    for iv in ar:
+        layers = len(p.stages[int(iv.label[:-2])].layers)
+        assert iv.end - iv.start == pytest.approx(HW.collective_ms("all_reduce", layers * MB))

@@ -64,10 +64,13 @@ what came before (``in_progress`` names the section that was running):
 12. ``data_parallel``: ``data_parallel="device"`` in a one-rank job on up to two GPUs
     (the device reduce-scatters through the NCCL groups ``compile`` makes, on the
     runtime's ``collective`` streams; a dry run: gloo on the virtual devices' tensors),
-    two AdamW steps against the same pipe without data parallel: ``max_loss_rel_diff``,
-    ``max_param_diff``, ``device_reduce_scatters`` a step, ``d2h_bytes_grads``; ``ok``
-    when they agree within 1e-5 (``fxpipe.check.data_parallel``). Several ranks need a GPU
-    each: the CPU suite runs 2 and 4.
+    two SGD steps, a step after a ``no_sync()`` call (``sRS+``) and one by the optimizer
+    after a call without it (``sAR``) against the same pipe without data parallel:
+    ``max_loss_rel_diff``, ``max_param_diff``, ``device_reduce_scatters`` a step,
+    ``accumulated_reduce_scatters``, ``device_all_reduces``, ``d2h_bytes_grads``,
+    ``h2d_bytes_grads``; ``ok`` when they agree within 1e-5
+    (``fxpipe.check.data_parallel``). Several ranks need a GPU each: the CPU suite runs 2
+    and 4.
 
 ``--sections NAME,...`` runs those sections, in that order (the kit no longer fits one
 10-minute command: a lent GPU runs it as two).

@@ -28,8 +28,9 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
     """Two SGD steps of the kit's model with ``data_parallel="device"`` on one rank
     against the same plan without data parallel, then a step of two calls (the first
     under ``no_sync()``: the stepping call's reduce-scatters add the accumulated ``.grad``,
-    ``sRS+``): losses and parameters; the printed device reduce-scatters and the
-    gradient bytes each downloaded (and uploaded, the accumulated ones).
+    ``sRS+``), then a call without the optimizer and the optimizer's own step (the
+    devices all-reduce, ``sAR``): losses and parameters; the printed device collectives
+    and the gradient bytes each downloaded (and uploaded, the accumulated ones).
 
     SGD, not AdamW: a parameter moves by ``lr`` times its gradient, so the parameters
     differ as the gradients do. AdamW divides by the gradient's root mean square: an
@@ -61,12 +62,13 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
                               for a, b in zip(device["params"], plain["params"])),
         "device_reduce_scatters": device["reduce_scatters"],
         "accumulated_reduce_scatters": device["accumulated"],
+        "device_all_reduces": device["all_reduces"],
         "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()},
         "h2d_bytes_grads": device["h2d_bytes_grads"]})
     scale = max(p.abs().max().item() for p in plain["params"])
     out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
                  and out["device_reduce_scatters"] > 0 and device["accumulated"] > 0
-                 and device["h2d_bytes_grads"] > 0)
+                 and device["h2d_bytes_grads"] > 0 and device["all_reduces"] > 0)
     return out
 
 
@@ -91,8 +93,16 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
                           for a in acts)
         losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
                                                   optimizer=opt)))
-        return {"losses": losses, "d2h_bytes_grads": d2h,
-                "h2d_bytes_grads": pipe.stats()["h2d_bytes_grads"], "accumulated": accumulated,
+        h2d = pipe.stats()["h2d_bytes_grads"]
+        # a call that steps no sharded optimizer, then the optimizer's own step: the
+        # devices average the gradients in place (sAR)
+        opt.zero_grad(set_to_none=True)
+        all_reduces = sum(str(a).endswith("AR") for acts in pipe.program().actions
+                          for a in acts)
+        losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)))
+        opt.step()
+        return {"losses": losses, "d2h_bytes_grads": d2h, "all_reduces": all_reduces,
+                "h2d_bytes_grads": h2d, "accumulated": accumulated,
                 "params": [p.detach().float().cpu() for p in model.parameters()],
                 "reduce_scatters": sum(str(a).endswith("RS") for acts in program.actions
                                        for a in acts)}
@@ -104,6 +114,7 @@ def data_parallel_summary(r: dict[str, Any]) -> str:
     return (f"one rank, {r['devices']} device(s), {r['device_backend']}: "
             f"{r['device_reduce_scatters']} device reduce-scatters a step "
             f"({r.get('accumulated_reduce_scatters', 0)} adding the accumulated .grad after "
-            "a no_sync() call); losses within "
+            f"a no_sync() call), {r.get('device_all_reduces', 0)} all-reduces in a call that "
+            "does not step; losses within "
             f"{r['max_loss_rel_diff']:.1e}, parameters within {r['max_param_diff']:.1e} of "
             "the pipe without data parallel")

@@ -300,6 +300,25 @@ class DeviceReduceScatter:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceAllReduce:
+    """Data parallel on the devices, a call that does not step a sharded optimizer
+    (``data_parallel="device"``): the stage's accumulated parameter gradients on this
+    device averaged across ranks in place, with the same device of every other rank, on
+    the device's ``collective`` stream; its ``DownloadGrads`` then brings them whole
+    (``3AR``). ``accumulated`` (``3AR+``): the host's ``.grad`` of the parameters the
+    stage owns is uploaded and added first, and the average replaces it."""
+    stage: int
+    accumulated: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.stage}AR{'+' if self.accumulated else ''}"
+
+
+DeviceReduce = (DeviceReduceScatter, DeviceAllReduce)
+"""The devices' collectives of a backward stage's gradients, before its ``DownloadGrads``."""
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """Free the stage's parameters on the device (``3R``)."""
     stage: int
@@ -432,7 +451,7 @@ class QueueUpdate:
 
 Action = Union[Prefetch, Upload, UploadGrad, Forward, GraphForward, FusedBackward, Checkpoint,
                RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
-               DeviceReduceScatter, Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
+               DeviceReduceScatter, DeviceAllReduce, Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
                ReduceScatter, AllGather, Refresh, Accumulate, ClipGradNorm, ScalerStep,
                QueueUpdate]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
@@ -442,12 +461,12 @@ HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradN
 AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
 """Host actions that only follow a ``Commit`` (they read ``.grad``)."""
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
-                           "RS": DeviceReduceScatter,
+                           "RS": DeviceReduceScatter, "AR": DeviceAllReduce,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
 _GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward}
-_ACTION_RE = re.compile(r"^(\d+)(FB|RS|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)$")
-_JOB_CODES = ("P", "D", "R", "RS")   # a stage's job, no microbatch
+_ACTION_RE = re.compile(r"^(\d+)(FB|RS|AR|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)(\+?)$")
+_JOB_CODES = ("P", "D", "R", "RS", "AR")   # a stage's job, no microbatch
 _HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
 _HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
                                 "RS": ReduceScatter, "AG": AllGather}
@@ -463,21 +482,22 @@ def parse_action(text: str) -> Action:
     (FusedBackward(stage=3, mb=1), OptimizerStep(layers=range(0, 4)), RecomputeBackward(stage=2, mb=0, layer=5))
     >>> parse_action("AR4:6"), parse_action("BC"), parse_action("3F1g")
     (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1))
-    >>> parse_action("3B1g"), parse_action("3RS"), parse_action("3RS+")
-    (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3, accumulated=False), DeviceReduceScatter(stage=3, accumulated=True))
+    >>> parse_action("3B1g"), parse_action("3RS"), parse_action("3AR+")
+    (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3, accumulated=False), DeviceAllReduce(stage=3, accumulated=True))
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()
-    if text.endswith("RS+") and text[:-3].isdigit():
-        return DeviceReduceScatter(int(text[:-3]), accumulated=True)
     if m := _HOST_RE.match(text):
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
     if not m or (m[2] in _JOB_CODES) != (m[3] == "") or (m[4] is not None and m[2] != "B") \
-            or (m[5] and (m[2] not in "FB" or m[4] is not None)):
+            or (m[5] and (m[2] not in "FB" or m[4] is not None)) \
+            or (m[6] and m[2] not in ("RS", "AR")):
         raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
                          "AR0:4, C)")
     cls = _GRAPH_CODES[m[2]] if m[5] else _CODES[m[2]]
+    if m[6]:
+        return cls(int(m[1]), accumulated=True)
     if m[3] == "":
         return cls(int(m[1]))
     if m[4] is not None:
@@ -489,7 +509,7 @@ STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "comp
           GraphForward: "compute", GraphRecomputeBackward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
-          DeviceReduceScatter: "collective",
+          DeviceReduceScatter: "collective", DeviceAllReduce: "collective",
           OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
           Accumulate: "host", ClipGradNorm: "host", ScalerStep: "host", QueueUpdate: "host",
           BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
@@ -499,7 +519,8 @@ STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "comp
 def stream_of(action: Action) -> str:
     """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
     ``free``, ``grads``, ``control`` (``Release``), ``collective`` (a device's
-    ``DeviceReduceScatter``), and on the host ``host`` or ``collective``."""
+    ``DeviceReduceScatter``, ``DeviceAllReduce``), and on the host ``host`` or
+    ``collective``."""
     return STREAM[type(action)]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from fxpipe.passes.actions import (
     HOST, Accumulate, Action, AllGather, AllReduce, BroadcastBuffers, Checkpoint, Commit, Compute, Dep,
-    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, Key, Offload, OptimizerStep, Prefetch,
+    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, Key, Offload, OptimizerStep, Prefetch,
     RecomputeBackward, ReduceScatter, Refresh, Release, Upload, UploadGrad, stream_of,
 )
 
@@ -140,12 +140,13 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
                         if (p, mb) in offload_at:
                             od, oi = offload_at[(p, mb)]
                             deps.append(Dep(od, oi, "end", "free"))
-            case DownloadGrads(stage=s) | Release(stage=s) | DeviceReduceScatter(stage=s):
+            case DownloadGrads(stage=s) | Release(stage=s) | DeviceReduceScatter(stage=s) \
+                    | DeviceAllReduce(stage=s):
                 if s not in prefetched:
                     fail(i, a, f"but stage {s} is not resident on device {d}")
                 deps += [Dep(d, j, "end", "reduced" if k == "reduce" else "job")
                          for k, j in job[s].items()]
-                if isinstance(a, DeviceReduceScatter):
+                if isinstance(a, DeviceReduce):
                     job[s]["reduce"] = i
                 elif isinstance(a, DownloadGrads):
                     job[s]["download"] = i

@@ -66,6 +66,10 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
                                     calls that did not synchronize, the host's
                                     ``.grad`` of the stage's parameters is
                                     uploaded and added first
+    DeviceAllReduce(s)      [sAR]   ``data_parallel="device"``, a call that       collective
+                                    does not step sharded: the stage's gradients
+                                    averaged in place across the ranks; ``sD``
+                                    brings them whole (``sAR+``: with ``.grad``)
     Release(s)              [sR]    free the stage's parameters                   control
     Refresh()               [RF]    the copies uploads read made current (casts,  host
                                     snapshot); the buffers saved for a failure
@@ -136,8 +140,8 @@ simulator both follow them, nothing else orders actions):
 8. Data parallel: ``AllReduce(layers)`` and ``ReduceScatter(layers)`` wait for the
    downloads ``OptimizerStep(layers)`` would (rule 7), the ``OptimizerStep`` of the same
    layers for them, ``AllGather(layers)`` for that ``OptimizerStep``. A device's
-   ``DeviceReduceScatter(s)`` waits for what its ``DownloadGrads(s)`` would (rule 7), and
-   that download for it.
+   ``DeviceReduceScatter(s)`` (or ``DeviceAllReduce(s)``) waits for what its
+   ``DownloadGrads(s)`` would (rule 7), and that download for it.
 
 A two-part compute (``FusedBackward``: tail forward then backward;
 ``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only
@@ -153,8 +157,8 @@ from typing import Sequence
 from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exported
     HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
     BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
-    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
-    GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
+    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free,
+    FusedBackward, GraphForward, GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
     RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, StageKind, StageSpec, Upload,
     UploadGrad, parse_action, stream_of,
 )

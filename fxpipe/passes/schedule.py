@@ -20,7 +20,7 @@ from typing import Callable, Collection, Literal, Sequence
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
     HOST, LABEL, Accumulate, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers,
     CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dataflow, Dep,
-    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
+    DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
     OptimizerStep, Prefetch, Program, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
     Release, RunType, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, dataflow,
     parse_action, stream_of,
@@ -28,14 +28,17 @@ from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, 
 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
-DataParallelMode = Literal["allreduce", "shard", "device", "device_accumulated"]
+DataParallelMode = Literal["allreduce", "shard", "device", "device_accumulated",
+                           "device_allreduce", "device_allreduce_accumulated"]
 """Which collectives a data-parallel training call runs: gradient all-reduce on the host
-lane; (``shard_optimizer``) reduce-scatter and all-gather there; or (``"device"``) each
+lane; (``shard_optimizer``) reduce-scatter and all-gather there; (``"device"``) each
 stage's reduce-scatter on the devices (``DeviceReduceScatter``), the all-gather of the
-stepped shards on the host lane; ``"device_accumulated"`` as ``"device"``, each
-reduce-scatter adding the host's accumulated ``.grad`` first (``sRS+``: a call after
-calls that did not synchronize)."""
-ON_DEVICES = ("device", "device_accumulated")
+stepped shards on the host lane; or (``"device_allreduce"``, a call that does not step a
+sharded optimizer) each stage's all-reduce on the devices (``DeviceAllReduce``). The
+``_accumulated`` forms add the host's accumulated ``.grad`` first (``sRS+``, ``sAR+``:
+a call after calls that did not synchronize)."""
+SHARDED_ON_DEVICES = ("device", "device_accumulated")
+ON_DEVICES = (*SHARDED_ON_DEVICES, "device_allreduce", "device_allreduce_accumulated")
 
 
 @dataclass(frozen=True)
@@ -259,12 +262,18 @@ def host_lane(stages: Sequence[StageSpec],
 
         >>> [str(a) for a in host_lane(st, True, "device")]
         ['RF', 'S1:3', 'AG1:3', 'S0:1', 'AG0:1', 'C']
+
+    With ``"device_allreduce"`` (a call that does not step a sharded optimizer) each
+    download brings its stage's averaged gradients (a ``DeviceAllReduce`` before it)::
+
+        >>> [str(a) for a in host_lane(st, None, "device_allreduce")]
+        ['RF', 'M1:3', 'M0:1', 'C']
     """
     spec = optimizer_spec(optimizer)
     if data_parallel not in (None, "allreduce", "shard", *ON_DEVICES):
-        raise ValueError(f"data_parallel must be None, 'allreduce', 'shard', 'device' or "
-                         f"'device_accumulated', got {data_parallel!r}")
-    sharded = data_parallel in ("shard", *ON_DEVICES)
+        raise ValueError(f"data_parallel must be None, 'allreduce', 'shard' or one of "
+                         f"{ON_DEVICES}, got {data_parallel!r}")
+    sharded = data_parallel in ("shard", *SHARDED_ON_DEVICES)
     if sharded and (spec is None or not spec.streamed or spec.clip):
         raise ValueError(f"data_parallel={data_parallel!r} steps each rank's shard in the call: "
                          "it needs optimizer=True (the streamed exact step, without clipping)")
@@ -290,7 +299,7 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(AllReduce(layers))
         if streamed:
             host.append(OptimizerStep(layers))
-        elif data_parallel is None:
+        elif data_parallel is None or data_parallel in ON_DEVICES:   # (reduced there)
             host.append(Accumulate(layers))
     if sharded and backward:
         host.append(AllGather(backward[-1]))
@@ -316,8 +325,9 @@ class _Emitter:
                  data_parallel: DataParallelMode | None = None):
         self.G, self.M, self.stages, self.values = G, M, stages, values
         self.run_type, self.grain, self.host = run_type, grain, host
-        self.reduce_on_device = data_parallel in ON_DEVICES
-        self.accumulated = data_parallel == "device_accumulated"
+        self.reduce = None if data_parallel not in ON_DEVICES else \
+            DeviceReduceScatter if data_parallel in SHARDED_ON_DEVICES else DeviceAllReduce
+        self.accumulated = data_parallel is not None and data_parallel.endswith("_accumulated")
 
     def __call__(self, jobs: list[list[tuple[int, list[int]]]], partial: bool = False) -> Program:
         merged = []
@@ -377,8 +387,8 @@ class _Emitter:
                 elif j + 1 < len(merged):
                     acts += self._inputs((merged[j + 1][0], merged[j + 1][1][0]), flow)
             if kind != "fwd":
-                if self.reduce_on_device:
-                    acts.append(DeviceReduceScatter(s, self.accumulated))
+                if self.reduce is not None:
+                    acts.append(self.reduce(s, self.accumulated))
                 acts.append(DownloadGrads(s))
             acts.append(Release(s))
         return acts

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from fxpipe.passes.program import (
-    AllGather, AllReduce, Dep, DeviceReduceScatter, DownloadGrads, Prefetch, Program,
+    AllGather, AllReduce, Dep, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Prefetch,
+    Program,
     ReduceScatter, stream_of,
 )
 
@@ -74,7 +75,7 @@ class DeviceAllGather:
         return f"{self.stage}AG"
 
 
-DeviceCollective = (DeviceReduceScatter, DeviceAllGather)
+DeviceCollective = (DeviceReduceScatter, DeviceAllReduce, DeviceAllGather)
 
 
 def stream(a) -> str:

@@ -116,7 +116,8 @@ from fxpipe.passes.program import (
 )
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.collectives import (
-    DeviceAllGather, DeviceReduceScatter, host_program, sharded, stream, with_device_collectives,
+    DeviceAllGather, DeviceAllReduce, DeviceReduceScatter, host_program, sharded, stream,
+    with_device_collectives,
 )
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
@@ -130,7 +131,8 @@ microbatch in ``benchmarks/results/bench_issue.json`` (Llama-3.1-8B's block, fus
 the profiler's count of its generated kernels and the aten ops its wrapper calls)."""
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
 _COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather",
-               DeviceReduceScatter: "reduce_scatter", DeviceAllGather: "all_gather"}
+               DeviceReduceScatter: "reduce_scatter", DeviceAllReduce: "all_reduce",
+               DeviceAllGather: "all_gather"}
 _COLLECTIVES = (*_COLLECTIVE, BroadcastBuffers)
 MOVED = ("h2d_bytes_params", "h2d_bytes_activations", "h2d_bytes_grads", "d2h_bytes_activations",
          "d2h_bytes_grads", "network_bytes")
@@ -399,7 +401,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return "network_bytes", sum(costs[i].host_grads for i in layers)
             case AllGather(layers=layers):   # the stepped parameters, as the devices hold them
                 return "network_bytes", sum(costs[i].grads for i in layers)
-            case DeviceReduceScatter(stage=s):   # param_dtype gradients
+            case DeviceReduceScatter(stage=s) | DeviceAllReduce(stage=s):   # param_dtype grads
                 return "network_bytes", sc.device_grads[s]
             case DeviceAllGather(stage=s):
                 return "network_bytes", sc.params[s]
@@ -418,7 +420,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
             nbytes = transfer(a)[1]
             moved["network_bytes"] += hardware.collective_bytes(kind, nbytes)
             ms = hardware.collective_ms(kind, nbytes)
-            if isinstance(a, DeviceReduceScatter) and a.accumulated:   # sRS+: .grad first
+            if isinstance(a, (DeviceReduceScatter, DeviceAllReduce)) and a.accumulated:   # .grad
                 up = sum(costs[i].host_grads for i in program.stages[a.stage].layers)
                 moved["h2d_bytes_grads"] += up
                 ms += hardware.transfer_ms(up, "h2d", x)

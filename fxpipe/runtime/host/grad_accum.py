@@ -120,6 +120,13 @@ class GradAccumulator:
             self._sums[id(master)] = (master, value)
             self._replace.add(id(master))
 
+    def final(self, params: Sequence[torch.Tensor]) -> None:
+        """The sums to come of ``params`` are their final ``.grad`` (each includes the
+        ``.grad`` it had: ``data_parallel="device"``'s ``sAR+``), which ``commit`` writes in
+        place of the old one, as for :meth:`replace`."""
+        with self._lock:
+            self._replace.update(id(p) for p in params)
+
     def drop(self, params: Sequence[torch.Tensor]) -> None:
         """Forget ``params``' sums (consumed by a sharded optimizer step)."""
         with self._lock:

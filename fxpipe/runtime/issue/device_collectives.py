@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.passes.actions import DeviceReduceScatter
+from fxpipe.passes.actions import DeviceReduce, DeviceReduceScatter
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.host.buckets import Bucket, Shard, _chunk
@@ -164,11 +164,11 @@ class OnDevices:
 
     def plan_device_ops(self, program: Any, keep: Mapping[int, Sequence[bool]],
                         store: ParamStore) -> dict[int, list[Op]]:
-        """Per device, the collectives its kept ``DeviceReduceScatter`` actions post, in
-        order."""
-        return {d: [op for i, a in enumerate(acts) if keep[d][i]
-                    and isinstance(a, DeviceReduceScatter)
-                    for op in device_ops(self.device_buckets(store, a.stage))]
+        """Per device, the collectives its kept ``DeviceReduceScatter`` and
+        ``DeviceAllReduce`` actions post, in order."""
+        return {d: [op for i, a in enumerate(acts) if keep[d][i] and isinstance(a, DeviceReduce)
+                    for op in device_ops(self.device_buckets(store, a.stage),
+                                         scatter=isinstance(a, DeviceReduceScatter))]
                 for d, acts in enumerate(program.actions)}
 
     def device_buckets(self, store: ParamStore, stage: int) -> list:
@@ -181,17 +181,19 @@ class OnDevices:
                     store, stage, self.world, self.rank, self._names))
             return self._device_buckets[key][1]
 
-    def device_reduce_scatter(self, d: int, device: Device, store: ParamStore, stage: int,
-                              params: Mapping[str, torch.Tensor],
-                              owned: Collection[int] | bool = False, stats: Any = None
-                              ) -> list[tuple[Any, Any]]:
-        """``DeviceReduceScatter``, on device ``d``'s collective stream: the stage's
-        gradients there (``params``' ``.grad``) averaged over the ranks, this rank's
-        shard of each bucket kept on the device; ``[(bucket, shard)]``. ``owned``
-        (``sRS+``): ``id``s of the host parameters whose ``.grad`` (accumulated by calls
-        that did not synchronize) is uploaded and added to their device gradient first
-        (:func:`add_host_grads`; a tied parameter's by the stage that owns it only), counted
-        in ``stats`` as ``h2d_bytes_grads``."""
+    def device_reduce(self, d: int, device: Device, store: ParamStore, stage: int,
+                      params: Mapping[str, torch.Tensor], scatter: bool,
+                      owned: Collection[int] | bool = False, stats: Any = None
+                      ) -> list[tuple[Any, Any]]:
+        """On device ``d``'s collective stream, the stage's gradients there (``params``'
+        ``.grad``) averaged over the ranks: ``scatter`` (``DeviceReduceScatter``), this
+        rank's shard of each bucket kept on the device, ``[(bucket, shard)]``; else
+        (``DeviceAllReduce``) in place, each parameter's ``.grad`` the average (made where
+        it had none), ``[]``. ``owned`` (``sRS+``, ``sAR+``): ``id``s of the host
+        parameters whose ``.grad`` (accumulated by calls that did not synchronize) is
+        uploaded and added to their device gradient first (:func:`add_host_grads`; a
+        tied parameter's by the stage that owns it only), counted in ``stats`` as
+        ``h2d_bytes_grads``."""
         if not self._devices:
             raise RuntimeError(f"rank {self.rank}: a Program with device reduce-scatters "
                                "ran on a pipe compiled without data_parallel='device'")
@@ -206,16 +208,24 @@ class OnDevices:
             works.append(self._start(kind, tensor, out, channel))
 
         buckets = self.device_buckets(store, stage)   # none: nothing trainable here
-        what = f"reduce-scatter of stage {stage}'s gradients on {device.name}"
+        what = (f"{'reduce-scatter' if scatter else 'all-reduce'} of stage {stage}'s gradients "
+                f"on {device.name}")
         with device.allocating("gradients"):
             if owned:
                 uploaded = add_host_grads(device, buckets, grads, owned, params)
                 if stats is not None:
                     stats.add("h2d_bytes_grads", uploaded)
-            out = [(b, reduce_scatter_grads(post, b, fqns, grads, params[fqns[0]],
-                                            device.record_stream))
+            reduce = reduce_scatter_grads if scatter else all_reduce_grads
+            out = [(b, reduce(post, b, fqns, grads, params[fqns[0]], device.record_stream))
                    for b, fqns in buckets]
         self._wait(works, what)
+        if not scatter:   # the averages in place: packed ones copied back
+            with device.allocating("gradients"):
+                for _, unpack in out:
+                    unpack()
+            for f, g in grads.items():
+                params[f].grad = g
+            out = []
         if getattr(device, "strict", False):   # strict cuda-sim: as a GPU would corrupt it
             written = [tuple(t.shape) for t, v in versions if t._version != v]
             if written:
@@ -224,7 +234,7 @@ class OnDevices:
                     "first) were written while the collective read them (their version "
                     "changed between posting and completion): device work on another "
                     "stream wrote a gradient being reduced; order that work after the "
-                    "reduce-scatter's event")
+                    "collective's event")
         return out
 
 
@@ -311,8 +321,12 @@ def groups(bucket: Bucket) -> list[range]:
     return out
 
 
-def device_ops(buckets: Sequence[tuple[Bucket, list[str]]]) -> list[Op]:
-    """The collectives :func:`reduce_scatter_grads` posts for ``buckets``."""
+def device_ops(buckets: Sequence[tuple[Bucket, list[str]]], scatter: bool = True) -> list[Op]:
+    """The collectives :func:`reduce_scatter_grads` (``scatter``) or
+    :func:`all_reduce_grads` posts for ``buckets``."""
+    if not scatter:
+        return [("all_reduce", sum(b.sizes[i] for i in r), b.dtype)
+                for b, _ in buckets for r in groups(b)]
     return [("reduce_scatter", b.parts * sum(b.chunks[i] for i in r), b.dtype)
             for b, _ in buckets for r in groups(b)]
 
@@ -396,6 +410,42 @@ def reduce_scatter_grads(post: Callable[[str, torch.Tensor, torch.Tensor], None]
         o = bucket.offsets[i]
         post("reduce_scatter", flat, shard[o:o + flat.numel() // N])
     return shard
+
+
+def all_reduce_grads(post: Callable[[str, torch.Tensor, Any], None], bucket: Bucket,
+                     fqns: Sequence[str], grads: dict[str, torch.Tensor | None],
+                     like: torch.Tensor, read: Callable[[torch.Tensor], None] = lambda t: None
+                     ) -> Callable[[], None]:
+    """``bucket``'s gradients (``grads[fqn]``; None: zeros, put in ``grads``) averaged over
+    the ranks in place on the device: each divided by the number of ranks and all-reduced
+    by ``post``, one collective per :func:`groups` run (several packed side by side, as
+    :func:`reduce_scatter_grads` packs them). Returns what copies the packed averages
+    back into ``grads``, to call once the collectives completed. ``read``: as there."""
+    pending: list[tuple[torch.Tensor, range]] = []
+    for run in groups(bucket):
+        flats = []
+        for i in run:
+            g = grads.get(fqns[i])
+            if g is None:
+                g = grads[fqns[i]] = torch.zeros(bucket.params[i].shape, dtype=bucket.dtype,
+                                                 device=like.device)
+            read(g)
+            flats.append(g)
+        flat = flats[0] if len(run) == 1 else torch.cat([g.detach().reshape(-1) for g in flats])
+        flat.div_(bucket.parts)
+        post("all_reduce", flat, None)
+        if len(run) > 1:
+            pending.append((flat, run))
+
+    def unpack() -> None:
+        with torch.no_grad():
+            for flat, run in pending:
+                at = 0
+                for i in run:
+                    g = grads[fqns[i]]
+                    g.copy_(flat[at:at + g.numel()].view_as(g))
+                    at += g.numel()
+    return unpack
 
 
 @dataclass

@@ -136,23 +136,23 @@ class DataParallel(ShardedMasters, OnDevices):
         """``(data_parallel, broadcast_buffers)`` of a call's Program (what ``pipe.program()``
         prints and the call runs): a training call that synchronizes gradients all-reduces
         them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
-        (``mode="exact"``: the streamed step; None: no step): on the devices with
-        ``data_parallel="device"`` (``"device"``; ``"device_accumulated"`` where a
-        parameter has ``accumulated`` a ``.grad``, from calls that did not synchronize:
-        each device reduce-scatter uploads and adds it first), else on the host
-        (``"shard"``); and it first broadcasts the buffers from
-        rank 0 (when the model ``has_buffers`` and ``broadcast_buffers=True``). Anything
-        else: ``(None, False)``."""
+        (``mode="exact"``: the streamed step; None: no step) (``"shard"``); with
+        ``data_parallel="device"`` either on the devices (``"device_allreduce"``,
+        ``"device"``), each device first uploading and adding the ``.grad`` a parameter
+        has ``accumulated`` from calls that did not synchronize (``"_accumulated"``); and
+        it first broadcasts the buffers from rank 0 (when the model ``has_buffers`` and
+        ``broadcast_buffers=True``). Anything else: ``(None, False)``."""
         if run_type == "infer" or not sync:
             return None, False
         if self.shard and mode not in (None, "exact"):
             raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
                                       f"step only, not optimizer={mode!r}")
-        if self.shard and mode == "exact":
-            mode = ("device_accumulated" if accumulated else "device") if self.on_devices \
-                else "shard"
+        sharded = self.shard and mode == "exact"
+        if self.on_devices:
+            mode = ("device" if sharded else "device_allreduce") + (
+                "_accumulated" if accumulated else "")
         else:
-            mode = "allreduce"
+            mode = "shard" if sharded else "allreduce"
         return mode, self.broadcast and has_buffers
 
     # -- compile time ----------------------------------------------------------------------

@@ -32,12 +32,11 @@ name)``, so two actions never write the same slot.
 Parameter gradients accumulate on the device over a stage job, go to the host once per
 job (``DownloadGrads``), are added to the call's sums by the stage's ``Accumulate`` and
 reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). With
-``data_parallel="device"`` a ``DeviceReduceScatter`` first reduces them across ranks on
-the device; the download brings this rank's shard, whose pieces the stage's sharded
-``OptimizerStep`` steps (they never reach ``.grad``). Any failure is raised as
-``StageError`` naming stage, layers, device and microbatch, after every submitted
-action has finished and device memory is freed.
-``Execution.stats`` counts what the call did (``pipe.stats()``).
+``data_parallel="device"`` a ``DeviceAllReduce`` first averages them across ranks on the
+device, or a ``DeviceReduceScatter`` leaves this rank's shard to download, whose pieces
+the sharded ``OptimizerStep`` steps. Any failure is raised as ``StageError`` naming
+stage, layers, device and microbatch, after every submitted action has finished and
+device memory is freed. ``Execution.stats`` counts what the call did (``pipe.stats()``).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
-    ClipGradNorm, Collective, Commit, DeviceReduceScatter, DownloadGrads, Forward, Free,
+    ClipGradNorm, Collective, Commit, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, Free,
     FusedBackward, GraphForward, GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
     ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad,
 )
@@ -100,9 +99,8 @@ class Execution:
         # the collective worker, OptimizerStep and AllGather read them on the host thread)
         self.shards: dict[tuple[int, int], list] = {}
         self.shards_lock = threading.Lock()
-        # data_parallel="device": the stages' gradients are reduce-scattered on the devices;
-        # their downloaded pieces, id(parameter) -> this rank's piece summed (the host
-        # lane's thread only)
+        # gradients reduce-scattered on the devices: their downloaded pieces,
+        # id(parameter) -> this rank's piece summed (the host lane's thread only)
         self.reduce_on_devices = call.dp is not None and call.dp.on_devices and any(
             isinstance(a, DeviceReduceScatter) for acts in self.program.actions for a in acts)
         self.pieces: dict[int, torch.Tensor] = {}
@@ -133,8 +131,7 @@ class Execution:
             self.call.dp.begin(self.call.dp.plan_ops(
                 [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
                 self.call.exe, self.call.layers, self.call.store),
-                self.call.dp.plan_device_ops(p, keep, self.call.store)
-                if self.reduce_on_devices else {}, self.stats)
+                self.call.dp.plan_device_ops(p, keep, self.call.store), self.stats)
         # the Commit and what follows it in the host lane run once the call has ended
         at = plan.commit_at
         slots = issue_slots(plan)
@@ -323,8 +320,8 @@ class Execution:
                 self.compute.layer_backward(lane, s, m, layer)
             case Prefetch(stage=s):
                 self._prefetch(lane, s)
-            case DeviceReduceScatter(stage=s, accumulated=accumulated):
-                self._reduce_scatter_on_device(lane, s, accumulated)
+            case DeviceReduceScatter() | DeviceAllReduce():
+                self._reduce_on_device(lane, a)
             case DownloadGrads(stage=s):
                 self._download_grads(lane, s)
             case Release(stage=s):
@@ -333,9 +330,8 @@ class Execution:
                 self._release(lane, params)
             case Refresh():
                 self._refresh()
-            case Accumulate(layers=layers):
-                self._take_downloads([self.program.backward_stage_of[(layers.start,
-                                                                      layers.stop)]])
+            case Accumulate(layers=r):
+                self._take_downloads([self.program.backward_stage_of[(r.start, r.stop)]])
             case AsyncUpdate():
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
@@ -482,25 +478,28 @@ class Execution:
                 for leaf in pytree.tree_leaves(t):
                     _free_quietly(dev, leaf)
 
-    def _reduce_scatter_on_device(self, d: int, s: int, accumulated: bool) -> None:
-        """``DeviceReduceScatter`` (``DataParallel.device_reduce_scatter``; ``accumulated``:
-        with the host's ``.grad`` of what the stage owns); the device gradients dropped."""
-        call, on = self.call, self.on[d]
+    def _reduce_on_device(self, d: int, a) -> None:
+        """``DeviceReduceScatter``, ``DeviceAllReduce`` (``DataParallel.device_reduce``;
+        ``accumulated``: with the host's ``.grad`` of what the stage owns)."""
+        call, on, s = self.call, self.on[d], a.stage
         with on.lock:
             params = on.params[s]
-        owned = accumulated and {id(call.layers.params[f]) for f in self.program.stages[s].owns}
-        shards = call.dp.device_reduce_scatter(d, call.devices[d], call.store, s, params, owned,
-                                               self.stats)
+        owned = [call.layers.params[f] for f in self.program.stages[s].owns if a.accumulated]
+        scatter = isinstance(a, DeviceReduceScatter)
+        shards = call.dp.device_reduce(d, call.devices[d], call.store, s, params, scatter,
+                                       {id(p) for p in owned}, self.stats)
+        if not scatter:   # the averages are the .grad its download reads
+            call.accumulator.final(owned)
+            return
         for t in params.values():
             t.grad = None
         with on.lock:
             on.reduced[s] = shards
 
     def _download_grads(self, d: int, s: int) -> None:
-        """The stage's accumulated parameter gradients to the host (after a
-        ``DeviceReduceScatter``: this rank's shards of them), then their device buffers
-        dropped. The copies land when the stream gets to them: host actions read them
-        (``_take_downloads``) once this action's event has ended."""
+        """The stage's parameter gradients (after a ``DeviceReduceScatter``: this rank's
+        shards) to the host, their device buffers dropped; host actions read them
+        (``_take_downloads``) once this action's event has ended (the copies landed)."""
         dev = self.call.devices[d]
         with self.on[d].lock:
             params = self.on[d].params[s]

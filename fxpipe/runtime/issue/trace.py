@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxpipe.passes.program import (
-    Checkpoint, DeviceReduceScatter, DownloadGrads, Forward, FusedBackward, GraphForward,
+    Checkpoint, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, FusedBackward, GraphForward,
     GraphRecomputeBackward, Offload, Prefetch, RecomputeBackward, Upload, UploadGrad,
     parse_action,
 )
@@ -85,7 +85,7 @@ _KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward",
          FusedBackward: "backward",
          RecomputeBackward: "backward", GraphRecomputeBackward: "backward",
          Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
-         DownloadGrads: "transfer", DeviceReduceScatter: "transfer"}
+         DownloadGrads: "transfer", DeviceReduceScatter: "transfer", DeviceAllReduce: "transfer"}
 
 
 def timeline_of(records: Sequence[Sequence[tuple[str, str, float, float]]],
