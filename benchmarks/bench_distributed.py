@@ -39,7 +39,9 @@
     host's flat gradient buffer (allocated at a call's first full download); the same
     with a step of two calls (``accumulate 2``: the first under ``no_sync()``, the
     stepping call's figures: with ``"device"`` its ``sRS+`` uploads the accumulated
-    ``.grad``, ``h2d_bytes_grads``, and reduces it on the devices);
+    ``.grad``, ``h2d_bytes_grads``, and reduces it on the devices); and a call without
+    the optimizer followed by ``opt.step()`` (``opt.step()``: host-gloo all-reduces on the
+    host, ``"device"`` on the devices, ``sAR``);
     and the step's wall time, min and median over interleaved repeats after a warm-up
     (informational: the ranks share this machine's cores; what carries over to GPUs is
     the bytes).
@@ -99,12 +101,15 @@ NCCL_NODES = (1, 2, 4)
 NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
     "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
     "device-NCCL": ("device", "host"), "zero3": ("shard", "zero3")}
-DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no_sync) (part "devices")
-    "host-gloo": ({"data_parallel": True}, 1),
-    "host-gloo sharded": ({"data_parallel": True, "shard_optimizer": True}, 1),
-    "device": ({"data_parallel": "device"}, 1),
-    "host-gloo sharded, accumulate 2": ({"data_parallel": True, "shard_optimizer": True}, 2),
-    "device, accumulate 2": ({"data_parallel": "device"}, 2)}
+DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no_sync,
+    # whether the last call steps the optimizer streamed, else opt.step() after it) (part "devices")
+    "host-gloo": ({"data_parallel": True}, 1, True),
+    "host-gloo sharded": ({"data_parallel": True, "shard_optimizer": True}, 1, True),
+    "device": ({"data_parallel": "device"}, 1, True),
+    "host-gloo sharded, accumulate 2": ({"data_parallel": True, "shard_optimizer": True}, 2, True),
+    "device, accumulate 2": ({"data_parallel": "device"}, 2, True),
+    "host-gloo, opt.step()": ({"data_parallel": True}, 1, False),
+    "device, opt.step()": ({"data_parallel": "device"}, 1, False)}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
     "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
@@ -186,28 +191,31 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
         report = {}
         for bf16 in (False, True):
             pipes = {}
-            for name, (kw, calls) in DEVICE_MODES.items():
+            for name, (kw, calls, streamed) in DEVICE_MODES.items():
                 m = model()
                 # a step of k calls: each on 1/k of the rows, its loss 1/k of the mean
                 xs, ys = x.chunk(calls), y.chunk(calls)
                 pipes[name] = (m, fxpipe.compile(
                     m, (xs[0],), devices=["cpu", "cpu"],
                     param_dtype=torch.bfloat16 if bf16 else None, **kw),
-                    torch.optim.AdamW(m.parameters(), lr=1e-3), xs, ys)
+                    torch.optim.AdamW(m.parameters(), lr=1e-3), xs, ys, streamed)
             times: dict[str, list[float]] = {name: [] for name in pipes}
             for step in range(args.warmup + args.steps):
-                for name, (m, pipe, opt, xs, ys) in pipes.items():   # interleaved
+                for name, (m, pipe, opt, xs, ys, streamed) in pipes.items():   # interleaved
                     loss = lambda out, y, k=len(xs): nn.functional.cross_entropy(out, y) / k  # noqa: E731
                     dist.barrier()
                     t = time.perf_counter()
                     for xk, yk in zip(xs[:-1], ys[:-1]):
                         with pipe.no_sync():
                             pipe.forward_backward((xk,), label=yk, loss_fn=loss)
-                    pipe.forward_backward((xs[-1],), label=ys[-1], loss_fn=loss, optimizer=opt)
+                    pipe.forward_backward((xs[-1],), label=ys[-1], loss_fn=loss,
+                                          optimizer=opt if streamed else None)
+                    if not streamed:
+                        opt.step()
                     opt.zero_grad(set_to_none=True)
                     if step >= args.warmup:
                         times[name].append(time.perf_counter() - t)
-            for name, (m, pipe, opt, _, _) in pipes.items():
+            for name, (m, pipe, opt, *_) in pipes.items():
                 t = torch.tensor(times[name])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends with the slowest rank
                 stats = pipe.stats()   # the stepping call's

@@ -476,7 +476,8 @@ def _dist_devices(d: dict) -> list[str]:
             f"after {v['warmup']} warm-up, modes interleaved. \"accumulate 2\": a step of two "
             "calls, the first under `no_sync()`; the bytes and collectives are the stepping "
             "call's (with `\"device\"` its `sRS+` uploads the accumulated `.grad`, then reduces "
-            "it on the devices).", ""] + table(
+            "it on the devices). \"opt.step()\": a call without the optimizer, then "
+            "`opt.step()` (with `\"device\"` the devices all-reduce: `sAR`).", ""] + table(
         ["ranks", "mode", "gradient bytes down", "/ host-gloo's", "gradient bytes up",
          "parameter bytes up", "collectives / step", "bytes into host (gloo) collectives",
          "host gradient buffer bytes",
