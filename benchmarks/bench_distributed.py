@@ -192,6 +192,8 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
         for bf16 in (False, True):
             pipes = {}
             for name, (kw, calls, streamed) in DEVICE_MODES.items():
+                if bf16 and not streamed:   # sharded bf16 masters: only the streamed step
+                    continue                # steps them (the parameters are bf16 copies)
                 m = model()
                 # a step of k calls: each on 1/k of the rows, its loss 1/k of the mean
                 xs, ys = x.chunk(calls), y.chunk(calls)
