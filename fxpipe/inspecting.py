@@ -195,7 +195,8 @@ class Inspecting:
         bytes moved: ``h2d_bytes_params``,
         ``h2d_bytes_activations`` (inputs, boundary values and their gradients),
         ``h2d_bytes_grads`` (``data_parallel="device"``: the accumulated ``.grad`` an
-        ``sRS+`` adds on the devices), ``d2h_bytes_activations``, ``d2h_bytes_grads``, ``d2h_bytes_cache`` (a
+        ``sRS+`` or ``sAR+`` adds on the devices), ``d2h_bytes_activations``,
+        ``d2h_bytes_grads``, ``d2h_bytes_cache`` (a
         generation's KV cache written back: ``pipe.generate``'s step calls);
         ``generated_runs`` (stage runs,
         each as its generated code: ``pipe.code(..., runnable=True)``); ``host_stalls``,

@@ -364,7 +364,7 @@ def _same_class(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.o
 
 
 def host_grad_piece(lg: LayerGraph, layers: Iterable[int]) -> int:
-    """Device bytes an ``sRS+`` of a stage over ``layers`` holds beside its gradients:
+    """Device bytes an ``sRS+`` (``sAR+``) of a stage over ``layers`` holds beside its gradients:
     one piece of a host ``.grad`` being added (``device_collectives.add_host_grads``: at
     most ``UPLOAD_CHUNK`` bytes, in the host gradient's dtype)."""
     return max((min(UPLOAD_CHUNK, t.numel() * t.element_size()) for i in layers

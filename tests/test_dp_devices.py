@@ -322,11 +322,12 @@ def test_small_gradients_are_reduced_together_large_ones_alone(world):
     one collective (one launch and one round of latency on NCCL instead of one per
     parameter); a gradient of ``SMALL`` bytes or more is reduced alone, in place. Every
     rank's shard is its piece of each average, at the place the download and the sharded
-    step read it (``Bucket.pieces``), whichever way it was reduced. The collective is
-    emulated for ranks holding the same gradients (its sum: N times the divided input)."""
+    step read it (``Bucket.pieces``), whichever way it was reduced; all-reduced in the same
+    runs, each gradient is the average. The collective is emulated for ranks holding the
+    same gradients (its sum: N times the divided input)."""
     from fxpipe.runtime.host.param_store import ParamStore
     from fxpipe.runtime.issue.device_collectives import (
-        SMALL, device_buckets, device_ops, groups, reduce_scatter_grads,
+        SMALL, all_reduce_grads, device_buckets, device_ops, groups, reduce_scatter_grads,
     )
     model = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024), nn.Linear(1024, 1025),
                           nn.Linear(5, 3))
@@ -357,6 +358,23 @@ def test_small_gradients_are_reduced_together_large_ones_alone(world):
     shard = reduce_scatter_grads(lambda k, t, o: o.copy_(t.view(world, -1)[0] * world),
                                  bucket, fqns, {}, grads[fqns[0]])
     assert not shard.any()   # no gradients: zeros
+    # all-reduced (sAR), in the same runs: each gradient the average, in place or copied
+    # back from its packed run; a missing one made (zeros here)
+    posted = []
+
+    def post_all(kind, tensor, out):
+        posted.append((kind, tensor.numel(), tensor.dtype))
+        tensor.mul_(world)   # every rank's the same: the sum of the divided inputs
+
+    mine = {f: g.clone() for f, g in grads.items() if f != "3.bias"}
+    in_place = mine["0.weight"]
+    unpack = all_reduce_grads(post_all, bucket, fqns, mine, grads[fqns[0]])
+    unpack()
+    assert posted == device_ops([(bucket, fqns)], scatter=False)
+    assert mine["0.weight"] is in_place and not mine["3.bias"].any()
+    for f, g in grads.items():
+        if f != "3.bias":
+            torch.testing.assert_close(mine[f], g, rtol=0, atol=1e-6)
 
 
 def test_predict_memory_counts_the_reduce_scatter_on_the_devices(one_rank):

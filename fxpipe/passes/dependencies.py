@@ -9,8 +9,9 @@ from __future__ import annotations
 import heapq
 from fxpipe.passes.actions import (
     HOST, Accumulate, Action, AllGather, AllReduce, BroadcastBuffers, Checkpoint, Commit, Compute, Dep,
-    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, Key, Offload, OptimizerStep, Prefetch,
-    RecomputeBackward, ReduceScatter, Refresh, Release, Upload, UploadGrad, stream_of,
+    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward,
+    Key, Offload, OptimizerStep, Prefetch, RecomputeBackward, ReduceScatter, Refresh, Release,
+    Upload, UploadGrad, stream_of,
 )
 
 

@@ -21,7 +21,11 @@ gradients; each collective costs a launch and a round of latency whatever its si
 (NCCL's), and a LoRA stage has dozens of small gradients. The download then moves
 that shard, 1/N of the gradients; the host adds each parameter's piece to the call's
 sums (:meth:`Pieces.add_to`), and the stage's ``OptimizerStep`` steps them as the sharded
-optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`).
+optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`). A call
+that steps no sharded optimizer averages them in place instead (``DeviceAllReduce``,
+:func:`all_reduce_grads`, packed the same way) and downloads them whole. After calls that
+did not synchronize (``no_sync()``) either first adds the host's accumulated ``.grad``,
+uploaded a piece at a time (``sRS+``, ``sAR+``: :func:`add_host_grads`).
 
 >>> import torch.nn as nn
 >>> from fxpipe.runtime.host.params import HostParams
@@ -183,7 +187,7 @@ class OnDevices:
 
     def device_reduce(self, d: int, device: Device, store: ParamStore, stage: int,
                       params: Mapping[str, torch.Tensor], scatter: bool,
-                      owned: Collection[int] | bool = False, stats: Any = None
+                      owned: Collection[int] = (), stats: Any = None
                       ) -> list[tuple[Any, Any]]:
         """On device ``d``'s collective stream, the stage's gradients there (``params``'
         ``.grad``) averaged over the ranks: ``scatter`` (``DeviceReduceScatter``), this
@@ -195,8 +199,8 @@ class OnDevices:
         tied parameter's by the stage that owns it only), counted in ``stats`` as
         ``h2d_bytes_grads``."""
         if not self._devices:
-            raise RuntimeError(f"rank {self.rank}: a Program with device reduce-scatters "
-                               "ran on a pipe compiled without data_parallel='device'")
+            raise RuntimeError(f"rank {self.rank}: a Program with device collectives ran on "
+                               "a pipe compiled without data_parallel='device'")
         channel = self._devices[d]
         grads = {f: t.grad for f, t in params.items() if t.requires_grad}
         works: list[Any] = []
@@ -219,13 +223,6 @@ class OnDevices:
             out = [(b, reduce(post, b, fqns, grads, params[fqns[0]], device.record_stream))
                    for b, fqns in buckets]
         self._wait(works, what)
-        if not scatter:   # the averages in place: packed ones copied back
-            with device.allocating("gradients"):
-                for _, unpack in out:
-                    unpack()
-            for f, g in grads.items():
-                params[f].grad = g
-            out = []
         if getattr(device, "strict", False):   # strict cuda-sim: as a GPU would corrupt it
             written = [tuple(t.shape) for t, v in versions if t._version != v]
             if written:
@@ -235,21 +232,28 @@ class OnDevices:
                     "changed between posting and completion): device work on another "
                     "stream wrote a gradient being reduced; order that work after the "
                     "collective's event")
+        if not scatter:   # the averages in place: packed ones copied back
+            with device.allocating("gradients"):
+                for _, unpack in out:
+                    unpack()
+            for f, g in grads.items():
+                params[f].grad = g
+            return []
         return out
 
 
 UPLOAD_CHUNK = 4 << 20
 """Bytes of a host gradient :func:`add_host_grads` uploads at a time (the device
-workspace an ``sRS+`` adds: ``reduce_scatter_workspace(accumulated=True)``)."""
+workspace an ``sRS+`` or ``sAR+`` adds: ``memory_prediction.host_grad_piece``)."""
 
 
 def add_host_grads(device: Device, buckets: Sequence[tuple[Bucket, list[str]]],
                    grads: dict[str, torch.Tensor | None], owned: Collection[int],
                    params: Mapping[str, torch.Tensor]) -> int:
-    """``sRS+``: add the host ``.grad`` of each bucket parameter in ``owned`` (what calls
-    that did not synchronize accumulated on this rank) to its device gradient in
+    """``sRS+``, ``sAR+``: add the host ``.grad`` of each bucket parameter in ``owned`` (what
+    calls that did not synchronize accumulated on this rank) to its device gradient in
     ``grads`` (by name in the stage; made, as zeros, where this call gave none), before
-    the reduce-scatter reads them. Uploaded ``UPLOAD_CHUNK`` bytes at a time on the
+    the collective reads them. Uploaded ``UPLOAD_CHUNK`` bytes at a time on the
     current stream (the collective one), each piece added in the device gradient's dtype
     (a bf16 gradient rounds the fp32 sum once) and freed at once: the device holds one
     piece beside the gradients. Returns the bytes uploaded."""
