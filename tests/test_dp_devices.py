@@ -197,6 +197,46 @@ def check_all_reduced_on_the_devices(rank: int, world: int) -> None:
         d.close()
 
 
+def check_all_reduce_failure(rank: int, world: int) -> None:
+    """Rank 1 fails in its shallowest stage's device all-reduce (``sAR``, a call that does
+    not step), after the deeper stages' were posted: every rank raises within the timeout
+    (rank 0 a DistributedError naming rank 1: the failing rank completed the collectives
+    it owed with zeros), and no ``.grad`` changed."""
+    import time
+    from fxpipe.runtime.issue.distributed import DataParallel
+    model = make_model()
+    pipe = compile_dev(model, rank)
+    X, Y = data(world, 0)
+    x, y = mine(X, rank), mine(Y, rank)
+    pipe.forward_backward((x,), label=y, loss_fn=ce)   # .grad exists: the next is sAR+
+    before = [p.grad.clone() for p in model.parameters()]
+    shallowest = len(pipe.program().stages) - 1
+    original = DataParallel.device_reduce
+
+    def failing(self, d, device, store, stage, *args, **kwargs):
+        if stage == shallowest:
+            raise RuntimeError("injected failure")
+        return original(self, d, device, store, stage, *args, **kwargs)
+
+    if rank == 1:
+        DataParallel.device_reduce = failing
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            pipe.forward_backward((x,), label=y, loss_fn=ce)
+    finally:
+        DataParallel.device_reduce = original
+    assert time.monotonic() - start < TIMEOUT / 2, repr(info.value)
+    if rank == 1:
+        assert "injected failure" in str(info.value)
+    else:
+        assert isinstance(info.value, fxpipe.DistributedError) and info.value.rank == 1, \
+            repr(info.value)
+    for g0, p in zip(before, model.parameters()):
+        assert torch.equal(g0, p.grad), "half-written .grad"
+    pipe.close()
+
+
 def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; a collective's stream runs it when
     it gets there): 2 AdamW steps equal eager; the reduce-scatters ran on the devices'
@@ -232,7 +272,8 @@ def check_failure(rank: int, world: int) -> None:
 
 CHECKS = {
     2: [check_steps, check_tied, check_accumulated_on_the_devices,
-        check_all_reduced_on_the_devices, check_cuda_sim, check_hf_bf16, check_failure],
+        check_all_reduced_on_the_devices, check_cuda_sim, check_hf_bf16,
+        check_all_reduce_failure, check_failure],
     4: [check_steps, check_accumulated_on_the_devices, check_all_reduced_on_the_devices,
         check_cuda_sim, check_failure],
 }
