@@ -1494,6 +1494,18 @@ def headline() -> list[str]:
                                 for w in ("2", "4") for t in ("fp32", "bf16")),
                      "measured (bytes counted)", "lower is better (1/N)",
                      "data-parallel-on-the-devices-measured"])
+        two = v.get("2", {})
+        acc, own = two.get("fp32 device, accumulate 2"), two.get("fp32 device, opt.step()")
+        if acc and own and "host_collective_bytes" in acc:
+            host_acc = two["fp32 host-gloo sharded, accumulate 2"]["host_collective_bytes"]
+            host_own = two["fp32 host-gloo, opt.step()"]["host_collective_bytes"]
+            rows.append(["`data_parallel=\"device\"`: bytes into gloo per step / host-gloo's, 2 "
+                         "ranks fp32: after a `no_sync()` call (`sRS+`), a call then "
+                         "`opt.step()` (`sAR`)",
+                         f"{acc['host_collective_bytes'] / host_acc:.2f} / "
+                         f"{own['host_collective_bytes'] / host_own:.2f}",
+                         "measured (bytes counted)", "lower is better (no gradient on gloo)",
+                         "data-parallel-on-the-devices-measured"])
     peft = load("bench_peft.json")
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
