@@ -98,9 +98,6 @@ def main(args: argparse.Namespace) -> int:
         program = pipe.program("fused", optimizer=True)
         host = " ".join(str(a) for a in program.host)
         print(f"{world} ranks; host lane of a training step: {host}", flush=True)
-        if args.data_parallel == "device":
-            lane = " ".join(str(a) for a in program.actions[0])
-            print(f"device 0's lane (its reduce-scatters: sRS): {lane}", flush=True)
     ce = nn.functional.cross_entropy
     losses = []
     for step in range(start, start + args.steps):
@@ -116,6 +113,11 @@ def main(args: argparse.Namespace) -> int:
             with pipe.no_sync():                 # local accumulation: no all-reduce
                 for xs, ys in parts[:-1]:
                     total += pipe.forward_backward((xs,), label=ys, loss_fn=loss_fn)
+            if rank == 0 and step == start and args.data_parallel == "device":
+                # what the stepping call runs: its reduce-scatters (sRS; sRS+ after
+                # no_sync microsteps: each device adds the accumulated .grad first)
+                lane = pipe.program("fused", optimizer=True).actions[0]
+                print(f"device 0's lane: {' '.join(map(str, lane))}", flush=True)
             xs, ys = parts[-1]                   # the last microstep averages .grad
             total += pipe.forward_backward((xs,), label=ys, loss_fn=loss_fn, optimizer=step_opt)
         except Exception as e:
