@@ -56,8 +56,7 @@ from typing import Literal, Sequence
 
 from fxpipe.passes.program import (
     AllGather, AllReduce, Dep, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Prefetch,
-    Program,
-    ReduceScatter, stream_of,
+    Program, ReduceScatter, stream_of,
 )
 
 Mode = Literal["host", "device", "zero3"]
