@@ -332,15 +332,25 @@ def _library(t: torch.Tensor) -> str | None:
     return root if root in ("bitsandbytes", "torchao") else None
 
 
-def _bnb_nf4_blob(w: Tensor) -> Tensor:
+def _bnb_nf4_blob(w: Tensor) -> tuple[Tensor, torch.dtype]:
     """The blob of a bitsandbytes ``Params4bit`` (NF4, blocks of 64): its codes as they are
-    (the same layout) and its absmax, dequantized from 8 bits where it was nested."""
-    qs = w.quant_state
-    absmax = qs.absmax
-    if qs.nested:
-        import bitsandbytes.functional as bnbf
-        absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
-    return torch.cat([w.data.reshape(-1), absmax.float().reshape(-1).view(torch.uint8)])
+    (the same layout) and its absmax, dequantized from 8 bits where it was nested; and
+    the dtype it dequantizes to. A weight bitsandbytes repacked for its AVX512-BF16 CPU
+    kernel (its first eval forward without grad on such a CPU: codes interleaved, absmax
+    rounded to bf16, transposed) is read back in bitsandbytes' own layout first, its
+    absmax as bitsandbytes now holds it."""
+    import bitsandbytes.functional as bnbf
+    qs, codes = w.quant_state, w.data
+    if getattr(qs, "packing_format_for_cpu", False):
+        absmax = qs.absmax.T.reshape(-1)
+        codes, _ = bnbf._convert_weight_packed_for_cpu_inverse(codes, copy.copy(qs))
+        dtype = qs.original_dtype
+    else:
+        absmax, dtype = qs.absmax, qs.dtype
+        if qs.nested:
+            absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+    return torch.cat([codes.reshape(-1).view(torch.uint8),
+                      absmax.float().reshape(-1).view(torch.uint8)]), dtype
 
 
 def adopt_quantized(model: nn.Module) -> list[str]:
@@ -360,7 +370,8 @@ def adopt_quantized(model: nn.Module) -> list[str]:
             if (type(p).__name__ == "Params4bit" and pname == "weight" and qs is not None
                     and qs.quant_type == "nf4" and qs.blocksize == BLOCK
                     and isinstance(module, nn.Linear)):
-                _install(module, "nf4", _bnb_nf4_blob(p), qs.shape, qs.dtype, nn.Linear)
+                blob, dtype = _bnb_nf4_blob(p)
+                _install(module, "nf4", blob, qs.shape, dtype, nn.Linear)
                 done.append(name)
                 continue
             what = f"{type(p).__name__}" + (f" ({qs.quant_type}, blocks of {qs.blocksize})"

@@ -270,8 +270,10 @@ def test_a_bitsandbytes_nf4_model_is_adopted_byte_for_byte(tmp_path):
     model = lora(bnb_model)
     w = model.base_model.model.model.layers[0].mlp.up_proj.weight
     codes = w.data.clone()
-    with torch.no_grad():
-        bnb_loss = model(**batch()).loss   # bitsandbytes' own forward
+    with torch.no_grad():   # bitsandbytes' own forward, in train mode (no dropout): in eval
+        # mode, on a CPU with AVX512-BF16, it would repack the weights for its bf16 kernel
+        bnb_loss = model.train()(**batch()).loss
+    model.eval()
     pipe = compiled(model)
     up = model.base_model.model.model.layers[0].mlp.up_proj
     assert type(up).__module__ == "torch.nn.modules.linear" and "weight=nf4" in repr(up)
@@ -281,6 +283,40 @@ def test_a_bitsandbytes_nf4_model_is_adopted_byte_for_byte(tmp_path):
     expected = ref(**batch()).loss
     expected.backward()
     torch.testing.assert_close(expected.detach(), bnb_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+    assert_adapters_equal(model, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bitsandbytes_model_repacked_for_its_cpu_kernel_is_adopted(tmp_path):
+    """bitsandbytes repacks an NF4 weight for its AVX512-BF16 CPU kernel on the first eval
+    forward without grad, on CPUs that have it (codes interleaved, absmax rounded to bf16
+    and transposed, its dtype bf16): done here by hand, so that the check does not depend
+    on this machine's CPU. fxpipe reads the codes back in bitsandbytes' own layout, the
+    absmax as bitsandbytes now holds it, and dequantizes to the dtype it recorded before."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    base("llama").save_pretrained(tmp_path)
+    model = lora(T.AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map="cpu", quantization_config=T.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)))
+    up = model.base_model.model.model.layers[0].mlp.up_proj
+    qs = up.weight.quant_state
+    codes = up.weight.data.clone()
+    absmax = (bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float()
+    for m in model.modules():
+        if type(m).__name__ == "Linear4bit" and m.__module__.startswith("bitsandbytes"):
+            m.weight.data, m.weight.quant_state = bnbf._convert_weight_packed_for_cpu(
+                m.weight.data, m.weight.quant_state)
+    assert up.weight.quant_state.dtype == torch.bfloat16 and not torch.equal(
+        up.weight.data.reshape(-1), codes.reshape(-1))
+    pipe = compiled(model)
+    blob = up.weight_nf4
+    assert torch.equal(blob[:codes.numel()], codes.view(-1))   # bitsandbytes' layout again
+    assert torch.equal(blob[codes.numel():].view(torch.float32), absmax.bfloat16().float())
+    assert quant.quantized_weight(up).dtype == torch.float32
+    ref = quant.dequantized_copy(model)
+    loss = pipe.forward_backward((), batch(), loss_fn=own_loss)
+    expected = ref(**batch()).loss
+    expected.backward()
     torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
     assert_adapters_equal(model, ref, atol=1e-5, rtol=1e-5)
 
