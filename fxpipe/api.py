@@ -44,13 +44,13 @@ from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.issue.autograd import train_call
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
-from fxpipe.runtime.issue.distributed import DataParallel, check_data_parallel
+from fxpipe.runtime.issue.device_collectives import check_data_parallel
+from fxpipe.runtime.issue.distributed import DataParallel
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.stages.graphs import StageGraphs
 from fxpipe.runtime.issue.inputs import check_labels_like_ids
 from fxpipe.runtime.issue.microbatch import batch_rows, check_rows, split_input, split_label
 from fxpipe.runtime.host.params import HostParams
-from fxpipe.runtime.devices.pinned import Staging
 from fxpipe.runtime.issue.pipeline import Runner, TrainCall
 from fxpipe.runtime.devices.resolve import resolve_devices
 from fxpipe.runtime.issue.trace import ActionLog
@@ -265,7 +265,7 @@ class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn
         self.devices = devices
         self._pin, self._pin_emulated = _pinning(pin_memory, devices)
         # the page-locked staging of what calls upload from the caller (when pinning)
-        self._staging = Staging(emulate=self._pin_emulated) if self._pin else None
+        self._staging = pinned.Staging(emulate=self._pin_emulated) if self._pin else None
         self.config = config
         self._capture = capture
         self._layers_path = layers

@@ -73,8 +73,8 @@ step is eager's ``scaler.step(opt)`` after the commit (the inf check needs every
 gradient: nothing is overlapped). Call ``scaler.update()`` after the call, as in eager.
 
 Failures: with ``atomic=True`` (or while speculating on clipping) a call failing before
-its commit puts back the stepped parameters, their state and ``.grad``: nothing
-changed. Otherwise the stages already stepped stay stepped, each whole (never half a
+its commit, or in the clipping after it (``N``), puts back the stepped parameters, their
+state and ``.grad``: nothing changed. Otherwise the stages already stepped stay stepped, each whole (never half a
 tensor): the ``StageError`` carries a note naming them. A step after the commit
 (``N``, ``SS``, ``S`` after ``C``) that fails raises with the call's gradients in
 ``.grad``.
@@ -91,8 +91,8 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.errors import StageError
-from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, step_shards,
-                               step_view)
+from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, shard_norm,
+                               step_shards, step_view)
 from fxpipe.passes.program import OptimizerSpec
 
 Mode = Literal["exact", "async"]
@@ -152,9 +152,6 @@ class Overlapped:
         self.grad_norm: torch.Tensor | None = None
         self._pending: _Update | None = None   # under _lock: the call's host thread queues
         # it, the caller's thread (synchronize, hooks) or the next call applies or drops it
-        # shard_optimizer: the state of this rank's pieces of the parameters, by name
-        self.shard_state: dict[str, dict] = {}
-        self._shard_hooks: list = []
         self._lock = threading.Lock()
         if mode == "async":
             me = weakref.ref(self)
@@ -188,11 +185,18 @@ class Overlapped:
         if pending is not None:
             pending.apply()
 
+    @property
+    def shard_state(self) -> dict[str, dict]:
+        """``shard_optimizer``: the state of this rank's pieces of the parameters, by
+        name. Kept on the optimizer: every ``overlapped(opt, ...)`` of it (a new one per
+        call, or ``optimizer=opt``) steps and checkpoints the same state."""
+        return self.optimizer.__dict__.setdefault("_fxpipe_shard_state", {})
+
     def sharded(self) -> None:
         """``shard_optimizer``: this optimizer's state now lives in ``shard_state``, this
         rank's shards only; ``state_dict()`` and ``load_state_dict()`` would see none of it
         and raise instead."""
-        if self._shard_hooks:
+        if "_fxpipe_shard_hooks" in self.optimizer.__dict__:
             return
 
         def refuse(*_: Any) -> None:
@@ -203,8 +207,9 @@ class Overlapped:
                 "and load it with pipe.save_checkpoint(path, optimizer) / "
                 "pipe.load_checkpoint(path, optimizer) on every rank (torch.distributed."
                 "checkpoint)")
-        self._shard_hooks = [self.optimizer.register_state_dict_pre_hook(refuse),
-                             self.optimizer.register_load_state_dict_pre_hook(refuse)]
+        self.optimizer.__dict__["_fxpipe_shard_hooks"] = [
+            self.optimizer.register_state_dict_pre_hook(refuse),
+            self.optimizer.register_load_state_dict_pre_hook(refuse)]
 
     def queue(self, update: _Update) -> None:
         """``mode="async"``: ``update`` is the one the next call (or :meth:`synchronize`)
@@ -293,7 +298,7 @@ class OptimizerCall:
         self.backup = streamed and (ov.atomic or ov.max_grad_norm is not None)
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
-        self.shards = False                      # whether they were stepped by shards
+        self.shards: list = []                   # the shards stepped (shard_optimizer)
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}   # the Program's backward_stage_of
 
@@ -335,7 +340,7 @@ class OptimizerCall:
                     step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
                     for p in params:   # their gradients were consumed by the sharded step
                         p.grad = None
-                    self.shards = True
+                    self.shards += shards
                     self.stepped.append(layers)
                     return
                 saved = _Saved(self.ov.optimizer, in_opt) if self.backup and in_opt else None
@@ -353,11 +358,13 @@ class OptimizerCall:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.ov.optimizer.param_groups for p in g["params"]]
 
-    def clip(self) -> None:
+    def clip(self, dp: Any = None) -> None:
         """``ClipGradNorm``, after the ``Commit``: eager's ``clip_grad_norm_`` over the
         optimizer's parameters (a ``GradScaler``'s ``unscale_`` first). After speculative
         steps: when clipping changes the gradients (coefficient < 1), put the stepped
-        parameters and state back, clip, and step them all again."""
+        parameters and state back, clip, and step them all again. Stepped by shards
+        (``dp``, ``shard_optimizer``): the norm is the ranks' (``DataParallel.total_norm``)
+        and each rank clips, steps and gathers its shards again."""
         ov, opt = self.ov, self.ov.optimizer
         params = self._params()
         if self.spec.scaler:
@@ -365,15 +372,27 @@ class OptimizerCall:
         if not self.spec.streamed:
             ov.grad_norm = torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        total = ov.grad_norm = torch.nn.utils.get_total_norm(grads, ov.norm_type)
+        if self.shards:
+            total = dp.total_norm(shard_norm(opt, self.shards, ov.norm_type), ov.norm_type)
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
+        ov.grad_norm = total
         coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
         if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
+            if self.shards:
+                dp.redo(self.shards)
             for saved in reversed(self.saved):
                 saved.restore()
-            torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
             with intra_op_threads(self.threads, self.caller_threads):
-                step_view(opt, self.hyper, params)
+                if self.shards:   # eager's clip_grads_with_norm_, on each rank's pieces
+                    torch._foreach_mul_([sh.grad for sh in self.shards], coef)
+                    step_shards(opt, self.hyper, self.shards, ov.shard_state)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
+                    step_view(opt, self.hyper, params)
+            if self.shards:
+                dp.all_gather(self.shards)
         self.saved.clear()
 
     def scaler_step(self) -> None:
@@ -458,8 +477,8 @@ class _Saved:
                 p.copy_(value)
                 if state is None:
                     self.opt.state.pop(p, None)
-                else:
-                    self.opt.state[p] = state
+                else:   # a copy: a redone step changes it in place, a failure restores again
+                    self.opt.state[p] = _copy_state(state)
                 if grads:
                     p.grad = grad
 
@@ -488,7 +507,8 @@ class _SavedShards:
                 m.copy_(value)
         for k in [k for k in self.ov.shard_state if k in self.names]:
             del self.ov.shard_state[k]
-        self.ov.shard_state.update({k: v for k, v in self.state.items() if v is not None})
+        self.ov.shard_state.update({k: _copy_state(v) for k, v in self.state.items()
+                                    if v is not None})
 
 
 def shard_items(ov: Overlapped, rank: int, world: int) -> dict[str, Any]:

@@ -177,6 +177,22 @@ def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[
             t.grad = None
 
 
+def shard_norm(opt: torch.optim.Optimizer, shards: Sequence[Any],
+               norm_type: float) -> torch.Tensor:
+    """``shard_optimizer`` with ``max_grad_norm``: this rank's part of the total norm of
+    ``opt``'s gradients, from the pieces :func:`step_shards` steps (its shards' averaged
+    gradients): the sum of their norms to the power ``norm_type`` (for ``inf``, the
+    largest), a float64 scalar the ranks combine (``DataParallel.total_norm``)."""
+    norm_type = float(norm_type)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    pieces = [sh.grad[at:at + hi - lo] for sh in shards
+              for i, lo, hi, at in sh.bucket.pieces() if id(sh.bucket.params[i]) in held]
+    if not pieces:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack(torch._foreach_norm(pieces, norm_type)).double()
+    return norms.max() if norm_type == float("inf") else (norms ** norm_type).sum()
+
+
 _watching = False                 # under _watching_lock: compiles may run on several threads
 _watching_lock = threading.Lock()
 

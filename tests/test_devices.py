@@ -463,7 +463,7 @@ def test_torchrun_ranks_take_their_share_of_the_nodes_gpus():
     GPUs (not every GPU for every rank); more ranks than GPUs refused; two ranks naming
     one GPU found (``DataParallel.check_devices`` raises on it)."""
     from fxpipe.runtime.devices.resolve import local_gpus
-    from fxpipe.runtime.issue.distributed import shared_gpu
+    from fxpipe.runtime.issue.device_collectives import shared_gpu
     assert local_gpus(8, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}) == [3]
     assert local_gpus(7, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == [3, 4, 5]
     assert local_gpus(4, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) == [0, 1, 2, 3]

@@ -177,19 +177,27 @@ def same_on_every_rank(model: nn.Module, what: str) -> None:
 
 
 def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str,
-                n: int = 3, batch=data) -> None:
+                n: int = 3, batch=data, clip: tuple = ()) -> None:
     """``n`` steps of ``pipe`` with ``opt`` on this rank's share of the batch, each equal
     to eager ``ref`` stepping ``ref_opt`` on the whole batch (loss averaged across ranks),
-    the ranks identical after each."""
+    the ranks identical after each. ``clip``: each step's ``max_grad_norm`` (None: no
+    clipping), eager's ``clip_grad_norm_`` against ``overlapped(opt, max_grad_norm=)``."""
     for step in range(n):
         X, Y = batch(world, step)
         loss_ref = ce(ref(X), Y)
         loss_ref.backward()
+        limit = clip[step] if step < len(clip) else None
+        if limit is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), limit)
         ref_opt.step()
         ref_opt.zero_grad()
+        stepper = opt if limit is None else overlapped(opt, max_grad_norm=limit)
         loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
-                                     optimizer=opt)
+                                     optimizer=stepper)
         opt.zero_grad()
+        if limit is not None:
+            assert abs(stepper.grad_norm.item() / norm.item() - 1) < 1e-6, \
+                (what, step, stepper.grad_norm, norm)
         assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
         assert_params(model, ref, f"{what}, after step {step}")
         same_on_every_rank(model, f"{what}, after step {step}")
@@ -237,7 +245,9 @@ def check_no_sync(rank: int, world: int) -> None:
 
 def check_shard_optimizer(rank: int, world: int) -> None:
     """``shard_optimizer=True`` equals unsharded data parallel (= eager on the whole
-    batch) over 3 AdamW steps; this rank keeps about 1/N of the optimizer state."""
+    batch) over 3 AdamW steps, the last two clipped (``max_grad_norm`` 0.05: the
+    speculated steps redone, clipped; 1e3: kept); this rank keeps about 1/N of the
+    optimizer state."""
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -246,7 +256,7 @@ def check_shard_optimizer(rank: int, world: int) -> None:
     assert any(a.startswith("RS") for a in host) and any(a.startswith("AG") for a in host)
     predicted = fxpipe.plan.predict_memory(pipe, loss_fn=ce, label=mine(data(world, 0)[1], rank),
                                            optimizer=opt).host["optimizer"]
-    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "sharded")
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "sharded", clip=(None, 0.05, 1e3))
     full = sum(t.numel() * t.element_size() for s in ref_opt.state.values()
                for t in s.values() if t.dim() > 0)
     state = opt._fxpipe_overlapped.shard_state
@@ -290,8 +300,9 @@ def check_sharded_masters(rank: int, world: int) -> None:
     """``shard_optimizer=True`` with ``param_dtype=bf16``: each rank keeps 1/N of the fp32
     masters, the parameters are their bf16 copies; 3 AdamW steps equal unsharded data
     parallel in bf16 (losses; masters gathered vs the unsharded fp32 parameters; the
-    parameters are the masters cast). ``pipe.load_state_dict`` sets the masters at full
-    precision; a parameter written outside fxpipe warns and re-reads its master."""
+    parameters are the masters cast), the last two clipped (the first clipping: the
+    speculated steps of the masters redone). ``pipe.load_state_dict`` sets the masters at
+    full precision; a parameter written outside fxpipe warns and re-reads its master."""
     bf16 = torch.bfloat16
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
@@ -309,8 +320,13 @@ def check_sharded_masters(rank: int, world: int) -> None:
     assert predicted["masters"] == mine_bytes
     for step in range(3):
         X, Y = data(world, step)
+        limit = (None, 0.05, 1e3)[step]
+        steppers = [o if limit is None else overlapped(o, max_grad_norm=limit)
+                    for o in (ref_opt, opt)]
         losses = [p.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
-                                     optimizer=o) for p, o in ((ref_pipe, ref_opt), (pipe, opt))]
+                                     optimizer=o) for p, o in zip((ref_pipe, pipe), steppers)]
+        if limit is not None:
+            assert_close(steppers[1].grad_norm, steppers[0].grad_norm, f"step {step} norm")
         ref_opt.zero_grad()
         opt.zero_grad()
         assert_close(losses[1], losses[0], f"step {step} loss")
@@ -418,18 +434,23 @@ def check_batch_mismatch(rank: int, world: int) -> None:
 
 
 def check_failure(rank: int, world: int, shard: bool = False,
-                  param_dtype: torch.dtype | None = None, on_devices: bool = False) -> None:
+                  param_dtype: torch.dtype | None = None, on_devices: bool = False,
+                  clip: bool = False) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
     process group dead: a later call says so. ``on_devices`` (``data_parallel="device"``,
     sharded): rank 1 fails in its shallowest stage's device reduce-scatter, where the
-    other ranks' devices wait for it (tests/test_dp_devices.py)."""
+    other ranks' devices wait for it (tests/test_dp_devices.py). ``clip`` (sharded): rank
+    1 fails redoing the clipped step, after the norm decided it, while the others gather
+    their redone shards."""
+    import fxpipe.optim
     from fxpipe.runtime.host.param_store import ParamStore
     from fxpipe.runtime.issue.distributed import DataParallel
 
     model = make_model()
-    opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), atomic=True)
+    opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                     **({"max_grad_norm": 1e-3} if clip else {"atomic": True}))
     shard = shard or on_devices
     pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype,
                       **({"data_parallel": "device"} if on_devices else {}))
@@ -444,22 +465,35 @@ def check_failure(rank: int, world: int, shard: bool = False,
     assert bool(masters_before) == (param_dtype is not None)
     owner, name, at = (DataParallel, "device_reduce", 4) if on_devices else \
         (ParamStore, "download_grads", 1)   # the stage: that argument of that method
+    if clip:
+        owner, name = fxpipe.optim, "step_shards"
     original = getattr(owner, name)
     shallowest = len(pipe.program().stages) - 1
+    redone = DataParallel.redo
 
     def failing(self, *args, **kwargs):
+        if clip:   # fxpipe.optim.step_shards(opt, ...), once redo was called
+            if opt.optimizer.__dict__.get("redo"):
+                raise RuntimeError("injected failure")
+            return original(self, *args, **kwargs)
         if args[at - 1] == shallowest:
             raise RuntimeError("injected failure")
         return original(self, *args, **kwargs)
 
+    def redo(self, shards):
+        redone(self, shards)
+        opt.optimizer.__dict__["redo"] = True
+
     if rank == 1:
         setattr(owner, name, failing)
+        DataParallel.redo = redo
     start = time.monotonic()
     try:
         with pytest.raises(Exception) as info:
             pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
     finally:
         setattr(owner, name, original)
+        DataParallel.redo = redone
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT / 2, f"rank {rank} took {elapsed:.1f} s to fail: {info.value!r}"
     if rank == 1:
@@ -525,9 +559,10 @@ def check_hf_bf16(rank: int, world: int, data_parallel: bool | str = True) -> No
 
 def check_failure_sharded(rank: int, world: int) -> None:
     """The same with shard_optimizer=True: stepped shards and their state put back, the
-    fp32 masters too when they are sharded (param_dtype)."""
+    fp32 masters too when they are sharded (param_dtype); and failing in a clipped redo."""
     check_failure(rank, world, shard=True)
     check_failure(rank, world, shard=True, param_dtype=torch.bfloat16)
+    check_failure(rank, world, shard=True, param_dtype=torch.bfloat16, clip=True)
 
 
 CHECKS = {
@@ -768,21 +803,29 @@ def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
                           data_parallel=True, shard_optimizer=True)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     for opt in (overlapped(torch.optim.SGD(model.parameters(), lr=0.1), mode="async"),
-                overlapped(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0)):
+                overlapped(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                           speculate=False)):
         with pytest.raises(NotImplementedError, match="shard_optimizer=True"):
             pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
     with pytest.raises(NotImplementedError, match="shard_optimizer=True steps each rank.s shard"):
         pipe.program(optimizer="async")
-    # one rank: the sharded step is the whole step, and equals eager
+    # one rank: the sharded step is the whole step, and equals eager; clipped too (the
+    # norm 0.05 clips: the speculated steps redone; 1e3 does not)
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(2):
+    for clip in (None, None, 0.05, 1e3, 0.05):
         ce(ref(x), y).backward()
+        norm = None if clip is None else torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
-        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
-    assert_params(model, ref, "one rank, sharded")
+        step = opt if clip is None else overlapped(opt, max_grad_norm=clip)
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
+        if clip is not None:
+            assert_close(step.grad_norm, norm, f"the norm clipped to {clip}")
+        assert_params(model, ref, f"one rank, sharded, max_grad_norm={clip}")
+    host = [str(a) for a in pipe.program(optimizer=overlapped(opt, max_grad_norm=1.0)).host]
+    assert host[-3].startswith("AG0:") and host[-2:] == ["C", "N"], host
     pipe.close()
 
 
@@ -804,6 +847,21 @@ def test_sharded_masters_errors(one_rank, tmp_path):
         torch.float32
     with pytest.raises(NotImplementedError, match="assign=False"):
         pipe.load_state_dict(make_model().state_dict(), assign=True)
+    # a training call that would leave fp32 .grad on the bf16 copies for the user's own
+    # opt.step(): refused before anything runs; accumulating under no_sync() is fine
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for call in (lambda: ce(pipe(x), y).backward(),
+                 lambda: pipe.forward_backward((x,), label=y, loss_fn=ce)):
+        with pytest.raises(ValueError, match=r"rank 0: .*without stepping.*optimizer=opt"):
+            call()
+        assert all(p.grad is None for p in model.parameters())
+    with pipe.no_sync():
+        pipe.forward_backward((x,), label=y, loss_fn=ce)
+    pipe.forward_backward((x,), label=y, loss_fn=ce,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with torch.no_grad():
+        pipe(x)   # inference averages nothing
     pipe.save_checkpoint(str(tmp_path / "masters"))
     other = fxpipe.compile(make_model(), (x,), devices=["cpu"], data_parallel=True,
                            shard_optimizer=True)
@@ -890,3 +948,4 @@ def test_simulated_collectives_overlap_the_backward():
 if __name__ == "__main__":   # python tests/test_distributed.py: one spawn, verbose
     os.environ.setdefault("PYTHONPATH", os.getcwd())
     pytest.main([__file__, "-q"])
+

@@ -274,9 +274,9 @@ def host_lane(stages: Sequence[StageSpec],
         raise ValueError(f"data_parallel must be None, 'allreduce', 'shard' or one of "
                          f"{ON_DEVICES}, got {data_parallel!r}")
     sharded = data_parallel in ("shard", *SHARDED_ON_DEVICES)
-    if sharded and (spec is None or not spec.streamed or spec.clip):
+    if sharded and (spec is None or not spec.streamed):
         raise ValueError(f"data_parallel={data_parallel!r} steps each rank's shard in the call: "
-                         "it needs optimizer=True (the streamed exact step, without clipping)")
+                         "it needs the streamed exact step (clipping speculated)")
     streamed = spec is not None and spec.streamed
     host: list[Action] = [Refresh()]
     if broadcast_buffers:

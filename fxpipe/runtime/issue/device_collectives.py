@@ -77,6 +77,12 @@ class Channel:
         with self.lock:
             self.ops, self.posted, self.draining = list(ops), 0, False
 
+    def expect(self, ops: Sequence[Op]) -> None:
+        """The call posts ``ops`` next, beyond the Program's list (every rank decides
+        alike): a failure drains them too."""
+        with self.lock:
+            self.ops[self.posted:self.posted] = ops
+
     def post(self, kind: str, tensor: torch.Tensor, out: torch.Tensor | None) -> Any:
         """Post the call's next collective (checked against the Program's list); returns
         its work. Once the call drains, an action that would post raises ``Cancelled``
@@ -135,6 +141,42 @@ def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any)
 
 
 # ------------------------------------------------------------------- on the devices
+
+def check_data_parallel(data_parallel: Any) -> bool:
+    """``compile``'s ``data_parallel``: whether its sharded steps reduce on the devices
+    (``"device"``); ``True`` is ``"host"``. Raises for anything else, and for
+    ``"zero3"`` (not built).
+
+    >>> check_data_parallel(True), check_data_parallel("device")
+    (False, True)
+    """
+    if data_parallel == "zero3":
+        raise NotImplementedError(
+            "data_parallel='zero3' (each rank holding and uploading 1/N of the parameters, "
+            "gathered on the devices) is not implemented: data_parallel='device' reduces "
+            "the gradients on the devices and shards the optimizer and the fp32 masters")
+    if data_parallel not in (False, True, "host", "device") or \
+            not isinstance(data_parallel, (bool, str)):
+        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host' or 'device', "
+                        f"got {data_parallel!r}")
+    return data_parallel == "device"
+
+
+def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:
+    """The first two ranks listing one GPU, and it (``check_devices``), or None.
+
+    >>> shared_gpu([["GPU-a"], ["GPU-b"]]), shared_gpu([["GPU-a", "GPU-b"], ["GPU-b"]])
+    (None, (0, 1, 'GPU-b'))
+    """
+    owner: dict[str, int] = {}
+    for rank, gpus in enumerate(gpus_by_rank):
+        for gpu in gpus:
+            if gpu in owner:
+                return owner[gpu], rank, gpu
+            owner[gpu] = rank
+    return None
+
+
 
 class OnDevices:
     """``data_parallel="device"``'s part of ``DataParallel``: a process group per device

@@ -13,12 +13,9 @@ is the devices' (``DeviceReduceScatter``, ``runtime.issue.device_collectives``: 
 per device index, NCCL on GPUs), the host lane steps and gathers.
 
 What is sharded: each parameter is cut in N equal pieces whatever the plan (rank ``r``
-owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``; a bucket lays them out as N chunks,
-one per rank), so the optimizer state of a piece, kept by parameter name, serves every
-plan. With ``param_dtype`` the fp32 masters are sharded the same way
-(:meth:`DataParallel.shard_masters`): the parameters become their ``param_dtype``
-copies, the sharded step updates this rank's fp32 pieces and the all-gather writes
-them, cast, into every rank's parameters.
+owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``), so the optimizer state of a piece,
+kept by parameter name, serves every plan; with ``param_dtype`` the fp32 masters too
+(``runtime.host.masters``). Clipping (``N``) gathers each rank's part of the norm.
 
 What is averaged, exactly as ``DistributedDataParallel`` does: the bucket holds each
 parameter's ``.grad`` plus this call's gradient (DDP reduces the accumulated ``.grad``),
@@ -29,18 +26,15 @@ on every rank. A parameter that gets no gradient on a rank counts as zero there.
 
 Failures: the collectives run on a process group fxpipe makes over the ranks of the
 user's (gloo, ``timeout`` seconds). A rank whose training call fails writes which rank
-and why into the group's store, then completes the collectives of the call it still
-owes the other ranks with zeros (``drain``: gloo cannot cancel a posted collective);
-every rank checks the store after each collective (with ``"device"``, each device's
-group too, all drained at once), so the others raise
-:class:`fxpipe.errors.DistributedError` naming the rank that failed first as soon as
-their pending collective completes, drain too, and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as
-they were on every rank (parameters too, without a streamed optimizer or with
-``overlapped(opt, atomic=True)``). A rank that stops answering or dies fails the others
-at the timeout. The pipe cannot train again afterwards: restart every rank
-(``torchrun`` does) and resume from a checkpoint. A rank failing after its last
-collective of a call (in the shallowest stage's optimizer step, or the commit) fails
-alone.
+and why into the group's store, then completes the collectives it still owes with zeros
+(``drain``: gloo cannot cancel a posted collective); every rank checks the store after
+each collective (with ``"device"``, each device's group too), so the others raise
+:class:`fxpipe.errors.DistributedError` naming the rank that failed first, drain too,
+and no ``Commit`` runs anywhere: ``.grad`` and buffers stay as they were on every rank
+(parameters too, without a streamed optimizer or with ``overlapped(opt, atomic=True)``).
+A rank that stops answering or dies fails the others at the timeout. The pipe cannot
+train again afterwards: restart every rank and resume from a checkpoint. A rank failing
+after its last collective of a call fails alone.
 """
 
 from __future__ import annotations
@@ -66,7 +60,7 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator, owned_params
 from fxpipe.runtime.host.masters import ShardedMasters
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
-from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue
+from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue, shared_gpu
 from fxpipe.runtime.issue.threads import Cancelled
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
@@ -133,15 +127,12 @@ class DataParallel(ShardedMasters, OnDevices):
 
     def collectives(self, run_type: str, sync: bool, mode: str | None,
                     has_buffers: bool, accumulated: bool = False) -> tuple[str | None, bool]:
-        """``(data_parallel, broadcast_buffers)`` of a call's Program (what ``pipe.program()``
-        prints and the call runs): a training call that synchronizes gradients all-reduces
-        them (``"allreduce"``), or reduce-scatters them when it steps a sharded optimizer
-        (``mode="exact"``: the streamed step; None: no step) (``"shard"``); with
-        ``data_parallel="device"`` either on the devices (``"device_allreduce"``,
-        ``"device"``), each device first uploading and adding the ``.grad`` a parameter
-        has ``accumulated`` from calls that did not synchronize (``"_accumulated"``); and
-        it first broadcasts the buffers from rank 0 (when the model ``has_buffers`` and
-        ``broadcast_buffers=True``). Anything else: ``(None, False)``."""
+        """``(data_parallel, broadcast_buffers)`` of a call's Program: a training call that
+        synchronizes all-reduces (``"allreduce"``), or reduce-scatters when it steps a
+        sharded optimizer (``mode="exact"``; None: no step) (``"shard"``); with ``"device"``
+        on the devices (``"device_allreduce"``, ``"device"``), first adding the ``.grad``
+        ``accumulated`` by calls that did not synchronize (``"_accumulated"``); it first
+        broadcasts the buffers when the model ``has_buffers`` and ``broadcast_buffers``."""
         if run_type == "infer" or not sync:
             return None, False
         if self.shard and mode not in (None, "exact"):
@@ -354,8 +345,9 @@ class DataParallel(ShardedMasters, OnDevices):
 
     def plan_ops(self, actions: Sequence[Any], exe: Any, lg: Any, store: ParamStore
                  ) -> list[tuple[str, int, torch.dtype]]:
-        """The collectives (kind, numel, dtype) the host ``actions`` post, in order."""
-        from fxpipe.passes.program import AllGather, AllReduce, BroadcastBuffers, ReduceScatter
+        """The collectives (kind, numel, dtype) the host lane's ``actions`` post, in order."""
+        from fxpipe.passes.program import (AllGather, AllReduce, BroadcastBuffers, ClipGradNorm,
+                                           ReduceScatter)
         reduces = any(isinstance(a, (AllReduce, ReduceScatter, AllGather)) for a in actions)
         buckets = self.buckets(exe, lg, store) if reduces else {}
         ops: list[tuple[str, int, torch.dtype]] = []
@@ -372,6 +364,9 @@ class DataParallel(ShardedMasters, OnDevices):
                 case AllGather(layers=r):
                     ops += [("all_gather", b.shard_len, b.params[0].dtype)
                             for b in buckets.get(_span(r), [])]
+                case ClipGradNorm() if any(isinstance(b, AllGather) for b in actions):
+                    # a sharded step's norm (total_norm)
+                    ops.append(("all_gather", 1, torch.float64))
         return ops
 
     def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
@@ -496,6 +491,22 @@ class DataParallel(ShardedMasters, OnDevices):
                     p.view(-1).copy_(b.unpack(full, i).reshape(-1))
             self.stamp(b.names)
 
+    def total_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """``ClipGradNorm`` of a sharded step: the total gradient norm from every rank's
+        part (``optim_step.shard_norm``), gathered and combined in rank order, so every
+        rank takes the same decision to redo the step clipped (or not)."""
+        parts = torch.empty(self.world, dtype=torch.float64)
+        self._post("all_gather", local.reshape(1), "gathering of the gradient norm", parts)
+        norm_type = float(norm_type)
+        return (parts.max() if norm_type == float("inf") else
+                parts.sum() ** (1.0 / norm_type)).float()
+
+    def redo(self, shards: Sequence[Shard]) -> None:
+        """The clipped step is redone: ``shards`` are gathered again, beyond the Program's
+        list (every rank decided alike); a failure from here drains them too."""
+        self._host_lane.expect([("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype)
+                                for sh in shards])
+
     def _gather(self, b: Bucket, dtype: torch.dtype, what: str, post: bool = True) -> torch.Tensor:
         """All-gather ``b`` in ``dtype``: every rank's chunk, from its masters where it
         keeps them (cast), else from the parameters."""
@@ -530,11 +541,9 @@ class DataParallel(ShardedMasters, OnDevices):
         return out
 
     def close(self) -> None:
-        """Stop the collective worker, then destroy fxpipe's group (``PipelineModule.close``,
-        and at interpreter exit for pipes never closed): a finished job leaves no gloo
-        thread for the interpreter's teardown. After a failed call the group may have a
-        collective pending on gloo's threads, which destroying it would abort on: it is
-        left to the process's exit then. Idempotent."""
+        """Stop the collective worker, then destroy fxpipe's groups (also at interpreter
+        exit): no gloo thread is left for the teardown. After a failed call a collective may
+        be pending on gloo's threads, which destroying would abort on: left to the exit."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -547,41 +556,6 @@ class DataParallel(ShardedMasters, OnDevices):
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001 — the default group already went down with it
                     pass
-
-
-def check_data_parallel(data_parallel: Any) -> bool:
-    """``compile``'s ``data_parallel``: whether its sharded steps reduce on the devices
-    (``"device"``); ``True`` is ``"host"``. Raises for anything else, and for
-    ``"zero3"`` (not built).
-
-    >>> check_data_parallel(True), check_data_parallel("device")
-    (False, True)
-    """
-    if data_parallel == "zero3":
-        raise NotImplementedError(
-            "data_parallel='zero3' (each rank holding and uploading 1/N of the parameters, "
-            "gathered on the devices) is not implemented: data_parallel='device' reduces "
-            "the gradients on the devices and shards the optimizer and the fp32 masters")
-    if data_parallel not in (False, True, "host", "device") or \
-            not isinstance(data_parallel, (bool, str)):
-        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host' or 'device', "
-                        f"got {data_parallel!r}")
-    return data_parallel == "device"
-
-
-def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:
-    """The first two ranks listing one GPU, and it (``check_devices``), or None.
-
-    >>> shared_gpu([["GPU-a"], ["GPU-b"]]), shared_gpu([["GPU-a", "GPU-b"], ["GPU-b"]])
-    (None, (0, 1, 'GPU-b'))
-    """
-    owner: dict[str, int] = {}
-    for rank, gpus in enumerate(gpus_by_rank):
-        for gpu in gpus:
-            if gpu in owner:
-                return owner[gpu], rank, gpu
-            owner[gpu] = rank
-    return None
 
 
 def _batch(shapes: Sequence[Sequence[tuple[str, tuple[int, ...]]]]) -> str:

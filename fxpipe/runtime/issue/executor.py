@@ -129,7 +129,7 @@ class Execution:
         keep = plan.keep
         if self.call.dp is not None:
             self.call.dp.begin(self.call.dp.plan_ops(
-                [a for a, k in zip(p.host, keep[HOST]) if k and isinstance(a, Collective)],
+                [a for a, k in zip(p.host, keep[HOST]) if k],
                 self.call.exe, self.call.layers, self.call.store),
                 self.call.dp.plan_device_ops(p, keep, self.call.store), self.stats)
         # the Commit and what follows it in the host lane run once the call has ended
@@ -360,7 +360,7 @@ class Execution:
                 if self.call.commit is not None:
                     self.call.commit()
             case ClipGradNorm():
-                self.call.optimizer.clip()
+                self.call.optimizer.clip(self.call.dp)
             case ScalerStep():
                 self.call.optimizer.scaler_step()
             case QueueUpdate():

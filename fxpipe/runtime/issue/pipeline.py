@@ -192,13 +192,12 @@ class Runner:
         dp = self.dp
         if dp is not None:
             steps = optimizer is not None and optimizer.steps
-            if dp.shard and steps and run_type != "infer" and sync and (
-                    not optimizer.streamed or optimizer.clip):
+            if dp.shard and steps and run_type != "infer" and sync and not optimizer.streamed:
                 raise NotImplementedError(
                     f"shard_optimizer=True steps each rank's shard inside the call with the "
                     f"streamed exact step; optimizer {optimizer} is not supported there "
-                    "(GradScaler, mode='async' and max_grad_norm are not implemented with "
-                    "sharding): compile with shard_optimizer=False")
+                    "(GradScaler, mode='async' and max_grad_norm with speculate=False are not "
+                    "implemented with sharding): compile with shard_optimizer=False")
             data_parallel, broadcast = dp.collectives(
                 run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
                 else None, bool(self.lg.buffers),
@@ -231,6 +230,18 @@ class Runner:
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
+            if dp.masters and sync and not (optimizer is not None and optimizer.steps):
+                raise ValueError(
+                    f"rank {dp.rank}: this training call averages the gradients without "
+                    f"stepping the optimizer, but the pipe was compiled with sharded fp32 "
+                    f"masters (shard_optimizer=True or data_parallel='device', with "
+                    f"param_dtype={self.param_dtype}): the parameters are their "
+                    f"{self.param_dtype} copies and each rank holds 1/{dp.world} of the "
+                    "masters, so an update outside the streamed step (your own opt.step(), "
+                    "which also refuses the fp32 .grad) cannot reach them. Step in the call: "
+                    "pipe.forward_backward(..., optimizer=opt); accumulate with calls under "
+                    "pipe.no_sync() before it; or compile without param_dtype (fp32 "
+                    "parameters) or with shard_optimizer=False to step with your own optimizer")
             dp.check_masters()
             if spec.data_parallel is not None or spec.broadcast_buffers:
                 with outside_program(COMPARING):
@@ -362,7 +373,7 @@ class Runner:
             outputs = self.run_call(call, results=(lambda: self.outputs(call, cfg, shares_))
                                    if return_outputs else None, commit_grads=True)
         except BaseException as e:
-            if opt is not None and not call.committed:
+            if opt is not None and (not call.committed or opt.saved):   # (or in ``N``)
                 opt.failed(e)
             raise
         if opt is not None:
