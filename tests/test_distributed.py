@@ -847,21 +847,23 @@ def test_sharded_masters_errors(one_rank, tmp_path):
         torch.float32
     with pytest.raises(NotImplementedError, match="assign=False"):
         pipe.load_state_dict(make_model().state_dict(), assign=True)
-    # a training call that would leave fp32 .grad on the bf16 copies for the user's own
-    # opt.step(): refused before anything runs; accumulating under no_sync() is fine
+    # the user's own step over the bf16 copies could not reach the masters: refused with
+    # what to do, nothing stepped; the pipe steps the same optimizer, the .grad the calls
+    # without it accumulated included (an accumulating overlapped(opt) the same way)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for call in (lambda: ce(pipe(x), y).backward(),
-                 lambda: pipe.forward_backward((x,), label=y, loss_fn=ce)):
-        with pytest.raises(ValueError, match=r"rank 0: .*without stepping.*optimizer=opt"):
-            call()
-        assert all(p.grad is None for p in model.parameters())
-    with pipe.no_sync():
-        pipe.forward_backward((x,), label=y, loss_fn=ce)
-    pipe.forward_backward((x,), label=y, loss_fn=ce,
-                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
-    with torch.no_grad():
-        pipe(x)   # inference averages nothing
+    ce(pipe(x), y).backward()
+    pipe.forward_backward((x,), label=y, loss_fn=ce)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(ValueError, match=r"SGD.step\(\) over a parameter .*fp32 master fxpipe "
+                       r"shards.*optimizer=opt"):
+        sgd.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    step = overlapped(sgd, accumulate=2)
+    for _ in range(2):
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
+    assert step.stepped and all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     pipe.save_checkpoint(str(tmp_path / "masters"))
     other = fxpipe.compile(make_model(), (x,), devices=["cpu"], data_parallel=True,
                            shard_optimizer=True)

@@ -230,18 +230,6 @@ class Runner:
         dp = self.dp if run_type != "infer" else None
         if dp is not None:
             dp.check_alive()
-            if dp.masters and sync and not (optimizer is not None and optimizer.steps):
-                raise ValueError(
-                    f"rank {dp.rank}: this training call averages the gradients without "
-                    f"stepping the optimizer, but the pipe was compiled with sharded fp32 "
-                    f"masters (shard_optimizer=True or data_parallel='device', with "
-                    f"param_dtype={self.param_dtype}): the parameters are their "
-                    f"{self.param_dtype} copies and each rank holds 1/{dp.world} of the "
-                    "masters, so an update outside the streamed step (your own opt.step(), "
-                    "which also refuses the fp32 .grad) cannot reach them. Step in the call: "
-                    "pipe.forward_backward(..., optimizer=opt); accumulate with calls under "
-                    "pipe.no_sync() before it; or compile without param_dtype (fp32 "
-                    "parameters) or with shard_optimizer=False to step with your own optimizer")
             dp.check_masters()
             if spec.data_parallel is not None or spec.broadcast_buffers:
                 with outside_program(COMPARING):
