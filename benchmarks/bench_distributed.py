@@ -41,7 +41,10 @@
     stepping call's figures: with ``"device"`` its ``sRS+`` uploads the accumulated
     ``.grad``, ``h2d_bytes_grads``, and reduces it on the devices); and a call without
     the optimizer followed by ``opt.step()`` (``opt.step()``: host-gloo all-reduces on the
-    host, ``"device"`` on the devices, ``sAR``);
+    host, ``"device"`` on the devices, ``sAR``); and the sharded step clipped
+    (``overlapped(opt, max_grad_norm=)``: ``clip kept`` with a limit the norm stays
+    under, the ranks' norms gathered only; ``clip redone`` with one it always exceeds,
+    every rank's shard stepped again and all-gathered again);
     and the step's wall time, min and median over interleaved repeats after a warm-up
     (informational: the ranks share this machine's cores; what carries over to GPUs is
     the bytes).
@@ -102,14 +105,18 @@ NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
     "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
     "device-NCCL": ("device", "host"), "zero3": ("shard", "zero3")}
 DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no_sync,
-    # whether the last call steps the optimizer streamed, else opt.step() after it) (part "devices")
-    "host-gloo": ({"data_parallel": True}, 1, True),
-    "host-gloo sharded": ({"data_parallel": True, "shard_optimizer": True}, 1, True),
-    "device": ({"data_parallel": "device"}, 1, True),
-    "host-gloo sharded, accumulate 2": ({"data_parallel": True, "shard_optimizer": True}, 2, True),
-    "device, accumulate 2": ({"data_parallel": "device"}, 2, True),
-    "host-gloo, opt.step()": ({"data_parallel": True}, 1, False),
-    "device, opt.step()": ({"data_parallel": "device"}, 1, False)}
+    # whether the last call steps the optimizer streamed, else opt.step() after it;
+    # max_grad_norm of the streamed step) (part "devices")
+    "host-gloo": ({"data_parallel": True}, 1, True, None),
+    "host-gloo sharded": ({"data_parallel": True, "shard_optimizer": True}, 1, True, None),
+    "device": ({"data_parallel": "device"}, 1, True, None),
+    "host-gloo sharded, accumulate 2": ({"data_parallel": True, "shard_optimizer": True}, 2,
+                                        True, None),
+    "device, accumulate 2": ({"data_parallel": "device"}, 2, True, None),
+    "host-gloo, opt.step()": ({"data_parallel": True}, 1, False, None),
+    "device, opt.step()": ({"data_parallel": "device"}, 1, False, None),
+    "device, clip kept": ({"data_parallel": "device"}, 1, True, 1e6),
+    "device, clip redone": ({"data_parallel": "device"}, 1, True, 1e-6)}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
     "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
@@ -191,7 +198,7 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
         report = {}
         for bf16 in (False, True):
             pipes = {}
-            for name, (kw, calls, streamed) in DEVICE_MODES.items():
+            for name, (kw, calls, streamed, clip) in DEVICE_MODES.items():
                 if bf16 and not streamed:   # sharded bf16 masters: only the streamed step
                     continue                # steps them (the parameters are bf16 copies)
                 m = model()
@@ -200,7 +207,8 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                 pipes[name] = (m, fxpipe.compile(
                     m, (xs[0],), devices=["cpu", "cpu"],
                     param_dtype=torch.bfloat16 if bf16 else None, **kw),
-                    torch.optim.AdamW(m.parameters(), lr=1e-3), xs, ys, streamed)
+                    fxpipe.optim.overlapped(torch.optim.AdamW(m.parameters(), lr=1e-3),
+                                            max_grad_norm=clip), xs, ys, streamed)
             times: dict[str, list[float]] = {name: [] for name in pipes}
             for step in range(args.warmup + args.steps):
                 for name, (m, pipe, opt, xs, ys, streamed) in pipes.items():   # interleaved
@@ -213,8 +221,8 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                     pipe.forward_backward((xs[-1],), label=ys[-1], loss_fn=loss,
                                           optimizer=opt if streamed else None)
                     if not streamed:
-                        opt.step()
-                    opt.zero_grad(set_to_none=True)
+                        opt.optimizer.step()
+                    opt.optimizer.zero_grad(set_to_none=True)
                     if step >= args.warmup:
                         times[name].append(time.perf_counter() - t)
             for name, (m, pipe, opt, *_) in pipes.items():

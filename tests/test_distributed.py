@@ -814,6 +814,7 @@ def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gloo = {}
     for clip in (None, None, 0.05, 1e3, 0.05):
         ce(ref(x), y).backward()
         norm = None if clip is None else torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
@@ -821,9 +822,13 @@ def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
         ref_opt.zero_grad()
         step = opt if clip is None else overlapped(opt, max_grad_norm=clip)
         pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=step)
+        gloo[clip] = pipe.stats()["host_collective_bytes"]
         if clip is not None:
             assert_close(step.grad_norm, norm, f"the norm clipped to {clip}")
         assert_params(model, ref, f"one rank, sharded, max_grad_norm={clip}")
+    # the norm's gather (8 bytes), and when redone every parameter gathered again
+    assert gloo[1e3] - gloo[None] == 8
+    assert gloo[0.05] - gloo[1e3] == 4 * sum(p.numel() for p in model.parameters())
     host = [str(a) for a in pipe.program(optimizer=overlapped(opt, max_grad_norm=1.0)).host]
     assert host[-3].startswith("AG0:") and host[-2:] == ["C", "N"], host
     pipe.close()

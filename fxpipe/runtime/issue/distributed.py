@@ -111,6 +111,7 @@ class DataParallel(ShardedMasters, OnDevices):
         self._drainer: threading.Thread | None = None   # started by fail
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
+        self._stats: Any = None   # the running call's (begin)
         # under _lock: built by whichever thread first asks (the caller's plan_ops, the
         # collective worker's reduces)
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
@@ -280,6 +281,7 @@ class DataParallel(ShardedMasters, OnDevices):
         self._host_lane.begin(ops)
         for d, channel in enumerate(self._devices):
             channel.begin(device_ops.get(d, ()))
+        self._stats = stats
         if stats is not None:
             stats.add("collectives", len(ops) + sum(len(o) for o in device_ops.values()))
             stats.add("host_collective_bytes", sum(n * dtype.itemsize for _, n, dtype in ops))
@@ -504,8 +506,11 @@ class DataParallel(ShardedMasters, OnDevices):
     def redo(self, shards: Sequence[Shard]) -> None:
         """The clipped step is redone: ``shards`` are gathered again, beyond the Program's
         list (every rank decided alike); a failure from here drains them too."""
-        self._host_lane.expect([("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype)
-                                for sh in shards])
+        ops = [("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype) for sh in shards]
+        self._host_lane.expect(ops)
+        if self._stats is not None:
+            self._stats.add("collectives", len(ops))
+            self._stats.add("host_collective_bytes", sum(n * t.itemsize for _, n, t in ops))
 
     def _gather(self, b: Bucket, dtype: torch.dtype, what: str, post: bool = True) -> torch.Tensor:
         """All-gather ``b`` in ``dtype``: every rank's chunk, from its masters where it
