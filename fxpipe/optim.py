@@ -91,8 +91,8 @@ from typing import Any, Literal
 import torch
 
 from fxpipe.errors import StageError
-from fxpipe.optim_step import (default_threads, fused_groups, intra_op_threads, shard_norm,
-                               step_shards, step_view)
+from fxpipe.optim_step import (clip_coefficient, default_threads, fused_groups,
+                               intra_op_threads, shard_norm, step_shards, step_view)
 from fxpipe.passes.program import OptimizerSpec
 
 Mode = Literal["exact", "async"]
@@ -372,16 +372,16 @@ class OptimizerCall:
         if not self.spec.streamed:
             ov.grad_norm = torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
             return
-        if self.shards:
-            total = dp.total_norm(shard_norm(opt, self.shards, ov.norm_type), ov.norm_type)
+        if self.shards:   # (the redone step's gathers expected when it decides so)
+            total = dp.total_norm(shard_norm(opt, self.shards, ov.norm_type), ov.norm_type,
+                                  self.shards,
+                                  lambda t: clip_coefficient(ov.max_grad_norm, t) != 1.0)
         else:
             grads = [p.grad for p in params if p.grad is not None]
             total = torch.nn.utils.get_total_norm(grads, ov.norm_type)
         ov.grad_norm = total
-        coef = torch.clamp(ov.max_grad_norm / (total + 1e-6), max=1.0)
-        if coef.item() != 1.0:  # eager clipping changes the gradients: redo it all
-            if self.shards:
-                dp.redo(self.shards)
+        coef = clip_coefficient(ov.max_grad_norm, total)
+        if coef != 1.0:  # eager clipping changes the gradients: redo it all
             for saved in reversed(self.saved):
                 saved.restore()
             with intra_op_threads(self.threads, self.caller_threads):

@@ -177,6 +177,12 @@ def step_shards(opt: torch.optim.Optimizer, hyper: list[dict], shards: Sequence[
             t.grad = None
 
 
+def clip_coefficient(max_norm: float, total: torch.Tensor) -> float:
+    """What ``clip_grad_norm_`` multiplies the gradients by (1.0: clipping changes
+    nothing)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+
+
 def shard_norm(opt: torch.optim.Optimizer, shards: Sequence[Any],
                norm_type: float) -> torch.Tensor:
     """``shard_optimizer`` with ``max_grad_norm``: this rank's part of the total norm of

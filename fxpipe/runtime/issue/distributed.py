@@ -45,7 +45,7 @@ import hashlib
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,8 +101,9 @@ class DataParallel(ShardedMasters, OnDevices):
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
         # and our store key for failures, without touching the user's group
-        # a user's subgroup: only its ranks make fxpipe's groups (its own and the devices')
-        self.local_sync = process_group is not None
+        # a user's subgroup: only its ranks make fxpipe's groups (its own and the devices'),
+        # named by torch from the ranks and the live groups' count, so not destroyed (close)
+        self.local_sync = len(ranks) < dist.get_world_size()
         self.group = dist.new_group(ranks, backend="gloo",
                                     timeout=datetime.timedelta(seconds=self.timeout),
                                     use_local_synchronization=self.local_sync)
@@ -368,7 +369,7 @@ class DataParallel(ShardedMasters, OnDevices):
                             for b in buckets.get(_span(r), [])]
                 case ClipGradNorm() if any(isinstance(b, AllGather) for b in actions):
                     # a sharded step's norm (total_norm)
-                    ops.append(("all_gather", 1, torch.float64))
+                    ops.append(("all_gather", 2, torch.float64))
         return ops
 
     def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
@@ -493,24 +494,34 @@ class DataParallel(ShardedMasters, OnDevices):
                     p.view(-1).copy_(b.unpack(full, i).reshape(-1))
             self.stamp(b.names)
 
-    def total_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    def total_norm(self, local: torch.Tensor, norm_type: float, shards: Sequence[Shard],
+                   clips: Callable[[torch.Tensor], bool]) -> torch.Tensor:
         """``ClipGradNorm`` of a sharded step: the total gradient norm from every rank's
-        part (``optim_step.shard_norm``), gathered and combined in rank order, so every
-        rank takes the same decision to redo the step clipped (or not)."""
-        parts = torch.empty(self.world, dtype=torch.float64)
-        self._post("all_gather", local.reshape(1), "gathering of the gradient norm", parts)
+        part (``optim_step.shard_norm``), gathered with a flag (a failed rank's drain
+        sends zeros) and combined in rank order, so every rank takes the same decision.
+        When every rank sent its part and the norm ``clips`` (the step is redone), the
+        redone step's all-gathers of ``shards`` are expected (beyond the Program's list)
+        before a failure found meanwhile is raised: every rank that drains drains them."""
+        parts = torch.empty(2 * self.world, dtype=torch.float64)
+        mine = torch.stack([local, torch.ones((), dtype=torch.float64)])
+        work = self._start("all_gather", mine, parts, self._host_lane)
+        try:
+            work.wait()
+            everyone = bool(parts[1::2].all())
+        except Exception:  # noqa: BLE001 — _wait raises it below
+            everyone = False
         norm_type = float(norm_type)
-        return (parts.max() if norm_type == float("inf") else
-                parts.sum() ** (1.0 / norm_type)).float()
-
-    def redo(self, shards: Sequence[Shard]) -> None:
-        """The clipped step is redone: ``shards`` are gathered again, beyond the Program's
-        list (every rank decided alike); a failure from here drains them too."""
-        ops = [("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype) for sh in shards]
-        self._host_lane.expect(ops)
-        if self._stats is not None:
-            self._stats.add("collectives", len(ops))
-            self._stats.add("host_collective_bytes", sum(n * t.itemsize for _, n, t in ops))
+        total = (parts[0::2].max() if norm_type == float("inf") else
+                 parts[0::2].sum() ** (1.0 / norm_type)).float()
+        if everyone and clips(total):
+            ops = [("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype)
+                   for sh in shards]
+            self._host_lane.expect(ops)
+            if self._stats is not None:
+                self._stats.add("collectives", len(ops))
+                self._stats.add("host_collective_bytes", sum(n * t.itemsize for _, n, t in ops))
+        self._wait([work], "gathering of the gradient norm")
+        return total
 
     def _gather(self, b: Bucket, dtype: torch.dtype, what: str, post: bool = True) -> torch.Tensor:
         """All-gather ``b`` in ``dtype``: every rank's chunk, from its masters where it
@@ -548,14 +559,17 @@ class DataParallel(ShardedMasters, OnDevices):
     def close(self) -> None:
         """Stop the collective worker, then destroy fxpipe's groups (also at interpreter
         exit): no gloo thread is left for the teardown. After a failed call a collective may
-        be pending on gloo's threads, which destroying would abort on: left to the exit."""
+        be pending on gloo's threads, which destroying would abort on: left to the exit. So
+        are a subgroup's: the next group over its ranks would take a destroyed one's name
+        (torch names them by the live groups' count) and read its stale rendezvous."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
         group, self.group = self.group, None
         channels, self._devices = self._devices, []
         _open.discard(self)
-        if group is not None and self.dead is None and dist.is_initialized():
+        if group is not None and self.dead is None and dist.is_initialized() \
+                and not self.local_sync:
             for g in [c.group for c in channels] + [group]:
                 try:
                     dist.destroy_process_group(g)
