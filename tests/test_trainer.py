@@ -286,6 +286,17 @@ def test_bad_fxpipe_arguments(tmp_path):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), fxpipe_config={"num_microbatch": 2})
     with pytest.raises(TypeError, match="expects a transformers.Trainer subclass"):
         fxpipe_trainer(object)
+    with pytest.raises(ValueError, match="data_parallel must be True .* or 'device'"):
+        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="zero3")
+    with pytest.raises(ValueError, match="data_parallel='device'.*leave stream_optimizer on"):
+        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="device",
+                      stream_optimizer=False)
+    # a checkpoint holding optimizer shards resumes only into data_parallel="device"
+    (tmp_path / "checkpoint-2" / "fxpipe_shards").mkdir(parents=True)
+    trainer = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
+    trainer.create_optimizer_and_scheduler(4)
+    with pytest.raises(ValueError, match="holds optimizer shards.*data_parallel='device'"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-2"))
 
 
 def test_import_fxpipe_imports_no_hf():
@@ -362,7 +373,11 @@ def test_two_ranks_torchrun(tmp_path):
     """``torchrun --nproc_per_node 2`` (gloo): each rank trains half of every batch through
     a data-parallel pipe (non-final accumulation steps under ``no_sync``); the loss
     history and weights equal one process on the whole batch. So does a run in token
-    chunks (``sequence_chunks=2``: the chunk step's gradients averaged across ranks)."""
+    chunks (``sequence_chunks=2``: the chunk step's gradients averaged across ranks), and
+    one with ``data_parallel="device"`` (reduce-scattered on the devices, the optimizer
+    sharded, clipped). In bf16 with ``"device"`` (the fp32 masters sharded too) a run
+    saved at step 2 and resumed from there by a new trainer ends where the uninterrupted
+    run does (clipping redone at some steps: max_grad_norm 0.5)."""
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(pathlib.Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -388,7 +403,22 @@ def test_two_ranks_torchrun(tmp_path):
         print(f"{name}, 2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| "
               f"{w_err:.3g}")
         assert loss_err <= TOL and w_err <= TOL, (name, got["losses"], losses(one))
+        if name == "plain":
+            dev = runs["device"]
+            loss_err = max(abs(x - y) for x, y in zip(dev["losses"], losses(one)))
+            w_err = max((state[k] - dev["state"][k]).abs().max().item() for k in state)
+            norms = [h["grad_norm"] for h in one.state.log_history if "grad_norm" in h]
+            norm_err = max(abs(x - y) for x, y in zip(dev["norms"], norms))
+            print(f"device, 2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| "
+                  f"{w_err:.3g}, max |grad_norm diff| {norm_err:.3g}")
+            assert loss_err <= TOL and w_err <= TOL and norm_err <= 1e-5, (dev["norms"], norms)
         one.close_pipes()
+    whole, resumed = runs["device bf16"], runs["device bf16 resumed"]
+    assert any(n > 0.5 for n in whole["norms"]), whole["norms"]   # some steps redone clipped
+    assert len(resumed["losses"]) == 4 and resumed["losses"] == whole["losses"], \
+        (resumed["losses"], whole["losses"])
+    for k, v in whole["state"].items():   # the fp32 masters gathered
+        assert v.dtype == resumed["state"][k].dtype and torch.equal(v, resumed["state"][k]), k
 
 
 class Prompts(torch.utils.data.Dataset):

@@ -1,6 +1,7 @@
 """One rank of ``tests/test_trainer.py::test_two_ranks_torchrun`` (run by torchrun):
 FxpipeTrainer on this rank's share of every batch, then again in token chunks
-(``sequence_chunks=2``) on rows without padding; rank 0 writes each run's loss history and
+(``sequence_chunks=2``) on rows without padding, then with ``data_parallel="device"``
+(fp32; bf16 saved at step 2 and resumed); rank 0 writes each run's loss history and
 final weights to ``argv[1]``."""
 
 import sys
@@ -24,6 +25,24 @@ def main(out: str) -> None:
         pipe = trainer._fxpipe_train_pipe
         assert pipe is not None and pipe._dp is not None, "the training pipe is not data parallel"
         got[name] = {"losses": losses(trainer), "state": trainer.model.state_dict()}
+        trainer.close_pipes()
+    # data_parallel="device": in fp32 against the one process; in bf16 (sharded fp32
+    # masters) saved at step 2, and resumed from there by a new trainer
+    for name, bf16, resume in (("device", False, False), ("device bf16", True, False),
+                               ("device bf16 resumed", True, True)):
+        folder = f"{out}.{name.replace(' resumed', '')}"
+        half = args(folder, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    train_sampling_strategy="sequential", bf16=bf16,
+                    max_grad_norm=0.5 if bf16 else 1.0,
+                    save_strategy="steps" if bf16 else "no", save_steps=2)
+        trainer = FxpipeTrainer(model=tiny_llama(), args=half, train_dataset=Rows(),
+                                devices=["cpu", "cpu"], data_parallel="device")
+        trainer.train(resume_from_checkpoint=f"{folder}/checkpoint-2" if resume else None)
+        pipe = trainer._fxpipe_train_pipe
+        assert pipe._dp.on_devices and pipe._dp.shard, "not reduced on the devices"
+        got[name] = {"losses": losses(trainer), "state": pipe.full_state_dict(),
+                     "norms": [h["grad_norm"] for h in trainer.state.log_history
+                               if "grad_norm" in h]}
         trainer.close_pipes()
     if torch.distributed.get_rank() == 0:
         torch.save(got, out)

@@ -49,6 +49,10 @@ How a step maps onto the pipe:
   size > 1) the training pipe is compiled with ``data_parallel=True``: each rank trains
   its share of the batch and gradients are averaged in the pipeline's backward; the
   Trainer's non-final accumulation steps run under ``pipe.no_sync()``.
+  ``data_parallel="device"``: the gradients reduce-scattered on the devices, each rank
+  stepping 1/N of the optimizer (and of the fp32 masters under ``bf16``) in the pipe,
+  clipping included; its checkpoints hold the shards (``fxpipe_shards/``, written by
+  every rank with ``pipe.save_checkpoint``) and resume from them exactly.
 
 Options fxpipe cannot honour raise at construction: DeepSpeed, FSDP, ``fp16`` (loss
 scaling), LOMO optimizers. ``gradient_checkpointing=True`` (TRL's default) is turned off:
@@ -60,6 +64,7 @@ captured). TRL: ``fxpipe_trainer(trl.SFTTrainer)(model=..., args=SFTConfig(...),
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,10 +79,13 @@ except ImportError as e:   # the core depends on torch alone
                       "pip install 'fxpipe[hf]'") from e
 
 import fxpipe
+from fxpipe.integrations.trainer_options import (check_args, check_chunks, check_trainer,
+                                                torch_compile_config)
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.issue.microbatch import merge_output
 
 __all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]
+SHARDS = "fxpipe_shards"   # a checkpoint's folder of optimizer shards (data_parallel="device")
 
 
 class _Replay(nn.Module):
@@ -162,13 +170,15 @@ class _PipedModel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulation steps before the last: no gradient averaging across ranks."""
-        pipe = self._trainer._fxpipe_train_pipe
-        if pipe is None or pipe._dp is None:
+        """Accumulation steps before the last: no gradient averaging across ranks (the
+        training step runs its call under ``pipe.no_sync()``, also the first one, which
+        compiles the pipe)."""
+        trainer = self._trainer
+        trainer._fxpipe_unsynced = True
+        try:
             yield
-            return
-        with pipe.no_sync():
-            yield
+        finally:
+            trainer._fxpipe_unsynced = False
 
 
 def _sum_loss(outputs: list) -> Any:
@@ -206,15 +216,15 @@ class FxpipeMixin:
     def __init__(self, *args: Any, fxpipe_config: fxpipe.RunConfig | None = None,
                  devices: Sequence[Any] | None = None, plan: fxpipe.ExecutePlan | None = None,
                  param_dtype: torch.dtype | None = None, stream_optimizer: bool | None = None,
-                 **kwargs: Any):
+                 data_parallel: bool | str = True, **kwargs: Any):
         if fxpipe_config is not None and not isinstance(fxpipe_config, fxpipe.RunConfig):
             raise TypeError(f"fxpipe_config must be an fxpipe.RunConfig, got "
                             f"{type(fxpipe_config).__name__}")
         if plan is not None and not isinstance(plan, fxpipe.ExecutePlan):
             raise TypeError(f"plan must be an fxpipe.ExecutePlan, got {type(plan).__name__}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        _check_args(training_args)
-        fxpipe_config = _torch_compile(training_args, fxpipe_config)
+        check_args(training_args)
+        fxpipe_config = torch_compile_config(training_args, fxpipe_config)
         if getattr(training_args, "bf16", False) and \
                 param_dtype not in (None, torch.bfloat16, torch.float32):
             raise ValueError(f"FxpipeTrainer: TrainingArguments(bf16=True) with "
@@ -229,14 +239,23 @@ class FxpipeMixin:
             raise TypeError(f"stream_optimizer must be True, False or None (stream when the "
                             f"optimizer allows), got {stream_optimizer!r}")
         self._fxpipe_stream = stream_optimizer
+        if data_parallel not in (True, "host", "device"):
+            raise ValueError(f"FxpipeTrainer: data_parallel must be True (= 'host') or 'device' "
+                             f"(under torchrun), got {data_parallel!r}")
+        if data_parallel == "device" and stream_optimizer is False:
+            raise ValueError("FxpipeTrainer(data_parallel='device') steps each rank's shard "
+                             "of the optimizer in the pipe: leave stream_optimizer on")
+        self._fxpipe_dp = data_parallel
+        self._fxpipe_resume: str | None = None   # sharded state to load into the train pipe
+        self._fxpipe_unsynced = False   # inside the accumulation's no_sync()
         self._fxpipe_stepped = False
         self._fxpipe_pipes: dict[tuple, fxpipe.PipelineModule] = {}
         self._fxpipe_train_pipe: fxpipe.PipelineModule | None = None
         self._fxpipe_wrapped: _PipedModel | None = None
         self._fxpipe_group: Any = None
         super().__init__(*args, **kwargs)
-        _check_trainer(self)
-        _check_chunks(self)
+        check_trainer(self)
+        check_chunks(self)
 
     # -- the pipes -------------------------------------------------------------------------
     def _fxpipe_pipe(self, args: tuple, kwargs: dict, *, training: bool) -> fxpipe.PipelineModule:
@@ -260,9 +279,12 @@ class FxpipeMixin:
                 extra["process_group"] = self._fxpipe_group
             pipe = fxpipe.compile(self.model, example_inputs=tuple(args), example_kwargs=kwargs,
                                   devices=self._fxpipe_devices, config=self._fxpipe_config,
-                                  plan=self._fxpipe_plan, param_dtype=dtype, data_parallel=dp,
-                                  **extra)
+                                  plan=self._fxpipe_plan, param_dtype=dtype,
+                                  data_parallel=self._fxpipe_dp if dp else False, **extra)
             self._fxpipe_pipes[key] = pipe
+            if training and self._fxpipe_resume is not None:   # (_load_optimizer_and_scheduler)
+                pipe.load_checkpoint(self._fxpipe_resume, self._fxpipe_inner())
+                self._fxpipe_resume = None
         if training:
             self._fxpipe_train_pipe = pipe
         return pipe
@@ -339,7 +361,7 @@ class FxpipeMixin:
         ga = self.current_gradient_accumulation_steps
         trainer, module = self, self.model
         # token chunks (``fxpipe.sequence_chunks``): each chunk's compute_loss is the model's
-        # own labels= loss (_check_chunks), over the step's num_items_in_batch
+        # own labels= loss (check_chunks), over the step's num_items_in_batch
         chunked = self._fxpipe_config is not None and \
             self._fxpipe_config.sequence_chunks is not None
 
@@ -352,7 +374,9 @@ class FxpipeMixin:
         step = self._fxpipe_streamed_step()
         summed = "num_items_in_batch" in model_inputs if chunked else scaled
         label = None if chunked else dict(inputs)
-        with self._fxpipe_autocast(pipe):
+        unsynced = pipe.no_sync() if self._fxpipe_unsynced and pipe._dp is not None \
+            else contextlib.nullcontext()
+        with self._fxpipe_autocast(pipe), unsynced:
             loss = pipe.forward_backward((), model_inputs, label=label, loss_fn=loss_fn,
                                          loss_reduction="sum" if summed else "mean",
                                          optimizer=step)
@@ -368,11 +392,12 @@ class FxpipeMixin:
         optimizer allows it; else None (the Trainer steps after the call)."""
         if self._fxpipe_stream is False or not self.accelerator.gradient_state.sync_gradients:
             return None
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        inner = self._fxpipe_inner()
         reason = _why_not_streamed(self, inner)
         if reason is not None:
-            if self._fxpipe_stream:
-                raise NotImplementedError(f"FxpipeTrainer(stream_optimizer=True): {reason}")
+            if self._fxpipe_stream or self._fxpipe_dp == "device":
+                raise NotImplementedError(f"FxpipeTrainer(stream_optimizer=True or data_parallel="
+                                          f"'device'): {reason}")
             return None
         clip = self.args.max_grad_norm if self.args.max_grad_norm and \
             self.args.max_grad_norm > 0 else None
@@ -381,6 +406,35 @@ class FxpipeMixin:
             step = fxpipe.optim.overlapped(inner, max_grad_norm=clip)
             inner.__dict__["_fxpipe_trainer_step"] = step
         return step
+
+    def _fxpipe_inner(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _fxpipe_sharded(self) -> bool:
+        pipe = self._fxpipe_train_pipe
+        return pipe is not None and pipe._dp is not None and pipe._dp.shard
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``data_parallel="device"``: every rank writes its optimizer shards (and fp32
+        masters) with ``pipe.save_checkpoint``; the scheduler as the Trainer saves it."""
+        if not self._fxpipe_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self._fxpipe_train_pipe.save_checkpoint(os.path.join(output_dir, SHARDS),
+                                                self._fxpipe_inner())
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A checkpoint with optimizer shards: the scheduler now, the shards into the
+        training pipe once it is compiled (on the first batch)."""
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDS)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._fxpipe_dp != "device":
+            raise ValueError(f"{checkpoint} holds optimizer shards (FxpipeTrainer("
+                             "data_parallel='device')): resume it with data_parallel='device'")
+        self._fxpipe_resume = os.path.join(checkpoint, SHARDS)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"),
+                                                     weights_only=True))
 
     def _fxpipe_skip_next_step(self) -> None:
         """The pipe stepped the optimizer: the Trainer's ``optimizer.step()`` that follows
@@ -402,8 +456,7 @@ class FxpipeMixin:
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if self._fxpipe_stepped:   # clipped (if needed) and stepped in the pipe
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)
-            step = inner.__dict__.get("_fxpipe_trainer_step")
+            step = self._fxpipe_inner().__dict__.get("_fxpipe_trainer_step")
             if step is not None and step.grad_norm is not None:
                 return step.grad_norm   # measured before clipping, as the Trainer logs it
             return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
@@ -415,7 +468,8 @@ class FxpipeTrainer(FxpipeMixin, transformers.Trainer):
     docstring). Extra keyword arguments: ``fxpipe_config`` (an ``fxpipe.RunConfig``:
     microbatches, recompute grain, ...), ``devices`` (as ``fxpipe.compile``'s: None =
     every GPU, else two virtual CPU devices), ``plan`` (an ``fxpipe.ExecutePlan``),
-    ``param_dtype`` (default ``torch.bfloat16`` under ``args.bf16``)."""
+    ``param_dtype`` (default ``torch.bfloat16`` under ``args.bf16``), ``stream_optimizer``,
+    ``data_parallel`` (under torchrun: ``True`` or ``"device"``)."""
 
 
 def fxpipe_trainer(trainer_cls: type) -> type:
@@ -432,71 +486,6 @@ def fxpipe_trainer(trainer_cls: type) -> type:
     return type(f"Fxpipe{trainer_cls.__name__}", (FxpipeMixin, trainer_cls),
                 {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} training through "
                  "fxpipe (fxpipe.integrations.transformers.FxpipeMixin)."})
-
-
-def _check_args(args: Any) -> None:
-    """Options of ``TrainingArguments`` fxpipe cannot honour: raise before anything runs."""
-    if args is None:
-        return
-    where = "FxpipeTrainer: TrainingArguments"
-    if getattr(args, "deepspeed", None):
-        raise ValueError(f"{where}(deepspeed=...) cannot be honoured: fxpipe partitions the "
-                         "model itself (parameters in host memory, stages streamed to the "
-                         "GPUs); drop the DeepSpeed config, or use transformers.Trainer")
-    if getattr(args, "fsdp", None):
-        raise ValueError(f"{where}(fsdp=...) cannot be honoured: fxpipe pipelines the model "
-                         "over the GPUs instead of sharding it; drop fsdp=, or use "
-                         "transformers.Trainer")
-    if getattr(args, "fp16", False):
-        raise NotImplementedError(f"{where}(fp16=True): fp16 needs loss scaling, which the "
-                                  "fused step does not route yet; use bf16=True "
-                                  "(param_dtype=torch.bfloat16) or fp32")
-    for name in ("activation_checkpointing", "gradient_checkpointing"):   # new name, old
-        if name in getattr(args, "__dict__", {}) and args.__dict__[name]:
-            # what it asks for (activations recomputed in backward, not kept) fxpipe does
-            # already, per stage (RunConfig.recompute_grain); HF's own checkpointing inside
-            # the captured model would only recompute twice
-            args.__dict__[name] = False
-    if getattr(args, "loss_type", None) == "chunked_nll":
-        # TRL's default: "nll"'s math, its loss computed in a data-dependent loop over token
-        # chunks that no capture can trace; the pipe's tail holds one microbatch's logits
-        args.loss_type = "nll"
-    if getattr(args, "activation_offloading", False):
-        raise ValueError(f"{where}(activation_offloading=True) cannot be honoured: fxpipe "
-                         "already keeps activations on the host between stages; set it False")
-    optim = str(getattr(args, "optim", ""))
-    if "lomo" in optim.lower():
-        raise NotImplementedError(f"{where}(optim={optim!r}): LOMO steps inside backward "
-                                  "hooks, which the pipeline's backward does not run; use "
-                                  "another optimizer")
-
-
-def _torch_compile(args: Any, config: fxpipe.RunConfig | None) -> fxpipe.RunConfig | None:
-    """``TrainingArguments(torch_compile=True)``: fxpipe compiles its stage code with
-    inductor (``RunConfig(stage_backend="inductor")``; with
-    ``torch_compile_mode="reduce-overhead"``, torch.compile's CUDA graphs, its stage jobs
-    as device graphs: ``stage_backend="cudagraphs"``; a ``stage_backend`` in the
-    trainer's ``fxpipe_config`` wins) instead of transformers wrapping the whole model in
-    ``torch.compile`` (which the pipeline's capture would then have to see through)."""
-    if args is None or not getattr(args, "torch_compile", False):
-        return config
-    where = "FxpipeTrainer: TrainingArguments"
-    backend = getattr(args, "torch_compile_backend", None) or "inductor"
-    if backend != "inductor":
-        raise ValueError(f"{where}(torch_compile_backend={backend!r}) cannot be honoured: "
-                         "fxpipe compiles its stage code with inductor "
-                         "(RunConfig(stage_backend='inductor')); use 'inductor' or drop it")
-    mode = getattr(args, "torch_compile_mode", None)
-    stage_backend = {None: "inductor", "default": "inductor",
-                     "reduce-overhead": "cudagraphs"}.get(mode)
-    if stage_backend is None:
-        raise NotImplementedError(f"{where}(torch_compile_mode={mode!r}): fxpipe compiles its "
-                                  "stage code with inductor's default mode, or with "
-                                  "'reduce-overhead' as CUDA graphs of its stage jobs "
-                                  "(RunConfig(stage_backend='cudagraphs')); autotuning modes "
-                                  "are not built: use one of those or drop torch_compile_mode")
-    args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
-    return fxpipe.RunConfig.merge(fxpipe.RunConfig(stage_backend=stage_backend), config)
 
 
 _STREAMABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
@@ -523,41 +512,3 @@ def _checkpointing_off(model: nn.Module) -> None:
             if getattr(model, is_on, False):
                 getattr(model, off)()
             return
-
-
-def _check_chunks(trainer: Any) -> None:
-    """``fxpipe_config=RunConfig(sequence_chunks=...)``: the step runs the model's own
-    ``labels=`` loss over token chunks, so what would compute another loss on whole
-    logits is refused here, before training starts."""
-    config = trainer._fxpipe_config
-    if config is None or config.sequence_chunks is None:
-        return
-    where = "FxpipeTrainer(fxpipe_config=RunConfig(sequence_chunks=...))"
-    if getattr(trainer, "label_smoother", None) is not None or \
-            getattr(trainer, "compute_loss_func", None) is not None:
-        raise NotImplementedError(
-            f"{where} runs the model's own labels= loss chunk by chunk; label smoothing and "
-            "compute_loss_func need the whole logits: drop them, or drop sequence_chunks")
-    own = type(trainer).compute_loss
-    if own is not transformers.Trainer.compute_loss:
-        raise NotImplementedError(
-            f"{where}: {type(trainer).__name__}.compute_loss overrides Trainer.compute_loss "
-            f"({own.__qualname__}), and a chunked step runs the model's own labels= loss "
-            "without calling it; use FxpipeTrainer, or drop sequence_chunks")
-    if config.stage_backend == "cudagraphs":
-        raise NotImplementedError(
-            f"{where} with stage_backend='cudagraphs' (TrainingArguments(torch_compile_mode="
-            "'reduce-overhead') asks for it): a chunk's attention moves its keys from Python, "
-            "which a device graph's replay does not run; use torch_compile_mode='default' "
-            "(inductor) or drop one")
-
-
-def _check_trainer(trainer: Any) -> None:
-    """What the accelerator decided (an ``accelerate launch`` config may ask for it)."""
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("FxpipeTrainer: the accelerate config enables DeepSpeed, which fxpipe "
-                         "cannot honour (it partitions the model itself); launch without it")
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
-        raise ValueError("FxpipeTrainer: the accelerate config enables FSDP, which fxpipe cannot "
-                         "honour (it pipelines the model instead of sharding it); launch "
-                         "without it")
