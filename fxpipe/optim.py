@@ -74,10 +74,10 @@ gradient: nothing is overlapped). Call ``scaler.update()`` after the call, as in
 
 Failures: with ``atomic=True`` (or while speculating on clipping) a call failing before
 its commit, or in the clipping after it (``N``), puts back the stepped parameters, their
-state and ``.grad``: nothing changed. Otherwise the stages already stepped stay stepped, each whole (never half a
-tensor): the ``StageError`` carries a note naming them. A step after the commit
-(``N``, ``SS``, ``S`` after ``C``) that fails raises with the call's gradients in
-``.grad``.
+state and ``.grad``: nothing changed. Otherwise the stages already stepped stay stepped,
+each whole (never half a tensor): the ``StageError`` carries a note naming them. A step
+after the commit (``SS``, ``S`` after ``C``) that fails raises with the call's gradients
+in ``.grad``.
 """
 
 from __future__ import annotations

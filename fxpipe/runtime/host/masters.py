@@ -37,8 +37,8 @@ def _refuse_outside_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) 
                 raise ValueError(
                     f"{type(opt).__name__}.step() over a parameter ({tuple(p.shape)}, "
                     f"{p.dtype}) whose fp32 master fxpipe shards across the ranks "
-                    "(shard_optimizer=True or data_parallel='device', with param_dtype): the "
-                    "parameter is its bf16 copy and this step cannot reach the masters. Let "
+                    f"(shard_optimizer=True or data_parallel='device', with param_dtype): the "
+                    f"parameter is its {p.dtype} copy and this step cannot reach the masters. Let "
                     "the pipe step it: pipe.forward_backward(..., optimizer=opt) (with "
                     "fxpipe.optim.overlapped(opt, max_grad_norm=..., accumulate=...) for "
                     "clipping and accumulation); or compile without param_dtype or with "

@@ -177,7 +177,6 @@ def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | 
     return None
 
 
-
 class OnDevices:
     """``data_parallel="device"``'s part of ``DataParallel``: a process group per device
     index, the stages' device buckets, and the ``DeviceReduceScatter`` itself. Needs
