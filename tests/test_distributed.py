@@ -558,6 +558,32 @@ def check_hf_bf16(rank: int, world: int, data_parallel: bool | str = True) -> No
     pipe.close()
 
 
+def check_subgroup(rank: int, world: int) -> None:
+    """``process_group=`` a user's subgroup (ranks 0 and 1 of 3; rank 2 makes no fxpipe
+    group): two clipped AdamW steps, reduced on the devices, equal eager on the two
+    ranks' batch; then that pipe is closed and a second one over the same ranks trains too
+    (torch names a subgroup's groups by the count of live groups: had the first pipe's
+    been destroyed, the second's would take their names and read their stale rendezvous)."""
+    sub = dist.new_group([0, 1])
+    if rank >= 2:
+        return
+    for attempt in range(2):
+        ref, model = make_model(), make_model()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        pipe = compile_dp(model, rank, data_parallel="device", process_group=sub)
+        for step in range(2):
+            X, Y = data(2, step)
+            ce(ref(X), Y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                  optimizer=overlapped(opt, max_grad_norm=0.05))
+            assert_params(model, ref, f"subgroup, pipe {attempt}, step {step}")
+        pipe.close()
+
+
 def check_failure_sharded(rank: int, world: int) -> None:
     """The same with shard_optimizer=True: stepped shards and their state put back, the
     fp32 masters too when they are sharded (param_dtype); and failing in a clipped redo."""
@@ -571,7 +597,8 @@ CHECKS = {
         check_shard_optimizer, check_shard_across_plans, check_sharded_masters,
         check_checkpoints, check_mismatch, check_batch_mismatch, check_hf_bf16, check_failure,
         check_failure_sharded],
-    3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters],
+    3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters,
+        check_subgroup],
 }
 
 
