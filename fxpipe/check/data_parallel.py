@@ -29,8 +29,10 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
     against the same plan without data parallel, then a step of two calls (the first
     under ``no_sync()``: the stepping call's reduce-scatters add the accumulated ``.grad``,
     ``sRS+``), then a call without the optimizer and the optimizer's own step (the
-    devices all-reduce, ``sAR``): losses and parameters; the printed device collectives
-    and the gradient bytes each downloaded (and uploaded, the accumulated ones).
+    devices all-reduce, ``sAR``), then a clipped step (``max_grad_norm``: the sharded
+    step redone): losses, parameters and the clipped norm; the printed device
+    collectives and the gradient bytes each downloaded (and uploaded, the accumulated
+    ones).
 
     SGD, not AdamW: a parameter moves by ``lr`` times its gradient, so the parameters
     differ as the gradients do. AdamW divides by the gradient's root mean square: an
@@ -64,9 +66,13 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
         "accumulated_reduce_scatters": device["accumulated"],
         "device_all_reduces": device["all_reduces"],
         "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()},
-        "h2d_bytes_grads": device["h2d_bytes_grads"]})
+        "h2d_bytes_grads": device["h2d_bytes_grads"],
+        "clipped_grad_norm": {k: r["grad_norm"] for k, r in runs.items()},
+        "clipped_norm_rel_diff": abs(device["grad_norm"] - plain["grad_norm"])
+        / max(plain["grad_norm"], 1e-12)})
     scale = max(p.abs().max().item() for p in plain["params"])
     out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
+                 and out["clipped_norm_rel_diff"] <= RTOL
                  and out["device_reduce_scatters"] > 0 and device["accumulated"] > 0
                  and device["h2d_bytes_grads"] > 0 and device["all_reduces"] > 0)
     return out
@@ -101,7 +107,14 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
                           for a in acts)
         losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn)))
         opt.step()
+        opt.zero_grad(set_to_none=True)
+        # a clipped step (a limit every norm exceeds): with "device" the ranks' norm is
+        # gathered, the sharded step redone clipped and gathered again
+        clipped = fxpipe.optim.overlapped(opt, max_grad_norm=1e-3)
+        losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
+                                                  optimizer=clipped)))
         return {"losses": losses, "d2h_bytes_grads": d2h, "all_reduces": all_reduces,
+                "grad_norm": float(clipped.grad_norm),
                 "h2d_bytes_grads": h2d, "accumulated": accumulated,
                 "params": [p.detach().float().cpu() for p in model.parameters()],
                 "reduce_scatters": sum(str(a).endswith("RS") for acts in program.actions
@@ -115,6 +128,7 @@ def data_parallel_summary(r: dict[str, Any]) -> str:
             f"{r['device_reduce_scatters']} device reduce-scatters a step "
             f"({r.get('accumulated_reduce_scatters', 0)} adding the accumulated .grad after "
             f"a no_sync() call), {r.get('device_all_reduces', 0)} all-reduces in a call that "
-            "does not step; losses within "
+            f"does not step; the clipped norm within {r.get('clipped_norm_rel_diff', 0):.1e}; "
+            "losses within "
             f"{r['max_loss_rel_diff']:.1e}, parameters within {r['max_param_diff']:.1e} of "
             "the pipe without data parallel")
