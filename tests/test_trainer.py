@@ -419,6 +419,11 @@ def test_two_ranks_torchrun(tmp_path):
         (resumed["losses"], whole["losses"])
     for k, v in whole["state"].items():   # the fp32 masters gathered
         assert v.dtype == resumed["state"][k].dtype and torch.equal(v, resumed["state"][k]), k
+    # the saved model is the fp32 masters, not their bf16 copies
+    from safetensors.torch import load_file
+    saved = load_file(f"{out}.device bf16/checkpoint-4/model.safetensors")
+    for k, v in saved.items():
+        assert v.dtype == torch.float32 and torch.equal(v, whole["state"][k]), k
 
 
 class Prompts(torch.utils.data.Dataset):

@@ -424,6 +424,22 @@ class FxpipeMixin:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under sharded fp32 masters (``data_parallel="device"`` with ``bf16``) the model's
+        parameters are their bf16 copies: every rank gathers the masters
+        (``pipe.full_state_dict``), rank 0 saves them, so the saved model is the fp32 one
+        the unsharded Trainer saves."""
+        pipe = self._fxpipe_train_pipe
+        if pipe is None or pipe._dp is None or not pipe._dp.masters:
+            return super().save_model(output_dir, _internal_call)
+        state = pipe.full_state_dict()
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir,
+                       state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save",
+                             revision=getattr(self.args, "hub_revision", None))
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """A checkpoint with optimizer shards: the scheduler now, the shards into the
         training pipe once it is compiled (on the first batch)."""
