@@ -410,14 +410,16 @@ class FxpipeMixin:
     def _fxpipe_inner(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
-    def _fxpipe_sharded(self) -> bool:
+    def _fxpipe_train_dp(self) -> Any:
+        """The training pipe's ``DataParallel``, or None."""
         pipe = self._fxpipe_train_pipe
-        return pipe is not None and pipe._dp is not None and pipe._dp.shard
+        return pipe._dp if pipe is not None else None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``data_parallel="device"``: every rank writes its optimizer shards (and fp32
         masters) with ``pipe.save_checkpoint``; the scheduler as the Trainer saves it."""
-        if not self._fxpipe_sharded():
+        dp = self._fxpipe_train_dp()
+        if dp is None or not dp.shard:
             return super()._save_optimizer_and_scheduler(output_dir)
         self._fxpipe_train_pipe.save_checkpoint(os.path.join(output_dir, SHARDS),
                                                 self._fxpipe_inner())
@@ -429,10 +431,10 @@ class FxpipeMixin:
         parameters are their bf16 copies: every rank gathers the masters
         (``pipe.full_state_dict``), rank 0 saves them, so the saved model is the fp32 one
         the unsharded Trainer saves."""
-        pipe = self._fxpipe_train_pipe
-        if pipe is None or pipe._dp is None or not pipe._dp.masters:
+        dp = self._fxpipe_train_dp()
+        if dp is None or not dp.masters:
             return super().save_model(output_dir, _internal_call)
-        state = pipe.full_state_dict()
+        state = self._fxpipe_train_pipe.full_state_dict()
         if self.args.should_save:
             self._save(output_dir if output_dir is not None else self.args.output_dir,
                        state_dict=state)

@@ -80,7 +80,9 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
     Commit()                [C]     outputs merged; gradients to ``.grad`` and     host
                                     buffer updates to the model, all or nothing
     ClipGradNorm()          [N]     after C: ``clip_grad_norm_`` (or, after       host
-                                    speculative steps, the check and the redo)
+                                    speculative steps, the check and the redo;
+                                    sharded: the ranks' norms all-gathered, a
+                                    redo's shards all-gathered again)
     ScalerStep()            [SS]    after C: ``scaler.step(optimizer)``           host
     QueueUpdate()           [Q]     after C: keep this call's update for the next host
     BroadcastBuffers()      [BC]    data parallel: the buffers from rank 0 to     collective
