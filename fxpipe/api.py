@@ -203,7 +203,7 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if pin_memory not in (None, True, False):
         raise TypeError(f"pin_memory must be True, False or None (pin when every device is "
                         f"a GPU or a cuda-semantics virtual device), got {pin_memory!r}")
-    on_devices = check_data_parallel(data_parallel)
+    on_devices, zero3 = check_data_parallel(data_parallel)
     if not data_parallel:
         given = [name for name, value, default in (
             ("process_group", process_group, None), ("shard_optimizer", shard_optimizer, False),
@@ -218,8 +218,8 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
         load_weights(model, weights)   # before capture: the model is real from here on
     quant.prepare(model, frozen_dtype)
     dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
-                      broadcast=bool(broadcast_buffers), on_devices=on_devices) \
-        if data_parallel else None
+                      broadcast=bool(broadcast_buffers), on_devices=on_devices,
+                      zero3=zero3) if data_parallel else None
     resolved = resolve_devices(devices)
     watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
@@ -281,8 +281,7 @@ class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn
         if dp is not None:
             dp.check_devices(self.devices)
             dp.check_same(digest(self._current, param_dtype, dp))
-            if dp.shard and param_dtype is not None:
-                dp.shard_masters(self._current.layers.params, param_dtype, self._host_params())
+            dp.prepare_params(self._current.layers.params, param_dtype, self._host_params())
 
     # -- compilation -------------------------------------------------------------------
     def _compiled_for(self, args: tuple, kwargs: dict) -> CompiledGraph:

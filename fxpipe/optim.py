@@ -299,6 +299,7 @@ class OptimizerCall:
         self.saved: list[_Saved] = []            # stages stepped with a backup, in order
         self.stepped: list[range] = []           # layers stepped, in order
         self.shards: list = []                   # the shards stepped (shard_optimizer)
+        self.zero3 = False                       # data_parallel="zero3" (pipeline sets it)
         self.owned: dict[int, list[torch.Tensor]] = {}
         self.stage_of: dict[tuple[int, int], int] = {}   # the Program's backward_stage_of
 
@@ -336,7 +337,8 @@ class OptimizerCall:
                 if shards is not None:
                     self.ov.sharded()
                     if self.backup:
-                        self.saved.append(_SavedShards(self.ov, params, shards))
+                        self.saved.append(_SavedShards(self.ov, params, shards,
+                                                       pieces=self.zero3))
                     step_shards(self.ov.optimizer, self.hyper, shards, self.ov.shard_state)
                     for p in params:   # their gradients were consumed by the sharded step
                         p.grad = None
@@ -392,7 +394,7 @@ class OptimizerCall:
                     torch.nn.utils.clip_grads_with_norm_(params, ov.max_grad_norm, total)
                     step_view(opt, self.hyper, params)
             if self.shards:
-                dp.all_gather(self.shards)
+                dp.publish(self.shards)
         self.saved.clear()
 
     def scaler_step(self) -> None:
@@ -485,13 +487,17 @@ class _Saved:
 
 class _SavedShards:
     """``shard_optimizer``: a copy of a stage's parameters (the all-gather rewrites them
-    whole), ``.grad``, this rank's fp32 masters of them and its shard state, to put
-    back."""
+    whole; ``data_parallel="zero3"``: of this rank's pieces only, the ones it writes into
+    the parameters the ranks share), ``.grad``, this rank's fp32 masters of them and its
+    shard state, to put back."""
 
-    def __init__(self, ov: Overlapped, params: Sequence[torch.Tensor], shards: Sequence[Any]):
+    def __init__(self, ov: Overlapped, params: Sequence[torch.Tensor], shards: Sequence[Any],
+                 pieces: bool = False):
         self.ov = ov
-        self.entries = [(p, p.detach().clone(), None if p.grad is None else p.grad.clone())
-                        for p in params]
+        self.entries = [(p, None if p.grad is None else p.grad.clone()) for p in params]
+        views = [b.params[i].detach().view(-1)[lo:hi] for b in (sh.bucket for sh in shards)
+                 for i, lo, hi, _ in b.pieces()] if pieces else [p.detach() for p in params]
+        self.values = [(v, v.clone()) for v in views]
         self.masters = [(m, m.clone()) for sh in shards for m in sh.bucket.masters
                         if m is not None]
         self.names = {n for sh in shards for n in sh.bucket.names}
@@ -499,10 +505,11 @@ class _SavedShards:
 
     def restore(self, grads: bool = False) -> None:
         with torch.no_grad():
-            for p, value, grad in self.entries:
-                p.copy_(value)
+            for p, grad in self.entries:
                 if grads:
                     p.grad = grad
+            for v, value in self.values:
+                v.copy_(value)
             for m, value in self.masters:
                 m.copy_(value)
         for k in [k for k in self.ov.shard_state if k in self.names]:

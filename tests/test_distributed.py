@@ -435,7 +435,7 @@ def check_batch_mismatch(rank: int, world: int) -> None:
 
 def check_failure(rank: int, world: int, shard: bool = False,
                   param_dtype: torch.dtype | None = None, on_devices: bool = False,
-                  clip: bool = False) -> None:
+                  clip: bool = False, zero3: bool = False) -> None:
     """Rank 1 fails in the middle of a step's backward (after deeper stages were reduced
     and stepped): every rank raises within the timeout, rank 0 a DistributedError naming
     rank 1, and every rank's parameters and .grad are as before the call. Leaves the pipe's
@@ -443,7 +443,8 @@ def check_failure(rank: int, world: int, shard: bool = False,
     sharded): rank 1 fails in its shallowest stage's device reduce-scatter, where the
     other ranks' devices wait for it (tests/test_dp_devices.py). ``clip`` (sharded): rank
     1 fails redoing the clipped step, after the norm decided it, while the others gather
-    their redone shards."""
+    their redone shards. ``zero3`` (``data_parallel="zero3"``, tests/test_zero3.py): the
+    ranks share the parameters, each putting back the pieces it wrote."""
     import fxpipe.optim
     from fxpipe.runtime.host.param_store import ParamStore
     from fxpipe.runtime.issue.distributed import DataParallel
@@ -451,9 +452,10 @@ def check_failure(rank: int, world: int, shard: bool = False,
     model = make_model()
     opt = overlapped(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                      **({"max_grad_norm": 1e-3} if clip else {"atomic": True}))
+    on_devices = on_devices or zero3
     shard = shard or on_devices
     pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype,
-                      **({"data_parallel": "device"} if on_devices else {}))
+                      **({"data_parallel": "zero3" if zero3 else "device"} if on_devices else {}))
     X, Y = data(world, 0)
     x, y = mine(X, rank), mine(Y, rank)
     pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)   # grads + momentum exist
@@ -502,6 +504,8 @@ def check_failure(rank: int, world: int, shard: bool = False,
     else:
         assert isinstance(info.value, fxpipe.DistributedError), repr(info.value)
         assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
+    if zero3:   # every rank has put its pieces back
+        dist.barrier()
     for (p0, g0), p in zip(before, model.parameters()):
         assert torch.equal(p0, p.detach()), "half-written parameters"
         assert (g0 is None and p.grad is None) or torch.equal(g0, p.grad), "half-written .grad"
@@ -514,7 +518,7 @@ def check_failure(rank: int, world: int, shard: bool = False,
     for n, m in pipe._dp.masters.items():
         assert torch.equal(m, masters_before[n]), f"half-written master {n}"
     with pytest.raises(fxpipe.DistributedError, match="cannot be used again"):
-        pipe.forward_backward((x,), label=y, loss_fn=ce)
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt if zero3 else None)
     pipe.close()
 
 

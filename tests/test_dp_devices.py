@@ -287,7 +287,6 @@ def test_data_parallel_on_the_devices(world, tmp_path):
 
 
 @pytest.mark.parametrize("value, error, match", [
-    ("zero3", NotImplementedError, "zero3.*not implemented"),
     ("nccl", TypeError, "data_parallel must be False, True"),
     (1, TypeError, "data_parallel must be False, True"),
 ])

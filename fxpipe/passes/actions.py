@@ -76,7 +76,10 @@ class CallSpec:
     gradients go to the host (they require grad); ``data_parallel``: ``"allreduce"`` or
     ``"shard"`` collectives, ``broadcast_buffers`` the buffers' broadcast (training
     calls of a data-parallel pipe); ``chunks``: the microbatches are one sequence's token
-    chunks (``RunConfig.sequence_chunks``), which every backward stage runs last first.
+    chunks (``RunConfig.sequence_chunks``), which every backward stage runs last first;
+    ``gather_params`` (every call of a ``data_parallel="zero3"`` pipe): each ``Prefetch``
+    uploads this rank's 1/N of the stage's parameters and a ``DeviceAllGather`` gathers
+    the rest.
 
     >>> str(CallSpec("fused", 4, optimizer=OptimizerSpec(clip=True)))
     'fused x4 grain=stage optimizer=exact+clip(speculate)'
@@ -93,6 +96,7 @@ class CallSpec:
     data_parallel: Literal["allreduce", "shard"] | None = None
     broadcast_buffers: bool = False
     chunks: bool = False
+    gather_params: bool = False
 
     def __post_init__(self) -> None:
         if self.run_type not in ("infer", "train", "fused"):
@@ -126,6 +130,8 @@ class CallSpec:
             parts.append("broadcast_buffers")
         if self.chunks:
             parts.append("sequence_chunks")
+        if self.gather_params:
+            parts.append("gather_params")
         return " ".join(parts)
 
 
@@ -319,6 +325,17 @@ DeviceReduce = (DeviceReduceScatter, DeviceAllReduce)
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceAllGather:
+    """``data_parallel="zero3"``: after the stage's ``Prefetch`` uploaded this rank's 1/N
+    of its parameters, the rest gathered from the same device of every other rank, on
+    the device's ``collective`` stream; the stage's computes wait for it (``3AG``)."""
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}AG"
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """Free the stage's parameters on the device (``3R``)."""
     stage: int
@@ -396,6 +413,16 @@ class AllGather:
 
 
 @dataclass(frozen=True, slots=True)
+class Barrier:
+    """Host, ``data_parallel="zero3"``, last: the ranks share one copy of the parameters
+    (host shared memory), each writing the 1/N it stepped; no rank goes on (to a call
+    whose uploads read them) before every rank has written (``SY``)."""
+
+    def __str__(self) -> str:
+        return "SY"
+
+
+@dataclass(frozen=True, slots=True)
 class Refresh:
     """Host, first: the copies devices read the parameters from made current (the
     ``param_dtype`` casts of the masters; with an asynchronous optimizer, the snapshot
@@ -451,28 +478,29 @@ class QueueUpdate:
 
 Action = Union[Prefetch, Upload, UploadGrad, Forward, GraphForward, FusedBackward, Checkpoint,
                RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
-               DeviceReduceScatter, DeviceAllReduce, Release, OptimizerStep, AsyncUpdate, Commit, BroadcastBuffers, AllReduce,
-               ReduceScatter, AllGather, Refresh, Accumulate, ClipGradNorm, ScalerStep,
-               QueueUpdate]
+               DeviceReduceScatter, DeviceAllReduce, DeviceAllGather, Release, OptimizerStep,
+               AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather,
+               Barrier, Refresh, Accumulate, ClipGradNorm, ScalerStep, QueueUpdate]
 Compute = (Forward, FusedBackward, Checkpoint, RecomputeBackward)
-Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather)
+Collective = (BroadcastBuffers, AllReduce, ReduceScatter, AllGather, Barrier)
 HostAction = (Refresh, Accumulate, OptimizerStep, AsyncUpdate, Commit, ClipGradNorm,
               ScalerStep, QueueUpdate, *Collective)
 AfterCommit = (ClipGradNorm, ScalerStep, QueueUpdate)
 """Host actions that only follow a ``Commit`` (they read ``.grad``)."""
 _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U": Upload,
                            "RS": DeviceReduceScatter, "AR": DeviceAllReduce,
+                           "AG": DeviceAllGather,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
 _GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward}
-_ACTION_RE = re.compile(r"^(\d+)(FB|RS|AR|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)(\+?)$")
-_JOB_CODES = ("P", "D", "R", "RS", "AR")   # a stage's job, no microbatch
+_ACTION_RE = re.compile(r"^(\d+)(FB|RS|AR|AG|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)(\+?)$")
+_JOB_CODES = ("P", "D", "R", "RS", "AR", "AG")   # a stage's job, no microbatch
 _HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
 _HOST_CODES: dict[str, type] = {"S": OptimizerStep, "M": Accumulate, "AR": AllReduce,
                                 "RS": ReduceScatter, "AG": AllGather}
 _HOST_WORDS: dict[str, type] = {"A": AsyncUpdate, "C": Commit, "BC": BroadcastBuffers,
                                 "RF": Refresh, "N": ClipGradNorm, "SS": ScalerStep,
-                                "Q": QueueUpdate}
+                                "Q": QueueUpdate, "SY": Barrier}
 
 
 def parse_action(text: str) -> Action:
@@ -510,16 +538,16 @@ STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "comp
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
           DeviceReduceScatter: "collective", DeviceAllReduce: "collective",
-          OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
+          DeviceAllGather: "collective", OptimizerStep: "host", AsyncUpdate: "host", Commit: "host", Refresh: "host",
           Accumulate: "host", ClipGradNorm: "host", ScalerStep: "host", QueueUpdate: "host",
           BroadcastBuffers: "collective", AllReduce: "collective", ReduceScatter: "collective",
-          AllGather: "collective"}
+          AllGather: "collective", Barrier: "collective"}
 
 
 def stream_of(action: Action) -> str:
     """The stream an action runs on: ``prefetch``, ``h2d``, ``compute``, ``d2h``,
     ``free``, ``grads``, ``control`` (``Release``), ``collective`` (a device's
-    ``DeviceReduceScatter``, ``DeviceAllReduce``), and on the host ``host`` or
+    ``DeviceReduceScatter``, ``DeviceAllReduce``, ``DeviceAllGather``), and on the host ``host`` or
     ``collective``."""
     return STREAM[type(action)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from fxpipe.passes.actions import (
     HOST, Accumulate, Action, AllGather, AllReduce, BroadcastBuffers, Checkpoint, Commit, Compute, Dep,
-    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward,
+    DeviceAllGather, DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward,
     Key, Offload, OptimizerStep, Prefetch, RecomputeBackward, ReduceScatter, Refresh, Release,
     Upload, UploadGrad, stream_of,
 )
@@ -52,6 +52,7 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
     last_stream: dict[str, int] = {}
     last_compute: int | None = None
     prefetched: dict[int, int] = {}
+    gathered: dict[int, int] = {}   # stage -> its DeviceAllGather, which computes wait for
     job: dict[int, dict[str, int]] = {}   # stage -> its last compute / download here
     releases: list[int] = []
     uploads: dict[tuple[type, Key], int] = {}
@@ -93,7 +94,14 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
                              else "buffers") for b in before]
                 releases.clear()
                 prefetched[s] = i
+                gathered.pop(s, None)
                 job[s] = {}
+            case DeviceAllGather(stage=s):
+                if s not in prefetched or s in gathered:
+                    fail(i, a, f"gathers stage {s}'s parameters, but no Prefetch({s}) before "
+                               f"it on device {d} uploaded this rank's part")
+                deps.append(Dep(d, prefetched[s], "end", "params"))
+                gathered[s] = job[s]["gather"] = i
             case Upload(stage=s, mb=mb):
                 for v in flow.upload.get((s, mb), ()):
                     if v not in program.inputs:
@@ -115,7 +123,7 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
                 first = computes[key][0][1] == i
                 if s not in prefetched:
                     fail(i, a, f"runs stage {s} with no Prefetch({s}) before it on device {d}")
-                deps.append(Dep(d, prefetched[s], "end", "params"))
+                deps.append(Dep(d, gathered.get(s, prefetched[s]), "end", "params"))
                 if first:
                     if flow.upload.get(key):
                         deps += uploaded(i, a, Upload, key, "input")
@@ -153,6 +161,7 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
                     job[s]["download"] = i
                 else:
                     del prefetched[s], job[s]
+                    gathered.pop(s, None)
                     releases.append(i)
         out.append(tuple(deps))
     return tuple(out)

@@ -92,7 +92,8 @@ def build_executable(lg: LayerGraph, plan: StagePlan, spec: CallSpec,
     program = build_program(fwd, bwd, run_type, G, spec.num_microbatch, "stage",
                             optimizer=spec.optimizer, grain=grain, values=values,
                             data_parallel=spec.data_parallel,
-                            broadcast_buffers=spec.broadcast_buffers, chunks=spec.chunks)
+                            broadcast_buffers=spec.broadcast_buffers, chunks=spec.chunks,
+                            gather_params=spec.gather_params)
     return Executable(run_type, grain, program, stages, pieces)
 
 

@@ -70,6 +70,10 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
                                     does not step sharded: the stage's gradients
                                     averaged in place across the ranks; ``sD``
                                     brings them whole (``sAR+``: with ``.grad``)
+    DeviceAllGather(s)      [sAG]   ``data_parallel="zero3"``: after ``sP``       collective
+                                    uploaded this rank's 1/N of the stage's
+                                    parameters, the rest gathered from the same
+                                    device of every rank
     Release(s)              [sR]    free the stage's parameters                   control
     Refresh()               [RF]    the copies uploads read made current (casts,  host
                                     snapshot); the buffers saved for a failure
@@ -94,6 +98,9 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
                                     average of its 1/N of that bucket
     AllGather(layers)       [AGa:b] ``shard_optimizer``: the stepped shards into  collective
                                     every rank's parameters
+    Barrier()               [SY]    ``data_parallel="zero3"``, last: every rank   collective
+                                    wrote what it stepped into the parameters
+                                    the ranks share
 
 The host lane has two streams: ``host`` (refresh, optimizer, accumulation, commit) and
 ``collective`` (the collectives, in the same order on every rank, so that they match).
@@ -143,7 +150,9 @@ simulator both follow them, nothing else orders actions):
    downloads ``OptimizerStep(layers)`` would (rule 7), the ``OptimizerStep`` of the same
    layers for them, ``AllGather(layers)`` for that ``OptimizerStep``. A device's
    ``DeviceReduceScatter(s)`` (or ``DeviceAllReduce(s)``) waits for what its
-   ``DownloadGrads(s)`` would (rule 7), and that download for it.
+   ``DownloadGrads(s)`` would (rule 7), and that download for it. A
+   ``DeviceAllGather(s)`` waits for its ``Prefetch(s)``; the stage's computes, its
+   collectives, ``DownloadGrads(s)`` and ``Release(s)`` wait for it.
 
 A two-part compute (``FusedBackward``: tail forward then backward;
 ``RecomputeBackward``: recompute then backward) has its ``grad`` dependencies gate only
@@ -159,8 +168,8 @@ from typing import Sequence
 from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exported
     HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
     BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
-    DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free,
-    FusedBackward, GraphForward, GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
+    Barrier, DeviceAllGather, DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads,
+    Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
     RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, StageKind, StageSpec, Upload,
     UploadGrad, parse_action, stream_of,
 )

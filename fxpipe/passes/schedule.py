@@ -19,8 +19,8 @@ from typing import Callable, Collection, Literal, Sequence
 
 from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, re-exported
     HOST, LABEL, Accumulate, Action, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers,
-    CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dataflow, Dep,
-    DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
+    Barrier, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dataflow, Dep,
+    DeviceAllGather, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, HostAction, Key, Offload, OptimizerSpec,
     OptimizerStep, Prefetch, Program, QueueUpdate, RecomputeBackward, ReduceScatter, Refresh,
     Release, RunType, ScalerStep, StageKind, StageSpec, Upload, UploadGrad, dataflow,
     parse_action, stream_of,
@@ -29,15 +29,19 @@ from fxpipe.passes.program import (  # noqa: F401 — the Program's vocabulary, 
 Dispatch = Literal["roundpipe", "stage"]
 OptimizerMode = Literal["exact", "async"]
 DataParallelMode = Literal["allreduce", "shard", "device", "device_accumulated",
-                           "device_allreduce", "device_allreduce_accumulated"]
+                           "device_allreduce", "device_allreduce_accumulated", "zero3",
+                           "zero3_accumulated"]
 """Which collectives a data-parallel training call runs: gradient all-reduce on the host
 lane; (``shard_optimizer``) reduce-scatter and all-gather there; (``"device"``) each
 stage's reduce-scatter on the devices (``DeviceReduceScatter``), the all-gather of the
 stepped shards on the host lane; or (``"device_allreduce"``, a call that does not step a
 sharded optimizer) each stage's all-reduce on the devices (``DeviceAllReduce``). The
 ``_accumulated`` forms add the host's accumulated ``.grad`` first (``sRS+``, ``sAR+``:
-a call after calls that did not synchronize)."""
-SHARDED_ON_DEVICES = ("device", "device_accumulated")
+a call after calls that did not synchronize). ``"zero3"`` reduces as ``"device"``
+does, but the ranks share one copy of the parameters (each writes the 1/N it stepped):
+no ``AllGather``, a ``Barrier`` last."""
+ZERO3 = ("zero3", "zero3_accumulated")
+SHARDED_ON_DEVICES = ("device", "device_accumulated", *ZERO3)
 ON_DEVICES = (*SHARDED_ON_DEVICES, "device_allreduce", "device_allreduce_accumulated")
 
 
@@ -114,7 +118,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                   optimizer: bool | OptimizerMode | OptimizerSpec | None = False,
                   grain: str = "stage",
                   values: Values | None = None, data_parallel: DataParallelMode | None = None,
-                  broadcast_buffers: bool = False, chunks: bool = False) -> Program:
+                  broadcast_buffers: bool = False, chunks: bool = False,
+                  gather_params: bool = False) -> Program:
     """Build the Program for a plan.
 
     ``dispatch="stage"`` (docs/design.md, rule 1): stage ``s`` runs on device ``s mod G`` as one
@@ -144,6 +149,8 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
     ``data_parallel`` and ``broadcast_buffers``: the collectives of the host lane
     (:func:`host_lane`). ``chunks`` (``dispatch="stage"``): the microbatches are one
     sequence's token chunks; every backward stage runs them last first.
+    ``gather_params`` (``data_parallel="zero3"``): a ``DeviceAllGather`` after each
+    ``Prefetch``.
 
     >>> p = build_program([range(0, 2)], [range(2, 3), range(0, 2)], "fused", 2, 4)
     >>> [str(a) for a in p.actions[1] if isinstance(a, (Forward, FusedBackward))]
@@ -165,7 +172,7 @@ def build_program(plan_fwd: Sequence[range], plan_bwd: Sequence[range], run_type
                    for st, r, m, o in zip(stages, values.reads, values.makes, owns))
     host = host_lane(stages, optimizer, data_parallel, broadcast_buffers)
     emit = _Emitter(num_devices, num_microbatches, stages, values, run_type, grain, host,
-                    data_parallel)
+                    data_parallel, gather_params)
     G, M, F, S = num_devices, num_microbatches, len(plan_fwd), len(stages)
     jobs: list[list[tuple[int, list[int]]]] = [[] for _ in range(G)]
     if dispatch == "stage":
@@ -268,6 +275,12 @@ def host_lane(stages: Sequence[StageSpec],
 
         >>> [str(a) for a in host_lane(st, None, "device_allreduce")]
         ['RF', 'M1:3', 'M0:1', 'C']
+
+    With ``"zero3"`` each rank writes the shards it stepped into the parameters the ranks
+    share, and waits for the others last::
+
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True), "zero3")]
+        ['RF', 'S1:3', 'S0:1', 'C', 'N', 'SY']
     """
     spec = optimizer_spec(optimizer)
     if data_parallel not in (None, "allreduce", "shard", *ON_DEVICES):
@@ -293,7 +306,7 @@ def host_lane(stages: Sequence[StageSpec],
         if sharded:
             if data_parallel == "shard":
                 host.append(ReduceScatter(layers))
-            if j:
+            if j and data_parallel not in ZERO3:
                 host.append(AllGather(backward[j - 1]))
         elif data_parallel == "allreduce":
             host.append(AllReduce(layers))
@@ -301,7 +314,7 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(OptimizerStep(layers))
         elif data_parallel is None or data_parallel in ON_DEVICES:   # (reduced there)
             host.append(Accumulate(layers))
-    if sharded and backward:
+    if sharded and backward and data_parallel not in ZERO3:
         host.append(AllGather(backward[-1]))
     if not train:
         host.append(Commit())
@@ -314,6 +327,8 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(QueueUpdate())
         elif not streamed:
             host += [OptimizerStep(layers) for layers in backward]
+    if data_parallel in ZERO3:
+        host.append(Barrier())
     return tuple(host)
 
 
@@ -322,8 +337,9 @@ class _Emitter:
 
     def __init__(self, G: int, M: int, stages: tuple[StageSpec, ...], values: Values,
                  run_type: RunType, grain: str, host: tuple[Action, ...],
-                 data_parallel: DataParallelMode | None = None):
+                 data_parallel: DataParallelMode | None = None, gather: bool = False):
         self.G, self.M, self.stages, self.values = G, M, stages, values
+        self.gather = gather
         self.run_type, self.grain, self.host = run_type, grain, host
         self.reduce = None if data_parallel not in ON_DEVICES else \
             DeviceReduceScatter if data_parallel in SHARDED_ON_DEVICES else DeviceAllReduce
@@ -357,6 +373,9 @@ class _Emitter:
             acts.append(UploadGrad(*key))
         return acts
 
+    def _prefetch(self, s: int) -> list[Action]:
+        return [Prefetch(s), DeviceAllGather(s)] if self.gather else [Prefetch(s)]
+
     def _compute(self, s: int, m: int) -> list[Action]:
         st = self.stages[s]
         if st.kind == "fwd":
@@ -370,7 +389,7 @@ class _Emitter:
     def _device(self, merged: list[tuple[int, list[int]]], flow: Dataflow) -> list[Action]:
         acts: list[Action] = []
         if merged:
-            acts.append(Prefetch(merged[0][0]))
+            acts += self._prefetch(merged[0][0])
             acts += self._inputs((merged[0][0], merged[0][1][0]), flow)
         for j, (s, mbs) in enumerate(merged):
             kind = self.stages[s].kind
@@ -381,7 +400,7 @@ class _Emitter:
                 if flow.needs_free((s, m), kind):
                     acts.append(Free(s, m))
                 if k == 0 and j + 1 < len(merged):
-                    acts.append(Prefetch(merged[j + 1][0]))
+                    acts += self._prefetch(merged[j + 1][0])
                 if k + 1 < len(mbs):
                     acts += self._inputs((s, mbs[k + 1]), flow)
                 elif j + 1 < len(merged):

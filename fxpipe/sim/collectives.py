@@ -2,8 +2,9 @@
 
 ``Hardware.collectives`` picks the mode; ``simulate`` lowers the Program before timing it.
 The runtime runs ``"device"`` itself (``data_parallel="device"``: its Program holds the
-``DeviceReduceScatter`` actions, which the simulator prices as they are); ``"zero3"`` is
-MODELLED only (its ``DeviceAllGather`` exists here, not in the runtime). A device mode
+``DeviceReduceScatter`` actions, which the simulator prices as they are, and
+``data_parallel="zero3"``'s also its ``DeviceAllGather`` actions); ``"zero3"`` here is
+the lowering of a sharded Program to what such a Program runs. A device mode
 lowers the Program of the sharded optimizer (``data_parallel="shard"``: per backward
 stage, deepest first, ``RS``, the shard's ``OptimizerStep``, ``AG``, on the host lane):
 
@@ -51,27 +52,16 @@ several devices compute one stage, each its own part, summed on the host)::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from fxpipe.passes.program import (
-    AllGather, AllReduce, Dep, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Prefetch,
-    Program, ReduceScatter, stream_of,
+    AllGather, AllReduce, Dep, DeviceAllGather, DeviceAllReduce, DeviceReduceScatter,
+    DownloadGrads, Prefetch, Program, ReduceScatter, stream_of,
 )
 
 Mode = Literal["host", "device", "zero3"]
 STREAM = "nccl"
 """The device stream the device collectives run on."""
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceAllGather:
-    """``"zero3"``: stage ``s``'s parameters gathered from every rank's 1/N, after its
-    ``Prefetch`` uploaded this rank's (``sAG``)."""
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}AG"
 
 
 DeviceCollective = (DeviceReduceScatter, DeviceAllReduce, DeviceAllGather)

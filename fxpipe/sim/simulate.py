@@ -91,6 +91,7 @@ from fxpipe.passes.program import (
     AllGather,
     AllReduce,
     AsyncUpdate,
+    Barrier,
     BroadcastBuffers,
     Checkpoint,
     ClipGradNorm,
@@ -132,8 +133,8 @@ the profiler's count of its generated kernels and the aten ops its wrapper calls
 _TRANSFERS = (Prefetch, Upload, UploadGrad, Offload, DownloadGrads)
 _COLLECTIVE = {AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllGather: "all_gather",
                DeviceReduceScatter: "reduce_scatter", DeviceAllReduce: "all_reduce",
-               DeviceAllGather: "all_gather"}
-_COLLECTIVES = (*_COLLECTIVE, BroadcastBuffers)
+               DeviceAllGather: "all_gather", Barrier: "all_reduce"}
+_COLLECTIVES = (*_COLLECTIVE, BroadcastBuffers, Barrier)
 MOVED = ("h2d_bytes_params", "h2d_bytes_activations", "h2d_bytes_grads", "d2h_bytes_activations",
          "d2h_bytes_grads", "network_bytes")
 """``Timeline.bytes_moved``'s keys: ``pipe.stats()``'s names for one rank's transfers, and
@@ -343,8 +344,9 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
               refresh_bytes=0, stage_backend=None) -> Timeline:
     lower = sharded(program, hardware.collectives)   # device collectives (module doc)
     native = any(isinstance(a, DeviceReduceScatter) for acts in program.actions for a in acts)
-    on_devices = lower or native   # native: a data_parallel="device" Program
-    zero3 = lower and hardware.collectives == "zero3"
+    on_devices = lower or native   # native: a data_parallel="device" or "zero3" Program
+    zero3 = (lower and hardware.collectives == "zero3") or any(
+        isinstance(a, DeviceAllGather) for acts in program.actions for a in acts)
     # each rank steps (with device collectives also downloads and widens) 1/R of these
     shard_of = {(a.layers.start, a.layers.stop) for a in program.host
                 if isinstance(a, ReduceScatter) or (native and isinstance(a, OptimizerStep))}
@@ -407,6 +409,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 return "network_bytes", sc.params[s]
             case BroadcastBuffers():
                 return "network_bytes", sum(c.buffer_bytes for c in costs)
+            case Barrier():   # its latency
+                return "network_bytes", 0
         return None
 
     def duration(a, d: int) -> float:

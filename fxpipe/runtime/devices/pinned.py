@@ -98,12 +98,13 @@ def reserved(nbytes: int) -> int:
 
 
 def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
-          account: Account | None = None) -> torch.Tensor:
+          account: Account | None = None, path: str | None = None) -> torch.Tensor:
     """A new 1-D host tensor of ``numel`` elements in page-locked memory of exactly its
     size rounded up to a page (uninitialized). ``emulate``: record it as page-locked
     without any CUDA call; else register it with CUDA (needs a CUDA build and a GPU;
     raises ``RuntimeError`` when registration fails, e.g. over the locked-memory limit).
-    ``account``: counts the reserved bytes until the memory is freed."""
+    ``account``: counts the reserved bytes until the memory is freed. ``path``: that
+    file's memory, which other processes map too (:func:`shared`)."""
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     nbytes = numel * dtype.itemsize
@@ -115,9 +116,9 @@ def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
             f"available (torch {torch.__version__}); pass emulate=True (no GPU copies it) or "
             "compile with pin_memory=False")
     size = reserved(nbytes)
-    # an anonymous map: page-aligned, and the tensor's storage is exactly the registered
-    # pages (torch's ``Tensor.is_pinned`` asks CUDA about the storage's first byte)
-    pages = mmap.mmap(-1, size)
+    # page-aligned, and the tensor's storage is exactly the registered pages (torch's
+    # ``Tensor.is_pinned`` asks CUDA about the storage's first byte)
+    pages = _map(size, path)
     block = torch.frombuffer(pages, dtype=torch.uint8)
     start = block.data_ptr()
     if not emulate:
@@ -131,6 +132,31 @@ def empty(numel: int, dtype: torch.dtype, *, emulate: bool,
     # process's memory goes with it)
     weakref.finalize(storage, _release, start, size, not emulate, account, pages).atexit = False
     del storage, pages
+    return block[:nbytes].view(dtype)
+
+
+def _map(size: int, path: str | None) -> mmap.mmap:
+    """``size`` bytes of anonymous memory, or of the file ``path`` (made or grown if
+    need be: the memory of every process that maps it)."""
+    if path is None:
+        return mmap.mmap(-1, size)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def shared(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D pageable host tensor of ``numel`` elements in the file ``path`` (``_map``)."""
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(numel, dtype=dtype)
+    pages = _map(reserved(nbytes), path)
+    block = torch.frombuffer(pages, dtype=torch.uint8)
+    # the map is held until the storage goes (then unmapped once nothing else holds it)
+    weakref.finalize(block.untyped_storage(), _release, -1, 0, False, None, pages).atexit = False
     return block[:nbytes].view(dtype)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,29 +20,39 @@ from fxpipe.runtime.host.buckets import _piece, _unique
 from fxpipe.runtime.host.params import HostParams
 
 
-# id -> the parameters whose fp32 masters some rank's pipe shards: a step of an optimizer
-# holding one is refused (fxpipe's own steps hold the masters' pieces instead)
-_mastered: dict[int, weakref.ref] = {}
+# id -> (a parameter some rank's pipe steps itself, why): a step of an optimizer holding
+# one is refused (fxpipe's own steps hold the masters' pieces instead)
+_refused: dict[int, tuple[weakref.ref, str]] = {}
 _hooked = threading.Lock()
+
+_MASTERED = (
+    "whose fp32 master fxpipe shards across the ranks (shard_optimizer=True or "
+    "data_parallel='device', with param_dtype): the parameter is its {dtype} copy and this "
+    "step cannot reach the masters. Let the pipe step it: pipe.forward_backward(..., "
+    "optimizer=opt) (with fxpipe.optim.overlapped(opt, max_grad_norm=..., accumulate=...) "
+    "for clipping and accumulation); or compile without param_dtype or with "
+    "shard_optimizer=False to step with your own loop")
+
+
+def refuse_outside_step(params: Iterable[torch.Tensor], why: str) -> None:
+    """Refuse any optimizer's ``step()`` over ``params`` from now on (a global step
+    pre-hook, registered once); ``why`` ends the message (``{dtype}``: the parameter's)."""
+    for p in params:
+        _refused[id(p)] = (weakref.ref(p, lambda _, i=id(p): _refused.pop(i, None)), why)
+    with _hooked:
+        if not getattr(_refuse_outside_step, "registered", False):
+            register_optimizer_step_pre_hook(_refuse_outside_step)
+            _refuse_outside_step.registered = True
 
 
 def _refuse_outside_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """A global optimizer step pre-hook: refuse ``opt.step()`` over a parameter whose fp32
-    master is sharded, which would step the bf16 copy (with an fp32 ``.grad``) and never
-    reach the masters."""
+    """The global optimizer step pre-hook of :func:`refuse_outside_step`."""
     for g in opt.param_groups:
         for p in g["params"]:
-            ref = _mastered.get(id(p))
+            ref, why = _refused.get(id(p), (None, ""))
             if ref is not None and ref() is p:
-                raise ValueError(
-                    f"{type(opt).__name__}.step() over a parameter ({tuple(p.shape)}, "
-                    f"{p.dtype}) whose fp32 master fxpipe shards across the ranks "
-                    f"(shard_optimizer=True or data_parallel='device', with param_dtype): the "
-                    f"parameter is its {p.dtype} copy and this step cannot reach the masters. Let "
-                    "the pipe step it: pipe.forward_backward(..., optimizer=opt) (with "
-                    "fxpipe.optim.overlapped(opt, max_grad_norm=..., accumulate=...) for "
-                    "clipping and accumulation); or compile without param_dtype or with "
-                    "shard_optimizer=False to step with your own loop")
+                raise ValueError(f"{type(opt).__name__}.step() over a parameter "
+                                 f"({tuple(p.shape)}, {p.dtype}) " + why.format(dtype=p.dtype))
 
 
 class ShardedMasters:
@@ -87,11 +97,7 @@ class ShardedMasters:
                 self._mastered[name] = p
                 p.grad_dtype = p.dtype
                 p.data = p.detach().to(dtype)
-                _mastered[id(p)] = weakref.ref(p, lambda _, i=id(p): _mastered.pop(i, None))
-        with _hooked:
-            if not getattr(_refuse_outside_step, "registered", False):
-                register_optimizer_step_pre_hook(_refuse_outside_step)
-                _refuse_outside_step.registered = True
+        refuse_outside_step(todo.values(), _MASTERED)
         self.stamp(self.masters)
 
     def stamp(self, names: Sequence[str] | Mapping[str, Any]) -> None:

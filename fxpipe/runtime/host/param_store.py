@@ -66,6 +66,9 @@ class Uploaded(dict):
         self.slot: tuple[int, int] | None = None   # the parameter slot it is in (runtime.stages.graphs)
         self.memory: torch.Tensor | None = None    # that slot's memory
         self.layout: object = None   # what its graph jobs read of it (runtime.issue.compute), once
+        # data_parallel="zero3": (run's device memory, c) per parameter run, this rank's
+        # [rank*c, (rank+1)*c) uploaded, the rest for the DeviceAllGather to fill
+        self.gathers: list[tuple[torch.Tensor, int]] = []
 
 
 @dataclass
@@ -102,6 +105,9 @@ class ParamStore:
         self.host = host
         self.param_dtype = param_dtype
         self.snapshot = False   # uploads read a copy (an asynchronous optimizer is stepping)
+        # data_parallel="zero3": (rank, world); each upload moves this rank's 1/world of
+        # each parameter run (:meth:`upload`)
+        self.shard: tuple[int, int] | None = None
         stages = sorted(set(params) | set(buffers))
         host.adopt([[(f, t, False) for f, t in params.get(s, {}).items()]
                     + [(f, t, True) for f, t in buffers.get(s, {}).items()] for s in stages])
@@ -186,27 +192,34 @@ class ParamStore:
                              f"{self.slot_nbytes(stage)} B of uint8 and no resident buffers; "
                              f"got {into.numel()} B{' and resident buffers' if kept else ''}")
         on_device: list[tuple[_Run, torch.Tensor]] = []
+        made: list[torch.Tensor] = []       # device memory allocated here (release frees it)
+        gathers: list[torch.Tensor] = []
         moved = at = 0
         try:
             for run in runs:
                 src = self._source(run)
                 nbytes = src.numel() * src.element_size()
-                moved += nbytes
                 if into is not None:
                     place = into[at:at + nbytes].view(src.dtype)
                     at += _slot_align(nbytes)
                     on_device.append((run, device.copy_into(src, place)))
+                elif self.shard is not None and not run.slots[0].is_buffer:
+                    full, lo, hi = self._upload_part(src, device, f"stage {stage}")
+                    made.append(full)
+                    on_device.append((run, full))
+                    gathers.append(full)
+                    nbytes = (hi - lo) * src.element_size()
                 else:
-                    on_device.append((run, device.to_device(src, kind="params",
-                                                            owner=f"stage {stage}")))
+                    made.append(device.to_device(src, kind="params", owner=f"stage {stage}"))
+                    on_device.append((run, made[-1]))
+                moved += nbytes
                 if self.host.ring is not None and isinstance(device, CudaDevice) \
                         and pinned.is_pinned(src) and file_backed(run.slots[0].tensor) is not None:
                     # a ring block: reused once this copy (queued on this stream) completes
                     self.host.ring.hold(src, torch.cuda.current_stream(device.device).record_event())
         except BaseException:  # e.g. DeviceMemoryError on the second run: undo the first
-            if into is None:
-                for _, t in on_device:
-                    device.free(t)
+            for t in made:
+                device.free(t)
             raise
         views: dict[int, torch.Tensor] = {}
         for slot in kept.values():
@@ -220,8 +233,33 @@ class ParamStore:
                 if requires_grad and not slot.is_buffer and slot.tensor.requires_grad:
                     view = view.detach().requires_grad_()
                 views[id(slot)] = view
-        return Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
-                        [t for _, t in on_device] if into is None else [], moved)
+        out = Uploaded({fqn: views[id(slot)] for fqn, slot in self._names[stage].items()},
+                       made, moved)
+        out.gathers = [(full, full.numel() // self.shard[1]) for full in gathers]
+        return out
+
+    def _upload_part(self, src: torch.Tensor, device: Device, owner: str
+                     ) -> tuple[torch.Tensor, int, int]:
+        """``data_parallel="zero3"``: device memory for the whole 1-D ``src`` (padded to
+        ``world * c`` elements, ``c = ceil(numel / world)``), with this rank's
+        ``[rank*c, (rank+1)*c)`` of it uploaded; the rest is the ``DeviceAllGather``'s.
+        Returns ``(memory, lo, hi)``, the part ``[lo, hi)`` (clipped to ``src``)."""
+        rank, world = self.shard
+        n, item = src.numel(), src.element_size()
+        c = _part(n, world)
+        full = device.empty(world * c * item, "params", owner).view(src.dtype)
+        lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
+        device.copy_into(src[lo:hi], full[lo:hi])
+        return full, lo, hi
+
+    def gather_parts(self, stage: int) -> list[tuple[int, torch.dtype]]:
+        """``data_parallel="zero3"``: ``(c, dtype)`` of each all-gather the stage's
+        ``DeviceAllGather`` posts (one per parameter run: ``c`` elements from each
+        rank), in upload order."""
+        world = self.shard[1] if self.shard is not None else 1
+        return [(_part(run.stop - run.start, world),
+                 _upload_dtype(run.slots[0], self.param_dtype))
+                for run in self._runs_of(stage) if not run.slots[0].is_buffer]
 
     def slot_grads(self, stage: int, uploaded: Uploaded) -> list[torch.Tensor]:
         """Gradient buffers in the parameter slot ``uploaded`` is in (its ``memory``,
@@ -351,6 +389,11 @@ class ParamStore:
 SLOT_ALIGN = 512
 """Where each run of an upload into a parameter slot starts (a multiple of it, as the
 CUDA caching allocator aligns its blocks)."""
+
+
+def _part(numel: int, world: int) -> int:
+    """Elements of each rank's part when ``numel`` are cut in ``world``, the last padded."""
+    return -(-numel // world)
 
 
 def _slot_align(nbytes: int) -> int:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,10 @@ class HostParams:
         # (id(slot), upload dtype) -> (stamp, page-locked copy) of a tensor not moved
         self._staged: dict[tuple[int, torch.dtype], tuple[tuple, torch.Tensor]] = {}
         self.ring: pinned.Ring | None = None   # file-backed uploads when pinning (``file_source``)
+        # data_parallel="zero3": the ranks' shared parameter regions, region -> file path,
+        # and whether this process fills a new region (else it maps what another filled)
+        self.shared: Callable[[int], str] | None = None
+        self.fill_shared = True
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pin: bool | None = None,
@@ -143,11 +147,14 @@ class HostParams:
         """Page-locked bytes reserved for these buffers (each rounded up to a page)."""
         return self.account.nbytes
 
-    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new host buffer: page-locked at its exact size if pinning."""
+    def _empty(self, numel: int, dtype: torch.dtype, path: str | None = None) -> torch.Tensor:
+        """A new host buffer: page-locked at its exact size if pinning; ``path``: in that
+        file, which the other ranks map too (:attr:`shared`)."""
         if self.pin:
-            return pinned.empty(numel, dtype, emulate=self.emulate, account=self.account)
-        return torch.empty(numel, dtype=dtype)
+            return pinned.empty(numel, dtype, emulate=self.emulate, account=self.account,
+                                path=path)
+        return torch.empty(numel, dtype=dtype) if path is None else \
+            pinned.shared(path, numel, dtype)
 
     # -- adopting tensors -----------------------------------------------------------------
     def adopt(self, groups: Sequence[Sequence[tuple[str, torch.Tensor, bool]]]) -> None:
@@ -184,17 +191,19 @@ class HostParams:
                 self.slots[id(t)] = slot
                 if _adoptable(t, self.slots.values()):
                     new.setdefault((t.dtype, is_buffer, _cast(slot)), []).append(slot)
-            for (dtype, _, _), slots in new.items():
+            for (dtype, is_buffer, _), slots in new.items():
                 size = 0
                 for slot in slots:
                     slot.offset = _align(size, dtype)
                     size = slot.offset + slot.numel
-                flat = self._empty(size, dtype)
                 region = len(self.flats)
+                shared = self.shared is not None and not is_buffer
+                flat = self._empty(size, dtype, self.shared(region) if shared else None)
                 self.flats.append(flat)
                 for slot in slots:
                     view = flat[slot.offset:slot.offset + slot.numel].view(slot.tensor.shape)
-                    view.copy_(slot.tensor)
+                    if self.fill_shared or not shared:
+                        view.copy_(slot.tensor)
                     slot.region = region
                     slot.tensor.data = view
 

@@ -15,7 +15,8 @@ May import every other room of the runtime.
   Ctrl-C must not split; ``trace``: a real run's timeline.
 - ``distributed``: data parallel across processes, the collectives of a Program's host
   lane; ``device_collectives``: posting them in the Program's order per process group,
-  and ``data_parallel="device"``'s reduce-scatters on the devices.
+  and ``data_parallel="device"``'s reduce-scatters on the devices; ``zero3``:
+  ``data_parallel="zero3"``'s parameters, shared in host memory by one host's ranks.
 
 A new action: add its dataclass in ``fxpipe/passes/actions.py`` (it prints), its handler
 here (``compute.py`` for device work, ``executor.py`` for the host lane), and its

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.passes.actions import DeviceReduce, DeviceReduceScatter
+from fxpipe.passes.actions import DeviceAllGather, DeviceReduce, DeviceReduceScatter
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
 from fxpipe.runtime.host.buckets import Bucket, Shard, _chunk
@@ -142,24 +142,20 @@ def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any)
 
 # ------------------------------------------------------------------- on the devices
 
-def check_data_parallel(data_parallel: Any) -> bool:
-    """``compile``'s ``data_parallel``: whether its sharded steps reduce on the devices
-    (``"device"``); ``True`` is ``"host"``. Raises for anything else, and for
-    ``"zero3"`` (not built).
+def check_data_parallel(data_parallel: Any) -> tuple[bool, bool]:
+    """``compile``'s ``data_parallel``: ``(on_devices, zero3)``, whether its sharded steps
+    reduce on the devices (``"device"``, ``"zero3"``), and whether the ranks share the
+    host parameters and gather them on the devices (``"zero3"``); ``True`` is
+    ``"host"``. Raises for anything else.
 
-    >>> check_data_parallel(True), check_data_parallel("device")
-    (False, True)
+    >>> check_data_parallel(True), check_data_parallel("device"), check_data_parallel("zero3")
+    ((False, False), (True, False), (True, True))
     """
-    if data_parallel == "zero3":
-        raise NotImplementedError(
-            "data_parallel='zero3' (each rank holding and uploading 1/N of the parameters, "
-            "gathered on the devices) is not implemented: data_parallel='device' reduces "
-            "the gradients on the devices and shards the optimizer and the fp32 masters")
-    if data_parallel not in (False, True, "host", "device") or \
+    if data_parallel not in (False, True, "host", "device", "zero3") or \
             not isinstance(data_parallel, (bool, str)):
-        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host' or 'device', "
-                        f"got {data_parallel!r}")
-    return data_parallel == "device"
+        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host', 'device' or "
+                        f"'zero3', got {data_parallel!r}")
+    return data_parallel in ("device", "zero3"), data_parallel == "zero3"
 
 
 def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:
@@ -209,12 +205,29 @@ class OnDevices:
 
     def plan_device_ops(self, program: Any, keep: Mapping[int, Sequence[bool]],
                         store: ParamStore) -> dict[int, list[Op]]:
-        """Per device, the collectives its kept ``DeviceReduceScatter`` and
-        ``DeviceAllReduce`` actions post, in order."""
-        return {d: [op for i, a in enumerate(acts) if keep[d][i] and isinstance(a, DeviceReduce)
-                    for op in device_ops(self.device_buckets(store, a.stage),
-                                         scatter=isinstance(a, DeviceReduceScatter))]
+        """Per device, the collectives its kept ``DeviceReduceScatter``,
+        ``DeviceAllReduce`` and ``DeviceAllGather`` actions post, in order."""
+        def ops(a: Any) -> list[Op]:
+            if isinstance(a, DeviceAllGather):
+                return [("all_gather", c, dtype) for c, dtype in store.gather_parts(a.stage)]
+            if isinstance(a, DeviceReduce):
+                return device_ops(self.device_buckets(store, a.stage),
+                                  scatter=isinstance(a, DeviceReduceScatter))
+            return []
+        return {d: [op for i, a in enumerate(acts) if keep[d][i] for op in ops(a)]
                 for d, acts in enumerate(program.actions)}
+
+    def device_gather(self, d: int, device: Device, stage: int, params: Any) -> None:
+        """``DeviceAllGather``, on device ``d``'s collective stream: each of the stage's
+        parameter runs ``params.gathers`` (``ParamStore.upload``: this rank's part
+        uploaded) filled with every other rank's part, in place."""
+        channel = self._devices[d]
+        works = []
+        for full, c in params.gathers:
+            device.record_stream(full)
+            works.append(self._start("all_gather", full[self.rank * c:(self.rank + 1) * c],
+                                     full, channel))
+        self._wait(works, f"all-gather of stage {stage}'s parameters on {device.name}")
 
     def device_buckets(self, store: ParamStore, stage: int) -> list:
         """Stage ``stage``'s device buckets (``device_collectives.device_buckets``), made

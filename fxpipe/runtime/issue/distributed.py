@@ -62,6 +62,7 @@ from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
 from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue, shared_gpu
 from fxpipe.runtime.issue.threads import Cancelled
+from fxpipe.runtime.issue.zero3 import Zero3
 
 ORIGIN = "fxpipe/failed"   # store key: "<rank>: <what failed>", set by the first rank to fail
 _open: weakref.WeakSet[DataParallel] = weakref.WeakSet()   # not closed yet (close_all)
@@ -76,12 +77,13 @@ def close_all() -> None:
         dp.close()
 
 
-class DataParallel(ShardedMasters, OnDevices):
+class DataParallel(ShardedMasters, OnDevices, Zero3):
     """The collectives of one data-parallel pipe (module docstring). Made by
     ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
 
     def __init__(self, process_group: Any = None, *, timeout: float = 300.0,
-                 shard: bool = False, broadcast: bool = True, on_devices: bool = False):
+                 shard: bool = False, broadcast: bool = True, on_devices: bool = False,
+                 zero3: bool = False):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized "
@@ -96,8 +98,8 @@ class DataParallel(ShardedMasters, OnDevices):
         self.world = len(ranks)
         self.timeout = float(timeout)
         # data_parallel="device": a sharded step's reduce-scatters run on the devices
-        self.on_devices = on_devices
-        self.shard = shard or on_devices   # shard_optimizer
+        self.on_devices = on_devices or zero3
+        self.shard = shard or self.on_devices   # shard_optimizer
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
         # and our store key for failures, without touching the user's group
@@ -121,6 +123,7 @@ class DataParallel(ShardedMasters, OnDevices):
         self._host_lane = Channel(self.group, torch.device("cpu"), self.world)
         ShardedMasters.__init__(self)
         OnDevices.__init__(self)
+        Zero3.__init__(self, zero3)
         # id(parameter) -> its name for the shard state and masters: the first name it had
         # in the first layer graph that named it (another capture may order tied names
         # differently)
@@ -132,8 +135,8 @@ class DataParallel(ShardedMasters, OnDevices):
         """``(data_parallel, broadcast_buffers)`` of a call's Program: a training call that
         synchronizes all-reduces (``"allreduce"``), or reduce-scatters when it steps a
         sharded optimizer (``mode="exact"``; None: no step) (``"shard"``); with ``"device"``
-        on the devices (``"device_allreduce"``, ``"device"``), first adding the ``.grad``
-        ``accumulated`` by calls that did not synchronize (``"_accumulated"``); it first
+        on the devices (``"device_allreduce"``, ``"device"``; ``"zero3"``), first adding
+        the ``.grad`` ``accumulated`` by calls that did not synchronize (``"_accumulated"``); it first
         broadcasts the buffers when the model ``has_buffers`` and ``broadcast_buffers``."""
         if run_type == "infer" or not sync:
             return None, False
@@ -141,8 +144,9 @@ class DataParallel(ShardedMasters, OnDevices):
             raise NotImplementedError(f"shard_optimizer=True steps with the streamed exact "
                                       f"step only, not optimizer={mode!r}")
         sharded = self.shard and mode == "exact"
-        if self.on_devices:
-            mode = ("device" if sharded else "device_allreduce") + (
+        if self.on_devices:   # (zero3: a call that does not step is refused, Runner.call)
+            mode = ("zero3" if sharded and self.zero3 else "device" if sharded
+                    else "device_allreduce") + (
                 "_accumulated" if accumulated else "")
         else:
             mode = "shard" if sharded else "allreduce"
@@ -349,8 +353,8 @@ class DataParallel(ShardedMasters, OnDevices):
     def plan_ops(self, actions: Sequence[Any], exe: Any, lg: Any, store: ParamStore
                  ) -> list[tuple[str, int, torch.dtype]]:
         """The collectives (kind, numel, dtype) the host lane's ``actions`` post, in order."""
-        from fxpipe.passes.program import (AllGather, AllReduce, BroadcastBuffers, ClipGradNorm,
-                                           ReduceScatter)
+        from fxpipe.passes.program import (AllGather, AllReduce, Barrier, BroadcastBuffers,
+                                           ClipGradNorm, ReduceScatter)
         reduces = any(isinstance(a, (AllReduce, ReduceScatter, AllGather)) for a in actions)
         buckets = self.buckets(exe, lg, store) if reduces else {}
         ops: list[tuple[str, int, torch.dtype]] = []
@@ -367,9 +371,11 @@ class DataParallel(ShardedMasters, OnDevices):
                 case AllGather(layers=r):
                     ops += [("all_gather", b.shard_len, b.params[0].dtype)
                             for b in buckets.get(_span(r), [])]
-                case ClipGradNorm() if any(isinstance(b, AllGather) for b in actions):
+                case ClipGradNorm() if any(isinstance(b, (AllGather, Barrier)) for b in actions):
                     # a sharded step's norm (total_norm)
                     ops.append(("all_gather", 2, torch.float64))
+                case Barrier():
+                    ops.append(("all_reduce", 1, torch.float32))
         return ops
 
     def _origin(self, patience: float = 2.0) -> tuple[int | None, str]:
@@ -513,7 +519,7 @@ class DataParallel(ShardedMasters, OnDevices):
         norm_type = float(norm_type)
         total = (parts[0::2].max() if norm_type == float("inf") else
                  parts[0::2].sum() ** (1.0 / norm_type)).float()
-        if everyone and clips(total):
+        if everyone and clips(total) and not self.zero3:   # (zero3's redo writes, gathers nothing)
             ops = [("all_gather", sh.bucket.shard_len, sh.bucket.params[0].dtype)
                    for sh in shards]
             self._host_lane.expect(ops)

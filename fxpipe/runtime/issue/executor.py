@@ -45,7 +45,6 @@ import itertools
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,9 +52,10 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import DeviceMemoryError, DistributedError, StageError
 from fxpipe.passes.program import (
-    HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, BroadcastBuffers, Checkpoint,
-    ClipGradNorm, Collective, Commit, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, Free,
-    FusedBackward, GraphForward, GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
+    HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, Barrier, BroadcastBuffers,
+    Checkpoint, ClipGradNorm, Collective, Commit, DeviceAllGather, DeviceAllReduce,
+    DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
+    GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
     ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad,
 )
 from fxpipe.runtime.issue.compute import StageCompute
@@ -322,6 +322,10 @@ class Execution:
                 self._prefetch(lane, s)
             case DeviceReduceScatter() | DeviceAllReduce():
                 self._reduce_on_device(lane, a)
+            case DeviceAllGather(stage=s):
+                with self.on[lane].lock:
+                    params = self.on[lane].params[s]
+                self.call.dp.device_gather(lane, self.call.devices[lane], s, params)
             case DownloadGrads(stage=s):
                 self._download_grads(lane, s)
             case Release(stage=s):
@@ -342,6 +346,8 @@ class Execution:
                             self._buckets(layers), self.pieces)
                     shards = self.shards.get((layers.start, layers.stop))
                 self.call.optimizer.step(layers, self.call.accumulator, shards)
+                if self.call.dp is not None and self.call.dp.zero3:   # (no AllGather)
+                    self.call.dp.publish(shards)
             case BroadcastBuffers():
                 self.call.dp.broadcast_buffers(self.call.store, self.call.layers.buffers)
             case AllReduce(layers=layers):
@@ -356,6 +362,8 @@ class Execution:
                 with self.shards_lock:
                     shards = self.shards.pop((layers.start, layers.stop))
                 self.call.dp.all_gather(shards)
+            case Barrier():
+                self.call.dp.barrier()
             case Commit():
                 if self.call.commit is not None:
                     self.call.commit()
@@ -563,7 +571,6 @@ class Execution:
             self.on[d] = _OnDevice()
 
 
-
 # ``Execution._act``'s handlers of the actions a stage runs once per microbatch, by their
 # exact class (its subclasses have their own): (device, stage, microbatch) each
 _TRANSFERS = {Upload: Execution._upload, UploadGrad: Execution._upload_grads,
@@ -577,7 +584,6 @@ def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
-
 def _free_quietly(device: Device, t: Any) -> None:
     """Free ``t`` if the device counts it (compute's own outputs it does not count)."""
     if isinstance(t, torch.Tensor) and device.counts(t):
@@ -585,15 +591,3 @@ def _free_quietly(device: Device, t: Any) -> None:
             device.free(t)
         except ValueError:  # freed meanwhile
             pass
-
-
-def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, v in snapshot.items():
-            buffers[k].copy_(v)
-
-
-def apply_writebacks(writebacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for host, value in writebacks:
-            host.copy_(value)

@@ -37,7 +37,8 @@ from fxpipe.runtime.stages import rng
 from fxpipe.runtime.host import scratch
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
-from fxpipe.runtime.issue.executor import Call, Execution, apply_writebacks, restore
+from fxpipe.runtime.issue.executor import Call, Execution
+from fxpipe.runtime.issue.values import apply_writebacks, restore
 from fxpipe.runtime.host.grad_accum import owned_params
 from fxpipe.runtime.stages.compiled import compile_totals
 from fxpipe.runtime.stages.graphs import StageGraphs, graph_jobs
@@ -110,6 +111,8 @@ class Runner:
                  for i, st in exe.stages.items()}, param_dtype=self.param_dtype)
             if exe.run_type != "infer" and not (self.dp is not None and self.dp.on_devices):
                 store.host.make_grads()
+            if self.dp is not None and self.dp.zero3:   # each upload moves 1/N
+                store.shard = (self.dp.rank, self.dp.world)
             self._stores[exe.run_type] = store
         return self._stores[exe.run_type]
 
@@ -198,6 +201,11 @@ class Runner:
                     f"streamed exact step; optimizer {optimizer} is not supported there "
                     "(GradScaler, mode='async' and max_grad_norm with speculate=False are not "
                     "implemented with sharding): compile with shard_optimizer=False")
+            if dp.zero3 and cfg.stage_backend == "cudagraphs":
+                raise NotImplementedError(
+                    "data_parallel='zero3' with stage_backend='cudagraphs' is not implemented "
+                    "(a device graph's parameter slot is uploaded whole): use 'eager' or "
+                    "'inductor', or data_parallel='device'")
             data_parallel, broadcast = dp.collectives(
                 run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
                 else None, bool(self.lg.buffers),
@@ -205,7 +213,8 @@ class Runner:
                                                   for p in self.lg.params.values()))
         return CallSpec(run_type, num_microbatch, cfg.recompute_grain, optimizer, outputs,
                         tuple(n for n in self.lg.input_names if n in set(input_grads)),
-                        data_parallel, broadcast, chunks=cfg.sequence_chunks is not None)
+                        data_parallel, broadcast, chunks=cfg.sequence_chunks is not None,
+                        gather_params=dp is not None and dp.zero3)
 
     def call(self, run_type: str, envs: list[dict], cfg: RunConfig, *, optimizer: Any = None,
              outputs: bool = True, sync: bool = True, **kw: Any) -> Call:
@@ -218,6 +227,13 @@ class Runner:
         spec = self.spec(run_type, len(envs), cfg, outputs=outputs, sync=sync,
                          optimizer=optimizer.spec if optimizer is not None else None,
                          input_grads=inputs)
+        if self.dp is not None and self.dp.zero3 and spec.data_parallel is not None and \
+                not spec.data_parallel.startswith("zero3"):
+            raise NotImplementedError(
+                "data_parallel='zero3': a call that synchronizes the gradients steps the "
+                "optimizer in the pipe (the ranks share the parameters, each stepping its "
+                "1/N): pass optimizer= (fxpipe.optim.overlapped(opt, ...) for accumulation "
+                "and clipping), or wrap the calls that only accumulate in pipe.no_sync()")
         exe = self.executable_for(spec, cfg)
         use = scratch.current()
         resident = use.resident if use is not None else None
@@ -227,7 +243,8 @@ class Runner:
             runnables(exe, self.devices, cfg.stage_backend)   # refused before anything runs
             if resident is None:
                 self._fits.add(key)
-        dp = self.dp if run_type != "infer" else None
+        # (zero3: every call gathers the parameters on the devices, inference too)
+        dp = self.dp if run_type != "infer" or (self.dp is not None and self.dp.zero3) else None
         if dp is not None:
             dp.check_alive()
             dp.check_masters()
@@ -239,6 +256,7 @@ class Runner:
             # them: they read a copy (kept from then on)
             self.store(exe).snapshot |= optimizer.spec.mode == "async"
             optimizer.assign(exe, owned_params(exe.program, self.lg))
+            optimizer.zero3 = self.dp is not None and self.dp.zero3
         seed = rng.draw_call_seed() if cfg.preserve_rng_state and \
             any(layer.random for layer in self.lg) else None
         return Call(exe=exe, layers=self.lg, store=self.store(exe), devices=self.devices,

@@ -9,7 +9,7 @@ microbatch, name)``, so two actions never write the same slot.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,3 +180,17 @@ class _Checkpoint:
 
     saved: dict[int, list[Any]]
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+    """A failed call's buffers put back as they were before it."""
+    with torch.no_grad():
+        for k, v in snapshot.items():
+            buffers[k].copy_(v)
+
+
+def apply_writebacks(writebacks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A call's scratch-buffer writebacks, host tensor by host tensor."""
+    with torch.no_grad():
+        for host, value in writebacks:
+            host.copy_(value)
