@@ -44,11 +44,15 @@
     host, ``"device"`` on the devices, ``sAR``); and the sharded step clipped
     (``overlapped(opt, max_grad_norm=)``: ``clip kept`` with a limit the norm stays
     under, the ranks' norms gathered only; ``clip redone`` with one it always exceeds,
-    every rank's shard stepped again and all-gathered again);
-    and the step's wall time, min and median over interleaved repeats after a warm-up
+    every rank's shard stepped again and all-gathered again); zero3
+    (``data_parallel="zero3"``: the ranks share one host copy of the parameters, each
+    uploads 1/N of every stage and the devices all-gather the rest; the steps write
+    each rank's pieces, a barrier instead of the all-gathers; ``host params B`` counts
+    the shared buffers 1/N a rank); and the step's wall time, min and median over interleaved repeats after a warm-up
     (informational: the ranks share this machine's cores; what carries over to GPUs is
     the bytes).
-(nccl) SIMULATED, zero3 MODELLED (not built): Llama-3.1-8B full
+(nccl) SIMULATED, zero3 MODELLED across nodes (the runtime runs it on one host's
+    ranks only): Llama-3.1-8B full
     fine-tune (bf16 ``param_dtype``, fp32 masters, AdamW streamed on the host at
     ``--host-params-per-s``, and with the host optimizer free) on 1, 2 and 4 nodes of 8
     H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links each way; fxpipe's plan,
@@ -116,7 +120,10 @@ DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no
     "host-gloo, opt.step()": ({"data_parallel": True}, 1, False, None),
     "device, opt.step()": ({"data_parallel": "device"}, 1, False, None),
     "device, clip kept": ({"data_parallel": "device"}, 1, True, 1e6),
-    "device, clip redone": ({"data_parallel": "device"}, 1, True, 1e-6)}
+    "device, clip redone": ({"data_parallel": "device"}, 1, True, 1e-6),
+    "zero3": ({"data_parallel": "zero3"}, 1, True, None),
+    "zero3, accumulate 2": ({"data_parallel": "zero3"}, 2, True, None),
+    "zero3, clip redone": ({"data_parallel": "zero3"}, 1, True, 1e-6)}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
     "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
@@ -229,7 +236,8 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                 t = torch.tensor(times[name])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step ends with the slowest rank
                 stats = pipe.stats()   # the stepping call's
-                grads = HostParams.of(m).grad_flats   # the host's flat gradient buffer
+                host = HostParams.of(m)
+                grads = host.grad_flats   # the host's flat gradient buffer
                 report[f"{'bf16' if bf16 else 'fp32'} {name}"] = {
                     "d2h_bytes_grads": stats["d2h_bytes_grads"],
                     "h2d_bytes_grads": stats["h2d_bytes_grads"],
@@ -237,6 +245,11 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                     "collectives": stats["collectives"],
                     "host_collective_bytes": stats["host_collective_bytes"],
                     "host_grad_buffer_bytes": sum(t.numel() * t.element_size() for t in grads),
+                    # the host buffers of the parameters (and buffers) this rank holds: a
+                    # region the ranks share (zero3) counted 1/N
+                    "host_param_bytes": sum(t.numel() * t.element_size()
+                                            / (world if i in host.shared_regions else 1)
+                                            for i, t in enumerate(host.flats)),
                     "min_s": t.min().item(), "median_s": t.median().item()}
                 pipe.close()
         if rank == 0:
@@ -254,7 +267,7 @@ def part_devices(args: argparse.Namespace) -> dict:
           "the slowest rank's times")
     print(f"{'ranks':>5} | {'mode':>37} | {'grads down B':>12} | {'/ host-gloo':>11} | "
           f"{'grads up B':>10} | {'params up B':>11} | {'collectives':>11} | {'gloo B':>9} | "
-          f"{'host grad buffer B':>18} | {'min s':>7} | {'median s':>8}")
+          f"{'host grad buffer B':>18} | {'host params B':>13} | {'min s':>7} | {'median s':>8}")
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_devices_rank, args=(world, d, args), nprocs=world, join=True)
@@ -266,7 +279,7 @@ def part_devices(args: argparse.Namespace) -> dict:
                   f"{r['grads_down_over_host']:11.3f} | {r['h2d_bytes_grads']:10,} | "
                   f"{r['h2d_bytes_params']:11,} | "
                   f"{r['collectives']:11,} | {r['host_collective_bytes']:9,} | "
-                  f"{r['host_grad_buffer_bytes']:18,} | "
+                  f"{r['host_grad_buffer_bytes']:18,} | {r['host_param_bytes']:13,.0f} | "
                   f"{r['min_s']:7.4f} | {r['median_s']:8.4f}")
         out[str(world)] = rows
     return out
@@ -437,7 +450,8 @@ def part_nccl(args: argparse.Namespace) -> dict:
         print(f"\n(nccl) SIMULATED: Llama-3.1-8B full fine-tune, {program.num_devices} H100 per "
               f"node, {tokens:,} tokens per node and step, {bw * 8 / 1e9:.0f} Gb/s per node; host "
               f"AdamW {'free' if label == 'free' else f'{rate / 1e9:g}G params/s'}; "
-              "zero3 MODELLED (not built); device-NCCL: the Program data_parallel='device' runs")
+              "zero3 MODELLED across nodes (the runtime runs data_parallel='zero3' on one host's "
+              "ranks); device-NCCL: the Program data_parallel='device' runs")
         print(f"{'mode':>17} | " + " | ".join(f"{n} node{'s' * (n > 1)} tok/s (eff)"
                                               for n in NCCL_NODES)
               + " | per rank at 4 nodes: grads down, params up, network, host")

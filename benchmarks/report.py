@@ -470,17 +470,21 @@ def _dist_devices(d: dict) -> list[str]:
              f"{r.get('h2d_bytes_grads', 0):,}", f"{r['h2d_bytes_params']:,}",
              f"{r['collectives']:,}" if "collectives" in r else "",
              f"{r['host_collective_bytes']:,}" if "host_collective_bytes" in r else "",
-             f"{r['host_grad_buffer_bytes']:,}", f"{r['min_s']:.4f}", f"{r['median_s']:.4f}"]
+             f"{r['host_grad_buffer_bytes']:,}",
+             f"{r['host_param_bytes']:,.0f}" if "host_param_bytes" in r else "",
+             f"{r['min_s']:.4f}", f"{r['median_s']:.4f}"]
             for world in ("2", "4") if world in v for mode, r in v[world].items()]
     return [f"{v['parameters']:,} parameters, global batch {v['batch']}, {v['steps']} steps "
             f"after {v['warmup']} warm-up, modes interleaved. \"accumulate 2\": a step of two "
             "calls, the first under `no_sync()`; the bytes and collectives are the stepping "
             "call's (with `\"device\"` its `sRS+` uploads the accumulated `.grad`, then reduces "
             "it on the devices). \"opt.step()\": a call without the optimizer, then "
-            "`opt.step()` (with `\"device\"` the devices all-reduce: `sAR`).", ""] + table(
+            "`opt.step()` (with `\"device\"` the devices all-reduce: `sAR`). zero3: the ranks "
+            "share one host copy of the parameters (counted 1/N a rank in the host parameter "
+            "bytes), each uploads 1/N of every stage, the devices all-gather the rest.", ""] + table(
         ["ranks", "mode", "gradient bytes down", "/ host-gloo's", "gradient bytes up",
          "parameter bytes up", "collectives / step", "bytes into host (gloo) collectives",
-         "host gradient buffer bytes",
+         "host gradient buffer bytes", "host parameter bytes",
          "min s/step", "median s/step"],
         rows)
 
@@ -1020,7 +1024,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "RoundPipe's five configurations (8 RTX 4090 per node) on 1–16 nodes, one rank per "
      "node, a ring all-reduce per backward stage on the host's collective stream.", _dist_sim),
     ("Data parallel on the devices, simulated", "bench_distributed.json", "nccl",
-     "SIMULATED; zero3 MODELLED (the runtime does not run it); device-NCCL is the Program "
+     "SIMULATED; zero3 MODELLED across nodes (the runtime runs `data_parallel=\"zero3\"` on "
+     "one host's ranks only); device-NCCL is the Program "
      "`data_parallel=\"device\"` runs, priced as it prints. "
      "Llama-3.1-8B full fine-tune (bf16 `param_dtype`, fp32 masters, AdamW streamed on the "
      "host) on 1, 2 and 4 nodes of 8 H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links "
@@ -1035,7 +1040,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "a 6-block MLP, AdamW streamed: where the gradients are reduced. host-gloo "
      "(`data_parallel=True`), host-gloo sharded (`shard_optimizer=True`), device "
      "(`data_parallel=\"device\"`: each stage's gradients reduce-scattered on its device, gloo "
-     "on the virtual devices' tensors where a GPU runs NCCL). Per rank and step, from "
+     "on the virtual devices' tensors where a GPU runs NCCL), zero3 (`data_parallel=\"zero3\"`). "
+     "Per rank and step, from "
      "`pipe.stats()`; step times informational (the ranks share this machine's cores).",
      _dist_devices),
     ("Data parallel host memory", "bench_distributed.json", "memory",

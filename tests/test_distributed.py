@@ -360,7 +360,8 @@ def check_sharded_masters(rank: int, world: int) -> None:
 
 
 def check_checkpoint(rank: int, world: int, folder: str, shard: bool,
-                     param_dtype: torch.dtype | None = None) -> None:
+                     param_dtype: torch.dtype | None = None,
+                     data_parallel: bool | str = True) -> None:
     """Save after 2 steps (DCP, every rank), run 2 more; a fresh model, pipe and optimizer
     loading the checkpoint give bit-identical later losses and parameters (and fp32
     masters, sharded with ``param_dtype``)."""
@@ -373,10 +374,11 @@ def check_checkpoint(rank: int, world: int, folder: str, shard: bool,
             opt.zero_grad()
         return losses
 
-    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}-{param_dtype}"
+    path = f"{folder}/ckpt-{'sharded' if shard else 'unsharded'}-{param_dtype}-{data_parallel}"
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype)
+    pipe = compile_dp(model, rank, shard_optimizer=shard, param_dtype=param_dtype,
+                      data_parallel=data_parallel)
     train(range(2), model, pipe, opt)
     pipe.save_checkpoint(path, opt)
     later = train(range(2, 4), model, pipe, opt)
@@ -387,7 +389,8 @@ def check_checkpoint(rank: int, world: int, folder: str, shard: bool,
     for p in fresh.parameters():          # other weights: the checkpoint must set them
         p.data.add_(1.0)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard, param_dtype=param_dtype)
+    pipe2 = compile_dp(fresh, rank, shard_optimizer=shard, param_dtype=param_dtype,
+                       data_parallel=data_parallel)
     pipe2.load_checkpoint(path, opt2)
     again = train(range(2, 4), fresh, pipe2, opt2)
     assert [x.item() for x in again] == [x.item() for x in later], (again, later)

@@ -8,6 +8,7 @@ eager PyTorch.
 from __future__ import annotations
 
 import copy
+import os
 
 import expecttest
 import pytest
@@ -22,6 +23,7 @@ from fxpipe.runtime.devices.emulator import VirtualDevice
 from tests.test_distributed import (
     ROWS, TIMEOUT, Tied, ce, compile_dp, data, make_model, mine, three_steps,
 )
+from tests.test_distributed import check_checkpoint as distributed_checkpoint
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
 
@@ -181,6 +183,16 @@ def check_failure_bf16(rank: int, world: int) -> None:
     distributed_failure(rank, world, zero3=True, param_dtype=torch.bfloat16)
 
 
+def check_checkpoints(rank: int, world: int) -> None:
+    """Save after 2 steps, 2 more; a fresh model and pipe loading the checkpoint give
+    bit-identical later losses, parameters and fp32 masters (tests/test_distributed.py's
+    check), fp32 and bf16."""
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    for dtype in (None, torch.bfloat16):
+        distributed_checkpoint(rank, world, folder, shard=True, param_dtype=dtype,
+                               data_parallel="zero3")
+
+
 def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; each stream runs it when it gets
     there): 2 AdamW steps equal eager, so each stage computed after its all-gather had
@@ -226,8 +238,8 @@ CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "bf16", "tied
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero3(world, tmp_path):
     checks = CHECKS + (",tests.test_zero3:check_memory,tests.test_zero3:check_refusals,"
-                       "tests.test_zero3:check_failure_bf16" if world == 2 else
-                       ",tests.test_zero3:check_failure")
+                       "tests.test_zero3:check_checkpoints,tests.test_zero3:check_failure_bf16"
+                       if world == 2 else ",tests.test_zero3:check_failure")
     spawn(world, tmp_path, checks)
 
 

@@ -121,6 +121,7 @@ class HostParams:
         # and whether this process fills a new region (else it maps what another filled)
         self.shared: Callable[[int], str] | None = None
         self.fill_shared = True
+        self.shared_regions: set[int] = set()   # the regions in such files
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pin: bool | None = None,
@@ -200,6 +201,8 @@ class HostParams:
                 shared = self.shared is not None and not is_buffer
                 flat = self._empty(size, dtype, self.shared(region) if shared else None)
                 self.flats.append(flat)
+                if shared:
+                    self.shared_regions.add(region)
                 for slot in slots:
                     view = flat[slot.offset:slot.offset + slot.numel].view(slot.tensor.shape)
                     if self.fill_shared or not shared:
