@@ -156,15 +156,16 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     1/N (the optimizer state of the rest lives on the other ranks), then all-gathers the
     updated parameters. ``data_parallel="device"`` (``True`` is ``"host"``) shards so and
     reduce-scatters each stage's gradients on the devices (NCCL; gloo on virtual devices),
-    each rank downloading 1/N. With ``param_dtype`` too, the fp32 masters are sharded:
-    each rank keeps the fp32 values of its 1/N only, and the model's trainable floating
-    parameters become their ``param_dtype`` copies (what the devices upload; gradients
-    stay fp32 through ``grad_dtype``): ``pipe.full_state_dict()`` gathers the fp32
-    values, ``pipe.load_state_dict`` sets them. ``collective_timeout`` (seconds): how
-    long a collective waits for the other ranks; a training call that fails on one rank
-    fails on every rank with ``fxpipe.DistributedError`` naming the rank
-    (``fxpipe.runtime.issue.distributed``). Ranks that compiled different plans or
-    parameter shapes fail here with a ``ValueError`` saying where they differ.
+    each rank downloading 1/N; ``"zero3"`` also shares one host copy of the parameters
+    among one host's ranks, each uploading 1/N. With ``param_dtype`` the fp32 masters are
+    sharded (each rank keeps its 1/N) and the trainable floating parameters become their
+    ``param_dtype`` copies (gradients stay fp32 through ``grad_dtype``):
+    ``pipe.full_state_dict()`` gathers the fp32 values, ``pipe.load_state_dict`` sets
+    them. ``collective_timeout`` (seconds): how long a collective waits for the other
+    ranks; a training call that fails on one rank fails on every rank with
+    ``fxpipe.DistributedError`` naming the rank (``fxpipe.runtime.issue.distributed``).
+    Ranks that compiled different plans or parameter shapes fail here with a
+    ``ValueError`` saying where they differ.
 
     ``weights``: a safetensors checkpoint (a ``.safetensors`` file, a directory of shards
     with ``model.safetensors.index.json``, or a Hugging Face model directory) the model's

@@ -286,12 +286,12 @@ def test_bad_fxpipe_arguments(tmp_path):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), fxpipe_config={"num_microbatch": 2})
     with pytest.raises(TypeError, match="expects a transformers.Trainer subclass"):
         fxpipe_trainer(object)
-    with pytest.raises(ValueError, match="data_parallel must be True .* or 'device'"):
-        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="zero3")
+    with pytest.raises(ValueError, match="data_parallel must be True .*'device' or 'zero3'"):
+        FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="zero4")
     with pytest.raises(ValueError, match="data_parallel='device'.*leave stream_optimizer on"):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="device",
                       stream_optimizer=False)
-    # a checkpoint holding optimizer shards resumes only into data_parallel="device"
+    # a checkpoint holding optimizer shards resumes only into data_parallel="device"/"zero3"
     (tmp_path / "checkpoint-2" / "fxpipe_shards").mkdir(parents=True)
     trainer = FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
     trainer.create_optimizer_and_scheduler(4)
@@ -377,7 +377,8 @@ def test_two_ranks_torchrun(tmp_path):
     one with ``data_parallel="device"`` (reduce-scattered on the devices, the optimizer
     sharded, clipped). In bf16 with ``"device"`` (the fp32 masters sharded too) a run
     saved at step 2 and resumed from there by a new trainer ends where the uninterrupted
-    run does (clipping redone at some steps: max_grad_norm 0.5)."""
+    run does (clipping redone at some steps: max_grad_norm 0.5). ``"zero3"`` trains as
+    ``"device"`` does, bit for bit, fp32 and bf16."""
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(pathlib.Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -412,8 +413,18 @@ def test_two_ranks_torchrun(tmp_path):
             print(f"device, 2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight diff| "
                   f"{w_err:.3g}, max |grad_norm diff| {norm_err:.3g}")
             assert loss_err <= TOL and w_err <= TOL and norm_err <= 1e-5, (dev["norms"], norms)
+            # zero3 (one host copy of the parameters, 1/N uploaded and gathered on the
+            # devices) steps as "device" does: the same losses, weights and norms
+            z3 = runs["zero3"]
+            assert z3["losses"] == dev["losses"] and z3["norms"] == dev["norms"], z3
+            for k, v in dev["state"].items():
+                assert torch.equal(v, z3["state"][k]), k
         one.close_pipes()
     whole, resumed = runs["device bf16"], runs["device bf16 resumed"]
+    z3 = runs["zero3 bf16"]   # the bf16 parameters shared, the fp32 masters sharded
+    assert z3["losses"] == whole["losses"], (z3["losses"], whole["losses"])
+    for k, v in whole["state"].items():
+        assert torch.equal(v, z3["state"][k]), k
     assert any(n > 0.5 for n in whole["norms"]), whole["norms"]   # some steps redone clipped
     assert len(resumed["losses"]) == 4 and resumed["losses"] == whole["losses"], \
         (resumed["losses"], whole["losses"])

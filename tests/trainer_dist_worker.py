@@ -1,7 +1,7 @@
 """One rank of ``tests/test_trainer.py::test_two_ranks_torchrun`` (run by torchrun):
 FxpipeTrainer on this rank's share of every batch, then again in token chunks
 (``sequence_chunks=2``) on rows without padding, then with ``data_parallel="device"``
-(fp32; bf16 saved at step 2 and resumed); rank 0 writes each run's loss history and
+(fp32; bf16 saved at step 2 and resumed) and ``"zero3"`` (fp32, bf16); rank 0 writes each run's loss history and
 final weights to ``argv[1]``."""
 
 import sys
@@ -29,14 +29,15 @@ def main(out: str) -> None:
     # data_parallel="device": in fp32 against the one process; in bf16 (sharded fp32
     # masters) saved at step 2, and resumed from there by a new trainer
     for name, bf16, resume in (("device", False, False), ("device bf16", True, False),
-                               ("device bf16 resumed", True, True)):
+                               ("device bf16 resumed", True, True), ("zero3", False, False),
+                               ("zero3 bf16", True, False)):
         folder = f"{out}.{name.replace(' resumed', '')}"
         half = args(folder, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     train_sampling_strategy="sequential", bf16=bf16,
                     max_grad_norm=0.5 if bf16 else 1.0,
                     save_strategy="steps" if bf16 else "no", save_steps=2)
         trainer = FxpipeTrainer(model=tiny_llama(), args=half, train_dataset=Rows(),
-                                devices=["cpu", "cpu"], data_parallel="device")
+                                devices=["cpu", "cpu"], data_parallel=name.split()[0])
         trainer.train(resume_from_checkpoint=f"{folder}/checkpoint-2" if resume else None)
         pipe = trainer._fxpipe_train_pipe
         assert pipe._dp.on_devices and pipe._dp.shard, "not reduced on the devices"

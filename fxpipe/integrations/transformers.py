@@ -53,6 +53,8 @@ How a step maps onto the pipe:
   stepping 1/N of the optimizer (and of the fp32 masters under ``bf16``) in the pipe,
   clipping included; its checkpoints hold the shards (``fxpipe_shards/``, written by
   every rank with ``pipe.save_checkpoint``) and resume from them exactly.
+  ``data_parallel="zero3"`` (one host's ranks): the same, with one host copy of the
+  parameters shared by the ranks, each uploading 1/N of every stage.
 
 Options fxpipe cannot honour raise at construction: DeepSpeed, FSDP, ``fp16`` (loss
 scaling), LOMO optimizers. ``gradient_checkpointing=True`` (TRL's default) is turned off:
@@ -86,6 +88,7 @@ from fxpipe.runtime.issue.microbatch import merge_output
 
 __all__ = ["FxpipeMixin", "FxpipeTrainer", "fxpipe_trainer"]
 SHARDS = "fxpipe_shards"   # a checkpoint's folder of optimizer shards (data_parallel="device")
+SHARDING = ("device", "zero3")   # the data_parallel= values that step each rank's shard
 
 
 class _Replay(nn.Module):
@@ -239,12 +242,12 @@ class FxpipeMixin:
             raise TypeError(f"stream_optimizer must be True, False or None (stream when the "
                             f"optimizer allows), got {stream_optimizer!r}")
         self._fxpipe_stream = stream_optimizer
-        if data_parallel not in (True, "host", "device"):
-            raise ValueError(f"FxpipeTrainer: data_parallel must be True (= 'host') or 'device' "
-                             f"(under torchrun), got {data_parallel!r}")
-        if data_parallel == "device" and stream_optimizer is False:
-            raise ValueError("FxpipeTrainer(data_parallel='device') steps each rank's shard "
-                             "of the optimizer in the pipe: leave stream_optimizer on")
+        if data_parallel not in (True, "host", "device", "zero3"):
+            raise ValueError(f"FxpipeTrainer: data_parallel must be True (= 'host'), 'device' "
+                             f"or 'zero3' (under torchrun), got {data_parallel!r}")
+        if data_parallel in SHARDING and stream_optimizer is False:
+            raise ValueError(f"FxpipeTrainer(data_parallel={data_parallel!r}) steps each rank's "
+                             "shard of the optimizer in the pipe: leave stream_optimizer on")
         self._fxpipe_dp = data_parallel
         self._fxpipe_resume: str | None = None   # sharded state to load into the train pipe
         self._fxpipe_unsynced = False   # inside the accumulation's no_sync()
@@ -395,9 +398,9 @@ class FxpipeMixin:
         inner = self._fxpipe_inner()
         reason = _why_not_streamed(self, inner)
         if reason is not None:
-            if self._fxpipe_stream or self._fxpipe_dp == "device":
+            if self._fxpipe_stream or self._fxpipe_dp in SHARDING:
                 raise NotImplementedError(f"FxpipeTrainer(stream_optimizer=True or data_parallel="
-                                          f"'device'): {reason}")
+                                          f"{self._fxpipe_dp!r}): {reason}")
             return None
         clip = self.args.max_grad_norm if self.args.max_grad_norm and \
             self.args.max_grad_norm > 0 else None
@@ -447,9 +450,9 @@ class FxpipeMixin:
         training pipe once it is compiled (on the first batch)."""
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDS)):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if self._fxpipe_dp != "device":
+        if self._fxpipe_dp not in SHARDING:
             raise ValueError(f"{checkpoint} holds optimizer shards (FxpipeTrainer("
-                             "data_parallel='device')): resume it with data_parallel='device'")
+                             "data_parallel='device' or 'zero3')): resume it with one of them")
         self._fxpipe_resume = os.path.join(checkpoint, SHARDS)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"),
                                                      weights_only=True))
@@ -487,7 +490,7 @@ class FxpipeTrainer(FxpipeMixin, transformers.Trainer):
     microbatches, recompute grain, ...), ``devices`` (as ``fxpipe.compile``'s: None =
     every GPU, else two virtual CPU devices), ``plan`` (an ``fxpipe.ExecutePlan``),
     ``param_dtype`` (default ``torch.bfloat16`` under ``args.bf16``), ``stream_optimizer``,
-    ``data_parallel`` (under torchrun: ``True`` or ``"device"``)."""
+    ``data_parallel`` (under torchrun: ``True``, ``"device"`` or ``"zero3"``)."""
 
 
 def fxpipe_trainer(trainer_cls: type) -> type:
