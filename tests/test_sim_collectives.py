@@ -174,3 +174,25 @@ def test_a_device_all_reduce_averages_on_the_nccl_stream_and_downloads_whole():
     for iv in ar:
         layers = len(p.stages[int(iv.label[:-2])].layers)
         assert iv.end - iv.start == pytest.approx(HW.collective_ms("all_reduce", layers * MB))
+
+
+def test_the_runtimes_zero3_program_prices_as_the_lowering_modelled():
+    """``data_parallel="zero3"``'s Program (what the runtime runs: a ``sAG`` after each
+    ``sP``, the ``sRS`` before each ``sD``, a barrier last in the host lane, no ``AG``)
+    simulated as it is: the bytes of the sharded Program lowered by
+    ``Hardware(collectives="zero3")``, the same device work, and a step longer by the
+    barrier's round of latency alone."""
+    native_program = build_program(FWD, BWD, "fused", 2, 4, "stage", optimizer=True,
+                                   data_parallel="zero3", gather_params=True)
+    assert [str(a) for a in native_program.actions[0]] == \
+        [str(a) for a in device_lane(program().actions[0], "zero3")]
+    assert [str(a) for a in native_program.host][-1] == "SY"
+    native, lowered = simulate(native_program, COSTS, HW), run("zero3")
+    assert native.bytes_moved == pytest.approx(lowered.bytes_moved)
+    a, b = (sorted((iv.label, iv.start, iv.end) for iv in t.intervals if iv.device >= 0)
+            for t in (native, lowered))
+    assert [x[0] for x in a] == [x[0] for x in b]
+    assert [t for x in a for t in x[1:]] == pytest.approx([t for x in b for t in x[1:]])
+    barrier = [iv for iv in native.intervals if iv.label == "SY"]
+    assert len(barrier) == 1
+    assert native.makespan == pytest.approx(lowered.makespan + (barrier[0].end - barrier[0].start))

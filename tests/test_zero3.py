@@ -309,6 +309,11 @@ step d0  d1   host
 21   2RS .    .
 22   2D  .    .
 23   2R  .    .""")
+                # what pipe(x) runs, printed: each stage gathered after its prefetch
+                text = str(pipe)
+                for s, d in ((0, 0), (1, 1)):
+                    self.assertIn(f"all_gather(params_{s})".ljust(56) + f"  # {s}AG vcpu:{d}",
+                                  text)
                 x, y = torch.randn(4, 4), torch.randn(4, 2)
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 with pipe.trace() as rec:

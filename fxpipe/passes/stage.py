@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from fxpipe.passes.program import (
-    HOST, Commit, Forward, Free, Offload, Prefetch, Program, Refresh, Release, Upload,
+    HOST, Commit, DeviceAllGather, Forward, Free, Offload, Prefetch, Program, Refresh, Release,
+    Upload,
 )
 
 
@@ -104,6 +105,8 @@ class Executable:
                 code = "refresh()"
             elif isinstance(a, Prefetch):
                 code = f"params_{s} = prefetch(self.stage_{s}, {where!r})"
+            elif isinstance(a, DeviceAllGather):   # zero3: the other ranks' parts, in place
+                code = f"all_gather(params_{s})"
             elif isinstance(a, Upload):
                 vals = flow.upload.get((s, m), ())
                 code = (f"{', '.join(name(v, m, lane) for v in vals)} = "

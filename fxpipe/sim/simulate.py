@@ -34,10 +34,12 @@ Durations come from per-layer ``LayerCost``:
   also holds the node's link (``Hardware.network_bytes_per_s``), one at a time. An
   ``OptimizerStep`` whose layers a ``ReduceScatter`` reduced steps the rank's 1/N
   (``Hardware.ranks``); so does every ``OptimizerStep`` of a ``data_parallel="device"``
-  Program, whose devices' ``DeviceReduceScatter`` actions are priced as collectives on
-  their ``nccl`` stream, its downloads at 1/N. With ``Hardware.collectives="device"`` or
-  ``"zero3"`` (MODELLED) a sharded Program is lowered first (``fxpipe.sim.collectives``,
-  ``"device"`` to what that Program prints): reduce-scatters
+  (or ``"zero3"``) Program, whose devices' ``DeviceReduceScatter`` (and
+  ``DeviceAllGather``) actions are priced as collectives on their ``nccl`` stream, its
+  downloads (and uploads) at 1/N, its ``Barrier`` as a round of latency. With
+  ``Hardware.collectives="device"`` or ``"zero3"`` (MODELLED: one rank per node) a
+  sharded Program is lowered first (``fxpipe.sim.collectives``, to what those Programs
+  print but the barrier): reduce-scatters
   (and with ``"zero3"`` all-gathers of the parameters) on each device's ``nccl`` stream,
   1/N of the gradients downloaded and widened (and with ``"zero3"`` of the parameters
   uploaded). ``Timeline.bytes_moved`` sums what one rank's transfers and collectives move.
