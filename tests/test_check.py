@@ -99,6 +99,8 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     # after a no_sync() call every device reduce-scatter adds the accumulated .grad (sRS+)
     assert dp["accumulated_reduce_scatters"] == dp["device_reduce_scatters"] > 0, dp
     assert dp["device_all_reduces"] == dp["device_reduce_scatters"], dp   # one per stage
+    # zero3 on one rank: each stage gathered after its upload (a copy), the same steps
+    assert dp["zero3_all_gathers"] > 0 and dp["zero3_max_param_diff"] <= 1e-5, dp
 
 
 def check_generate(gen):

@@ -1,9 +1,11 @@
-"""The kit's ``data_parallel`` section: ``data_parallel="device"`` in a one-rank job.
+"""The kit's ``data_parallel`` section: ``data_parallel="device"`` and ``"zero3"`` in a
+one-rank job.
 
-What one GPU can show: the device reduce-scatters on the runtime's streams, through the
-NCCL groups ``compile`` makes (a dry run: gloo on the virtual devices' tensors), and
-the steps equal to the same pipe without data parallel (one rank's reduce-scatter is a
-copy). Several ranks need a GPU each (NCCL refuses two ranks on one GPU): the CPU suite
+What one GPU can show: the device reduce-scatters (and zero3's all-gathers of the
+parameters, from host memory in a shared file, page-locked) on the runtime's streams,
+through the NCCL groups ``compile`` makes (a dry run: gloo on the virtual devices'
+tensors), and the steps equal to the same pipe without data parallel (one rank's
+reduce-scatter and all-gather are copies). Several ranks need a GPU each (NCCL refuses two ranks on one GPU): the CPU suite
 runs 2 and 4 (tests/test_dp_devices.py).
 """
 
@@ -39,7 +41,10 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
     element whose gradient is at noise level (on a GPU, the attention backward's atomic
     adds and cuBLAS's choice of kernel by address leave two runs of the same program an
     ulp apart) moves by up to ``lr`` either way, whatever reduced it (the H200's first
-    run: parameters 0.39 ``lr`` apart, losses equal)."""
+    run: parameters 0.39 ``lr`` apart, losses equal).
+
+    Then ``data_parallel="zero3"``: the first ``steps`` steps against the same plain
+    ones (its shared host parameters, each stage's ``sAG`` after its upload)."""
     n = 2 if kit.dry_run else min(2, torch.cuda.device_count())
     out: dict[str, Any] = {"devices": n, "steps": steps, "optimizer": f"SGD(lr={LR:g})",
                            "rank_backend": "gloo",
@@ -51,13 +56,13 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
                                     world_size=1)
         try:
             runs = {name: _run(kit, n, steps, dp) for name, dp in
-                    (("plain", False), ("device", "device"))}
+                    (("plain", False), ("device", "device"), ("zero3", "zero3"))}
         finally:
             if started:
                 dist.destroy_process_group()
-    plain, device = runs["plain"], runs["device"]
+    plain, device, zero3 = runs["plain"], runs["device"], runs["zero3"]
     out.update({
-        "losses": {k: r["losses"] for k, r in runs.items()},
+        "losses": {k: r["losses"] for k, r in runs.items()},   # (zero3: the first steps)
         "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12)
                                  for a, b in zip(device["losses"], plain["losses"])),
         "max_param_diff": max((a - b).abs().max().item()
@@ -67,14 +72,22 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
         "device_all_reduces": device["all_reduces"],
         "d2h_bytes_grads": {k: r["d2h_bytes_grads"] for k, r in runs.items()},
         "h2d_bytes_grads": device["h2d_bytes_grads"],
-        "clipped_grad_norm": {k: r["grad_norm"] for k, r in runs.items()},
+        "clipped_grad_norm": {k: runs[k]["grad_norm"] for k in ("plain", "device")},
         "clipped_norm_rel_diff": abs(device["grad_norm"] - plain["grad_norm"])
-        / max(plain["grad_norm"], 1e-12)})
+        / max(plain["grad_norm"], 1e-12),
+        "zero3_max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12)
+                                       for a, b in zip(zero3["losses"], plain["losses"])),
+        "zero3_max_param_diff": max((a - b).abs().max().item() for a, b in
+                                    zip(zero3["stepped"], plain["stepped"])),
+        "zero3_all_gathers": zero3["all_gathers"],
+        "h2d_bytes_params": {k: r["h2d_bytes_params"] for k, r in runs.items()}})
     scale = max(p.abs().max().item() for p in plain["params"])
     out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
                  and out["clipped_norm_rel_diff"] <= RTOL
                  and out["device_reduce_scatters"] > 0 and device["accumulated"] > 0
-                 and device["h2d_bytes_grads"] > 0 and device["all_reduces"] > 0)
+                 and device["h2d_bytes_grads"] > 0 and device["all_reduces"] > 0
+                 and out["zero3_max_loss_rel_diff"] <= RTOL
+                 and out["zero3_max_param_diff"] <= RTOL * scale and zero3["all_gathers"] > 0)
     return out
 
 
@@ -90,7 +103,13 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
                                                       optimizer=opt)))
             opt.zero_grad(set_to_none=True)
         program = pipe.program(optimizer=True)
-        d2h = pipe.stats()["d2h_bytes_grads"]
+        d2h, h2d_params = pipe.stats()["d2h_bytes_grads"], pipe.stats()["h2d_bytes_params"]
+        stepped = [p.detach().float().cpu().clone() for p in model.parameters()]   # (not views)
+        if dp == "zero3":   # (a call that does not step is refused; the rest as "device")
+            return {"losses": losses, "stepped": stepped, "h2d_bytes_params": h2d_params,
+                    "d2h_bytes_grads": d2h,
+                    "all_gathers": sum(str(a).endswith("AG") for acts in program.actions
+                                       for a in acts)}
         # a step of two calls: the first accumulates into .grad only (without data
         # parallel, a call that does not step does that)
         with pipe.no_sync() if dp else contextlib.nullcontext():
@@ -114,6 +133,7 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
         losses.append(float(pipe.forward_backward((ids,), label=target, loss_fn=loss_fn,
                                                   optimizer=clipped)))
         return {"losses": losses, "d2h_bytes_grads": d2h, "all_reduces": all_reduces,
+                "stepped": stepped, "h2d_bytes_params": h2d_params,
                 "grad_norm": float(clipped.grad_norm),
                 "h2d_bytes_grads": h2d, "accumulated": accumulated,
                 "params": [p.detach().float().cpu() for p in model.parameters()],
@@ -131,4 +151,7 @@ def data_parallel_summary(r: dict[str, Any]) -> str:
             f"does not step; the clipped norm within {r.get('clipped_norm_rel_diff', 0):.1e}; "
             "losses within "
             f"{r['max_loss_rel_diff']:.1e}, parameters within {r['max_param_diff']:.1e} of "
-            "the pipe without data parallel")
+            "the pipe without data parallel"
+            + (f"; zero3 ({r['zero3_all_gathers']} device all-gathers a step): losses within "
+               f"{r['zero3_max_loss_rel_diff']:.1e}, parameters within "
+               f"{r['zero3_max_param_diff']:.1e}" if "zero3_all_gathers" in r else ""))
