@@ -655,18 +655,20 @@ def spawn(world: int, folder, checks: str = "") -> None:
         raise AssertionError("\n".join(errors) or str(e)) from None
 
 
-RESHARD = [(torch.optim.AdamW, None), (torch.optim.AdamW, torch.bfloat16),
-           (torch.optim.SGD, torch.bfloat16)]
+RESHARD = [(torch.optim.AdamW, None, True), (torch.optim.AdamW, torch.bfloat16, True),
+           (torch.optim.SGD, torch.bfloat16, True),
+           (torch.optim.AdamW, None, "zero3")]   # (optimizer, param_dtype, data_parallel)
 
 
 def reshard_save(rank: int, world: int) -> None:
     """2 sharded steps on ``world`` ranks, then a checkpoint (and the gathered masters)."""
     folder = os.environ["FXPIPE_TEST_FOLDER"]
-    for k, (cls, dtype) in enumerate(RESHARD):
+    for k, (cls, dtype, mode) in enumerate(RESHARD):
         model = make_model()
         kw = {"momentum": 0.9} if cls is torch.optim.SGD else {}
         opt = cls(model.parameters(), lr=0.01, **kw)
-        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype)
+        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype,
+                          data_parallel=mode)
         for step in range(2):
             X, Y = data(world, step)
             pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt)
@@ -683,11 +685,12 @@ def reshard_load(rank: int, world: int) -> None:
     saved ones; 2 more steps equal eager training through all 4 steps (fp32), so every
     piece of the optimizer state (moments and step counts) landed on its new owner."""
     folder = os.environ["FXPIPE_TEST_FOLDER"]
-    for k, (cls, dtype) in enumerate(RESHARD):
+    for k, (cls, dtype, mode) in enumerate(RESHARD):
         kw = {"momentum": 0.9} if cls is torch.optim.SGD else {}
         model = make_model()
         opt = cls(model.parameters(), lr=0.5, **kw)       # the checkpoint sets lr back
-        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype)
+        pipe = compile_dp(model, rank, shard_optimizer=True, param_dtype=dtype,
+                          data_parallel=mode)
         pipe.load_checkpoint(f"{folder}/reshard{k}", opt)
         saved = torch.load(f"{folder}/reshard{k}.pt")
         for name, value in pipe.full_state_dict().items():
@@ -711,7 +714,7 @@ def reshard_load(rank: int, world: int) -> None:
 
 
 def test_checkpoint_onto_another_number_of_ranks(tmp_path):
-    """Sharded optimizer state and masters saved by 2 ranks, loaded by 3."""
+    """Sharded optimizer state and masters saved by 2 ranks, loaded by 3 (zero3's too)."""
     spawn(2, tmp_path, "reshard_save")
     spawn(3, tmp_path, "reshard_load")
 

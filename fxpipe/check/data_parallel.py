@@ -5,8 +5,9 @@ What one GPU can show: the device reduce-scatters (and zero3's all-gathers of th
 parameters, from host memory in a shared file, page-locked) on the runtime's streams,
 through the NCCL groups ``compile`` makes (a dry run: gloo on the virtual devices'
 tensors), and the steps equal to the same pipe without data parallel (one rank's
-reduce-scatter and all-gather are copies). Several ranks need a GPU each (NCCL refuses two ranks on one GPU): the CPU suite
-runs 2 and 4 (tests/test_dp_devices.py).
+reduce-scatter and all-gather are copies). Several ranks need a GPU each (NCCL refuses
+two ranks on one GPU): the CPU suite runs 2 and 4 (tests/test_dp_devices.py,
+tests/test_zero3.py).
 """
 
 from __future__ import annotations

@@ -256,8 +256,7 @@ class ParamStore:
         """``data_parallel="zero3"``: ``(c, dtype)`` of each all-gather the stage's
         ``DeviceAllGather`` posts (one per parameter run: ``c`` elements from each
         rank), in upload order."""
-        world = self.shard[1] if self.shard is not None else 1
-        return [(_part(run.stop - run.start, world),
+        return [(_part(run.stop - run.start, self.shard[1]),
                  _upload_dtype(run.slots[0], self.param_dtype))
                 for run in self._runs_of(stage) if not run.slots[0].is_buffer]
 

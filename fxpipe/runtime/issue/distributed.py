@@ -136,8 +136,9 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         synchronizes all-reduces (``"allreduce"``), or reduce-scatters when it steps a
         sharded optimizer (``mode="exact"``; None: no step) (``"shard"``); with ``"device"``
         on the devices (``"device_allreduce"``, ``"device"``; ``"zero3"``), first adding
-        the ``.grad`` ``accumulated`` by calls that did not synchronize (``"_accumulated"``); it first
-        broadcasts the buffers when the model ``has_buffers`` and ``broadcast_buffers``."""
+        the ``.grad`` ``accumulated`` by calls that did not synchronize (``"_accumulated"``);
+        it first broadcasts the buffers when the model ``has_buffers`` and
+        ``broadcast_buffers``."""
         if run_type == "infer" or not sync:
             return None, False
         if self.shard and mode not in (None, "exact"):

@@ -115,7 +115,7 @@ class Zero3:
                 host.adopt(groups)
             dist.barrier(group=self.group)
         finally:
-            host.shared = None
+            host.shared, host.fill_shared = None, True
             if self.rank == 0:   # every rank holds its map: the names can go
                 for p in paths:
                     try:
