@@ -25,6 +25,7 @@ from tests.test_distributed import (
 )
 from tests.test_distributed import check_checkpoint as distributed_checkpoint
 from tests.test_distributed import check_failure as distributed_failure
+from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
 from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
 
 
@@ -193,6 +194,54 @@ def check_checkpoints(rank: int, world: int) -> None:
                                data_parallel="zero3")
 
 
+def check_hf_bf16(rank: int, world: int) -> None:
+    """A Hugging Face Llama in bf16 under zero3 (its bf16 parameters shared, the fp32
+    masters sharded): the averaged losses and the updates of 2 AdamW steps follow the
+    bf16 eager reference on the whole batch (tests/test_distributed.py's check)."""
+    distributed_hf_bf16(rank, world, data_parallel="zero3")
+
+
+def check_lora_weights(rank: int, world: int) -> None:
+    """A peft LoRA on a Hugging Face Llama built on ``meta`` whose frozen base comes from a
+    safetensors file (``weights=``: file-backed, not moved into the shared buffers; each
+    rank reads its part of each run): 2 AdamW steps of the adapters end bit for bit where
+    ``data_parallel="device"`` ends, each rank uploading half the parameter bytes."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import save_file
+    from tests import hf_zoo
+    folder = os.environ["FXPIPE_TEST_FOLDER"]
+    base, kw, _, loss_fn = hf_zoo.setup("llama")
+    path = f"{folder}/base.safetensors"
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in base.state_dict().items()}, path)
+    dist.barrier()
+    rows = kw["input_ids"].shape[0] // world
+    part = {k: v[rank * rows:(rank + 1) * rows] for k, v in kw.items()}
+    ends = {}
+    for mode in ("zero3", "device"):
+        torch.manual_seed(1)   # the same adapters
+        with torch.device("meta"):
+            model = type(base)(base.config)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                                 "v_proj"]))
+        pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
+                              data_parallel=mode, weights=path, collective_timeout=TIMEOUT,
+                              config=fxpipe.RunConfig(num_microbatch=2))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(2):
+            losses.append(pipe.forward_backward((), part, loss_fn=loss_fn, optimizer=opt).item())
+            opt.zero_grad()
+        ends[mode] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()
+                               if p.requires_grad}, pipe.stats()["h2d_bytes_params"])
+        pipe.close()
+    (z_losses, z_params, z_up), (d_losses, d_params, d_up) = ends["zero3"], ends["device"]
+    assert z_losses == d_losses, (z_losses, d_losses)
+    for n, v in d_params.items():
+        assert torch.equal(z_params[n], v), n
+    assert z_up <= d_up / world + 64 * 8, (z_up, d_up)
+
+
 def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; each stream runs it when it gets
     there): 2 AdamW steps equal eager, so each stage computed after its all-gather had
@@ -238,7 +287,9 @@ CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "bf16", "tied
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero3(world, tmp_path):
     checks = CHECKS + (",tests.test_zero3:check_memory,tests.test_zero3:check_refusals,"
-                       "tests.test_zero3:check_checkpoints,tests.test_zero3:check_failure_bf16"
+                       "tests.test_zero3:check_checkpoints,tests.test_zero3:check_hf_bf16,"
+                       "tests.test_zero3:check_lora_weights,"
+                       "tests.test_zero3:check_failure_bf16"
                        if world == 2 else ",tests.test_zero3:check_failure")
     spawn(world, tmp_path, checks)
 
