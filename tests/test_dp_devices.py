@@ -74,10 +74,11 @@ def check_steps(rank: int, world: int) -> None:
         (device_bytes, host_bytes)   # 1/N of each parameter, zero-padded to N equal parts
 
 
-def check_tied(rank: int, world: int) -> None:
+def check_tied(rank: int, world: int, data_parallel: str = "device") -> None:
     """A weight two stages use: each reduce-scatters its part on its device, the host adds
     the pieces and steps them once; clipped (the norm gathered from each rank's shards,
-    the tied weight's counted once), the speculated steps redone and gathered again."""
+    the tied weight's counted once), the speculated steps redone and gathered again
+    (``"zero3"``: each stage gathers the weight too; tests/test_zero3.py)."""
     g = torch.Generator().manual_seed(7)
 
     def batch(world: int, step: int):
@@ -89,7 +90,7 @@ def check_tied(rank: int, world: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ids, _ = batch(world, 0)
     pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
-                          data_parallel="device", collective_timeout=TIMEOUT)
+                          data_parallel=data_parallel, collective_timeout=TIMEOUT)
     g.manual_seed(7)
     three_steps(pipe, model, opt, ref, ref_opt, rank, world, "tied", batch=batch,
                 clip=(None, 0.05, 1e3))
@@ -239,18 +240,19 @@ def check_all_reduce_failure(rank: int, world: int) -> None:
     pipe.close()
 
 
-def check_cuda_sim(rank: int, world: int) -> None:
+def check_cuda_sim(rank: int, world: int, data_parallel: str = "device") -> None:
     """Strict cuda-sim devices (work queued as on a GPU; a collective's stream runs it when
     it gets there): 2 AdamW steps equal eager; the reduce-scatters ran on the devices'
-    collective streams."""
+    collective streams (``"zero3"``: and the all-gathers, tests/test_zero3.py)."""
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
-    pipe = compile_dev(model, rank, devices=devices)
+    pipe = compile_dp(model, rank, devices=devices, data_parallel=data_parallel)
     three_steps(pipe, model, opt, ref, ref_opt, rank, world, "cuda-sim", n=2)
-    ran = {label for d in devices for stream, label, *_ in d.records if stream == "collective"}
-    assert ran and all(label.endswith("RS") for label in ran), ran
+    ran = {label[-2:] for d in devices for stream, label, *_ in d.records
+           if stream == "collective"}
+    assert ran == ({"AG", "RS"} if data_parallel == "zero3" else {"RS"}), ran
     pipe.close()
     for d in devices:
         d.close()

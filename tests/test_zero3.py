@@ -19,14 +19,15 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.optim import overlapped
 from fxpipe.passes.schedule import OptimizerSpec, build_program
-from fxpipe.runtime.devices.emulator import VirtualDevice
 from tests.test_distributed import (
-    ROWS, TIMEOUT, Tied, ce, compile_dp, data, make_model, mine, three_steps,
+    TIMEOUT, ce, compile_dp, data, make_model, mine, three_steps,
 )
 from tests.test_distributed import check_checkpoint as distributed_checkpoint
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
 from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
+from tests.test_dp_devices import check_cuda_sim as devices_cuda_sim
+from tests.test_dp_devices import check_tied as devices_tied
 
 
 def compile_z3(model, rank: int, **kw) -> fxpipe.PipelineModule:
@@ -246,39 +247,14 @@ def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; each stream runs it when it gets
     there): 2 AdamW steps equal eager, so each stage computed after its all-gather had
     filled in the other ranks' parts (its memory is uninitialized until then); the
-    gathers ran on the devices' collective streams."""
-    ref, model = make_model(), make_model()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    devices = [VirtualDevice(semantics="cuda", record=True) for _ in range(2)]
-    pipe = compile_z3(model, rank, devices=devices)
-    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "cuda-sim", n=2)
-    ran = {label[-2:] for d in devices for stream, label, *_ in d.records
-           if stream == "collective"}
-    assert ran == {"AG", "RS"}, ran
-    pipe.close()
-    for d in devices:
-        d.close()
+    gathers ran on the devices' collective streams (tests/test_dp_devices.py's check)."""
+    devices_cuda_sim(rank, world, data_parallel="zero3")
 
 
 def check_tied(rank: int, world: int) -> None:
-    """A weight two stages use, zero3: each stage gathers it; stepped once, clipped."""
-    g = torch.Generator().manual_seed(7)
-
-    def batch(world: int, step: int):
-        return (torch.randint(0, 11, (ROWS * world,), generator=g),
-                torch.randint(0, 11, (ROWS * world,), generator=g))
-
-    ref, model = Tied(), Tied()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ids, _ = batch(world, 0)
-    pipe = fxpipe.compile(model, (mine(ids, rank),), devices=["cpu", "cpu"],
-                          data_parallel="zero3", collective_timeout=TIMEOUT)
-    g.manual_seed(7)
-    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "tied", batch=batch,
-                clip=(None, 0.05, 1e3))
-    pipe.close()
+    """A weight two stages use: each stage gathers it; stepped once, clipped
+    (tests/test_dp_devices.py's check)."""
+    devices_tied(rank, world, data_parallel="zero3")
 
 
 CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "bf16", "tied", "cuda_sim"))
