@@ -20,7 +20,7 @@ import fxpipe
 from fxpipe.optim import overlapped
 from fxpipe.passes.schedule import OptimizerSpec, build_program
 from tests.test_distributed import (
-    TIMEOUT, ce, compile_dp, data, make_model, mine, three_steps,
+    TIMEOUT, assert_params, ce, compile_dp, data, make_model, mine, three_steps,
 )
 from tests.test_distributed import check_checkpoint as distributed_checkpoint
 from tests.test_distributed import check_failure as distributed_failure
@@ -167,8 +167,28 @@ def check_refusals(rank: int, world: int) -> None:
     # a model an earlier pipe laid out already
     model = make_model()
     fxpipe.compile(model, (mine(X, rank),), devices=["cpu"])(mine(X, rank))
-    with pytest.raises(ValueError, match="freshly built model"):
+    with pytest.raises(ValueError, match="compile the zero3 pipe first"):
         compile_z3(model, rank)
+
+
+def check_two_pipes(rank: int, world: int) -> None:
+    """A second zero3 pipe of the same model (another batch size: the HF Trainer compiles
+    one per input shape) shares the same host copy; steps through either equal eager."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipes = [compile_z3(model, rank), compile_dp(model, rank, data_parallel="zero3",
+                                                 config=fxpipe.RunConfig(num_microbatch=1))]
+    for step, pipe in enumerate(pipes + pipes):
+        X, Y = data(world, step)
+        ce(ref(X), Y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce, optimizer=opt)
+        opt.zero_grad()
+        assert_params(model, ref, f"pipe {step % 2}, step {step}")
+    for pipe in pipes:
+        pipe.close()
 
 
 def check_failure(rank: int, world: int) -> None:
@@ -264,7 +284,7 @@ CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "bf16", "tied
 def test_zero3(world, tmp_path):
     checks = CHECKS + (",tests.test_zero3:check_memory,tests.test_zero3:check_refusals,"
                        "tests.test_zero3:check_checkpoints,tests.test_zero3:check_hf_bf16,"
-                       "tests.test_zero3:check_lora_weights,"
+                       "tests.test_zero3:check_lora_weights,tests.test_zero3:check_two_pipes,"
                        "tests.test_zero3:check_failure_bf16"
                        if world == 2 else ",tests.test_zero3:check_failure")
     spawn(world, tmp_path, checks)

@@ -80,6 +80,15 @@ class Zero3:
     def share_params(self, host: HostParams, params: Mapping[str, torch.Tensor]) -> None:
         """At compile, on every rank: move ``params`` (the model's) into host buffers the
         ranks share, filled with rank 0's values."""
+        adopted = [name for name, p in params.items() if id(p) in host.slots]
+        if adopted and len(adopted) == len(params) and host.shared_regions:
+            return   # an earlier zero3 pipe of this model (another input shape) shared them
+        if adopted:
+            raise ValueError(
+                f"data_parallel='zero3' puts the parameters in host memory the ranks share, "
+                f"but an earlier pipe of this model already laid {adopted[0]!r} out in its own "
+                "host buffers: compile the zero3 pipe first, or a freshly built model (or one "
+                "loaded again)")
         names = [None] * self.world
         dist.all_gather_object(names, socket.gethostname(), group=self.group)
         if len(set(names)) > 1:
@@ -88,13 +97,6 @@ class Zero3:
                 f"of one host; these ranks run on {len(set(names))} hosts ({sorted(set(names))}). "
                 "Across hosts use data_parallel='device' (optimizer state and fp32 masters "
                 "sharded, the parameters whole on every rank)")
-        for name, p in params.items():
-            if id(p) in host.slots:
-                raise ValueError(
-                    f"data_parallel='zero3' puts the parameters in host memory the ranks share, "
-                    f"but an earlier pipe of this model already laid {name!r} out in its own "
-                    "host buffers: compile a freshly built model (or one loaded again) with "
-                    "data_parallel='zero3'")
         if self.rank == 0:
             self.store.set("fxpipe/zero3", uuid.uuid4().hex[:16])
         key = self.store.get("fxpipe/zero3").decode()
