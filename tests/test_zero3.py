@@ -173,7 +173,8 @@ def check_refusals(rank: int, world: int) -> None:
 
 def check_two_pipes(rank: int, world: int) -> None:
     """A second zero3 pipe of the same model (another batch size: the HF Trainer compiles
-    one per input shape) shares the same host copy; steps through either equal eager."""
+    one per input shape) shares the same host copy; steps through either equal eager.
+    Then one rank alone runs a pipe without data parallel over the shared copy."""
     ref, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -189,6 +190,12 @@ def check_two_pipes(rank: int, world: int) -> None:
         assert_params(model, ref, f"pipe {step % 2}, step {step}")
     for pipe in pipes:
         pipe.close()
+    if rank == 0:   # a pipe without data parallel (an evaluation's) reads the shared copy
+        X, _ = data(1, 0)
+        alone = fxpipe.compile(model, (X,), devices=["cpu"])
+        with torch.no_grad():
+            torch.testing.assert_close(alone(X), model(X), rtol=0, atol=1e-6)
+        alone.close()
 
 
 def check_failure(rank: int, world: int) -> None:
