@@ -142,7 +142,9 @@ class ParamStore:
         return list(self._names)
 
     def nbytes(self, stage: int) -> int:
-        """Bytes one upload of ``stage`` moves (in the upload dtype, with alignment)."""
+        """Device bytes one upload of ``stage`` takes (in the upload dtype, with alignment;
+        ``data_parallel="zero3"``: each parameter run padded to ``world`` equal parts, of
+        which it moves one)."""
         return sum(self._run_nbytes(stage))
 
     def grad_nbytes(self, stage: int) -> int:
@@ -169,8 +171,19 @@ class ParamStore:
         return total
 
     def _run_nbytes(self, stage: int) -> list[int]:
-        return [(run.stop - run.start) * _upload_dtype(run.slots[0], self.param_dtype).itemsize
+        """Device bytes of each run (``data_parallel="zero3"``: a parameter run padded to
+        ``world`` equal parts, :meth:`_numel`)."""
+        return [self._numel(run, run.stop - run.start)
+                * _upload_dtype(run.slots[0], self.param_dtype).itemsize
                 for run in self._runs_of(stage)]
+
+    def _numel(self, run: _Run, numel: int) -> int:
+        """Device elements of ``run`` (``numel`` of them on the host): under
+        ``data_parallel="zero3"`` a parameter run's ``world`` parts of ``ceil(numel /
+        world)`` each, the last padded."""
+        if self.shard is None or run.slots[0].is_buffer:
+            return numel
+        return self.shard[1] * _part(numel, self.shard[1])
 
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False,
                resident: ResidentBuffers | None = None, into: torch.Tensor | None = None
@@ -193,26 +206,33 @@ class ParamStore:
                              f"got {into.numel()} B{' and resident buffers' if kept else ''}")
         on_device: list[tuple[_Run, torch.Tensor]] = []
         made: list[torch.Tensor] = []       # device memory allocated here (release frees it)
-        gathers: list[torch.Tensor] = []
+        gathers: list[torch.Tensor] = []    # zero3: runs of which this rank uploads a part
         moved = at = 0
         try:
             for run in runs:
                 src = self._source(run)
-                nbytes = src.numel() * src.element_size()
+                n, item = src.numel(), src.element_size()
+                part = self.shard is not None and not run.slots[0].is_buffer   # zero3
+                size = self._numel(run, n)
                 if into is not None:
-                    place = into[at:at + nbytes].view(src.dtype)
-                    at += _slot_align(nbytes)
-                    on_device.append((run, device.copy_into(src, place)))
-                elif self.shard is not None and not run.slots[0].is_buffer:
-                    full, lo, hi = self._upload_part(src, device, f"stage {stage}")
-                    made.append(full)
-                    on_device.append((run, full))
-                    gathers.append(full)
-                    nbytes = (hi - lo) * src.element_size()
+                    dev = into[at:at + size * item].view(src.dtype)
+                    at += _slot_align(size * item)
+                elif part:
+                    dev = device.empty(size * item, "params", f"stage {stage}").view(src.dtype)
+                    made.append(dev)
                 else:
-                    made.append(device.to_device(src, kind="params", owner=f"stage {stage}"))
-                    on_device.append((run, made[-1]))
-                moved += nbytes
+                    dev = device.to_device(src, kind="params", owner=f"stage {stage}")
+                    made.append(dev)
+                if part:   # this rank's part; the DeviceAllGather fills in the rest
+                    c = size // self.shard[1]
+                    lo, hi = min(n, self.shard[0] * c), min(n, (self.shard[0] + 1) * c)
+                    device.copy_into(src[lo:hi], dev[lo:hi])
+                    gathers.append(dev)
+                    n = hi - lo
+                elif into is not None:
+                    device.copy_into(src, dev)
+                on_device.append((run, dev))
+                moved += n * item
                 if self.host.ring is not None and isinstance(device, CudaDevice) \
                         and pinned.is_pinned(src) and file_backed(run.slots[0].tensor) is not None:
                     # a ring block: reused once this copy (queued on this stream) completes
@@ -237,20 +257,6 @@ class ParamStore:
                        made, moved)
         out.gathers = [(full, full.numel() // self.shard[1]) for full in gathers]
         return out
-
-    def _upload_part(self, src: torch.Tensor, device: Device, owner: str
-                     ) -> tuple[torch.Tensor, int, int]:
-        """``data_parallel="zero3"``: device memory for the whole 1-D ``src`` (padded to
-        ``world * c`` elements, ``c = ceil(numel / world)``), with this rank's
-        ``[rank*c, (rank+1)*c)`` of it uploaded; the rest is the ``DeviceAllGather``'s.
-        Returns ``(memory, lo, hi)``, the part ``[lo, hi)`` (clipped to ``src``)."""
-        rank, world = self.shard
-        n, item = src.numel(), src.element_size()
-        c = _part(n, world)
-        full = device.empty(world * c * item, "params", owner).view(src.dtype)
-        lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
-        device.copy_into(src[lo:hi], full[lo:hi])
-        return full, lo, hi
 
     def gather_parts(self, stage: int) -> list[tuple[int, torch.dtype]]:
         """``data_parallel="zero3"``: ``(c, dtype)`` of each all-gather the stage's

@@ -201,11 +201,6 @@ class Runner:
                     f"streamed exact step; optimizer {optimizer} is not supported there "
                     "(GradScaler, mode='async' and max_grad_norm with speculate=False are not "
                     "implemented with sharding): compile with shard_optimizer=False")
-            if dp.zero3 and cfg.stage_backend == "cudagraphs":
-                raise NotImplementedError(
-                    "data_parallel='zero3' with stage_backend='cudagraphs' is not implemented "
-                    "(a device graph's parameter slot is uploaded whole): use 'eager' or "
-                    "'inductor', or data_parallel='device'")
             data_parallel, broadcast = dp.collectives(
                 run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
                 else None, bool(self.lg.buffers),

@@ -28,8 +28,9 @@ the reduce-scatter that precedes its step. So the only cross-rank ordering is th
 Not built (``NotImplementedError`` at compile or call): ranks on several hosts (each
 host would need every rank's stepped part), a call that synchronizes without stepping
 (every rank's own ``opt.step()`` would step the one shared copy N times; it is refused
-at the step, too), the asynchronous optimizer and ``stage_backend="cudagraphs"``. Every
-call is collective, inference too (its stages gather their parameters).
+at the step, too) and the asynchronous optimizer. Every call is collective, inference
+too (its stages gather their parameters). Under ``stage_backend="cudagraphs"`` a stage's
+part is uploaded into its parameter slot and gathered there, in place.
 """
 
 from __future__ import annotations
