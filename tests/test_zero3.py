@@ -249,7 +249,9 @@ def check_lora_weights(rank: int, world: int) -> None:
             model = type(base)(base.config)
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj",
                                                                                  "v_proj"]))
-        pipe = fxpipe.compile(model, example_kwargs=part, devices=["cpu", "cpu"],
+        # cuda-sim devices: pinned (emulated), the file read through the ring, a part at a time
+        devices = [fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)]
+        pipe = fxpipe.compile(model, example_kwargs=part, devices=devices,
                               data_parallel=mode, weights=path, collective_timeout=TIMEOUT,
                               config=fxpipe.RunConfig(num_microbatch=2))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -177,6 +177,16 @@ class ParamStore:
                 * _upload_dtype(run.slots[0], self.param_dtype).itemsize
                 for run in self._runs_of(stage)]
 
+    def _part(self, run: _Run, size: int) -> tuple[int, int] | None:
+        """``data_parallel="zero3"``: this rank's elements ``[lo, hi)`` of a parameter run
+        of ``size`` device elements (``[rank*c, (rank+1)*c)``, clipped to the run); else
+        None."""
+        if self.shard is None or run.slots[0].is_buffer:
+            return None
+        rank, world = self.shard
+        n, c = run.stop - run.start, size // world
+        return min(n, rank * c), min(n, (rank + 1) * c)
+
     def _numel(self, run: _Run, numel: int) -> int:
         """Device elements of ``run`` (``numel`` of them on the host): under
         ``data_parallel="zero3"`` a parameter run's ``world`` parts of ``ceil(numel /
@@ -210,25 +220,24 @@ class ParamStore:
         moved = at = 0
         try:
             for run in runs:
-                src = self._source(run)
-                n, item = src.numel(), src.element_size()
-                part = self.shard is not None and not run.slots[0].is_buffer   # zero3
+                n = run.stop - run.start
                 size = self._numel(run, n)
+                part = self._part(run, size)   # zero3: this rank's elements
+                src = self._source(run, part)
+                item = src.element_size()
                 if into is not None:
                     dev = into[at:at + size * item].view(src.dtype)
                     at += _slot_align(size * item)
-                elif part:
+                elif part is not None:
                     dev = device.empty(size * item, "params", f"stage {stage}").view(src.dtype)
                     made.append(dev)
                 else:
                     dev = device.to_device(src, kind="params", owner=f"stage {stage}")
                     made.append(dev)
-                if part:   # this rank's part; the DeviceAllGather fills in the rest
-                    c = size // self.shard[1]
-                    lo, hi = min(n, self.shard[0] * c), min(n, (self.shard[0] + 1) * c)
-                    device.copy_into(src[lo:hi], dev[lo:hi])
+                if part is not None:   # the DeviceAllGather fills in the other ranks' parts
+                    device.copy_into(src, dev[part[0]:part[1]])
                     gathers.append(dev)
-                    n = hi - lo
+                    n = part[1] - part[0]
                 elif into is not None:
                     device.copy_into(src, dev)
                 on_device.append((run, dev))
@@ -306,16 +315,18 @@ class ParamStore:
         return sum(slot.numel * slot.tensor.element_size()
                    for slot in self._kept(stage, resident).values())
 
-    def _source(self, run: _Run) -> torch.Tensor:
+    def _source(self, run: _Run, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """What an upload of ``run`` reads (``part``: its elements ``[lo, hi)`` only)."""
+        lo, hi = part if part is not None else (0, run.stop - run.start)
         if run.region is None:   # its page-locked copy, when pinning
             t = run.slots[0].tensor.detach().reshape(-1)
             dtype = _upload_dtype(run.slots[0], self.param_dtype)
-            if file_backed(run.slots[0].tensor) is not None:
-                return self.host.file_source(run.slots[0], dtype)
+            if file_backed(run.slots[0].tensor) is not None:   # (reads the part only)
+                return self.host.file_source(run.slots[0], dtype, part)
             staged = self.host.staged(run.slots[0], dtype, self.snapshot)
-            return staged if staged is not None else converted(t, dtype)
+            return (staged if staged is not None else converted(t, dtype))[lo:hi]
         src = self.host.source(run.slots[0], self.param_dtype, self.snapshot)
-        return src[run.start:run.stop]
+        return src[run.start + lo:run.start + hi]
 
     def release(self, device: Device, uploaded: Uploaded) -> None:
         """Stop counting what :meth:`upload` put on ``device`` (each run once: the memory

@@ -293,12 +293,16 @@ class HostParams:
             return None
         return old[1]
 
-    def file_source(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+    def file_source(self, slot: _Slot, dtype: torch.dtype,
+                    part: tuple[int, int] | None = None) -> torch.Tensor:
         """What an upload of the file-backed ``slot`` reads, in ``dtype`` (flat): the map
         itself (pageable when not pinning; registered for DMA where allowed), else a
         block of the ring (held until the copy out of it completes: ``ParamStore.upload``),
-        else, the ring being full, the map (a pageable copy)."""
+        else, the ring being full, the map (a pageable copy). ``part``: elements
+        ``[lo, hi)`` only (``data_parallel="zero3"``: this rank's part)."""
         t = slot.tensor.detach().reshape(-1)
+        if part is not None:
+            t = t[part[0]:part[1]]
         if not self.pin:
             return converted(t, dtype)
         fmap = file_backed(slot.tensor)
