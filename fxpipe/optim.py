@@ -360,17 +360,26 @@ class OptimizerCall:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.ov.optimizer.param_groups for p in g["params"]]
 
-    def clip(self, dp: Any = None) -> None:
+    def clip(self, dp: Any = None, pending: Sequence[Any] = ()) -> None:
         """``ClipGradNorm``, after the ``Commit``: eager's ``clip_grad_norm_`` over the
         optimizer's parameters (a ``GradScaler``'s ``unscale_`` first). After speculative
         steps: when clipping changes the gradients (coefficient < 1), put the stepped
         parameters and state back, clip, and step them all again. Stepped by shards
         (``dp``, ``shard_optimizer``): the norm is the ranks' (``DataParallel.total_norm``)
-        and each rank clips, steps and gathers its shards again."""
+        and each rank clips, steps and gathers its shards again. ``pending``: the shards
+        the ``OptimizerStep``s after it step (sharded, not speculated): the ranks' norm of
+        them, and each rank's clipped in place."""
         ov, opt = self.ov, self.ov.optimizer
         params = self._params()
         if self.spec.scaler:
             ov.scaler.unscale_(opt)
+        if pending:
+            ov.grad_norm = dp.total_norm(shard_norm(opt, pending, ov.norm_type), ov.norm_type,
+                                         pending, lambda t: False)
+            coef = clip_coefficient(ov.max_grad_norm, ov.grad_norm)
+            if coef != 1.0:   # eager's clip_grads_with_norm_, on each rank's pieces
+                torch._foreach_mul_([sh.grad for sh in pending], coef)
+            return
         if not self.spec.streamed:
             ov.grad_norm = torch.nn.utils.clip_grad_norm_(params, ov.max_grad_norm, ov.norm_type)
             return

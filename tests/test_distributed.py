@@ -177,11 +177,12 @@ def same_on_every_rank(model: nn.Module, what: str) -> None:
 
 
 def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str,
-                n: int = 3, batch=data, clip: tuple = ()) -> None:
+                n: int = 3, batch=data, clip: tuple = (), speculate: bool = True) -> None:
     """``n`` steps of ``pipe`` with ``opt`` on this rank's share of the batch, each equal
     to eager ``ref`` stepping ``ref_opt`` on the whole batch (loss averaged across ranks),
     the ranks identical after each. ``clip``: each step's ``max_grad_norm`` (None: no
-    clipping), eager's ``clip_grad_norm_`` against ``overlapped(opt, max_grad_norm=)``."""
+    clipping), eager's ``clip_grad_norm_`` against ``overlapped(opt, max_grad_norm=,
+    speculate=)``."""
     for step in range(n):
         X, Y = batch(world, step)
         loss_ref = ce(ref(X), Y)
@@ -191,7 +192,8 @@ def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str
             norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), limit)
         ref_opt.step()
         ref_opt.zero_grad()
-        stepper = opt if limit is None else overlapped(opt, max_grad_norm=limit)
+        stepper = opt if limit is None else overlapped(opt, max_grad_norm=limit,
+                                                       speculate=speculate)
         loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
                                      optimizer=stepper)
         opt.zero_grad()
@@ -201,6 +203,24 @@ def three_steps(pipe, model, opt, ref, ref_opt, rank: int, world: int, what: str
         assert_close(mean_across(loss), loss_ref.detach(), f"{what} step {step} loss")
         assert_params(model, ref, f"{what}, after step {step}")
         same_on_every_rank(model, f"{what}, after step {step}")
+
+
+def check_clipped_first(rank: int, world: int, data_parallel: bool | str = True) -> None:
+    """Sharded, clipped without speculation (``overlapped(opt, speculate=False)``): the
+    shards reduced, the ranks' norm of them (``N``), then every stage stepped once (and
+    gathered: ``AG``; zero3 writes them); 3 SGD steps with momentum (clipped, kept,
+    clipped; SGD moves as the clipped gradient does) equal eager's ``clip_grad_norm_`` +
+    step on the whole batch."""
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pipe = compile_dp(model, rank, shard_optimizer=True, data_parallel=data_parallel)
+    host = [str(a) for a in pipe.program(optimizer=overlapped(opt, max_grad_norm=1.0,
+                                                              speculate=False)).host]
+    assert host.index("N") < min(i for i, a in enumerate(host) if a.startswith("S")), host
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, f"{data_parallel} clipped first",
+                clip=(0.05, 1e3, 0.05), speculate=False)
+    pipe.close()
 
 
 def check_no_sync(rank: int, world: int) -> None:
@@ -601,7 +621,8 @@ def check_failure_sharded(rank: int, world: int) -> None:
 
 CHECKS = {
     2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
-        check_shard_optimizer, check_shard_across_plans, check_sharded_masters,
+        check_shard_optimizer, check_clipped_first, check_shard_across_plans,
+        check_sharded_masters,
         check_checkpoints, check_mismatch, check_batch_mismatch, check_hf_bf16, check_failure,
         check_failure_sharded],
     3: [check_gradients, check_no_sync, check_shard_optimizer, check_sharded_masters,
@@ -842,11 +863,9 @@ def test_shard_optimizer_refuses_what_it_cannot_shard(one_rank):
     pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
                           data_parallel=True, shard_optimizer=True)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
-    for opt in (overlapped(torch.optim.SGD(model.parameters(), lr=0.1), mode="async"),
-                overlapped(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
-                           speculate=False)):
-        with pytest.raises(NotImplementedError, match="shard_optimizer=True"):
-            pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=opt)
+    with pytest.raises(NotImplementedError, match="shard_optimizer=True"):   # (nothing stepped)
+        pipe.forward_backward((x,), label=y, loss_fn=ce, optimizer=overlapped(
+            torch.optim.SGD(model.parameters(), lr=0.1), mode="async"))
     with pytest.raises(NotImplementedError, match="shard_optimizer=True steps each rank.s shard"):
         pipe.program(optimizer="async")
     # one rank: the sharded step is the whole step, and equals eager; clipped too (the

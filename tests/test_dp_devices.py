@@ -25,6 +25,7 @@ from tests.test_distributed import (
     ROWS, TIMEOUT, Tied, assert_grads, assert_params, ce, compile_dp, data, make_model, mine,
     three_steps,
 )
+from tests.test_distributed import check_clipped_first as distributed_clipped_first
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
 from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
@@ -266,6 +267,13 @@ def check_hf_bf16(rank: int, world: int) -> None:
     distributed_hf_bf16(rank, world, data_parallel="device")
 
 
+def check_clipped_first(rank: int, world: int) -> None:
+    """Clipped without speculation: each stage's pieces taken (``M``), the norm of every
+    rank's shards, then each stage stepped and gathered once (tests/test_distributed.py's
+    check)."""
+    distributed_clipped_first(rank, world, data_parallel="device")
+
+
 def check_failure(rank: int, world: int) -> None:
     """Rank 1 fails in its shallowest stage's device reduce-scatter, after the deeper
     stages were reduced, stepped and gathered: every rank raises within the timeout (rank
@@ -275,7 +283,7 @@ def check_failure(rank: int, world: int) -> None:
 
 
 CHECKS = {
-    2: [check_steps, check_tied, check_accumulated_on_the_devices,
+    2: [check_steps, check_tied, check_clipped_first, check_accumulated_on_the_devices,
         check_all_reduced_on_the_devices, check_cuda_sim, check_hf_bf16,
         check_all_reduce_failure, check_failure],
     4: [check_steps, check_accumulated_on_the_devices, check_all_reduced_on_the_devices,

@@ -23,6 +23,7 @@ from tests.test_distributed import (
     TIMEOUT, assert_params, ce, compile_dp, data, make_model, mine, three_steps,
 )
 from tests.test_distributed import check_checkpoint as distributed_checkpoint
+from tests.test_distributed import check_clipped_first as distributed_clipped_first
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
 from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
@@ -93,6 +94,12 @@ def check_steps(rank: int, world: int) -> None:
     # only ("device" all-gathers the stepped parameters there)
     assert stats["host_collective_bytes"] == 4 + 16 + 4, stats
     assert whole["host_collective_bytes"] > 4 + 16, whole
+
+
+def check_clipped_first(rank: int, world: int) -> None:
+    """Clipped without speculation: the norm of every rank's shards, then each stage
+    stepped and written once (tests/test_distributed.py's check)."""
+    distributed_clipped_first(rank, world, data_parallel="zero3")
 
 
 def check_bf16(rank: int, world: int) -> None:
@@ -301,8 +308,8 @@ def check_tied(rank: int, world: int) -> None:
     devices_tied(rank, world, data_parallel="zero3")
 
 
-CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "bf16", "tied", "cuda_sim",
-                                                         "cudagraphs"))
+CHECKS = ",".join(f"tests.test_zero3:check_{c}" for c in ("steps", "clipped_first", "bf16", "tied",
+                                                         "cuda_sim", "cudagraphs"))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -58,6 +58,14 @@ class OptimizerSpec:
         return (self.mode == "exact" and self.steps and not self.scaler
                 and (not self.clip or self.speculate))
 
+    @property
+    def clipped_first(self) -> bool:
+        """Whether every stage is stepped after the ``Commit`` and the norm (``N``), with
+        nothing else between (``clip``, not ``speculate``, no ``GradScaler``): what a
+        sharded step does instead of speculating."""
+        return self.mode == "exact" and self.steps and self.clip and not self.speculate \
+            and not self.scaler
+
     def __str__(self) -> str:
         text = self.mode + ("" if self.steps else "+accumulate")
         if self.clip:

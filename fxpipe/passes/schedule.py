@@ -281,16 +281,26 @@ def host_lane(stages: Sequence[StageSpec],
 
         >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True), "zero3")]
         ['RF', 'S1:3', 'S0:1', 'C', 'N', 'SY']
+
+    Sharded, clipping without speculation: the shards reduced (``RS``; on the devices,
+    taken by ``M``), the norm of every rank's shards (``N``), then each stage stepped
+    and gathered::
+
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True, speculate=False), "shard")]
+        ['RF', 'RS1:3', 'RS0:1', 'C', 'N', 'S1:3', 'AG1:3', 'S0:1', 'AG0:1']
+        >>> [str(a) for a in host_lane(st, OptimizerSpec(clip=True, speculate=False), "device")]
+        ['RF', 'M1:3', 'M0:1', 'C', 'N', 'S1:3', 'AG1:3', 'S0:1', 'AG0:1']
     """
     spec = optimizer_spec(optimizer)
     if data_parallel not in (None, "allreduce", "shard", *ON_DEVICES):
         raise ValueError(f"data_parallel must be None, 'allreduce', 'shard' or one of "
                          f"{ON_DEVICES}, got {data_parallel!r}")
     sharded = data_parallel in ("shard", *SHARDED_ON_DEVICES)
-    if sharded and (spec is None or not spec.streamed):
+    if sharded and (spec is None or not (spec.streamed or spec.clipped_first)):
         raise ValueError(f"data_parallel={data_parallel!r} steps each rank's shard in the call: "
-                         "it needs the streamed exact step (clipping speculated)")
+                         "it needs the streamed exact step, or clipping without speculation")
     streamed = spec is not None and spec.streamed
+    gathers = sharded and data_parallel not in ZERO3   # the stepped shards, AG
     host: list[Action] = [Refresh()]
     if broadcast_buffers:
         host.append(BroadcastBuffers())
@@ -306,7 +316,7 @@ def host_lane(stages: Sequence[StageSpec],
         if sharded:
             if data_parallel == "shard":
                 host.append(ReduceScatter(layers))
-            if j and data_parallel not in ZERO3:
+            if j and streamed and gathers:
                 host.append(AllGather(backward[j - 1]))
         elif data_parallel == "allreduce":
             host.append(AllReduce(layers))
@@ -314,7 +324,7 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(OptimizerStep(layers))
         elif data_parallel is None or data_parallel in ON_DEVICES:   # (reduced there)
             host.append(Accumulate(layers))
-    if sharded and backward and data_parallel not in ZERO3:
+    if backward and streamed and gathers:
         host.append(AllGather(backward[-1]))
     if not train:
         host.append(Commit())
@@ -325,8 +335,9 @@ def host_lane(stages: Sequence[StageSpec],
             host.append(ScalerStep())
         elif spec.mode == "async":
             host.append(QueueUpdate())
-        elif not streamed:
-            host += [OptimizerStep(layers) for layers in backward]
+        elif not streamed:   # (sharded: each stage's shards gathered once stepped)
+            host += [a for layers in backward
+                     for a in (OptimizerStep(layers),) + ((AllGather(layers),) if gathers else ())]
     if data_parallel in ZERO3:
         host.append(Barrier())
     return tuple(host)

@@ -340,11 +340,7 @@ class Execution:
                 self.call.optimizer.apply_pending()
             case OptimizerStep(layers=layers):
                 self._take_downloads(self.program.step_stages(a))  # their events have ended
-                with self.shards_lock:
-                    if self.reduce_on_devices:   # the shards the devices reduced
-                        self.shards[(layers.start, layers.stop)] = shards_from_pieces(
-                            self._buckets(layers), self.pieces)
-                    shards = self.shards.get((layers.start, layers.stop))
+                shards = self._shards(layers)
                 self.call.optimizer.step(layers, self.call.accumulator, shards)
                 if self.call.dp is not None and self.call.dp.zero3:   # (no AllGather)
                     self.call.dp.publish(shards)
@@ -367,8 +363,10 @@ class Execution:
             case Commit():
                 if self.call.commit is not None:
                     self.call.commit()
-            case ClipGradNorm():
-                self.call.optimizer.clip(self.call.dp)
+            case ClipGradNorm():   # (sharded, steps after it: every stage's shards)
+                self.call.optimizer.clip(self.call.dp, [
+                    sh for b in self.program.host[self.program.host.index(a):]
+                    if isinstance(b, OptimizerStep) for sh in self._shards(b.layers) or ()])
             case ScalerStep():
                 self.call.optimizer.scaler_step()
             case QueueUpdate():
@@ -412,6 +410,15 @@ class Execution:
         self.call.store.refresh()
         self.call.snapshot = {k: v.detach().clone() for k, v in self.call.layers.buffers.items()
                               if not is_scratch(v)}
+
+    def _shards(self, layers: range) -> list | None:
+        """This rank's shards for ``OptimizerStep(layers)``: the host ``ReduceScatter``'s,
+        or made (once) from the pieces the devices reduced; None if the call does not shard."""
+        key = (layers.start, layers.stop)
+        with self.shards_lock:
+            if self.reduce_on_devices and key not in self.shards:
+                self.shards[key] = shards_from_pieces(self._buckets(layers), self.pieces)
+            return self.shards.get(key)
 
     def _buckets(self, layers: range) -> list:
         """The gradient buckets of the parameters ``OptimizerStep(layers)`` steps."""

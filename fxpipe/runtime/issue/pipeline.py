@@ -195,11 +195,12 @@ class Runner:
         dp = self.dp
         if dp is not None:
             steps = optimizer is not None and optimizer.steps
-            if dp.shard and steps and run_type != "infer" and sync and not optimizer.streamed:
+            if dp.shard and steps and run_type != "infer" and sync and not (
+                    optimizer.streamed or optimizer.clipped_first):
                 raise NotImplementedError(
                     f"shard_optimizer=True steps each rank's shard inside the call with the "
-                    f"streamed exact step; optimizer {optimizer} is not supported there "
-                    "(GradScaler, mode='async' and max_grad_norm with speculate=False are not "
+                    f"streamed exact step (or clipped without speculation); optimizer "
+                    f"{optimizer} is not supported there (GradScaler and mode='async' are not "
                     "implemented with sharding): compile with shard_optimizer=False")
             data_parallel, broadcast = dp.collectives(
                 run_type, sync, ("exact" if optimizer.streamed else optimizer.mode) if steps
