@@ -276,6 +276,31 @@ def check_lora_weights(rank: int, world: int) -> None:
     assert z_up <= d_up / world + 64 * 8, (z_up, d_up)
 
 
+def check_two_pipes_bf16(rank: int, world: int) -> None:
+    """bf16 ``param_dtype`` (the fp32 masters sharded by the first pipe): a second pipe of
+    the model keeps the first's masters (before, it found the parameters bf16 already,
+    kept no masters, and its step failed). 4 SGD steps alternating between two pipes end
+    bit for bit where one pipe ends, with ``"device"`` and with ``"zero3"``."""
+    ends = {}
+    for mode, pipes in (("device", 1), ("device", 2), ("zero3", 2)):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        made = [compile_dp(model, rank, data_parallel=mode, param_dtype=torch.bfloat16)
+                for _ in range(pipes)]
+        for step in range(4):
+            X, Y = data(world, step)
+            made[step % pipes].forward_backward((mine(X, rank),), label=mine(Y, rank),
+                                                loss_fn=ce, optimizer=opt)
+            opt.zero_grad()
+        ends[(mode, pipes)] = made[-1].full_state_dict()
+        for pipe in made:
+            pipe.close()
+    one = ends[("device", 1)]
+    for key in (("device", 2), ("zero3", 2)):
+        for n, v in one.items():
+            assert torch.equal(ends[key][n], v), (key, n)
+
+
 def check_cuda_sim(rank: int, world: int) -> None:
     """Strict cuda-sim devices (work queued as on a GPU; each stream runs it when it gets
     there): 2 AdamW steps equal eager, so each stage computed after its all-gather had
@@ -317,6 +342,7 @@ def test_zero3(world, tmp_path):
     checks = CHECKS + (",tests.test_zero3:check_memory,tests.test_zero3:check_refusals,"
                        "tests.test_zero3:check_checkpoints,tests.test_zero3:check_hf_bf16,"
                        "tests.test_zero3:check_lora_weights,tests.test_zero3:check_two_pipes,"
+                       "tests.test_zero3:check_two_pipes_bf16,"
                        "tests.test_zero3:check_failure_bf16"
                        if world == 2 else ",tests.test_zero3:check_failure")
     spawn(world, tmp_path, checks)

@@ -80,6 +80,9 @@ class ShardedMasters:
         cast, into every rank's parameters. Nothing is converted unless all can be."""
         todo = {n: p for n, p in _unique(params).items()
                 if p.requires_grad and p.is_floating_point() and p.dtype != dtype}
+        if not todo and host.masters is not None:   # an earlier pipe of the model sharded them
+            self._adopt_masters(host)
+            return
         for name, p in todo.items():
             if id(p) in host.slots:
                 raise ValueError(
@@ -99,6 +102,23 @@ class ShardedMasters:
                 p.data = p.detach().to(dtype)
         refuse_outside_step(todo.values(), _MASTERED)
         self.stamp(self.masters)
+        # every pipe of the model keeps these (the HF Trainer compiles one per input shape)
+        host.masters = (self.rank, self.world, self.masters, self._mastered, self._stamps,
+                        {id(p): n for n, p in self._mastered.items()})
+
+    def _adopt_masters(self, host: HostParams) -> None:
+        """The masters an earlier pipe of the model sharded (``host.masters``): the same
+        pieces, parameters and stamps, if the ranks are the same."""
+        rank, world, masters, mastered, stamps, names = host.masters
+        if (rank, world) != (self.rank, self.world):
+            raise ValueError(
+                f"an earlier pipe of this model sharded its fp32 masters as rank {rank} of "
+                f"{world}; this pipe is rank {self.rank} of {self.world}: compile every "
+                "data-parallel pipe of a model over the same ranks")
+        self._host = host
+        self.masters, self._mastered, self._stamps = masters, mastered, stamps
+        for key, name in names.items():
+            self._names.setdefault(key, name)
 
     def stamp(self, names: Sequence[str] | Mapping[str, Any]) -> None:
         """The masters of ``names`` and their parameters agree now."""

@@ -122,6 +122,9 @@ class HostParams:
         self.shared: Callable[[int], str] | None = None
         self.fill_shared = True
         self.shared_regions: set[int] = set()   # the regions in such files
+        # shard_optimizer with param_dtype: (rank, world, masters, ...) of the first pipe
+        # that sharded the fp32 masters (``runtime.host.masters``), which its later pipes keep
+        self.masters: tuple | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, pin: bool | None = None,
