@@ -435,3 +435,26 @@ step d0  d1   host
                 pipe.close()
             finally:
                 dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["device", "zero3"])
+def test_a_pipe_compiled_after_no_sync_calls_captures(one_rank, mode):
+    """bf16 over sharded fp32 masters: calls under ``no_sync()`` leave an fp32 ``.grad`` on
+    the bf16 parameters; a pipe compiled then (the HF Trainer compiles one per input
+    shape, mid-accumulation) captures with export, which copied each ``.grad`` into its
+    bf16 stand-in and failed; the step that follows takes the accumulated ``.grad``."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, Y = data(2, 0)
+    first = compile_dp(model, 0, data_parallel=mode, param_dtype=torch.bfloat16)
+    with first.no_sync():
+        first.forward_backward((X[:6],), label=Y[:6], loss_fn=ce)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for p in model.parameters())
+    second = fxpipe.compile(model, (X,), devices=["cpu", "cpu"], data_parallel=mode,
+                            param_dtype=torch.bfloat16, capture="export",
+                            collective_timeout=TIMEOUT)
+    second.forward_backward((X,), label=Y, loss_fn=ce, optimizer=opt)
+    assert all(p.grad is None for p in model.parameters())   # taken by the sharded step
+    first.close()
+    second.close()

@@ -129,7 +129,7 @@ def capture(model: nn.Module, args: tuple = (), kwargs: dict | None = None,
         try:
             # blocks runs the example eagerly: real copies; tracing reads no value
             with parameters_in(model, param_dtype, values=(m == "blocks"),
-                               buffers=low_buffers) as masters:
+                               buffers=low_buffers) as masters, _grads_hidden(model):
                 if m == "fx":
                     gm = _trace_fx(wrapper)
                     out_spec = wrapper.out_spec
@@ -285,6 +285,22 @@ def _trace_fx(wrapper: _FlatCall) -> fx.GraphModule:
     gm = _normalize(wrapper, graph, tensor_of)
     propagate_fake_values(gm, [wrapper.leaves[i] for i in wrapper.tensor_pos])
     return gm
+
+
+@contextlib.contextmanager
+def _grads_hidden(model: nn.Module) -> Iterator[None]:
+    """The parameters' ``.grad`` set aside while tracing: a trace reads none, and export
+    and dynamo copy each parameter's ``.grad`` into their stand-ins, which fails for an
+    fp32 gradient of a bf16 parameter (sharded fp32 masters: ``grad_dtype``), as
+    calls under ``no_sync()`` leave it before a new input shape is captured."""
+    held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in held:
+            p.grad = g
 
 
 @contextlib.contextmanager
