@@ -51,9 +51,8 @@ from fxpipe.runtime.host.params import HostParams
 
 
 class Zero3:
-    """``data_parallel="zero3"``'s part of ``DataParallel`` (module docstring). Needs
-    ``rank``, ``world``, ``group``, ``store``, ``_post``, ``stamp`` and ``all_gather``
-    from the class that has it as a base."""
+    """``data_parallel="zero3"``'s part of ``DataParallel`` (module docstring). Needs the
+    attributes annotated below from the class that has it as a base."""
 
     rank: int
     world: int
