@@ -1512,6 +1512,15 @@ def headline() -> list[str]:
                          f"{own['host_collective_bytes'] / host_own:.2f}",
                          "measured (bytes counted)", "lower is better (no gradient on gloo)",
                          "data-parallel-on-the-devices-measured"])
+        if all("fp32 zero3" in v[w] for w in ("2", "4")):
+            rows.append(["`data_parallel=\"zero3\"`: parameter bytes each rank uploads / "
+                         "`\"device\"`'s, and host parameter bytes per rank / `\"device\"`'s, "
+                         "2 and 4 ranks fp32",
+                         " / ".join(f"{v[w]['fp32 zero3'][k] / v[w]['fp32 device'][k]:.2f}"
+                                    for k in ("h2d_bytes_params", "host_param_bytes")
+                                    for w in ("2", "4")),
+                         "measured (bytes counted)", "lower is better (1/N)",
+                         "data-parallel-on-the-devices-measured"])
     peft = load("bench_peft.json")
     if peft and "lora_over_full" in peft:
         rows.append(["LoRA: gradient bytes downloaded per step / full training",
