@@ -8,8 +8,11 @@ one spawn (``_checks``), the failure check last (it leaves fxpipe's process grou
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
+from collections.abc import Iterator
 
 import expecttest
 import pytest
@@ -742,29 +745,32 @@ def test_checkpoint_onto_another_number_of_ranks(tmp_path):
 
 # ----------------------------------------------------------------- in this process (rank 0 of 1)
 
+@contextlib.contextmanager
+def one_rank_job() -> Iterator[None]:
+    """Rank 0 of a one-rank gloo job, for the block."""
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    try:
+def one_rank():
+    with one_rank_job():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 class TestProgram(expecttest.TestCase):
     def test_printed_data_parallel_program(self):
-        import tempfile
-        with tempfile.TemporaryDirectory() as d:
-            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
-                                    world_size=1)
-            try:
-                model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 2))
-                pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
-                                      data_parallel=True, plan=fxpipe.ExecutePlan(
-                                          [range(0, 2)], [range(2, 3), range(0, 2)]))
-                text = str(pipe.program("fused", num_microbatch=2, optimizer=True))
-                self.assertExpectedInline(text, """\
+        with one_rank_job():
+            model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 2))
+            pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                  data_parallel=True, plan=fxpipe.ExecutePlan(
+                                      [range(0, 2)], [range(2, 3), range(0, 2)]))
+            text = str(pipe.program("fused", num_microbatch=2, optimizer=True))
+            self.assertExpectedInline(text, """\
 program devices=2 microbatches=2
 inputs input_1 <label>
 stage 0 fwd 0:2 reads=input_1 makes=mul
@@ -792,17 +798,15 @@ step d0  d1   host
 18   2X1 .    .
 19   2D  .    .
 20   2R  .    .""")
-                shard = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
-                                       data_parallel=True, shard_optimizer=True,
-                                       plan=pipe.plan)
-                host = [str(a) for a in shard.program("fused", 2, optimizer=True).host]
-                self.assertExpectedInline(str(host), """['RF', 'BC', 'RS2:3', 'S2:3', 'RS0:2', 'AG2:3', 'S0:2', 'AG0:2', 'C']""")
-                train = [str(a) for a in pipe.program("train", 2).host]
-                self.assertExpectedInline(str(train), """['RF', 'BC', 'C', 'AR2:3', 'AR0:2']""")
-                pipe.close()
-                shard.close()
-            finally:
-                dist.destroy_process_group()
+            shard = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                   data_parallel=True, shard_optimizer=True,
+                                   plan=pipe.plan)
+            host = [str(a) for a in shard.program("fused", 2, optimizer=True).host]
+            self.assertExpectedInline(str(host), """['RF', 'BC', 'RS2:3', 'S2:3', 'RS0:2', 'AG2:3', 'S0:2', 'AG0:2', 'C']""")
+            train = [str(a) for a in pipe.program("train", 2).host]
+            self.assertExpectedInline(str(train), """['RF', 'BC', 'C', 'AR2:3', 'AR0:2']""")
+            pipe.close()
+            shard.close()
 
 
 def test_needs_initialized_process_group():

@@ -15,7 +15,6 @@ import math
 import expecttest
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import fxpipe
@@ -28,7 +27,7 @@ from tests.test_distributed import (
 from tests.test_distributed import check_clipped_first as distributed_clipped_first
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
-from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
+from tests.test_distributed import one_rank, one_rank_job, spawn  # noqa: F401 — one_rank: a fixture
 
 
 def compile_dev(model, rank: int, **kw) -> fxpipe.PipelineModule:
@@ -311,17 +310,13 @@ class TestProgram(expecttest.TestCase):
         """The Program of ``data_parallel="device"``: each backward stage's ``sRS`` on its
         device's collective stream before its download; the host steps and gathers. Rank 0
         of a one-rank job (a reduce-scatter over one rank is a copy)."""
-        import tempfile
-        with tempfile.TemporaryDirectory() as d:
-            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
-                                    world_size=1)
-            try:
-                model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-                pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
-                                      data_parallel="device", plan=fxpipe.ExecutePlan(
-                                          [range(0, 2)], [range(2, 3), range(0, 2)]))
-                program = pipe.program("fused", num_microbatch=2, optimizer=True)
-                self.assertExpectedInline(str(program), """\
+        with one_rank_job():
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+            pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                  data_parallel="device", plan=fxpipe.ExecutePlan(
+                                      [range(0, 2)], [range(2, 3), range(0, 2)]))
+            program = pipe.program("fused", num_microbatch=2, optimizer=True)
+            self.assertExpectedInline(str(program), """\
 program devices=2 microbatches=2
 inputs input_1 <label>
 stage 0 fwd 0:2 reads=input_1 makes=tanh
@@ -350,22 +345,20 @@ step d0  d1   host
 19   2RS .    .
 20   2D  .    .
 21   2R  .    .""")
-                # the stream each ran on, from a recorded call
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-                with pipe.trace() as rec:
-                    pipe.forward_backward((torch.randn(4, 4),), label=torch.randn(4, 2),
-                                          loss_fn=nn.functional.mse_loss, optimizer=opt)
-                ran = sorted(a for dev, a in rec.actions if a.endswith("RS"))
-                self.assertEqual(ran, ["1RS", "2RS"])
-                # a call that steps no sharded optimizer: its averages made on the devices
-                # (sAR), the host takes them (M); the device lanes as above otherwise
-                program = pipe.program("fused", num_microbatch=2)
-                self.assertExpectedInline(" ".join(map(str, program.host)), """RF M2:3 M0:2 C""")
-                self.assertExpectedInline(" ".join(str(a) for a in program.actions[1][-4:]),
-                                          """1X1 1AR 1D 1R""")
-                pipe.close()
-            finally:
-                dist.destroy_process_group()
+            # the stream each ran on, from a recorded call
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with pipe.trace() as rec:
+                pipe.forward_backward((torch.randn(4, 4),), label=torch.randn(4, 2),
+                                      loss_fn=nn.functional.mse_loss, optimizer=opt)
+            ran = sorted(a for dev, a in rec.actions if a.endswith("RS"))
+            self.assertEqual(ran, ["1RS", "2RS"])
+            # a call that steps no sharded optimizer: its averages made on the devices
+            # (sAR), the host takes them (M); the device lanes as above otherwise
+            program = pipe.program("fused", num_microbatch=2)
+            self.assertExpectedInline(" ".join(map(str, program.host)), """RF M2:3 M0:2 C""")
+            self.assertExpectedInline(" ".join(str(a) for a in program.actions[1][-4:]),
+                                      """1X1 1AR 1D 1R""")
+            pipe.close()
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -26,7 +26,7 @@ from tests.test_distributed import check_checkpoint as distributed_checkpoint
 from tests.test_distributed import check_clipped_first as distributed_clipped_first
 from tests.test_distributed import check_failure as distributed_failure
 from tests.test_distributed import check_hf_bf16 as distributed_hf_bf16
-from tests.test_distributed import one_rank, spawn  # noqa: F401 — one_rank: a fixture
+from tests.test_distributed import one_rank, one_rank_job, spawn  # noqa: F401 — one_rank: a fixture
 from tests.test_dp_devices import check_cuda_sim as devices_cuda_sim
 from tests.test_dp_devices import check_tied as devices_tied
 
@@ -371,19 +371,15 @@ class TestProgram(expecttest.TestCase):
         stage's computes wait for; the backward stages reduce-scatter on the devices; the
         host steps, writes and ends with a barrier (no ``AG``). Rank 0 of a one-rank job,
         whose one training call equals eager."""
-        import tempfile
-        with tempfile.TemporaryDirectory() as d:
-            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0,
-                                    world_size=1)
-            try:
-                torch.manual_seed(0)
-                model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-                ref = copy.deepcopy(model)
-                pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
-                                      data_parallel="zero3", plan=fxpipe.ExecutePlan(
-                                          [range(0, 2)], [range(2, 3), range(0, 2)]))
-                program = pipe.program("fused", num_microbatch=2, optimizer=True)
-                self.assertExpectedInline(str(program), """\
+        with one_rank_job():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+            ref = copy.deepcopy(model)
+            pipe = fxpipe.compile(model, (torch.randn(4, 4),), devices=["cpu", "cpu"],
+                                  data_parallel="zero3", plan=fxpipe.ExecutePlan(
+                                      [range(0, 2)], [range(2, 3), range(0, 2)]))
+            program = pipe.program("fused", num_microbatch=2, optimizer=True)
+            self.assertExpectedInline(str(program), """\
 program devices=2 microbatches=2
 inputs input_1 <label>
 stage 0 fwd 0:2 reads=input_1 makes=tanh
@@ -414,27 +410,25 @@ step d0  d1   host
 21   2RS .    .
 22   2D  .    .
 23   2R  .    .""")
-                # what pipe(x) runs, printed: each stage gathered after its prefetch
-                text = str(pipe)
-                for s, d in ((0, 0), (1, 1)):
-                    self.assertIn(f"all_gather(params_{s})".ljust(56) + f"  # {s}AG vcpu:{d}",
-                                  text)
-                x, y = torch.randn(4, 4), torch.randn(4, 2)
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-                with pipe.trace() as rec:
-                    pipe.forward_backward((x,), label=y, loss_fn=nn.functional.mse_loss,
-                                          optimizer=opt, run_config=fxpipe.RunConfig(
-                                              num_microbatch=2))
-                self.assertEqual(sorted(a for _, a in rec.actions if a.endswith("AG")),
-                                 ["0AG", "1AG", "2AG"])
-                ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-                nn.functional.mse_loss(ref(x), y).backward()
-                ref_opt.step()
-                for p, q in zip(model.parameters(), ref.parameters()):
-                    torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
-                pipe.close()
-            finally:
-                dist.destroy_process_group()
+            # what pipe(x) runs, printed: each stage gathered after its prefetch
+            text = str(pipe)
+            for s, d in ((0, 0), (1, 1)):
+                self.assertIn(f"all_gather(params_{s})".ljust(56) + f"  # {s}AG vcpu:{d}",
+                              text)
+            x, y = torch.randn(4, 4), torch.randn(4, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with pipe.trace() as rec:
+                pipe.forward_backward((x,), label=y, loss_fn=nn.functional.mse_loss,
+                                      optimizer=opt, run_config=fxpipe.RunConfig(
+                                          num_microbatch=2))
+            self.assertEqual(sorted(a for _, a in rec.actions if a.endswith("AG")),
+                             ["0AG", "1AG", "2AG"])
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+            pipe.close()
 
 
 @pytest.mark.parametrize("mode", ["device", "zero3"])

@@ -39,6 +39,7 @@ import torch
 from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.host.buckets import _chunk, _piece
 from fxpipe.runtime.host.params import (
     HostParams, _Slot, _align, _cast, _upload_dtype, converted, grad_dtype, is_scratch,
     widens_exactly,
@@ -173,27 +174,23 @@ class ParamStore:
     def _run_nbytes(self, stage: int) -> list[int]:
         """Device bytes of each run (``data_parallel="zero3"``: a parameter run padded to
         ``world`` equal parts, :meth:`_numel`)."""
-        return [self._numel(run, run.stop - run.start)
-                * _upload_dtype(run.slots[0], self.param_dtype).itemsize
+        return [self._numel(run) * _upload_dtype(run.slots[0], self.param_dtype).itemsize
                 for run in self._runs_of(stage)]
 
-    def _part(self, run: _Run, size: int) -> tuple[int, int] | None:
-        """``data_parallel="zero3"``: this rank's elements ``[lo, hi)`` of a parameter run
-        of ``size`` device elements (``[rank*c, (rank+1)*c)``, clipped to the run); else
-        None."""
+    def _part(self, run: _Run) -> tuple[int, int] | None:
+        """``data_parallel="zero3"``: this rank's elements ``[lo, hi)`` of a parameter run,
+        cut as the sharded optimizer cuts a parameter (``buckets._piece``); else None."""
         if self.shard is None or run.slots[0].is_buffer:
             return None
-        rank, world = self.shard
-        n, c = run.stop - run.start, size // world
-        return min(n, rank * c), min(n, (rank + 1) * c)
+        return _piece(run.stop - run.start, self.shard[1], self.shard[0])
 
-    def _numel(self, run: _Run, numel: int) -> int:
-        """Device elements of ``run`` (``numel`` of them on the host): under
-        ``data_parallel="zero3"`` a parameter run's ``world`` parts of ``ceil(numel /
-        world)`` each, the last padded."""
+    def _numel(self, run: _Run) -> int:
+        """Device elements of ``run``: under ``data_parallel="zero3"`` a parameter run's
+        ``world`` parts of ``ceil(numel / world)`` each, the last padded."""
+        n = run.stop - run.start
         if self.shard is None or run.slots[0].is_buffer:
-            return numel
-        return self.shard[1] * _part(numel, self.shard[1])
+            return n
+        return self.shard[1] * _chunk(n, self.shard[1])
 
     def upload(self, stage: int, device: Device, *, requires_grad: bool = False,
                resident: ResidentBuffers | None = None, into: torch.Tensor | None = None
@@ -220,9 +217,8 @@ class ParamStore:
         moved = at = 0
         try:
             for run in runs:
-                n = run.stop - run.start
-                size = self._numel(run, n)
-                part = self._part(run, size)   # zero3: this rank's elements
+                n, size = run.stop - run.start, self._numel(run)
+                part = self._part(run)   # zero3: this rank's elements
                 src = self._source(run, part)
                 item = src.element_size()
                 if into is not None:
@@ -271,7 +267,7 @@ class ParamStore:
         """``data_parallel="zero3"``: ``(c, dtype)`` of each all-gather the stage's
         ``DeviceAllGather`` posts (one per parameter run: ``c`` elements from each
         rank), in upload order."""
-        return [(_part(run.stop - run.start, self.shard[1]),
+        return [(_chunk(run.stop - run.start, self.shard[1]),
                  _upload_dtype(run.slots[0], self.param_dtype))
                 for run in self._runs_of(stage) if not run.slots[0].is_buffer]
 
@@ -405,11 +401,6 @@ class ParamStore:
 SLOT_ALIGN = 512
 """Where each run of an upload into a parameter slot starts (a multiple of it, as the
 CUDA caching allocator aligns its blocks)."""
-
-
-def _part(numel: int, world: int) -> int:
-    """Elements of each rank's part when ``numel`` are cut in ``world``, the last padded."""
-    return -(-numel // world)
 
 
 def _slot_align(nbytes: int) -> int:
