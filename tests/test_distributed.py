@@ -226,6 +226,51 @@ def check_clipped_first(rank: int, world: int, data_parallel: bool | str = True)
     pipe.close()
 
 
+def check_async_reads_the_weights_before_the_update(rank: int, world: int) -> None:
+    """``overlapped(opt, mode="async")``: a call computes on the weights before the
+    previous call's update, which it applies meanwhile, on every rank. A rank's buffer
+    broadcast (``BC``, on its collective thread) refreshed every upload copy, so on rank
+    1 the call's snapshot of the parameters took whatever part of the update had landed
+    (here all of it: the broadcast waits until the update is applied)."""
+    import time
+    from fxpipe.runtime.issue.distributed import DataParallel
+    ref, model = make_model(), make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pipe = compile_dp(model, rank)
+    stepper = overlapped(opt, mode="async")
+    original = DataParallel.broadcast_buffers
+
+    def late(self, *args) -> None:
+        time.sleep(0.2)   # after the host thread's AsyncUpdate
+        original(self, *args)
+
+    DataParallel.broadcast_buffers = late
+    try:
+        losses = []
+        for step in range(3):
+            X, Y = data(world, step)
+            losses.append(pipe.forward_backward((mine(X, rank),), label=mine(Y, rank),
+                                                loss_fn=ce, optimizer=stepper))
+            opt.zero_grad()
+    finally:
+        DataParallel.broadcast_buffers = original
+    stepper.synchronize()
+    pipe.close()
+
+    def share_loss(step: int) -> float:
+        X, Y = data(world, step)
+        return ce(ref(mine(X, rank)), mine(Y, rank)).item()
+
+    # calls 0 and 1 compute on the original weights (call 0's update lands during call 1),
+    # call 2 on those of call 0's update: the whole batch's gradient there
+    expected = [share_loss(0), share_loss(1)]
+    X, Y = data(world, 0)
+    ce(ref(X), Y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9).step()
+    expected.append(share_loss(2))
+    assert max(abs(a.item() - b) for a, b in zip(losses, expected)) <= 1e-6, (losses, expected)
+
+
 def check_no_sync(rank: int, world: int) -> None:
     """Two microsteps, the first without the all-reduce, equal one big batch; in both
     training styles, and with ``sync_gradients=False``."""
@@ -623,7 +668,8 @@ def check_failure_sharded(rank: int, world: int) -> None:
 
 
 CHECKS = {
-    2: [check_gradients, check_tied, check_streamed_optimizer, check_no_sync,
+    2: [check_gradients, check_tied, check_streamed_optimizer,
+        check_async_reads_the_weights_before_the_update, check_no_sync,
         check_shard_optimizer, check_clipped_first, check_shard_across_plans,
         check_sharded_masters,
         check_checkpoints, check_mismatch, check_batch_mismatch, check_hf_bf16, check_failure,

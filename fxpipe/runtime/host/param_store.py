@@ -30,7 +30,7 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -156,9 +156,9 @@ class ParamStore:
         return sum(slot.numel * _upload_dtype(slot, self.param_dtype).itemsize
                    for slot in slots.values())
 
-    def refresh(self) -> None:
-        """Before a call (see :meth:`HostParams.refresh`)."""
-        self.host.refresh(self.param_dtype, self.snapshot)
+    def refresh(self, only: Collection[torch.Tensor] | None = None) -> None:
+        """Before a call (see :meth:`HostParams.refresh`; ``only``: those tensors')."""
+        self.host.refresh(self.param_dtype, self.snapshot, only)
 
     def slot_nbytes(self, stage: int, grads: bool = False) -> int:
         """Bytes an upload of ``stage`` into a parameter slot takes (:meth:`upload`'s

@@ -230,13 +230,19 @@ class HostParams:
         return flat[slot.offset:slot.offset + slot.shape.numel()].view(slot.shape)
 
     # -- before each call -----------------------------------------------------------------
-    def refresh(self, upload_dtype: torch.dtype | None = None, snapshot: bool = False) -> None:
+    def refresh(self, upload_dtype: torch.dtype | None = None, snapshot: bool = False,
+                only: Collection[torch.Tensor] | None = None) -> None:
         """Before a call: re-alias tensors whose ``.data`` someone replaced (their new
         values copied in), and bring the upload copies up to date (``upload_dtype``: the
         mixed-precision copy; ``snapshot``: a copy in the masters' own dtype, for an
-        asynchronous optimizer)."""
+        asynchronous optimizer). ``only``: those tensors' copies (buffers a collective
+        wrote during the call, while an asynchronous update may be writing parameters
+        whose snapshot the call's uploads read)."""
+        keep = None if only is None else {id(t) for t in only}
         with self.lock, torch.no_grad():
-            for slot in self.slots.values():
+            slots = [slot for slot in self.slots.values()
+                     if keep is None or id(slot.tensor) in keep]
+            for slot in slots:
                 if slot.region is None:
                     continue
                 view = self.view(slot)
@@ -249,7 +255,7 @@ class HostParams:
                             f"{view.dtype}: compile again for the new model")
                     view.copy_(t.data)
                     t.data = view
-            for slot in self.slots.values():
+            for slot in slots:
                 if slot.region is None:
                     if file_backed(slot.tensor) is not None:
                         _check_frozen_tensor(slot.tensor, slot.names[0])

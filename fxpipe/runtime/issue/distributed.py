@@ -464,8 +464,8 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
                     for t in tensors:
                         t.copy_(flat[n:n + t.numel()].view_as(t))
                         n += t.numel()
-        if self.rank != 0:
-            store.refresh()   # the copies devices upload from (param_dtype) see the new values
+        if self.rank != 0:   # their upload copies see the new values (not the parameters':
+            store.refresh(list(buffers.values()))   # an asynchronous update writes them)
 
     def all_reduce(self, buckets: Sequence[Bucket], acc: GradAccumulator) -> None:
         """``AllReduce``: each bucket averaged across ranks, the result each parameter's
