@@ -41,7 +41,10 @@
     stepping call's figures: with ``"device"`` its ``sRS+`` uploads the accumulated
     ``.grad``, ``h2d_bytes_grads``, and reduces it on the devices); and a call without
     the optimizer followed by ``opt.step()`` (``opt.step()``: host-gloo all-reduces on the
-    host, ``"device"`` on the devices, ``sAR``); and the sharded step clipped
+    host, ``"device"`` on the devices, ``sAR``); ``True on GPUs (sAR)``
+    (``data_parallel=True`` on cuda-semantics virtual devices, which it takes for GPUs:
+    every stepping call's gradients all-reduced on the devices, the optimizer whole on
+    every rank); and the sharded step clipped
     (``overlapped(opt, max_grad_norm=)``: ``clip kept`` with a limit the norm stays
     under, the ranks' norms gathered only; ``clip redone`` with one it always exceeds,
     every rank's shard stepped again and all-gathered again); zero3
@@ -52,7 +55,9 @@
     (informational: the ranks share this machine's cores; what carries over to GPUs is
     the bytes).
 (nccl) SIMULATED, zero3 MODELLED across nodes (the runtime runs it on one host's
-    ranks only): Llama-3.1-8B full
+    ranks only), device-NCCL all-reduce the host-gloo Program with its ``AR`` lowered to
+    the devices (``Hardware(collectives="device")``, what ``data_parallel=True`` runs on
+    GPUs): Llama-3.1-8B full
     fine-tune (bf16 ``param_dtype``, fp32 masters, AdamW streamed on the host at
     ``--host-params-per-s``, and with the host optimizer free) on 1, 2 and 4 nodes of 8
     H100s (80 GiB, 60 % of 989 TFLOP/s, 50 GB/s host links each way; fxpipe's plan,
@@ -107,7 +112,8 @@ NCCL_NETWORK = (50e9, 0.005)   # 400 Gb/s per node, 5 us a message
 NCCL_NODES = (1, 2, 4)
 NCCL_MODES = {   # name: (the Program's collectives, Hardware.collectives)
     "host-gloo": ("allreduce", "host"), "host-gloo sharded": ("shard", "host"),
-    "device-NCCL": ("device", "host"), "zero3": ("shard", "zero3")}
+    "device-NCCL": ("device", "host"), "device-NCCL all-reduce": ("allreduce", "device"),
+    "zero3": ("shard", "zero3")}
 DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no_sync,
     # whether the last call steps the optimizer streamed, else opt.step() after it;
     # max_grad_norm of the streamed step) (part "devices")
@@ -118,6 +124,8 @@ DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no
                                         True, None),
     "device, accumulate 2": ({"data_parallel": "device"}, 2, True, None),
     "host-gloo, opt.step()": ({"data_parallel": True}, 1, False, None),
+    # data_parallel=True where the devices are GPUs (cuda-semantics virtual devices here)
+    "True on GPUs (sAR)": ({"data_parallel": True, "gpus": True}, 1, True, None),
     "device, opt.step()": ({"data_parallel": "device"}, 1, False, None),
     "device, clip kept": ({"data_parallel": "device"}, 1, True, 1e6),
     "device, clip redone": ({"data_parallel": "device"}, 1, True, 1e-6),
@@ -126,7 +134,8 @@ DEVICE_MODES = {   # name: (compile's options, calls a step: all but the last no
     "zero3, clip redone": ({"data_parallel": "zero3"}, 1, True, 1e-6)}
 HOST_BYTES = {   # per parameter: (whole on every rank, sharded 1/N); module docstring
     "host-gloo": (2 + 4 + 4 + 8, 0), "host-gloo sharded": (2 + 4, 4 + 8),
-    "device-NCCL": (2, 4 + 4 + 8), "zero3": (0, 2 + 4 + 4 + 8)}
+    "device-NCCL": (2, 4 + 4 + 8), "device-NCCL all-reduce": (2 + 4 + 4 + 8, 0),
+    "zero3": (0, 2 + 4 + 4 + 8)}
 
 
 def model(width: int = 256, depth: int = 6) -> nn.Module:
@@ -211,8 +220,11 @@ def _devices_rank(rank: int, world: int, folder: str, args: argparse.Namespace) 
                 m = model()
                 # a step of k calls: each on 1/k of the rows, its loss 1/k of the mean
                 xs, ys = x.chunk(calls), y.chunk(calls)
+                kw = dict(kw)
+                devices = [fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)] \
+                    if kw.pop("gpus", False) else ["cpu", "cpu"]
                 pipes[name] = (m, fxpipe.compile(
-                    m, (xs[0],), devices=["cpu", "cpu"],
+                    m, (xs[0],), devices=devices,
                     param_dtype=torch.bfloat16 if bf16 else None, **kw),
                     fxpipe.optim.overlapped(torch.optim.AdamW(m.parameters(), lr=1e-3),
                                             max_grad_norm=clip), xs, ys, streamed)
@@ -452,7 +464,7 @@ def part_nccl(args: argparse.Namespace) -> dict:
               f"AdamW {'free' if label == 'free' else f'{rate / 1e9:g}G params/s'}; "
               "zero3 MODELLED across nodes (the runtime runs data_parallel='zero3' on one host's "
               "ranks); device-NCCL: the Program data_parallel='device' runs")
-        print(f"{'mode':>17} | " + " | ".join(f"{n} node{'s' * (n > 1)} tok/s (eff)"
+        print(f"{'mode':>22} | " + " | ".join(f"{n} node{'s' * (n > 1)} tok/s (eff)"
                                               for n in NCCL_NODES)
               + " | per rank at 4 nodes: grads down, params up, network, host")
         modes: dict = {}
@@ -480,7 +492,7 @@ def part_nccl(args: argparse.Namespace) -> dict:
                 r["efficiency"] = r["speedup"] / n
             modes[name] = row
             last = row[str(NCCL_NODES[-1])]
-            print(f"{name:>17} | " + " | ".join(
+            print(f"{name:>22} | " + " | ".join(
                 f"{row[str(n)]['tokens_per_s']:>11,.0f} ({row[str(n)]['efficiency']:.2f})"
                 for n in NCCL_NODES)
                 + " | " + ", ".join(f"{last[k] / 1e9:5.1f} GB" for k in (

@@ -460,7 +460,10 @@ def _dist_nccl(d: dict) -> list[str]:
                "collectives) is what scales. With the host optimizer free (the GPUs and links "
                f"alone): device-NCCL {free['device-NCCL']:.2f}×, zero3 {free['zero3']:.2f}×, "
                f"host-gloo {free['host-gloo']:.2f}×, host-gloo sharded "
-               f"{free['host-gloo sharded']:.2f}×.")
+               f"{free['host-gloo sharded']:.2f}×"
+               + (f", device-NCCL all-reduce ({free['device-NCCL all-reduce']:.2f}×, "
+                  "`data_parallel=True` on GPUs: the optimizer whole on every rank, as "
+                  "host-gloo)" if "device-NCCL all-reduce" in free else "") + ".")
     return out
 
 
@@ -1032,7 +1035,9 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "each way), one rank per node, `fxpipe.simulate` with `Hardware.collectives`: "
      "host-gloo (the fp32 gradients all-reduced on the host), host-gloo sharded "
      "(`shard_optimizer`), device-NCCL (each stage's bf16 gradients reduce-scattered on its "
-     "device, 1/N downloaded and stepped, the bf16 parameters all-gathered on the host) and "
+     "device, 1/N downloaded and stepped, the bf16 parameters all-gathered on the host), "
+     "device-NCCL all-reduce (`data_parallel=True` on GPUs without `shard_optimizer`: each "
+     "stage's bf16 gradients all-reduced on its device, all downloaded and stepped) and "
      "zero3 (also 1/N of the parameters held and uploaded, all-gathered on the devices before "
      "each stage computes). The host's issue time and host copies are left out.", _dist_nccl),
     ("Data parallel on the devices, measured", "bench_distributed.json", "devices",

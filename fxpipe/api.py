@@ -44,7 +44,7 @@ from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.issue.autograd import train_call
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
-from fxpipe.runtime.issue.device_collectives import check_data_parallel
+from fxpipe.runtime.issue.device_collectives import check_data_parallel, reduces_on_devices
 from fxpipe.runtime.issue.distributed import DataParallel
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.stages.graphs import StageGraphs
@@ -127,19 +127,15 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     pipeline uses move into one flat buffer per dtype, laid out in layer order, and the
     model's tensors become views of it (``fxpipe.runtime.host.params.HostParams``; the
     parameter objects, ``state_dict()`` and optimizers are unchanged). ``pin_memory``:
-    whether the pipe's host memory is pinned (page-locked), which lets GPUs copy to and
-    from it without blocking the thread issuing the copy: the flat parameter buffers,
-    their upload copies (``param_dtype``, an asynchronous optimizer's snapshot), the flat
-    gradient buffers (made at the first training call), a copy of each parameter that
-    could not move into them, and a per-call staging copy of the inputs, labels and
-    output gradients the call uploads. Each is pinned at its exact size rounded up to a
-    page (``fxpipe.runtime.devices.pinned``), not through torch's caching host allocator, which
-    rounds up to a power of two. Default (``None``): pinned when every device is a GPU
-    (``CudaDevice``: registered with CUDA) or a ``VirtualDevice(semantics="cuda")``
-    (emulated: recorded as page-locked, no CUDA call), else not. ``True`` with no GPU
-    among the devices (any virtual devices) pins emulated too. Pass ``False`` on a host
-    that cannot pin the whole model. ``pipe.stats()`` reports ``host_pinned_bytes`` and
-    ``host_stalls`` (copies that blocked on pageable memory).
+    whether the pipe's host memory is page-locked, so that GPUs copy to and from it
+    without blocking the issuing thread: the flat parameter and gradient buffers, their
+    upload copies (``param_dtype``, an asynchronous optimizer's snapshot), a copy of each
+    parameter that could not move into them, and a per-call staging of what the call
+    uploads, each at its size rounded up to a page (``runtime.devices.pinned``; torch's
+    caching host allocator rounds up to a power of two). ``None``: pinned when every
+    device is a GPU or a ``VirtualDevice(semantics="cuda")`` (emulated: no CUDA call);
+    ``True`` without GPUs pins emulated. Pass ``False`` on a host that cannot pin the
+    whole model. ``pipe.stats()``: ``host_pinned_bytes``, ``host_stalls``.
 
     ``data_parallel=True`` (every rank of an initialized ``torch.distributed`` job calls
     ``compile`` with the same model and plan): each rank runs its own pipeline on its
@@ -154,10 +150,12 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     synchronized training call (``BC``), DDP's default. ``shard_optimizer=True``: a call
     stepping ``optimizer=`` reduce-scatters each bucket instead, steps only this rank's
     1/N (the optimizer state of the rest lives on the other ranks), then all-gathers the
-    updated parameters. ``data_parallel="device"`` (``True`` is ``"host"``) shards so and
-    reduce-scatters each stage's gradients on the devices (NCCL; gloo on virtual devices),
-    each rank downloading 1/N; ``"zero3"`` also shares one host copy of the parameters
-    among one host's ranks, each uploading 1/N. With ``param_dtype`` the fp32 masters are
+    updated parameters. Where every device is a GPU (or a cuda-semantics virtual device)
+    ``True`` reduces on the devices instead (NCCL; gloo on virtual devices): each stage's
+    ``sAR`` all-reduces its gradients, or with ``shard_optimizer=True`` its ``sRS``
+    reduce-scatters them, each rank downloading 1/N. ``"host"`` or ``"device"`` (sharded)
+    say where; ``"zero3"`` also shares one host copy of the parameters among one host's
+    ranks, each uploading 1/N. With ``param_dtype`` the fp32 masters are
     sharded (each rank keeps its 1/N) and the trainable floating parameters become their
     ``param_dtype`` copies (gradients stay fp32 through ``grad_dtype``):
     ``pipe.full_state_dict()`` gathers the fp32 values, ``pipe.load_state_dict`` sets
@@ -218,10 +216,12 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if weights is not None:
         load_weights(model, weights)   # before capture: the model is real from here on
     quant.prepare(model, frozen_dtype)
-    dp = DataParallel(process_group, timeout=collective_timeout, shard=bool(shard_optimizer),
-                      broadcast=bool(broadcast_buffers), on_devices=on_devices,
-                      zero3=zero3) if data_parallel else None
     resolved = resolve_devices(devices)
+    dp = DataParallel(process_group, timeout=collective_timeout,
+                      shard=bool(shard_optimizer) or data_parallel in ("device", "zero3"),
+                      broadcast=bool(broadcast_buffers), zero3=zero3,
+                      on_devices=reduces_on_devices(resolved) if on_devices is None else on_devices
+                      ) if data_parallel else None
     watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),

@@ -273,8 +273,8 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     limits = [d.memory_limit for d in devices if getattr(d, "memory_limit", None)]
     fwd, _ = stage_ranges(plan, run_type, len(lg))
     dp = getattr(pipe, "_dp", None)
-    on_devices = dp is not None and dp.on_devices   # reduced there, 1/N downloaded
-    world = dp.world if on_devices else 1
+    on_devices = dp is not None and dp.on_devices   # reduced there
+    world = dp.world if on_devices and dp.shard else 1   # reduce-scattered: 1/N downloaded
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M, world) \
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
     if on_devices and host:   # a .grad held: the call adds it first (sRS+)
@@ -429,8 +429,9 @@ def host_memory(lg: LayerGraph, memory: ChainMemory, cuts: Iterable[int],
     microbatch (``activations``); and the gradients a backward stage hands the next at
     the largest cut, for every microbatch (``activation_grads``). Page-locked at their
     size (``fxpipe.runtime.devices.pinned``). Not the optimizer's state (AdamW: twice the
-    trainable parameters' bytes in fp32). ``world``: the ranks reducing the gradients on
-    the devices (``data_parallel="device"``), each keeping 1/``world`` of each gradient."""
+    trainable parameters' bytes in fp32). ``world``: the ranks reduce-scattering the
+    gradients on the devices (``data_parallel="device"``), each keeping 1/``world`` of
+    each gradient."""
     tensors = {id(t): t for t in [*lg.params.values(), *lg.buffers.values()]
                if isinstance(t, torch.Tensor)}.values()
     trainable = {id(p): p for p in lg.params.values() if p.requires_grad}.values()

@@ -101,6 +101,9 @@ def test_check_dry_run_writes_every_figure(tmp_path):
     assert dp["device_all_reduces"] == dp["device_reduce_scatters"], dp   # one per stage
     # zero3 on one rank: each stage gathered after its upload (a copy), the same steps
     assert dp["zero3_all_gathers"] > 0 and dp["zero3_max_param_diff"] <= 1e-5, dp
+    # data_parallel=True on (cuda-semantics) devices: each stage's sAR in a stepping call
+    assert dp["true_all_reduces"] == dp["device_reduce_scatters"], dp
+    assert dp["true_max_param_diff"] <= 1e-5, dp
 
 
 def check_generate(gen):

@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 
 import fxpipe
+from fxpipe.optim import overlapped
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.host.params import HostParams
 from tests.test_distributed import (
     ROWS, TIMEOUT, Tied, assert_grads, assert_params, ce, compile_dp, data, make_model, mine,
-    three_steps,
+    same_on_every_rank, three_steps,
 )
 from tests.test_distributed import check_clipped_first as distributed_clipped_first
 from tests.test_distributed import check_failure as distributed_failure
@@ -281,9 +282,84 @@ def check_failure(rank: int, world: int) -> None:
     distributed_failure(rank, world, on_devices=True)
 
 
+def gpus() -> list[VirtualDevice]:
+    """Two cuda-semantics virtual devices: to ``data_parallel=True``, GPUs."""
+    return [VirtualDevice(semantics="cuda") for _ in range(2)]
+
+
+def check_true_on_gpus(rank: int, world: int) -> None:
+    """``data_parallel=True`` where every device is a GPU (here cuda-semantics virtual
+    devices: gloo on their tensors, the Program a GPU run has) reduces on the devices:
+    each backward stage's ``sAR`` on its collective stream, no host ``AR`` (plain virtual
+    devices print it: the fallback). ``shard_optimizer=False`` keeps its meaning: the
+    optimizer's state whole on every rank, every gradient downloaded, none through the
+    host's gloo (``host_collective_bytes``: the buffers' ``BC``); 3 streamed AdamW steps
+    equal eager on the whole batch. Every other way to step (clipped with and without
+    speculation, ``GradScaler``, ``mode="async"``, ``accumulate=2``, the user's own
+    ``opt.step()``) gives the host path's parameters and losses, the ranks identical.
+    ``shard_optimizer=True``: ``"device"``'s ``sRS``, 1/N downloaded."""
+    def reduced(pipe, optimizer=True) -> tuple[list[str], list[str]]:
+        program = pipe.program(optimizer=optimizer)
+        return (sorted(str(a) for acts in program.actions for a in acts
+                       if str(a).endswith(("AR", "RS"))),
+                [str(a) for a in program.host if str(a).startswith(("AR", "RS"))])
+
+    ref, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    pipe = compile_dp(model, rank, devices=gpus())
+    backward = [st.index for st in pipe.program().stages if st.kind != "fwd"]
+    assert reduced(pipe) == (sorted(f"{s}AR" for s in backward), []), reduced(pipe)
+    three_steps(pipe, model, opt, ref, ref_opt, rank, world, "True on GPUs")
+    stats, sizes = pipe.stats(), [p.numel() for p in model.parameters()]
+    assert len(opt.state) == len(sizes)   # whole on every rank (sharded: in its shards)
+    assert stats["d2h_bytes_grads"] == 4 * sum(sizes), stats["d2h_bytes_grads"]
+    assert stats["host_collective_bytes"] < 4 * sum(sizes) / world, stats  # BC only
+    pipe.close()
+    sharded = compile_dp(make_model(), rank, devices=gpus(), shard_optimizer=True)
+    assert reduced(sharded) == (sorted(f"{s}RS" for s in backward), []), reduced(sharded)
+    sharded.close()
+
+    def run(devices, make_stepper):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pipe, stepper, losses = compile_dp(model, rank, devices=devices), make_stepper(opt), []
+        assert bool(reduced(pipe, stepper)[1]) == (devices == ["cpu", "cpu"]), reduced(pipe)
+        for step in range(3):
+            X, Y = data(world, step)
+            if stepper is None:   # the user's own step
+                loss = ce(pipe(mine(X, rank)), mine(Y, rank))
+                loss.backward()
+                opt.step()
+            else:
+                loss = pipe.forward_backward((mine(X, rank),), label=mine(Y, rank), loss_fn=ce,
+                                             optimizer=stepper)
+                if stepper.scaler is not None:
+                    stepper.scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+        pipe.close()
+        return model, losses
+
+    for name, make_stepper in {
+            "clipped": lambda o: overlapped(o, max_grad_norm=0.05),
+            "clipped first": lambda o: overlapped(o, max_grad_norm=0.05, speculate=False),
+            "GradScaler": lambda o: overlapped(
+                o, scaler=torch.amp.GradScaler("cpu", init_scale=4.0)),
+            "async": lambda o: overlapped(o, mode="async"),
+            "accumulate=2": lambda o: overlapped(o, accumulate=2),
+            "opt.step()": lambda o: None}.items():
+        (host, host_losses), (dev, dev_losses) = run(["cpu", "cpu"], make_stepper), \
+            run(gpus(), make_stepper)
+        assert max(abs(a - b) for a, b in zip(host_losses, dev_losses)) <= 1e-6, \
+            (name, host_losses, dev_losses)
+        assert_params(dev, host, f"{name}: on the devices against the host")
+        same_on_every_rank(dev, name)
+
+
 CHECKS = {
     2: [check_steps, check_tied, check_clipped_first, check_accumulated_on_the_devices,
-        check_all_reduced_on_the_devices, check_cuda_sim, check_hf_bf16,
+        check_all_reduced_on_the_devices, check_true_on_gpus, check_cuda_sim, check_hf_bf16,
         check_all_reduce_failure, check_failure],
     4: [check_steps, check_accumulated_on_the_devices, check_all_reduced_on_the_devices,
         check_cuda_sim, check_failure],

@@ -107,7 +107,7 @@ def test_one_node_prices_no_collective():
 
 def test_a_device_mode_takes_the_sharded_programs_collectives():
     with pytest.raises(ValueError, match="data_parallel='shard'"):
-        run("device", data_parallel="allreduce")
+        run("zero3", data_parallel="allreduce")
     with pytest.raises(ValueError, match="collectives must be"):
         Hardware(collectives="nccl")
     # a Program without collectives (one rank) is timed as it is
@@ -137,6 +137,34 @@ def test_the_runtimes_device_program_prices_as_the_lowering_modelled():
     a, b = (sorted((iv.label, iv.start, iv.end) for iv in t.intervals) for t in (native, lowered))
     assert [x[0] for x in a] == [x[0] for x in b]
     assert [t for x in a for t in x[1:]] == pytest.approx([t for x in b for t in x[1:]])
+
+
+def test_an_all_reducing_program_on_the_devices_downloads_and_steps_them_whole():
+    """``data_parallel=True`` on GPUs (the optimizer unsharded): the runtime's Program
+    all-reduces each stage's gradients on its device (``sAR`` on the ``nccl`` stream) and
+    is priced as ``Hardware(collectives="device")`` lowers the host's ``AR``: no host
+    collective, every gradient downloaded and stepped on every rank, as the host's
+    ``AR`` does, but in the devices' dtype (bf16: half the bytes)."""
+    native = simulate(program("device_allreduce"), COSTS, HW)
+    lowered = run("device", data_parallel="allreduce")
+    host = run("host", data_parallel="allreduce")
+    assert [str(a) for a in program("device_allreduce").host] == \
+        [a for a in map(str, program("allreduce").host) if not a.startswith("AR")]
+    assert native.makespan == pytest.approx(lowered.makespan)
+    assert native.bytes_moved == pytest.approx(lowered.bytes_moved)
+    assert native.bytes_moved["d2h_bytes_grads"] == host.bytes_moved["d2h_bytes_grads"] == 6 * MB
+    ar = {iv.label: iv for iv in native.intervals if iv.label.endswith("AR")}
+    assert sorted(ar) == ["2AR", "3AR", "4AR", "5AR"], sorted(ar)
+    assert all(iv.stream == "nccl" and iv.device >= 0 for iv in ar.values())
+    assert not any(iv.stream == "collective" and iv.label.startswith("AR")
+                   for iv in native.intervals)
+    steps = lambda t: sum(iv.end - iv.start for iv in t.intervals  # noqa: E731
+                          if iv.kind == "optimizer")
+    assert steps(native) == pytest.approx(steps(host)) == pytest.approx(12.0)
+    # a ring all-reduce sends 2 (N-1)/N of its buffer: the bf16 gradients on the devices
+    # (6 MB), the fp32 ones on the host (12 MB)
+    assert native.bytes_moved["network_bytes"] == pytest.approx(2 * 3 / 4 * 6 * MB)
+    assert host.bytes_moved["network_bytes"] == pytest.approx(2 * 3 / 4 * 12 * MB)
 
 
 def test_an_accumulated_device_reduce_scatter_uploads_the_host_gradients_first():

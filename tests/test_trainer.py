@@ -286,7 +286,7 @@ def test_bad_fxpipe_arguments(tmp_path):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), fxpipe_config={"num_microbatch": 2})
     with pytest.raises(TypeError, match="expects a transformers.Trainer subclass"):
         fxpipe_trainer(object)
-    with pytest.raises(ValueError, match="data_parallel must be True .*'device' or 'zero3'"):
+    with pytest.raises(ValueError, match="data_parallel must be True, 'host', 'device' or 'zero3'"):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="zero4")
     with pytest.raises(ValueError, match="data_parallel='device'.*leave stream_optimizer on"):
         FxpipeTrainer(model=tiny_llama(), args=args(tmp_path), data_parallel="device",
@@ -373,8 +373,8 @@ def test_two_ranks_torchrun(tmp_path):
     """``torchrun --nproc_per_node 2`` (gloo): each rank trains half of every batch through
     a data-parallel pipe (non-final accumulation steps under ``no_sync``); the loss
     history and weights equal one process on the whole batch. So does a run in token
-    chunks (``sequence_chunks=2``: the chunk step's gradients averaged across ranks), and
-    one with ``data_parallel="device"`` (reduce-scattered on the devices, the optimizer
+    chunks (``sequence_chunks=2``: the chunk step's gradients averaged across ranks), one
+    on cuda-semantics devices (``data_parallel=True`` all-reducing on them), and one with ``data_parallel="device"`` (reduce-scattered on the devices, the optimizer
     sharded, clipped). In bf16 with ``"device"`` (the fp32 masters sharded too) a run
     saved at step 2 and resumed from there by a new trainer ends where the uninterrupted
     run does (clipping redone at some steps: max_grad_norm 0.5). ``"zero3"`` trains as
@@ -419,6 +419,13 @@ def test_two_ranks_torchrun(tmp_path):
             assert z3["losses"] == dev["losses"] and z3["norms"] == dev["norms"], z3
             for k, v in dev["state"].items():
                 assert torch.equal(v, z3["state"][k]), k
+            # data_parallel=True where the devices are GPUs: all-reduced on them (sAR)
+            gpus = runs["plain on GPUs"]
+            loss_err = max(abs(x - y) for x, y in zip(gpus["losses"], losses(one)))
+            w_err = max((state[k] - gpus["state"][k]).abs().max().item() for k in state)
+            print(f"plain on GPUs, 2 ranks vs 1: max |loss diff| {loss_err:.3g}, max |weight "
+                  f"diff| {w_err:.3g}")
+            assert loss_err <= TOL and w_err <= TOL, (gpus["losses"], losses(one))
         one.close_pipes()
     whole, resumed = runs["device bf16"], runs["device bf16 resumed"]
     z3 = runs["zero3 bf16"]   # the bf16 parameters shared, the fp32 masters sharded

@@ -1,6 +1,7 @@
 """One rank of ``tests/test_trainer.py::test_two_ranks_torchrun`` (run by torchrun):
 FxpipeTrainer on this rank's share of every batch, then again in token chunks
-(``sequence_chunks=2``) on rows without padding, then with ``data_parallel="device"``
+(``sequence_chunks=2``) on rows without padding, then on cuda-semantics virtual devices
+(``data_parallel=True`` reducing on the devices), then with ``data_parallel="device"``
 (fp32; bf16 saved at step 2 and resumed) and ``"zero3"`` (fp32, bf16); rank 0 writes each run's loss history and
 final weights to ``argv[1]``."""
 
@@ -16,14 +17,21 @@ from tests.test_trainer import Prompts, Rows, args, losses, tiny_llama
 def main(out: str) -> None:
     got = {}
     for name, data, config in (("plain", Rows(), None),
-                               ("chunked", Prompts(), fxpipe.RunConfig(sequence_chunks=2))):
+                               ("chunked", Prompts(), fxpipe.RunConfig(sequence_chunks=2)),
+                               ("plain on GPUs", Rows(), None)):
+        # "on GPUs": cuda-semantics virtual devices, where data_parallel=True reduces on
+        # the devices (each stage's sAR), the optimizer unsharded
+        gpus = name.endswith("GPUs")
         half = args(f"{out}.{name}", per_device_train_batch_size=2,
                     gradient_accumulation_steps=2, train_sampling_strategy="sequential")
+        devices = [fxpipe.VirtualDevice(semantics="cuda") for _ in range(2)] if gpus \
+            else ["cpu", "cpu"]
         trainer = FxpipeTrainer(model=tiny_llama(), args=half, train_dataset=data,
-                                devices=["cpu", "cpu"], fxpipe_config=config)
+                                devices=devices, fxpipe_config=config)
         trainer.train()
         pipe = trainer._fxpipe_train_pipe
         assert pipe is not None and pipe._dp is not None, "the training pipe is not data parallel"
+        assert pipe._dp.on_devices == gpus and not pipe._dp.shard, name
         got[name] = {"losses": losses(trainer), "state": trainer.model.state_dict()}
         trainer.close_pipes()
     # data_parallel="device": in fp32 against the one process; in bf16 (sharded fp32

@@ -70,7 +70,9 @@ what came before (``in_progress`` names the section that was running):
     ``accumulated_reduce_scatters``, ``device_all_reduces``, ``d2h_bytes_grads``,
     ``h2d_bytes_grads``; then ``data_parallel="zero3"``'s two steps (its parameters in
     a shared host file, page-locked, each stage's ``sAG``): ``zero3_max_loss_rel_diff``,
-    ``zero3_max_param_diff``, ``zero3_all_gathers``; ``ok`` when they agree within 1e-5
+    ``zero3_max_param_diff``, ``zero3_all_gathers``; then ``data_parallel=True``'s (each
+    stage's ``sAR`` on the GPUs, the optimizer unsharded): ``true_max_loss_rel_diff``,
+    ``true_max_param_diff``, ``true_all_reduces``; ``ok`` when they agree within 1e-5
     (``fxpipe.check.data_parallel``). Several ranks need a GPU each: the CPU suite runs 2
     and 4.
 

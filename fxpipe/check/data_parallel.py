@@ -45,7 +45,9 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
     run: parameters 0.39 ``lr`` apart, losses equal).
 
     Then ``data_parallel="zero3"``: the first ``steps`` steps against the same plain
-    ones (its shared host parameters, each stage's ``sAG`` after its upload)."""
+    ones (its shared host parameters, each stage's ``sAG`` after its upload); and
+    ``data_parallel=True``, which on GPUs reduces on the devices too: each stage's
+    ``sAR`` in a stepping call, the optimizer unsharded."""
     n = 2 if kit.dry_run else min(2, torch.cuda.device_count())
     out: dict[str, Any] = {"devices": n, "steps": steps, "optimizer": f"SGD(lr={LR:g})",
                            "rank_backend": "gloo",
@@ -57,11 +59,12 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
                                     world_size=1)
         try:
             runs = {name: _run(kit, n, steps, dp) for name, dp in
-                    (("plain", False), ("device", "device"), ("zero3", "zero3"))}
+                    (("plain", False), ("device", "device"), ("zero3", "zero3"),
+                     ("true", True))}
         finally:
             if started:
                 dist.destroy_process_group()
-    plain, device, zero3 = runs["plain"], runs["device"], runs["zero3"]
+    plain, device, zero3, true = runs["plain"], runs["device"], runs["zero3"], runs["true"]
     out.update({
         "losses": {k: r["losses"] for k, r in runs.items()},   # (zero3: the first steps)
         "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12)
@@ -81,6 +84,11 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
         "zero3_max_param_diff": max((a - b).abs().max().item() for a, b in
                                     zip(zero3["stepped"], plain["stepped"])),
         "zero3_all_gathers": zero3["all_gathers"],
+        "true_max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12)
+                                      for a, b in zip(true["losses"], plain["losses"])),
+        "true_max_param_diff": max((a - b).abs().max().item() for a, b in
+                                   zip(true["stepped"], plain["stepped"])),
+        "true_all_reduces": true["all_reduces"],
         "h2d_bytes_params": {k: r["h2d_bytes_params"] for k, r in runs.items()}})
     scale = max(p.abs().max().item() for p in plain["params"])
     out["ok"] = (out["max_loss_rel_diff"] <= RTOL and out["max_param_diff"] <= RTOL * scale
@@ -88,7 +96,9 @@ def data_parallel(kit: Kit, steps: int = 2) -> dict[str, Any]:
                  and out["device_reduce_scatters"] > 0 and device["accumulated"] > 0
                  and device["h2d_bytes_grads"] > 0 and device["all_reduces"] > 0
                  and out["zero3_max_loss_rel_diff"] <= RTOL
-                 and out["zero3_max_param_diff"] <= RTOL * scale and zero3["all_gathers"] > 0)
+                 and out["zero3_max_param_diff"] <= RTOL * scale and zero3["all_gathers"] > 0
+                 and out["true_max_loss_rel_diff"] <= RTOL
+                 and out["true_max_param_diff"] <= RTOL * scale and true["all_reduces"] > 0)
     return out
 
 
@@ -106,11 +116,12 @@ def _run(kit: Kit, n: int, steps: int, dp: Any) -> dict[str, Any]:
         program = pipe.program(optimizer=True)
         d2h, h2d_params = pipe.stats()["d2h_bytes_grads"], pipe.stats()["h2d_bytes_params"]
         stepped = [p.detach().float().cpu().clone() for p in model.parameters()]   # (not views)
-        if dp == "zero3":   # (a call that does not step is refused; the rest as "device")
-            return {"losses": losses, "stepped": stepped, "h2d_bytes_params": h2d_params,
-                    "d2h_bytes_grads": d2h,
-                    "all_gathers": sum(str(a).endswith("AG") for acts in program.actions
-                                       for a in acts)}
+        if dp in ("zero3", True):   # (zero3 refuses a call that does not step; the rest
+            return {"losses": losses, "stepped": stepped,   # as "device")
+                    "h2d_bytes_params": h2d_params, "d2h_bytes_grads": d2h,
+                    **{k: sum(str(a).endswith(label) for acts in program.actions
+                              for a in acts) for k, label in (("all_gathers", "AG"),
+                                                              ("all_reduces", "AR"))}}
         # a step of two calls: the first accumulates into .grad only (without data
         # parallel, a call that does not step does that)
         with pipe.no_sync() if dp else contextlib.nullcontext():
@@ -155,4 +166,7 @@ def data_parallel_summary(r: dict[str, Any]) -> str:
             "the pipe without data parallel"
             + (f"; zero3 ({r['zero3_all_gathers']} device all-gathers a step): losses within "
                f"{r['zero3_max_loss_rel_diff']:.1e}, parameters within "
-               f"{r['zero3_max_param_diff']:.1e}" if "zero3_all_gathers" in r else ""))
+               f"{r['zero3_max_param_diff']:.1e}" if "zero3_all_gathers" in r else "")
+            + (f"; data_parallel=True ({r['true_all_reduces']} device all-reduces a step): "
+               f"losses within {r['true_max_loss_rel_diff']:.1e}, parameters within "
+               f"{r['true_max_param_diff']:.1e}" if "true_all_reduces" in r else ""))

@@ -47,8 +47,9 @@ How a step maps onto the pipe:
   evaluation batches' keys, compiled on their first batch).
 - under ``torchrun`` / ``accelerate launch`` (``torch.distributed`` initialized, world
   size > 1) the training pipe is compiled with ``data_parallel=True``: each rank trains
-  its share of the batch and gradients are averaged in the pipeline's backward; the
-  Trainer's non-final accumulation steps run under ``pipe.no_sync()``.
+  its share of the batch and gradients are averaged in the pipeline's backward (on the
+  GPUs, NCCL, where every device is one; else on the host, gloo); the Trainer's
+  non-final accumulation steps run under ``pipe.no_sync()``.
   ``data_parallel="device"``: the gradients reduce-scattered on the devices, each rank
   stepping 1/N of the optimizer (and of the fp32 masters under ``bf16``) in the pipe,
   clipping included; its checkpoints hold the shards (``fxpipe_shards/``, written by
@@ -243,7 +244,7 @@ class FxpipeMixin:
                             f"optimizer allows), got {stream_optimizer!r}")
         self._fxpipe_stream = stream_optimizer
         if data_parallel not in (True, "host", "device", "zero3"):
-            raise ValueError(f"FxpipeTrainer: data_parallel must be True (= 'host'), 'device' "
+            raise ValueError(f"FxpipeTrainer: data_parallel must be True, 'host', 'device' "
                              f"or 'zero3' (under torchrun), got {data_parallel!r}")
         if data_parallel in SHARDING and stream_optimizer is False:
             raise ValueError(f"FxpipeTrainer(data_parallel={data_parallel!r}) steps each rank's "
@@ -490,7 +491,7 @@ class FxpipeTrainer(FxpipeMixin, transformers.Trainer):
     microbatches, recompute grain, ...), ``devices`` (as ``fxpipe.compile``'s: None =
     every GPU, else two virtual CPU devices), ``plan`` (an ``fxpipe.ExecutePlan``),
     ``param_dtype`` (default ``torch.bfloat16`` under ``args.bf16``), ``stream_optimizer``,
-    ``data_parallel`` (under torchrun: ``True``, ``"device"`` or ``"zero3"``)."""
+    ``data_parallel`` (under torchrun: ``True``, ``"host"``, ``"device"`` or ``"zero3"``)."""
 
 
 def fxpipe_trainer(trainer_cls: type) -> type:

@@ -21,7 +21,11 @@ stage, deepest first, ``RS``, the shard's ``OptimizerStep``, ``AG``, on the host
   where they live, on the host: the host's ``AG`` stays, gloo over the same link, of
   the stepped parameters in the devices' dtype (each rank keeps and uploads the whole
   model, so ``Prefetch`` bytes are unchanged). Gathering them on the devices instead
-  would need each rank's shard uploaded first, which is ``"zero3"``'s upload.
+  would need each rank's shard uploaded first, which is ``"zero3"``'s upload. A
+  Program that all-reduces (``data_parallel=True`` on GPUs, the optimizer unsharded)
+  moves its host ``AR`` to the devices the same way: a ``DeviceAllReduce(s)`` (``sAR``)
+  before each ``DownloadGrads(s)``, which then moves the averaged gradients whole, and
+  each rank steps them all.
 - ``"zero3"``: also the parameters. No host ``AG``: each rank keeps its 1/N of the
   parameters; each ``Prefetch(s)`` uploads 1/N, and a ``DeviceAllGather(s)`` (``sAG``)
   on the ``nccl`` stream after it gathers the rest from the other ranks before stage
@@ -47,6 +51,10 @@ several devices compute one stage, each its own part, summed on the host)::
     ['RF', 'S1:2', 'S0:1', 'C']
     >>> " ".join(str(a) for a in device_lane(p.actions[0], "zero3"))
     '0P 0AG 0U0 0F0 0X0 1P 1AG 1U0 0R 1FB0 1X0 2P 2AG 2U0 1RS 1D 1R 2B0 2X0 2RS 2D 2R'
+    >>> q = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 1,
+    ...                   "stage", optimizer=True, data_parallel="allreduce")
+    >>> [str(a) for a in q.host], [str(a) for a in host_program(q, "device").host]
+    (['RF', 'AR1:2', 'S1:2', 'AR0:1', 'S0:1', 'C'], ['RF', 'S1:2', 'S0:1', 'C'])
 """
 
 from __future__ import annotations
@@ -75,33 +83,44 @@ def stream(a) -> str:
 def sharded(program: Program, mode: Mode) -> bool:
     """Whether ``program`` runs the sharded optimizer's collectives that ``mode`` lowers to
     the devices (``False`` for ``"host"``, and for a Program without collectives: one rank
-    reduces nothing). A device mode with ``AR`` is refused: it reduce-scatters."""
+    reduces nothing). ``"zero3"`` with ``AR`` is refused: it reduce-scatters."""
     if mode not in ("host", "device", "zero3"):
         raise ValueError(f"collectives must be 'host', 'device' or 'zero3', got {mode!r}")
     if mode == "host":
         return False
-    if any(isinstance(a, AllReduce) for a in program.host):
-        raise ValueError(f"Hardware(collectives={mode!r}) reduce-scatters each stage's "
+    if mode == "zero3" and any(isinstance(a, AllReduce) for a in program.host):
+        raise ValueError("Hardware(collectives='zero3') reduce-scatters each stage's "
                          "gradients and steps each rank's shard: build the Program with "
                          "data_parallel='shard' (shard_optimizer=True), not 'allreduce'")
     return any(isinstance(a, ReduceScatter) for a in program.host)
 
 
+def all_reduced(program: Program, mode: Mode) -> bool:
+    """Whether ``mode`` (``"device"``) moves ``program``'s host ``AR`` to the devices:
+    a ``DeviceAllReduce`` before each ``DownloadGrads``, which brings the averaged
+    gradients whole (``data_parallel=True`` on GPUs, the optimizer unsharded)."""
+    return mode == "device" and any(isinstance(a, AllReduce) for a in program.host)
+
+
 def host_program(program: Program, mode: Mode) -> Program:
     """``program`` without the host collectives ``mode`` moves to the devices: ``RS``
-    (``"device"``), ``RS`` and ``AG`` (``"zero3"``)."""
-    if not sharded(program, mode):
+    or ``AR`` (``"device"``), ``RS`` and ``AG`` (``"zero3"``)."""
+    if all_reduced(program, mode):
+        gone: tuple[type, ...] = (AllReduce,)
+    elif sharded(program, mode):
+        gone = (ReduceScatter,) if mode == "device" else (ReduceScatter, AllGather)
+    else:
         return program
-    gone = (ReduceScatter,) if mode == "device" else (ReduceScatter, AllGather)
     return dataclasses.replace(program, host=tuple(a for a in program.host
                                                    if not isinstance(a, gone)))
 
 
-def _around(a, mode: Mode) -> tuple:
+def _around(a, mode: Mode, reduce: type = DeviceReduceScatter) -> tuple:
     """The device collectives ``mode`` puts before and after a device's action ``a``
-    (None: none): a ``DeviceReduceScatter`` before each ``DownloadGrads``, with
-    ``"zero3"`` a ``DeviceAllGather`` after each ``Prefetch`` (module docstring)."""
-    return (DeviceReduceScatter(a.stage) if isinstance(a, DownloadGrads) else None,
+    (None: none): a ``reduce`` (``DeviceReduceScatter``, or ``DeviceAllReduce`` for an
+    all-reducing Program) before each ``DownloadGrads``, with ``"zero3"`` a
+    ``DeviceAllGather`` after each ``Prefetch`` (module docstring)."""
+    return (reduce(a.stage) if isinstance(a, DownloadGrads) else None,
             DeviceAllGather(a.stage) if mode == "zero3" and isinstance(a, Prefetch) else None)
 
 
@@ -115,10 +134,11 @@ def device_lane(actions: Sequence, mode: Mode) -> list:
     return out
 
 
-def with_device_collectives(nodes: list, dep_ids: list, mode: Mode) -> tuple[list, list]:
+def with_device_collectives(nodes: list, dep_ids: list, mode: Mode,
+                            reduce: type = DeviceReduceScatter) -> tuple[list, list]:
     """The simulator's nodes ``(lane, step, action)`` and their dependencies
     ``[(node, Dep)]`` with ``mode``'s device collectives added (:func:`_around`'s
-    places): a ``DeviceReduceScatter`` waits for what its ``DownloadGrads`` waits for but
+    places, ``reduce`` its reduction): a ``DeviceReduceScatter`` (or all-reduce) waits for what its ``DownloadGrads`` waits for but
     its stream (the stage's computes on the device) and for the previous collective of the
     device's ``nccl`` stream; the download then waits for it. A ``DeviceAllGather`` waits
     for its ``Prefetch`` and the previous collective; every compute that waited for the
@@ -131,7 +151,7 @@ def with_device_collectives(nodes: list, dep_ids: list, mode: Mode) -> tuple[lis
     before: dict[int, int] = {}              # old DownloadGrads -> its new DeviceReduceScatter
     after: dict[int, int] = {}               # old Prefetch -> its new DeviceAllGather
     for k, (d, i, a) in enumerate(nodes):
-        rs, ag = _around(a, mode) if d >= 0 else (None, None)
+        rs, ag = _around(a, mode, reduce) if d >= 0 else (None, None)
         if rs is not None:
             before[k] = len(new)
             added[len(new)] = ("rs", k)

@@ -76,11 +76,12 @@ class Hardware:
       not priced apart).
     - ``collectives``: where a data-parallel Program's collectives run
       (``fxpipe.sim.collectives`` says how each is priced): ``"host"``, what the runtime
-      does with ``data_parallel=True`` (gloo on the host lane); ``"device"``: each backward
-      stage's gradients reduce-scattered on its devices in ``param_dtype``, each rank
-      downloading and stepping 1/N (a sharded Program lowered to what
-      ``data_parallel="device"``'s Program prints; that Program itself is priced as it is,
-      with any ``collectives``); ``"zero3"``, MODELLED (not built): also each rank holding and
+      does with ``data_parallel=True`` on CPU devices (gloo on the host lane);
+      ``"device"``: each backward stage's gradients reduce-scattered on its devices in
+      ``param_dtype``, each rank downloading and stepping 1/N (a sharded Program lowered
+      to what ``data_parallel="device"``'s Program prints; that Program itself is priced
+      as it is, with any ``collectives``), or an all-reducing Program's all-reduced there
+      (``data_parallel=True`` on GPUs); ``"zero3"``, MODELLED (not built): also each rank holding and
       uploading 1/N of the parameters, all-gathered on the devices before a stage
       computes. A field, not a ``simulate`` argument: like ``host_memory`` it says where
       the run puts its work, and every simulation of the run takes the ``Hardware``

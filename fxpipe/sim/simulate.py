@@ -119,8 +119,8 @@ from fxpipe.passes.program import (
 )
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.collectives import (
-    DeviceAllGather, DeviceAllReduce, DeviceReduceScatter, host_program, sharded, stream,
-    with_device_collectives,
+    DeviceAllGather, DeviceAllReduce, DeviceReduceScatter, all_reduced, host_program, sharded,
+    stream, with_device_collectives,
 )
 from fxpipe.sim.hardware import Hardware, LayerCost
 from fxpipe.sim.timeline import Interval, Timeline
@@ -345,6 +345,8 @@ def simulate(program: Program, costs: Sequence[LayerCost], hardware: Hardware | 
 def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes, memory,
               refresh_bytes=0, stage_backend=None) -> Timeline:
     lower = sharded(program, hardware.collectives)   # device collectives (module doc)
+    # an all-reducing Program on the devices: each DownloadGrads whole, after an sAR
+    lower_ar = all_reduced(program, hardware.collectives)
     native = any(isinstance(a, DeviceReduceScatter) for acts in program.actions for a in acts)
     on_devices = lower or native   # native: a data_parallel="device" or "zero3" Program
     zero3 = (lower and hardware.collectives == "zero3") or any(
@@ -359,8 +361,10 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
     nid = {(d, i): k for k, (d, i, _) in enumerate(nodes)}
     dep_ids = [[(nid[(x.device, x.step)], x) for x in deps[d][i]] for d, i, _ in nodes]
-    if lower:
-        nodes, dep_ids = with_device_collectives(nodes, dep_ids, hardware.collectives)
+    if lower or lower_ar:
+        nodes, dep_ids = with_device_collectives(
+            nodes, dep_ids, hardware.collectives,
+            DeviceAllReduce if lower_ar else DeviceReduceScatter)
     N = len(nodes)
     waiting = [len(x) for x in dep_ids]
     dependents: list[list[int]] = [[] for _ in range(N)]

@@ -2,7 +2,8 @@
 
 A :class:`Channel` is one process group's collectives of a call: fxpipe's host group
 (the host lane's ``BC``, ``AR``, ``RS``, ``AG``), and with ``data_parallel="device"``
-one group per device index (device ``d`` of every rank). Every rank posts a channel's
+(or ``True`` on GPUs: :func:`reduces_on_devices`) one group per device index (device
+``d`` of every rank). Every rank posts a channel's
 collectives in the same order, the Program's (``begin`` lists them); a rank whose call
 fails completes what it still owes each channel with zeros (``drain``: neither gloo
 nor NCCL can cancel a posted collective).
@@ -22,7 +23,8 @@ gradients; each collective costs a launch and a round of latency whatever its si
 that shard, 1/N of the gradients; the host adds each parameter's piece to the call's
 sums (:meth:`Pieces.add_to`), and the stage's ``OptimizerStep`` steps them as the sharded
 optimizer steps a host reduce-scatter's shards (:func:`shards_from_pieces`). A call
-that steps no sharded optimizer averages them in place instead (``DeviceAllReduce``,
+that steps no sharded optimizer (every call of ``True`` on GPUs without
+``shard_optimizer``) averages them in place instead (``DeviceAllReduce``,
 :func:`all_reduce_grads`, packed the same way) and downloads them whole. After calls that
 did not synchronize (``no_sync()``) either first adds the host's accumulated ``.grad``,
 uploaded a piece at a time (``sRS+``, ``sAR+``: :func:`add_host_grads`).
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from fxpipe.passes.actions import DeviceAllGather, DeviceReduce, DeviceReduceScatter
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
+from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.host.buckets import Bucket, Shard, _chunk
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
@@ -142,20 +145,35 @@ def issue(kind: str, tensor: torch.Tensor, out: torch.Tensor | None, group: Any)
 
 # ------------------------------------------------------------------- on the devices
 
-def check_data_parallel(data_parallel: Any) -> tuple[bool, bool]:
-    """``compile``'s ``data_parallel``: ``(on_devices, zero3)``, whether its sharded steps
-    reduce on the devices (``"device"``, ``"zero3"``), and whether the ranks share the
-    host parameters and gather them on the devices (``"zero3"``); ``True`` is
-    ``"host"``. Raises for anything else.
+def check_data_parallel(data_parallel: Any) -> tuple[bool | None, bool]:
+    """``compile``'s ``data_parallel``: ``(on_devices, zero3)``, whether the gradients are
+    reduced on the devices (``"device"``, ``"zero3"``; ``"host"``: no; ``True``: None,
+    where the devices are, :func:`reduces_on_devices`), and whether the ranks share the
+    host parameters and gather them on the devices (``"zero3"``). Raises for anything
+    else.
 
-    >>> check_data_parallel(True), check_data_parallel("device"), check_data_parallel("zero3")
-    ((False, False), (True, False), (True, True))
+    >>> check_data_parallel(True), check_data_parallel("host"), check_data_parallel("zero3")
+    ((None, False), (False, False), (True, True))
     """
     if data_parallel not in (False, True, "host", "device", "zero3") or \
             not isinstance(data_parallel, (bool, str)):
-        raise TypeError(f"data_parallel must be False, True (= 'host'), 'host', 'device' or "
-                        f"'zero3', got {data_parallel!r}")
-    return data_parallel in ("device", "zero3"), data_parallel == "zero3"
+        raise TypeError(f"data_parallel must be False, True, 'host', 'device' or 'zero3', "
+                        f"got {data_parallel!r}")
+    return (None if data_parallel is True else data_parallel in ("device", "zero3"),
+            data_parallel == "zero3")
+
+
+def reduces_on_devices(devices: Sequence[Device]) -> bool:
+    """``data_parallel=True``: whether the gradients are reduced on ``devices``: when every
+    one is a GPU (and torch has NCCL) or a cuda-semantics virtual device (gloo on its
+    tensors, the Program a GPU run has), as ``pin_memory``'s default decides; else on the
+    host (gloo), the fallback the Program prints (``AR``).
+
+    >>> reduces_on_devices([VirtualDevice()]), reduces_on_devices([VirtualDevice(semantics="cuda")])
+    (False, True)
+    """
+    return all((isinstance(d, CudaDevice) and dist.is_nccl_available())
+               or (isinstance(d, VirtualDevice) and d.semantics == "cuda") for d in devices)
 
 
 def shared_gpu(gpus_by_rank: Sequence[Sequence[str]]) -> tuple[int, int, str] | None:

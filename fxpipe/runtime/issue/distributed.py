@@ -7,10 +7,10 @@ broadcasts the buffers from rank 0, ``AR4:6`` averages the gradients of the para
 ``S4:6`` steps (one bucket per backward stage, reduced as soon as that stage's
 gradients are downloaded, while the devices back-propagate the shallower stages), and
 with ``shard_optimizer=True`` ``RS4:6`` / ``AG4:6`` reduce-scatter the bucket and
-gather the stepped shards back. :class:`DataParallel` runs them on host tensors, with
-``torch.distributed`` (gloo). With ``data_parallel="device"`` each stage's reduce-scatter
-is the devices' (``DeviceReduceScatter``, ``runtime.issue.device_collectives``: a group
-per device index, NCCL on GPUs), the host lane steps and gathers.
+gather the stepped shards back. :class:`DataParallel` runs them on host tensors (gloo).
+On GPUs (``True``) and with ``"device"`` each stage's all-reduce or reduce-scatter is the
+devices' (``DeviceAllReduce``, ``DeviceReduceScatter``: ``runtime.issue.device_collectives``,
+a group per device index, NCCL on GPUs), the host lane steps (and gathers).
 
 What is sharded: each parameter is cut in N equal pieces whatever the plan (rank ``r``
 owns ``[r*c, (r+1)*c)``, ``c = ceil(numel / N)``), so the optimizer state of a piece,
@@ -97,9 +97,9 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         self.rank = dist.get_rank(parent)
         self.world = len(ranks)
         self.timeout = float(timeout)
-        # data_parallel="device": a sharded step's reduce-scatters run on the devices
+        # the gradients are reduced on the devices (reduce-scattered when sharded)
         self.on_devices = on_devices or zero3
-        self.shard = shard or self.on_devices   # shard_optimizer
+        self.shard = shard or zero3   # shard_optimizer
         self.broadcast = broadcast    # broadcast_buffers
         # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
         # and our store key for failures, without touching the user's group

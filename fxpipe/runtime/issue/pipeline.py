@@ -109,7 +109,8 @@ class Runner:
                  for i, st in exe.stages.items()},
                 {i: {f: lg.buffers[f] for f in st.params if f in lg.buffers}
                  for i, st in exe.stages.items()}, param_dtype=self.param_dtype)
-            if exe.run_type != "infer" and not (self.dp is not None and self.dp.on_devices):
+            if exe.run_type != "infer" and not (self.dp is not None and self.dp.on_devices
+                                                and self.dp.shard):
                 store.host.make_grads()
             if self.dp is not None and self.dp.zero3:   # each upload moves 1/N
                 store.shard = (self.dp.rank, self.dp.world)
