@@ -461,9 +461,9 @@ def _dist_nccl(d: dict) -> list[str]:
                f"alone): device-NCCL {free['device-NCCL']:.2f}×, zero3 {free['zero3']:.2f}×, "
                f"host-gloo {free['host-gloo']:.2f}×, host-gloo sharded "
                f"{free['host-gloo sharded']:.2f}×"
-               + (f", device-NCCL all-reduce ({free['device-NCCL all-reduce']:.2f}×, "
-                  "`data_parallel=True` on GPUs: the optimizer whole on every rank, as "
-                  "host-gloo)" if "device-NCCL all-reduce" in free else "") + ".")
+               + (f", device-NCCL all-reduce {free['device-NCCL all-reduce']:.2f}× "
+                  "(`data_parallel=True` on GPUs: the optimizer whole on every rank, as "
+                  "host-gloo's)" if "device-NCCL all-reduce" in free else "") + ".")
     return out
 
 
