@@ -44,7 +44,7 @@ from fxpipe.runtime.devices import pinned
 from fxpipe.runtime.issue.autograd import train_call
 from fxpipe.runtime.devices.cuda import CudaDevice
 from fxpipe.runtime.devices.device import Device
-from fxpipe.runtime.issue.device_collectives import check_data_parallel, reduces_on_devices
+from fxpipe.runtime.issue.device_collectives import check_data_parallel
 from fxpipe.runtime.issue.distributed import DataParallel
 from fxpipe.runtime.devices.emulator import VirtualDevice
 from fxpipe.runtime.stages.graphs import StageGraphs
@@ -216,12 +216,11 @@ def compile(  # noqa: A001 — the public name is fxpipe.compile, like torch.com
     if weights is not None:
         load_weights(model, weights)   # before capture: the model is real from here on
     quant.prepare(model, frozen_dtype)
-    resolved = resolve_devices(devices)
     dp = DataParallel(process_group, timeout=collective_timeout,
                       shard=bool(shard_optimizer) or data_parallel in ("device", "zero3"),
-                      broadcast=bool(broadcast_buffers), zero3=zero3,
-                      on_devices=reduces_on_devices(resolved) if on_devices is None else on_devices
-                      ) if data_parallel else None
+                      broadcast=bool(broadcast_buffers), on_devices=on_devices,
+                      zero3=zero3) if data_parallel else None
+    resolved = resolve_devices(devices)
     watch_fused_steps()  # the user's fused optimizer steps must mark parameters changed
     return PipelineModule(model, example_inputs, dict(example_kwargs or {}), devices=resolved,
                           capture=capture, layers=layers, config=config or RunConfig(),
@@ -278,9 +277,10 @@ class PipelineModule(Inspecting, Checkpointing, Generating, SequenceChunking, nn
         self._graphs = StageGraphs()   # stage_backend="cudagraphs": slots and graphs
         self._generation: list = []   # generation.Steps, by batch size and cache length
         self._warned_rows = False     # a batch with fewer rows than microbatches (_fit_rows)
+        if dp is not None:   # (before the plan: whether it reduces on the devices)
+            dp.check_devices(self.devices)
         self._current = self._compiled_for(example_args, example_kwargs)
         if dp is not None:
-            dp.check_devices(self.devices)
             dp.check_same(digest(self._current, param_dtype, dp))
             dp.prepare_params(self._current.layers.params, param_dtype, self._host_params())
 

@@ -297,7 +297,8 @@ def check_true_on_gpus(rank: int, world: int) -> None:
     equal eager on the whole batch. Every other way to step (clipped with and without
     speculation, ``GradScaler``, ``mode="async"``, ``accumulate=2``, the user's own
     ``opt.step()``) gives the host path's parameters and losses, the ranks identical.
-    ``shard_optimizer=True``: ``"device"``'s ``sRS``, 1/N downloaded."""
+    ``shard_optimizer=True``: ``"device"``'s ``sRS``, 1/N downloaded. Where one rank's
+    devices are not GPUs, or not as many, every rank reduces on the host."""
     def reduced(pipe, optimizer=True) -> tuple[list[str], list[str]]:
         program = pipe.program(optimizer=optimizer)
         return (sorted(str(a) for acts in program.actions for a in acts
@@ -319,6 +320,13 @@ def check_true_on_gpus(rank: int, world: int) -> None:
     sharded = compile_dp(make_model(), rank, devices=gpus(), shard_optimizer=True)
     assert reduced(sharded) == (sorted(f"{s}RS" for s in backward), []), reduced(sharded)
     sharded.close()
+    # the ranks decide together: where one rank's devices are not GPUs (or the ranks have
+    # other numbers of them), every rank reduces on the host
+    for theirs in (["cpu", "cpu"], [VirtualDevice(semantics="cuda") for _ in range(3)]):
+        mixed = compile_dp(make_model(), rank, devices=gpus() if rank else theirs,
+                           plan=pipe.plan)
+        assert not mixed._dp.on_devices and reduced(mixed)[0] == [], reduced(mixed)
+        mixed.close()
 
     def run(devices, make_stepper):
         model = make_model()

@@ -317,8 +317,9 @@ class DeviceReduceScatter:
 class DeviceAllReduce:
     """Data parallel on the devices, a call that does not step a sharded optimizer
     (``data_parallel="device"``, or ``True`` on GPUs): the stage's accumulated parameter
-    gradients on this device averaged across ranks in place, with the same device of every other rank, on
-    the device's ``collective`` stream; its ``DownloadGrads`` then brings them whole
+    gradients on this device averaged across ranks in place, with the same device of
+    every other rank, on the device's ``collective`` stream; its ``DownloadGrads`` then
+    brings them whole
     (``3AR``). ``accumulated`` (``3AR+``): the host's ``.grad`` of the parameters the
     stage owns is uploaded and added first, and the average replaces it."""
     stage: int

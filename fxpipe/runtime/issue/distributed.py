@@ -60,7 +60,9 @@ from fxpipe.runtime.host.grad_accum import GradAccumulator, owned_params
 from fxpipe.runtime.host.masters import ShardedMasters
 from fxpipe.runtime.host.param_store import ParamStore
 from fxpipe.runtime.host.params import grad_dtype
-from fxpipe.runtime.issue.device_collectives import Channel, OnDevices, Op, issue, shared_gpu
+from fxpipe.runtime.issue.device_collectives import (
+    Channel, OnDevices, Op, issue, reduces_on_devices, shared_gpu,
+)
 from fxpipe.runtime.issue.threads import Cancelled
 from fxpipe.runtime.issue.zero3 import Zero3
 
@@ -82,14 +84,13 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
     ``fxpipe.compile`` on every rank of ``process_group`` (None: the default group)."""
 
     def __init__(self, process_group: Any = None, *, timeout: float = 300.0,
-                 shard: bool = False, broadcast: bool = True, on_devices: bool = False,
+                 shard: bool = False, broadcast: bool = True, on_devices: bool | None = False,
                  zero3: bool = False):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized "
-                "on every rank first: torch.distributed.init_process_group('gloo') (torchrun "
-                "sets the rank, world size and address in the environment); see the README, "
-                "'Several machines'")
+                "fxpipe.compile(..., data_parallel=True) needs torch.distributed initialized on "
+                "every rank first: torch.distributed.init_process_group('gloo') (torchrun sets "
+                "the rank, world size and address in the environment); see the README")
         if not timeout > 0:
             raise ValueError(f"collective_timeout must be > 0 seconds, got {timeout!r}")
         parent = process_group if process_group is not None else dist.group.WORLD
@@ -97,14 +98,14 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         self.rank = dist.get_rank(parent)
         self.world = len(ranks)
         self.timeout = float(timeout)
-        # the gradients are reduced on the devices (reduce-scattered when sharded)
-        self.on_devices = on_devices or zero3
+        # the gradients are reduced on the devices (reduce-scattered when sharded); None
+        # (data_parallel=True): where the devices are, as every rank decides (check_devices)
+        self.on_devices = None if on_devices is None else on_devices or zero3
         self.shard = shard or zero3   # shard_optimizer
         self.broadcast = broadcast    # broadcast_buffers
-        # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout,
-        # and our store key for failures, without touching the user's group
-        # a user's subgroup: only its ranks make fxpipe's groups (its own and the devices'),
-        # named by torch from the ranks and the live groups' count, so not destroyed (close)
+        # fxpipe's own group: host tensors (gloo) whatever the user's backend, our timeout
+        # and store key for failures. A user's subgroup: only its ranks make fxpipe's groups
+        # (named by torch from the ranks and the live groups' count: not destroyed, close)
         self.local_sync = len(ranks) < dist.get_world_size()
         self.group = dist.new_group(ranks, backend="gloo",
                                     timeout=datetime.timedelta(seconds=self.timeout),
@@ -115,8 +116,7 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         self._lock = threading.Lock()
         self._worker: VirtualDevice | None = None
         self._stats: Any = None   # the running call's (begin)
-        # under _lock: built by whichever thread first asks (the caller's plan_ops, the
-        # collective worker's reduces)
+        # under _lock: built by the first thread to ask (plan_ops, the collective worker)
         self._buckets: dict[int, tuple[ParamStore, dict[tuple[int, int], list[Bucket]]]] = {}
         # begin (the call's host thread), _post (the collective worker, a device's
         # collective stream) and drain (the failing thread) post in the Program's order
@@ -124,9 +124,8 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         ShardedMasters.__init__(self)
         OnDevices.__init__(self)
         Zero3.__init__(self, zero3)
-        # id(parameter) -> its name for the shard state and masters: the first name it had
-        # in the first layer graph that named it (another capture may order tied names
-        # differently)
+        # id(parameter) -> its name for the shard state and masters: its first name in the
+        # first layer graph that named it (another capture may order tied names otherwise)
         self._names: dict[int, str] = {}
         _open.add(self)   # closed at exit if the pipe is not (close_all)
 
@@ -134,11 +133,10 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
                     has_buffers: bool, accumulated: bool = False) -> tuple[str | None, bool]:
         """``(data_parallel, broadcast_buffers)`` of a call's Program: a training call that
         synchronizes all-reduces (``"allreduce"``), or reduce-scatters when it steps a
-        sharded optimizer (``mode="exact"``; None: no step) (``"shard"``); with ``"device"``
-        on the devices (``"device_allreduce"``, ``"device"``; ``"zero3"``), first adding
-        the ``.grad`` ``accumulated`` by calls that did not synchronize (``"_accumulated"``);
-        it first broadcasts the buffers when the model ``has_buffers`` and
-        ``broadcast_buffers``."""
+        sharded optimizer (``mode="exact"``; None: no step) (``"shard"``); on the devices
+        (``"device_allreduce"``, ``"device"``; ``"zero3"``), first adding the ``.grad``
+        ``accumulated`` by calls that did not synchronize (``"_accumulated"``); it first
+        broadcasts the buffers when the model ``has_buffers`` and ``broadcast_buffers``."""
         if run_type == "infer" or not sync:
             return None, False
         if self.shard and mode not in (None, "exact"):
@@ -147,8 +145,7 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
         sharded = self.shard and mode == "exact"
         if self.on_devices:   # (zero3: a call that does not step is refused, Runner.call)
             mode = ("zero3" if sharded and self.zero3 else "device" if sharded
-                    else "device_allreduce") + (
-                "_accumulated" if accumulated else "")
+                    else "device_allreduce") + ("_accumulated" if accumulated else "")
         else:
             mode = "shard" if sharded else "allreduce"
         return mode, self.broadcast and has_buffers
@@ -179,22 +176,25 @@ class DataParallel(ShardedMasters, OnDevices, Zero3):
 
     def check_devices(self, devices: Sequence[Device]) -> None:
         """Raise ``ValueError`` on every rank if two ranks compute on one GPU (by its UUID:
-        ``CUDA_VISIBLE_DEVICES`` may number it differently in each), or, with
-        ``data_parallel="device"``, if the ranks have different numbers of devices; then
-        make that mode's groups (one per device index)."""
+        ``CUDA_VISIBLE_DEVICES`` may number it differently in each), or, reducing on the
+        devices, if the ranks have different numbers of devices (``True``: then on the
+        host, as where any rank's are not GPUs); then make the devices' groups."""
         mine = sorted(str(torch.cuda.get_device_properties(d.device).uuid)
                       for d in devices if isinstance(d, CudaDevice))
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (len(devices), mine), group=self.group)
-        counts = [n for n, _ in gathered]
+        dist.all_gather_object(gathered, (len(devices), mine, reduces_on_devices(devices)),
+                               group=self.group)
+        counts = [n for n, *_ in gathered]
+        if self.on_devices is None:
+            self.on_devices = all(gpus for *_, gpus in gathered) and len(set(counts)) == 1
         if self.on_devices and len(set(counts)) > 1:
             raise ValueError(
                 f"fxpipe.compile(data_parallel='device'): the ranks have {counts} devices: "
-                "device d of every rank reduce-scatters with device d of the others, so every "
-                "rank needs the same number of devices")
+                "device d of every rank reduces with device d of the others, so every rank "
+                "needs the same number of devices")
         if self.on_devices and not self._devices:   # every rank, in the same order
             self._devices = [self._device_channel(dev) for dev in devices]
-        clash = shared_gpu([gpus for _, gpus in gathered])
+        clash = shared_gpu([gpus for _, gpus, _ in gathered])
         if clash is not None:
             a, b, gpu = clash
             raise ValueError(
