@@ -138,9 +138,10 @@ def with_device_collectives(nodes: list, dep_ids: list, mode: Mode,
                             reduce: type = DeviceReduceScatter) -> tuple[list, list]:
     """The simulator's nodes ``(lane, step, action)`` and their dependencies
     ``[(node, Dep)]`` with ``mode``'s device collectives added (:func:`_around`'s
-    places, ``reduce`` its reduction): a ``DeviceReduceScatter`` (or all-reduce) waits for what its ``DownloadGrads`` waits for but
-    its stream (the stage's computes on the device) and for the previous collective of the
-    device's ``nccl`` stream; the download then waits for it. A ``DeviceAllGather`` waits
+    places, ``reduce`` the reduction): a ``DeviceReduceScatter`` (or ``DeviceAllReduce``)
+    waits for what its ``DownloadGrads`` waits for but its stream (the stage's computes
+    on the device) and for the previous collective of the device's ``nccl`` stream; the
+    download then waits for it. A ``DeviceAllGather`` waits
     for its ``Prefetch`` and the previous collective; every compute that waited for the
     ``Prefetch`` waits for it instead."""
     if mode == "host":

@@ -81,9 +81,9 @@ class Hardware:
       ``param_dtype``, each rank downloading and stepping 1/N (a sharded Program lowered
       to what ``data_parallel="device"``'s Program prints; that Program itself is priced
       as it is, with any ``collectives``), or an all-reducing Program's all-reduced there
-      (``data_parallel=True`` on GPUs); ``"zero3"``, MODELLED (not built): also each rank holding and
-      uploading 1/N of the parameters, all-gathered on the devices before a stage
-      computes. A field, not a ``simulate`` argument: like ``host_memory`` it says where
+      (``data_parallel=True`` on GPUs); ``"zero3"``, MODELLED across nodes (the runtime
+      runs it on one host's ranks): also each rank holding and uploading 1/N of the
+      parameters, all-gathered on the devices before a stage computes. A field, not a ``simulate`` argument: like ``host_memory`` it says where
       the run puts its work, and every simulation of the run takes the ``Hardware``
       (``roundpipe_program``'s dispatch, ``optimizer_modes``), not ``simulate``'s keywords.
     - The host's issue time (``fxpipe.sim.simulate``'s issue pass): one host thread at a
