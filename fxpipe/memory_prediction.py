@@ -278,8 +278,9 @@ def predict_memory(pipe: Any, plan: StagePlan | None = None, *, run_type: RunTyp
     host = host_memory(lg, memory, [r.stop - 1 for r in fwd], M, world) \
         if run_type in ("fused", "train") and isinstance(lg, LayerGraph) else {}
     if on_devices and host:   # a .grad held: the call adds it first (sRS+)
-        peaks = with_reduce_scatter(peaks, program, lg, world, accumulated=any(
-            p.grad is not None for p in lg.params.values() if isinstance(p, torch.Tensor)))
+        peaks = with_reduce_scatter(peaks, program, lg, dp.world, accumulated=any(
+            p.grad is not None for p in lg.params.values() if isinstance(p, torch.Tensor)),
+            scatter=dp.shard)
     if host:
         sharded = dp is not None and dp.shard
         masters = dp.masters if sharded else {}
@@ -382,16 +383,17 @@ def _trained(lg: LayerGraph, layers: Iterable[int]) -> list[tuple[str, int, torc
 
 
 def with_device_reduce(memory: ChainMemory, pipe: Any) -> ChainMemory:
-    """The planner's per-layer ``memory`` of a pipe compiled with
-    ``data_parallel="device"`` (else as it is): each layer's gradients also count a bound
-    of what its backward stage's reduce-scatter holds beside them
+    """The planner's per-layer ``memory`` of a pipe that reduces on its devices
+    (``data_parallel="device"``, ``True`` on GPUs; else as it is): each layer's gradients
+    also count a bound of what its backward stage's reduce-scatter holds beside them
     (``device_collectives.reduce_scatter_bound``: this rank's shard, and copies of the
-    gradients it may pack or pad), and its backward peak the piece of a host ``.grad``
-    an ``sRS+`` adds (:func:`host_grad_piece`), so the plan leaves room for them."""
+    gradients it may pack or pad; an all-reduce's, the copies), and its backward peak the
+    piece of a host ``.grad`` an ``sRS+`` adds (:func:`host_grad_piece`), so the plan
+    leaves room for them."""
     dp, lg = getattr(pipe, "_dp", None), getattr(pipe, "layers", None)
     if dp is None or not dp.on_devices or not isinstance(lg, LayerGraph):
         return memory
-    extra = [reduce_scatter_bound(_trained(lg, [i]), dp.world) for i in range(len(lg))]
+    extra = [reduce_scatter_bound(_trained(lg, [i]), dp.world, dp.shard) for i in range(len(lg))]
     # a piece of a host .grad an sRS+ adds: one at a time, so beside a layer's peak
     piece = [host_grad_piece(lg, [i]) for i in range(len(lg))]
     return replace(memory, grads=tuple(g + e for g, e in zip(memory.grads, extra)),
@@ -399,18 +401,20 @@ def with_device_reduce(memory: ChainMemory, pipe: Any) -> ChainMemory:
 
 
 def with_reduce_scatter(peaks: list[StagePeak], program: Any, lg: LayerGraph,
-                        world: int, accumulated: bool = False) -> list[StagePeak]:
+                        world: int, accumulated: bool = False,
+                        scatter: bool = True) -> list[StagePeak]:
     """``peaks`` under ``data_parallel="device"``: a backward stage's gradients are
     reduce-scattered on its device before they download, and while that runs the device
     also holds this rank's shard of them and the copies its collectives read
     (``device_collectives.reduce_scatter_workspace``), counted under ``gradients``;
     ``accumulated`` (a call after calls that did not synchronize: ``sRS+``), also the
-    piece of a host ``.grad`` being added (:func:`host_grad_piece`)."""
+    piece of a host ``.grad`` being added (:func:`host_grad_piece`). Not ``scatter``
+    (``data_parallel=True`` on GPUs: ``sAR``), the packed copies only."""
     out = []
     for peak in peaks:
         st = program.stages[peak.stage] if peak.stage is not None else None
         if st is not None and st.kind != "fwd":
-            extra = reduce_scatter_workspace(_trained(lg, st.layers), world) + (
+            extra = reduce_scatter_workspace(_trained(lg, st.layers), world, scatter) + (
                 host_grad_piece(lg, st.layers) if accumulated else 0)
             if extra:
                 peak = replace(peak, bytes={**peak.bytes,

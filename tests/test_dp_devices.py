@@ -506,28 +506,31 @@ def test_small_gradients_are_reduced_together_large_ones_alone(world):
             torch.testing.assert_close(mine[f], g, rtol=0, atol=1e-6)
 
 
-def test_predict_memory_counts_the_reduce_scatter_on_the_devices(one_rank):
+@pytest.mark.parametrize("data_parallel", ["device", True])
+def test_predict_memory_counts_the_reduce_scatter_on_the_devices(one_rank, data_parallel):
     """#58: while a stage's gradients are reduce-scattered on its device, the device also
     holds this rank's shard and the packed copies the collectives read; predict_memory
     counts them (it did not: both devices' measured peaks were 1.19x its prediction here;
     now it is 1.23x theirs), and the host keeps 1/N of the gradients (the pieces), not a
     whole buffer. Strict cuda-sim devices, one rank (N = 1: the shard is the whole
-    gradient, the worst case)."""
+    gradient, the worst case). ``True`` on GPUs (``sAR``): the packed copies only, no
+    shard (counted as a reduce-scatter's, the prediction was 1.50x the peak; now 1.26x:
+    the copy is counted at the backward's peak, though it is made after it)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Tanh())
                             for _ in range(6)], nn.Linear(256, 8))
     x, y = torch.randn(32, 256), torch.randint(0, 8, (32,))
     devices = [VirtualDevice(semantics="cuda") for _ in range(2)]
-    pipe = fxpipe.compile(model, (x,), devices=devices, data_parallel="device",
+    pipe = fxpipe.compile(model, (x,), devices=devices, data_parallel=data_parallel,
                           config=fxpipe.RunConfig(num_microbatch=4))
     predicted = fxpipe.plan.predict_memory(pipe, loss_fn=ce, label=y)
     pipe.forward_backward((x,), label=y, loss_fn=ce,
                           optimizer=torch.optim.AdamW(model.parameters()))
-    assert any(str(a).endswith("RS") for acts in pipe.program(optimizer=True).actions
-               for a in acts)
+    assert any(str(a).rstrip("+").endswith("RS" if data_parallel == "device" else "AR")
+               for acts in pipe.program(optimizer=True).actions for a in acts)
     for d, dev in enumerate(devices):
         measured = dev.peak_bytes()
-        assert measured <= predicted.devices[d].total <= 1.25 * measured, \
+        assert measured <= predicted.devices[d].total <= 1.3 * measured, \
             (d, measured, predicted.devices[d].total)
     assert predicted.host["grads"] == sum(4 * p.numel() for p in model.parameters())
     pipe.close()

@@ -407,17 +407,22 @@ def device_ops(buckets: Sequence[tuple[Bucket, list[str]]], scatter: bool = True
             for b, _ in buckets for r in groups(b)]
 
 
-def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], world: int) -> int:
+def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], world: int,
+                             scatter: bool = True) -> int:
     """Device bytes a stage's ``DeviceReduceScatter`` holds beside its gradients until its
     collectives complete: this rank's shard of each dtype's bucket, and the packed or
     zero-padded copies its collectives read (:func:`groups`; a gradient reduced in place
     adds nothing). ``named``: the stage's trainable parameters as ``(name, numel, dtype
     on the device)``, bucketed as :func:`device_buckets` does. What ``predict_memory``
-    adds to the stage's peak under ``data_parallel="device"``.
+    adds to the stage's peak under ``data_parallel="device"``. Not ``scatter``: a
+    ``DeviceAllReduce``'s, the packed copies only (:func:`all_reduce_grads`: no shard, no
+    padding).
 
     >>> # a shard of 2 + 3 floats, both packed into one (2, 5) buffer: 15 floats
     >>> reduce_scatter_workspace([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)
     60
+    >>> reduce_scatter_workspace([("w", 6, torch.float32), ("b", 3, torch.float32)], 2, False)
+    36
     """
     by_dtype: dict[torch.dtype, list[int]] = {}
     for _, numel, dtype in sorted(named, key=lambda x: x[0]):
@@ -428,6 +433,10 @@ def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], worl
         k = len(sizes)
         bucket = Bucket(None, dtype, [None] * k, [""] * k, sizes, chunks,
                         [sum(chunks[:i]) for i in range(k)], world, 0, [None] * k)
+        if not scatter:
+            total += sum(sum(sizes[i] for i in run) * dtype.itemsize
+                         for run in groups(bucket) if len(run) > 1)
+            continue
         total += bucket.shard_len * dtype.itemsize
         for run in groups(bucket):
             if len(run) > 1 or sizes[run.start] != world * chunks[run.start]:
@@ -435,20 +444,28 @@ def reduce_scatter_workspace(named: Sequence[tuple[str, int, torch.dtype]], worl
     return total
 
 
-def reduce_scatter_bound(named: Sequence[tuple[str, int, torch.dtype]], world: int) -> int:
+def reduce_scatter_bound(named: Sequence[tuple[str, int, torch.dtype]], world: int,
+                         scatter: bool = True) -> int:
     """An upper bound of :func:`reduce_scatter_workspace` that adds up over parameters:
     each one's piece of the shard, and a copy of each gradient that may be packed or
     zero-padded (below ``SMALL`` bytes, or not divided by ``world``). What the planner
-    counts per layer, whatever stage the layer ends up in.
+    counts per layer, whatever stage the layer ends up in. Not ``scatter``: a copy of
+    each gradient that may be packed.
 
     >>> reduce_scatter_bound([("w", 6, torch.float32), ("b", 3, torch.float32)], 2)
     60
+    >>> reduce_scatter_bound([("w", 6, torch.float32), ("b", 3, torch.float32)], 2, False)
+    36
     """
     total = 0
     for _, numel, dtype in named:
         c, item = _chunk(numel, world), dtype.itemsize
+        small = world * c * item < SMALL
+        if not scatter:
+            total += numel * item if small else 0
+            continue
         total += c * item
-        if world * c * item < SMALL or numel != world * c:
+        if small or numel != world * c:
             total += world * c * item
     return total
 
