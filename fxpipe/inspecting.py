@@ -252,5 +252,5 @@ def _graph_line(backend: str, st: Stage, piece: bool) -> str:
         return f"# its jobs run the compiled code, not a device graph: {why}\n"
     what = ("forward job is a device graph (GraphForward)" if st.kind == "fwd" else
             "recompute and backward are one device graph (GraphRecomputeBackward)")
-    return (f"# its {what}: captured once per device, parameter slot and input shapes, "
-            "then replayed\n")
+    return (f"# its {what}: captured once per device, parameter slot, input slot and input "
+            "shapes, then replayed\n")

@@ -14,6 +14,7 @@ tolerance (the graphs run inductor's code: no bitwise claim, docs/guarantees.md)
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ import fxpipe
 from fxpipe.errors import StageError
 from fxpipe.passes import chain_costs
 from fxpipe.runtime.devices.device_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
-from fxpipe.runtime.stages.graphs import StageGraphs, not_capturable
+from fxpipe.runtime.stages.graphs import INPUT_SHAPES, StageGraphs, not_capturable
 from fxpipe.runtime.host.param_store import ParamStore
 from tests.test_stage_backend import ATOL, RTOL, blocks, mse
 
@@ -32,6 +33,12 @@ from tests.test_stage_backend import ATOL, RTOL, blocks, mse
 def graph_counts(pipe) -> tuple[int, int, int]:
     s = pipe.stats()
     return s["graph_captures"], s["graph_replays"], s["graph_fallbacks"]
+
+
+def graph_jobs(program) -> list:
+    """The program's graph jobs (``GraphForward``, ``GraphRecomputeBackward``)."""
+    return [a for acts in program.actions for a in acts if isinstance(a, (
+        fxpipe.passes.program.GraphForward, fxpipe.passes.program.GraphRecomputeBackward))]
 
 
 def strict_devices(n: int = 2, **kw) -> list[fxpipe.VirtualDevice]:
@@ -69,23 +76,117 @@ def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
         torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
-        jobs = [a for acts in pipe.program("fused").actions for a in acts if str(a).endswith("g")]
+        jobs = graph_jobs(pipe.program("fused"))
         captures, replays, fallbacks = graph_counts(pipe)
         assert captures + replays == len(jobs) > 0 and fallbacks == 0
-        # the first step captures each stage's job on its device (both microbatches have
-        # one shape: one graph each; the capture's own run is the first microbatch's);
-        # the second replays them
-        assert captures == (len({a.stage for a in jobs}) if step == 0 else 0)
+        # the first step captures each stage's job on its device once per input slot
+        # (each microbatch uploads into its parity's: one graph each, their shapes the
+        # same; the capture's own run is the microbatch's); the second replays them
+        assert captures == (len({(a.stage, a.mb % 2) for a in jobs}) if step == 0 else 0)
     with torch.no_grad():
         expected = ref(x)
         for call in range(2):
             torch.testing.assert_close(pipe(x), expected, atol=ATOL, rtol=RTOL)
-            # inference plans its own stages: captured at its first call
-            assert graph_counts(pipe)[:2] == ((len(pipe.stages), len(pipe.stages)) if call == 0
+            # inference plans its own stages: captured at its first call (a graph per
+            # stage and input slot: each of the two microbatches), replayed after
+            assert graph_counts(pipe)[:2] == ((2 * len(pipe.stages), 0) if call == 0
                                               else (0, 2 * len(pipe.stages)))
     assert all(d.resident_bytes("params") > 0 for d in devices)   # the slots stay
     pipe.close()
     assert [d.resident_bytes() for d in devices] == [0, 0]
+
+
+def test_replays_read_their_inputs_where_the_upload_put_them():
+    """#55 item 3: a graph job's ``Upload`` is a ``GraphUpload`` (``3U2g``) into the job's
+    input slot of its microbatch's parity, and the graph captured that slot as its
+    input: a replay copies none of its uploaded inputs in. Four microbatches, so each
+    slot takes a second one once the job before has read it (the Program's ``slot``
+    dependency). Two steps and an inference call equal eager's on strict cuda-sim (a
+    graph reading a slot that was dropped would raise there); ``predict_memory`` counts
+    the slots (reserved <= predicted <= 1.25 x reserved at the replaying step); they
+    stay on the devices between calls and ``close()`` frees them."""
+    from fxpipe.passes.program import GraphUpload
+    model = blocks(4, 16)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 4)
+    devices = strict_devices()
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=4))
+    program = pipe.program("fused")
+    deps = program.dependencies()
+    jobs = {(a.stage, a.mb): (d, i) for d, acts in enumerate(program.actions)
+            for i, a in enumerate(acts) if a in graph_jobs(program)}
+    uploads = [(d, i, a) for d, acts in enumerate(program.actions) for i, a in enumerate(acts)
+               if isinstance(a, GraphUpload)]
+    assert {(a.stage, a.mb) for _, _, a in uploads} == {k for k in jobs if program.flow.upload.get(k)}
+    for d, i, a in uploads:   # its slot's last reader, on its device, has ended first
+        if a.mb >= 2:
+            assert fxpipe.passes.program.Dep(d, jobs[(a.stage, a.mb - 2)][1], "end", "slot") \
+                in deps[d][i], a
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    for step in range(2):
+        model.zero_grad()
+        for d in devices:
+            d.reset_peak()
+        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+        pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=4,
+                                          loss_fn=mse, label=y)
+        for d, p in zip(devices, pred.devices):
+            reserved = d.peak_reserved_bytes()
+            assert reserved <= p.total <= (1.25 * reserved if step else 2 * reserved), \
+                (step, p.total, reserved)
+    # one graph per job and input slot (each read by two microbatches), each reading
+    # its slot itself: a static input is an input slot exactly where the key says so
+    graphs = pipe._graphs
+    assert graph_counts(pipe)[:2] == (0, len(jobs))
+    assert graphs.captured() == len({(a.stage, a.mb % 2) for a in graph_jobs(program)})
+    for key, job in graphs._jobs.items():
+        slotted = [graphs.holds(t) for t in job.statics]
+        assert slotted == [k is not None for k in key[-1]] and any(slotted), key
+    del job   # (it holds its graph)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(pipe(x), ref(x), atol=ATOL, rtol=RTOL)
+    assert all(d.resident_bytes("workspace") > 0 for d in devices)   # slots and graphs stay
+    pipe.close()
+    assert [d.resident_bytes() for d in devices] == [0, 0]
+
+
+def test_an_upload_into_an_input_slot_waits_for_the_slots_last_reader():
+    """A ``GraphUpload(s, m)`` writes the slot job ``(s, m - 2)`` read. In the builders'
+    order it comes after job ``(s, m - 1)`` started, so that job's end is implied; an
+    upload hoisted one step earlier (after job ``(s, m - 2)`` started, not ended: rule 2
+    alone would let it overwrite what that job reads) waits for that job's end; one
+    hoisted before that job is not made a ``GraphUpload`` (its inputs go to a fresh
+    buffer and are copied in), and a hand-written one there is refused."""
+    from fxpipe.passes.program import GraphUpload, Upload
+    from fxpipe.passes.dependencies import graph_program
+    from fxpipe.passes.schedule import build_program
+    plain = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 4, "stage")
+
+    def hoisted(before: str) -> tuple:   # 0U2 moved to just before ``before``
+        acts = [a for a in plain.actions[0] if str(a) != "0U2"]
+        at = [str(a) for a in acts].index(before)
+        return (*acts[:at], Upload(0, 2), *acts[at:])
+
+    p = graph_program(dataclasses.replace(plain, actions=(hoisted("0F1"),)))
+    lane = [str(a) for a in p.actions[0]]
+    i = lane.index("0U2g")
+    assert lane[i - 1:i + 2] == ["0U1g", "0U2g", "0F1g"]
+    deps = p.dependencies()[0][i]
+    f0 = lane.index("0F0g")
+    assert fxpipe.passes.program.Dep(0, f0, "start", "issue") in deps   # rule 2: its start
+    assert fxpipe.passes.program.Dep(0, f0, "end", "slot") in deps      # the slot: its end
+    early = graph_program(dataclasses.replace(plain, actions=(hoisted("0F0"),)))
+    assert "0U2" in [str(a) for a in early.actions[0]]   # a plain Upload
+    acts = list(early.actions[0])
+    acts[acts.index(Upload(0, 2))] = GraphUpload(0, 2)
+    with pytest.raises(ValueError, match=r"0U2g writes the input slot job \(0, 0\) reads"):
+        dataclasses.replace(early, actions=(tuple(acts),)).dependencies()
 
 
 def test_the_plan_leaves_room_for_the_graphs(monkeypatch):
@@ -196,20 +297,20 @@ stage 0 fwd 0:1 reads=input_1 makes=add
 stage 1 fwd 1:3 reads=add makes=linear_4
 step d0   d1   host
 0    0P   1P   RF
-1    0U0  1U0  C
+1    0U0g 1U0g C
 2    0F0g 1F0g .
 3    0O0  1O0  .
 4    0X0  1X0  .
-5    0U1  1U1  .
+5    0U1g 1U1g .
 6    0F1g 1F1g .
 7    0O1  1O1  .
 8    0X1  1X1  .
 9    0R   1R   .""")
     heads = [line for line in pipe.code("fused").splitlines() if line.startswith("# its")]
     assert_expected_inline("\n".join(heads), """\
-# its forward job is a device graph (GraphForward): captured once per device, parameter slot and input shapes, then replayed
+# its forward job is a device graph (GraphForward): captured once per device, parameter slot, input slot and input shapes, then replayed
 # its job runs the compiled code, not a device graph: the loss_fn between its forward and backward is the caller's Python
-# its recompute and backward are one device graph (GraphRecomputeBackward): captured once per device, parameter slot and input shapes, then replayed""")
+# its recompute and backward are one device graph (GraphRecomputeBackward): captured once per device, parameter slot, input slot and input shapes, then replayed""")
     assert fxpipe.passes.program.parse_action("0F1g") == fxpipe.passes.program.GraphForward(0, 1)
     pipe.close()
 
@@ -255,7 +356,7 @@ def test_a_replay_over_parameters_that_moved_raises(monkeypatch):
                           config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
     with torch.no_grad():
         pipe(x)
-        assert graph_counts(pipe)[0] == 2
+        assert graph_counts(pipe)[0] == 4   # two stages, each microbatch its input slot
         upload = ParamStore.upload
         monkeypatch.setattr(ParamStore, "upload",
                             lambda self, *a, into=None, **kw: upload(self, *a, **kw))
@@ -521,7 +622,7 @@ def test_each_job_keeps_a_bounded_number_of_graphs_and_cycling_lengths_only_repl
     lengths, most of the test's time), which the tests above run as graphs."""
     from fxpipe.check.many_devices import stand_in_compiler
     from fxpipe.runtime.stages import graphs as stage_graphs
-    monkeypatch.setattr(stage_graphs, "GRAPHS_PER_JOB", 4)   # two slots x two lengths
+    monkeypatch.setattr(stage_graphs, "GRAPHS_PER_JOB", 4)   # two input slots x two lengths
     with stand_in_compiler(True):
         _bounded_graphs_and_cycling_lengths()
 
@@ -550,6 +651,10 @@ def _bounded_graphs_and_cycling_lengths() -> None:
     jobs = {key[:3] for key in graphs._jobs}   # (device, stage, forward or backward)
     assert graphs.captured() <= 4 * len(jobs), (graphs.captured(), len(jobs))
     assert max(len(graphs._recent[job]) for job in jobs) == 4
+    # each input slot keeps INPUT_SHAPES (4) lengths: the fifth dropped the least recent
+    # (8), and the graphs reading it with it (a replay over it would raise on cuda-sim)
+    assert {len(kept) for kept in graphs._inputs.values()} == {INPUT_SHAPES} == {4}
+    assert all(8 not in {shape[1] for shape, _ in kept} for kept in graphs._inputs.values())
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
     pipe.close()

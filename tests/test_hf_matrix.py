@@ -107,7 +107,7 @@ if os.environ.get("FXPIPE_TEST_DEVICE") == "cuda-sim":   # test_cudagraphs runs 
 # FXPIPE_HF_COMPILED=all: every architecture, both bf16 precisions, both backends, each
 # finding its limit
 LIMITS = [k * 2**10 for k in (128, 160, 192, 256, 384, 512, 768, 1024, 2048, 4096, 8192, 16384)]
-LONG_CONTEXT_CI = {("qwen3_moe", "param_dtype", "cudagraphs"): 768 * 2**10,
+LONG_CONTEXT_CI = {("qwen3_moe", "param_dtype", "cudagraphs"): 1024 * 2**10,
                    ("bert", "autocast", "inductor"): 512 * 2**10}
 LONG_CONTEXT = {(n, p, b): None for n in NAMES for p in ("param_dtype", "autocast")
                 for b in ("inductor", "cudagraphs")} \

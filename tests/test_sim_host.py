@@ -17,10 +17,11 @@ import fxpipe
 from fxpipe.demo import TinyLlama
 from fxpipe.passes.costs import Cost, compute_costs
 from fxpipe.passes.partition import build_layer_graph
+from fxpipe.passes.dependencies import graph_program
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim import Hardware, LayerCost
 from fxpipe.sim.hardware import H200_HOST, H200_HOST_REFIT
-from fxpipe.passes.program import FusedBackward
+from fxpipe.passes.program import FusedBackward, GraphUpload
 from fxpipe.sim.simulate import INDUCTOR_KERNELS, action_kernels, graph_job_kernels, simulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,15 +81,22 @@ def test_grad_kernels_and_stage_backends_price_what_they_launch():
     graphs = simulate(program, costs, hw, stage_backend="cudagraphs").host_issue_ms
     assert inductor == pytest.approx(eager * INDUCTOR_KERNELS)
     # MODELLED: a Forward or stage RecomputeBackward replays a graph (its launch, the
-    # copies in and out, no grad); a FusedBackward runs inductor's kernels
+    # copies in and out, no grad; none in for the inputs its GraphUpload put in its input
+    # slot); a FusedBackward runs inductor's kernels
     graph_kernels = action_kernels(program, costs, "cudagraphs")
+    slotted = {(a.stage, a.mb) for acts in graph_program(program).actions for a in acts
+               if isinstance(a, GraphUpload)}
+    assert slotted   # every graph job's upload but the ones before its slot's last reader
     expected = 0.0
     for (d, i), (k, g) in graph_kernels.items():
         a = program.actions[d][i]
         if isinstance(a, FusedBackward):
             assert (k, g) == (kernels[(d, i)][0] * INDUCTOR_KERNELS, True)
         else:
-            assert (k, g) == (graph_job_kernels(program.stages[a.stage], a), False)
+            in_place = len(program.flow.upload.get((a.stage, a.mb), ())) \
+                if (a.stage, a.mb) in slotted else 0
+            assert (k, g) == (graph_job_kernels(program.stages[a.stage], a, in_place), False)
+            assert in_place == 0 or k < graph_job_kernels(program.stages[a.stage], a)
         expected += k * (20 if g else 10)
     assert graphs == pytest.approx(expected / 1e3) and graphs < inductor
     with pytest.raises(ValueError, match="stage_backend must be"):

@@ -195,6 +195,17 @@ class Upload:
 
 
 @dataclass(frozen=True, slots=True)
+class GraphUpload(Upload):
+    """``Upload`` into the input slot of a graphed job (``stage_backend="cudagraphs"``,
+    ``3U1g``): the buffer of microbatch parity ``mb % 2`` that the job's graph reads, so
+    the replay copies no input. It waits for the end of job ``(stage, mb - 2)``, the
+    slot's last reader (``runtime.stages.graphs``)."""
+
+    def __str__(self) -> str:
+        return f"{self.stage}U{self.mb}g"
+
+
+@dataclass(frozen=True, slots=True)
 class UploadGrad:
     """Copy the host's gradient parts of ``(stage, mb)``'s values to the device (``3G1``)."""
     stage: int
@@ -485,8 +496,8 @@ class QueueUpdate:
         return "Q"
 
 
-Action = Union[Prefetch, Upload, UploadGrad, Forward, GraphForward, FusedBackward, Checkpoint,
-               RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
+Action = Union[Prefetch, Upload, GraphUpload, UploadGrad, Forward, GraphForward, FusedBackward,
+               Checkpoint, RecomputeBackward, GraphRecomputeBackward, Offload, Free, DownloadGrads,
                DeviceReduceScatter, DeviceAllReduce, DeviceAllGather, Release, OptimizerStep,
                AsyncUpdate, Commit, BroadcastBuffers, AllReduce, ReduceScatter, AllGather,
                Barrier, Refresh, Accumulate, ClipGradNorm, ScalerStep, QueueUpdate]
@@ -501,7 +512,7 @@ _CODES: dict[str, type] = {"P": Prefetch, "D": DownloadGrads, "R": Release, "U":
                            "AG": DeviceAllGather,
                            "G": UploadGrad, "F": Forward, "FB": FusedBackward, "K": Checkpoint,
                            "B": RecomputeBackward, "O": Offload, "X": Free}
-_GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward}
+_GRAPH_CODES: dict[str, type] = {"F": GraphForward, "B": GraphRecomputeBackward, "U": GraphUpload}
 _ACTION_RE = re.compile(r"^(\d+)(FB|RS|AR|AG|[PDRUGFKBOX])(\d*)(?:\.(\d+))?(g?)(\+?)$")
 _JOB_CODES = ("P", "D", "R", "RS", "AR", "AG")   # a stage's job, no microbatch
 _HOST_RE = re.compile(r"^(S|M|AR|RS|AG)(\d+):(\d+)$")
@@ -521,6 +532,8 @@ def parse_action(text: str) -> Action:
     (AllReduce(layers=range(4, 6)), BroadcastBuffers(), GraphForward(stage=3, mb=1))
     >>> parse_action("3B1g"), parse_action("3RS"), parse_action("3AR+")
     (GraphRecomputeBackward(stage=3, mb=1, layer=None), DeviceReduceScatter(stage=3, accumulated=False), DeviceAllReduce(stage=3, accumulated=True))
+    >>> parse_action("3U1g")
+    GraphUpload(stage=3, mb=1)
     """
     if text in _HOST_WORDS:
         return _HOST_WORDS[text]()
@@ -528,7 +541,7 @@ def parse_action(text: str) -> Action:
         return _HOST_CODES[m[1]](range(int(m[2]), int(m[3])))
     m = _ACTION_RE.match(text)
     if not m or (m[2] in _JOB_CODES) != (m[3] == "") or (m[4] is not None and m[2] != "B") \
-            or (m[5] and (m[2] not in "FB" or m[4] is not None)) \
+            or (m[5] and (m[2] not in "FBU" or m[4] is not None)) \
             or (m[6] and m[2] not in ("RS", "AR")):
         raise ValueError(f"not an action: {text!r} (expected e.g. 3P, 3U1, 3FB1, 3B1.5, S0:4, "
                          "AR0:4, C)")
@@ -542,7 +555,7 @@ def parse_action(text: str) -> Action:
     return cls(int(m[1]), int(m[3]))
 
 
-STREAM = {Prefetch: "prefetch", Upload: "h2d", UploadGrad: "h2d", Forward: "compute",
+STREAM = {Prefetch: "prefetch", Upload: "h2d", GraphUpload: "h2d", UploadGrad: "h2d", Forward: "compute",
           GraphForward: "compute", GraphRecomputeBackward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
@@ -567,8 +580,8 @@ class Dep:
 
     ``device`` is a device index or ``HOST`` (the host lane). ``why`` is one of
     ``stream``, ``issue``, ``release``, ``params``, ``input``, ``grad``, ``job``,
-    ``free``, ``refresh``, ``buffers``, ``reduced``, ``stepped``; ``hop`` marks a hand-off between two
-    devices.
+    ``free``, ``refresh``, ``buffers``, ``reduced``, ``stepped``, ``slot``; ``hop`` marks a
+    hand-off between two devices.
     """
 
     device: int

@@ -1,17 +1,23 @@
 """What each action of a Program waits for (``Program.dependencies()``), the order one
 thread could run them in (``Program.order``), and the check that every lane can be
 issued in list order. The rules are those of ``passes.program``'s docstring; ``program``
-is a ``Program`` (not imported here: it imports this module).
+is a ``Program`` (not imported here: it imports this module). And :func:`graph_program`,
+the Program as ``stage_backend="cudagraphs"`` runs it: which uploads can write a graph
+job's input slot follows from what waits for what.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from collections.abc import Collection
+
 from fxpipe.passes.actions import (
-    HOST, Accumulate, Action, AllGather, AllReduce, BroadcastBuffers, Checkpoint, Commit, Compute, Dep,
-    DeviceAllGather, DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward,
-    Key, Offload, OptimizerStep, Prefetch, RecomputeBackward, ReduceScatter, Refresh, Release,
-    Upload, UploadGrad, stream_of,
+    HOST, Accumulate, Action, AllGather, AllReduce, BroadcastBuffers, Checkpoint, Commit, Compute,
+    Dep, DeviceAllGather, DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads,
+    Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward, GraphUpload, Key, Offload,
+    OptimizerStep, Prefetch, RecomputeBackward, ReduceScatter, Refresh, Release, Upload,
+    UploadGrad, stream_of,
 )
 
 
@@ -106,6 +112,12 @@ def _device_deps(program, d, computes, offload_at, before) -> tuple[tuple[Dep, .
                 for v in flow.upload.get((s, mb), ()):
                     if v not in program.inputs:
                         deps.append(offloaded(i, a, flow.maker[v], mb, "input"))
+                if isinstance(a, GraphUpload):   # the slot's last reader, job (s, mb - 2)
+                    at = computes.get((s, mb - 2), [])
+                    if at and (at[0][0] != d or at[-1][1] > i):
+                        fail(i, a, f"writes the input slot job ({s}, {mb - 2}) reads, but that "
+                                   "job does not run before it on this device")
+                    deps += [Dep(d, at[-1][1], "end", "slot")] if at else []
                 uploads[(Upload, (s, mb))] = i
             case UploadGrad(stage=s, mb=mb):
                 if not flow.upload_grads.get((s, mb)):
@@ -294,3 +306,37 @@ def check_issue_order(p, deps, keep) -> None:
                 ready.append(u)
     if seen != len(indeg):
         raise ValueError("the Program's dependencies have a cycle")
+
+
+def graph_program(program, graphed: Collection[int] | None = None):
+    """``program`` as ``stage_backend="cudagraphs"`` runs it: each ``Forward`` of a stage in
+    ``graphed`` (None: every stage) a ``GraphForward``, each of its stage
+    ``RecomputeBackward``s a ``GraphRecomputeBackward``, and each ``Upload`` of such a job a
+    ``GraphUpload`` (into the job's input slot of parity ``m % 2``) where that slot's last
+    reader, job ``(s, m - 2)``, runs before it on the device (or ``m < 2``: the call before
+    has ended). ``runtime.stages.graphs.graph_jobs`` passes the stages it can capture; the
+    simulator models every stage (``fxpipe.sim``).
+
+    >>> from fxpipe.passes.schedule import build_program
+    >>> p = build_program([range(0, 1)], [range(1, 2), range(0, 1)], "fused", 1, 4, "stage")
+    >>> " ".join(str(a) for a in graph_program(p).actions[0] if str(a).startswith("0"))
+    '0P 0U0g 0F0g 0X0 0U1g 0F1g 0X1 0U2g 0F2g 0X2 0U3g 0F3g 0X3 0R'
+    """
+    def graph(a: Action) -> Action:
+        if graphed is not None and getattr(a, "stage", None) not in graphed:
+            return a
+        if a.__class__ is Forward:
+            return GraphForward(a.stage, a.mb)
+        if a.__class__ is RecomputeBackward and a.layer is None:
+            return GraphRecomputeBackward(a.stage, a.mb)
+        return a
+
+    def into_slots(acts: tuple[Action, ...]) -> tuple[Action, ...]:
+        jobs = {(a.stage, a.mb): i for i, a in enumerate(acts)
+                if isinstance(a, (GraphForward, GraphRecomputeBackward))}
+        return tuple(GraphUpload(a.stage, a.mb) if a.__class__ is Upload and (a.stage, a.mb) in jobs
+                     and (a.mb < 2 or jobs.get((a.stage, a.mb - 2), i) < i) else a
+                     for i, a in enumerate(acts))
+
+    return dataclasses.replace(program, actions=tuple(into_slots(tuple(map(graph, acts)))
+                                                      for acts in program.actions))

@@ -45,6 +45,8 @@ Actions (``str`` in brackets; ``s`` stage, ``m`` microbatch; the stream it runs 
 
     Prefetch(s)             [sP]    the stage's parameters to the device         prefetch
     Upload(s, m)            [sUm]   the values (s, m) reads from the host         h2d
+    GraphUpload(s, m)       [sUmg]  the same, into the input slot its graph job   h2d
+                                    reads (microbatch parity m % 2: cudagraphs)
     UploadGrad(s, m)        [sGm]   the host's gradient parts of its values       h2d
     Forward(s, m)           [sFm]   forward of a fwd stage                        compute
     GraphForward(s, m)      [sFmg]  the same, as a device graph (captured at its  compute
@@ -131,7 +133,8 @@ simulator both follow them, nothing else orders actions):
 4. Inputs: the first compute of ``(s, m)`` needs ``Upload(s, m)`` listed before it when
    it reads anything from the host, and the compute that made each value it takes over
    on the device. ``Upload(s, m)`` waits for the ``Offload`` of each value's maker (on
-   any device; a ``hop`` when the devices differ).
+   any device; a ``hop`` when the devices differ). A ``GraphUpload(s, m)`` also waits for
+   the end of job ``(s, m - 2)`` on its device, the last reader of the slot it writes.
 5. Gradients: the backward part of ``(s, m)`` needs ``UploadGrad(s, m)`` when gradient
    parts of its values come through the host, and the computes that made the parts on
    its device. ``UploadGrad`` waits for the ``Offload``s that put the parts there; in a
@@ -169,7 +172,7 @@ from fxpipe.passes.actions import (  # noqa: F401 — the vocabulary, re-exporte
     HOST, LABEL, STREAM, Accumulate, Action, AfterCommit, AllGather, AllReduce, AsyncUpdate,
     BroadcastBuffers, CallSpec, Checkpoint, ClipGradNorm, Collective, Commit, Compute, Dep,
     Barrier, DeviceAllGather, DeviceAllReduce, DeviceReduce, DeviceReduceScatter, DownloadGrads,
-    Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
+    Forward, Free, FusedBackward, GraphForward, GraphRecomputeBackward, GraphUpload, HostAction, Key, Offload, OptimizerSpec, OptimizerStep, Prefetch, QueueUpdate,
     RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, StageKind, StageSpec, Upload,
     UploadGrad, parse_action, stream_of,
 )

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 from fxpipe.passes.program import (
-    Checkpoint, GraphForward, GraphRecomputeBackward, Prefetch, Program, Release,
+    Checkpoint, GraphForward, GraphRecomputeBackward, GraphUpload, Prefetch, Program, Release,
 )
 from fxpipe.passes.program import StageKind as Kind
 from fxpipe.units import human
@@ -365,9 +365,12 @@ def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) ->
       gradients, for a backward), under ``params`` (a graphed stage's own parameters and
       its prefetched one's are in them; another stage's come on top);
     - each live graph's own inputs and outputs, kept between calls, under ``workspace``: a
-      graph per graphed stage and parameter slot it is uploaded into (:func:`graph_slots`);
-      a forward's input and output boundaries, a backward's input boundary twice (its
-      gradient out) and its output boundary (the gradient coming in);
+      graph per graphed stage, parameter slot it is uploaded into (:func:`graph_slots`)
+      and, where its inputs come by ``GraphUpload``, input slot (microbatch parity); a
+      forward's output boundary, a backward's input boundary (its gradient out) and its
+      output boundary (the gradient coming in); and its input boundary, once per graph,
+      or once per input slot where a ``GraphUpload`` writes it (its graphs read it;
+      conservative: the stage's peak counts its inputs under ``activations`` too);
     - the device's graph pool, under ``workspace``: what a graphed job computes with at its
       peak (``saved`` and ``workspace`` of its stage's peak), the largest on the device,
       held for the graphs' life (one pool and one capture stream per device: the graphs
@@ -383,6 +386,11 @@ def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) ->
     if not graphed:
         return list(peaks)
     uses = graph_slots(program, set(graphed))
+    parities: dict[int, set[int]] = {}   # stage -> the input slots its GraphUploads write
+    for acts in program.actions:
+        for a in acts:
+            if isinstance(a, GraphUpload):
+                parities.setdefault(a.stage, set()).add(a.mb % 2)
     slots: dict[int, int] = {}
     statics: dict[int, int] = {}
     pool: dict[int, int] = {}
@@ -397,8 +405,10 @@ def with_graphs(peaks: Sequence[StagePeak], program: Program, m: ChainMemory) ->
         slots[d] = max(slots.get(d, 0), GRAPH_SLOTS * held)
         into = m.input_bytes if st.layers.start == 0 else m.boundary[st.layers.start - 1]
         out = m.boundary[st.layers.stop - 1]
-        per_graph = into + out if st.kind == "fwd" else 2 * into + out
-        statics[d] = statics.get(d, 0) + max(1, uses.get(s, 1)) * per_graph
+        per_graph = out if st.kind == "fwd" else into + out
+        inputs = len(parities.get(s, ()))
+        graphs = max(1, uses.get(s, 1)) * max(1, inputs)
+        statics[d] = statics.get(d, 0) + graphs * per_graph + (inputs or graphs) * into
     out_peaks = []
     for p in peaks:
         b = dict(p.bytes)

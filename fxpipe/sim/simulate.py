@@ -104,6 +104,7 @@ from fxpipe.passes.program import (
     Forward,
     GraphForward,
     GraphRecomputeBackward,
+    GraphUpload,
     LABEL,
     Offload,
     OptimizerStep,
@@ -117,6 +118,7 @@ from fxpipe.passes.program import (
     Upload,
     UploadGrad,
 )
+from fxpipe.passes.dependencies import graph_program
 from fxpipe.passes.schedule import build_program
 from fxpipe.sim.collectives import (
     DeviceAllGather, DeviceAllReduce, DeviceReduceScatter, all_reduced, host_program, sharded,
@@ -152,8 +154,11 @@ class _StageCosts:
             raise ValueError(f"the program's stages cover {n} layers, costs has {len(costs)}")
         self.costs = costs
         self.program = program
-        self.has_graphs = any(isinstance(a, (GraphForward, GraphRecomputeBackward))
-                              for acts in program.actions for a in acts)
+        self.has_graphs = self.graph_actions(program)
+        # the graph jobs whose inputs a GraphUpload put in their input slots (none copied)
+        self.in_place = {(a.stage, a.mb) for acts in (
+            program if self.has_graphs else graph_program(program)).actions
+            for a in acts if isinstance(a, GraphUpload)}
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
         self.device_grads = []   # a backward stage's gradients on a device (param_dtype)
@@ -180,6 +185,11 @@ class _StageCosts:
             else:
                 self.out.append(boundary(st.layers.start - 1))
 
+    @staticmethod
+    def graph_actions(program: Program) -> bool:
+        return any(isinstance(a, (GraphForward, GraphRecomputeBackward))
+                   for acts in program.actions for a in acts)
+
     def parts(self, a) -> tuple[float, float]:
         """(first part, backward part) of a compute action, in ms: the forward (also a
         ``Checkpoint``'s), or the recompute / tail forward before the backward."""
@@ -202,7 +212,9 @@ class _StageCosts:
         else:
             n, grad = self.fwd_kernels[a.stage] + self.bwd_kernels[a.stage], True
         if backend == "cudagraphs" and self.graphed(a):
-            return float(graph_job_kernels(self.program.stages[a.stage], a)), False
+            in_place = len(self.program.flow.upload.get((a.stage, a.mb), ())) \
+                if (a.stage, a.mb) in self.in_place else 0
+            return float(graph_job_kernels(self.program.stages[a.stage], a, in_place)), False
         return (n * INDUCTOR_KERNELS if backend in ("inductor", "cudagraphs") else float(n)), grad
 
     def graphed(self, a) -> bool:
@@ -227,15 +239,17 @@ def action_kernels(program: Program, costs: Sequence[LayerCost],
             for i, a in enumerate(acts) if isinstance(a, Compute)}
 
 
-def graph_job_kernels(stage, a) -> int:
+def graph_job_kernels(stage, a, in_place: int = 0) -> int:
     """What a graph job launches (``runtime.stages.graphs``): the replay, a copy per input (its
-    ``reads``) into the graph's own, and per output a clone (forward) or, for a backward,
-    the output gradients copied in, the input gradients cloned and one ``_foreach_add_``
-    of the parameter gradients."""
+    ``reads``) into the graph's own but for the ``in_place`` ones (a ``GraphUpload`` put
+    them in its input slot), and per output a clone (forward) or, for a backward, the
+    output gradients copied in, the input gradients cloned and one ``_foreach_add_`` of
+    the parameter gradients."""
     reads, makes = len(stage.reads), len(stage.makes)
+    copies = max(0, reads - in_place)
     if isinstance(a, Forward):
-        return 1 + reads + makes
-    return 1 + reads + makes + reads + 1
+        return 1 + copies + makes
+    return 1 + copies + makes + reads + 1
 
 
 def _kernels(cost, name: str) -> int:
@@ -356,6 +370,8 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 if isinstance(a, ReduceScatter) or (native and isinstance(a, OptimizerStep))}
     R = hardware.ranks
     program = host_program(program, hardware.collectives)
+    if stage_backend == "cudagraphs" and not _StageCosts.graph_actions(program):
+        program = graph_program(program)   # modelled: as the runtime would run it
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]

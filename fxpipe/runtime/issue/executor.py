@@ -5,18 +5,13 @@ device's own host thread (the host lane's by one more): an action is submitted t
 stream of its device the Program names, with the events of its dependencies
 (``Program.dependencies()``) as waits, once those were issued. Issuing waits for device
 work in one place only: before a ``Prefetch`` allocates, until the parameters released
-so far are past every stream that read them (``Device.wait_released``: the host stays
-at most the two resident stages ahead of a device's memory; ``issue_waits``). Otherwise
-it queues kernels and copies after ``wait_event``s. The host lane's actions are host
-work: each runs when its issue thread reaches it, after exactly the events it reads (a
-stage's ``Accumulate`` or ``OptimizerStep`` reading downloaded gradients; the
-collectives on their own worker). The caller waits for the end of the call, then runs
-the ``Commit`` and the host actions after it (``ClipGradNorm``, ``ScalerStep``,
-``QueueUpdate``, steps that could not be streamed) on its thread, in lane order. Each
-action kind has one handler (``Execution._act``, a ``match`` on the action class), and
-what a handler moves or drops is what ``Program.flow`` says: the executor decides
-nothing the Program does not show. Stages run through ``runtime.stages.stage_code``: the printed
-stage code, the Executable's own GraphModules.
+so far are past every stream that read them (``Device.wait_released``; ``issue_waits``).
+The host lane's actions run when its issue thread reaches them, after exactly the
+events they read (the collectives on their own worker). The caller waits for the end of
+the call, then runs the ``Commit`` and the host actions after it on its thread, in lane
+order. Each action kind has one handler (``Execution._act``), and what a handler moves
+or drops is what ``Program.flow`` says: the executor decides nothing the Program does
+not show. Stages run through ``runtime.stages.stage_code``: the printed stage code.
 
 The host never reads data a copy may still be writing: values and gradient parts that
 come through the host go back to a device as they are (the device sums gradient parts),
@@ -24,19 +19,16 @@ and downloaded parameter gradients are read by host actions only (an ``Accumulat
 ``OptimizerStep`` after its downloads' events).
 
 Who owns what: each device's values, gradients and resident parameters live in its
-``_OnDevice`` (only that device's actions touch them; its lock orders its streams);
-the host's per-microbatch values and gradient parts live in ``_OnHost`` (one lock).
-Values are keyed by the compute that made or received them, ``(stage, microbatch,
-name)``, so two actions never write the same slot.
+``_OnDevice`` (its lock orders its streams); the host's per-microbatch values live in
+``_OnHost`` (one lock). Values are keyed by the compute that made or received them,
+``(stage, microbatch, name)``, so two actions never write the same entry.
 
 Parameter gradients accumulate on the device over a stage job, go to the host once per
-job (``DownloadGrads``), are added to the call's sums by the stage's ``Accumulate`` and
-reach ``.grad`` at the ``Commit`` (or at a streamed ``OptimizerStep``). With
-``data_parallel="device"`` a ``DeviceAllReduce`` first averages them across ranks on the
-device, or a ``DeviceReduceScatter`` leaves this rank's shard to download, whose pieces
-the sharded ``OptimizerStep`` steps. Any failure is raised as ``StageError`` naming
-stage, layers, device and microbatch, after every submitted action has finished and
-device memory is freed. ``Execution.stats`` counts what the call did (``pipe.stats()``).
+job (``DownloadGrads``; first averaged across ranks by a ``DeviceAllReduce``, or
+reduce-scattered), are added to the call's sums by ``Accumulate`` and reach ``.grad`` at
+the ``Commit`` (or at a streamed ``OptimizerStep``). Any failure is raised as
+``StageError`` naming stage, layers, device and microbatch, after every submitted action
+has finished and device memory is freed. ``Execution.stats`` counts what the call did.
 """
 
 from __future__ import annotations
@@ -55,8 +47,8 @@ from fxpipe.passes.program import (
     HOST, LABEL, Accumulate, AllGather, AllReduce, AsyncUpdate, Barrier, BroadcastBuffers,
     Checkpoint, ClipGradNorm, Collective, Commit, DeviceAllGather, DeviceAllReduce,
     DeviceReduceScatter, DownloadGrads, Forward, Free, FusedBackward, GraphForward,
-    GraphRecomputeBackward, Offload, OptimizerStep, Prefetch, QueueUpdate, RecomputeBackward,
-    ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad,
+    GraphRecomputeBackward, GraphUpload, Offload, OptimizerStep, Prefetch, QueueUpdate,
+    RecomputeBackward, ReduceScatter, Refresh, Release, ScalerStep, Upload, UploadGrad,
 )
 from fxpipe.runtime.issue.compute import StageCompute
 from fxpipe.runtime.devices.device import Device
@@ -426,14 +418,19 @@ class Execution:
         buckets = call.dp.buckets(call.exe, call.layers, call.store)
         return buckets.get((layers.start, layers.stop), [])
 
-    def _upload(self, d: int, s: int, m: int) -> None:
+    def _upload(self, d: int, s: int, m: int, slots: bool = False) -> None:
         """Copy the host values ``(s, m)`` reads to the device: each tensor of them (a
-        label may be a structure of tensors); other values are read as they are."""
+        label may be a structure of tensors); other values are read as they are. With
+        ``slots`` (``GraphUpload``), a host tensor into its input slot of the graph job."""
         dev, on = self.call.devices[d], self.on[d]
         for name in self.flow.upload.get((s, m), ()):
             owner = f"{'the label' if name == LABEL else repr(name)} for stage {s}, microbatch {m}"
             value = self.on_host.value(m, name)
-            if isinstance(value, torch.Tensor):
+            if slots and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                key = (id(self.call.exe.stages[s].gm), m % 2, name)
+                value = self.call.graphs.upload(d, dev, key, value, f"the input slot of {owner}")
+                moved = value.numel() * value.element_size()
+            elif isinstance(value, torch.Tensor):
                 value = dev.to_device(value, "activations", owner)
                 moved = value.numel() * value.element_size()
             else:   # a label may be a structure of tensors
@@ -488,10 +485,10 @@ class Execution:
             dropped += on.consumed.pop(key, ())
         for t in dropped:
             if isinstance(t, torch.Tensor):
-                _free_quietly(dev, t)
+                self._free_quietly(dev, t)
             elif t is not None:   # a label's structure
                 for leaf in pytree.tree_leaves(t):
-                    _free_quietly(dev, leaf)
+                    self._free_quietly(dev, leaf)
 
     def _reduce_on_device(self, d: int, a) -> None:
         """``DeviceReduceScatter``, ``DeviceAllReduce`` (``DataParallel.device_reduce``;
@@ -525,7 +522,7 @@ class Execution:
                 pieces.shards.append((bucket, dev.to_host(shard)))
                 self.stats.add("d2h_bytes_grads", _nbytes(shard))
                 dev.record_stream(shard)   # read by this stream's copy: then its memory goes
-                _free_quietly(dev, shard)
+                self._free_quietly(dev, shard)
             with self.downloads_lock:
                 self.downloads.setdefault(s, []).append(pieces)
             return
@@ -564,6 +561,16 @@ class Execution:
                 raise RuntimeError(f"fxpipe internal error: the Program left {left[:4]} on "
                                    f"{self.call.devices[d].name}")
 
+    def _free_quietly(self, device: Device, t: Any) -> None:
+        """Free ``t`` if the device counts it (compute's own outputs it does not count),
+        unless it is an input slot (``GraphUpload``: its graphs read it again)."""
+        if isinstance(t, torch.Tensor) and device.counts(t) and not (
+                self.graphed and self.call.graphs.holds(t)):
+            try:
+                device.free(t)
+            except ValueError:  # freed meanwhile
+                pass
+
     def _cleanup(self) -> None:
         """Free what a failed call left on devices."""
         for d, on in enumerate(self.on):
@@ -574,13 +581,14 @@ class Execution:
                 except ValueError:
                     pass
             for t in on.tensors():
-                _free_quietly(dev, t)
+                self._free_quietly(dev, t)
             self.on[d] = _OnDevice()
 
 
 # ``Execution._act``'s handlers of the actions a stage runs once per microbatch, by their
 # exact class (its subclasses have their own): (device, stage, microbatch) each
 _TRANSFERS = {Upload: Execution._upload, UploadGrad: Execution._upload_grads,
+              GraphUpload: lambda self, d, s, m: self._upload(d, s, m, slots=True),
               Offload: Execution._offload, Free: Execution._free}
 _JOBS = {Forward: StageCompute.forward, GraphForward: StageCompute.graph_forward,
          FusedBackward: StageCompute.fused, Checkpoint: StageCompute.checkpoint,
@@ -590,11 +598,3 @@ _JOBS = {Forward: StageCompute.forward, GraphForward: StageCompute.graph_forward
 def _nbytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
-
-def _free_quietly(device: Device, t: Any) -> None:
-    """Free ``t`` if the device counts it (compute's own outputs it does not count)."""
-    if isinstance(t, torch.Tensor) and device.counts(t):
-        try:
-            device.free(t)
-        except ValueError:  # freed meanwhile
-            pass

@@ -18,18 +18,29 @@ slot's gradient buffers).
   ``Release`` gives the slot back, freeing nothing. The Program orders a ``Prefetch``
   after the ``Release``s before it, and a ``Release`` after its stage's job and download:
   a slot is written only once the stage before it is done with it.
+- **Inputs in fixed places too.** A graph job's ``Upload`` is a ``GraphUpload``
+  (``3U1g``, ``passes.dependencies.graph_program``): it copies the host values into the
+  job's *input slot* of its microbatch's parity (``StageGraphs.upload``: per device,
+  stage, parity and input, a buffer per shape), and the graph captured on that slot
+  reads it where it is: a replay copies none of its uploaded inputs in. Two slots, so
+  the upload of microbatch ``m + 1`` overlaps job ``m``; the Program orders the upload of
+  ``m`` after job ``m - 2``, the slot's last reader (an upload listed before that job
+  stays an ``Upload`` into a fresh buffer). ``Free`` leaves the slots. Each keeps
+  ``INPUT_SHAPES`` shapes, the least recently used dropped with the graphs reading it.
 - **The job key.** (device, stage, forward or backward, slot, the slots' generation, the
   inputs' signature: grad mode, autocast, each input's shape, strides and dtype,
-  non-tensor inputs by value). A new key is captured (``graph_captures`` in
-  ``pipe.stats()``; the capture's own run is that call's result), a known one replayed
-  (``graph_replays``). Each job (device, stage, forward or backward) keeps at most
-  ``GRAPHS_PER_JOB`` graphs, the least recently replayed dropped: data whose lengths
-  cycle through a few values captures each once (per slot) and then only replays, and
-  data of ever new lengths does not grow the devices' graph memory without bound.
-- **Inputs, outputs.** The capture copies the inputs into *static* buffers it keeps;
-  each replay copies the microbatch's inputs into them first. A replay overwrites the
-  graph's outputs: they are cloned at once (activations or input gradients, as an eager
-  job's are).
+  non-tensor inputs by value; the input slots it reads). A new key is captured
+  (``graph_captures`` in ``pipe.stats()``; the capture's own run is that call's
+  result), a known one replayed (``graph_replays``). Each job (device, stage, forward or
+  backward) keeps at most ``GRAPHS_PER_JOB`` graphs, the least recently replayed
+  dropped: data whose lengths cycle through a few values captures each once (per
+  parameter slot and input slot) and then only replays, and data of ever new lengths
+  does not grow the devices' graph memory without bound.
+- **Other inputs, outputs.** The capture copies an input that is not in an input slot
+  (a value made on the device, a gradient coming in) into a *static* buffer it keeps;
+  each replay copies the microbatch's into it first. A replay overwrites the graph's
+  outputs: they are cloned at once (activations or input gradients, as an eager job's
+  are).
 - **The static-address rule** is checked at every replay: the slot's tensors the job
   reads and writes now must be the ones the capture saw, else :class:`GraphReplayError`
   (on a GPU the replay would compute garbage silently). On a strict virtual device
@@ -42,9 +53,9 @@ slot's gradient buffers).
   backward); ``recompute_grain="layer"`` pieces. They run the compiled code. A graphed
   stage's ``Prefetch`` that finds no free slot (a Program holding three stages on a
   device) uploads as usual and its jobs run the compiled code (``graph_fallbacks``).
-- **Memory.** The slots (``"params"``) and the graphs' static inputs and outputs
-  (``"workspace"``) stay on the devices between calls, until ``pipe.close()``
-  (``predict_memory`` counts them: ``passes.stage_memory.with_graphs``).
+- **Memory.** The parameter slots (``"params"``), the input slots and the graphs' static
+  inputs and outputs (``"workspace"``) stay on the devices between calls, until
+  ``pipe.close()`` (``predict_memory`` counts them: ``passes.stage_memory.with_graphs``).
 
 Not to be confused with ``runtime.devices.device_graph`` (one captured function on one device)
 or ``runtime.stages.compiled`` (the inductor code a graph captures).
@@ -62,9 +73,7 @@ from typing import Any
 import torch
 
 from fxpipe import ops  # noqa: F401 — registers torch.ops.fxpipe.*, which stages call
-from fxpipe.passes.program import (
-    Forward, GraphForward, GraphRecomputeBackward, RecomputeBackward,
-)
+from fxpipe.passes.dependencies import graph_program
 from fxpipe.passes.stage import Executable, Stage
 from fxpipe.runtime.stages.compiled import _signature
 from fxpipe.runtime.devices.device import Device
@@ -94,20 +103,11 @@ def graph_jobs(exe: Executable) -> Executable:
     """``exe`` with each job of a stage that can be captured as its graph action: a
     ``Forward`` as a ``GraphForward`` (``3F1g``), a stage's ``RecomputeBackward`` as a
     ``GraphRecomputeBackward`` (``3B1g``; at ``recompute_grain="layer"`` the per-layer
-    backward stays as it is): what a call under ``stage_backend="cudagraphs"`` runs and
-    ``pipe.program()`` prints."""
+    backward stays as it is), and their uploads into the jobs' input slots
+    (``GraphUpload``, ``3U1g``; ``passes.dependencies.graph_program``): what a call under
+    ``stage_backend="cudagraphs"`` runs and ``pipe.program()`` prints."""
     graphed = {i for i, st in exe.stages.items() if not_capturable(st) is None}
-
-    def graph(a: Any) -> Any:
-        if a.__class__ is Forward and a.stage in graphed:
-            return GraphForward(a.stage, a.mb)
-        if a.__class__ is RecomputeBackward and a.layer is None and a.stage in graphed:
-            return GraphRecomputeBackward(a.stage, a.mb)
-        return a
-
-    p = exe.program
-    actions = tuple(tuple(map(graph, acts)) for acts in p.actions)
-    return dataclasses.replace(exe, program=dataclasses.replace(p, actions=actions))
+    return dataclasses.replace(exe, program=graph_program(exe.program, graphed))
 
 
 class ParamSlots:
@@ -128,9 +128,13 @@ class ParamSlots:
         self.memory = []
 
 
-GRAPHS_PER_JOB = 8
+GRAPHS_PER_JOB = 16
 """Graphs kept per job (device, stage, forward or backward): two parameter slots times
-four input signatures (sequence lengths, say)."""
+two input slots (microbatch parities) times four input signatures (sequence lengths, say)."""
+
+INPUT_SHAPES = 4
+"""Input slot buffers kept per device, stage, microbatch parity and input: four shapes
+(sequence lengths, say), as ``GRAPHS_PER_JOB`` keeps graphs for four signatures."""
 
 
 class GraphJob:
@@ -141,7 +145,7 @@ class GraphJob:
     def __init__(self, graph: DeviceGraph, statics: Sequence[torch.Tensor],
                  params: Sequence[torch.Tensor], name: str):
         self.graph = graph
-        self.statics = tuple(statics)
+        self.statics = tuple(statics)   # an input slot itself, where the upload wrote it
         self.addresses = tuple(p.data_ptr() for p in params)
         self.name = name
         self._checked: Sequence[torch.Tensor] | None = None   # the tensors last checked
@@ -154,7 +158,8 @@ class GraphJob:
             self._check(params)
         with torch.no_grad():
             for static, x in zip(self.statics, tensors):
-                static.copy_(x)
+                if static is not x:   # (an input slot: the GraphUpload wrote it there)
+                    static.copy_(x)
             outs = self.graph.replay()
             return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs)
 
@@ -183,6 +188,11 @@ class StageGraphs:
         self._last: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._generations = itertools.count()
+        # input slots: (device, stage job, parity, input) -> {(shape, dtype): buffer},
+        # least recently used first; and id(buffer) -> its full key (graph keys name it)
+        self._inputs: dict[tuple, dict[tuple, torch.Tensor]] = {}
+        self._slotted: dict[int, tuple] = {}
+        self._on: dict[int, Device] = {}   # id(buffer) -> its device
 
     # -- parameter slots (Prefetch, Release) ---------------------------------------------
     def take(self, lane: int, device: Device, stage: int, nbytes: int, size: int
@@ -250,6 +260,53 @@ class StageGraphs:
         while len(recent) > GRAPHS_PER_JOB:
             self._forget(next(iter(recent)))
 
+    # -- input slots (GraphUpload) -------------------------------------------------------
+    def upload(self, lane: int, device: Device, key: tuple, host: torch.Tensor,
+               owner: str) -> torch.Tensor:
+        """``GraphUpload``: ``host`` copied into input slot ``key`` (stage job, microbatch
+        parity, input) of its shape and dtype on ``lane``'s device, made at its first use
+        (``"workspace"``, kept until :meth:`close`). A graph captured on it reads it in
+        place: its replays copy nothing in. The Program orders the upload after the
+        slot's last reader (``GraphUpload``). A shape unused for ``INPUT_SHAPES`` others
+        is dropped, with the graphs reading it (a GPU first finishes what it queued)."""
+        shape = (tuple(host.shape), host.dtype)
+        with self._lock:
+            kept = self._inputs.setdefault((lane, *key), {})
+            buf = kept.pop(shape, None)
+            if buf is not None:
+                kept[shape] = buf
+        if buf is not None and self._on[id(buf)] is not device:   # the pipe's devices changed
+            self._drop_input(kept, shape)
+            buf = None
+        if buf is None:
+            if len(kept) >= INPUT_SHAPES:
+                self._drop_input(kept, next(iter(kept)))
+            nbytes = host.numel() * host.element_size()
+            buf = device.empty(nbytes, "workspace", owner).view(host.dtype).view(host.shape)
+            with self._lock:
+                kept[shape] = buf
+                self._slotted[id(buf)] = (lane, *key, shape)
+                self._on[id(buf)] = device
+        return device.copy_into(host, buf)
+
+    def _drop_input(self, kept: dict[tuple, torch.Tensor], shape: tuple) -> None:
+        """Free the input slot ``kept[shape]`` and forget the graphs that read it."""
+        device = self._on[id(kept[shape])]
+        if device.runs_at_issue:   # a GPU: queued replays may still read it
+            with blocking():
+                device.synchronize()
+        with self._lock:
+            buf = kept.pop(shape)
+            full = self._slotted.pop(id(buf))
+            del self._on[id(buf)]
+            for k in [k for k in self._jobs if full in k[-1]]:
+                self._forget(k)
+        device.free(buf)
+
+    def holds(self, t: Any) -> bool:
+        """Whether ``t`` is an input slot (``Free`` leaves it: its graphs read it again)."""
+        return id(t) in self._slotted
+
     # -- jobs ------------------------------------------------------------------------------
     def run(self, lane: int, key: tuple, inputs: Sequence[Any], params: Sequence[torch.Tensor],
             device: Device, job: Callable[[list, tuple], Sequence[Any]], name: str,
@@ -260,7 +317,9 @@ class StageGraphs:
         it, on the graph's own copies of the tensor inputs; the inputs' signature is
         part of the key)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        key = (lane, *key, _signature(inputs))
+        slotted = self._slotted
+        # the input slots it reads in place are part of the key (the graph reads them)
+        key = (lane, *key, _signature(inputs), tuple(slotted.get(id(x)) for x in tensors))
         with self._lock:
             captured = self._jobs.get(key)
             if captured is not None:
@@ -279,7 +338,7 @@ class StageGraphs:
             return job(xs, given[len(where):])
 
         with device.allocating("workspace"):
-            statics = [x.detach().clone() for x in tensors]
+            statics = [x if id(x) in slotted else x.detach().clone() for x in tensors]
             # a capture drains its device: other devices issue meanwhile, with the issue
             # lock let go; captures one at a time in the process (two threads capturing at
             # once, each draining and emptying the caching allocator, is untested ground),
@@ -308,3 +367,9 @@ class StageGraphs:
                 self._drop(lane)
             self._jobs.clear()
             self._recent.clear()
+            kept = [buf for bufs in self._inputs.values() for buf in bufs.values()]
+            on, self._on = self._on, {}
+            self._inputs.clear()
+            self._slotted.clear()
+        for buf in kept:
+            on[id(buf)].free(buf)
