@@ -29,7 +29,8 @@ the full-size model on 80 GiB devices, 16 microbatches, bf16 FLOPs at 60 % of an
 989 TFLOP/s, 50 GB/s links each way) simulated with and without ``H200_HOST``, for each
 stage backend: ``eager`` (the counted kernels), ``inductor`` (``INDUCTOR_KERNELS`` of them,
 measured on CPU by ``bench_issue.py``) and ``cudagraphs`` (a forward job or stage
-recompute-and-backward one replay plus its copies in and out, the fused tail inductor's
+recompute-and-backward one replay plus its copies in and out, none in for the inputs its
+``GraphUpload`` put in its input slot, the fused tail inductor's
 kernels: ``fxpipe.sim.simulate.graph_job_kernels``; MODELLED, no CUDA graph has run). ``host / GPU`` is the issue time over the step without
 host costs (``bench_issue.py``'s ``ratio``; #38's goal: <= 0.5 inductor, <= 0.25 cudagraphs);
 ``slowdown`` the step with host costs over the step without.

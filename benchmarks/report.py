@@ -202,7 +202,7 @@ def _host_model(d: dict) -> list[str]:
         scaling) + [
         "",
         "Issue #55's targets, simulated with the refit, 8 × H100, Llama-3.1-8B, 4K: "
-        + "; ".join(f"{b} host / GPU step {acc[b]['host_over_gpu_refit']:.2f} (at most "
+        + "; ".join(f"{b} host / GPU step {acc[b]['host_over_gpu_refit']:.3f} (at most "
                     f"{acc[b]['at_most']}: {verdict(acc[b]['met'])})" for b in ("inductor", "cudagraphs"))
         + f"; 8-GPU / 1-GPU tokens/s with the best backend ({acc['scaling']['stage_backend']}) "
         f"{acc['scaling']['refit']:.2f} (at least {acc['scaling']['at_least']:.0f}: "
@@ -965,7 +965,8 @@ SECTIONS: list[tuple[str, str, str, str, Callable[[dict], list[str]]]] = [
      "is simulated: the Llama-3.1-8B step of the host "
      "issue benchmark above (16 microbatches, 60 % of an H100's bf16 FLOP/s, 50 GB/s links) "
      "with either host, per stage backend; inductor launches 0.31 of eager's kernels (measured "
-     "on CPU), cudagraphs a graph job's replay and its copies in and out, the fused tail "
+     "on CPU), cudagraphs a graph job's replay and its copies in and out (none in for the "
+     "inputs its upload put in its input slot), the fused tail "
      "inductor's kernels (modelled: no replay's launch has been timed).",
      _host_model),
     ("Schedules", "bench_schedule.json", "models",
@@ -1399,8 +1400,8 @@ def headline() -> list[str]:
                          f"host / GPU eager {r[(8, 4096, 'eager')]['host_over_gpu_refit']:.2f} "
                          "(at eager PyTorch's own dispatch: "
                          f"{r[(8, 4096, 'eager')]['dispatch_floor_host_over_gpu_refit']:.2f}), "
-                         f"inductor {r[(8, 4096, 'inductor')]['host_over_gpu_refit']:.2f}, "
-                         f"cudagraphs {r[(8, 4096, 'cudagraphs')]['host_over_gpu_refit']:.2f} "
+                         f"inductor {r[(8, 4096, 'inductor')]['host_over_gpu_refit']:.3f}, "
+                         f"cudagraphs {r[(8, 4096, 'cudagraphs')]['host_over_gpu_refit']:.3f} "
                          "(modelled); 8-GPU / 1-GPU " + ", ".join(
                              f"{b} {sc[b]['refit']:.2f}×" for b in ("eager", "inductor", "cudagraphs"))
                          + f" (the GPUs alone {sc['eager']['gpu_only']:.2f}×)",

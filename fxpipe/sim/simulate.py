@@ -58,11 +58,13 @@ released): where that wait matters, the devices, not the host, are the bottlenec
 ``stage_backend`` scales what a compute action launches: ``"inductor"`` launches
 ``INDUCTOR_KERNELS`` of the eager kernels (measured, ``benchmarks/bench_issue.py``),
 ``"cudagraphs"`` (MODELLED: the replays' launches are not timed) a graph job one replay plus
-``graph_job_kernels`` (its inputs copied into the graph's, its outputs cloned, a
-backward's parameter gradients added in one foreach call), the jobs with no graph
-(``FusedBackward``, layer grain) inductor's kernels. A Program with graph actions
-(``GraphForward``, ``GraphRecomputeBackward``: ``runtime.stages.graphs.graph_jobs``) says which
-jobs are graphs; in one without, every ``Forward`` and stage ``RecomputeBackward`` is.
+``graph_job_kernels`` (its inputs copied into the graph's but those a ``GraphUpload`` put
+in its input slot, its outputs cloned, a backward's parameter gradients added in one
+foreach call), the jobs with no graph (``FusedBackward``, layer grain) inductor's kernels.
+A Program with graph actions (``GraphForward``, ``GraphRecomputeBackward``:
+``runtime.stages.graphs.graph_jobs``) says which jobs are graphs; one without is priced
+as ``passes.dependencies.graph_program`` makes it (every ``Forward`` and stage
+``RecomputeBackward`` a graph job, their uploads into input slots, with their waits).
 Host-lane actions run on their own thread and cost no issue time.
 
 ``semantics`` decides where the first part of a two-part compute goes:
