@@ -156,6 +156,47 @@ def test_replays_read_their_inputs_where_the_upload_put_them():
     assert [d.resident_bytes() for d in devices] == [0, 0]
 
 
+def test_a_failed_call_leaves_the_input_slots_to_the_next(monkeypatch):
+    """A call that fails after a ``GraphUpload`` wrote its slot (its graph job raises)
+    frees what the call made but not the input slots: the graphs captured on them replay
+    in the next call, which equals eager's, and ``close()`` frees them once (a slot freed
+    by the cleanup too would be a double free here, and a replay over freed memory on
+    strict cuda-sim)."""
+    from fxpipe.runtime.issue import executor
+    model = blocks(4, 16)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 4)
+    devices = strict_devices()
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
+                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=4))
+    pipe.forward_backward((x,), label=y, loss_fn=mse)   # captures
+    act = executor.Execution._act
+
+    def failing(self, d, a):
+        if str(a) == "0F3g":
+            raise RuntimeError("injected")
+        return act(self, d, a)
+
+    monkeypatch.setattr(executor.Execution, "_act", failing)
+    with pytest.raises(StageError, match="injected"):
+        pipe.forward_backward((x,), label=y, loss_fn=mse)
+    monkeypatch.undo()
+    graphs = pipe._graphs
+    slots = [t for kept in graphs._inputs.values() for t in kept.values()]
+    assert slots and all(graphs._on[id(t)].counts(t) for t in slots)   # still allocated
+    del slots
+    model.zero_grad()
+    loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+    expected = mse(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+    assert graph_counts(pipe)[0] == 0   # replayed over the same slots
+    pipe.close()
+    assert [d.resident_bytes() for d in devices] == [0, 0]
+
+
 def test_an_upload_into_an_input_slot_waits_for_the_slots_last_reader():
     """A ``GraphUpload(s, m)`` writes the slot job ``(s, m - 2)`` read. In the builders'
     order it comes after job ``(s, m - 1)`` started, so that job's end is implied; an

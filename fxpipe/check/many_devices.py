@@ -27,8 +27,8 @@ weights, no optimizer (the weights stay as they are, so every call's loss compar
   (``host_issue_us.<Kind>``) and the kernels they launch. Kernels: ``Cost.fwd_kernels`` /
   ``bwd_kernels``, the aten ops of each layer's forward and backward that launch a kernel,
   counted by the cost pass (a recompute-and-backward: both); a graph job's launches
-  (``fxpipe.sim.simulate.graph_job_kernels``: the replay, a copy per input, a clone per
-  output, a backward's gradient copies and one ``_foreach_add_``). Those counts are
+  (``fxpipe.sim.simulate.graph_job_kernels``: the replay, a copy per input not in its
+  input slot, a clone per output, a backward's gradient copies and one ``_foreach_add_``). Those counts are
   exact; the fused tail under ``"cudagraphs"`` runs inductor's code uncaptured, its
   kernels modelled (eager's x ``INDUCTOR_KERNELS``): ``issue_us_per_kernel`` is the
   issue time over the kernels of the kinds counted exactly (``per_kernel_over``) and

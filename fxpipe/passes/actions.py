@@ -555,8 +555,8 @@ def parse_action(text: str) -> Action:
     return cls(int(m[1]), int(m[3]))
 
 
-STREAM = {Prefetch: "prefetch", Upload: "h2d", GraphUpload: "h2d", UploadGrad: "h2d", Forward: "compute",
-          GraphForward: "compute", GraphRecomputeBackward: "compute",
+STREAM = {Prefetch: "prefetch", Upload: "h2d", GraphUpload: "h2d", UploadGrad: "h2d",
+          Forward: "compute", GraphForward: "compute", GraphRecomputeBackward: "compute",
           FusedBackward: "compute", Checkpoint: "compute", RecomputeBackward: "compute",
           Offload: "d2h", Free: "free", DownloadGrads: "grads", Release: "control",
           DeviceReduceScatter: "collective", DeviceAllReduce: "collective",

@@ -40,7 +40,7 @@ from fxpipe.sim.simulate import StageBackend, action_kernels
 
 __all__ = ["NO_KERNELS", "WITH_GRAD", "action_counts", "fit_host", "issue_us_by_kind"]
 
-NO_KERNELS = ("Prefetch", "Upload", "Offload", "Free", "Release", "DownloadGrads")
+NO_KERNELS = ("Prefetch", "Upload", "GraphUpload", "Offload", "Free", "Release", "DownloadGrads")
 NO_GRAD = ("Forward", "Checkpoint")
 WITH_GRAD = ("RecomputeBackward", "FusedBackward")
 

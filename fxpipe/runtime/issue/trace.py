@@ -31,8 +31,8 @@ from pathlib import Path
 
 from fxpipe.passes.program import (
     Checkpoint, DeviceAllReduce, DeviceReduceScatter, DownloadGrads, Forward, FusedBackward, GraphForward,
-    GraphRecomputeBackward, Offload, Prefetch, RecomputeBackward, Upload, UploadGrad,
-    parse_action,
+    GraphRecomputeBackward, GraphUpload, Offload, Prefetch, RecomputeBackward, Upload,
+    UploadGrad, parse_action,
 )
 from fxpipe.runtime.devices.device import Device
 from fxpipe.sim.timeline import Interval, Timeline
@@ -84,7 +84,8 @@ def trace(devices: Sequence[Device], log: ActionLog,
 _KIND = {Forward: "forward", GraphForward: "forward", Checkpoint: "forward",
          FusedBackward: "backward",
          RecomputeBackward: "backward", GraphRecomputeBackward: "backward",
-         Prefetch: "transfer", Upload: "transfer", UploadGrad: "transfer", Offload: "transfer",
+         Prefetch: "transfer", Upload: "transfer", GraphUpload: "transfer",
+         UploadGrad: "transfer", Offload: "transfer",
          DownloadGrads: "transfer", DeviceReduceScatter: "transfer", DeviceAllReduce: "transfer"}
 
 
