@@ -21,7 +21,7 @@ H200_HOST = dict(host_us_per_action=345.4, host_us_per_kernel=19.93, host_us_per
 ``benchmarks/bench_host_model.py``): ``Hardware(**H200_HOST)`` prices issuing as that
 host did."""
 
-H200_HOST_REFIT = dict(host_us_per_action=131.6, host_us_per_kernel=14.51, host_us_per_grad_kernel=27.25)
+H200_HOST_REFIT = dict(host_us_per_action=129.3, host_us_per_kernel=12.87, host_us_per_grad_kernel=24.18)
 """A PROJECTION, not a GPU measurement: :data:`H200_HOST` scaled to the code of today by
 CPU ratios (issue #55; ``benchmarks/bench_host_model.py`` derives it and its docstring
 says how). ``host_us_per_action`` by the host cost of one action around an empty stage
@@ -33,7 +33,8 @@ GPU measured eight threads' cost since (``gpu_check.json``'s ``many_devices``, t
 ``threads8`` figures of ``bench_host_model.py``). ``Hardware(**H200_HOST_REFIT)`` prices
 issuing as the H200 run's host would if its costs had fallen as this CPU's did. The
 inputs are minima of noisy timings: the action ratio read 0.265 in one record and 0.381
-in the next with code no slower (2026-11-30). ``tests/test_sim_host.py`` checks these are
+in the next with code no slower (2026-11-30); fxpipe's issue over eager PyTorch's
+dispatch read 1.116 on 2026-11-30 and 0.990 on 2026-12-01, the eager path unchanged. ``tests/test_sim_host.py`` checks these are
 what ``benchmarks/results/bench_host_model.json``'s inputs give."""
 
 
