@@ -45,37 +45,53 @@ def strict_devices(n: int = 2, **kw) -> list[fxpipe.VirtualDevice]:
     return [fxpipe.VirtualDevice(semantics="cuda", strict=True, **kw) for _ in range(n)]
 
 
+def graphed_blocks(num_microbatch: int, batch: int) -> tuple:
+    """Four blocks of width 16 compiled under cudagraphs on two strict cuda-sim devices:
+    ``(model, a copy for eager, inputs, labels, devices, pipe)``, ``batch`` rows."""
+    model = blocks(4, 16)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(batch, 8, 16), torch.randn(batch, 8, 4)
+    devices = strict_devices()
+    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices, config=fxpipe.RunConfig(
+        stage_backend="cudagraphs", num_microbatch=num_microbatch))
+    return model, ref, x, y, devices, pipe
+
+
+def checked_step(pipe, model, ref, devices, x, y, ref_loss, num_microbatch: int, *,
+                 replaying: bool) -> None:
+    """One fused step on strict cuda-sim ``devices``: the loss and every gradient equal
+    ``ref``'s (stepped once, ``ref_loss``) within the inductor tolerance, and each device's
+    reserved peak is within the prediction, which counts the slots, the graphs' own
+    buffers and their pool: within 25% at a ``replaying`` step; a capturing step
+    reserves less (a stage computed before a later graph's capture does not hold its
+    pool)."""
+    model.zero_grad()
+    for d in devices:
+        d.reset_peak()
+    loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
+    pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=num_microbatch,
+                                      loss_fn=mse, label=y)
+    for d, p in zip(devices, pred.devices):
+        reserved = d.peak_reserved_bytes()
+        assert reserved <= p.total <= (1.25 if replaying else 2) * reserved, \
+            (replaying, p.total, reserved)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+
+
 def test_a_step_and_inference_under_cudagraphs_equal_eager_on_strict_cuda_sim():
     """Two fused steps and two inference calls on two strict cuda-sim devices: the
     forward and backward stages' jobs are captured at the first call (one graph per
-    stage, device, slot and input shapes) and replayed after; loss, every gradient and the output equal
-    eager's within the inductor tolerance; ``predict_memory`` holds for the peaks; the
-    slots and graphs stay on the devices until ``close()``."""
-    model = blocks(4, 16)
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
-    devices = strict_devices()
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
-                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=2))
+    stage, device, parameter slot, input slot and input shapes) and replayed after;
+    loss, every gradient and the output equal eager's within the inductor tolerance;
+    ``predict_memory`` holds for the peaks; the slots and graphs stay on the devices
+    until ``close()``."""
+    model, ref, x, y, devices, pipe = graphed_blocks(num_microbatch=2, batch=4)
     ref_loss = mse(ref(x), y)
     ref_loss.backward()
     for step in range(2):
-        model.zero_grad()
-        for d in devices:
-            d.reset_peak()
-        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
-        # the slots, the graphs' own buffers and their pool are in the prediction: what
-        # the devices reserve at a replaying step, within 25%; a capturing step reserves
-        # less (a stage computed before a later graph's capture does not hold its pool)
-        pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=2,
-                                          loss_fn=mse, label=y)
-        for d, p in zip(devices, pred.devices):
-            reserved = d.peak_reserved_bytes()
-            assert reserved <= p.total <= (1.25 * reserved if step else 2 * reserved), \
-                (step, p.total, reserved)
-        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
+        checked_step(pipe, model, ref, devices, x, y, ref_loss, 2, replaying=step > 0)
         jobs = graph_jobs(pipe.program("fused"))
         captures, replays, fallbacks = graph_counts(pipe)
         assert captures + replays == len(jobs) > 0 and fallbacks == 0
@@ -106,12 +122,7 @@ def test_replays_read_their_inputs_where_the_upload_put_them():
     the slots (reserved <= predicted <= 1.25 x reserved at the replaying step); they
     stay on the devices between calls and ``close()`` frees them."""
     from fxpipe.passes.program import GraphUpload
-    model = blocks(4, 16)
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 4)
-    devices = strict_devices()
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
-                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=4))
+    model, ref, x, y, devices, pipe = graphed_blocks(num_microbatch=4, batch=8)
     program = pipe.program("fused")
     deps = program.dependencies()
     jobs = {(a.stage, a.mb): (d, i) for d, acts in enumerate(program.actions)
@@ -126,19 +137,7 @@ def test_replays_read_their_inputs_where_the_upload_put_them():
     ref_loss = mse(ref(x), y)
     ref_loss.backward()
     for step in range(2):
-        model.zero_grad()
-        for d in devices:
-            d.reset_peak()
-        loss = pipe.forward_backward((x,), label=y, loss_fn=mse)
-        torch.testing.assert_close(loss, ref_loss.detach(), atol=ATOL, rtol=RTOL)
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=RTOL, msg=name)
-        pred = fxpipe.plan.predict_memory(pipe, run_type="fused", num_microbatch=4,
-                                          loss_fn=mse, label=y)
-        for d, p in zip(devices, pred.devices):
-            reserved = d.peak_reserved_bytes()
-            assert reserved <= p.total <= (1.25 * reserved if step else 2 * reserved), \
-                (step, p.total, reserved)
+        checked_step(pipe, model, ref, devices, x, y, ref_loss, 4, replaying=step > 0)
     # one graph per job and input slot (each read by two microbatches), each reading
     # its slot itself: a static input is an input slot exactly where the key says so
     graphs = pipe._graphs
@@ -163,12 +162,7 @@ def test_a_failed_call_leaves_the_input_slots_to_the_next(monkeypatch):
     by the cleanup too would be a double free here, and a replay over freed memory on
     strict cuda-sim)."""
     from fxpipe.runtime.issue import executor
-    model = blocks(4, 16)
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(8, 8, 16), torch.randn(8, 8, 4)
-    devices = strict_devices()
-    pipe = fxpipe.compile(model, example_inputs=(x,), devices=devices,
-                          config=fxpipe.RunConfig(stage_backend="cudagraphs", num_microbatch=4))
+    model, ref, x, y, devices, pipe = graphed_blocks(num_microbatch=4, batch=8)
     pipe.forward_backward((x,), label=y, loss_fn=mse)   # captures
     act = executor.Execution._act
 
