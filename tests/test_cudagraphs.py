@@ -358,6 +358,15 @@ step d0   d1   host
 # its job runs the compiled code, not a device graph: the loss_fn between its forward and backward is the caller's Python
 # its recompute and backward are one device graph (GraphRecomputeBackward): captured once per device, parameter slot, input slot and input shapes, then replayed""")
     assert fxpipe.passes.program.parse_action("0F1g") == fxpipe.passes.program.GraphForward(0, 1)
+    listing = str(pipe)
+    for i, d in enumerate(pipe.devices):   # (virtual devices are numbered per process)
+        listing = listing.replace(repr(d.name), f"'device {i}'")
+    uploads = [line.split("#")[0].strip() for line in listing.splitlines() if "upload(" in line]
+    assert_expected_inline("\n".join(uploads), """\
+input_1_0_d0 = upload(input_1_0, 'device 0', slot=0)
+add_0_d1 = upload(add_0, 'device 1', slot=0)
+input_1_1_d0 = upload(input_1_1, 'device 0', slot=1)
+add_1_d1 = upload(add_1, 'device 1', slot=1)""")
     pipe.close()
 
 

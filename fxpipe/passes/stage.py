@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from fxpipe.passes.program import (
-    HOST, Commit, DeviceAllGather, Forward, Free, Offload, Prefetch, Program, Refresh, Release,
-    Upload,
+    HOST, Commit, DeviceAllGather, Forward, Free, GraphUpload, Offload, Prefetch, Program,
+    Refresh, Release, Upload,
 )
 
 
@@ -107,10 +107,11 @@ class Executable:
                 code = f"params_{s} = prefetch(self.stage_{s}, {where!r})"
             elif isinstance(a, DeviceAllGather):   # zero3: the other ranks' parts, in place
                 code = f"all_gather(params_{s})"
-            elif isinstance(a, Upload):
+            elif isinstance(a, Upload):   # a GraphUpload into its graph's input slot
                 vals = flow.upload.get((s, m), ())
+                slot = f", slot={m % 2}" if isinstance(a, GraphUpload) else ""
                 code = (f"{', '.join(name(v, m, lane) for v in vals)} = "
-                        f"upload({', '.join(name(v, m) for v in vals)}, {where!r})")
+                        f"upload({', '.join(name(v, m) for v in vals)}, {where!r}{slot})")
             elif isinstance(a, Forward):
                 ins = [name(v, m, lane) for v in flow.upload.get((s, m), ())]
                 ins += [name(v, m, lane) for v, _ in flow.handoff.get((s, m), ())]

@@ -34,8 +34,9 @@ GPU measured eight threads' cost since (``gpu_check.json``'s ``many_devices``, t
 issuing as the H200 run's host would if its costs had fallen as this CPU's did. The
 inputs are minima of noisy timings: the action ratio read 0.265 in one record and 0.381
 in the next with code no slower (2026-11-30); fxpipe's issue over eager PyTorch's
-dispatch read 1.116 on 2026-11-30 and 0.990 on 2026-12-01, the eager path unchanged. ``tests/test_sim_host.py`` checks these are
-what ``benchmarks/results/bench_host_model.json``'s inputs give."""
+dispatch read 1.116 on 2026-11-30 and 0.990 on 2026-12-01, the eager path unchanged.
+``tests/test_sim_host.py`` checks these are what
+``benchmarks/results/bench_host_model.json``'s inputs give."""
 
 
 _RING = {"all_reduce": (lambda N: 2 * (N - 1) / N, lambda N: 2 * (N - 1)),

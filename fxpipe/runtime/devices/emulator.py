@@ -322,7 +322,7 @@ class VirtualDevice(Device):
     def copy_into(self, host_tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Into existing device memory; with ``semantics="cuda"`` it lands when the
         stream reaches it (NaN until then), as :meth:`to_device`'s copies do."""
-        self._device_op("copy_into", "an upload into a parameter slot")
+        self._device_op("copy_into", "an upload into a parameter or input slot")
         source = host_tensor.detach()
         self._host_stall(source)
         return self._copy_into(source, out)
