@@ -49,9 +49,9 @@ GRAPHED_PLAN = fxpipe.ExecutePlan([range(0, 2)], [range(2, 5), range(0, 2)])
 """The plan compile makes for :func:`graphed_blocks` on an idle machine, fixed: the
 planner times the layers, so under load it may cut another, and the reserved bytes'
 margin under the prediction is the plan's (the emulated allocator's cached blocks follow
-the streams' timing: in 3 of 45 plans of these blocks a device reserved up to 896 B,
-1.1%, over its prediction, before #55's input slots as after; CI's loaded planner once
-picked one)."""
+the streams' timing: in 2 of 45 plans of these blocks a device reserves up to 896 B,
+1.1%, over its prediction, in 3 before #55's input slots; CI's loaded planner once
+picked such a plan)."""
 
 
 def graphed_blocks(num_microbatch: int, batch: int) -> tuple:
