@@ -156,11 +156,9 @@ class _StageCosts:
             raise ValueError(f"the program's stages cover {n} layers, costs has {len(costs)}")
         self.costs = costs
         self.program = program
-        self.has_graphs = self.graph_actions(program)
         # the graph jobs whose inputs a GraphUpload put in their input slots (none copied)
-        self.in_place = {(a.stage, a.mb) for acts in (
-            program if self.has_graphs else graph_program(program)).actions
-            for a in acts if isinstance(a, GraphUpload)}
+        self.in_place = {(a.stage, a.mb) for acts in program.actions for a in acts
+                         if isinstance(a, GraphUpload)}
         boundary = lambda i: input_bytes if i < 0 else costs[i].boundary_bytes  # noqa: E731
         self.fwd, self.pre, self.bwd, self.params, self.grads = [], [], [], [], []
         self.device_grads = []   # a backward stage's gradients on a device (param_dtype)
@@ -187,11 +185,6 @@ class _StageCosts:
             else:
                 self.out.append(boundary(st.layers.start - 1))
 
-    @staticmethod
-    def graph_actions(program: Program) -> bool:
-        return any(isinstance(a, (GraphForward, GraphRecomputeBackward))
-                   for acts in program.actions for a in acts)
-
     def parts(self, a) -> tuple[float, float]:
         """(first part, backward part) of a compute action, in ms: the forward (also a
         ``Checkpoint``'s), or the recompute / tail forward before the backward."""
@@ -213,18 +206,11 @@ class _StageCosts:
             n, grad = _kernels(c, "fwd_kernels") + _kernels(c, "bwd_kernels"), True
         else:
             n, grad = self.fwd_kernels[a.stage] + self.bwd_kernels[a.stage], True
-        if backend == "cudagraphs" and self.graphed(a):
+        if backend == "cudagraphs" and isinstance(a, (GraphForward, GraphRecomputeBackward)):
             in_place = len(self.program.flow.upload.get((a.stage, a.mb), ())) \
                 if (a.stage, a.mb) in self.in_place else 0
             return float(graph_job_kernels(self.program.stages[a.stage], a, in_place)), False
         return (n * INDUCTOR_KERNELS if backend in ("inductor", "cudagraphs") else float(n)), grad
-
-    def graphed(self, a) -> bool:
-        """Whether compute action ``a`` replays a device graph under ``"cudagraphs"``."""
-        if self.has_graphs:
-            return isinstance(a, (GraphForward, GraphRecomputeBackward))
-        return type(a) is Forward or (type(a) is RecomputeBackward and a.layer is None)
-
 
 def action_kernels(program: Program, costs: Sequence[LayerCost],
                    stage_backend: StageBackend | None = None) -> dict[tuple[int, int], tuple[float, bool]]:
@@ -236,9 +222,22 @@ def action_kernels(program: Program, costs: Sequence[LayerCost],
     >>> sorted(action_kernels(p, [LayerCost(1.0, 2.0, fwd_kernels=3, bwd_kernels=5)] * 2).values())
     [(3.0, False), (8.0, True), (8.0, True)]
     """
+    program = as_run(program, stage_backend)   # (the same actions at the same steps)
     sc = _StageCosts(program, costs, 0)
     return {(d, i): sc.kernels(a, stage_backend) for d, acts in program.lanes() if d >= 0
             for i, a in enumerate(acts) if isinstance(a, Compute)}
+
+
+def as_run(program: Program, stage_backend: StageBackend | None) -> Program:
+    """``program`` as a call under ``stage_backend`` runs it: under ``"cudagraphs"``, one
+    without graph actions as ``passes.dependencies.graph_program`` makes it (every
+    ``Forward`` and stage ``RecomputeBackward`` a graph job, their uploads into input
+    slots, with their waits: MODELLED); otherwise as it is."""
+    if stage_backend != "cudagraphs" or any(
+            isinstance(a, (GraphForward, GraphRecomputeBackward))
+            for acts in program.actions for a in acts):
+        return program
+    return graph_program(program)
 
 
 def graph_job_kernels(stage, a, in_place: int = 0) -> int:
@@ -372,8 +371,7 @@ def _simulate(program, costs, hardware, semantics, tokens_per_step, input_bytes,
                 if isinstance(a, ReduceScatter) or (native and isinstance(a, OptimizerStep))}
     R = hardware.ranks
     program = host_program(program, hardware.collectives)
-    if stage_backend == "cudagraphs" and not _StageCosts.graph_actions(program):
-        program = graph_program(program)   # modelled: as the runtime would run it
+    program = as_run(program, stage_backend)
     sc = _StageCosts(program, costs, input_bytes)
     deps = program.dependencies()
     nodes = [(d, i, a) for d, acts in program.lanes() for i, a in enumerate(acts)]
