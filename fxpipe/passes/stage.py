@@ -88,6 +88,7 @@ class Executable:
             return base if d is None else f"{base}_d{d}"
 
         lines, shown = [f"def forward(self, {', '.join(inputs)}):"], set()
+        slotted: set[tuple[int, int, int]] = set()   # (lane, stage, microbatch): GraphUpload
         if M > 1:
             parts = ", ".join(name(v, m) for v in p.inputs for m in range(M))
             lines.append(f"    {parts} = split({', '.join(p.inputs)}, {M})".ljust(60)
@@ -110,6 +111,8 @@ class Executable:
             elif isinstance(a, Upload):   # a GraphUpload into its graph's input slot
                 vals = flow.upload.get((s, m), ())
                 slot = f", slot={m % 2}" if isinstance(a, GraphUpload) else ""
+                if slot:
+                    slotted.add((lane, s, m))
                 code = (f"{', '.join(name(v, m, lane) for v in vals)} = "
                         f"upload({', '.join(name(v, m) for v in vals)}, {where!r}{slot})")
             elif isinstance(a, Forward):
@@ -121,8 +124,9 @@ class Executable:
                 vals = flow.offload.get((s, m), ())
                 code = (f"{', '.join(name(v, m) for v in vals)} = "
                         f"offload({', '.join(name(v, m, lane) for v in vals)})")
-            elif isinstance(a, Free):
-                vals = list(flow.upload.get((s, m), ())) + list(flow.free.get((s, m), ()))
+            elif isinstance(a, Free):   # (what a GraphUpload put in an input slot stays)
+                vals = [] if (lane, s, m) in slotted else list(flow.upload.get((s, m), ()))
+                vals += flow.free.get((s, m), ())
                 code = f"free({', '.join(name(v, m, lane) for v in vals)})"
             elif isinstance(a, Release):
                 code = f"release(params_{s})"
