@@ -11,8 +11,9 @@ share of each batch, on its own devices (here two virtual CPU devices per rank; 
 leave ``devices`` out and each rank uses the GPUs it sees, e.g. one node's). Each
 backward stage's gradients are all-reduced (``AR`` in the printed Program's host lane;
 on GPUs ``AR`` in each device's lane, NCCL) while the shallower stages still
-back-propagate, and the streamed optimizer steps each stage after its all-reduce. Every ``--accum`` steps the first microsteps run under
-``pipe.no_sync()`` (no all-reduce); the last one averages the accumulated ``.grad``.
+back-propagate, and the streamed optimizer steps each stage after its all-reduce. Every
+``--accum`` steps the first microsteps run under ``pipe.no_sync()`` (no all-reduce); the
+last one averages the accumulated ``.grad``.
 
 Options: ``--data-parallel device`` (each stage's gradients reduce-scattered on its
 devices, ``RS`` in their lanes, NCCL on GPUs; each rank downloads and steps 1/N and

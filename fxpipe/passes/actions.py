@@ -330,8 +330,7 @@ class DeviceAllReduce:
     (``data_parallel="device"``, or ``True`` on GPUs): the stage's accumulated parameter
     gradients on this device averaged across ranks in place, with the same device of
     every other rank, on the device's ``collective`` stream; its ``DownloadGrads`` then
-    brings them whole
-    (``3AR``). ``accumulated`` (``3AR+``): the host's ``.grad`` of the parameters the
+    brings them whole (``3AR``). ``accumulated`` (``3AR+``): the host's ``.grad`` of the parameters the
     stage owns is uploaded and added first, and the average replaces it."""
     stage: int
     accumulated: bool = False
